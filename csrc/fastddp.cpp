@@ -1,0 +1,39 @@
+// Every fastddp op schema, declared once. Backends register implementations with
+// TORCH_LIBRARY_IMPL in csrc/cpu and csrc/cuda. Importing fastddp._C only runs these
+// registrations; the Python wrappers live in fastddp/ops.py.
+#include <Python.h>
+#include <torch/library.h>
+
+#ifndef FASTDDP_TORCH_VERSION
+#define FASTDDP_TORCH_VERSION "unknown"
+#endif
+#ifndef FASTDDP_WITH_CUDA
+#define FASTDDP_WITH_CUDA 0
+#endif
+
+TORCH_LIBRARY(fastddp, m) {
+  // Scale an fp32 bucket and round it to fp16/bf16 into `dst` in one pass. When given,
+  // `found_nonfinite` (int32, one element) is set to 1 if any written value is inf/NaN, else 0.
+  m.def(
+      "compress(Tensor src, Tensor(a!) dst, float scale, Tensor(b!)? found_nonfinite=None) -> ()");
+  // Widen a fp16/bf16 buffer into the fp32 bucket `dst`, times `scale`, in one pass.
+  m.def("decompress(Tensor src, Tensor(a!) dst, float scale) -> ()");
+}
+
+extern "C" {
+// An empty module whose import loads this library (and so the registrations above), plus
+// what it was built against so that fastddp/_extension.py can refuse a stale build.
+PyMODINIT_FUNC PyInit__C(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  PyObject* m = PyModule_Create(&module);
+  if (m == nullptr) {
+    return nullptr;
+  }
+  if (PyModule_AddStringConstant(m, "torch_version", FASTDDP_TORCH_VERSION) < 0 ||
+      PyModule_AddIntConstant(m, "with_cuda", FASTDDP_WITH_CUDA) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}
+}

@@ -1,0 +1,53 @@
+"""Build fastddp and its compiled extension ``fastddp._C``.
+
+CPU sources are always built. CUDA sources are added when the installed torch was built with
+CUDA and nvcc is found, or when ``FORCE_CUDA=1`` (``TORCH_CUDA_ARCH_LIST`` picks the GPUs).
+Install with ``pip install --no-build-isolation .`` so that the extension is built against the
+torch already installed, not a fresh copy pulled into an isolated build environment.
+"""
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from setuptools import setup
+from torch.utils import cpp_extension
+
+ROOT = Path(__file__).resolve().parent
+CSRC = ROOT / "csrc"
+
+
+def _want_cuda() -> bool:
+    forced = os.environ.get("FORCE_CUDA", "0") == "1"
+    have_nvcc = cpp_extension.CUDA_HOME is not None or shutil.which("nvcc") is not None
+    return forced or (torch.version.cuda is not None and have_nvcc)
+
+
+def _extension():
+    with_cuda = _want_cuda()
+    sources = [CSRC / "fastddp.cpp", *sorted((CSRC / "cpu").glob("*.cpp"))]
+    if with_cuda:
+        sources += sorted((CSRC / "cuda").glob("*.cu"))
+    macros = [
+        ("FASTDDP_TORCH_VERSION", f'"{torch.__version__}"'),
+        ("FASTDDP_WITH_CUDA", "1" if with_cuda else "0"),
+    ]
+    cxx = ["-O3", "-std=c++17", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+    kwargs = dict(
+        name="fastddp._C",
+        # setuptools wants sources relative to setup.py; include dirs stay absolute.
+        sources=[str(s.relative_to(ROOT)) for s in sources],
+        include_dirs=[str(CSRC / "include")],
+        define_macros=macros,
+    )
+    if with_cuda:
+        nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+        return cpp_extension.CUDAExtension(**kwargs, extra_compile_args={"cxx": cxx, "nvcc": nvcc})
+    return cpp_extension.CppExtension(**kwargs, extra_compile_args={"cxx": cxx})
+
+
+setup(
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+)
