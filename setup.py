@@ -33,13 +33,15 @@ def _extension():
         ("FASTDDP_TORCH_VERSION", f'"{torch.__version__}"'),
         ("FASTDDP_WITH_CUDA", "1" if with_cuda else "0"),
     ]
-    cxx = ["-O3", "-std=c++17", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+    # -fopenmp: at::parallel_for is an inline OpenMP region; without it the loops run serially.
+    cxx = ["-O3", "-std=c++17", "-fopenmp", "-Wall", "-Wextra", "-Wno-unused-parameter"]
     kwargs = dict(
         name="fastddp._C",
         # setuptools wants sources relative to setup.py; include dirs stay absolute.
         sources=[str(s.relative_to(ROOT)) for s in sources],
         include_dirs=[str(CSRC / "include")],
         define_macros=macros,
+        extra_link_args=["-fopenmp"],
     )
     if with_cuda:
         nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]

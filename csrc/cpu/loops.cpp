@@ -3,7 +3,13 @@
 // c10::BFloat16 conversions (round to nearest even; NaN becomes the canonical quiet NaN).
 #include "loops.h"
 
+#include <cstdlib>
 #include <cstring>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define FASTDDP_HAVE_AVX2_PATH 1
+#endif
 
 // One clone per ISA, picked at load time: a portable binary that still uses AVX-512 or AVX2.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
@@ -29,12 +35,22 @@ FASTDDP_INLINE float float_of(uint32_t u) {
   return f;
 }
 
+// All-ones when `c` holds. Selects written as masks keep the loops free of branches that the
+// vectoriser cannot if-convert (it will not speculate the float additions below).
+FASTDDP_INLINE uint32_t mask(bool c) {
+  return 0u - static_cast<uint32_t>(c);
+}
+
+FASTDDP_INLINE uint32_t select(bool c, uint32_t a, uint32_t b) {
+  return (a & mask(c)) | (b & ~mask(c));
+}
+
 FASTDDP_INLINE uint16_t float_to_bf16(float f) {
   const uint32_t u = bits_of(f);
   // Adding 0x7fff plus the lowest kept bit rounds half-way cases to even.
   const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
   const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
-  return static_cast<uint16_t>(nan ? 0x7fc0u : rounded);
+  return static_cast<uint16_t>(select(nan, 0x7fc0u, rounded));
 }
 
 FASTDDP_INLINE uint16_t float_to_fp16(float f) {
@@ -47,9 +63,9 @@ FASTDDP_INLINE uint16_t float_to_fp16(float f) {
   // Below 2^-14 the result is subnormal: adding 0.5f lines the mantissa up with fp16's
   // 2^-24 spacing and lets the FPU round to even for us.
   const uint32_t subnormal = bits_of(float_of(a) + 0.5f) - 0x3f000000u;
-  uint32_t r = a < 0x38800000u ? subnormal : normal;
-  const uint32_t special = a > 0x7f800000u ? 0x7e00u : 0x7c00u;
-  r = a >= 0x47800000u ? special : r;
+  uint32_t r = select(a < 0x38800000u, subnormal, normal);
+  const uint32_t special = select(a > 0x7f800000u, 0x7e00u, 0x7c00u);
+  r = select(a >= 0x47800000u, special, r);
   return static_cast<uint16_t>(r | sign);
 }
 
@@ -62,16 +78,19 @@ FASTDDP_INLINE float fp16_to_float(uint16_t h) {
   const uint32_t em = h & 0x7fffu;
   // Rebias 15 -> 127; inf and NaN need the exponent moved to 255 as well.
   uint32_t normal = (em << 13) + 0x38000000u;
-  normal = em >= 0x7c00u ? normal + 0x38000000u : normal;
+  normal += 0x38000000u & mask(em >= 0x7c00u);
   // Zero and subnormals are exactly em * 2^-24.
   const uint32_t subnormal = bits_of(static_cast<float>(static_cast<int32_t>(em)) * 0x1p-24f);
-  return float_of((em < 0x400u ? subnormal : normal) | sign);
+  return float_of(select(em < 0x400u, subnormal, normal) | sign);
 }
 
 }  // namespace
 
+namespace {
+
 FASTDDP_CLONES
-bool compress_bf16(const float* __restrict src, uint16_t* __restrict dst, int64_t n, float scale) {
+bool compress_bf16_generic(
+    const float* __restrict src, uint16_t* __restrict dst, int64_t n, float scale) {
   uint32_t bad = 0;
   for (int64_t i = 0; i < n; ++i) {
     const uint16_t w = float_to_bf16(src[i] * scale);
@@ -81,8 +100,20 @@ bool compress_bf16(const float* __restrict src, uint16_t* __restrict dst, int64_
   return bad != 0;
 }
 
+}  // namespace
+
 FASTDDP_CLONES
-bool compress_fp16(const float* __restrict src, uint16_t* __restrict dst, int64_t n, float scale) {
+void decompress_bf16(const uint16_t* __restrict src, float* __restrict dst, int64_t n, float scale) {
+  for (int64_t i = 0; i < n; ++i) {
+    dst[i] = bf16_to_float(src[i]) * scale;
+  }
+}
+
+namespace {
+
+FASTDDP_CLONES
+bool compress_fp16_generic(
+    const float* __restrict src, uint16_t* __restrict dst, int64_t n, float scale) {
   uint32_t bad = 0;
   for (int64_t i = 0; i < n; ++i) {
     const uint16_t w = float_to_fp16(src[i] * scale);
@@ -93,17 +124,113 @@ bool compress_fp16(const float* __restrict src, uint16_t* __restrict dst, int64_
 }
 
 FASTDDP_CLONES
-void decompress_bf16(const uint16_t* __restrict src, float* __restrict dst, int64_t n, float scale) {
-  for (int64_t i = 0; i < n; ++i) {
-    dst[i] = bf16_to_float(src[i]) * scale;
-  }
-}
-
-FASTDDP_CLONES
-void decompress_fp16(const uint16_t* __restrict src, float* __restrict dst, int64_t n, float scale) {
+void decompress_fp16_generic(
+    const uint16_t* __restrict src, float* __restrict dst, int64_t n, float scale) {
   for (int64_t i = 0; i < n; ++i) {
     dst[i] = fp16_to_float(src[i]) * scale;
   }
+}
+
+#ifdef FASTDDP_HAVE_AVX2_PATH
+// x86 has had fp32<->fp16 conversion instructions (F16C, round to nearest even) since 2012;
+// they beat the integer emulation by about 3x. Only NaN payloads may differ from c10::Half.
+__attribute__((target("avx2,f16c"))) bool compress_fp16_f16c(
+    const float* __restrict src, uint16_t* __restrict dst, int64_t n, float scale) {
+  const __m256 s = _mm256_set1_ps(scale);
+  const __m128i exp_mask = _mm_set1_epi16(0x7c00);
+  __m128i bad = _mm_setzero_si128();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(src + i), s);
+    const __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
+    // Exponent all ones: inf or NaN.
+    bad = _mm_or_si128(bad, _mm_cmpeq_epi16(_mm_and_si128(h, exp_mask), exp_mask));
+  }
+  const bool tail_bad = compress_fp16_generic(src + i, dst + i, n - i, scale);
+  return tail_bad || !_mm_testz_si128(bad, bad);
+}
+
+__attribute__((target("avx2,f16c"))) void decompress_fp16_f16c(
+    const uint16_t* __restrict src, float* __restrict dst, int64_t n, float scale) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(h), s));
+  }
+  decompress_fp16_generic(src + i, dst + i, n - i, scale);
+}
+
+bool use_avx2_f16c() {
+  // FASTDDP_DISABLE_SIMD=1 forces the portable loops (the tests check both paths).
+  const char* off = std::getenv("FASTDDP_DISABLE_SIMD");
+  const bool disabled = off != nullptr && off[0] != '\0' && off[0] != '0';
+  return !disabled && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+}
+
+const bool kHaveAvx2F16C = use_avx2_f16c();
+
+// The same rounding as float_to_bf16, 16 values per step; the auto-vectorised loop loses time
+// narrowing 32-bit lanes to 16 bits one register at a time.
+__attribute__((target("avx2"))) inline __m256i bf16_bits_avx2(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i nan = _mm256_cmpgt_epi32(
+      _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+}
+
+__attribute__((target("avx2"))) bool compress_bf16_avx2(
+    const float* __restrict src, uint16_t* __restrict dst, int64_t n, float scale) {
+  const __m256 s = _mm256_set1_ps(scale);
+  const __m256i exp_mask = _mm256_set1_epi16(0x7f80);
+  __m256i bad = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i lo = bf16_bits_avx2(_mm256_mul_ps(_mm256_loadu_ps(src + i), s));
+    const __m256i hi = bf16_bits_avx2(_mm256_mul_ps(_mm256_loadu_ps(src + i + 8), s));
+    // packus works within 128-bit lanes; the permute puts the 16 results back in order.
+    const __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xd8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), h);
+    bad = _mm256_or_si256(bad, _mm256_cmpeq_epi16(_mm256_and_si256(h, exp_mask), exp_mask));
+  }
+  const bool tail_bad = compress_bf16_generic(src + i, dst + i, n - i, scale);
+  return tail_bad || !_mm256_testz_si256(bad, bad);
+}
+#else
+constexpr bool kHaveAvx2F16C = false;
+#endif
+
+}  // namespace
+
+bool compress_bf16(const float* src, uint16_t* dst, int64_t n, float scale) {
+#ifdef FASTDDP_HAVE_AVX2_PATH
+  if (kHaveAvx2F16C) {
+    return compress_bf16_avx2(src, dst, n, scale);
+  }
+#endif
+  return compress_bf16_generic(src, dst, n, scale);
+}
+
+bool compress_fp16(const float* src, uint16_t* dst, int64_t n, float scale) {
+#ifdef FASTDDP_HAVE_AVX2_PATH
+  if (kHaveAvx2F16C) {
+    return compress_fp16_f16c(src, dst, n, scale);
+  }
+#endif
+  return compress_fp16_generic(src, dst, n, scale);
+}
+
+void decompress_fp16(const uint16_t* src, float* dst, int64_t n, float scale) {
+#ifdef FASTDDP_HAVE_AVX2_PATH
+  if (kHaveAvx2F16C) {
+    return decompress_fp16_f16c(src, dst, n, scale);
+  }
+#endif
+  decompress_fp16_generic(src, dst, n, scale);
 }
 
 }  // namespace fastddp::cpu
