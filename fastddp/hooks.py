@@ -135,7 +135,7 @@ class CompressState:
             slot = self._slots[int(index)] = _Slot()
             slot.calls = int(saved["calls"])
             slot.payload_bytes = int(saved["payload_bytes"])
-            slot.nonfinite = torch.tensor(int(saved["nonfinite_events"]), dtype=torch.int64)
+            slot.nonfinite = torch.tensor([int(saved["nonfinite_events"])], dtype=torch.int64)
 
     def _slot_for(self, index: int, bucket: torch.Tensor) -> _Slot:
         slot = self._slots.get(index)
@@ -154,7 +154,7 @@ class CompressState:
             slot.wire = torch.empty(bucket.numel(), dtype=self.dtype, device=bucket.device)
             slot.flag = torch.zeros(1, dtype=torch.int32, device=bucket.device)
             old = 0 if slot.nonfinite is None else int(slot.nonfinite.item())
-            slot.nonfinite = torch.tensor(old, dtype=torch.int64, device=bucket.device)
+            slot.nonfinite = torch.tensor([old], dtype=torch.int64, device=bucket.device)
             self._counters["allocations"] += 1
         return slot
 
