@@ -24,7 +24,8 @@ extern "C" {
 // An empty module whose import loads this library (and so the registrations above), plus
 // what it was built against so that fastddp/_extension.py can refuse a stale build.
 PyMODINIT_FUNC PyInit__C(void) {
-  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static PyModuleDef module = {
+      PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr, nullptr, nullptr, nullptr, nullptr};
   PyObject* m = PyModule_Create(&module);
   if (m == nullptr) {
     return nullptr;
