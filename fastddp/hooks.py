@@ -119,7 +119,11 @@ class CompressState:
     def state_dict(self) -> dict[str, Any]:
         """Return the counters, so that statistics survive a restart."""
         stats = self.stats()
-        return {"dtype": stats["dtype"], "counters": dict(self._counters), "buckets": stats["buckets"]}
+        return {
+            "dtype": stats["dtype"],
+            "counters": dict(self._counters),
+            "buckets": stats["buckets"],
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore counters saved by :meth:`state_dict` (the dtype must match)."""
@@ -251,7 +255,7 @@ def compress_hook(
     elif not isinstance(state, CompressState):
         raise TypeError(
             "fastddp.compress_hook: state must be a fastddp.CompressState or None, got "
-            f"{type(state).__name__}; register it with model.register_comm_hook(CompressState(...), "
-            "fastddp.compress_hook)"
+            f"{type(state).__name__}; register it with "
+            "model.register_comm_hook(CompressState(...), fastddp.compress_hook)"
         )
     return _reduce(state, bucket.buffer(), bucket.index())

@@ -21,7 +21,11 @@ IN, HIDDEN, OUT = 36, 53, 5
 def _model(dtype=torch.float32):
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(IN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, OUT)
+        nn.Linear(IN, HIDDEN),
+        nn.GELU(),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.GELU(),
+        nn.Linear(HIDDEN, OUT),
     ).to(dtype)
 
 

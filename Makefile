@@ -1,0 +1,54 @@
+# Two commands for a fresh machine (see README.md):
+#   make demo   set up .venv, build, and run the compressed-vs-plain DDP demo on 2 local ranks
+#   make test   set up .venv, build (also the nvcc compile of the CUDA sources), run the tests
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: setup build demo test cuda-check bench lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# Dependencies once per venv. torch is pinned and installed first: the extension must be built
+# against exactly this torch, with --no-build-isolation.
+$(VENV)/.deps: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q numpy ninja pybind11 setuptools wheel "cmake>=3.28" \
+		pytest pytest-timeout pytest-benchmark ruff rich
+	touch $@
+
+setup: $(VENV)/.deps
+
+build: setup
+	$(BIN)/pip install -q --no-build-isolation --no-deps -e .
+
+demo: build
+	$(BIN)/python -m fastddp.demo
+
+# Compile and link the CUDA sources with nvcc for sm_80/sm_90 (no GPU needed), then check that
+# the library holds device code for both and leaves nothing of fastddp's own unresolved.
+cuda-check: setup
+	$(BIN)/cmake -S . -B build-cmake -G Ninja -DPython_EXECUTABLE=$(abspath $(BIN))/python \
+		-DCMAKE_MAKE_PROGRAM=$(abspath $(BIN))/ninja
+	$(BIN)/cmake --build build-cmake
+	cuobjdump --list-elf build-cmake/_C.so | grep -q sm_80
+	cuobjdump --list-elf build-cmake/_C.so | grep -q sm_90
+	! nm -uC build-cmake/_C.so | grep -q 'fastddp::'
+
+test: build cuda-check
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: build
+	$(BIN)/python -m pytest benchmarks --benchmark-enable --benchmark-only \
+		--benchmark-columns=min,median,mean,rounds
+
+lint: setup
+	$(BIN)/ruff check fastddp tests benchmarks
+	$(BIN)/ruff format --check fastddp tests benchmarks
+
+clean:
+	rm -rf build build-cmake fastddp/_C*.so *.egg-info

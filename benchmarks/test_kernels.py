@@ -1,0 +1,104 @@
+"""Per-bucket CPU work of fastddp against PyTorch's equivalents and a plain copy.
+
+``make bench`` times them (pytest-benchmark); the plain test run executes each once, checking
+the results, so the suite cannot rot. ``python benchmarks/ratios.py out.json`` turns a
+``--benchmark-json`` file into the ratios recorded in RESULTS.md.
+"""
+
+import pytest
+import torch
+
+from fastddp import ops
+
+WORLD = 2  # the division by world size that each hook folds in
+
+
+def _bucket(nbytes):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(nbytes // 4, generator=g)
+
+
+def _group(benchmark, label, what, moved):
+    benchmark.group = label
+    benchmark.extra_info["bytes_moved"] = moved
+    benchmark.name = what
+
+
+def test_copy(benchmark, bucket_bytes):
+    label, nbytes = bucket_bytes
+    src = _bucket(nbytes)
+    dst = torch.empty_like(src)
+    _group(benchmark, label, "copy fp32", 2 * nbytes)
+    benchmark(dst.copy_, src)
+    assert torch.equal(dst, src)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fastddp_compress(benchmark, bucket_bytes, dtype):
+    label, nbytes = bucket_bytes
+    src = _bucket(nbytes)
+    wire = torch.empty(src.numel(), dtype=dtype)
+    flag = torch.zeros(1, dtype=torch.int32)
+    _group(benchmark, label, f"fastddp compress {dtype}", nbytes + nbytes // 2)
+    benchmark(ops.compress, src, wire, 1.0 / WORLD, flag)
+    assert torch.equal(wire, (src / WORLD).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_torch_compress(benchmark, bucket_bytes, dtype):
+    # What PyTorch's fp16/bf16 hooks do: cast into a new tensor, then divide in place.
+    label, nbytes = bucket_bytes
+    src = _bucket(nbytes)
+    _group(benchmark, label, f"torch to().div_() {dtype}", nbytes + 3 * (nbytes // 2))
+    out = benchmark(lambda: src.to(dtype).div_(WORLD))
+    torch.testing.assert_close(out.float(), src / WORLD, rtol=2e-2, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fastddp_decompress(benchmark, bucket_bytes, dtype):
+    label, nbytes = bucket_bytes
+    wire = _bucket(nbytes).to(dtype)
+    dst = torch.empty(wire.numel())
+    _group(benchmark, label, f"fastddp decompress {dtype}", nbytes + nbytes // 2)
+    benchmark(ops.decompress, wire, dst, 1.0)
+    assert torch.equal(dst, wire.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_torch_decompress(benchmark, bucket_bytes, dtype):
+    label, nbytes = bucket_bytes
+    wire = _bucket(nbytes).to(dtype)
+    dst = torch.empty(wire.numel())
+    _group(benchmark, label, f"torch copy_() {dtype}", nbytes + nbytes // 2)
+    benchmark(dst.copy_, wire)
+    assert torch.equal(dst, wire.float())
+
+
+def test_fastddp_hook_cpu_work(benchmark, bucket_bytes):
+    # Everything compress_hook does to a bucket on this rank, minus the collective.
+    label, nbytes = bucket_bytes
+    bucket = _bucket(nbytes)
+    wire = torch.empty(bucket.numel(), dtype=torch.float16)
+    flag = torch.zeros(1, dtype=torch.int32)
+    _group(benchmark, label, "fastddp hook fp16 (CPU work)", 2 * (nbytes + nbytes // 2))
+
+    def work():
+        ops.compress(bucket, wire, 1.0 / WORLD, flag)
+        ops.decompress(wire, bucket, float(WORLD))  # x WORLD keeps the input stable
+
+    benchmark(work)
+    assert flag.item() == 0
+
+
+def test_torch_fp16_hook_cpu_work(benchmark, bucket_bytes):
+    # torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook, minus the
+    # collective: to(fp16) into a new tensor, div_, then copy_ back into the bucket.
+    label, nbytes = bucket_bytes
+    bucket = _bucket(nbytes)
+    _group(benchmark, label, "torch fp16_compress_hook (CPU work)", 8 * (nbytes // 4) * 2)
+
+    def work():
+        compressed = bucket.to(torch.float16).div_(WORLD)
+        bucket.copy_(compressed.mul_(WORLD))
+
+    benchmark(work)

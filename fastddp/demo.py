@@ -1,0 +1,206 @@
+"""Train one model with plain DDP and with fastddp's bf16 and fp16 hooks; print a comparison.
+
+Run ``python -m fastddp.demo`` (spawns ``--nproc`` local ranks on Gloo/CPU), or start it under
+a launcher (``torchrun`` / ``python -m fastddp.launch``), which sets ``RANK`` and friends.
+
+A student MLP learns a fixed random teacher MLP from synthetic data. Every mode starts from
+the same weights and sees the same batches, so their losses are directly comparable. Every
+``--probe-every`` steps, the gradient a hook produced is compared with the exact fp32 average
+at the same weights (plain DDP on a copy): the "max grad dev" column.
+"""
+
+import argparse
+import copy
+import os
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fastddp
+
+MODES = {"plain fp32": None, "fastddp bf16": torch.bfloat16, "fastddp fp16": torch.float16}
+
+
+def _mlp(sizes, seed):
+    torch.manual_seed(seed)
+    layers = []
+    for a, b in zip(sizes, sizes[1:]):
+        layers += [nn.Linear(a, b), nn.GELU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def _grads(model):
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def _train(mode, dtype, args, rank, world):
+    sizes = [args.inputs] + [args.width] * args.depth + [args.outputs]
+    teacher = _mlp(sizes, seed=1)
+    model = DDP(_mlp(sizes, seed=2))
+    probe = DDP(copy.deepcopy(model.module))  # plain DDP at the same weights, for deviations
+    state = None
+    if dtype is not None:
+        state = fastddp.CompressState(dtype=dtype)
+        model.register_comm_hook(state, fastddp.compress_hook)
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard, same per mode
+    times, losses, deviation = [], [], 0.0
+    for step in range(args.steps):
+        x = torch.randn(args.batch, args.inputs, generator=gen)
+        with torch.no_grad():
+            y = teacher(x) + 0.01 * torch.randn(args.batch, args.outputs, generator=gen)
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if state is not None and step % args.probe_every == 0:
+            probe_start = time.perf_counter()
+            probe.module.load_state_dict(model.module.state_dict())
+            probe.zero_grad()
+            nn.functional.mse_loss(probe(x), y).backward()
+            exact = _grads(probe)
+            dev = (_grads(model) - exact).abs().max() / exact.abs().max()
+            deviation = max(deviation, dev.item())
+            start += time.perf_counter() - probe_start  # the probe is not part of the step
+        opt.step()
+        times.append(time.perf_counter() - start)
+        losses.append(loss.detach())
+    numel = sum(p.numel() for p in model.parameters())
+    final = torch.stack(losses[-10:]).mean()
+    dist.all_reduce(final)
+    warm = times[min(5, len(times) - 1) :]
+    step_ms = torch.tensor([statistics.median(warm) * 1e3])
+    dist.all_reduce(step_ms, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+    if state is None:
+        payload = numel * 4
+    else:
+        s = state.stats()
+        payload = s["payload_bytes"] // args.steps
+        assert s["nonfinite_events"] == 0, "fp16 overflowed in the demo"
+    return {
+        "mode": mode,
+        "step_ms": step_ms.item(),
+        "payload_mb": payload / 1e6,
+        "wire_mb": payload * 2 * (world - 1) / world / 1e6,
+        "final_loss": final.item() / world,
+        "max_dev": deviation if state is not None else 0.0,
+        "params": numel,
+    }
+
+
+def _print_table(rows, args, world):
+    base = rows[0]["step_ms"]
+    head = (
+        f"{world} ranks (Gloo, CPU), {rows[0]['params'] / 1e6:.2f}M parameters, "
+        f"{args.steps} steps, batch {args.batch} per rank"
+    )
+    cols = [
+        "mode",
+        "step ms",
+        "vs plain",
+        "payload MB/step",
+        "sent MB/rank/step",
+        "final loss",
+        "max grad dev",
+    ]
+    cells = [
+        [
+            r["mode"],
+            f"{r['step_ms']:.1f}",
+            f"{r['step_ms'] / base:.2f}x",
+            f"{r['payload_mb']:.2f}",
+            f"{r['wire_mb']:.2f}",
+            f"{r['final_loss']:.4e}",
+            "exact" if r["max_dev"] == 0 else f"{r['max_dev']:.2e}",
+        ]
+        for r in rows
+    ]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+        print(head)
+        for row in [cols, *cells]:
+            print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+    else:
+        table = Table(title=head)
+        for c in cols:
+            table.add_column(c, justify="right")
+        for row in cells:
+            table.add_row(*row)
+        Console(width=max(110, Console().width)).print(table)
+    print(
+        "payload: the all-reduce message; sent: payload x 2(n-1)/n, what a ring sends per rank.\n"
+        "max grad dev: max |hook gradient - exact fp32 average| / max |exact|, same weights."
+    )
+
+
+def _run(rank, world, args):
+    torch.set_num_threads(args.threads)
+    rows = [_train(mode, dtype, args, rank, world) for mode, dtype in MODES.items()]
+    if rank == 0:
+        _print_table(rows, args, world)
+    return rows
+
+
+def _spawned(rank, world, init, args):
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
+    try:
+        _run(rank, world, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (no launcher)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--depth", type=int, default=3)
+    p.add_argument("--inputs", type=int, default=256)
+    p.add_argument("--outputs", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--probe-every", type=int, default=25)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    args = p.parse_args(argv)
+    for name in (
+        "nproc",
+        "steps",
+        "batch",
+        "width",
+        "depth",
+        "inputs",
+        "outputs",
+        "probe_every",
+        "threads",
+    ):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if "RANK" in os.environ:  # started by a launcher
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+        try:
+            _run(dist.get_rank(), dist.get_world_size(), args)
+        finally:
+            dist.destroy_process_group()
+        return
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{os.path.join(tmp, 'store')}"
+        mp.start_processes(
+            _spawned, args=(args.nproc, init, args), nprocs=args.nproc, start_method="spawn"
+        )
+
+
+if __name__ == "__main__":
+    main()
