@@ -31,13 +31,23 @@ demo: build
 
 # Compile and link the CUDA sources with nvcc for sm_80/sm_90 (no GPU needed), then check that
 # the library holds device code for both and leaves nothing of fastddp's own unresolved.
+# Without nvcc this is skipped with a message, unless REQUIRE_CUDA_CHECK=1 (as in CI).
+NVCC := $(shell command -v nvcc 2>/dev/null)
 cuda-check: setup
+ifeq ($(NVCC),)
+	@if [ "$(REQUIRE_CUDA_CHECK)" = 1 ]; then echo "nvcc not found; the CUDA check is required"; exit 1; fi
+	@echo "nvcc not found: skipping the CUDA compile check"
+else
 	$(BIN)/cmake -S . -B build-cmake -G Ninja -DPython_EXECUTABLE=$(abspath $(BIN))/python \
-		-DCMAKE_MAKE_PROGRAM=$(abspath $(BIN))/ninja
+		-DCMAKE_MAKE_PROGRAM=$(abspath $(BIN))/ninja -DCMAKE_CUDA_COMPILER=$(realpath $(NVCC))
 	$(BIN)/cmake --build build-cmake
-	cuobjdump --list-elf build-cmake/_C.so | grep -q sm_80
-	cuobjdump --list-elf build-cmake/_C.so | grep -q sm_90
+	readelf -S build-cmake/_C.so | grep -q .nv_fatbin
+	# The cubins embedded for each architecture record the ptxas options they were made with.
+	strings build-cmake/_C.so | grep -q -- '-arch sm_80'
+	strings build-cmake/_C.so | grep -q -- '-arch sm_90'
 	! nm -uC build-cmake/_C.so | grep -q 'fastddp::'
+	@echo "CUDA sources compiled and linked for sm_80 and sm_90"
+endif
 
 test: build cuda-check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
