@@ -1,5 +1,7 @@
 """Run a function on several real processes joined by a Gloo process group."""
 
+import faulthandler
+import gc
 import os
 import tempfile
 import time
@@ -14,6 +16,7 @@ PG_TIMEOUT = timedelta(seconds=60)
 
 
 def _entry(rank, fn, world_size, init_method, args):
+    faulthandler.enable()  # a rank that aborts in C++ still shows where it was in Python
     torch.set_num_threads(1)  # several ranks share two cores
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=PG_TIMEOUT
@@ -22,7 +25,11 @@ def _entry(rank, fn, world_size, init_method, args):
         fn(rank, world_size, *args)
         dist.barrier()
     finally:
+        # Free DDP models (which hold the group) while the interpreter is whole, so that the
+        # group's threads are joined here rather than during interpreter shutdown.
+        gc.collect()
         dist.destroy_process_group()
+        gc.collect()
 
 
 def run_ranks(fn, world_size, *args, timeout=180.0):

@@ -1,0 +1,296 @@
+"""Read cluster environments (Slurm, MPI, plain variables) into launcher and rank settings.
+
+Everything here is a pure function of an environment mapping, so the tables can be tested
+without a cluster. :mod:`fastddp.launch` turns the launcher settings into torchrun defaults;
+:func:`fastddp.init_distributed` uses the per-process ones.
+"""
+
+import re
+from collections.abc import Mapping
+from typing import NamedTuple, Optional
+
+__all__ = [
+    "ClusterError",
+    "Setting",
+    "expand_nodelist",
+    "launcher_settings",
+    "process_settings",
+    "slurm_port",
+]
+
+DEFAULT_PORT = 29500
+
+
+class ClusterError(RuntimeError):
+    """The environment describes a launch that cannot work; the message says how to fix it."""
+
+
+class Setting(NamedTuple):
+    value: object
+    source: str  # the variable(s) it came from, e.g. "SLURM_NODEID"
+
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ClusterError(f"malformed Slurm node list {text!r}: unbalanced ']'")
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth != 0:
+        raise ClusterError(f"malformed Slurm node list {text!r}: unbalanced '['")
+    parts.append(text[start:])
+    return [p for p in parts if p]
+
+
+def _expand_range(spec: str, whole: str) -> list[str]:
+    out = []
+    for item in spec.split(","):
+        lo, sep, hi = item.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ClusterError(f"malformed Slurm node list {whole!r}: bad range {item!r}")
+        if not sep:
+            out.append(lo)
+            continue
+        if int(hi) < int(lo):
+            raise ClusterError(f"malformed Slurm node list {whole!r}: range {item!r} runs backwards")
+        width = len(lo)  # node[01-10] keeps the zero padding
+        out.extend(str(i).zfill(width) for i in range(int(lo), int(hi) + 1))
+    return out
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a Slurm host list such as ``node[01-04,07],gpu5`` into host names, in order.
+
+    Several bracket groups in one name (``rack[1-2]-n[1-2]``) expand as Slurm does.
+    """
+    hosts: list[str] = []
+    for part in _split_top_level(nodelist.strip()):
+        m = re.search(r"\[([^\[\]]*)\]", part)
+        if m is None:
+            hosts.append(part)
+            continue
+        head, tail = part[: m.start()], part[m.end() :]
+        for middle in _expand_range(m.group(1), nodelist):
+            hosts.extend(expand_nodelist(head + middle + tail))
+    return hosts
+
+
+def slurm_port(job_id: str) -> int:
+    """A port derived from the Slurm job id: the same on every node, rarely shared by two jobs.
+
+    It lies in 20000-29999, below Linux's ephemeral range (32768-60999).
+    """
+    digits = re.sub(r"\D", "", job_id) or "0"
+    return 20000 + int(digits) % 10000
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ClusterError(f"{name}={env[name]!r} is not an integer") from None
+
+
+def _first(env: Mapping[str, str], *names: str) -> Optional[str]:
+    for name in names:
+        if env.get(name):
+            return name
+    return None
+
+
+def _tasks_per_node(env: Mapping[str, str]) -> Optional[int]:
+    # SLURM_STEP_TASKS_PER_NODE looks like "2(x3),1"; the first count is this layout's largest.
+    for name in ("SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        if env.get(name):
+            m = re.match(r"\d+", env[name])
+            if m:
+                return max(int(x) for x in re.findall(r"(\d+)(?:\(x\d+\))?", env[name]))
+    return None
+
+
+def detect_kind(env: Mapping[str, str]) -> str:
+    """Name the environment: ``mpi``, ``slurm``, ``env`` or ``none``."""
+    if _first(env, "OMPI_COMM_WORLD_SIZE") or (
+        _first(env, "PMI_SIZE") and not _first(env, "SLURM_PROCID")
+    ):
+        return "mpi"
+    if _first(env, "SLURM_JOB_ID"):
+        return "slurm"
+    if _first(env, "NNODES", "NODE_RANK", "NPROC_PER_NODE", "ADDR", "PORT", "MASTER_ADDR",
+              "MASTER_PORT"):  # fmt: skip
+        return "env"
+    return "none"
+
+
+def _master_overlay(env: Mapping[str, str], out: dict[str, Setting]) -> None:
+    # Explicit variables beat what a cluster implies: XTuner's ADDR/PORT, then MASTER_*.
+    name = _first(env, "ADDR", "MASTER_ADDR")
+    if name:
+        out["master_addr"] = Setting(env[name], name)
+    name = _first(env, "PORT", "MASTER_PORT")
+    if name:
+        out["master_port"] = Setting(_int(env, name), name)
+
+
+def launcher_settings(
+    env: Mapping[str, str], kind: str = "auto", gpus_on_node: int = 0
+) -> tuple[str, dict[str, Setting]]:
+    """Settings for one launcher per node, keyed by torchrun's option names.
+
+    Args:
+        env: the environment, e.g. ``os.environ``.
+        kind: ``auto`` (detect), ``slurm``, ``mpi``, ``env`` or ``none``.
+        gpus_on_node: GPUs visible here; under Slurm it sets ``nproc_per_node`` when Slurm
+            does not say.
+
+    Returns:
+        ``(kind, settings)``, where settings maps ``nnodes``, ``node_rank``, ``master_addr``,
+        ``master_port`` and ``nproc_per_node`` (those known) to :class:`Setting`.
+
+    Raises:
+        ClusterError: the environment asks for something that cannot work, such as ``srun``
+            starting several launchers per node.
+    """
+    if kind == "auto":
+        kind = detect_kind(env)
+    out: dict[str, Setting] = {}
+    if kind == "slurm":
+        if not env.get("SLURM_JOB_ID"):
+            raise ClusterError("--cluster slurm, but SLURM_JOB_ID is not set: not in a Slurm job")
+        per_node = _tasks_per_node(env)
+        if env.get("SLURM_STEP_ID") is not None and per_node is not None and per_node > 1:
+            raise ClusterError(
+                f"srun started {per_node} tasks per node, so each node would run {per_node} "
+                "launchers, each starting its own workers. Start one launcher per node "
+                "(srun --ntasks-per-node=1 python -m fastddp.launch ...), or run the training "
+                "script directly under srun and call fastddp.init_distributed() in it"
+            )
+        name = _first(env, "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
+        if name:
+            out["nnodes"] = Setting(str(_int(env, name)), name)
+        if env.get("SLURM_NODEID"):
+            out["node_rank"] = Setting(_int(env, "SLURM_NODEID"), "SLURM_NODEID")
+        name = _first(env, "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+        if name:
+            out["master_addr"] = Setting(expand_nodelist(env[name])[0], f"first host of {name}")
+        out["master_port"] = Setting(slurm_port(env["SLURM_JOB_ID"]), "SLURM_JOB_ID")
+        if env.get("SLURM_GPUS_ON_NODE"):
+            out["nproc_per_node"] = Setting(
+                str(_int(env, "SLURM_GPUS_ON_NODE")), "SLURM_GPUS_ON_NODE"
+            )
+        elif gpus_on_node > 0:
+            out["nproc_per_node"] = Setting(str(gpus_on_node), "GPUs visible on this node")
+    elif kind == "mpi":
+        size = _first(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+        rank = _first(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+        if size is None or rank is None:
+            raise ClusterError("--cluster mpi, but no OMPI_COMM_WORLD_* or PMI_* variables are set")
+        local = _first(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+        if local and _int(env, local) > 1:
+            raise ClusterError(
+                f"mpirun started {env[local]} processes per node ({local}), so each node would "
+                "run several launchers. Start one per node (mpirun --npernode 1 / -ppn 1), or "
+                "run the training script directly under mpirun with fastddp.init_distributed()"
+            )
+        out["nnodes"] = Setting(str(_int(env, size)), size)
+        out["node_rank"] = Setting(_int(env, rank), rank)
+        if not _first(env, "ADDR", "MASTER_ADDR"):
+            raise ClusterError(
+                "mpirun does not say which host is the master: export MASTER_ADDR to all "
+                "nodes (mpirun -x MASTER_ADDR=<first host> ...) or pass --master-addr"
+            )
+    elif kind == "env":
+        for var, key in (("NNODES", "nnodes"), ("NPROC_PER_NODE", "nproc_per_node")):
+            if env.get(var):
+                out[key] = Setting(str(_int(env, var)), var)
+        if env.get("NODE_RANK"):
+            out["node_rank"] = Setting(_int(env, "NODE_RANK"), "NODE_RANK")
+    elif kind != "none":
+        raise ClusterError(f"unknown cluster kind {kind!r}; use auto, none, slurm, mpi or env")
+    if kind != "none":
+        _master_overlay(env, out)
+    return kind, out
+
+
+def process_settings(env: Mapping[str, str]) -> tuple[str, dict[str, Setting]]:
+    """Settings of one training process: rank, world_size, local_rank, master address/port.
+
+    Understands torchrun and ``fastddp.launch`` workers, hand-set ``RANK``/``WORLD_SIZE``/
+    ``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``, ``srun`` with one task per GPU and
+    ``mpirun``. With none of them, a single process (world size 1).
+
+    Returns:
+        ``(source, settings)``: source is ``torchrun``, ``env``, ``slurm``, ``mpi`` or
+        ``single``; settings maps ``rank``, ``world_size``, ``local_rank``, ``master_addr``
+        and ``master_port`` (and ``local_world_size``/``node_rank`` when known).
+    """
+    out: dict[str, Setting] = {}
+    if env.get("RANK") is not None and env.get("WORLD_SIZE") is not None:
+        source = "torchrun" if env.get("TORCHELASTIC_RUN_ID") else "env"
+        out["rank"] = Setting(_int(env, "RANK"), "RANK")
+        out["world_size"] = Setting(_int(env, "WORLD_SIZE"), "WORLD_SIZE")
+        if env.get("LOCAL_RANK") is None:
+            raise ClusterError(
+                "RANK and WORLD_SIZE are set but LOCAL_RANK is not; set LOCAL_RANK to this "
+                "process's index on its node (0 on a single node with one process per GPU "
+                "means LOCAL_RANK=RANK)"
+            )
+        out["local_rank"] = Setting(_int(env, "LOCAL_RANK"), "LOCAL_RANK")
+        if env.get("LOCAL_WORLD_SIZE"):
+            out["local_world_size"] = Setting(_int(env, "LOCAL_WORLD_SIZE"), "LOCAL_WORLD_SIZE")
+        name = _first(env, "GROUP_RANK", "NODE_RANK")
+        if name:
+            out["node_rank"] = Setting(_int(env, name), name)
+        if not env.get("MASTER_ADDR") or not env.get("MASTER_PORT"):
+            raise ClusterError(
+                "RANK and WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not; export both "
+                "(the address and a free port of rank 0's host) on every process"
+            )
+        _master_overlay({k: env[k] for k in ("MASTER_ADDR", "MASTER_PORT")}, out)
+        return source, out
+    if env.get("SLURM_PROCID") is not None and env.get("SLURM_STEP_ID") is not None:
+        out["rank"] = Setting(_int(env, "SLURM_PROCID"), "SLURM_PROCID")
+        out["world_size"] = Setting(_int(env, "SLURM_NTASKS"), "SLURM_NTASKS")
+        out["local_rank"] = Setting(_int(env, "SLURM_LOCALID"), "SLURM_LOCALID")
+        per_node = _tasks_per_node(env)
+        if per_node is not None:
+            out["local_world_size"] = Setting(per_node, "SLURM_STEP_TASKS_PER_NODE")
+        if env.get("SLURM_NODEID"):
+            out["node_rank"] = Setting(_int(env, "SLURM_NODEID"), "SLURM_NODEID")
+        name = _first(env, "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+        if name:
+            out["master_addr"] = Setting(expand_nodelist(env[name])[0], f"first host of {name}")
+        out["master_port"] = Setting(slurm_port(env.get("SLURM_JOB_ID", "0")), "SLURM_JOB_ID")
+        _master_overlay(env, out)
+        if "master_addr" not in out:
+            raise ClusterError("srun task without SLURM_JOB_NODELIST or MASTER_ADDR")
+        return "slurm", out
+    rank = _first(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+    size = _first(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+    if rank and size:
+        out["rank"] = Setting(_int(env, rank), rank)
+        out["world_size"] = Setting(_int(env, size), size)
+        local = _first(env, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+        out["local_rank"] = Setting(_int(env, local) if local else 0, local or "default 0")
+        local_size = _first(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+        if local_size:
+            out["local_world_size"] = Setting(_int(env, local_size), local_size)
+        _master_overlay(env, out)
+        if "master_addr" not in out:
+            raise ClusterError(
+                "started by mpirun, but MASTER_ADDR is not set: export it to every rank "
+                "(mpirun -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=<port> ...)"
+            )
+        out.setdefault("master_port", Setting(DEFAULT_PORT, "default"))
+        return "mpi", out
+    return "single", {
+        "rank": Setting(0, "single process"),
+        "world_size": Setting(1, "single process"),
+        "local_rank": Setting(0, "single process"),
+    }

@@ -1,0 +1,231 @@
+"""Rank setup: find out who this process is, pick device and backend, init and tear down."""
+
+import contextlib
+import dataclasses
+import os
+import socket
+from collections.abc import Iterator, Mapping
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from fastddp.cluster import ClusterError, process_settings
+
+__all__ = [
+    "DistEnv",
+    "distributed",
+    "init_distributed",
+    "is_main_process",
+    "shutdown_distributed",
+]
+
+_env: Optional["DistEnv"] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DistEnv:
+    """Who this process is in the job, and where each value came from."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    device: torch.device
+    backend: str
+    master_addr: str
+    master_port: int
+    launcher: str  # torchrun, env, slurm, mpi or single
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _settings_fingerprint() -> dict:
+    """What must be equal on every rank: fastddp's and torch's versions, FASTDDP_* switches."""
+    import fastddp
+
+    switches = {k: v for k, v in os.environ.items() if k.startswith("FASTDDP_")}
+    return {"fastddp": fastddp.__version__, "torch": torch.__version__, "env": switches}
+
+
+def _check_ranks(env_rank: int, device: torch.device, backend: str) -> tuple[int, int, int]:
+    """All-gather host, device and settings; raise the same error on every rank if they clash.
+
+    Returns ``(local_world_size, node_rank, num_nodes)`` as seen from the gathered hosts.
+    """
+    mine = {
+        "host": socket.gethostname(),
+        "device": str(device),
+        "settings": _settings_fingerprint(),
+    }
+    world = dist.get_world_size()
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    problems = []
+    seen: dict = {}
+    for rank, info in enumerate(everyone):
+        if device.type == "cuda":
+            key = (info["host"], info["device"])
+            if key in seen:
+                problems.append(
+                    f"ranks {seen[key]} and {rank} both use {info['device']} on host "
+                    f"{info['host']}: one GPU per rank (check LOCAL_RANK and that "
+                    "--nproc-per-node does not exceed the GPUs on the node)"
+                )
+            seen.setdefault(key, rank)
+        if info["settings"] != everyone[0]["settings"]:
+            problems.append(
+                f"rank {rank} runs with different fastddp settings than rank 0: "
+                f"{info['settings']} vs {everyone[0]['settings']}; start every rank with the "
+                "same fastddp/torch versions and FASTDDP_* variables"
+            )
+    if problems:
+        raise ClusterError("fastddp.init_distributed: " + "; ".join(problems))
+    hosts = list(dict.fromkeys(info["host"] for info in everyone))  # in rank order
+    mine_host = everyone[env_rank]["host"]
+    local = sum(1 for info in everyone if info["host"] == mine_host)
+    return local, hosts.index(mine_host), len(hosts)
+
+
+def init_distributed(
+    backend: Optional[str] = None,
+    timeout: timedelta = timedelta(minutes=10),
+    environ: Optional[Mapping[str, str]] = None,
+) -> DistEnv:
+    r"""Initialise ``torch.distributed`` from whatever started this process; return who it is.
+
+    Works under ``torchrun`` / ``python -m fastddp.launch``, with hand-set ``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, under ``srun`` with one
+    task per GPU, under ``mpirun`` (with ``MASTER_ADDR`` exported), and alone (world size 1).
+    Picks ``cuda:LOCAL_RANK`` and NCCL when CUDA is available, else CPU and Gloo. Calling it
+    again returns the same description. After init, all ranks compare hosts, devices and
+    fastddp settings, and all raise the same error if two ranks share a GPU or disagree.
+
+    Args:
+        backend (str, optional): ``"nccl"``, ``"gloo"``, ... ; ``None`` picks as above.
+        timeout (timedelta): how long any collective may wait before failing with an error
+            instead of hanging.
+        environ (Mapping, optional): variables to read instead of ``os.environ``.
+
+    Returns:
+        DistEnv: rank, local_rank, world_size, local_world_size, node_rank, num_nodes,
+        device, backend, master address/port, the launcher and where each value came from.
+
+    Example::
+
+        >>> env = fastddp.init_distributed()
+        >>> model = DDP(model.to(env.device), device_ids=[env.device] if env.device.type == "cuda" else None)
+        >>> ...
+        >>> fastddp.shutdown_distributed()
+    """
+    global _env
+    if _env is not None and dist.is_initialized():
+        if backend is not None and backend != _env.backend:
+            raise ClusterError(
+                f"fastddp.init_distributed: already initialised with backend {_env.backend!r}, "
+                f"not {backend!r}; call fastddp.shutdown_distributed() first"
+            )
+        return _env
+    if dist.is_initialized():
+        raise ClusterError(
+            "fastddp.init_distributed: torch.distributed was initialised elsewhere; call "
+            "init_distributed() instead of init_process_group(), or not at all"
+        )
+    env = os.environ if environ is None else environ
+    launcher, settings = process_settings(env)
+    rank = settings["rank"].value
+    world = settings["world_size"].value
+    local_rank = settings["local_rank"].value
+    if not 0 <= rank < world:
+        raise ClusterError(f"rank {rank} is outside world size {world} ({settings['rank'].source})")
+    use_cuda = torch.cuda.is_available() if backend is None else backend == "nccl"
+    if use_cuda:
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise ClusterError(
+                f"local rank {local_rank} needs cuda:{local_rank} but {count} GPU(s) are visible; "
+                "start at most one process per GPU on each node"
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    if launcher == "single":
+        addr, port = "127.0.0.1", _free_port()
+        settings["master_addr"] = settings["master_port"] = None
+    else:
+        addr, port = settings["master_addr"].value, settings["master_port"].value
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    # torchrun's agent already serves the store on MASTER_PORT; env:// makes rank 0 a client
+    # of it (TORCHELASTIC_USE_AGENT_STORE) instead of a second server on the same port.
+    init = "env://" if launcher == "torchrun" else f"tcp://{_bracket(addr)}:{port}"
+    dist.init_process_group(
+        backend,
+        init_method=init,
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+        **kwargs,
+    )
+    try:
+        local_world, node_rank, num_nodes = _check_ranks(rank, device, backend)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    sources = {k: s.source for k, s in settings.items() if s is not None}
+    sources.update(local_world_size="hosts of all ranks", node_rank="hosts of all ranks")
+    _env = DistEnv(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=node_rank,
+        num_nodes=num_nodes,
+        device=device,
+        backend=backend,
+        master_addr=addr,
+        master_port=int(port),
+        launcher=launcher,
+        sources=sources,
+    )
+    return _env
+
+
+def _bracket(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr else addr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shutdown_distributed() -> None:
+    """Destroy the process group made by :func:`init_distributed` (a no-op if there is none)."""
+    global _env
+    if _env is not None and dist.is_initialized():
+        dist.destroy_process_group()
+    _env = None
+
+
+@contextlib.contextmanager
+def distributed(**kwargs) -> Iterator[DistEnv]:
+    """``with fastddp.distributed() as env:`` — :func:`init_distributed`, then teardown."""
+    env = init_distributed(**kwargs)
+    try:
+        yield env
+    finally:
+        shutdown_distributed()
+
+
+def is_main_process() -> bool:
+    """True on global rank 0, and in a process that is not part of a distributed job."""
+    return not dist.is_initialized() or dist.get_rank() == 0
