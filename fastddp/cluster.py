@@ -58,7 +58,9 @@ def _expand_range(spec: str, whole: str) -> list[str]:
             out.append(lo)
             continue
         if int(hi) < int(lo):
-            raise ClusterError(f"malformed Slurm node list {whole!r}: range {item!r} runs backwards")
+            raise ClusterError(
+                f"malformed Slurm node list {whole!r}: range {item!r} runs backwards"
+            )
         width = len(lo)  # node[01-10] keeps the zero padding
         out.extend(str(i).zfill(width) for i in range(int(lo), int(hi) + 1))
     return out
@@ -122,8 +124,9 @@ def detect_kind(env: Mapping[str, str]) -> str:
         return "mpi"
     if _first(env, "SLURM_JOB_ID"):
         return "slurm"
-    if _first(env, "NNODES", "NODE_RANK", "NPROC_PER_NODE", "ADDR", "PORT", "MASTER_ADDR",
-              "MASTER_PORT"):  # fmt: skip
+    if _first(
+        env, "NNODES", "NODE_RANK", "NPROC_PER_NODE", "ADDR", "PORT", "MASTER_ADDR", "MASTER_PORT"
+    ):
         return "env"
     return "none"
 

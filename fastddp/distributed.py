@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import gc
 import os
 import socket
 from collections.abc import Iterator, Mapping
@@ -15,7 +16,7 @@ from fastddp.cluster import ClusterError, process_settings
 
 __all__ = [
     "DistEnv",
-    "distributed",
+    "distributed_session",
     "init_distributed",
     "is_main_process",
     "shutdown_distributed",
@@ -54,13 +55,18 @@ def _settings_fingerprint() -> dict:
     return {"fastddp": fastddp.__version__, "torch": torch.__version__, "env": switches}
 
 
-def _check_ranks(env_rank: int, device: torch.device, backend: str) -> tuple[int, int, int]:
+def _check_ranks(
+    env_rank: int, device: torch.device, node_rank: Optional[int]
+) -> tuple[int, int, int]:
     """All-gather host, device and settings; raise the same error on every rank if they clash.
 
-    Returns ``(local_world_size, node_rank, num_nodes)`` as seen from the gathered hosts.
+    Returns ``(local_world_size, node_rank, num_nodes)``. Nodes are the launcher's node ranks
+    where known (two network namespaces may share one host name), else host names.
     """
+    host = socket.gethostname()
     mine = {
-        "host": socket.gethostname(),
+        "host": host,
+        "node": f"node {node_rank}" if node_rank is not None else host,
         "device": str(device),
         "settings": _settings_fingerprint(),
     }
@@ -87,10 +93,10 @@ def _check_ranks(env_rank: int, device: torch.device, backend: str) -> tuple[int
             )
     if problems:
         raise ClusterError("fastddp.init_distributed: " + "; ".join(problems))
-    hosts = list(dict.fromkeys(info["host"] for info in everyone))  # in rank order
-    mine_host = everyone[env_rank]["host"]
-    local = sum(1 for info in everyone if info["host"] == mine_host)
-    return local, hosts.index(mine_host), len(hosts)
+    nodes = list(dict.fromkeys(info["node"] for info in everyone))  # in rank order
+    local = sum(1 for info in everyone if info["node"] == mine["node"])
+    index = node_rank if node_rank is not None else nodes.index(mine["node"])
+    return local, index, len(nodes)
 
 
 def init_distributed(
@@ -120,7 +126,8 @@ def init_distributed(
     Example::
 
         >>> env = fastddp.init_distributed()
-        >>> model = DDP(model.to(env.device), device_ids=[env.device] if env.device.type == "cuda" else None)
+        >>> ids = [env.device] if env.device.type == "cuda" else None
+        >>> model = DDP(model.to(env.device), device_ids=ids)
         >>> ...
         >>> fastddp.shutdown_distributed()
     """
@@ -175,12 +182,16 @@ def init_distributed(
         **kwargs,
     )
     try:
-        local_world, node_rank, num_nodes = _check_ranks(rank, device, backend)
+        known = settings.get("node_rank")
+        local_world, node_rank, num_nodes = _check_ranks(
+            rank, device, None if known is None else known.value
+        )
     except BaseException:
         dist.destroy_process_group()
         raise
     sources = {k: s.source for k, s in settings.items() if s is not None}
-    sources.update(local_world_size="hosts of all ranks", node_rank="hosts of all ranks")
+    sources.setdefault("node_rank", "host names of all ranks")
+    sources["local_world_size"] = "ranks on the same node"
     _env = DistEnv(
         rank=rank,
         local_rank=local_rank,
@@ -209,16 +220,23 @@ def _free_port() -> int:
 
 
 def shutdown_distributed() -> None:
-    """Destroy the process group made by :func:`init_distributed` (a no-op if there is none)."""
+    """Destroy the process group made by :func:`init_distributed` (a no-op if there is none).
+
+    .. warning::
+        Free DDP models first (let them go out of scope, or ``del`` them): with PyTorch 2.13,
+        a DDP model that outlives its process group can abort the process at exit
+        ("terminate called without an active exception").
+    """
     global _env
     if _env is not None and dist.is_initialized():
+        gc.collect()  # DDP models caught in reference cycles release the group now
         dist.destroy_process_group()
     _env = None
 
 
 @contextlib.contextmanager
-def distributed(**kwargs) -> Iterator[DistEnv]:
-    """``with fastddp.distributed() as env:`` — :func:`init_distributed`, then teardown."""
+def distributed_session(**kwargs) -> Iterator[DistEnv]:
+    """``with fastddp.distributed_session() as env:`` — :func:`init_distributed`, then teardown."""
     env = init_distributed(**kwargs)
     try:
         yield env

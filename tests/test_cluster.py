@@ -1,0 +1,148 @@
+"""Environment tables: Slurm node lists, cluster detection, per-process settings."""
+
+import pytest
+
+from fastddp.cluster import (
+    ClusterError,
+    expand_nodelist,
+    launcher_settings,
+    process_settings,
+    slurm_port,
+)
+
+
+@pytest.mark.parametrize(
+    "nodelist,hosts",
+    [
+        ("gpu5", ["gpu5"]),
+        ("gpu[07-08]", ["gpu07", "gpu08"]),
+        ("node[01-04,07],gpu5", ["node01", "node02", "node03", "node04", "node07", "gpu5"]),
+        ("a[8-11]", ["a8", "a9", "a10", "a11"]),
+        ("rack[1-2]-n[1,3]", ["rack1-n1", "rack1-n3", "rack2-n1", "rack2-n3"]),
+        ("x1,x2", ["x1", "x2"]),
+    ],
+)
+def test_expand_nodelist(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize(
+    "bad,message",
+    [("gpu[01-", "unbalanced '\\['"), ("gpu[3-1]", "runs backwards"), ("gpu[a-b]", "bad range")],
+)
+def test_malformed_nodelist(bad, message):
+    with pytest.raises(ClusterError, match=message):
+        expand_nodelist(bad)
+
+
+def test_slurm_port_is_stable_and_outside_ephemeral_range():
+    assert slurm_port("123456") == slurm_port("123456")
+    assert 20000 <= slurm_port("987654321") < 30000
+    assert slurm_port("1") != slurm_port("2")
+
+
+SLURM = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]"}
+
+
+def test_slurm_launcher_settings():
+    kind, s = launcher_settings({**SLURM, "SLURM_NODEID": "1", "SLURM_GPUS_ON_NODE": "4"})
+    assert kind == "slurm"
+    assert s["nnodes"].value == "2" and s["node_rank"].value == 1
+    assert s["master_addr"].value == "gpu07"
+    assert s["master_port"].value == slurm_port("4242")
+    assert s["nproc_per_node"].value == "4"
+    # Without Slurm's GPU count, the GPUs visible on the node decide.
+    _, s = launcher_settings({**SLURM, "SLURM_NODEID": "0"}, gpus_on_node=8)
+    assert s["nproc_per_node"] == ("8", "GPUs visible on this node")
+    # Explicit MASTER_ADDR/MASTER_PORT win over what Slurm implies.
+    _, s = launcher_settings({**SLURM, "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "1234"})
+    assert s["master_addr"] == ("10.0.0.5", "MASTER_ADDR") and s["master_port"].value == 1234
+
+
+def test_srun_with_several_tasks_per_node_is_refused():
+    env = {**SLURM, "SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}
+    with pytest.raises(ClusterError, match="srun started 4 tasks per node"):
+        launcher_settings(env)
+    # One task per node is the supported shape.
+    launcher_settings({**SLURM, "SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "1(x2)"})
+
+
+def test_xtuner_and_plain_variables():
+    env = {"NNODES": "3", "NODE_RANK": "2", "NPROC_PER_NODE": "8", "ADDR": "h0", "PORT": "29601"}
+    kind, s = launcher_settings(env)
+    assert kind == "env"
+    assert {k: v.value for k, v in s.items()} == {
+        "nnodes": "3",
+        "node_rank": 2,
+        "nproc_per_node": "8",
+        "master_addr": "h0",
+        "master_port": 29601,
+    }
+    _, s = launcher_settings({"MASTER_ADDR": "h1", "MASTER_PORT": "5"})
+    assert s["master_addr"].value == "h1" and s["master_port"].value == 5
+    assert launcher_settings({}) == ("none", {})
+
+
+def test_mpi_launcher_settings():
+    env = {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3", "MASTER_ADDR": "m"}
+    kind, s = launcher_settings(env)
+    assert kind == "mpi" and s["nnodes"].value == "4" and s["node_rank"].value == 3
+    with pytest.raises(ClusterError, match="export MASTER_ADDR"):
+        launcher_settings({"PMI_SIZE": "2", "PMI_RANK": "0"})
+    with pytest.raises(ClusterError, match="mpirun started 2 processes per node"):
+        launcher_settings({**env, "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+
+
+def test_forced_kind_without_its_variables():
+    with pytest.raises(ClusterError, match="not in a Slurm job"):
+        launcher_settings({}, "slurm")
+    with pytest.raises(ClusterError, match="unknown cluster kind"):
+        launcher_settings({}, "pbs")
+
+
+def test_process_settings_tables():
+    plain = {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "h",
+        "MASTER_PORT": "29500",
+    }
+    source, s = process_settings(plain)
+    assert source == "env" and s["rank"].value == 1 and s["master_port"].value == 29500
+    source, _ = process_settings({**plain, "TORCHELASTIC_RUN_ID": "x", "GROUP_RANK": "0"})
+    assert source == "torchrun"
+    srun = {
+        "SLURM_JOB_ID": "7",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "1",
+        "SLURM_JOB_NODELIST": "n[1-2]",
+        "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+    }
+    source, s = process_settings(srun)
+    assert source == "slurm"
+    assert (s["rank"].value, s["world_size"].value, s["local_rank"].value) == (5, 8, 1)
+    assert s["master_addr"].value == "n1" and s["local_world_size"].value == 4
+    mpi = {
+        "OMPI_COMM_WORLD_RANK": "2",
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+        "MASTER_ADDR": "m",
+    }
+    source, s = process_settings(mpi)
+    assert source == "mpi" and s["rank"].value == 2 and s["master_port"].value == 29500
+    assert process_settings({})[0] == "single"
+
+
+def test_process_settings_errors():
+    with pytest.raises(ClusterError, match="LOCAL_RANK is not"):
+        process_settings({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    with pytest.raises(ClusterError, match="MASTER_ADDR/MASTER_PORT are not"):
+        process_settings({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    with pytest.raises(ClusterError, match="RANK='x' is not an integer"):
+        process_settings({"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    with pytest.raises(ClusterError, match="MASTER_ADDR is not set"):
+        process_settings({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"})

@@ -1,0 +1,463 @@
+"""python -m fastddp.launch and fastddp.init_distributed, with real processes and sockets."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from ._netns import lonely_node, two_nodes
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "_ddp_worker.py")
+LAUNCH = [sys.executable, "-m", "fastddp.launch"]
+
+# Variables a test must not inherit: the launcher would read them.
+_STRIP = (
+    "PET_",
+    "SLURM_",
+    "OMPI_",
+    "PMI_",
+    "GLOO_",
+    "NCCL_",
+    "MASTER_",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NNODES",
+    "NODE_RANK",
+    "NPROC_PER_NODE",
+    "ADDR",
+    "PORT",
+    "TORCHELASTIC_",
+    "GROUP_RANK",
+)
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_STRIP)}
+    env["PYTHONPATH"] = os.path.dirname(HERE) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_all(cmds, timeout=150, envs=None):
+    """Start every command, wait for all; kill them all if the time runs out."""
+    envs = envs or [_env() for _ in cmds]
+    procs = [
+        subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for c, e in zip(cmds, envs)
+    ]
+    deadline = time.monotonic() + timeout
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
+def _ok(results, workers):
+    for rc, out in results:
+        assert rc == 0, out
+    text = "".join(out for _, out in results)
+    assert text.count("worker ok") == workers, text
+    return text
+
+
+def test_help_lists_torchrun_and_fastddp_options():
+    out = subprocess.run(
+        [*LAUNCH, "--help"], env=_env(), capture_output=True, text=True, timeout=60
+    ).stdout
+    for option in (
+        "--nproc-per-node",
+        "--nproc_per_node",
+        "--rdzv-backend",
+        "--max-restarts",
+        "--master-addr",
+        "--cluster",
+        "--dry-run",
+        "--no-preflight",
+    ):
+        assert option in out
+
+
+def test_slurm_dry_run_on_both_nodes():
+    slurm = {
+        "SLURM_JOB_ID": "918273",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_JOB_NODELIST": "gpu[07-08]",
+    }
+    ports = set()
+    for node in (0, 1):
+        res = subprocess.run(
+            [*LAUNCH, "--dry-run", "train.py"],
+            env=_env(**slurm, SLURM_NODEID=node),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert res.returncode == 0, res.stderr
+        assert "nnodes=2 (from slurm: SLURM_JOB_NUM_NODES)" in res.stderr
+        assert f"node_rank={node} (from slurm: SLURM_NODEID)" in res.stderr
+        assert "master_addr=gpu07 (from slurm: first host of SLURM_JOB_NODELIST)" in res.stderr
+        assert "config max_nodes=2" in res.stderr
+        line = next(x for x in res.stderr.splitlines() if "config node_rank=" in x)
+        assert f"node_rank={node} master_addr=gpu07" in line
+        ports.add(line.rsplit("master_port=", 1)[1])
+        assert "worker command:" in res.stderr and "train.py" in res.stderr
+    assert len(ports) == 1
+
+
+def test_command_line_beats_pet_beats_detection():
+    env = _env(NNODES="4", NODE_RANK="3", PET_NODE_RANK="1", MASTER_ADDR="h0")
+    res = subprocess.run(
+        [*LAUNCH, "--dry-run", "--nnodes", "2", "x.py"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "nnodes: command line wins over 4 from NNODES" in res.stderr
+    assert "node_rank: PET_NODE_RANK=1 wins over 3 from NODE_RANK" in res.stderr
+    assert "config max_nodes=2" in res.stderr and "node_rank=1 master_addr=h0" in res.stderr
+
+
+def test_bad_node_rank_is_refused():
+    res = subprocess.run(
+        [*LAUNCH, "--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1", WORKER],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2
+    assert "--node-rank 2 is not valid with --nnodes 2: node ranks run from 0 to 1" in res.stderr
+
+
+def test_srun_with_several_tasks_per_node_is_refused():
+    env = _env(
+        SLURM_JOB_ID="5", SLURM_STEP_ID="0", SLURM_NTASKS_PER_NODE="4", SLURM_JOB_NODELIST="n1"
+    )
+    res = subprocess.run(
+        [*LAUNCH, "--dry-run", "x.py"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert res.returncode == 2
+    assert "srun started 4 tasks per node" in res.stderr
+
+
+def test_port_in_use_on_the_master():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        start = time.monotonic()
+        res = subprocess.run(
+            [
+                *LAUNCH,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "0",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                WORKER,
+            ],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert res.returncode == 2
+    assert f"port {port} on this node (the master) is already in use" in res.stderr
+    assert time.monotonic() - start < 30
+
+
+def test_standalone_two_ranks():
+    res = _run_all([[*LAUNCH, "--standalone", "--nproc-per-node", "2", WORKER]])
+    text = _ok(res, 2)
+    assert "launcher=torchrun" in text
+
+
+def test_two_launchers_static_on_loopback():
+    port = _free_port()
+    cmds = [
+        [
+            *LAUNCH,
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--node-rank",
+            str(r),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            WORKER,
+        ]
+        for r in (1, 0)
+    ]
+    text = _ok(_run_all(cmds), 2)
+    assert "the master 127.0.0.1 is a loopback address" in text
+    assert "node_rank=1 nodes=2" in text and "node_rank=0 nodes=2" in text
+
+
+def test_two_launchers_c10d_on_loopback():
+    port = _free_port()
+    cmd = [
+        *LAUNCH,
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "1",
+        "--rdzv_id",
+        "t1",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        f"127.0.0.1:{port}",
+        WORKER,
+    ]
+    _ok(_run_all([cmd, cmd]), 2)
+
+
+def _plain_env_ranks(world, **common):
+    port = _free_port()
+    envs = [
+        _env(
+            RANK=r,
+            WORLD_SIZE=world,
+            LOCAL_RANK=r,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            **common,
+        )
+        for r in range(world)
+    ]
+    return [[sys.executable, WORKER]] * world, envs
+
+
+def test_init_distributed_from_hand_set_variables():
+    cmds, envs = _plain_env_ranks(2)
+    text = _ok(_run_all(cmds, envs=envs), 2)
+    assert "launcher=env" in text
+
+
+def test_init_distributed_under_srun_and_mpirun_variables():
+    port = _free_port()
+    srun = [
+        _env(
+            SLURM_JOB_ID="1",
+            SLURM_STEP_ID="0",
+            SLURM_PROCID=r,
+            SLURM_NTASKS=2,
+            SLURM_LOCALID=r,
+            SLURM_NODEID=0,
+            SLURM_JOB_NODELIST="localhost",
+            SLURM_STEP_TASKS_PER_NODE="2",
+            MASTER_PORT=port,
+        )
+        for r in range(2)
+    ]
+    text = _ok(_run_all([[sys.executable, WORKER]] * 2, envs=srun), 2)
+    assert "launcher=slurm" in text
+    port = _free_port()
+    mpi = [
+        _env(
+            OMPI_COMM_WORLD_RANK=r,
+            OMPI_COMM_WORLD_SIZE=2,
+            OMPI_COMM_WORLD_LOCAL_RANK=r,
+            OMPI_COMM_WORLD_LOCAL_SIZE=2,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        for r in range(2)
+    ]
+    text = _ok(_run_all([[sys.executable, WORKER]] * 2, envs=mpi), 2)
+    assert "launcher=mpi" in text
+
+
+def test_mismatched_settings_fail_on_every_rank():
+    cmds, envs = _plain_env_ranks(2)
+    envs[1]["FASTDDP_DISABLE_SIMD"] = "1"
+    results = _run_all(cmds, envs=envs)
+    for rc, out in results:
+        assert rc != 0
+        assert "rank 1 runs with different fastddp settings than rank 0" in out, out
+
+
+def test_init_distributed_single_process_is_idempotent():
+    code = (
+        "import fastddp, torch.distributed as dist\n"
+        "env = fastddp.init_distributed()\n"
+        "assert fastddp.init_distributed() is env and env.world_size == 1\n"
+        "assert env.launcher == 'single' and fastddp.is_main_process()\n"
+        "try:\n"
+        "    fastddp.init_distributed(backend='nccl')\n"
+        "except fastddp.ClusterError as e:\n"
+        "    assert 'already initialised with backend' in str(e)\n"
+        "else:\n"
+        "    raise SystemExit('no error')\n"
+        "fastddp.shutdown_distributed()\n"
+        "assert not dist.is_initialized()\n"
+        "with fastddp.distributed_session() as env2:\n"
+        "    assert dist.is_initialized() and env2.backend == 'gloo'\n"
+        "assert not dist.is_initialized()\n"
+        "print('ok')\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60
+    )
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+# ------------------------------------------------------------- two nodes: network namespaces
+
+
+def _in(ns, cmd):
+    return ["ip", "netns", "exec", ns, *cmd]
+
+
+def test_two_nodes_static_with_interface_found():
+    with two_nodes() as (a, b):
+        port = _free_port()
+        cmds = [
+            _in(
+                n["ns"],
+                [
+                    *LAUNCH,
+                    "--nnodes",
+                    "2",
+                    "--nproc-per-node",
+                    "2",
+                    "--node-rank",
+                    str(r),
+                    "--master-addr",
+                    a["addr"],
+                    "--master-port",
+                    str(port),
+                    WORKER,
+                ],
+            )
+            for r, n in ((1, b), (0, a))
+        ]
+        text = _ok(_run_all(cmds, timeout=200), 4)
+        assert f"GLOO_SOCKET_IFNAME={a['dev']} (the interface that reaches the master)" in text
+        assert f"GLOO_SOCKET_IFNAME={b['dev']} (the interface that reaches the master)" in text
+        assert "nodes=2" in text
+
+
+def test_two_nodes_c10d_rendezvous_as_in_sana():
+    # Sana's line with fastddp.launch in place of torchrun.
+    with two_nodes() as (a, b):
+        port = _free_port()
+        line = [
+            *LAUNCH,
+            "--nnodes",
+            "2",
+            "--nproc_per_node",
+            "2",
+            "--rdzv_id",
+            "sana1",
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            f"{a['addr']}:{port}",
+            WORKER,
+        ]
+        text = _ok(_run_all([_in(b["ns"], line), _in(a["ns"], line)], timeout=200), 4)
+        assert f"--local-addr {b['addr']}" in text
+
+
+def test_unreachable_master_fails_fast():
+    with two_nodes() as (a, b):
+        nobody = a["addr"].rsplit(".", 1)[0] + ".77"  # on the link, but no host answers
+        start = time.monotonic()
+        res = _run_all(
+            [
+                _in(
+                    b["ns"],
+                    [
+                        *LAUNCH,
+                        "--nnodes",
+                        "2",
+                        "--node-rank",
+                        "1",
+                        "--master-addr",
+                        nobody,
+                        "--master-port",
+                        "29400",
+                        "--preflight-timeout",
+                        "8",
+                        WORKER,
+                    ],
+                )
+            ],
+            timeout=60,
+        )
+        elapsed = time.monotonic() - start
+    rc, out = res[0]
+    assert rc == 2, out
+    assert f"cannot reach the master {nobody}:29400 within 8 s" in out
+    assert f"local address {b['addr']}, interface {b['dev']}" in out
+    assert elapsed < 30
+
+
+def test_master_without_route_or_name():
+    with lonely_node() as ns:
+        res = _run_all(
+            [
+                _in(
+                    ns,
+                    [
+                        *LAUNCH,
+                        "--nnodes",
+                        "2",
+                        "--node-rank",
+                        "1",
+                        "--master-addr",
+                        "198.19.250.1",
+                        WORKER,
+                    ],
+                )
+            ],
+            timeout=60,
+        )
+        rc, out = res[0]
+        assert rc == 2 and "no route from this node to the master 198.19.250.1" in out, out
+        res = _run_all(
+            [
+                _in(
+                    ns,
+                    [
+                        *LAUNCH,
+                        "--nnodes",
+                        "2",
+                        "--node-rank",
+                        "1",
+                        "--master-addr",
+                        "no-such-host.invalid",
+                        WORKER,
+                    ],
+                )
+            ],
+            timeout=60,
+        )
+        rc, out = res[0]
+        assert rc == 2 and "cannot resolve the master address 'no-such-host.invalid'" in out, out
