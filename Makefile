@@ -27,7 +27,7 @@ build: setup
 	$(BIN)/pip install -q --no-build-isolation --no-deps -e .
 
 demo: build
-	$(BIN)/python -m fastddp.demo
+	$(BIN)/python -m fastddp.launch --standalone --nproc-per-node 2 -m fastddp.demo $(DEMO_ARGS)
 
 # Compile and link the CUDA sources with nvcc for sm_80/sm_90 (no GPU needed), then check that
 # the library holds device code for both and leaves nothing of fastddp's own unresolved.

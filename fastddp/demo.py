@@ -1,7 +1,8 @@
 """Train one model with plain DDP and with fastddp's bf16 and fp16 hooks; print a comparison.
 
-Run ``python -m fastddp.demo`` (spawns ``--nproc`` local ranks on Gloo/CPU), or start it under
-a launcher (``torchrun`` / ``python -m fastddp.launch``), which sets ``RANK`` and friends.
+Run it under a launcher, ``python -m fastddp.launch --standalone --nproc-per-node 2 -m
+fastddp.demo`` (what ``make demo`` does; any torchrun-style launch works), or alone, when it
+spawns ``--nproc`` local ranks itself. Ranks talk over Gloo, on the CPU.
 
 A student MLP learns a fixed random teacher MLP from synthetic data. Every mode starts from
 the same weights and sees the same batches, so their losses are directly comparable. Every
@@ -13,6 +14,7 @@ import argparse
 import copy
 import os
 import statistics
+import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -158,6 +160,15 @@ def _spawned(rank, world, init, args):
         _run(rank, world, args)
     finally:
         dist.destroy_process_group()
+    _exit_now()
+
+
+def _exit_now():
+    # After a clean shutdown, skip interpreter finalisation: with torch 2.13 it can abort in
+    # Gloo's threads ("terminate called without an active exception") and fail a good run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv=None):
@@ -187,12 +198,10 @@ def main(argv=None):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if "RANK" in os.environ:  # started by a launcher
-        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-        try:
-            _run(dist.get_rank(), dist.get_world_size(), args)
-        finally:
-            dist.destroy_process_group()
-        return
+        # Gloo on CPU even where GPUs exist: this demo compares the CPU paths.
+        with fastddp.distributed_session(backend="gloo", timeout=timedelta(seconds=120)) as env:
+            _run(env.rank, env.world_size, args)
+        _exit_now()
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
