@@ -129,10 +129,15 @@ def test_unaligned_views(device, dtype):
         torch.testing.assert_close(back, out.float() * 2.0, rtol=0, atol=0)
 
 
-def test_portable_loops_match_torch():
-    # The same checks with the AVX2/F16C loops switched off, in a fresh process.
-    env = dict(os.environ, FASTDDP_DISABLE_SIMD="1")
-    script = os.path.join(os.path.dirname(__file__), "_portable_check.py")
+@pytest.mark.parametrize(
+    "switch",
+    [{"FASTDDP_DISABLE_SIMD": "1"}, {"FASTDDP_STREAM_MIN_BYTES": "0"}],
+    ids=["portable", "streaming"],
+)
+def test_other_cpu_loops_match_torch(switch):
+    # The portable loops (no AVX2/F16C) and the streaming-store loops, in fresh processes.
+    script = os.path.join(os.path.dirname(__file__), "_loop_check.py")
+    env = dict(os.environ, **switch)
     res = subprocess.run(
         [sys.executable, script], env=env, capture_output=True, text=True, timeout=120
     )

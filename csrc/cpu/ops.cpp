@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <optional>
 
 #include "fastddp/checks.h"
@@ -19,17 +20,30 @@ namespace {
 // 1 MB bucket across cores.
 constexpr int64_t kGrain = 1 << 15;
 
-bool compress_chunk(c10::Half*, const float* src, void* dst, int64_t n, float scale) {
-  return cpu::compress_fp16(src, static_cast<uint16_t*>(dst), n, scale);
+// Buckets past this many bytes of fp32 are written with streaming stores: they do not fit in
+// the caches anyway, and skipping the read-for-ownership saves memory traffic. Smaller ones
+// stay cached for whatever reads them next (the all-reduce, the optimizer).
+// FASTDDP_STREAM_MIN_BYTES overrides the threshold (0: always stream; a huge value: never).
+int64_t stream_min_bytes() {
+  static const int64_t bytes = [] {
+    const char* v = std::getenv("FASTDDP_STREAM_MIN_BYTES");
+    return v != nullptr && v[0] != '\0' ? std::atoll(v) : int64_t{16} << 20;
+  }();
+  return bytes;
 }
-bool compress_chunk(c10::BFloat16*, const float* src, void* dst, int64_t n, float scale) {
-  return cpu::compress_bf16(src, static_cast<uint16_t*>(dst), n, scale);
+
+bool compress_chunk(c10::Half*, const float* src, void* dst, int64_t n, float scale, bool st) {
+  return cpu::compress_fp16(src, static_cast<uint16_t*>(dst), n, scale, st);
 }
-void decompress_chunk(c10::Half*, const void* src, float* dst, int64_t n, float scale) {
-  cpu::decompress_fp16(static_cast<const uint16_t*>(src), dst, n, scale);
+bool compress_chunk(c10::BFloat16*, const float* src, void* dst, int64_t n, float scale, bool st) {
+  return cpu::compress_bf16(src, static_cast<uint16_t*>(dst), n, scale, st);
 }
-void decompress_chunk(c10::BFloat16*, const void* src, float* dst, int64_t n, float scale) {
-  cpu::decompress_bf16(static_cast<const uint16_t*>(src), dst, n, scale);
+void decompress_chunk(c10::Half*, const void* src, float* dst, int64_t n, float scale, bool st) {
+  cpu::decompress_fp16(static_cast<const uint16_t*>(src), dst, n, scale, st);
+}
+void decompress_chunk(
+    c10::BFloat16*, const void* src, float* dst, int64_t n, float scale, bool st) {
+  cpu::decompress_bf16(static_cast<const uint16_t*>(src), dst, n, scale, st);
 }
 
 void compress_cpu(
@@ -42,11 +56,16 @@ void compress_cpu(
   const float* in = src.const_data_ptr<float>();
   char* out = static_cast<char*>(dst.data_ptr());
   const float s = static_cast<float>(scale);
+  const bool stream = src.numel() * 4 >= stream_min_bytes();
   std::atomic<bool> bad{false};
   FASTDDP_DISPATCH_WIRE(dst.scalar_type(), "compress", [&] {
     at::parallel_for(0, src.numel(), kGrain, [&](int64_t begin, int64_t end) {
       const bool chunk_bad = compress_chunk(
-          static_cast<wire_t*>(nullptr), in + begin, out + begin * sizeof(wire_t), end - begin, s);
+          static_cast<wire_t*>(nullptr), in + begin, out + begin * sizeof(wire_t), end - begin, s,
+          stream);
+      if (stream) {
+        cpu::store_fence();
+      }
       if (chunk_bad) {
         bad.store(true, std::memory_order_relaxed);
       }
@@ -62,10 +81,15 @@ void decompress_cpu(const at::Tensor& src, const at::Tensor& dst, double scale) 
   const char* in = static_cast<const char*>(src.const_data_ptr());
   float* out = dst.data_ptr<float>();
   const float s = static_cast<float>(scale);
+  const bool stream = src.numel() * 4 >= stream_min_bytes();
   FASTDDP_DISPATCH_WIRE(src.scalar_type(), "decompress", [&] {
     at::parallel_for(0, src.numel(), kGrain, [&](int64_t begin, int64_t end) {
       decompress_chunk(
-          static_cast<wire_t*>(nullptr), in + begin * sizeof(wire_t), out + begin, end - begin, s);
+          static_cast<wire_t*>(nullptr), in + begin * sizeof(wire_t), out + begin, end - begin, s,
+          stream);
+      if (stream) {
+        cpu::store_fence();
+      }
     });
   });
 }

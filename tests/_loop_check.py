@@ -1,0 +1,27 @@
+"""Checks the ops against torch in a fresh process; the test picks the loops by environment
+(FASTDDP_DISABLE_SIMD=1: portable loops; FASTDDP_STREAM_MIN_BYTES=0: streaming stores)."""
+
+import torch
+
+import fastddp
+
+g = torch.Generator().manual_seed(0)
+for n in (0, 1, 7, 17, 1000, 2**20 + 3):
+    base = torch.randn(n + 5, generator=g) * torch.exp(torch.randn(n + 5, generator=g) * 4)
+    base[::97] = float("inf")
+    for offset in (0, 1, 3):  # unaligned starts exercise the scalar heads and tails
+        x = base[offset : offset + n]
+        for dt in (torch.float16, torch.bfloat16):
+            w = torch.empty(n + 5, dtype=dt)[offset : offset + n]
+            fastddp.ops.compress(x, w, 0.5)
+            want = (x * 0.5).to(dt)
+            assert torch.equal(w.view(torch.int16), want.view(torch.int16)), (n, offset, dt)
+            y = torch.empty(n + 5)[offset : offset + n]
+            fastddp.ops.decompress(w, y, 2.0)
+            assert torch.equal(y, w.float() * 2.0), (n, offset, dt)
+bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+for dt in (torch.float16, torch.bfloat16):
+    y = torch.empty(2**16)
+    fastddp.ops.decompress(bits.view(dt), y, 1.0)
+    torch.testing.assert_close(y, bits.view(dt).float(), rtol=0, atol=0, equal_nan=True)
+print("ok")
