@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from ._netns import lonely_node, two_nodes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
