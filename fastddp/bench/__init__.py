@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m fastddp.bench allreduce`` and ``python -m fastddp.bench ddp``."""

@@ -1,0 +1,5 @@
+import sys
+
+from fastddp.bench.cli import main
+
+sys.exit(main())

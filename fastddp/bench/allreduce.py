@@ -1,0 +1,143 @@
+"""All-reduce sweep: plain fp32 against compressed modes, in the manner of nccl-tests.
+
+Every mode averages a float32 buffer across the ranks, as DDP does with gradients:
+
+- ``fp32``: ``div_(world)`` then ``all_reduce`` in fp32 (DDP without a hook);
+- ``torch-fp16``: what PyTorch's ``fp16_compress_hook`` does: ``to(fp16).div_(world)``,
+  ``all_reduce``, ``copy_`` back;
+- ``fastddp-fp16`` / ``fastddp-bf16``: fastddp's hook worker (fused compress, all_reduce of
+  the 16-bit payload, fused decompress in place);
+- ``noop``: the headroom row: fastddp bf16's local work with no communication at all.
+
+Columns: time (µs, the slowest rank's median per call), algbw (fp32 bytes / time), wire
+busbw (bytes on the wire x 2(n-1)/n / time, what to hold against the link rate), bytes on the
+wire per rank's payload, relative error (L2) against an fp64 sum rounded to fp32, and #wrong
+(elements off by more than the mode's tolerance x the largest value, or not finite).
+"""
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from fastddp.bench.common import human, parse_size
+from fastddp.hooks import CompressState, _reduce
+
+MODES = ["fp32", "torch-fp16", "fastddp-fp16", "fastddp-bf16", "noop"]
+_WIRE = {
+    "fp32": torch.float32,
+    "torch-fp16": torch.float16,
+    "fastddp-fp16": torch.float16,
+    "fastddp-bf16": torch.bfloat16,
+    "noop": None,
+}
+# #wrong tolerance relative to the largest |value|: a few roundings of the wire dtype.
+_TOL = {"fp32": 1e-6, "torch-fp16": 2**-9, "fastddp-fp16": 2**-9, "fastddp-bf16": 2**-6}
+CHECK_ELEMENTS = 1 << 22  # the error columns look at the first 4 Mi elements
+
+
+def _data(rank, count, seed=1234):
+    g = torch.Generator().manual_seed(seed + 7919 * rank)
+    # Gradient-like: mostly small, a few large.
+    return torch.randn(count, generator=g) * torch.exp(torch.randn(count, generator=g))
+
+
+def _op(mode, buf, world, state):
+    if mode == "fp32":
+        buf.div_(world)
+        dist.all_reduce(buf)
+    elif mode == "torch-fp16":
+        wire = buf.to(torch.float16).div_(world)
+        dist.all_reduce(wire)
+        buf.copy_(wire)
+    elif mode == "noop":
+        from fastddp import ops
+
+        wire = state._slot_for(0, buf).wire
+        ops.compress(buf, wire, 1.0 / world)
+        ops.decompress(wire, buf, 1.0)
+    else:
+        _reduce(state, buf, 0).wait()
+
+
+def _time(mode, buf, world, state, min_seconds, max_iters):
+    _op(mode, buf, world, state)  # warm-up (and buffer allocation)
+    dist.barrier()
+    start = time.perf_counter()
+    _op(mode, buf, world, state)
+    one = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(one, op=dist.ReduceOp.MAX)  # every rank must run the same number
+    iters = int(max(3, min(max_iters, min_seconds / max(one.item(), 1e-6))))
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        start = time.perf_counter()
+        _op(mode, buf, world, state)
+        times.append(time.perf_counter() - start)
+    median = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64)
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return median.item(), iters
+
+
+def _errors(mode, count, rank, world, state, device):
+    n = min(count, CHECK_ELEMENTS)
+    if mode == "noop":
+        return None, None
+    buf = _data(rank, n).to(device)
+    _op(mode, buf, world, state)
+    ref = sum(_data(r, n).double() for r in range(world)) / world
+    ref = ref.float().double()  # the result is delivered in fp32
+    got = buf.cpu().double()
+    err = (got - ref).norm() / ref.norm().clamp_min(1e-300)
+    bound = _TOL[mode] * ref.abs().max()
+    wrong = int(((got - ref).abs() > bound).sum() + (~torch.isfinite(got)).sum())
+    return err.item(), wrong
+
+
+def sweep(env, args, progress=None):
+    """Run every mode at every size; return one row per (size, mode), on every rank."""
+    world = env.world_size
+    device = env.device
+    sizes = []
+    size = parse_size(args.min_size)
+    while size <= parse_size(args.max_size):
+        sizes.append(size)
+        size *= args.factor
+    rows = []
+    for size in sizes:
+        count = size // 4
+        states = {
+            m: CompressState(dtype=_WIRE[m] if m != "noop" else torch.bfloat16)
+            for m in args.modes
+            if m.startswith("fastddp") or m == "noop"
+        }
+        for mode in args.modes:
+            buf = _data(env.rank, count).to(device)
+            seconds, iters = _time(
+                mode, buf, world, states.get(mode), args.min_seconds, args.max_iters
+            )
+            err, wrong = _errors(mode, count, env.rank, world, states.get(mode), device)
+            wire_dtype = _WIRE[mode]
+            wire_bytes = 0 if wire_dtype is None else count * wire_dtype.itemsize
+            rows.append(
+                {
+                    "size": size,
+                    "size_h": human(size),
+                    "count": count,
+                    "mode": mode,
+                    "type": "none"
+                    if wire_dtype is None
+                    else str(wire_dtype).removeprefix("torch."),
+                    "time_us": seconds * 1e6,
+                    "iters": iters,
+                    "algbw_gbs": size / seconds / 1e9,
+                    "busbw_gbs": wire_bytes * 2 * (world - 1) / world / seconds / 1e9,
+                    "wire_bytes": wire_bytes,
+                    "rel_err": err,
+                    "wrong": wrong,
+                }
+            )
+            if progress is not None:
+                progress()
+            del buf
+    return sizes, rows

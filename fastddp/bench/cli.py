@@ -1,0 +1,169 @@
+"""The command line of ``python -m fastddp.bench {allreduce,ddp}``."""
+
+import argparse
+import sys
+
+import torch
+
+from fastddp.bench import allreduce, ddp, report
+from fastddp.bench.common import add_common_options, run_everywhere
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="python -m fastddp.bench", description=__doc__)
+    sub = p.add_subparsers(dest="what", required=True)
+    a = sub.add_parser(
+        "allreduce",
+        help="all-reduce sweep over message sizes, per mode",
+        description=allreduce.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    a.add_argument("--min-size", default="64K", help="smallest fp32 message (default 64K)")
+    a.add_argument("--max-size", default="256M", help="largest fp32 message (default 256M)")
+    a.add_argument("--factor", type=int, default=4, help="size step factor (default 4)")
+    a.add_argument("--modes", nargs="+", default=allreduce.MODES, choices=allreduce.MODES)
+    a.add_argument("--min-seconds", type=float, default=1.0, help="time per size and mode")
+    a.add_argument("--max-iters", type=int, default=100)
+    add_common_options(a)
+    d = sub.add_parser(
+        "ddp",
+        help="DDP step time per hook",
+        description=ddp.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    d.add_argument("--params", type=int, default=25_000_000, help="model size (default 25M)")
+    d.add_argument("--batch", type=int, default=16)
+    d.add_argument("--steps", type=int, default=30)
+    d.add_argument("--warmup", type=int, default=5)
+    d.add_argument("--modes", nargs="+", default=ddp.MODES, choices=ddp.MODES)
+    add_common_options(d)
+    return p
+
+
+def _check(p, args):
+    if args.what == "allreduce":
+        if "fp32" not in args.modes and args.plot:
+            p.error("--plot compares against fp32: keep fp32 in --modes")
+        if args.factor < 2:
+            p.error("--factor must be at least 2")
+    for name in ("nproc", "threads", "nproc_per_node"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but no CUDA device is visible")
+
+
+def _allreduce_job(env, args):
+    progress = None
+    bar = None
+    if env.rank == 0:
+        try:
+            from rich.progress import Progress
+        except ImportError:
+            Progress = None
+        if Progress is not None:
+            bar = Progress(transient=True)
+            bar.start()
+            total = len(args.modes) * _count_sizes(args)
+            task = bar.add_task("all-reduce sweep", total=total)
+            progress = lambda: bar.advance(task)  # noqa: E731
+    try:
+        _, rows = allreduce.sweep(env, args, progress)
+    finally:
+        if bar is not None:
+            bar.stop()
+    if env.rank != 0:
+        return rows
+    title = f"all-reduce, {env.world_size} ranks, {env.backend} on {env.device.type}" + (
+        f", {env.num_nodes} nodes" if env.num_nodes > 1 else ""
+    )
+    cols = [
+        "size",
+        "count",
+        "mode",
+        "type",
+        "time (us)",
+        "algbw (GB/s)",
+        "wire busbw (GB/s)",
+        "wire bytes",
+        "rel err",
+        "#wrong",
+    ]
+    cells = [
+        [
+            r["size_h"],
+            str(r["count"]),
+            r["mode"],
+            r["type"],
+            f"{r['time_us']:.1f}",
+            f"{r['algbw_gbs']:.3f}",
+            f"{r['busbw_gbs']:.3f}",
+            str(r["wire_bytes"]),
+            "-" if r["rel_err"] is None else f"{r['rel_err']:.2e}",
+            "-" if r["wrong"] is None else str(r["wrong"]),
+        ]
+        for r in rows
+    ]
+    report.table(title, cols, cells)
+    meta = {
+        "world_size": env.world_size,
+        "backend": env.backend,
+        "device": str(env.device),
+        "nodes": env.num_nodes,
+        "torch": torch.__version__,
+    }
+    if args.json:
+        report.write_json(args.json, {"benchmark": "allreduce", **meta, "rows": rows})
+    if args.plot:
+        report.plot_allreduce(args.plot, rows, title)
+    return rows
+
+
+def _count_sizes(args):
+    from fastddp.bench.common import parse_size
+
+    n, size = 0, parse_size(args.min_size)
+    while size <= parse_size(args.max_size):
+        n, size = n + 1, size * args.factor
+    return n
+
+
+def _ddp_job(env, args):
+    rows = ddp.run(env, args)
+    if env.rank != 0:
+        return rows
+    title = (
+        f"DDP step, {rows[0]['params'] / 1e6:.1f}M parameters, {env.world_size} ranks, "
+        f"{env.backend}, {args.steps} steps after {args.warmup} warm-up"
+    )
+    cols = ["mode", "p50 (ms)", "p90 (ms)", "vs fp32", "exposed comm", "all-reduce payload/step"]
+    cells = [
+        [
+            r["mode"],
+            f"{r['p50_ms']:.1f}",
+            f"{r['p90_ms']:.1f}",
+            "-" if r["vs_fp32"] is None else f"{r['vs_fp32']:.2f}x",
+            "-" if r["exposed_comm"] is None else f"{100 * r['exposed_comm']:.0f} %",
+            f"{r['payload_bytes'] / 1e6:.1f} MB",
+        ]
+        for r in rows
+    ]
+    report.table(title, cols, cells)
+    if args.json:
+        meta = {"world_size": env.world_size, "backend": env.backend, "nodes": env.num_nodes}
+        report.write_json(args.json, {"benchmark": "ddp", **meta, "rows": rows})
+    return rows
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = _parser()
+    args = p.parse_args(argv)
+    _check(p, args)
+    job = _allreduce_job if args.what == "allreduce" else _ddp_job
+    result = run_everywhere(job, args, argv)
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

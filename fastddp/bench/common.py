@@ -1,0 +1,137 @@
+"""What the benchmarks share: rank setup (any launcher, own spawn, or a two-node link)."""
+
+import os
+import sys
+import tempfile
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import fastddp
+
+
+def run_everywhere(fn, args, argv):
+    """Call ``fn(env, args)`` on every rank: under a launcher, over ``--link``, or spawned.
+
+    ``argv`` is the benchmark's own command line, re-used on the two nodes of ``--link``.
+    Returns ``fn``'s result on a launched or spawned rank 0 (None elsewhere).
+    """
+    if "RANK" in os.environ:  # started by a launcher
+        backend = "nccl" if args.device == "cuda" else "gloo"
+        with fastddp.distributed_session(backend=backend, timeout=timedelta(minutes=10)) as env:
+            result = fn(env, args)
+        _exit_now(0)
+        return result
+    if args.link:
+        return _over_link(args, argv)
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{os.path.join(tmp, 'store')}"
+        mp.start_processes(_spawned, args=(fn, args, init), nprocs=args.nproc, start_method="spawn")
+    return None
+
+
+def _spawned(rank, fn, args, init):
+    torch.set_num_threads(args.threads)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(rank))
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=args.nproc, timeout=timedelta(minutes=10)
+    )
+    env = fastddp.DistEnv(
+        rank=rank,
+        local_rank=rank,
+        world_size=args.nproc,
+        local_world_size=args.nproc,
+        node_rank=0,
+        num_nodes=1,
+        device=torch.device("cpu"),
+        backend="gloo",
+        master_addr="",
+        master_port=0,
+        launcher="spawn",
+    )
+    try:
+        fn(env, args)
+    finally:
+        dist.destroy_process_group()
+    _exit_now(0)
+
+
+def _over_link(args, argv):
+    from fastddp import netns
+
+    rest = _drop_option(argv, "--link")
+    module = [
+        sys.executable,
+        "-m",
+        "fastddp.netns",
+        "--rate",
+        args.link,
+        "--nproc-per-node",
+        str(args.nproc_per_node),
+        "-m",
+        "fastddp.bench",
+        *rest,
+    ]
+    import subprocess
+
+    why = netns.unavailable_reason()
+    if why:
+        raise SystemExit(f"fastddp.bench: --link needs network namespaces: {why}")
+    return subprocess.run(module, check=False).returncode
+
+
+def _drop_option(argv, name):
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+            continue
+        if item == name:
+            skip = True
+            continue
+        if item.startswith(name + "="):
+            continue
+        out.append(item)
+    return out
+
+
+def _exit_now(code):
+    # After a clean shutdown, skip interpreter finalisation: with torch 2.13 it can abort in
+    # Gloo's threads ("terminate called without an active exception") and fail a good run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def parse_size(text):
+    """'64K' -> 65536, '256M' -> 268435456, '1G', or plain bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def human(nbytes):
+    for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= size and nbytes % (size // 4 or 1) == 0:
+            value = nbytes / size
+            return f"{value:g}{unit}"
+    return str(nbytes)
+
+
+def add_common_options(p):
+    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn without a launcher")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per spawned rank")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument(
+        "--link",
+        metavar="RATE",
+        help="run as two nodes over a veth limited to RATE (e.g. 1gbit; needs root)",
+    )
+    p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node with --link")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")

@@ -1,0 +1,93 @@
+"""End-to-end DDP step time per communication hook.
+
+Modes: ``fp32`` (no hook), ``torch-fp16`` (PyTorch's ``fp16_compress_hook``), ``fastddp-bf16``,
+``fastddp-fp16``, and ``noop`` (PyTorch's ``noop_hook``: no communication, the floor). A step
+is forward, backward (with the hook's all-reduces) and an SGD update; p50/p90 are over the
+slowest rank's step times after warm-up. Exposed communication = (p50 - p50 of noop) / p50.
+"""
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fastddp
+
+MODES = ["fp32", "torch-fp16", "fastddp-bf16", "fastddp-fp16", "noop"]
+
+
+def _model(params, device):
+    # A stack of square layers sized to land near `params` parameters (2048 wide when large).
+    width = 2048 if params >= 4 * 2048 * 2048 else max(16, int((params / 2) ** 0.5))
+    depth = max(1, round(params / (width * width + width)))
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers[:-1]).to(device), width
+
+
+def _register(model, mode):
+    if mode == "torch-fp16":
+        model.register_comm_hook(None, fp16_compress_hook)
+    elif mode == "noop":
+        model.register_comm_hook(None, noop_hook)
+    elif mode.startswith("fastddp"):
+        dtype = torch.bfloat16 if mode.endswith("bf16") else torch.float16
+        state = fastddp.CompressState(dtype=dtype)
+        model.register_comm_hook(state, fastddp.compress_hook)
+        return state
+    return None
+
+
+def _percentile(values, q):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def run_mode(env, args, mode):
+    module, width = _model(args.params, env.device)
+    model = DDP(module)
+    state = _register(model, mode)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(env.rank)
+    x = torch.randn(args.batch, width, generator=gen).to(env.device)
+    times = []
+    for _ in range(args.warmup + args.steps):
+        dist.barrier()
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        model(x).square().mean().backward()
+        opt.step()
+        if env.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    steps = torch.tensor(times[args.warmup :], dtype=torch.float64)
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+    numel = sum(p.numel() for p in model.parameters())
+    payload = {"fp32": 4, "torch-fp16": 2, "fastddp-bf16": 2, "fastddp-fp16": 2, "noop": 0}[mode]
+    result = {
+        "mode": mode,
+        "params": numel,
+        "p50_ms": _percentile(steps.tolist(), 0.5) * 1e3,
+        "p90_ms": _percentile(steps.tolist(), 0.9) * 1e3,
+        "payload_bytes": numel * payload,
+        "steps": args.steps,
+    }
+    if state is not None:
+        assert state.stats()["nonfinite_events"] == 0
+    return result
+
+
+def run(env, args):
+    rows = [run_mode(env, args, mode) for mode in args.modes]
+    floor = next((r["p50_ms"] for r in rows if r["mode"] == "noop"), None)
+    base = next((r["p50_ms"] for r in rows if r["mode"] == "fp32"), None)
+    for r in rows:
+        r["vs_fp32"] = r["p50_ms"] / base if base else None
+        r["exposed_comm"] = (r["p50_ms"] - floor) / r["p50_ms"] if floor is not None else None
+    return rows

@@ -1,0 +1,60 @@
+"""Tables (rich when installed), JSON and plots for the benchmarks."""
+
+import json
+
+
+def table(title, columns, rows):
+    """Print ``rows`` (lists of strings) under ``columns``, with rich when it is installed."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+        print(title)
+        for row in [columns, *rows]:
+            print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+        return
+    t = Table(title=title)
+    for c in columns:
+        t.add_column(c, justify="right")
+    for r in rows:
+        t.add_row(*r)
+    Console(width=max(120, Console().width)).print(t)
+
+
+def write_json(path, payload):
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+
+
+def plot_allreduce(path, rows, title):
+    """busbw and speed-up over fp32 against message size, one line per mode."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit(
+            "fastddp.bench: --plot needs matplotlib (pip install matplotlib)"
+        ) from None
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    base = {r["size"]: r["time_us"] for r in rows if r["mode"] == "fp32"}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for mode in modes:
+        mine = [r for r in rows if r["mode"] == mode]
+        xs = [r["size"] for r in mine]
+        if mode != "noop":
+            ax1.plot(xs, [r["busbw_gbs"] for r in mine], marker="o", label=mode)
+        if base:
+            ax2.plot(xs, [base[r["size"]] / r["time_us"] for r in mine], marker="o", label=mode)
+    for ax, label in ((ax1, "wire busbw (GB/s)"), (ax2, "speed-up over fp32 (x)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("message size (fp32 bytes)")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    ax2.set_yscale("log", base=2)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,125 @@
+"""python -m fastddp.bench: the sweep's columns, JSON and plot, the DDP benchmark, --link."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fastddp import netns
+
+BENCH = [sys.executable, "-m", "fastddp.bench"]
+
+
+def _run(args, timeout=240):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run([*BENCH, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_allreduce_sweep_columns_json_and_plot(tmp_path):
+    out = tmp_path / "ar.json"
+    png = tmp_path / "ar.png"
+    args = [
+        "allreduce",
+        "--min-size",
+        "64K",
+        "--max-size",
+        "1M",
+        "--min-seconds",
+        "0.05",
+        "--max-iters",
+        "5",
+        "--json",
+        str(out),
+    ]
+    try:
+        import matplotlib  # noqa: F401
+
+        args += ["--plot", str(png)]
+    except ImportError:
+        png = None
+    res = _run(args)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert data["world_size"] == 2
+    assert [r["size"] for r in rows[::5]] == [65536, 262144, 1048576]
+    assert [r["mode"] for r in rows[:5]] == [
+        "fp32",
+        "torch-fp16",
+        "fastddp-fp16",
+        "fastddp-bf16",
+        "noop",
+    ]
+    for r in rows:
+        t = r["time_us"] * 1e-6
+        assert r["count"] * 4 == r["size"]
+        assert r["algbw_gbs"] == pytest.approx(r["size"] / t / 1e9)
+        assert r["busbw_gbs"] == pytest.approx(r["wire_bytes"] * 2 * (2 - 1) / 2 / t / 1e9)
+        if r["mode"] == "noop":
+            assert r["rel_err"] is None and r["wire_bytes"] == 0
+            continue
+        assert r["wrong"] == 0
+        bound = {"float32": 0.0, "float16": 2**-11, "bfloat16": 2**-8}[r["type"]]
+        assert r["rel_err"] <= bound, r
+        assert r["wire_bytes"] == r["count"] * (4 if r["type"] == "float32" else 2)
+        # The table shows the same figures.
+        assert f"{r['time_us']:.1f}" in res.stdout
+    if png is not None:
+        assert png.stat().st_size > 10_000
+
+
+def test_ddp_step_benchmark(tmp_path):
+    out = tmp_path / "ddp.json"
+    res = _run(["ddp", "--params", "200000", "--steps", "3", "--warmup", "1", "--json", str(out)])
+    assert res.returncode == 0, res.stderr
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"fp32", "torch-fp16", "fastddp-bf16", "fastddp-fp16", "noop"}
+    assert rows["noop"]["exposed_comm"] == 0 and rows["fp32"]["vs_fp32"] == 1
+    assert rows["fastddp-bf16"]["payload_bytes"] * 2 == rows["fp32"]["payload_bytes"]
+    for r in rows.values():
+        assert 0 < r["p50_ms"] <= r["p90_ms"]
+    assert "exposed comm" in res.stdout
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["allreduce", "--factor", "1"], "--factor must be at least 2"),
+        (["allreduce", "--modes", "noop", "--plot", "x.png"], "keep fp32 in --modes"),
+        (["ddp", "--nproc", "0"], "--nproc must be at least 1"),
+    ],
+)
+def test_bad_options(args, message):
+    res = _run(args, timeout=60)
+    assert res.returncode == 2 and message in res.stderr
+
+
+def test_allreduce_over_a_two_node_link(tmp_path):
+    why = netns.unavailable_reason()
+    if why:
+        pytest.skip(why)
+    out = tmp_path / "link.json"
+    res = _run(
+        [
+            "allreduce",
+            "--link",
+            "1gbit",
+            "--min-size",
+            "256K",
+            "--max-size",
+            "256K",
+            "--modes",
+            "fp32",
+            "fastddp-bf16",
+            "--min-seconds",
+            "0.2",
+            "--json",
+            str(out),
+        ]
+    )
+    assert res.returncode == 0, res.stderr
+    data = json.loads(out.read_text())
+    assert data["nodes"] == 2 and data["world_size"] == 2
+    assert "2 nodes" in res.stdout
