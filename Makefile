@@ -18,7 +18,7 @@ $(VENV)/.deps: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q numpy ninja pybind11 setuptools wheel "cmake>=3.28" \
-		pytest pytest-timeout pytest-benchmark ruff rich
+		pytest pytest-timeout pytest-benchmark ruff rich matplotlib
 	touch $@
 
 setup: $(VENV)/.deps
