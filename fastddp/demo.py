@@ -14,7 +14,6 @@ import argparse
 import copy
 import os
 import statistics
-import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -25,6 +24,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
+from fastddp.bench import report
+from fastddp.distributed import exit_after_shutdown
 
 MODES = {"plain fp32": None, "fastddp bf16": torch.bfloat16, "fastddp fp16": torch.float16}
 
@@ -123,21 +124,7 @@ def _print_table(rows, args, world):
         ]
         for r in rows
     ]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-        print(head)
-        for row in [cols, *cells]:
-            print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
-    else:
-        table = Table(title=head)
-        for c in cols:
-            table.add_column(c, justify="right")
-        for row in cells:
-            table.add_row(*row)
-        Console(width=max(110, Console().width)).print(table)
+    report.table(head, cols, cells)
     print(
         "payload: the all-reduce message; sent: payload x 2(n-1)/n, what a ring sends per rank.\n"
         "max grad dev: max |hook gradient - exact fp32 average| / max |exact|, same weights."
@@ -160,15 +147,7 @@ def _spawned(rank, world, init, args):
         _run(rank, world, args)
     finally:
         dist.destroy_process_group()
-    _exit_now()
-
-
-def _exit_now():
-    # After a clean shutdown, skip interpreter finalisation: with torch 2.13 it can abort in
-    # Gloo's threads ("terminate called without an active exception") and fail a good run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_after_shutdown()
 
 
 def main(argv=None):
@@ -201,7 +180,7 @@ def main(argv=None):
         # Gloo on CPU even where GPUs exist: this demo compares the CPU paths.
         with fastddp.distributed_session(backend="gloo", timeout=timedelta(seconds=120)) as env:
             _run(env.rank, env.world_size, args)
-        _exit_now()
+        exit_after_shutdown()
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -5,6 +5,7 @@ import dataclasses
 import gc
 import os
 import socket
+import sys
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Optional
@@ -232,6 +233,18 @@ def shutdown_distributed() -> None:
         gc.collect()  # DDP models caught in reference cycles release the group now
         dist.destroy_process_group()
     _env = None
+
+
+def exit_after_shutdown(code: int = 0) -> None:
+    """Flush output and end the process now, skipping interpreter finalisation.
+
+    With torch 2.13, a Gloo process can abort during finalisation even after a clean
+    ``destroy_process_group()`` ("terminate called without an active exception"), turning a
+    good run into a failed one. fastddp's own workers call this once they are done.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @contextlib.contextmanager

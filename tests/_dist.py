@@ -3,7 +3,6 @@
 import faulthandler
 import gc
 import os
-import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -11,6 +10,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from fastddp.distributed import exit_after_shutdown
 
 # Every collective gives up after this long, so a broken test fails instead of hanging.
 PG_TIMEOUT = timedelta(seconds=60)
@@ -31,12 +32,8 @@ def _entry(rank, fn, world_size, init_method, args):
         gc.collect()
         dist.destroy_process_group()
         gc.collect()
-    # Skip interpreter finalisation: with torch 2.13 it can abort in Gloo's threads after a
-    # clean shutdown ("terminate called without an active exception"). Errors raised above
-    # never get here; they reach the parent as usual.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # Errors raised above never get here; they reach the parent as usual.
+    exit_after_shutdown()
 
 
 def run_ranks(fn, world_size, *args, timeout=180.0):

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import fastddp
+from fastddp.distributed import exit_after_shutdown
 
 
 def run_everywhere(fn, args, argv):
@@ -21,7 +22,7 @@ def run_everywhere(fn, args, argv):
         backend = "nccl" if args.device == "cuda" else "gloo"
         with fastddp.distributed_session(backend=backend, timeout=timedelta(minutes=10)) as env:
             result = fn(env, args)
-        _exit_now(0)
+        exit_after_shutdown()
         return result
     if args.link:
         return _over_link(args, argv)
@@ -56,7 +57,7 @@ def _spawned(rank, fn, args, init):
         fn(env, args)
     finally:
         dist.destroy_process_group()
-    _exit_now(0)
+    exit_after_shutdown()
 
 
 def _over_link(args, argv):
@@ -96,14 +97,6 @@ def _drop_option(argv, name):
             continue
         out.append(item)
     return out
-
-
-def _exit_now(code):
-    # After a clean shutdown, skip interpreter finalisation: with torch 2.13 it can abort in
-    # Gloo's threads ("terminate called without an active exception") and fail a good run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def parse_size(text):
