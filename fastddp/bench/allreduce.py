@@ -94,15 +94,20 @@ def _errors(mode, count, rank, world, state, device):
     return err.item(), wrong
 
 
+def message_sizes(args):
+    """The fp32 message sizes of the sweep: min, min x factor, ... up to max."""
+    sizes, size = [], parse_size(args.min_size)
+    while size <= parse_size(args.max_size):
+        sizes.append(size)
+        size *= args.factor
+    return sizes
+
+
 def sweep(env, args, progress=None):
     """Run every mode at every size; return one row per (size, mode), on every rank."""
     world = env.world_size
     device = env.device
-    sizes = []
-    size = parse_size(args.min_size)
-    while size <= parse_size(args.max_size):
-        sizes.append(size)
-        size *= args.factor
+    sizes = message_sizes(args)
     rows = []
     for size in sizes:
         count = size // 4

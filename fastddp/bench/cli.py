@@ -64,7 +64,7 @@ def _allreduce_job(env, args):
         if Progress is not None:
             bar = Progress(transient=True)
             bar.start()
-            total = len(args.modes) * _count_sizes(args)
+            total = len(args.modes) * len(allreduce.message_sizes(args))
             task = bar.add_task("all-reduce sweep", total=total)
             progress = lambda: bar.advance(task)  # noqa: E731
     try:
@@ -117,15 +117,6 @@ def _allreduce_job(env, args):
     if args.plot:
         report.plot_allreduce(args.plot, rows, title)
     return rows
-
-
-def _count_sizes(args):
-    from fastddp.bench.common import parse_size
-
-    n, size = 0, parse_size(args.min_size)
-    while size <= parse_size(args.max_size):
-        n, size = n + 1, size * args.factor
-    return n
 
 
 def _ddp_job(env, args):
