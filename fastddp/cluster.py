@@ -272,7 +272,10 @@ def process_settings(env: Mapping[str, str]) -> tuple[str, dict[str, Setting]]:
         out["master_port"] = Setting(slurm_port(env.get("SLURM_JOB_ID", "0")), "SLURM_JOB_ID")
         _master_overlay(env, out)
         if "master_addr" not in out:
-            raise ClusterError("srun task without SLURM_JOB_NODELIST or MASTER_ADDR")
+            raise ClusterError(
+                "srun task without SLURM_JOB_NODELIST or MASTER_ADDR: export MASTER_ADDR "
+                "(rank 0's host) to every task"
+            )
         return "slurm", out
     rank = _first(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK")
     size = _first(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")

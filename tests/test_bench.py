@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from fastddp import netns
 
@@ -94,6 +95,22 @@ def test_ddp_step_benchmark(tmp_path):
 def test_bad_options(args, message):
     res = _run(args, timeout=60)
     assert res.returncode == 2 and message in res.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+def test_cuda_without_a_gpu_is_refused():
+    res = _run(["allreduce", "--device", "cuda"], timeout=60)
+    assert res.returncode == 2 and "--device cuda, but no CUDA device is visible" in res.stderr
+
+
+def test_demo_refuses_bad_options():
+    res = subprocess.run(
+        [sys.executable, "-m", "fastddp.demo", "--steps", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2 and "--steps must be at least 1" in res.stderr
 
 
 def test_allreduce_over_a_two_node_link(tmp_path):

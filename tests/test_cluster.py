@@ -146,3 +146,11 @@ def test_process_settings_errors():
         process_settings({"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
     with pytest.raises(ClusterError, match="MASTER_ADDR is not set"):
         process_settings({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"})
+
+
+def test_more_environment_errors():
+    with pytest.raises(ClusterError, match="no OMPI_COMM_WORLD_\\* or PMI_\\* variables"):
+        launcher_settings({}, "mpi")
+    srun = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}
+    with pytest.raises(ClusterError, match="srun task without SLURM_JOB_NODELIST or MASTER_ADDR"):
+        process_settings(srun)

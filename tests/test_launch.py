@@ -329,6 +329,33 @@ def test_init_distributed_single_process_is_idempotent():
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 
 
+def test_init_distributed_refuses_bad_ranks_and_foreign_groups():
+    import fastddp
+
+    bad = {
+        "RANK": "2",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+    }
+    with pytest.raises(fastddp.ClusterError, match="rank 2 is outside world size 2"):
+        fastddp.init_distributed(environ=bad)
+    code = (
+        "import torch.distributed as dist, fastddp\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+        "try:\n"
+        "    fastddp.init_distributed()\n"
+        "except fastddp.ClusterError as e:\n"
+        "    print(e)\n"
+        "dist.destroy_process_group()\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60
+    )
+    assert "torch.distributed was initialised elsewhere" in res.stdout, res.stderr
+
+
 # ------------------------------------------------------------- two nodes: network namespaces
 
 

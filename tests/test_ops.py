@@ -235,3 +235,12 @@ def test_mismatched_build_names_the_rebuild_command():
     assert res.returncode != 0
     assert "built against torch 1.0.0" in res.stderr
     assert "pip install --no-build-isolation -e ." in res.stderr
+
+
+def test_missing_build_names_the_rebuild_command():
+    # A None entry in sys.modules makes `import fastddp._C` fail, as a missing build does.
+    code = "import sys\nsys.modules['fastddp._C'] = None\nimport fastddp\n"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "fastddp's compiled extension could not be loaded" in res.stderr
+    assert "pip install --no-build-isolation -e ." in res.stderr
