@@ -34,7 +34,9 @@ def _extension():
         ("FASTDDP_WITH_CUDA", "1" if with_cuda else "0"),
     ]
     # -fopenmp: at::parallel_for is an inline OpenMP region; without it the loops run serially.
-    cxx = ["-O3", "-fopenmp", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+    # -ffp-contract=off: the accumulating ops must round a * b + c twice, as the CUDA kernels and
+    # the torch reference do, not fuse it into one FMA.
+    cxx = ["-O3", "-fopenmp", "-ffp-contract=off", "-Wall", "-Wextra", "-Wno-unused-parameter"]
     kwargs = dict(
         name="fastddp._C",
         # setuptools wants sources relative to setup.py; include dirs stay absolute.
@@ -44,7 +46,7 @@ def _extension():
         extra_link_args=["-fopenmp"],
     )
     if with_cuda:
-        nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
+        nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-Xcompiler=-ffp-contract=off"]
         return cpp_extension.CUDAExtension(**kwargs, extra_compile_args={"cxx": cxx, "nvcc": nvcc})
     return cpp_extension.CppExtension(**kwargs, extra_compile_args={"cxx": cxx})
 

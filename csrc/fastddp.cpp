@@ -14,10 +14,28 @@
 TORCH_LIBRARY(fastddp, m) {
   // Scale an fp32 bucket and round it to fp16/bf16 into `dst` in one pass. When given,
   // `found_nonfinite` (int32, one element) is set to 1 if any written value is inf/NaN, else 0.
+  // With `residual` (fp32, error feedback) the rounded value is src * scale + residual and the
+  // residual becomes what the rounding dropped. `seed` >= 0 rounds stochastically.
   m.def(
-      "compress(Tensor src, Tensor(a!) dst, float scale, Tensor(b!)? found_nonfinite=None) -> ()");
+      "compress(Tensor src, Tensor(a!) dst, float scale, Tensor(b!)? found_nonfinite=None, "
+      "Tensor(c!)? residual=None, int seed=-1) -> ()");
   // Widen a fp16/bf16 buffer into the fp32 bucket `dst`, times `scale`, in one pass.
   m.def("decompress(Tensor src, Tensor(a!) dst, float scale) -> ()");
+  // Sum the P rows of the 16-bit `src` [P, m] in fp32, times `scale`, and round once into the
+  // 16-bit `dst` [m]; `found_nonfinite`, `residual` and `seed` as for compress.
+  m.def(
+      "sum_chunks(Tensor src, Tensor(a!) dst, float scale, Tensor(b!)? found_nonfinite=None, "
+      "Tensor(c!)? residual=None, int seed=-1) -> ()");
+  // Quantise src * scale (+ residual) to int8 `dst` with one fp32 scale (absmax / 127) per
+  // block of `block_size` elements; the last block may be short.
+  m.def(
+      "quantize_int8(Tensor src, Tensor(a!) dst, Tensor(b!) scales, int block_size, float scale, "
+      "Tensor(c!)? found_nonfinite=None, Tensor(d!)? residual=None, int seed=-1) -> ()");
+  // Dequantise the P rows of int8 `src` [P, m] (scales [P, ceil(m / block_size)]) and sum them
+  // in fp32 into `dst` [m], times `scale`.
+  m.def(
+      "dequantize_int8(Tensor src, Tensor scales, Tensor(a!) dst, int block_size, float scale) "
+      "-> ()");
 }
 
 extern "C" {

@@ -16,6 +16,8 @@ def compress(
     dst: torch.Tensor,
     scale: float = 1.0,
     found_nonfinite: Optional[torch.Tensor] = None,
+    residual: Optional[torch.Tensor] = None,
+    seed: int = -1,
 ) -> None:
     """Write ``(src * scale)`` rounded to ``dst.dtype`` (fp16/bf16) into ``dst``, in one pass.
 
@@ -25,8 +27,13 @@ def compress(
         scale: factor applied in fp32 before rounding (to nearest even).
         found_nonfinite: optional one-element int32 tensor, set to 1 if any value written to
             ``dst`` is inf or NaN (for fp16, an overflow), else 0.
+        residual: optional float32 tensor like ``src`` (error feedback): the value rounded is
+            ``src * scale + residual``, and ``residual`` becomes what the rounding dropped
+            (left unchanged where the result is inf or NaN).
+        seed: ``>= 0`` rounds stochastically with random numbers drawn from this seed and the
+            element index (the same on every device); ``-1`` rounds to nearest even.
     """
-    torch.ops.fastddp.compress.default(src, dst, scale, found_nonfinite)
+    torch.ops.fastddp.compress.default(src, dst, scale, found_nonfinite, residual, seed)
 
 
 def decompress(src: torch.Tensor, dst: torch.Tensor, scale: float = 1.0) -> None:
@@ -40,6 +47,74 @@ def decompress(src: torch.Tensor, dst: torch.Tensor, scale: float = 1.0) -> None
     torch.ops.fastddp.decompress.default(src, dst, scale)
 
 
+def sum_chunks(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    scale: float = 1.0,
+    found_nonfinite: Optional[torch.Tensor] = None,
+    residual: Optional[torch.Tensor] = None,
+    seed: int = -1,
+) -> None:
+    """Sum the rows of ``src`` in fp32, times ``scale``, and round once into ``dst``.
+
+    The reduce step of a reduce-scatter whose payload is 16-bit: one rounding in all, however
+    many rows (ranks) there are.
+
+    Args:
+        src: contiguous float16 or bfloat16 tensor of shape ``[chunks, m]``.
+        dst: contiguous tensor of ``m`` elements, of ``src``'s dtype and device.
+        scale, found_nonfinite, residual, seed: as for :func:`compress`, applied to the sum.
+    """
+    torch.ops.fastddp.sum_chunks.default(src, dst, scale, found_nonfinite, residual, seed)
+
+
+def quantize_int8(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    scales: torch.Tensor,
+    block_size: int,
+    scale: float = 1.0,
+    found_nonfinite: Optional[torch.Tensor] = None,
+    residual: Optional[torch.Tensor] = None,
+    seed: int = -1,
+) -> None:
+    """Quantise ``src * scale`` to int8 with one absmax scale per block, in one pass.
+
+    For each block of ``block_size`` elements (the last may be shorter), ``scales[b]`` becomes
+    ``absmax / 127`` and ``dst = round(v / scales[b])``. A block holding inf or NaN gets a NaN
+    scale and zeros, so that it dequantises to NaN.
+
+    Args:
+        src: contiguous float32 tensor of ``n`` elements.
+        dst: contiguous int8 tensor of ``n`` elements, same device.
+        scales: contiguous float32 tensor of ``ceil(n / block_size)`` elements.
+        block_size: elements per scale, at least 1.
+        scale, found_nonfinite, residual, seed: as for :func:`compress`.
+    """
+    torch.ops.fastddp.quantize_int8.default(
+        src, dst, scales, block_size, scale, found_nonfinite, residual, seed
+    )
+
+
+def dequantize_int8(
+    src: torch.Tensor,
+    scales: torch.Tensor,
+    dst: torch.Tensor,
+    block_size: int,
+    scale: float = 1.0,
+) -> None:
+    """Dequantise the rows of ``src`` and sum them in fp32 into ``dst``, times ``scale``.
+
+    Args:
+        src: contiguous int8 tensor of shape ``[chunks, m]``.
+        scales: contiguous float32 tensor of ``chunks * ceil(m / block_size)`` elements.
+        dst: contiguous float32 tensor of ``m`` elements, same device.
+        block_size: elements per scale.
+        scale: factor applied to the sum.
+    """
+    torch.ops.fastddp.dequantize_int8.default(src, scales, dst, block_size, scale)
+
+
 def _check_pair(op: str, bucket: torch.Tensor, wire: torch.Tensor) -> None:
     # Mirrors csrc/include/fastddp/checks.h so that tracing rejects what the kernels reject.
     torch._check(bucket.dtype == torch.float32, lambda: f"fastddp.{op}: bucket must be float32")
@@ -49,8 +124,32 @@ def _check_pair(op: str, bucket: torch.Tensor, wire: torch.Tensor) -> None:
 
 
 @torch.library.register_fake("fastddp::compress")
-def _compress_fake(src, dst, scale, found_nonfinite=None):
+def _compress_fake(src, dst, scale, found_nonfinite=None, residual=None, seed=-1):
     _check_pair("compress", src, dst)
+    return None
+
+
+@torch.library.register_fake("fastddp::sum_chunks")
+def _sum_chunks_fake(src, dst, scale, found_nonfinite=None, residual=None, seed=-1):
+    torch._check(src.dim() == 2, lambda: "fastddp.sum_chunks: src must be [chunks, m]")
+    torch._check(src.dtype == dst.dtype, lambda: "fastddp.sum_chunks: dtypes differ")
+    torch._check(dst.numel() == src.shape[1], lambda: "fastddp.sum_chunks: lengths differ")
+    return None
+
+
+@torch.library.register_fake("fastddp::quantize_int8")
+def _quantize_int8_fake(
+    src, dst, scales, block_size, scale, found_nonfinite=None, residual=None, seed=-1
+):
+    torch._check(dst.dtype == torch.int8, lambda: "fastddp.quantize_int8: dst must be int8")
+    torch._check(src.numel() == dst.numel(), lambda: "fastddp.quantize_int8: lengths differ")
+    return None
+
+
+@torch.library.register_fake("fastddp::dequantize_int8")
+def _dequantize_int8_fake(src, scales, dst, block_size, scale):
+    torch._check(src.dim() == 2, lambda: "fastddp.dequantize_int8: src must be [chunks, m]")
+    torch._check(dst.numel() == src.shape[1], lambda: "fastddp.dequantize_int8: lengths differ")
     return None
 
 

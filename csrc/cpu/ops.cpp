@@ -7,10 +7,12 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <algorithm>
 #include <optional>
 
 #include "fastddp/checks.h"
 #include "fastddp/dispatch.h"
+#include "accum.h"
 #include "loops.h"
 
 namespace fastddp {
@@ -46,18 +48,47 @@ void decompress_chunk(
   cpu::decompress_bf16(static_cast<const uint16_t*>(src), dst, n, scale, st);
 }
 
+math::WireKind kind_of(c10::ScalarType t) {
+  return t == c10::ScalarType::BFloat16 ? math::WireKind::kBf16 : math::WireKind::kFp16;
+}
+
+float* residual_ptr(const std::optional<at::Tensor>& residual) {
+  return residual.has_value() ? residual->data_ptr<float>() : nullptr;
+}
+
+void set_flag(const std::optional<at::Tensor>& flag, const std::atomic<bool>& bad) {
+  if (flag.has_value()) {
+    *flag->data_ptr<int32_t>() = bad.load() ? 1 : 0;
+  }
+}
+
 void compress_cpu(
     const at::Tensor& src,
     const at::Tensor& dst,
     double scale,
-    const std::optional<at::Tensor>& found_nonfinite) {
+    const std::optional<at::Tensor>& found_nonfinite,
+    const std::optional<at::Tensor>& residual,
+    int64_t seed) {
   check_bucket_and_wire("compress", src, dst);
   check_flag("compress", found_nonfinite, src);
+  check_residual("compress", residual, src);
   const float* in = src.const_data_ptr<float>();
-  char* out = static_cast<char*>(dst.data_ptr());
   const float s = static_cast<float>(scale);
-  const bool stream = src.numel() * 4 >= stream_min_bytes();
   std::atomic<bool> bad{false};
+  if (residual.has_value() || seed >= 0) {
+    uint16_t* out = static_cast<uint16_t*>(dst.data_ptr());
+    float* res = residual_ptr(residual);
+    const math::WireKind kind = kind_of(dst.scalar_type());
+    at::parallel_for(0, src.numel(), kGrain, [&](int64_t begin, int64_t end) {
+      if (cpu::compress_feedback(kind, in, out, res, begin, end, s, seed)) {
+        bad.store(true, std::memory_order_relaxed);
+      }
+    });
+    set_flag(found_nonfinite, bad);
+    return;
+  }
+  char* out = static_cast<char*>(dst.data_ptr());
+  const bool stream = src.numel() * 4 >= stream_min_bytes();
   FASTDDP_DISPATCH_WIRE(dst.scalar_type(), "compress", [&] {
     at::parallel_for(0, src.numel(), kGrain, [&](int64_t begin, int64_t end) {
       const bool chunk_bad = compress_chunk(
@@ -71,9 +102,7 @@ void compress_cpu(
       }
     });
   });
-  if (found_nonfinite.has_value()) {
-    *found_nonfinite->data_ptr<int32_t>() = bad.load() ? 1 : 0;
-  }
+  set_flag(found_nonfinite, bad);
 }
 
 void decompress_cpu(const at::Tensor& src, const at::Tensor& dst, double scale) {
@@ -94,11 +123,96 @@ void decompress_cpu(const at::Tensor& src, const at::Tensor& dst, double scale) 
   });
 }
 
+void sum_chunks_cpu(
+    const at::Tensor& src,
+    const at::Tensor& dst,
+    double scale,
+    const std::optional<at::Tensor>& found_nonfinite,
+    const std::optional<at::Tensor>& residual,
+    int64_t seed) {
+  check_chunks_and_shard("sum_chunks", src, dst);
+  check_flag("sum_chunks", found_nonfinite, src);
+  check_residual("sum_chunks", residual, dst);
+  const uint16_t* in = static_cast<const uint16_t*>(src.const_data_ptr());
+  uint16_t* out = static_cast<uint16_t*>(dst.data_ptr());
+  float* res = residual_ptr(residual);
+  const math::WireKind kind = kind_of(src.scalar_type());
+  const int64_t chunks = src.size(0);
+  const int64_t m = src.size(1);
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, m, std::max<int64_t>(1, kGrain / chunks), [&](int64_t begin, int64_t end) {
+    if (cpu::sum_chunks(
+            kind, in, chunks, m, out, res, begin, end, static_cast<float>(scale), seed)) {
+      bad.store(true, std::memory_order_relaxed);
+    }
+  });
+  set_flag(found_nonfinite, bad);
+}
+
+void quantize_int8_cpu(
+    const at::Tensor& src,
+    const at::Tensor& dst,
+    const at::Tensor& scales,
+    int64_t block,
+    double scale,
+    const std::optional<at::Tensor>& found_nonfinite,
+    const std::optional<at::Tensor>& residual,
+    int64_t seed) {
+  check_int8_pair("quantize_int8", src, dst, scales, 1, block);
+  TORCH_CHECK(
+      src.numel() == dst.numel(),
+      "fastddp.quantize_int8: src has ", src.numel(), " elements but dst has ", dst.numel());
+  check_flag("quantize_int8", found_nonfinite, src);
+  check_residual("quantize_int8", residual, src);
+  const int64_t n = src.numel();
+  const float* in = src.const_data_ptr<float>();
+  int8_t* out = dst.data_ptr<int8_t>();
+  float* sc = scales.data_ptr<float>();
+  float* res = residual_ptr(residual);
+  std::atomic<bool> bad{false};
+  const int64_t grain = std::max<int64_t>(1, kGrain / block);
+  at::parallel_for(0, blocks_of(n, block), grain, [&](int64_t first, int64_t last) {
+    if (cpu::quantize_int8(
+            in, out, sc, res, n, block, first, last, static_cast<float>(scale), seed)) {
+      bad.store(true, std::memory_order_relaxed);
+    }
+  });
+  set_flag(found_nonfinite, bad);
+}
+
+void dequantize_int8_cpu(
+    const at::Tensor& src,
+    const at::Tensor& scales,
+    const at::Tensor& dst,
+    int64_t block,
+    double scale) {
+  TORCH_CHECK(
+      src.dim() == 2,
+      "fastddp.dequantize_int8: src must have shape [chunks, m] (one row per rank), got ",
+      src.sizes());
+  check_int8_pair("dequantize_int8", dst, src, scales, src.size(0), block);
+  TORCH_CHECK(
+      dst.numel() == src.size(1),
+      "fastddp.dequantize_int8: dst has ", dst.numel(), " elements but each row has ",
+      src.size(1));
+  const int64_t chunks = src.size(0);
+  const int64_t m = src.size(1);
+  const int8_t* in = src.const_data_ptr<int8_t>();
+  const float* sc = scales.const_data_ptr<float>();
+  float* out = dst.data_ptr<float>();
+  at::parallel_for(0, m, std::max<int64_t>(1, kGrain / chunks), [&](int64_t begin, int64_t end) {
+    cpu::dequantize_int8(in, sc, chunks, m, block, out, begin, end, static_cast<float>(scale));
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastddp, CPU, m) {
   m.impl("compress", &compress_cpu);
   m.impl("decompress", &decompress_cpu);
+  m.impl("sum_chunks", &sum_chunks_cpu);
+  m.impl("quantize_int8", &quantize_int8_cpu);
+  m.impl("dequantize_int8", &dequantize_int8_cpu);
 }
 
 }  // namespace fastddp

@@ -15,6 +15,7 @@
 
 #include "fastddp/checks.h"
 #include "fastddp/dispatch.h"
+#include "fastddp/rounding.h"
 
 namespace fastddp {
 namespace {
@@ -138,6 +139,146 @@ __global__ void decompress_kernel(
   }
 }
 
+// The accumulating and error-feedback kernels below are plain grid-stride loops over the
+// element math in fastddp/rounding.h, which the CPU loops share: same results, bit for bit.
+__device__ __forceinline__ void raise_flag(bool bad, int* flag) {
+  if (flag != nullptr && __syncthreads_or(bad) && threadIdx.x == 0) {
+    *flag = 1;
+  }
+}
+
+__global__ void compress_feedback_kernel(
+    math::WireKind kind,
+    const float* __restrict__ src,
+    uint16_t* __restrict__ dst,
+    float* __restrict__ residual,
+    int64_t n,
+    float scale,
+    int64_t seed,
+    int* __restrict__ flag) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const bool stochastic = seed >= 0;
+  bool bad = false;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    float v = math::mul(src[i], scale);
+    if (residual != nullptr) {
+      v = math::add(v, residual[i]);
+    }
+    const uint32_t r = stochastic ? math::random_bits(seed, i) : 0u;
+    bad |= math::round_with_feedback(
+        kind, v, dst + i, residual == nullptr ? nullptr : residual + i, stochastic, r);
+  }
+  raise_flag(bad, flag);
+}
+
+__global__ void sum_chunks_kernel(
+    math::WireKind kind,
+    const uint16_t* __restrict__ src,
+    int64_t chunks,
+    int64_t m,
+    uint16_t* __restrict__ dst,
+    float* __restrict__ residual,
+    float scale,
+    int64_t seed,
+    int* __restrict__ flag) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const bool stochastic = seed >= 0;
+  bool bad = false;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < m;
+       i += stride) {
+    float acc = math::wire_to_float(kind, src[i]);
+    for (int64_t p = 1; p < chunks; ++p) {
+      acc = math::add(acc, math::wire_to_float(kind, src[p * m + i]));
+    }
+    float v = math::mul(acc, scale);
+    if (residual != nullptr) {
+      v = math::add(v, residual[i]);
+    }
+    const uint32_t r = stochastic ? math::random_bits(seed, i) : 0u;
+    bad |= math::round_with_feedback(
+        kind, v, dst + i, residual == nullptr ? nullptr : residual + i, stochastic, r);
+  }
+  raise_flag(bad, flag);
+}
+
+// One warp per int8 block: the lanes stride over the block, a butterfly of shuffles gives every
+// lane the block's absolute maximum, then each lane quantises its elements.
+__global__ void quantize_int8_kernel(
+    const float* __restrict__ src,
+    int8_t* __restrict__ dst,
+    float* __restrict__ scales,
+    float* __restrict__ residual,
+    int64_t n,
+    int64_t block,
+    float scale,
+    int64_t seed,
+    int* __restrict__ flag) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  const int64_t nblocks = (n + block - 1) / block;
+  const bool stochastic = seed >= 0;
+  bool bad = false;
+  for (int64_t b = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+       b < nblocks; b += warps) {
+    const int64_t lo = b * block;
+    const int64_t hi = lo + block < n ? lo + block : n;
+    uint32_t absmax = 0;
+    for (int64_t i = lo + lane; i < hi; i += 32) {
+      float v = math::mul(src[i], scale);
+      if (residual != nullptr) {
+        v = math::add(v, residual[i]);
+      }
+      absmax = math::abs_bits_max(absmax, v);
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+      const uint32_t other = __shfl_xor_sync(0xffffffffu, absmax, offset);
+      absmax = other > absmax ? other : absmax;
+    }
+    const float step = math::block_scale(absmax);
+    const float inverse = math::block_inverse(absmax);
+    const bool block_bad = math::block_nonfinite(absmax);
+    if (lane == 0) {
+      scales[b] = step;
+    }
+    bad |= block_bad;
+    for (int64_t i = lo + lane; i < hi; i += 32) {
+      float v = math::mul(src[i], scale);
+      if (residual != nullptr) {
+        v = math::add(v, residual[i]);
+      }
+      const uint32_t r = stochastic ? math::random_bits(seed, i) : 0u;
+      const int8_t q = block_bad ? int8_t{0} : math::quantize_int8(v, inverse, stochastic, r);
+      dst[i] = q;
+      if (residual != nullptr && !block_bad) {
+        residual[i] = math::sub(v, math::mul(static_cast<float>(q), step));
+      }
+    }
+  }
+  raise_flag(bad, flag);
+}
+
+__global__ void dequantize_int8_kernel(
+    const int8_t* __restrict__ src,
+    const float* __restrict__ scales,
+    int64_t chunks,
+    int64_t m,
+    int64_t block,
+    float* __restrict__ dst,
+    float scale) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t nb = (m + block - 1) / block;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < m;
+       i += stride) {
+    const int64_t b = i / block;
+    float acc = math::mul(static_cast<float>(src[i]), scales[b]);
+    for (int64_t p = 1; p < chunks; ++p) {
+      acc = math::add(acc, math::mul(static_cast<float>(src[p * m + i]), scales[p * nb + b]));
+    }
+    dst[i] = math::mul(acc, scale);
+  }
+}
+
 bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
@@ -153,26 +294,50 @@ int grid_for(int64_t work, int device) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, int64_t{count} * 8)));
 }
 
+math::WireKind kind_of(c10::ScalarType t) {
+  return t == c10::ScalarType::BFloat16 ? math::WireKind::kBf16 : math::WireKind::kFp16;
+}
+
+float* residual_ptr(const std::optional<at::Tensor>& residual) {
+  return residual.has_value() ? residual->data_ptr<float>() : nullptr;
+}
+
+// Zeroes the flag on the stream (the kernels only ever set it) and returns its pointer.
+int* flag_ptr(const std::optional<at::Tensor>& flag, cudaStream_t stream) {
+  if (!flag.has_value()) {
+    return nullptr;
+  }
+  int* p = flag->data_ptr<int32_t>();
+  C10_CUDA_CHECK(cudaMemsetAsync(p, 0, sizeof(int32_t), stream));
+  return p;
+}
+
 void compress_cuda(
     const at::Tensor& src,
     const at::Tensor& dst,
     double scale,
-    const std::optional<at::Tensor>& found_nonfinite) {
+    const std::optional<at::Tensor>& found_nonfinite,
+    const std::optional<at::Tensor>& residual,
+    int64_t seed) {
   check_bucket_and_wire("compress", src, dst);
   check_flag("compress", found_nonfinite, src);
+  check_residual("compress", residual, src);
   const c10::cuda::CUDAGuard guard(src.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  int* flag = nullptr;
-  if (found_nonfinite.has_value()) {
-    flag = found_nonfinite->data_ptr<int32_t>();
-    C10_CUDA_CHECK(cudaMemsetAsync(flag, 0, sizeof(int32_t), stream));
-  }
+  int* flag = flag_ptr(found_nonfinite, stream);
   const int64_t n = src.numel();
   if (n == 0) {
     return;
   }
   const float* in = src.const_data_ptr<float>();
   uint16_t* out = static_cast<uint16_t*>(dst.data_ptr());
+  if (residual.has_value() || seed >= 0) {
+    compress_feedback_kernel<<<grid_for(n, src.get_device()), kThreads, 0, stream>>>(
+        kind_of(dst.scalar_type()), in, out, residual_ptr(residual), n,
+        static_cast<float>(scale), seed, flag);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
   const bool vec = aligned16(in) && aligned16(out);
   const int grid = grid_for(vec ? n / kVec + 1 : n, src.get_device());
   FASTDDP_DISPATCH_WIRE(dst.scalar_type(), "compress", [&] {
@@ -201,11 +366,95 @@ void decompress_cuda(const at::Tensor& src, const at::Tensor& dst, double scale)
   });
 }
 
+void sum_chunks_cuda(
+    const at::Tensor& src,
+    const at::Tensor& dst,
+    double scale,
+    const std::optional<at::Tensor>& found_nonfinite,
+    const std::optional<at::Tensor>& residual,
+    int64_t seed) {
+  check_chunks_and_shard("sum_chunks", src, dst);
+  check_flag("sum_chunks", found_nonfinite, src);
+  check_residual("sum_chunks", residual, dst);
+  const c10::cuda::CUDAGuard guard(src.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  int* flag = flag_ptr(found_nonfinite, stream);
+  const int64_t m = src.size(1);
+  if (m == 0) {
+    return;
+  }
+  sum_chunks_kernel<<<grid_for(m, src.get_device()), kThreads, 0, stream>>>(
+      kind_of(src.scalar_type()), static_cast<const uint16_t*>(src.const_data_ptr()),
+      src.size(0), m, static_cast<uint16_t*>(dst.data_ptr()), residual_ptr(residual),
+      static_cast<float>(scale), seed, flag);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void quantize_int8_cuda(
+    const at::Tensor& src,
+    const at::Tensor& dst,
+    const at::Tensor& scales,
+    int64_t block,
+    double scale,
+    const std::optional<at::Tensor>& found_nonfinite,
+    const std::optional<at::Tensor>& residual,
+    int64_t seed) {
+  check_int8_pair("quantize_int8", src, dst, scales, 1, block);
+  TORCH_CHECK(
+      src.numel() == dst.numel(),
+      "fastddp.quantize_int8: src has ", src.numel(), " elements but dst has ", dst.numel());
+  check_flag("quantize_int8", found_nonfinite, src);
+  check_residual("quantize_int8", residual, src);
+  const c10::cuda::CUDAGuard guard(src.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  int* flag = flag_ptr(found_nonfinite, stream);
+  const int64_t n = src.numel();
+  if (n == 0) {
+    return;
+  }
+  // One warp per block of elements: kThreads / 32 int8 blocks per CUDA block.
+  const int grid = grid_for(blocks_of(n, block) * 32, src.get_device());
+  quantize_int8_kernel<<<grid, kThreads, 0, stream>>>(
+      src.const_data_ptr<float>(), dst.data_ptr<int8_t>(), scales.data_ptr<float>(),
+      residual_ptr(residual), n, block, static_cast<float>(scale), seed, flag);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void dequantize_int8_cuda(
+    const at::Tensor& src,
+    const at::Tensor& scales,
+    const at::Tensor& dst,
+    int64_t block,
+    double scale) {
+  TORCH_CHECK(
+      src.dim() == 2,
+      "fastddp.dequantize_int8: src must have shape [chunks, m] (one row per rank), got ",
+      src.sizes());
+  check_int8_pair("dequantize_int8", dst, src, scales, src.size(0), block);
+  TORCH_CHECK(
+      dst.numel() == src.size(1),
+      "fastddp.dequantize_int8: dst has ", dst.numel(), " elements but each row has ",
+      src.size(1));
+  const int64_t m = src.size(1);
+  if (m == 0) {
+    return;
+  }
+  const c10::cuda::CUDAGuard guard(src.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  dequantize_int8_kernel<<<grid_for(m, src.get_device()), kThreads, 0, stream>>>(
+      src.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), src.size(0), m, block,
+      dst.data_ptr<float>(), static_cast<float>(scale));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastddp, CUDA, m) {
   m.impl("compress", &compress_cuda);
   m.impl("decompress", &decompress_cuda);
+  m.impl("sum_chunks", &sum_chunks_cuda);
+  m.impl("quantize_int8", &quantize_int8_cuda);
+  m.impl("dequantize_int8", &dequantize_int8_cuda);
 }
 
 }  // namespace fastddp

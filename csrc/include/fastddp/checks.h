@@ -59,4 +59,96 @@ inline void check_flag(
       like.device());
 }
 
+// An error-feedback residual: fp32, one per element of `like`, contiguous, same device.
+inline void check_residual(
+    const char* op,
+    const std::optional<at::Tensor>& residual,
+    const at::Tensor& like) {
+  if (!residual.has_value()) {
+    return;
+  }
+  TORCH_CHECK(
+      residual->scalar_type() == c10::ScalarType::Float && residual->is_contiguous(),
+      "fastddp.", op, ": residual must be a contiguous float32 tensor, got ",
+      residual->scalar_type());
+  TORCH_CHECK(
+      residual->numel() == like.numel(),
+      "fastddp.", op, ": residual has ", residual->numel(), " elements but ", like.numel(),
+      " are rounded; allocate one residual per element");
+  TORCH_CHECK(
+      residual->device() == like.device(),
+      "fastddp.", op, ": residual is on ", residual->device(), " but the data is on ",
+      like.device());
+  TORCH_CHECK(
+      like.numel() == 0 || !residual->is_alias_of(like),
+      "fastddp.", op, ": residual shares storage with the data; give it its own buffer");
+}
+
+inline void check_same_device(const char* op, const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(
+      a.device() == b.device(),
+      "fastddp.", op, ": tensors on different devices (", a.device(), " and ", b.device(),
+      "); allocate them on the same device");
+}
+
+// P received 16-bit chunks, src of shape [P, m], summed into the 16-bit dst of m elements.
+inline void check_chunks_and_shard(const char* op, const at::Tensor& src, const at::Tensor& dst) {
+  TORCH_CHECK(
+      src.dim() == 2 && src.size(0) >= 1,
+      "fastddp.", op, ": src must have shape [chunks, m] (one row per rank), got ", src.sizes());
+  TORCH_CHECK(
+      is_wire_dtype(src.scalar_type()) && dst.scalar_type() == src.scalar_type(),
+      "fastddp.", op, ": src and dst must both be float16 or both bfloat16, got ",
+      src.scalar_type(), " and ", dst.scalar_type());
+  check_same_device(op, src, dst);
+  TORCH_CHECK(
+      dst.numel() == src.size(1),
+      "fastddp.", op, ": dst has ", dst.numel(), " elements but each chunk has ", src.size(1));
+  TORCH_CHECK(
+      src.is_contiguous() && dst.is_contiguous(),
+      "fastddp.", op, ": src and dst must be contiguous; call .contiguous() first");
+  TORCH_CHECK(
+      dst.numel() == 0 || !dst.is_alias_of(src),
+      "fastddp.", op, ": dst shares storage with src; use a separate output buffer");
+}
+
+inline int64_t blocks_of(int64_t n, int64_t block) {
+  return (n + block - 1) / block;
+}
+
+inline void check_block_size(const char* op, int64_t block) {
+  TORCH_CHECK(
+      block >= 1 && block <= (int64_t{1} << 20),
+      "fastddp.", op, ": block_size must be between 1 and 2^20 elements, got ", block);
+}
+
+// An fp32 tensor of n elements, its int8 image, and one fp32 scale per block.
+inline void check_int8_pair(
+    const char* op,
+    const at::Tensor& values,
+    const at::Tensor& q,
+    const at::Tensor& scales,
+    int64_t rows,
+    int64_t block) {
+  check_block_size(op, block);
+  TORCH_CHECK(
+      q.scalar_type() == c10::ScalarType::Char,
+      "fastddp.", op, ": the quantised tensor must be int8, got ", q.scalar_type());
+  TORCH_CHECK(
+      values.scalar_type() == c10::ScalarType::Float &&
+          scales.scalar_type() == c10::ScalarType::Float,
+      "fastddp.", op, ": values and scales must be float32, got ", values.scalar_type(), " and ",
+      scales.scalar_type());
+  check_same_device(op, values, q);
+  check_same_device(op, values, scales);
+  TORCH_CHECK(
+      values.is_contiguous() && q.is_contiguous() && scales.is_contiguous(),
+      "fastddp.", op, ": all tensors must be contiguous; call .contiguous() first");
+  const int64_t m = rows == 0 ? 0 : q.numel() / rows;
+  TORCH_CHECK(
+      q.numel() == rows * m && scales.numel() == rows * blocks_of(m, block),
+      "fastddp.", op, ": ", rows, " row(s) of ", m, " int8 values need ",
+      rows * blocks_of(m, block), " scales (one per block of ", block, "), got ", scales.numel());
+}
+
 }  // namespace fastddp

@@ -1,0 +1,356 @@
+"""The accumulating, error-feedback, stochastic-rounding and int8 ops against torch references.
+
+The kernels round every fp32 operation separately (no FMA), so plain torch arithmetic in the
+same order reproduces them bit for bit; random numbers come from a stateless hash that the
+reference below recomputes with numpy.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from fastddp import ops
+
+WIRE = [torch.float16, torch.bfloat16]
+LENGTHS = [0, 1, 7, 33, 1000, 65537]
+
+
+def _grads(n, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed * 1000003 + n)
+    return (torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 3)).to(device)
+
+
+def random_bits(seed: int, n: int) -> torch.Tensor:
+    """The 32 random bits the kernels draw for elements 0..n-1 (see fastddp/rounding.h)."""
+    with np.errstate(over="ignore"):
+        x = np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        x = x + np.uint64(seed) * np.uint64(0xD1B54A32D192ED03)
+        x ^= x >> np.uint64(31)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(29)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(32)
+    return torch.from_numpy((x & np.uint64(0xFFFFFFFF)).astype(np.int64))
+
+
+def _unit(r):
+    return (r >> 8).float() * 2.0**-24
+
+
+def round_ref(v: torch.Tensor, dtype, r=None) -> torch.Tensor:
+    """fp32 -> dtype, to nearest even (r None) or stochastically with random bits r."""
+    if r is None:
+        return v.to(dtype)
+    u = v.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    nan = torch.isnan(v)
+    if dtype == torch.bfloat16:
+        h = ((u + (r & 0xFFFF)) >> 16) & 0xFFFF
+        h = torch.where(nan, torch.full_like(h, 0x7FC0), h)
+    else:
+        sign = (u >> 16) & 0x8000
+        a = u & 0x7FFFFFFF
+        normal = (a - 0x38000000 + (r & 0x1FFF)) >> 13
+        m = (a.to(torch.int32).view(torch.float32)) * 2.0**24
+        whole = torch.floor(m)
+        sub = whole.to(torch.int64) + ((m - whole) > _unit(r)).to(torch.int64)
+        h = torch.where(a >= 0x38800000, normal, sub)
+        h = torch.where(a >= 0x47800000, torch.full_like(h, 0x7C00), h)
+        h = torch.where(nan, torch.full_like(h, 0x7E00), h | sign)
+    return h.to(torch.int16).view(dtype)
+
+
+def feedback_ref(v, dtype, residual=None, r=None):
+    q = round_ref(v, dtype, r)
+    if residual is not None:
+        residual.copy_(torch.where(torch.isfinite(q), v - q.float(), residual))
+    return q
+
+
+def _same(a, b):
+    nan = torch.isnan(a.float())
+    assert torch.equal(nan, torch.isnan(b.float()))
+    if a.dtype in WIRE:
+        assert torch.equal(a[~nan].view(torch.int16), b[~nan].view(torch.int16))
+    else:
+        assert torch.equal(a[~nan], b[~nan])
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("dtype", WIRE)
+@pytest.mark.parametrize("feedback", [False, True])
+@pytest.mark.parametrize("seed", [-1, 5])
+def test_compress_feedback_and_stochastic(device, dtype, n, feedback, seed):
+    x = _grads(n, device=device)
+    res = _grads(n, seed=1, device=device) * 1e-3 if feedback else None
+    res_ref = None if res is None else res.clone()
+    out = torch.empty(n, dtype=dtype, device=device)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    ops.compress(x, out, 0.25, flag, res, seed)
+    v = x.cpu() * 0.25
+    if res_ref is not None:
+        v = v + res_ref.cpu()
+    r = None if seed < 0 else random_bits(seed, n)
+    res_cpu = None if res_ref is None else res_ref.cpu()
+    want = feedback_ref(v, dtype, res_cpu, r)
+    _same(out.cpu(), want)
+    if res is not None:
+        _same(res.cpu(), res_cpu)
+    assert flag.item() == int(not torch.isfinite(want.float()).all())
+
+
+@pytest.mark.parametrize("dtype", WIRE)
+def test_stochastic_rounding_is_unbiased(device, dtype):
+    # 0.1 lies between two 16-bit neighbours; the mean of many stochastic roundings is 0.1 up
+    # to sampling noise, while rounding to nearest is off by a fixed amount.
+    n = 200_000
+    x = torch.full((n,), 0.1, device=device)
+    out = torch.empty(n, dtype=dtype, device=device)
+    ops.compress(x, out, 1.0, None, None, 123)
+    values = out.float().unique()
+    assert len(values) == 2  # only the two neighbours
+    step = float(values[1] - values[0])
+    mean_err = abs(out.double().mean().item() - 0.1)
+    assert mean_err < 0.01 * step, (mean_err, step)
+    nearest_err = abs(torch.tensor(0.1).to(dtype).double().item() - 0.1)
+    assert mean_err < nearest_err / 10
+
+
+def test_stochastic_rounding_of_fp16_subnormals():
+    x = torch.full((100_000,), 3.3e-7)  # between fp16 subnormals 5 * 2^-24 and 6 * 2^-24
+    out = torch.empty_like(x, dtype=torch.float16)
+    ops.compress(x, out, 1.0, None, None, 9)
+    assert set(out.float().unique().mul(2**24).tolist()) == {5.0, 6.0}
+    assert abs(out.double().mean().item() - 3.3e-7) < 1e-3 * 2**-24 * 10
+
+
+@pytest.mark.parametrize("dtype", WIRE)
+def test_feedback_keeps_residual_on_overflow(dtype):
+    x = torch.tensor([1.0, 7e4, float("nan"), 2.0])
+    res = torch.tensor([0.5, 0.25, 0.125, 0.0])
+    out = torch.empty(4, dtype=dtype)
+    flag = torch.zeros(1, dtype=torch.int32)
+    ops.compress(x, out, 1.0, flag, res)
+    assert flag.item() == 1
+    assert res[2].item() == 0.125  # NaN: residual untouched
+    if dtype == torch.float16:
+        assert res[1].item() == 0.25  # overflow to inf: residual untouched
+    assert torch.isfinite(res).all()
+
+
+@pytest.mark.parametrize("m", [0, 1, 33, 4099])
+@pytest.mark.parametrize("chunks", [1, 2, 3, 8])
+@pytest.mark.parametrize("dtype", WIRE)
+@pytest.mark.parametrize("feedback", [False, True])
+@pytest.mark.parametrize("seed", [-1, 77])
+def test_sum_chunks_matches_fp32_reference(device, dtype, chunks, m, feedback, seed):
+    src = torch.stack([_grads(m, seed=p) for p in range(chunks)]).to(dtype).to(device)
+    res = _grads(m, seed=99).mul(1e-3).to(device) if feedback else None
+    res_cpu = None if res is None else res.cpu().clone()
+    out = torch.empty(m, dtype=dtype, device=device)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    ops.sum_chunks(src, out, 0.5, flag, res, seed)
+    acc = src.cpu()[0].float()
+    for p in range(1, chunks):
+        acc = acc + src.cpu()[p].float()
+    v = acc * 0.5
+    if res_cpu is not None:
+        v = v + res_cpu
+    want = feedback_ref(v, dtype, res_cpu, None if seed < 0 else random_bits(seed, m))
+    _same(out.cpu(), want)
+    if res is not None:
+        _same(res.cpu(), res_cpu)
+    assert flag.item() == int(not torch.isfinite(want.float()).all())
+
+
+def test_sum_chunks_rounds_once():
+    # Eight ranks each holding 1 + 2^-9: bf16 keeps 7 mantissa bits, so a 16-bit running sum
+    # loses every addend's tail, while the fp32 sum rounds only the total (8 + 2^-6, exact).
+    src = torch.full((8, 1), 1.0 + 2.0**-7, dtype=torch.bfloat16)
+    out = torch.empty(1, dtype=torch.bfloat16)
+    ops.sum_chunks(src, out)
+    assert out.item() == 8.0 + 8 * 2.0**-7
+
+
+def quantize_ref(v, block, r=None):
+    n = v.numel()
+    nb = (n + block - 1) // block
+    padded = torch.zeros(nb * block)
+    padded[:n] = v
+    bits = (padded.view(torch.int32) & 0x7FFFFFFF).view(nb, block)
+    absmax_bits = bits.max(dim=1).values
+    bad = absmax_bits >= 0x7F800000
+    absmax = absmax_bits.view(torch.float32)
+    step = torch.where(bad, torch.full_like(absmax, float("nan")), absmax / 127.0)
+    inverse = torch.where(bad | (absmax_bits == 0), torch.zeros_like(absmax), 127.0 / absmax)
+    x = v * inverse.repeat_interleave(block)[:n]
+    if r is None:
+        q = torch.round(x)
+    else:
+        whole = torch.floor(x)
+        q = whole + ((x - whole) > _unit(r)).float()
+    q = q.clamp(-127, 127)
+    q = torch.where(bad.repeat_interleave(block)[:n], torch.zeros_like(q), q)
+    return q.to(torch.int8), step, bad
+
+
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 129, 5000])
+@pytest.mark.parametrize("block", [1, 32, 128, 1000])
+@pytest.mark.parametrize("feedback", [False, True])
+@pytest.mark.parametrize("seed", [-1, 3])
+def test_quantize_int8_matches_reference(device, n, block, feedback, seed):
+    x = _grads(n, device=device)
+    res = _grads(n, seed=2, device=device) * 1e-2 if feedback else None
+    res_cpu = None if res is None else res.cpu().clone()
+    nb = (n + block - 1) // block
+    q = torch.empty(n, dtype=torch.int8, device=device)
+    scales = torch.empty(nb, device=device)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    ops.quantize_int8(x, q, scales, block, 0.5, flag, res, seed)
+    v = x.cpu() * 0.5
+    if res_cpu is not None:
+        v = v + res_cpu
+    want_q, want_step, bad = quantize_ref(v, block, None if seed < 0 else random_bits(seed, n))
+    _same(q.cpu(), want_q)
+    _same(scales.cpu(), want_step)
+    assert flag.item() == int(bad.any())
+    if res is not None:
+        expect = v - want_q.float() * want_step.repeat_interleave(block)[:n]
+        _same(res.cpu(), expect)
+        # Error feedback keeps exactly what quantisation dropped: at most half a step when
+        # rounding to nearest, less than a step when rounding stochastically.
+        bound = 0.5001 if seed < 0 else 1.0001
+        assert (res.cpu().abs() <= want_step.repeat_interleave(block)[:n] * bound).all()
+
+
+def test_quantize_int8_nonfinite_block_dequantises_to_nan():
+    x = torch.ones(8)
+    x[5] = float("inf")
+    q = torch.empty(8, dtype=torch.int8)
+    scales = torch.empty(2)
+    res = torch.full((8,), 0.25)
+    flag = torch.zeros(1, dtype=torch.int32)
+    ops.quantize_int8(x, q, scales, 4, 1.0, flag, res)
+    assert flag.item() == 1
+    out = torch.empty(8)
+    ops.dequantize_int8(q.view(1, 8), scales.view(1, 2), out, 4)
+    # 1 + 0.25 is exact in the first block's int8 grid; the bad block keeps its residual.
+    assert torch.isnan(out[4:]).all() and torch.equal(out[:4], torch.full((4,), 1.25))
+    assert torch.equal(res, torch.tensor([0.0] * 4 + [0.25] * 4))
+
+
+@pytest.mark.parametrize("m", [0, 1, 128, 1000])
+@pytest.mark.parametrize("chunks", [1, 2, 5])
+@pytest.mark.parametrize("block", [1, 64, 128])
+def test_dequantize_int8_sums_rows(device, chunks, m, block):
+    nb = (m + block - 1) // block
+    g = torch.Generator().manual_seed(m + chunks)
+    q = torch.randint(-127, 128, (chunks, m), generator=g, dtype=torch.int8)
+    scales = torch.rand(chunks, nb, generator=g)
+    out = torch.empty(m, device=device)
+    ops.dequantize_int8(q.to(device), scales.to(device), out, block, 0.25)
+    acc = q[0].float() * scales[0].repeat_interleave(block)[:m]
+    for p in range(1, chunks):
+        acc = acc + q[p].float() * scales[p].repeat_interleave(block)[:m]
+    _same(out.cpu(), acc * 0.25)
+
+
+def test_int8_round_trip_error_is_within_half_a_step():
+    x = _grads(10_000)
+    q = torch.empty(10_000, dtype=torch.int8)
+    scales = torch.empty(79)
+    ops.quantize_int8(x, q, scales, 128, 1.0)
+    out = torch.empty(10_000)
+    ops.dequantize_int8(q.view(1, -1), scales.view(1, -1), out, 128)
+    step = scales.repeat_interleave(128)[:10_000]
+    assert ((out - x).abs() <= step * 0.5001).all()
+
+
+def test_opcheck_accumulating_ops(device):
+    x = _grads(300, device=device)
+    res = torch.zeros(300, device=device)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    wire = torch.empty(300, dtype=torch.bfloat16, device=device)
+    torch.library.opcheck(torch.ops.fastddp.compress.default, (x, wire, 0.5, flag, res, 4))
+    chunks = torch.randn(3, 100, device=device).to(torch.float16)
+    shard = torch.empty(100, dtype=torch.float16, device=device)
+    shard_res = torch.zeros(100, device=device)
+    torch.library.opcheck(
+        torch.ops.fastddp.sum_chunks.default, (chunks, shard, 0.5, flag, shard_res, -1)
+    )
+    q = torch.empty(300, dtype=torch.int8, device=device)
+    scales = torch.empty(3, device=device)
+    torch.library.opcheck(
+        torch.ops.fastddp.quantize_int8.default, (x, q, scales, 128, 1.0, flag, res, 1)
+    )
+    out = torch.empty(100, device=device)
+    torch.library.opcheck(
+        torch.ops.fastddp.dequantize_int8.default,
+        (q.view(3, 100), torch.rand(3, 1, device=device), out, 128, 1.0),
+    )
+
+
+BAD = [
+    (
+        lambda: ops.compress(
+            torch.ones(4), torch.empty(4, dtype=torch.half), 1, None, torch.zeros(3)
+        ),
+        "residual has 3 elements but 4 are rounded",
+    ),
+    (
+        lambda: ops.compress(
+            torch.ones(4),
+            torch.empty(4, dtype=torch.half),
+            1,
+            None,
+            torch.zeros(4, dtype=torch.float64),
+        ),
+        "residual must be a contiguous float32 tensor",
+    ),
+    (
+        lambda: ops.sum_chunks(torch.ones(8, dtype=torch.half), torch.empty(8, dtype=torch.half)),
+        "src must have shape [chunks, m]",
+    ),
+    (
+        lambda: ops.sum_chunks(
+            torch.ones(2, 4, dtype=torch.half), torch.empty(4, dtype=torch.bfloat16)
+        ),
+        "src and dst must both be float16 or both bfloat16",
+    ),
+    (
+        lambda: ops.sum_chunks(
+            torch.ones(2, 4, dtype=torch.half), torch.empty(3, dtype=torch.half)
+        ),
+        "dst has 3 elements but each chunk has 4",
+    ),
+    (
+        lambda: ops.quantize_int8(
+            torch.ones(10), torch.empty(10, dtype=torch.int8), torch.empty(1), 8
+        ),
+        "1 row(s) of 10 int8 values need 2 scales (one per block of 8), got 1",
+    ),
+    (
+        lambda: ops.quantize_int8(
+            torch.ones(10), torch.empty(10, dtype=torch.int8), torch.empty(1), 0
+        ),
+        "block_size must be between 1 and 2^20 elements, got 0",
+    ),
+    (
+        lambda: ops.quantize_int8(
+            torch.ones(10), torch.empty(10, dtype=torch.uint8), torch.empty(1), 16
+        ),
+        "the quantised tensor must be int8",
+    ),
+    (
+        lambda: ops.dequantize_int8(
+            torch.ones(2, 4, dtype=torch.int8), torch.ones(2), torch.empty(5), 4
+        ),
+        "dst has 5 elements but each row has 4",
+    ),
+]
+
+
+@pytest.mark.parametrize("make, message", BAD)
+def test_bad_inputs_raise_clear_errors(make, message):
+    with pytest.raises(RuntimeError) as info:
+        make()
+    assert message in str(info.value)
