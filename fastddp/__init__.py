@@ -14,10 +14,12 @@ from fastddp.distributed import (
     shutdown_distributed,
 )
 from fastddp.hooks import CompressState, compress_hook
+from fastddp.reduce import all_reduce
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "all_reduce",
     "ClusterError",
     "CompressState",
     "DistEnv",

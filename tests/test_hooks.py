@@ -2,6 +2,7 @@
 
 import copy
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -43,33 +44,47 @@ def _grads(model):
     return torch.cat([p.grad.reshape(-1).float() for p in model.parameters()])
 
 
-def _tol(dtype):
-    # One rounding of each rank's share and one of each partial sum, relative to the largest
-    # gradient: a missed 1/world_size or a stale buffer is off by far more.
-    return {torch.bfloat16: 2**-6, torch.float16: 2**-9}[dtype]
+def _tol(settings):
+    # Relative to the largest gradient. 16-bit: one rounding of each rank's share and one of
+    # each partial sum. int8: half a block step (absmax / 127) twice, plus the carried residual.
+    # A missed 1/world_size or a stale buffer is off by far more.
+    dtype = settings.get("dtype", torch.bfloat16)
+    return {torch.bfloat16: 2**-6, torch.float16: 2**-9, torch.int8: 2**-5}[dtype]
 
 
-def _check_close(got, want, dtype, what):
+def _check_close(got, want, settings, what):
     err = (got - want).abs().max().item()
-    bound = _tol(dtype) * want.abs().max().item()
+    bound = _tol(settings) * want.abs().max().item()
     assert err <= bound, f"{what}: max deviation {err:.3e} > {bound:.3e}"
 
 
-def _emulate_two_ranks(local, dtype):
-    """What a 16-bit all-reduce of two ranks' (g / 2) gives, computed from gathered fp32 grads."""
-    parts = [torch.empty_like(local) for _ in range(2)]
+def _emulate(local, settings, world):
+    """The exact result of the 16-bit paths, from gathered fp32 grads (None if not known).
+
+    With fp32 accumulation: each rank's g / world rounded, summed in fp32 in rank order,
+    rounded once. Without: Gloo's 2-rank sum rounds once, which is the same formula.
+    """
+    dtype = settings.get("dtype", torch.bfloat16)
+    exact = dtype != torch.int8 and not settings.get("error_feedback")
+    exact = exact and not settings.get("stochastic_rounding")
+    if not exact or (settings.get("accumulate_dtype") is None and world != 2):
+        return None
+    parts = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(parts, local)
-    a, b = ((p * 0.5).to(dtype) for p in parts)
-    return (a.float() + b.float()).to(dtype).float()
+    scale = 1.0 / world  # the kernels multiply by the fp32 reciprocal
+    acc = (parts[0] * scale).to(dtype).float()
+    for p in parts[1:]:
+        acc = acc + (p * scale).to(dtype).float()
+    return acc.to(dtype).float()
 
 
-def _matches_plain_ddp(rank, world, dtype, as_view, static_graph):
+def _matches_plain_ddp(rank, world, settings, as_view, static_graph):
     base = _model()
     kwargs = dict(bucket_cap_mb=0.01, gradient_as_bucket_view=as_view, static_graph=static_graph)
     plain = DDP(copy.deepcopy(base), **kwargs)
     hooked = DDP(copy.deepcopy(base), **kwargs)
     local = copy.deepcopy(base)
-    state = fastddp.CompressState(dtype=dtype)
+    state = fastddp.CompressState(**settings)
     hooked.register_comm_hook(state, fastddp.compress_hook)
     gen = torch.Generator().manual_seed(100 + rank)
     allocations = []
@@ -79,12 +94,11 @@ def _matches_plain_ddp(rank, world, dtype, as_view, static_graph):
             m.zero_grad()
             _backward(m, x, y)
         want, got = _grads(plain), _grads(hooked)
-        _check_close(got, want, dtype, f"rank {rank} step {step}")
+        _check_close(got, want, settings, f"rank {rank} step {step}")
         # Compression happened: the result is not the fp32 average.
         assert not torch.equal(got, want)
-        if world == 2:
-            # Gloo's 2-rank sum rounds once, so the result is known exactly.
-            expected = _emulate_two_ranks(_grads(local), dtype)
+        expected = _emulate(_grads(local), settings, world)
+        if expected is not None:
             assert torch.equal(got, expected), f"step {step}: not the exact 16-bit reduction"
         with torch.no_grad():  # the same update everywhere keeps the three models equal
             for ps in zip(plain.parameters(), hooked.parameters(), local.parameters()):
@@ -97,28 +111,54 @@ def _matches_plain_ddp(rank, world, dtype, as_view, static_graph):
     assert allocations[2] == allocations[-1], f"buffers reallocated after warm-up: {allocations}"
     assert len(stats["buckets"]) >= 2
     assert any(b["numel"] % 2 for b in stats["buckets"].values()), stats["buckets"]
+    assert {b["path"] for b in stats["buckets"].values()} == {state.path}
     numel = sum(p.numel() for p in base.parameters())
-    assert stats["payload_bytes"] == 5 * numel * 2
+    if state.dtype != torch.int8:
+        assert stats["payload_bytes"] == 5 * numel * 2
+    ratio = 0.3 if state.dtype == torch.int8 else 0.6
+    assert stats["wire_bytes"] < stats["fp32_wire_bytes"] * ratio
     assert stats["calls"] == sum(b["calls"] for b in stats["buckets"].values())
     assert stats["nonfinite_events"] == 0
 
 
+FP32_ACC = {"accumulate_dtype": torch.float32}
+MODES = {
+    "bf16": {},
+    "fp16": {"dtype": torch.float16},
+    "bf16-fp32acc": {**FP32_ACC},
+    "fp16-fp32acc": {"dtype": torch.float16, **FP32_ACC},
+    "bf16-ef-sr": {"error_feedback": True, "stochastic_rounding": True},
+    "bf16-fp32acc-ef": {"error_feedback": True, **FP32_ACC},
+    "fp16-ef": {"dtype": torch.float16, "error_feedback": True},
+    "int8": {"dtype": torch.int8},
+    "int8-ef-sr": {"dtype": torch.int8, "error_feedback": True, "stochastic_rounding": True},
+    "int8-block32": {"dtype": torch.int8, "block_size": 32},
+    "int8-ef": {"dtype": torch.int8, "error_feedback": True},
+}
+
+
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_matches_plain_ddp(world, dtype):
-    run_ranks(_matches_plain_ddp, world, dtype, True, False)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_matches_plain_ddp(world, mode):
+    run_ranks(_matches_plain_ddp, world, MODES[mode], True, False)
 
 
 @pytest.mark.parametrize("as_view,static_graph", [(False, False), (True, True), (False, True)])
-def test_matches_plain_ddp_bucket_modes(as_view, static_graph):
-    run_ranks(_matches_plain_ddp, 2, torch.bfloat16, as_view, static_graph)
+@pytest.mark.parametrize("mode", ["bf16", "bf16-fp32acc", "int8-ef-sr"])
+def test_matches_plain_ddp_bucket_modes(mode, as_view, static_graph):
+    run_ranks(_matches_plain_ddp, 2, MODES[mode], as_view, static_graph)
 
 
-def _default_state_and_no_sync(rank, world):
+def _default_state_and_no_sync(rank, world, settings):
     base = _model()
     plain = DDP(copy.deepcopy(base), bucket_cap_mb=0.01)
     hooked = DDP(copy.deepcopy(base), bucket_cap_mb=0.01)
-    hooked.register_comm_hook(None, fastddp.compress_hook)  # bf16 on the default group
+    if settings is None:
+        hooked.register_comm_hook(None, fastddp.compress_hook)  # bf16 on the default group
+        state = fastddp.hooks._default_state = fastddp.CompressState()
+    else:
+        state = fastddp.CompressState(**settings)
+        hooked.register_comm_hook(state, fastddp.compress_hook)
     gen = torch.Generator().manual_seed(7 + rank)
     calls = [0]
     for _ in range(3):
@@ -129,16 +169,19 @@ def _default_state_and_no_sync(rank, world):
                 for x, y in batches[:2]:
                     _backward(m, x, y)
             _backward(m, *batches[2])
-        _check_close(_grads(hooked), _grads(plain), torch.bfloat16, f"rank {rank} no_sync")
-        calls.append(fastddp.hooks._default_state.stats()["calls"])
-    assert fastddp.hooks._default_state.stats()["dtype"] == "bfloat16"
+        _check_close(_grads(hooked), _grads(plain), settings or {}, f"rank {rank} no_sync")
+        calls.append(state.stats()["calls"])
+    if settings is None:
+        assert fastddp.hooks._default_state is state  # the hook used the shared default
+        assert state.stats()["dtype"] == "bfloat16"
     # One call per bucket per synced step, none for the two no_sync micro-batches.
     per_step = [b - a for a, b in zip(calls, calls[1:])]
     assert per_step[1] == per_step[2] <= len(list(base.parameters())), per_step
 
 
-def test_default_state_and_no_sync():
-    run_ranks(_default_state_and_no_sync, 3)
+@pytest.mark.parametrize("mode", [None, "bf16-fp32acc", "int8-ef-sr"])
+def test_default_state_and_no_sync(mode):
+    run_ranks(_default_state_and_no_sync, 3, None if mode is None else MODES[mode])
 
 
 def _fp16_overflow(rank, world):
@@ -188,7 +231,7 @@ def _sixteen_bit_and_float64(rank, world):
     x, y = _batch(gen, torch.bfloat16)
     for m in (plain, hooked):
         _backward(m, x, y)
-    _check_close(_grads(hooked), _grads(plain), torch.bfloat16, "bf16 pass-through")
+    _check_close(_grads(hooked), _grads(plain), {}, "bf16 pass-through")
     stats = state.stats()
     assert stats["passthrough_calls"] == stats["calls"] > 0
     assert stats["allocations"] == 0
@@ -227,17 +270,150 @@ def test_empty_and_odd_buffers():
     run_ranks(_empty_and_direct, 2)
 
 
+BAD_STATES = [
+    (dict(dtype=torch.float64), ValueError, "dtype must be torch.float16, torch.bfloat16 or"),
+    (dict(process_group="gloo"), TypeError, "process_group must be a torch.distributed"),
+    (dict(accumulate_dtype=torch.float16), ValueError, "accumulate_dtype must be torch.float32"),
+    (dict(block_size=64), ValueError, "block_size applies to dtype=torch.int8 only"),
+    (dict(dtype=torch.int8, block_size=0), ValueError, "block_size must be between 1 and"),
+    (dict(dtype=torch.int8, block_size=2.5), TypeError, "block_size must be an int"),
+    (dict(error_feedback=1), TypeError, "error_feedback must be True or False"),
+    (dict(stochastic_rounding="yes"), TypeError, "stochastic_rounding must be True or False"),
+    (dict(seed=None), TypeError, "seed must be an int"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, message", BAD_STATES)
+def test_bad_state_settings(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        fastddp.CompressState(**kwargs)
+
+
 def test_state_validation_and_pickling():
-    with pytest.raises(ValueError, match="dtype must be torch.float16 or torch.bfloat16"):
-        fastddp.CompressState(dtype=torch.int8)
-    with pytest.raises(TypeError, match="process_group must be a torch.distributed.ProcessGroup"):
-        fastddp.CompressState(process_group="gloo")
     with pytest.raises(TypeError, match="state must be a fastddp.CompressState or None"):
         fastddp.compress_hook({"dtype": torch.float16}, None)
-    state = fastddp.CompressState(dtype=torch.float16)
+    state = fastddp.CompressState(dtype=torch.int8, error_feedback=True, block_size=64, seed=3)
     state._counters["calls"] = 4
     clone = pickle.loads(pickle.dumps(state))
-    assert clone.dtype == torch.float16 and clone.process_group is None
+    assert clone.dtype == torch.int8 and clone.process_group is None
+    assert clone.settings() == state.settings() and clone.seed == 3
     assert clone.stats()["calls"] == 4
-    with pytest.raises(ValueError, match="saved dtype 'float16' does not match"):
+    assert "dtype=int8" in repr(clone) and "block_size=64" in repr(clone)
+    with pytest.raises(ValueError, match="saved dtype 'int8' does not match this state's"):
         fastddp.CompressState().load_state_dict(state.state_dict())
+    with pytest.raises(ValueError, match="saved error_feedback True does not match"):
+        fastddp.CompressState(dtype=torch.int8, block_size=64).load_state_dict(state.state_dict())
+    assert fastddp.CompressState(dtype=torch.int8).block_size == 128
+    assert fastddp.CompressState(dtype=torch.int8).accumulate_dtype == torch.float32
+
+
+def _mismatched_settings(rank, world):
+    model = DDP(_model(), bucket_cap_mb=0.01)
+    settings = [{}, {"dtype": torch.int8}, {"accumulate_dtype": torch.float32}][rank]
+    model.register_comm_hook(fastddp.CompressState(**settings), fastddp.compress_hook)
+    x, y = _batch(torch.Generator().manual_seed(rank))
+    with pytest.raises(Exception) as info:
+        _backward(model, x, y)
+    text = str(info.value)
+    assert "ranks disagree on the compression settings" in text, text
+    assert "rank 0: dtype=bfloat16, accumulate_dtype=None" in text
+    assert "rank 1: dtype=int8, accumulate_dtype=float32" in text
+    assert "block_size=128" in text
+    assert "rank 2: dtype=bfloat16, accumulate_dtype=float32" in text
+
+
+def test_mismatched_settings_fail_on_every_rank():
+    run_ranks(_mismatched_settings, 3)
+
+
+def _train(model, state, gen, steps, opt):
+    for _ in range(steps):
+        x, y = _batch(gen)
+        opt.zero_grad()
+        _backward(model, x, y)
+        opt.step()
+
+
+def _resume(rank, world, settings, exact):
+    def build():
+        model = DDP(_model(), bucket_cap_mb=0.01)
+        state = fastddp.CompressState(**settings)
+        model.register_comm_hook(state, fastddp.compress_hook)
+        return model, state, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    model, state, opt = build()
+    gen = torch.Generator().manual_seed(rank)
+    _train(model, state, gen, 4, opt)
+    saved = copy.deepcopy(
+        {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}
+    )
+    gen_state = gen.get_state()
+    assert any(b["residual"] is not None for b in saved["hook"]["buckets"].values())
+    _train(model, state, gen, 3, opt)  # the uninterrupted run
+    want = _grads(model), [p.detach().clone() for p in model.parameters()]
+
+    model, state, opt = build()  # as after a restart
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    state.load_state_dict(saved["hook"])
+    gen.set_state(gen_state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "shared state" warning from the new layout
+        _train(model, state, gen, 3, opt)
+    stats = state.stats()
+    assert stats["parked_residuals"] == 0
+    assert stats["calls"] == saved["hook"]["counters"]["calls"] + 1 + 2 * 2  # 1 bucket, then 2
+    if exact:
+        assert torch.equal(_grads(model), want[0])
+        for p, w in zip(model.parameters(), want[1]):
+            assert torch.equal(p, w), "resumed run differs from the uninterrupted one"
+    else:
+        for p, w in zip(model.parameters(), want[1]):
+            torch.testing.assert_close(p, w, rtol=0, atol=2e-3)
+    # Without the residuals the same steps give different parameters: they were used.
+    model, state, opt = build()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    gen.set_state(gen_state)
+    _train(model, state, gen, 3, opt)
+    assert not all(torch.equal(p, w) for p, w in zip(model.parameters(), want[1]))
+
+
+# The resumed DDP's first step lays out its buckets differently from the uninterrupted run's
+# (one bucket, parameters in model order; then two, in gradient order): the residuals must
+# follow their parameters. 16-bit rounding to nearest is element-wise, so that resume is exact.
+# int8 blocks and stochastic rounding's random numbers depend on the layout: those resume with
+# their residuals in place, and differ from the uninterrupted run only in that step's rounding.
+@pytest.mark.parametrize(
+    "mode, exact",
+    [
+        ("bf16-fp32acc-ef", True),
+        ("fp16-ef", True),
+        ("int8-ef", False),
+        ("bf16-ef-sr", False),
+    ],
+)
+def test_resume_from_state_dict(mode, exact):
+    run_ranks(_resume, 2, MODES[mode], exact)
+
+
+def _large_int8_bucket(rank, world):
+    state = fastddp.CompressState(dtype=torch.int8, error_feedback=True)
+    g = torch.Generator().manual_seed(rank)
+    n = 1_000_003
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x)
+    want = torch.stack(parts).double().mean(0)
+    buf = x.clone()
+    _reduce(state, buf, 0).wait()
+    rel = ((buf.double() - want).norm() / want.norm()).item()
+    assert rel < 0.04, rel  # heavy-tailed values, two quantisations: about 2 %
+    stats = state.stats()
+    assert stats["wire_bytes"] <= 0.27 * stats["fp32_wire_bytes"], stats
+    # The residual holds exactly what this rank's quantisations dropped.
+    assert 0 < state._slots[0].residual.abs().max() <= x.abs().max() / 127
+
+
+def test_int8_sends_a_quarter_of_fp32_bytes():
+    run_ranks(_large_int8_bucket, 3)

@@ -1,0 +1,141 @@
+"""``fastddp.all_reduce``: the hooks' compressed reduction for tensors outside DDP."""
+
+from collections.abc import Iterable
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from fastddp.hooks import CompressState, _reduce
+
+__all__ = ["all_reduce"]
+
+_UNSET = object()
+
+
+def all_reduce(
+    tensors: Union[torch.Tensor, Iterable[torch.Tensor]],
+    dtype: Optional[torch.dtype] = None,
+    op: str = "avg",
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    accumulate_dtype: Optional[torch.dtype] = _UNSET,  # type: ignore[assignment]
+    stochastic_rounding: Optional[bool] = None,
+    block_size: Optional[int] = None,
+    state: Optional[CompressState] = None,
+    bucket_cap_mb: float = 25.0,
+) -> None:
+    r"""Sum or average float32 tensors across ranks, in place, sending them compressed.
+
+    Tensors are packed into buckets of at most ``bucket_cap_mb`` (a single contiguous tensor is
+    reduced where it lies, without a copy) and reduced like :func:`fastddp.compress_hook`'s
+    buckets: by default as bf16 payloads summed in fp32, so that the error does not grow with
+    the number of ranks. Every rank must call it with tensors of the same shapes, in the same
+    order.
+
+    Args:
+        tensors (Tensor or list of Tensor): float32 tensors on one device, changed in place.
+        dtype (torch.dtype, optional): wire dtype: ``torch.bfloat16`` (default),
+            ``torch.float16`` or ``torch.int8``.
+        op (str): ``"avg"`` (default) or ``"sum"``.
+        group (ProcessGroup, optional): the group; ``None`` is the default group.
+        accumulate_dtype (torch.dtype, optional): ``torch.float32`` (default) sums in fp32;
+            ``None`` lets the collective sum in the wire dtype.
+        stochastic_rounding (bool, optional): round stochastically (default False).
+        block_size (int, optional): int8 elements per scale (default 128).
+        state (CompressState, optional): a state to reuse across calls instead of the
+            arguments above: it keeps buffers, counters and error-feedback residuals (create
+            it with ``error_feedback=True`` for that). Give it the same tensors each call.
+        bucket_cap_mb (float): largest bucket, in MiB of float32.
+
+    Example::
+
+        >>> grads = [p.grad for p in model.parameters()]
+        >>> fastddp.all_reduce(grads)  # averaged across ranks, bf16 on the wire
+        >>> fastddp.all_reduce(big, dtype=torch.int8, op="sum")
+    """
+    where = "fastddp.all_reduce"
+    if op not in ("avg", "sum"):
+        raise ValueError(f'{where}: op must be "avg" or "sum", got {op!r}')
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"{where}: bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
+    if state is None:
+        state = CompressState(
+            torch.bfloat16 if dtype is None else dtype,
+            group,
+            accumulate_dtype=torch.float32 if accumulate_dtype is _UNSET else accumulate_dtype,
+            stochastic_rounding=bool(stochastic_rounding),
+            block_size=block_size,
+        )
+    else:
+        if not isinstance(state, CompressState):
+            raise TypeError(
+                f"{where}: state must be a fastddp.CompressState, got {type(state).__name__}"
+            )
+        given = {
+            "dtype": dtype,
+            "stochastic_rounding": stochastic_rounding,
+            "block_size": block_size,
+            "accumulate_dtype": None if accumulate_dtype is _UNSET else accumulate_dtype,
+        }
+        clash = [k for k, v in given.items() if v is not None]
+        if clash:
+            raise ValueError(
+                f"{where}: pass either state= or the settings ({', '.join(clash)}), not both: "
+                "the state already holds its settings"
+            )
+        if group is not None and group is not state.process_group:
+            raise ValueError(
+                f"{where}: group differs from state.process_group; build the CompressState "
+                "with the group you want to reduce over"
+            )
+    if isinstance(tensors, torch.Tensor):
+        tensors = [tensors]
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: tensors[{i}] is a {type(t).__name__}, not a Tensor")
+        if t.dtype != torch.float32:
+            raise TypeError(
+                f"{where}: tensors[{i}] is {t.dtype}; it compresses float32 tensors. Use "
+                "torch.distributed.all_reduce for other dtypes, or pass t.float() and copy back"
+            )
+        if t.device != tensors[0].device:
+            raise ValueError(
+                f"{where}: tensors[{i}] is on {t.device} but tensors[0] on "
+                f"{tensors[0].device}; reduce each device's tensors in a separate call"
+            )
+    buckets = _bucketize(tensors, int(bucket_cap_mb * 2**20) // 4)
+    with torch.no_grad():
+        pending = []
+        for index, members in enumerate(buckets):
+            single = len(members) == 1 and tensors[members[0]].is_contiguous()
+            if single:
+                flat = tensors[members[0]].view(-1)
+            else:
+                flat = torch.cat([tensors[i].reshape(-1) for i in members])
+            last = index == len(buckets) - 1
+            params = tuple((i, tensors[i].numel()) for i in members)
+            fut = _reduce(state, flat, index, is_last=last, average=op == "avg", params=params)
+            pending.append((fut, flat, None if single else members))
+        for fut, flat, members in pending:
+            fut.wait()
+            if members is not None:
+                offset = 0
+                for i in members:
+                    n = tensors[i].numel()
+                    tensors[i].copy_(flat[offset : offset + n].view_as(tensors[i]))
+                    offset += n
+
+
+def _bucketize(tensors: list[torch.Tensor], cap: int) -> list[list[int]]:
+    """Consecutive tensors grouped into buckets of at most ``cap`` elements (or one tensor)."""
+    buckets: list[list[int]] = []
+    size = 0
+    for i, t in enumerate(tensors):
+        if not buckets or size + t.numel() > cap:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += t.numel()
+    return buckets

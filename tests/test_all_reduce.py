@@ -1,0 +1,130 @@
+"""fastddp.all_reduce outside DDP: real processes, Gloo."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fastddp
+
+from ._dist import run_ranks
+
+
+def _tensors(rank, loud=1e3):
+    g = torch.Generator().manual_seed(rank)
+    big = torch.randn(300, 7, generator=g)
+    return [
+        torch.randn(1001, generator=g),
+        big.t(),  # not contiguous: goes through a packed bucket
+        torch.randn(3, 5, generator=g) * loud,
+        torch.empty(0),
+        torch.randn(50_000, generator=g),
+    ]
+
+
+def _exact(parts, world, dtype, average):
+    """Each rank's share rounded to dtype, summed in fp32 in rank order, rounded once."""
+    scale = 1.0 / world if average else 1.0
+    acc = (parts[0] * scale).to(dtype).float()
+    for p in parts[1:]:
+        acc = acc + (p * scale).to(dtype).float()
+    return acc.to(dtype).float()
+
+
+def _matches_reference(rank, world):
+    for dtype in (torch.bfloat16, torch.float16):
+        for op in ("avg", "sum"):
+            tensors = _tensors(rank)
+            gathered = []
+            for t in tensors:
+                parts = [torch.empty_like(t) for _ in range(world)]
+                dist.all_gather(parts, t.contiguous())
+                gathered.append(parts)
+            fastddp.all_reduce(tensors, dtype=dtype, op=op, bucket_cap_mb=0.05)
+            for t, parts in zip(tensors, gathered):
+                want = _exact(parts, world, dtype, op == "avg")
+                assert torch.equal(t, want.view_as(t)), (dtype, op, t.shape)
+    # int8: a sum within half a block step of each rank's share, twice. (Blocks span tensor
+    # boundaries, so a loud tensor would set the step of its quieter neighbours: keep them alike.)
+    tensors = _tensors(rank, loud=1.0)
+    want = []
+    for t in tensors:
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.contiguous())
+        want.append(torch.stack(parts).double().sum(0))
+    fastddp.all_reduce(tensors, dtype=torch.int8, op="sum")
+    for t, w in zip(tensors, want):
+        if t.numel():
+            err = (t.double() - w).abs().max() / w.abs().max()
+            assert err < 2**-5, err.item()
+    # One tensor, no fp32 accumulation: the plain 16-bit all-reduce path, in place.
+    t = torch.full((17,), float(rank + 1))
+    ptr = t.data_ptr()
+    fastddp.all_reduce(t, accumulate_dtype=None)
+    assert t.data_ptr() == ptr and torch.equal(t, torch.full((17,), (world + 1) / 2))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_reduce_matches_reference(world):
+    run_ranks(_matches_reference, world)
+
+
+def _with_state(rank, world):
+    state = fastddp.CompressState(dtype=torch.int8, error_feedback=True)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(4096, generator=g)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x)
+    mean = torch.stack(parts).mean(0)
+    # Error feedback: averaging the same tensor over many calls converges on the exact mean,
+    # because what each call drops is added to the next.
+    total = torch.zeros_like(x)
+    calls = 50
+    for _ in range(calls):
+        y = x.clone()
+        fastddp.all_reduce(y, state=state)
+        total += y
+    err_ef = ((total / calls - mean).abs().max() / mean.abs().max()).item()
+    y = x.clone()
+    fastddp.all_reduce(y, dtype=torch.int8)
+    err_once = ((y - mean).abs().max() / mean.abs().max()).item()
+    assert err_ef < err_once / 5, (err_ef, err_once)
+    assert state.stats()["calls"] == calls
+
+
+def test_all_reduce_with_error_feedback_state():
+    run_ranks(_with_state, 2)
+
+
+def _bad_input(rank, world):
+    cases = [
+        (lambda: fastddp.all_reduce(torch.ones(3), op="max"), 'op must be "avg" or "sum"'),
+        (
+            lambda: fastddp.all_reduce([torch.ones(3), torch.ones(2, dtype=torch.float64)]),
+            "tensors[1] is torch.float64; it compresses float32 tensors",
+        ),
+        (lambda: fastddp.all_reduce([torch.ones(3), "x"]), "tensors[1] is a str, not a Tensor"),
+        (
+            lambda: fastddp.all_reduce(
+                torch.ones(3), dtype=torch.int8, state=fastddp.CompressState()
+            ),
+            "pass either state= or the settings (dtype), not both",
+        ),
+        (lambda: fastddp.all_reduce(torch.ones(3), state=3), "state must be a fastddp."),
+        (lambda: fastddp.all_reduce(torch.ones(3), bucket_cap_mb=0), "bucket_cap_mb must be"),
+        (
+            lambda: fastddp.all_reduce(torch.ones(3), dtype=torch.float64),
+            "dtype must be torch.float16, torch.bfloat16 or torch.int8",
+        ),
+    ]
+    for make, message in cases:
+        with pytest.raises((ValueError, TypeError)) as info:
+            make()
+        assert message in str(info.value), str(info.value)
+    # Every rank raised before any collective, so the group still works.
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((4,), float(world)))
+
+
+def test_all_reduce_bad_input_raises_on_every_rank():
+    run_ranks(_bad_input, 2)
