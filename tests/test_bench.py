@@ -45,14 +45,18 @@ def test_allreduce_sweep_columns_json_and_plot(tmp_path):
     data = json.loads(out.read_text())
     rows = data["rows"]
     assert data["world_size"] == 2
-    assert [r["size"] for r in rows[::5]] == [65536, 262144, 1048576]
-    assert [r["mode"] for r in rows[:5]] == [
+    modes = [
         "fp32",
         "torch-fp16",
         "fastddp-fp16",
         "fastddp-bf16",
+        "fastddp-fp16-acc",
+        "fastddp-bf16-acc",
+        "fastddp-int8",
         "noop",
     ]
+    assert [r["size"] for r in rows[:: len(modes)]] == [65536, 262144, 1048576]
+    assert [r["mode"] for r in rows[: len(modes)]] == modes
     for r in rows:
         t = r["time_us"] * 1e-6
         assert r["count"] * 4 == r["size"]
@@ -62,9 +66,12 @@ def test_allreduce_sweep_columns_json_and_plot(tmp_path):
             assert r["rel_err"] is None and r["wire_bytes"] == 0
             continue
         assert r["wrong"] == 0
-        bound = {"float32": 0.0, "float16": 2**-11, "bfloat16": 2**-8}[r["type"]]
+        bound = {"float32": 0.0, "float16": 2**-11, "bfloat16": 2**-8, "int8": 2**-5}[r["type"]]
         assert r["rel_err"] <= bound, r
-        assert r["wire_bytes"] == r["count"] * (4 if r["type"] == "float32" else 2)
+        if r["type"] == "int8":  # one byte per element plus a 4-byte scale per 128
+            assert r["wire_bytes"] == r["count"] + r["count"] // 128 * 4
+        else:
+            assert r["wire_bytes"] == r["count"] * (4 if r["type"] == "float32" else 2)
         # The table shows the same figures.
         assert f"{r['time_us']:.1f}" in res.stdout
     if png is not None:

@@ -7,6 +7,9 @@ Every mode averages a float32 buffer across the ranks, as DDP does with gradient
   ``all_reduce``, ``copy_`` back;
 - ``fastddp-fp16`` / ``fastddp-bf16``: fastddp's hook worker (fused compress, all_reduce of
   the 16-bit payload, fused decompress in place);
+- ``fastddp-fp16-acc`` / ``fastddp-bf16-acc``: the same payloads summed in fp32
+  (``accumulate_dtype=torch.float32``: all-to-all, fused fp32 sum, all-gather);
+- ``fastddp-int8``: int8 with one fp32 scale per 128 elements, summed in fp32;
 - ``noop``: the headroom row: fastddp bf16's local work with no communication at all.
 
 Columns: time (µs, the slowest rank's median per call), algbw (fp32 bytes / time), wire
@@ -23,16 +26,34 @@ import torch.distributed as dist
 from fastddp.bench.common import human, parse_size
 from fastddp.hooks import CompressState, _reduce
 
-MODES = ["fp32", "torch-fp16", "fastddp-fp16", "fastddp-bf16", "noop"]
+MODES = [
+    "fp32",
+    "torch-fp16",
+    "fastddp-fp16",
+    "fastddp-bf16",
+    "fastddp-fp16-acc",
+    "fastddp-bf16-acc",
+    "fastddp-int8",
+    "noop",
+]
+_ACC = {"accumulate_dtype": torch.float32}
+# CompressState settings of the fastddp modes.
+SETTINGS = {
+    "fastddp-fp16": {"dtype": torch.float16},
+    "fastddp-bf16": {"dtype": torch.bfloat16},
+    "fastddp-fp16-acc": {"dtype": torch.float16, **_ACC},
+    "fastddp-bf16-acc": {"dtype": torch.bfloat16, **_ACC},
+    "fastddp-int8": {"dtype": torch.int8},
+    "noop": {"dtype": torch.bfloat16},
+}
 _WIRE = {
     "fp32": torch.float32,
     "torch-fp16": torch.float16,
-    "fastddp-fp16": torch.float16,
-    "fastddp-bf16": torch.bfloat16,
+    **{m: s["dtype"] for m, s in SETTINGS.items()},
     "noop": None,
 }
 # #wrong tolerance relative to the largest |value|: a few roundings of the wire dtype.
-_TOL = {"fp32": 1e-6, "torch-fp16": 2**-9, "fastddp-fp16": 2**-9, "fastddp-bf16": 2**-6}
+_TOL = {"fp32": 1e-6, torch.float16: 2**-9, torch.bfloat16: 2**-6, torch.int8: 2**-5}
 CHECK_ELEMENTS = 1 << 22  # the error columns look at the first 4 Mi elements
 
 
@@ -53,7 +74,7 @@ def _op(mode, buf, world, state):
     elif mode == "noop":
         from fastddp import ops
 
-        wire = state._slot_for(0, buf).wire
+        wire = state._slot_for(0, buf, world, None).bufs["wire"]
         ops.compress(buf, wire, 1.0 / world)
         ops.decompress(wire, buf, 1.0)
     else:
@@ -89,7 +110,7 @@ def _errors(mode, count, rank, world, state, device):
     ref = ref.float().double()  # the result is delivered in fp32
     got = buf.cpu().double()
     err = (got - ref).norm() / ref.norm().clamp_min(1e-300)
-    bound = _TOL[mode] * ref.abs().max()
+    bound = _TOL.get(mode, _TOL.get(_WIRE[mode])) * ref.abs().max()
     wrong = int(((got - ref).abs() > bound).sum() + (~torch.isfinite(got)).sum())
     return err.item(), wrong
 
@@ -111,11 +132,7 @@ def sweep(env, args, progress=None):
     rows = []
     for size in sizes:
         count = size // 4
-        states = {
-            m: CompressState(dtype=_WIRE[m] if m != "noop" else torch.bfloat16)
-            for m in args.modes
-            if m.startswith("fastddp") or m == "noop"
-        }
+        states = {m: CompressState(**SETTINGS[m]) for m in args.modes if m in SETTINGS}
         for mode in args.modes:
             buf = _data(env.rank, count).to(device)
             seconds, iters = _time(
@@ -124,6 +141,8 @@ def sweep(env, args, progress=None):
             err, wrong = _errors(mode, count, env.rank, world, states.get(mode), device)
             wire_dtype = _WIRE[mode]
             wire_bytes = 0 if wire_dtype is None else count * wire_dtype.itemsize
+            if wire_dtype == torch.int8:
+                wire_bytes += -(-count // states[mode].block_size) * 4  # the block scales
             rows.append(
                 {
                     "size": size,
