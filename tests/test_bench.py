@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,3 +148,35 @@ def test_allreduce_over_a_two_node_link(tmp_path):
     data = json.loads(out.read_text())
     assert data["nodes"] == 2 and data["world_size"] == 2
     assert "2 nodes" in res.stdout
+
+
+def _script(name, args, tmp_path):
+    out = tmp_path / f"{name}.json"
+    res = subprocess.run(
+        [sys.executable, f"benchmarks/{name}.py", *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(out.read_text()), res.stdout
+
+
+def test_accuracy_study_runs_and_shows_fp32_accumulation(tmp_path):
+    data, stdout = _script("accuracy", ["--worlds", "4", "--trials", "1"], tmp_path)
+    errs = data["rel_err"]["4"]
+    assert errs["bf16, fp32 sum"] < errs["bf16 (16-bit ring sum)"]
+    assert errs["fp16, fp32 sum"] < errs["fp16 (16-bit ring sum)"]
+    assert errs["int8 + EF, mean of 32 steps"] < errs["int8 (block 128)"] / 5
+    assert errs["int8 wire bytes / fp32"] <= 0.27
+    assert "4 ranks" in stdout
+
+
+def test_convergence_run_runs(tmp_path):
+    data, stdout = _script("convergence", ["--steps", "30"], tmp_path)
+    base = data["fp32 (no hook)"]
+    assert len(base["losses"]) == 30 and base["losses"][-1] < base["first"]
+    for name in ("bf16", "int8", "int8 + EF"):
+        assert abs(data[name]["eval"] / base["eval"] - 1) < 0.05, name
+    assert "vs fp32" in stdout
