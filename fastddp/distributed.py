@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fastddp.cluster import ClusterError, process_settings
+from fastddp.watchdog import PeerWatchdog
 
 __all__ = [
     "DistEnv",
@@ -24,6 +25,7 @@ __all__ = [
 ]
 
 _env: Optional["DistEnv"] = None
+_watchdog: Optional[PeerWatchdog] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +106,7 @@ def init_distributed(
     backend: Optional[str] = None,
     timeout: timedelta = timedelta(minutes=10),
     environ: Optional[Mapping[str, str]] = None,
+    peer_timeout: Optional[float] = None,
 ) -> DistEnv:
     r"""Initialise ``torch.distributed`` from whatever started this process; return who it is.
 
@@ -119,6 +122,10 @@ def init_distributed(
         timeout (timedelta): how long any collective may wait before failing with an error
             instead of hanging.
         environ (Mapping, optional): variables to read instead of ``os.environ``.
+        peer_timeout (float, optional): seconds after which a rank that stopped answering
+            (stopped, hung outside Python, dead without closing its sockets) is named and this
+            rank exits with status 3 (:mod:`fastddp.watchdog`). ``None`` reads
+            ``FASTDDP_PEER_TIMEOUT`` (default 300 for up to 64 ranks, else off); 0 is off.
 
     Returns:
         DistEnv: rank, local_rank, world_size, local_world_size, node_rank, num_nodes,
@@ -152,6 +159,7 @@ def init_distributed(
     local_rank = settings["local_rank"].value
     if not 0 <= rank < world:
         raise ClusterError(f"rank {rank} is outside world size {world} ({settings['rank'].source})")
+    peer_timeout = _peer_timeout(env, peer_timeout, world)
     use_cuda = torch.cuda.is_available() if backend is None else backend == "nccl"
     if use_cuda:
         count = torch.cuda.device_count()
@@ -190,6 +198,7 @@ def init_distributed(
     except BaseException:
         dist.destroy_process_group()
         raise
+    _start_watchdog(env, peer_timeout, rank, world, addr, int(port), launcher)
     sources = {k: s.source for k, s in settings.items() if s is not None}
     sources.setdefault("node_rank", "host names of all ranks")
     sources["local_world_size"] = "ranks on the same node"
@@ -210,6 +219,29 @@ def init_distributed(
     return _env
 
 
+def _peer_timeout(env, peer_timeout, world) -> float:
+    if peer_timeout is None:
+        raw = env.get("FASTDDP_PEER_TIMEOUT", "")
+        try:
+            peer_timeout = float(raw) if raw else (300.0 if world <= 64 else 0.0)
+        except ValueError:
+            raise ClusterError(
+                f"FASTDDP_PEER_TIMEOUT={raw!r} is not a number of seconds (0 turns it off)"
+            ) from None
+    if peer_timeout < 0:
+        raise ClusterError(f"peer_timeout must be 0 (off) or positive, got {peer_timeout}")
+    return peer_timeout
+
+
+def _start_watchdog(env, peer_timeout, rank, world, addr, port, launcher) -> None:
+    global _watchdog
+    if peer_timeout == 0 or world == 1 or launcher == "single":
+        return
+    # A fresh key space per launch attempt: torchrun's store outlives restarts.
+    namespace = f"{env.get('TORCHELASTIC_RUN_ID', '')}.{env.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+    _watchdog = PeerWatchdog(addr, port, rank, world, peer_timeout, namespace).start()
+
+
 def _bracket(addr: str) -> str:
     return f"[{addr}]" if ":" in addr else addr
 
@@ -228,7 +260,10 @@ def shutdown_distributed() -> None:
         a DDP model that outlives its process group can abort the process at exit
         ("terminate called without an active exception").
     """
-    global _env
+    global _env, _watchdog
+    if _watchdog is not None:
+        _watchdog.stop()
+        _watchdog = None
     if _env is not None and dist.is_initialized():
         gc.collect()  # DDP models caught in reference cycles release the group now
         dist.destroy_process_group()

@@ -1,0 +1,113 @@
+"""Train with fastddp, checkpoint, and resume from the latest checkpoint after a failure.
+
+    python -m fastddp.launch --standalone --nproc-per-node 2 --max-restarts 3 \\
+        examples/resume.py --ckpt-dir ckpt --resume latest
+
+Every ``--ckpt-every`` steps the job saves the model and optimizer (rank 0), each rank's
+fastddp hook state (its error-feedback residuals), and the step, into ``ckpt-dir/step-N``;
+the directory appears under its final name only once every rank has written its part, so a
+crash during a save leaves the previous checkpoint as the latest. With ``--resume latest`` a
+(re)started job continues from there. Batches depend only on (seed, step, rank), so a resumed
+run sees exactly the data the uninterrupted run would have, and ends with the same parameters.
+"""
+
+import argparse
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fastddp
+
+
+def _args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ckpt-dir", required=True, type=Path)
+    p.add_argument("--resume", choices=["latest", "none"], default="latest")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--ckpt-every", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, help="rank 0 saves the final parameters here")
+    p.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step (demos)")
+    p.add_argument("--progress", type=Path, help="each rank writes 'pid step' here per step")
+    return p.parse_args(argv)
+
+
+def latest_checkpoint(ckpt_dir: Path):
+    """The newest complete ``step-N`` directory, or None."""
+    done = [d for d in ckpt_dir.glob("step-*") if d.is_dir() and d.name[5:].isdigit()]
+    return max(done, key=lambda d: int(d.name[5:]), default=None)
+
+
+def save(ckpt_dir: Path, step: int, model, opt, state, rank: int) -> None:
+    tmp = ckpt_dir / f"step-{step}.partial"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left over by a crash during a save
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    if rank == 0:
+        torch.save({"model": model.module.state_dict(), "opt": opt.state_dict()}, tmp / "train.pt")
+    torch.save(state.state_dict(), tmp / f"hook-rank{rank}.pt")
+    dist.barrier()  # every part is written: publish the checkpoint in one rename
+    if rank == 0:
+        os.replace(tmp, ckpt_dir / f"step-{step}")
+    dist.barrier()
+
+
+def train(env, args) -> None:
+    torch.manual_seed(args.seed)
+    net = nn.Sequential(nn.Linear(32, 257), nn.GELU(), nn.Linear(257, 257), nn.GELU(),
+                        nn.Linear(257, 8))  # fmt: skip
+    opt_state, hook_state, start = None, None, 0
+    ckpt = latest_checkpoint(args.ckpt_dir) if args.resume == "latest" else None
+    if ckpt is not None:
+        saved = torch.load(ckpt / "train.pt")
+        net.load_state_dict(saved["model"])
+        opt_state = saved["opt"]
+        hook_state = torch.load(ckpt / f"hook-rank{env.rank}.pt")
+        start = int(ckpt.name[5:])
+    model = DDP(net)
+    # bf16 summed in fp32, with error feedback: its residuals are part of the checkpoint.
+    state = fastddp.CompressState(accumulate_dtype=torch.float32, error_feedback=True)
+    model.register_comm_hook(state, fastddp.compress_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
+        state.load_state_dict(hook_state)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    where = f"step {start} ({ckpt})" if ckpt is not None else "scratch"
+    print(f"rank {env.rank}: attempt {restart}, starting from {where}", flush=True)
+    for step in range(start, args.steps):
+        gen = torch.Generator().manual_seed((args.seed * 100_003 + step) * 1009 + env.rank)
+        x = torch.randn(64, 32, generator=gen)
+        y = torch.sin(x[:, :8] * 3) + x[:, 8:16] ** 2
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        if (step + 1) % args.ckpt_every == 0:
+            save(args.ckpt_dir, step + 1, model, opt, state, env.rank)
+        if args.progress is not None:
+            args.progress.with_suffix(f".rank{env.rank}").write_text(f"{os.getpid()} {step + 1}")
+        time.sleep(args.step_seconds)
+    if env.rank == 0:
+        print(f"rank 0: done, {args.steps} steps, final loss {loss.item():.5f}", flush=True)
+        if args.out is not None:
+            torch.save([p.detach() for p in model.parameters()], args.out)
+
+
+def main(argv=None) -> None:
+    args = _args(argv)
+    args.ckpt_dir.mkdir(parents=True, exist_ok=True)
+    with fastddp.distributed_session() as env:
+        train(env, args)
+
+
+if __name__ == "__main__":
+    main()
+    fastddp.distributed.exit_after_shutdown()

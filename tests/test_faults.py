@@ -1,0 +1,117 @@
+"""Faults: a worker killed mid-run (restart and resume), a worker stopped (named, not a hang)."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "resume.py"
+
+
+def _launch(args, extra_env=None, launch_args=()):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    cmd = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]
+    return subprocess.Popen(
+        [*cmd, *launch_args, str(EXAMPLE), *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait_for_step(progress: Path, rank: int, step: int, proc, timeout=120.0):
+    """Return rank's pid once it has finished `step` steps."""
+    path = progress.with_suffix(f".rank{rank}")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            pid, done = path.read_text().split()
+            if int(done) >= step:
+                return int(pid)
+        except (FileNotFoundError, ValueError):
+            pass
+        time.sleep(0.05)
+    proc.kill()
+    raise TimeoutError(f"rank {rank} did not reach step {step}")
+
+
+def _finish(proc, timeout):
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"the job did not end within {timeout} s:\n{out}") from None
+    return proc.returncode, out
+
+
+def test_killed_worker_restarts_and_resumes_to_the_same_parameters(tmp_path):
+    steps = ["--steps", "24", "--ckpt-every", "5"]
+    # The uninterrupted run.
+    ref = _launch([*steps, "--ckpt-dir", str(tmp_path / "a"), "--out", str(tmp_path / "a.pt")])
+    rc, out = _finish(ref, 180)
+    assert rc == 0, out
+    # The same run, with rank 1 killed (SIGKILL) between two checkpoints.
+    progress = tmp_path / "progress"
+    args = [*steps, "--ckpt-dir", str(tmp_path / "b"), "--out", str(tmp_path / "b.pt")]
+    job = _launch(
+        [*args, "--step-seconds", "0.15", "--progress", str(progress)],
+        launch_args=["--max-restarts", "1"],
+    )
+    pid = _wait_for_step(progress, 1, 12, job)
+    os.kill(pid, signal.SIGKILL)
+    rc, out = _finish(job, 240)
+    assert rc == 0, out
+    assert "attempt 0, starting from scratch" in out
+    # The restarted workers resumed from the last complete checkpoint, not from zero.
+    resumed = [line for line in out.splitlines() if "attempt 1, starting from step" in line]
+    assert len(resumed) == 2, out
+    assert all("starting from step 10 " in line or "starting from step 15 " in line
+               for line in resumed), resumed  # fmt: skip
+    assert "rank 0: done, 24 steps" in out
+    want = torch.load(tmp_path / "a.pt")
+    got = torch.load(tmp_path / "b.pt")
+    for w, g in zip(want, got):
+        assert torch.equal(w, g), "the resumed run ended with other parameters"
+
+
+def test_stopped_worker_is_named_instead_of_hanging(tmp_path):
+    progress = tmp_path / "progress"
+    job = _launch(
+        ["--steps", "100000", "--ckpt-every", "1000000", "--ckpt-dir", str(tmp_path / "c"),
+         "--step-seconds", "0.05", "--progress", str(progress)],
+        extra_env={"FASTDDP_PEER_TIMEOUT": "5"},
+    )  # fmt: skip
+    pid = _wait_for_step(progress, 1, 3, job)
+    stopped_at = time.monotonic()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        rc, out = _finish(job, 120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert rc != 0, out
+    assert f"rank 1 (pid {pid} on " in out, out
+    assert "has not answered for" in out and "peer timeout 5 s" in out
+    assert "exits with status 3" in out
+    # Named within the timeout plus a couple of heartbeat intervals, not after minutes.
+    assert time.monotonic() - stopped_at < 100
+
+
+@pytest.mark.parametrize("value, message", [("abc", "is not a number of seconds"),
+                                            ("-1", "must be 0 (off) or positive")])  # fmt: skip
+def test_bad_peer_timeout_is_refused(value, message, tmp_path):
+    job = _launch(["--steps", "1", "--ckpt-dir", str(tmp_path)],
+                  extra_env={"FASTDDP_PEER_TIMEOUT": value})  # fmt: skip
+    rc, out = _finish(job, 120)
+    assert rc != 0 and message in out, out
