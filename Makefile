@@ -19,6 +19,8 @@ $(VENV)/.deps: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q numpy ninja pybind11 setuptools wheel "cmake>=3.28" \
 		pytest pytest-timeout pytest-benchmark ruff rich matplotlib
+	# The integration tests run fastddp's hook inside these frameworks.
+	$(BIN)/pip install -q lightning accelerate
 	touch $@
 
 setup: $(VENV)/.deps

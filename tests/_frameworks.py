@@ -1,0 +1,98 @@
+"""Fits used by test_integrations.py: Lightning (2 CPU processes) and Accelerate."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import fastddp
+
+
+def _data(n=256):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 16, generator=g)
+    return torch.utils.data.TensorDataset(x, x[:, :4].sin())
+
+
+def lightning_fit(out: Path, kind: str) -> None:
+    import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from fastddp.integrations.lightning import FastDDPStrategy
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def on_train_end(self):
+            flat = torch.cat([p.detach().reshape(-1) for p in self.parameters()])
+            (out / f"rank{self.global_rank}.json").write_text(
+                json.dumps({"stats": state.stats(), "checksum": flat.double().sum().item()})
+            )
+
+    state = fastddp.CompressState(dtype=torch.float16)
+    if kind == "fastddp":
+        strategy = FastDDPStrategy(state)
+    else:  # Lightning's own argument: skipped on CPU
+        strategy = DDPStrategy(ddp_comm_hook=fastddp.compress_hook, ddp_comm_state=state)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = torch.utils.data.DataLoader(_data(), batch_size=16)
+    trainer.fit(Module(), loader)
+
+
+def accelerate_fit(out: Path) -> None:
+    from accelerate import Accelerator
+
+    from fastddp.integrations.accelerate import register_comm_hook
+
+    accelerator = Accelerator(cpu=True)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(_data(), batch_size=16)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    state = register_comm_hook(
+        accelerator, model, fastddp.CompressState(accumulate_dtype=torch.float32)
+    )
+    for step, (x, y) in enumerate(loader):
+        opt.zero_grad()
+        accelerator.backward(nn.functional.mse_loss(model(x), y))
+        opt.step()
+        if step == 5:
+            break
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    rank = accelerator.process_index
+    (out / f"rank{rank}.json").write_text(
+        json.dumps({"stats": state.stats(), "checksum": flat.double().sum().item()})
+    )
+    accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    what, out = sys.argv[1], Path(sys.argv[2])
+    if what == "accelerate":
+        accelerate_fit(out)
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        fastddp.distributed.exit_after_shutdown()
+    else:
+        lightning_fit(out, what)

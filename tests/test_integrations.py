@@ -1,0 +1,72 @@
+"""fastddp's hook inside Lightning and Accelerate, on 2 CPU processes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "_frameworks.py"
+
+
+def _run(cmd, tmp_path, timeout=240):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run(
+        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_lightning_fit_runs_the_hook_on_cpu(tmp_path):
+    pytest.importorskip("lightning")
+    ranks = _run([sys.executable, str(SCRIPT), "fastddp", str(tmp_path)], tmp_path)
+    for r in ranks:
+        stats = r["stats"]
+        assert stats["dtype"] == "float16"
+        # 6 optimizer steps, every bucket reduced by the hook in each.
+        assert stats["calls"] >= 6 and stats["calls"] % 6 == 0, stats
+        assert sum(b["calls"] for b in stats["buckets"].values()) == stats["calls"]
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]  # the ranks stayed in step
+
+
+def test_lightning_own_argument_skips_the_hook_on_cpu(tmp_path):
+    # Why FastDDPStrategy exists: DDPStrategy(ddp_comm_hook=...) is silently ignored on CPU.
+    pytest.importorskip("lightning")
+    ranks = _run([sys.executable, str(SCRIPT), "lightning-ddp", str(tmp_path)], tmp_path)
+    assert all(r["stats"]["calls"] == 0 for r in ranks)
+
+
+def test_fastddp_strategy_refuses_hook_arguments():
+    pytest.importorskip("lightning")
+    from fastddp.integrations.lightning import FastDDPStrategy
+
+    with pytest.raises(ValueError, match="drop ddp_comm_hook"):
+        FastDDPStrategy(ddp_comm_hook=print)
+    with pytest.raises(TypeError, match="state must be a fastddp.CompressState"):
+        FastDDPStrategy(state={"dtype": "fp16"})
+
+
+def test_accelerate_prepared_model_runs_the_hook(tmp_path):
+    pytest.importorskip("accelerate")
+    launch = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]
+    ranks = _run([*launch, str(SCRIPT), "accelerate", str(tmp_path)], tmp_path)
+    for r in ranks:
+        assert r["stats"]["calls"] >= 6 and r["stats"]["path"] == "alltoall", r["stats"]
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]
+
+
+def test_accelerate_helper_refuses_an_unprepared_model():
+    pytest.importorskip("accelerate")
+    import torch
+
+    from fastddp.integrations.accelerate import register_comm_hook
+
+    class Two:
+        num_processes = 2
+
+    with pytest.raises(TypeError, match="pass the model returned by accelerator.prepare"):
+        register_comm_hook(Two(), torch.nn.Linear(2, 2))
