@@ -59,8 +59,8 @@ bench: build
 		--benchmark-columns=min,median,mean,rounds
 
 lint: setup
-	$(BIN)/ruff check fastddp tests benchmarks
-	$(BIN)/ruff format --check fastddp tests benchmarks
+	$(BIN)/ruff check fastddp tests benchmarks examples
+	$(BIN)/ruff format --check fastddp tests benchmarks examples
 
 clean:
 	rm -rf build build-cmake fastddp/_C*.so *.egg-info

@@ -115,3 +115,37 @@ def test_bad_peer_timeout_is_refused(value, message, tmp_path):
                   extra_env={"FASTDDP_PEER_TIMEOUT": value})  # fmt: skip
     rc, out = _finish(job, 120)
     assert rc != 0 and message in out, out
+
+
+def test_plain_script_with_hand_set_variables_trains():
+    # No launcher, no DDP: the variables set by hand, fastddp.all_reduce for the gradients.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        for k in ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+            env.pop(k, None)
+        script = ROOT / "examples" / "plain_script.py"
+        procs.append(
+            subprocess.Popen([sys.executable, str(script), "--steps", "40"], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )  # fmt: skip
+    outs = [_finish(p, 120) for p in procs]
+    for rank, (rc, out) in enumerate(outs):
+        assert rc == 0, out
+        assert f"rank {rank}/2 (env): final loss" in out, out
+        assert "weights identical on all ranks: True" in out
+    losses = [float(line.split()[3]) for line in outs[0][1].splitlines() if line.startswith("step")]
+    assert losses[-1] < losses[0] / 2, losses  # it trains
