@@ -354,3 +354,12 @@ def test_bad_inputs_raise_clear_errors(make, message):
     with pytest.raises(RuntimeError) as info:
         make()
     assert message in str(info.value)
+
+
+def test_residual_sharing_storage_is_refused():
+    x = torch.ones(8)
+    with pytest.raises(RuntimeError, match="residual shares storage with the data"):
+        ops.compress(x, torch.empty(8, dtype=torch.bfloat16), 1.0, None, x)
+    chunks = torch.ones(2, 4, dtype=torch.half)
+    with pytest.raises(RuntimeError, match="dst shares storage with src"):
+        ops.sum_chunks(chunks, chunks[0])

@@ -116,6 +116,17 @@ def _bad_input(rank, world):
             "dtype must be torch.float16, torch.bfloat16 or torch.int8",
         ),
     ]
+    group = dist.new_group([0, 1])
+    cases += [
+        (
+            lambda: fastddp.all_reduce(torch.ones(3), group=group, state=fastddp.CompressState()),
+            "group differs from state.process_group",
+        ),
+        (
+            lambda: fastddp.all_reduce([torch.ones(3), torch.ones(3, device="meta")]),
+            "tensors[1] is on meta but tensors[0] on cpu",
+        ),
+    ]
     for make, message in cases:
         with pytest.raises((ValueError, TypeError)) as info:
             make()

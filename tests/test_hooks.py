@@ -417,3 +417,20 @@ def _large_int8_bucket(rank, world):
 
 def test_int8_sends_a_quarter_of_fp32_bytes():
     run_ranks(_large_int8_bucket, 3)
+
+
+def _registration_errors(rank, world):
+    model = DDP(_model())
+    model.register_comm_hook(fastddp.CompressState(), fastddp.compress_hook)
+    with pytest.raises(RuntimeError, match="can only be called once"):
+        model.register_comm_hook(fastddp.CompressState(), fastddp.compress_hook)
+    frozen = _model()
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="doesn't have any parameter that requires a gradient"):
+        DDP(frozen)
+
+
+def test_registering_twice_and_a_model_without_gradients():
+    # Both refused by DDP itself, before fastddp's hook could run; listed in the README table.
+    run_ranks(_registration_errors, 2)
