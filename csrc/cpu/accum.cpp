@@ -1,56 +1,81 @@
 // Portable loops for the accumulating, error-feedback and int8 ops; the element math lives in
-// fastddp/rounding.h and is shared with the CUDA kernels.
+// fastddp/rounding.h and is shared with the CUDA kernels. Each loop is a template over what the
+// call uses (wire format, residual, stochastic rounding), so that no per-element branch is left
+// for the vectoriser to trip on, and each instantiation is cloned per ISA (AVX-512, AVX2,
+// baseline) and picked at load time.
 #include "accum.h"
 
 namespace fastddp::cpu {
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FASTDDP_ACCUM_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define FASTDDP_ACCUM_CLONES
+#endif
+#define FASTDDP_ACCUM_INLINE inline __attribute__((always_inline))
+
 using math::WireKind;
 
-bool compress_feedback(
-    WireKind kind, const float* src, uint16_t* dst, float* residual, int64_t begin,
-    int64_t end, float scale, int64_t seed) {
-  const bool stochastic = seed >= 0;
-  const uint64_t s = static_cast<uint64_t>(seed);
-  bool bad = false;
+namespace {
+
+template <WireKind K, bool kResidual, bool kStochastic>
+FASTDDP_ACCUM_INLINE bool compress_loop(
+    const float* __restrict src, uint16_t* __restrict dst, float* __restrict residual,
+    int64_t begin, int64_t end, float scale, uint64_t seed) {
+  uint32_t bad = 0;
   for (int64_t i = begin; i < end; ++i) {
     float v = math::mul(src[i], scale);
-    if (residual != nullptr) {
+    if constexpr (kResidual) {
       v = math::add(v, residual[i]);
     }
-    const uint32_t r = stochastic ? math::random_bits(s, static_cast<uint64_t>(i)) : 0u;
-    bad |= math::round_with_feedback(
-        kind, v, dst + i, residual == nullptr ? nullptr : residual + i, stochastic, r);
+    const uint32_t r = kStochastic ? math::random_bits(seed, static_cast<uint64_t>(i)) : 0u;
+    bad |= math::round_with_feedback(K, v, dst + i, kResidual ? residual + i : nullptr,
+                                     kStochastic, r);  // fmt: skip
   }
-  return bad;
+  return bad != 0;
 }
 
-bool sum_chunks(
-    WireKind kind, const uint16_t* src, int64_t chunks, int64_t m, uint16_t* dst,
-    float* residual, int64_t begin, int64_t end, float scale, int64_t seed) {
-  const bool stochastic = seed >= 0;
-  const uint64_t s = static_cast<uint64_t>(seed);
-  bool bad = false;
-  for (int64_t i = begin; i < end; ++i) {
-    float acc = math::wire_to_float(kind, src[i]);
+// Rows are summed a tile at a time into a small fp32 array: each pass over a row is then a
+// plain vectorisable loop, instead of a gather across rows per element.
+constexpr int64_t kTile = 1024;
+
+template <WireKind K, bool kResidual, bool kStochastic>
+FASTDDP_ACCUM_INLINE bool sum_loop(
+    const uint16_t* __restrict src, int64_t chunks, int64_t m, uint16_t* __restrict dst,
+    float* __restrict residual, int64_t begin, int64_t end, float scale, uint64_t seed) {
+  uint32_t bad = 0;
+  float acc[kTile];
+  for (int64_t t = begin; t < end; t += kTile) {
+    const int64_t len = end - t < kTile ? end - t : kTile;
+    const uint16_t* row = src + t;
+    for (int64_t j = 0; j < len; ++j) {
+      acc[j] = math::wire_to_float(K, row[j]);
+    }
     for (int64_t p = 1; p < chunks; ++p) {
-      acc = math::add(acc, math::wire_to_float(kind, src[p * m + i]));
+      row = src + p * m + t;
+      for (int64_t j = 0; j < len; ++j) {
+        acc[j] = math::add(acc[j], math::wire_to_float(K, row[j]));
+      }
     }
-    float v = math::mul(acc, scale);
-    if (residual != nullptr) {
-      v = math::add(v, residual[i]);
+    for (int64_t j = 0; j < len; ++j) {
+      const int64_t i = t + j;
+      float v = math::mul(acc[j], scale);
+      if constexpr (kResidual) {
+        v = math::add(v, residual[i]);
+      }
+      const uint32_t r = kStochastic ? math::random_bits(seed, static_cast<uint64_t>(i)) : 0u;
+      bad |= math::round_with_feedback(K, v, dst + i, kResidual ? residual + i : nullptr,
+                                       kStochastic, r);  // fmt: skip
     }
-    const uint32_t r = stochastic ? math::random_bits(s, static_cast<uint64_t>(i)) : 0u;
-    bad |= math::round_with_feedback(
-        kind, v, dst + i, residual == nullptr ? nullptr : residual + i, stochastic, r);
   }
-  return bad;
+  return bad != 0;
 }
 
-bool quantize_int8(
-    const float* src, int8_t* dst, float* scales, float* residual, int64_t n, int64_t block,
-    int64_t first, int64_t last, float scale, int64_t seed) {
-  const bool stochastic = seed >= 0;
-  const uint64_t s = static_cast<uint64_t>(seed);
+template <bool kResidual, bool kStochastic>
+FASTDDP_ACCUM_INLINE bool quantize_loop(
+    const float* __restrict src, int8_t* __restrict dst, float* __restrict scales,
+    float* __restrict residual, int64_t n, int64_t block, int64_t first, int64_t last,
+    float scale, uint64_t seed) {
   bool bad = false;
   for (int64_t b = first; b < last; ++b) {
     const int64_t lo = b * block;
@@ -60,26 +85,31 @@ bool quantize_int8(
     uint32_t absmax = 0;
     for (int64_t i = lo; i < hi; ++i) {
       float v = math::mul(src[i], scale);
-      if (residual != nullptr) {
+      if constexpr (kResidual) {
         v = math::add(v, residual[i]);
       }
       absmax = math::abs_bits_max(absmax, v);
     }
     const float step = math::block_scale(absmax);
     const float inverse = math::block_inverse(absmax);
-    const bool block_bad = math::block_nonfinite(absmax);
     scales[b] = step;
-    bad |= block_bad;
+    if (math::block_nonfinite(absmax)) {
+      // Zeros and a NaN scale: the block dequantises to NaN; its residual is left alone.
+      bad = true;
+      for (int64_t i = lo; i < hi; ++i) {
+        dst[i] = 0;
+      }
+      continue;
+    }
     for (int64_t i = lo; i < hi; ++i) {
       float v = math::mul(src[i], scale);
-      if (residual != nullptr) {
+      if constexpr (kResidual) {
         v = math::add(v, residual[i]);
       }
-      const uint32_t r = stochastic ? math::random_bits(s, static_cast<uint64_t>(i)) : 0u;
-      const int8_t q = block_bad ? int8_t{0} : math::quantize_int8(v, inverse, stochastic, r);
+      const uint32_t r = kStochastic ? math::random_bits(seed, static_cast<uint64_t>(i)) : 0u;
+      const int8_t q = math::quantize_int8(v, inverse, kStochastic, r);
       dst[i] = q;
-      // A non-finite block keeps its residual (see round_with_feedback).
-      if (residual != nullptr && !block_bad) {
+      if constexpr (kResidual) {
         residual[i] = math::sub(v, math::mul(static_cast<float>(q), step));
       }
     }
@@ -87,18 +117,125 @@ bool quantize_int8(
   return bad;
 }
 
+// One cloned entry point per instantiation.
+#define FASTDDP_COMPRESS_ENTRY(NAME, K, RES, SR)                                            \
+  FASTDDP_ACCUM_CLONES bool NAME(const float* src, uint16_t* dst, float* residual,          \
+                                 int64_t begin, int64_t end, float scale, uint64_t seed) {  \
+    return compress_loop<K, RES, SR>(src, dst, residual, begin, end, scale, seed);          \
+  }
+#define FASTDDP_SUM_ENTRY(NAME, K, RES, SR)                                                   \
+  FASTDDP_ACCUM_CLONES bool NAME(const uint16_t* src, int64_t chunks, int64_t m,              \
+                                 uint16_t* dst, float* residual, int64_t begin, int64_t end,  \
+                                 float scale, uint64_t seed) {                                \
+    return sum_loop<K, RES, SR>(src, chunks, m, dst, residual, begin, end, scale, seed);      \
+  }
+#define FASTDDP_QUANTIZE_ENTRY(NAME, RES, SR)                                                \
+  FASTDDP_ACCUM_CLONES bool NAME(const float* src, int8_t* dst, float* scales,               \
+                                 float* residual, int64_t n, int64_t block, int64_t first,   \
+                                 int64_t last, float scale, uint64_t seed) {                 \
+    return quantize_loop<RES, SR>(src, dst, scales, residual, n, block, first, last, scale,  \
+                                  seed);                                                     \
+  }
+
+FASTDDP_COMPRESS_ENTRY(compress_h_nn, WireKind::kFp16, false, false)
+FASTDDP_COMPRESS_ENTRY(compress_h_rn, WireKind::kFp16, true, false)
+FASTDDP_COMPRESS_ENTRY(compress_h_ns, WireKind::kFp16, false, true)
+FASTDDP_COMPRESS_ENTRY(compress_h_rs, WireKind::kFp16, true, true)
+FASTDDP_COMPRESS_ENTRY(compress_b_nn, WireKind::kBf16, false, false)
+FASTDDP_COMPRESS_ENTRY(compress_b_rn, WireKind::kBf16, true, false)
+FASTDDP_COMPRESS_ENTRY(compress_b_ns, WireKind::kBf16, false, true)
+FASTDDP_COMPRESS_ENTRY(compress_b_rs, WireKind::kBf16, true, true)
+FASTDDP_SUM_ENTRY(sum_h_nn, WireKind::kFp16, false, false)
+FASTDDP_SUM_ENTRY(sum_h_rn, WireKind::kFp16, true, false)
+FASTDDP_SUM_ENTRY(sum_h_ns, WireKind::kFp16, false, true)
+FASTDDP_SUM_ENTRY(sum_h_rs, WireKind::kFp16, true, true)
+FASTDDP_SUM_ENTRY(sum_b_nn, WireKind::kBf16, false, false)
+FASTDDP_SUM_ENTRY(sum_b_rn, WireKind::kBf16, true, false)
+FASTDDP_SUM_ENTRY(sum_b_ns, WireKind::kBf16, false, true)
+FASTDDP_SUM_ENTRY(sum_b_rs, WireKind::kBf16, true, true)
+FASTDDP_QUANTIZE_ENTRY(quantize_nn, false, false)
+FASTDDP_QUANTIZE_ENTRY(quantize_rn, true, false)
+FASTDDP_QUANTIZE_ENTRY(quantize_ns, false, true)
+FASTDDP_QUANTIZE_ENTRY(quantize_rs, true, true)
+
+// Index: wire (0 fp16, 1 bf16) * 4 + residual * 2 + stochastic.
+using CompressFn = bool (*)(const float*, uint16_t*, float*, int64_t, int64_t, float, uint64_t);
+using SumFn = bool (*)(const uint16_t*, int64_t, int64_t, uint16_t*, float*, int64_t, int64_t,
+                       float, uint64_t);  // fmt: skip
+using QuantizeFn = bool (*)(const float*, int8_t*, float*, float*, int64_t, int64_t, int64_t,
+                            int64_t, float, uint64_t);  // fmt: skip
+constexpr CompressFn kCompress[8] = {compress_h_nn, compress_h_ns, compress_h_rn, compress_h_rs,
+                                     compress_b_nn, compress_b_ns, compress_b_rn, compress_b_rs};
+constexpr SumFn kSum[8] = {sum_h_nn, sum_h_ns, sum_h_rn, sum_h_rs,
+                           sum_b_nn, sum_b_ns, sum_b_rn, sum_b_rs};
+constexpr QuantizeFn kQuantize[4] = {quantize_nn, quantize_ns, quantize_rn, quantize_rs};
+
+int pick(WireKind kind, const float* residual, int64_t seed) {
+  return (kind == WireKind::kBf16 ? 4 : 0) + (residual != nullptr ? 2 : 0) + (seed >= 0 ? 1 : 0);
+}
+
+FASTDDP_ACCUM_CLONES void dequantize_loop(
+    const int8_t* __restrict src, const float* __restrict scales, int64_t chunks, int64_t m,
+    int64_t block, float* __restrict dst, int64_t begin, int64_t end, float scale) {
+  const int64_t nb = (m + block - 1) / block;
+  float acc[kTile];
+  for (int64_t t = begin; t < end; t += kTile) {
+    const int64_t len = end - t < kTile ? end - t : kTile;
+    for (int64_t p = 0; p < chunks; ++p) {
+      const int8_t* row = src + p * m;
+      // Within one int8 block the scale is fixed: a plain loop per block segment.
+      for (int64_t i = t; i < t + len;) {
+        const int64_t b = i / block;
+        const int64_t stop = (b + 1) * block < t + len ? (b + 1) * block : t + len;
+        const float s = scales[p * nb + b];
+        float* a = acc + (i - t);
+        const int8_t* q = row + i;
+        const int64_t count = stop - i;
+        if (p == 0) {
+          for (int64_t j = 0; j < count; ++j) {
+            a[j] = math::mul(static_cast<float>(q[j]), s);
+          }
+        } else {
+          for (int64_t j = 0; j < count; ++j) {
+            a[j] = math::add(a[j], math::mul(static_cast<float>(q[j]), s));
+          }
+        }
+        i = stop;
+      }
+    }
+    for (int64_t j = 0; j < len; ++j) {
+      dst[t + j] = math::mul(acc[j], scale);
+    }
+  }
+}
+
+}  // namespace
+
+bool compress_feedback(
+    WireKind kind, const float* src, uint16_t* dst, float* residual, int64_t begin,
+    int64_t end, float scale, int64_t seed) {
+  return kCompress[pick(kind, residual, seed)](
+      src, dst, residual, begin, end, scale, static_cast<uint64_t>(seed));
+}
+
+bool sum_chunks(
+    WireKind kind, const uint16_t* src, int64_t chunks, int64_t m, uint16_t* dst,
+    float* residual, int64_t begin, int64_t end, float scale, int64_t seed) {
+  return kSum[pick(kind, residual, seed)](
+      src, chunks, m, dst, residual, begin, end, scale, static_cast<uint64_t>(seed));
+}
+
+bool quantize_int8(
+    const float* src, int8_t* dst, float* scales, float* residual, int64_t n, int64_t block,
+    int64_t first, int64_t last, float scale, int64_t seed) {
+  return kQuantize[pick(WireKind::kFp16, residual, seed)](
+      src, dst, scales, residual, n, block, first, last, scale, static_cast<uint64_t>(seed));
+}
+
 void dequantize_int8(
     const int8_t* src, const float* scales, int64_t chunks, int64_t m, int64_t block,
     float* dst, int64_t begin, int64_t end, float scale) {
-  const int64_t nb = (m + block - 1) / block;
-  for (int64_t i = begin; i < end; ++i) {
-    const int64_t b = i / block;
-    float acc = math::mul(static_cast<float>(src[i]), scales[b]);
-    for (int64_t p = 1; p < chunks; ++p) {
-      acc = math::add(acc, math::mul(static_cast<float>(src[p * m + i]), scales[p * nb + b]));
-    }
-    dst[i] = math::mul(acc, scale);
-  }
+  dequantize_loop(src, scales, chunks, m, block, dst, begin, end, scale);
 }
 
 }  // namespace fastddp::cpu

@@ -98,19 +98,19 @@ FASTDDP_HD float random_unit(uint32_t r) {
   return static_cast<float>(r >> 8) * 0x1p-24f;
 }
 
+// The conversions below are written as selects, not branches, so that the CPU loops over them
+// vectorise; on the GPU they compile to predicated instructions.
 FASTDDP_HD float wire_to_float(WireKind kind, uint16_t h) {
   if (kind == WireKind::kBf16) {
     return float_of(static_cast<uint32_t>(h) << 16);
   }
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t em = h & 0x7fffu;
-  if (em >= 0x7c00u) {
-    return float_of(sign | 0x7f800000u | (static_cast<uint32_t>(em & 0x3ffu) << 13));
-  }
-  if (em < 0x400u) {  // zero and subnormals are exactly em * 2^-24
-    return float_of(bits_of(static_cast<float>(em) * 0x1p-24f) | sign);
-  }
-  return float_of(sign | ((em << 13) + 0x38000000u));
+  // Rebias 15 -> 127; inf and NaN need the exponent moved to 255 as well.
+  const uint32_t normal = (em << 13) + 0x38000000u + (em >= 0x7c00u ? 0x38000000u : 0u);
+  // Zero and subnormals are exactly em * 2^-24.
+  const uint32_t subnormal = bits_of(static_cast<float>(static_cast<int32_t>(em)) * 0x1p-24f);
+  return float_of((em < 0x400u ? subnormal : normal) | sign);
 }
 
 FASTDDP_HD bool wire_nonfinite(WireKind kind, uint16_t h) {
@@ -121,11 +121,9 @@ FASTDDP_HD bool wire_nonfinite(WireKind kind, uint16_t h) {
 // zero with probability equal to the dropped fraction of a bf16 step.
 FASTDDP_HD uint16_t to_bf16(float v, bool stochastic, uint32_t r) {
   const uint32_t u = bits_of(v);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    return 0x7fc0u;  // NaN
-  }
   const uint32_t add_bits = stochastic ? (r & 0xffffu) : 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>((u + add_bits) >> 16);
+  const uint32_t rounded = (u + add_bits) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
 }
 
 // fp32 -> fp16, to nearest even or stochastically; past 65504 (after rounding) gives inf.
@@ -133,26 +131,22 @@ FASTDDP_HD uint16_t to_fp16(float v, bool stochastic, uint32_t r) {
   const uint32_t u = bits_of(v);
   const uint32_t sign = (u >> 16) & 0x8000u;
   const uint32_t a = u & 0x7fffffffu;
-  uint32_t h;
-  if (a > 0x7f800000u) {
-    h = 0x7e00u;
-  } else if (a >= 0x47800000u) {  // 2^16 and up, inf included
-    h = 0x7c00u;
-  } else if (a >= 0x38800000u) {  // normal: rebias 127 -> 15, round the 13 dropped bits
-    const uint32_t add_bits = stochastic ? (r & 0x1fffu) : 0xfffu + ((a >> 13) & 1u);
-    h = (a - 0x38000000u + add_bits) >> 13;
-  } else {  // subnormal: count in units of 2^-24 (exact), then round the fraction
-    const float m = float_of(a) * 0x1p24f;
+  // Normal range: rebias 127 -> 15 and round the 13 dropped bits (0xc8000000 is -(112 << 23)
+  // modulo 2^32); an overflow past 65504 carries into 0x7c00, inf.
+  const uint32_t add_bits = stochastic ? (r & 0x1fffu) : 0xfffu + ((a >> 13) & 1u);
+  const uint32_t normal = (a + 0xc8000000u + add_bits) >> 13;
+  // Below 2^-14 the result is subnormal, counted in units of 2^-24.
+  uint32_t subnormal;
+  if (stochastic) {
+    const float m = float_of(a < 0x38800000u ? a : 0u) * 0x1p24f;  // exact
     const float whole = floor_of(m);
-    const float frac = m - whole;
-    uint32_t up;
-    if (stochastic) {
-      up = frac > random_unit(r) ? 1u : 0u;
-    } else {
-      up = (frac > 0.5f || (frac == 0.5f && (static_cast<uint32_t>(whole) & 1u))) ? 1u : 0u;
-    }
-    h = static_cast<uint32_t>(whole) + up;
+    subnormal = static_cast<uint32_t>(whole) + ((m - whole) > random_unit(r) ? 1u : 0u);
+  } else {
+    // Adding 0.5f lines the value up with fp16's 2^-24 spacing and lets the FPU round to even.
+    subnormal = bits_of(add(float_of(a), 0.5f)) - 0x3f000000u;
   }
+  uint32_t h = a < 0x38800000u ? subnormal : normal;
+  h = a >= 0x47800000u ? (a > 0x7f800000u ? 0x7e00u : 0x7c00u) : h;
   return static_cast<uint16_t>(h | sign);
 }
 
@@ -168,8 +162,9 @@ FASTDDP_HD bool round_with_feedback(
   const uint16_t w = float_to_wire(kind, v, stochastic, r);
   *out = w;
   const bool bad = wire_nonfinite(kind, w);
-  if (residual != nullptr && !bad) {
-    *residual = sub(v, wire_to_float(kind, w));
+  if (residual != nullptr) {
+    const float dropped = sub(v, wire_to_float(kind, w));
+    *residual = bad ? *residual : dropped;
   }
   return bad;
 }
@@ -206,7 +201,7 @@ FASTDDP_HD int8_t quantize_int8(float v, float inverse, bool stochastic, uint32_
     q = round_even(x);
   }
   q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
-  return static_cast<int8_t>(q);
+  return static_cast<int8_t>(static_cast<int32_t>(q));
 }
 
 }  // namespace fastddp::math
