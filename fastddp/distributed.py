@@ -179,17 +179,21 @@ def init_distributed(
     else:
         addr, port = settings["master_addr"].value, settings["master_port"].value
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    # torchrun's agent already serves the store on MASTER_PORT; env:// makes rank 0 a client
-    # of it (TORCHELASTIC_USE_AGENT_STORE) instead of a second server on the same port.
-    init = "env://" if launcher == "torchrun" else f"tcp://{_bracket(addr)}:{port}"
-    dist.init_process_group(
-        backend,
-        init_method=init,
-        rank=rank,
-        world_size=world,
-        timeout=timeout,
-        **kwargs,
-    )
+    if launcher == "torchrun" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent already serves the store on MASTER_PORT: every rank is a client.
+        # The agent keeps that store across restarts (--max-restarts), and torch's env://
+        # adds no per-attempt prefix, so a restarted rank can read the previous attempt's
+        # Gloo addresses and fail to connect to a dead process. A prefix per attempt avoids it.
+        client = dist.TCPStore(
+            addr, int(port), is_master=False, timeout=timeout, wait_for_workers=False
+        )
+        attempt = f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+        kwargs["store"] = dist.PrefixStore(f"fastddp/attempt/{attempt}/", client)
+    else:
+        kwargs["init_method"] = (
+            "env://" if launcher == "torchrun" else f"tcp://{_bracket(addr)}:{port}"
+        )
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
     try:
         known = settings.get("node_rank")
         local_world, node_rank, num_nodes = _check_ranks(
