@@ -298,10 +298,6 @@ math::WireKind kind_of(c10::ScalarType t) {
   return t == c10::ScalarType::BFloat16 ? math::WireKind::kBf16 : math::WireKind::kFp16;
 }
 
-float* residual_ptr(const std::optional<at::Tensor>& residual) {
-  return residual.has_value() ? residual->data_ptr<float>() : nullptr;
-}
-
 // Zeroes the flag on the stream (the kernels only ever set it) and returns its pointer.
 int* flag_ptr(const std::optional<at::Tensor>& flag, cudaStream_t stream) {
   if (!flag.has_value()) {
@@ -399,12 +395,7 @@ void quantize_int8_cuda(
     const std::optional<at::Tensor>& found_nonfinite,
     const std::optional<at::Tensor>& residual,
     int64_t seed) {
-  check_int8_pair("quantize_int8", src, dst, scales, 1, block);
-  TORCH_CHECK(
-      src.numel() == dst.numel(),
-      "fastddp.quantize_int8: src has ", src.numel(), " elements but dst has ", dst.numel());
-  check_flag("quantize_int8", found_nonfinite, src);
-  check_residual("quantize_int8", residual, src);
+  check_quantize(src, dst, scales, block, found_nonfinite, residual);
   const c10::cuda::CUDAGuard guard(src.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   int* flag = flag_ptr(found_nonfinite, stream);
@@ -426,15 +417,7 @@ void dequantize_int8_cuda(
     const at::Tensor& dst,
     int64_t block,
     double scale) {
-  TORCH_CHECK(
-      src.dim() == 2,
-      "fastddp.dequantize_int8: src must have shape [chunks, m] (one row per rank), got ",
-      src.sizes());
-  check_int8_pair("dequantize_int8", dst, src, scales, src.size(0), block);
-  TORCH_CHECK(
-      dst.numel() == src.size(1),
-      "fastddp.dequantize_int8: dst has ", dst.numel(), " elements but each row has ",
-      src.size(1));
+  check_dequantize(src, scales, dst, block);
   const int64_t m = src.size(1);
   if (m == 0) {
     return;

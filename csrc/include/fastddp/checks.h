@@ -151,4 +151,40 @@ inline void check_int8_pair(
       rows * blocks_of(m, block), " scales (one per block of ", block, "), got ", scales.numel());
 }
 
+// The op-level checks of quantize_int8 and dequantize_int8, for both backends.
+inline void check_quantize(
+    const at::Tensor& src,
+    const at::Tensor& dst,
+    const at::Tensor& scales,
+    int64_t block,
+    const std::optional<at::Tensor>& found_nonfinite,
+    const std::optional<at::Tensor>& residual) {
+  check_int8_pair("quantize_int8", src, dst, scales, 1, block);
+  TORCH_CHECK(
+      src.numel() == dst.numel(),
+      "fastddp.quantize_int8: src has ", src.numel(), " elements but dst has ", dst.numel());
+  check_flag("quantize_int8", found_nonfinite, src);
+  check_residual("quantize_int8", residual, src);
+}
+
+inline void check_dequantize(
+    const at::Tensor& src,
+    const at::Tensor& scales,
+    const at::Tensor& dst,
+    int64_t block) {
+  TORCH_CHECK(
+      src.dim() == 2,
+      "fastddp.dequantize_int8: src must have shape [chunks, m] (one row per rank), got ",
+      src.sizes());
+  check_int8_pair("dequantize_int8", dst, src, scales, src.size(0), block);
+  TORCH_CHECK(
+      dst.numel() == src.size(1),
+      "fastddp.dequantize_int8: dst has ", dst.numel(), " elements but each row has ",
+      src.size(1));
+}
+
+inline float* residual_ptr(const std::optional<at::Tensor>& residual) {
+  return residual.has_value() ? residual->data_ptr<float>() : nullptr;
+}
+
 }  // namespace fastddp
