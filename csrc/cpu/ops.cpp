@@ -48,10 +48,6 @@ void decompress_chunk(
   cpu::decompress_bf16(static_cast<const uint16_t*>(src), dst, n, scale, st);
 }
 
-math::WireKind kind_of(c10::ScalarType t) {
-  return t == c10::ScalarType::BFloat16 ? math::WireKind::kBf16 : math::WireKind::kFp16;
-}
-
 void set_flag(const std::optional<at::Tensor>& flag, const std::atomic<bool>& bad) {
   if (flag.has_value()) {
     *flag->data_ptr<int32_t>() = bad.load() ? 1 : 0;
@@ -65,9 +61,7 @@ void compress_cpu(
     const std::optional<at::Tensor>& found_nonfinite,
     const std::optional<at::Tensor>& residual,
     int64_t seed) {
-  check_bucket_and_wire("compress", src, dst);
-  check_flag("compress", found_nonfinite, src);
-  check_residual("compress", residual, src);
+  check_compress(src, dst, found_nonfinite, residual);
   const float* in = src.const_data_ptr<float>();
   const float s = static_cast<float>(scale);
   std::atomic<bool> bad{false};
@@ -126,9 +120,7 @@ void sum_chunks_cpu(
     const std::optional<at::Tensor>& found_nonfinite,
     const std::optional<at::Tensor>& residual,
     int64_t seed) {
-  check_chunks_and_shard("sum_chunks", src, dst);
-  check_flag("sum_chunks", found_nonfinite, src);
-  check_residual("sum_chunks", residual, dst);
+  check_sum_chunks(src, dst, found_nonfinite, residual);
   const uint16_t* in = static_cast<const uint16_t*>(src.const_data_ptr());
   uint16_t* out = static_cast<uint16_t*>(dst.data_ptr());
   float* res = residual_ptr(residual);

@@ -294,10 +294,6 @@ int grid_for(int64_t work, int device) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, int64_t{count} * 8)));
 }
 
-math::WireKind kind_of(c10::ScalarType t) {
-  return t == c10::ScalarType::BFloat16 ? math::WireKind::kBf16 : math::WireKind::kFp16;
-}
-
 // Zeroes the flag on the stream (the kernels only ever set it) and returns its pointer.
 int* flag_ptr(const std::optional<at::Tensor>& flag, cudaStream_t stream) {
   if (!flag.has_value()) {
@@ -315,9 +311,7 @@ void compress_cuda(
     const std::optional<at::Tensor>& found_nonfinite,
     const std::optional<at::Tensor>& residual,
     int64_t seed) {
-  check_bucket_and_wire("compress", src, dst);
-  check_flag("compress", found_nonfinite, src);
-  check_residual("compress", residual, src);
+  check_compress(src, dst, found_nonfinite, residual);
   const c10::cuda::CUDAGuard guard(src.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   int* flag = flag_ptr(found_nonfinite, stream);
@@ -369,9 +363,7 @@ void sum_chunks_cuda(
     const std::optional<at::Tensor>& found_nonfinite,
     const std::optional<at::Tensor>& residual,
     int64_t seed) {
-  check_chunks_and_shard("sum_chunks", src, dst);
-  check_flag("sum_chunks", found_nonfinite, src);
-  check_residual("sum_chunks", residual, dst);
+  check_sum_chunks(src, dst, found_nonfinite, residual);
   const c10::cuda::CUDAGuard guard(src.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   int* flag = flag_ptr(found_nonfinite, stream);

@@ -6,6 +6,8 @@
 
 #include <optional>
 
+#include "fastddp/rounding.h"
+
 namespace fastddp {
 
 inline bool is_wire_dtype(c10::ScalarType t) {
@@ -151,6 +153,27 @@ inline void check_int8_pair(
       rows * blocks_of(m, block), " scales (one per block of ", block, "), got ", scales.numel());
 }
 
+// The op-level checks of compress and sum_chunks, for both backends.
+inline void check_compress(
+    const at::Tensor& src,
+    const at::Tensor& dst,
+    const std::optional<at::Tensor>& found_nonfinite,
+    const std::optional<at::Tensor>& residual) {
+  check_bucket_and_wire("compress", src, dst);
+  check_flag("compress", found_nonfinite, src);
+  check_residual("compress", residual, src);
+}
+
+inline void check_sum_chunks(
+    const at::Tensor& src,
+    const at::Tensor& dst,
+    const std::optional<at::Tensor>& found_nonfinite,
+    const std::optional<at::Tensor>& residual) {
+  check_chunks_and_shard("sum_chunks", src, dst);
+  check_flag("sum_chunks", found_nonfinite, src);
+  check_residual("sum_chunks", residual, dst);
+}
+
 // The op-level checks of quantize_int8 and dequantize_int8, for both backends.
 inline void check_quantize(
     const at::Tensor& src,
@@ -181,6 +204,10 @@ inline void check_dequantize(
       dst.numel() == src.size(1),
       "fastddp.dequantize_int8: dst has ", dst.numel(), " elements but each row has ",
       src.size(1));
+}
+
+inline math::WireKind kind_of(c10::ScalarType t) {
+  return t == c10::ScalarType::BFloat16 ? math::WireKind::kBf16 : math::WireKind::kFp16;
 }
 
 inline float* residual_ptr(const std::optional<at::Tensor>& residual) {
