@@ -27,7 +27,8 @@ TORCH_LIBRARY(fastddp, m) {
       "sum_chunks(Tensor src, Tensor(a!) dst, float scale, Tensor(b!)? found_nonfinite=None, "
       "Tensor(c!)? residual=None, int seed=-1) -> ()");
   // Quantise src * scale (+ residual) to int8 `dst` with one fp32 scale (absmax / 127) per
-  // block of `block_size` elements; the last block may be short.
+  // block of `block_size` elements; the last block may be short. `dst` is 1-D, or [R, m] rows
+  // (which, like the rows of `scales`, may lie apart) that hold src's elements end to end.
   m.def(
       "quantize_int8(Tensor src, Tensor(a!) dst, Tensor(b!) scales, int block_size, float scale, "
       "Tensor(c!)? found_nonfinite=None, Tensor(d!)? residual=None, int seed=-1) -> ()");
@@ -36,6 +37,10 @@ TORCH_LIBRARY(fastddp, m) {
   m.def(
       "dequantize_int8(Tensor src, Tensor scales, Tensor(a!) dst, int block_size, float scale) "
       "-> ()");
+  // The inverse of quantize_int8 without a sum: the rows of int8 `src` (1-D, or [R, m] with
+  // rows that may lie apart, as may the rows of `scales`), end to end, into the fp32 `dst`.
+  m.def(
+      "unpack_int8(Tensor src, Tensor scales, Tensor(a!) dst, int block_size, float scale) -> ()");
 }
 
 extern "C" {

@@ -82,12 +82,17 @@ def quantize_int8(
 
     For each block of ``block_size`` elements (the last may be shorter), ``scales[b]`` becomes
     ``absmax / 127`` and ``dst = round(v / scales[b])``. A block holding inf or NaN gets a NaN
-    scale and zeros, so that it dequantises to NaN.
+    scale and zeros, so that it dequantises to NaN; a block too small for ``127 / absmax`` to be
+    finite (below about 3.7e-37) quantises to zeros.
 
     Args:
         src: contiguous float32 tensor of ``n`` elements.
-        dst: contiguous int8 tensor of ``n`` elements, same device.
-        scales: contiguous float32 tensor of ``ceil(n / block_size)`` elements.
+        dst: contiguous int8 tensor of ``n`` elements, same device; or ``[R, m]`` rows holding
+            ``src`` end to end (``n <= R * m``, ``m`` a multiple of ``block_size`` when
+            ``R > 1``), each row contiguous but rows possibly apart, e.g. one row per rank
+            in a byte buffer that also holds the scales.
+        scales: contiguous float32 tensor of ``ceil(n / block_size)`` elements; for a 2-D
+            ``dst``, ``[R, m / block_size]`` with contiguous rows.
         block_size: elements per scale, at least 1.
         scale, found_nonfinite, residual, seed: as for :func:`compress`.
     """
@@ -106,13 +111,37 @@ def dequantize_int8(
     """Dequantise the rows of ``src`` and sum them in fp32 into ``dst``, times ``scale``.
 
     Args:
-        src: contiguous int8 tensor of shape ``[chunks, m]``.
-        scales: contiguous float32 tensor of ``chunks * ceil(m / block_size)`` elements.
+        src: int8 tensor of shape ``[chunks, m]`` whose rows are contiguous (they may lie
+            apart).
+        scales: float32 ``[chunks, ceil(m / block_size)]`` with contiguous rows (or a
+            contiguous tensor of that many elements).
         dst: contiguous float32 tensor of ``m`` elements, same device.
         block_size: elements per scale.
         scale: factor applied to the sum.
     """
     torch.ops.fastddp.dequantize_int8.default(src, scales, dst, block_size, scale)
+
+
+def unpack_int8(
+    src: torch.Tensor,
+    scales: torch.Tensor,
+    dst: torch.Tensor,
+    block_size: int,
+    scale: float = 1.0,
+) -> None:
+    """Dequantise int8 rows laid out as :func:`quantize_int8` writes them into ``dst``, no sum.
+
+    The inverse of :func:`quantize_int8`: ``dst[i] = src[i] * scales[i // block_size] * scale``
+    with ``src`` and ``scales`` 1-D, or 2-D rows holding ``dst``'s elements end to end.
+
+    Args:
+        src: int8, 1-D with ``dst.numel()`` elements or ``[R, m]`` (contiguous rows).
+        scales: float32 scales in the matching layout.
+        dst: contiguous float32 tensor, same device.
+        block_size: elements per scale.
+        scale: factor applied in fp32.
+    """
+    torch.ops.fastddp.unpack_int8.default(src, scales, dst, block_size, scale)
 
 
 def _check_pair(op: str, bucket: torch.Tensor, wire: torch.Tensor) -> None:
@@ -142,7 +171,17 @@ def _quantize_int8_fake(
     src, dst, scales, block_size, scale, found_nonfinite=None, residual=None, seed=-1
 ):
     torch._check(dst.dtype == torch.int8, lambda: "fastddp.quantize_int8: dst must be int8")
-    torch._check(src.numel() == dst.numel(), lambda: "fastddp.quantize_int8: lengths differ")
+    if dst.dim() == 1:
+        torch._check(src.numel() == dst.numel(), lambda: "fastddp.quantize_int8: lengths differ")
+    else:
+        torch._check(src.numel() <= dst.numel(), lambda: "fastddp.quantize_int8: too long")
+    return None
+
+
+@torch.library.register_fake("fastddp::unpack_int8")
+def _unpack_int8_fake(src, scales, dst, block_size, scale):
+    torch._check(src.dtype == torch.int8, lambda: "fastddp.unpack_int8: src must be int8")
+    torch._check(dst.numel() <= src.numel(), lambda: "fastddp.unpack_int8: too long")
     return None
 
 

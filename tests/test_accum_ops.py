@@ -181,7 +181,10 @@ def quantize_ref(v, block, r=None):
     bad = absmax_bits >= 0x7F800000
     absmax = absmax_bits.view(torch.float32)
     step = torch.where(bad, torch.full_like(absmax, float("nan")), absmax / 127.0)
-    inverse = torch.where(bad | (absmax_bits == 0), torch.zeros_like(absmax), 127.0 / absmax)
+    inverse = 127.0 / absmax
+    # All-zero, non-finite and tiny blocks (127 / absmax overflows) quantise to zeros.
+    zero = bad | (absmax_bits == 0) | torch.isinf(inverse)
+    inverse = torch.where(zero, torch.zeros_like(absmax), inverse)
     x = v * inverse.repeat_interleave(block)[:n]
     if r is None:
         q = torch.round(x)
@@ -254,6 +257,61 @@ def test_dequantize_int8_sums_rows(device, chunks, m, block):
     _same(out.cpu(), acc * 0.25)
 
 
+def test_quantize_int8_tiny_block_becomes_zeros_and_stays_in_the_residual(device):
+    # 127 / 1e-38 overflows fp32: the block must quantise to zeros, not to inf cast to int8.
+    x = torch.tensor([1e-38, -2e-38, 5e-39, 0.0, 1.0, -0.5, 0.25, 0.0], device=device)
+    q = torch.empty(8, dtype=torch.int8, device=device)
+    scales = torch.empty(2, device=device)
+    res = torch.zeros(8, device=device)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    ops.quantize_int8(x, q, scales, 4, 1.0, flag, res)
+    assert flag.item() == 0
+    assert torch.equal(q[:4].cpu(), torch.zeros(4, dtype=torch.int8))
+    assert torch.equal(res[:4].cpu(), x[:4].cpu())  # nothing lost: it waits in the residual
+    assert q[4].item() == 127 and scales[1].item() == pytest.approx(1 / 127)
+
+
+def _rows(world, shard, block, device):
+    """A byte buffer of ``world`` rows ``[shard int8 values | fp32 scales]``, as the hook uses."""
+    row = shard + 4 * (shard // block)
+    wire = torch.full((world, row), 99, dtype=torch.int8, device=device)
+    return wire, wire[:, :shard], wire[:, shard:].view(torch.float32)
+
+
+@pytest.mark.parametrize("n", [0, 1, 200, 383, 384])
+@pytest.mark.parametrize("seed", [-1, 5])
+def test_int8_rows_match_the_flat_layout(device, n, seed):
+    # quantize_int8 into rows that lie apart (values, then scales, per row) writes exactly what
+    # the flat layout holds, element for element, and leaves the rest of the buffer alone.
+    world, shard, block = 3, 128, 32
+    x = _grads(n, device=device)
+    res = _grads(n, seed=4, device=device) * 1e-2
+    res_rows = res.clone()
+    flat_q = torch.empty(n, dtype=torch.int8, device=device)
+    flat_s = torch.empty((n + block - 1) // block, device=device)
+    ops.quantize_int8(x, flat_q, flat_s, block, 0.5, None, res, seed)
+    wire, values, scales = _rows(world, shard, block, device)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    ops.quantize_int8(x, values, scales, block, 0.5, flag, res_rows, seed)
+    _same(values.reshape(-1)[:n].cpu(), flat_q.cpu())
+    _same(scales.reshape(-1)[: flat_s.numel()].cpu(), flat_s.cpu())
+    _same(res_rows.cpu(), res.cpu())
+    assert (values.reshape(-1)[n:] == 99).all(), "quantize_int8 wrote past the elements"
+    # unpack_int8 is its inverse; dequantize_int8 sums the same rows.
+    out = torch.empty(n, device=device)
+    ops.unpack_int8(values, scales, out, block)
+    want = torch.empty(n, device=device)
+    ops.unpack_int8(flat_q, flat_s, want, block)
+    _same(out.cpu(), want.cpu())
+    ref = flat_q.cpu().float() * flat_s.cpu().repeat_interleave(block)[:n]
+    _same(want.cpu(), ref)
+    if n == world * shard:
+        summed = torch.empty(shard, device=device)
+        ops.dequantize_int8(values, scales, summed, block)
+        rows = ref.view(world, shard)
+        _same(summed.cpu(), rows[0] + rows[1] + rows[2])
+
+
 def test_int8_round_trip_error_is_within_half_a_step():
     x = _grads(10_000)
     q = torch.empty(10_000, dtype=torch.int8)
@@ -286,6 +344,13 @@ def test_opcheck_accumulating_ops(device):
     torch.library.opcheck(
         torch.ops.fastddp.dequantize_int8.default,
         (q.view(3, 100), torch.rand(3, 1, device=device), out, 128, 1.0),
+    )
+    _, values, row_scales = _rows(3, 128, 64, device)
+    torch.library.opcheck(
+        torch.ops.fastddp.quantize_int8.default, (x, values, row_scales, 64, 1.0, flag, res, 1)
+    )
+    torch.library.opcheck(
+        torch.ops.fastddp.unpack_int8.default, (values, row_scales, torch.empty_like(x), 64, 1.0)
     )
 
 
@@ -345,6 +410,24 @@ BAD = [
             torch.ones(2, 4, dtype=torch.int8), torch.ones(2), torch.empty(5), 4
         ),
         "dst has 5 elements but each row has 4",
+    ),
+    (
+        lambda: ops.quantize_int8(
+            torch.ones(10), torch.empty(2, 6, dtype=torch.int8), torch.empty(2, 2), 4
+        ),
+        "rows of 6 int8 values do not hold whole blocks of 4",
+    ),
+    (
+        lambda: ops.unpack_int8(
+            torch.empty(2, 8, dtype=torch.int8), torch.empty(2, 2), torch.empty(17), 4
+        ),
+        "17 elements do not fit in 2 row(s) of 8",
+    ),
+    (
+        lambda: ops.unpack_int8(
+            torch.empty(2, 8, dtype=torch.int8)[:, ::2], torch.empty(2, 1), torch.empty(8), 4
+        ),
+        "each row of the int8 tensor must be contiguous",
     ),
 ]
 

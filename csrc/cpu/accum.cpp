@@ -73,13 +73,18 @@ FASTDDP_ACCUM_INLINE bool sum_loop(
 
 template <bool kResidual, bool kStochastic>
 FASTDDP_ACCUM_INLINE bool quantize_loop(
-    const float* __restrict src, int8_t* __restrict dst, float* __restrict scales,
-    float* __restrict residual, int64_t n, int64_t block, int64_t first, int64_t last,
+    const float* __restrict src, int8_t* __restrict dst_base, float* __restrict scales_base,
+    float* __restrict residual, int64_t n, int64_t block, Rows rows, int64_t first, int64_t last,
     float scale, uint64_t seed) {
   bool bad = false;
+  const int64_t row_blocks = (rows.row_len + block - 1) / block;
   for (int64_t b = first; b < last; ++b) {
     const int64_t lo = b * block;
     const int64_t hi = lo + block < n ? lo + block : n;
+    // A block lies in one row: shift the bases so that flat indices land in that row.
+    const int64_t row = lo / rows.row_len;
+    int8_t* dst = dst_base + row * (rows.q_stride - rows.row_len);
+    float* scales = scales_base + row * (rows.s_stride - row_blocks);
     // Pass 1 finds the block's absolute maximum; pass 2 recomputes v (bit-identically, the
     // block is in cache) rather than storing it.
     uint32_t absmax = 0;
@@ -129,12 +134,12 @@ FASTDDP_ACCUM_INLINE bool quantize_loop(
                                  float scale, uint64_t seed) {                                \
     return sum_loop<K, RES, SR>(src, chunks, m, dst, residual, begin, end, scale, seed);      \
   }
-#define FASTDDP_QUANTIZE_ENTRY(NAME, RES, SR)                                                \
-  FASTDDP_ACCUM_CLONES bool NAME(const float* src, int8_t* dst, float* scales,               \
-                                 float* residual, int64_t n, int64_t block, int64_t first,   \
-                                 int64_t last, float scale, uint64_t seed) {                 \
-    return quantize_loop<RES, SR>(src, dst, scales, residual, n, block, first, last, scale,  \
-                                  seed);                                                     \
+#define FASTDDP_QUANTIZE_ENTRY(NAME, RES, SR)                                                 \
+  FASTDDP_ACCUM_CLONES bool NAME(const float* src, int8_t* dst, float* scales,                \
+                                 float* residual, int64_t n, int64_t block, Rows rows,        \
+                                 int64_t first, int64_t last, float scale, uint64_t seed) {   \
+    return quantize_loop<RES, SR>(src, dst, scales, residual, n, block, rows, first, last,    \
+                                  scale, seed);                                               \
   }
 
 FASTDDP_COMPRESS_ENTRY(compress_h_nn, WireKind::kFp16, false, false)
@@ -162,8 +167,8 @@ FASTDDP_QUANTIZE_ENTRY(quantize_rs, true, true)
 using CompressFn = bool (*)(const float*, uint16_t*, float*, int64_t, int64_t, float, uint64_t);
 using SumFn = bool (*)(const uint16_t*, int64_t, int64_t, uint16_t*, float*, int64_t, int64_t,
                        float, uint64_t);  // fmt: skip
-using QuantizeFn = bool (*)(const float*, int8_t*, float*, float*, int64_t, int64_t, int64_t,
-                            int64_t, float, uint64_t);  // fmt: skip
+using QuantizeFn = bool (*)(const float*, int8_t*, float*, float*, int64_t, int64_t, Rows,
+                            int64_t, int64_t, float, uint64_t);  // fmt: skip
 constexpr CompressFn kCompress[8] = {compress_h_nn, compress_h_ns, compress_h_rn, compress_h_rs,
                                      compress_b_nn, compress_b_ns, compress_b_rn, compress_b_rs};
 constexpr SumFn kSum[8] = {sum_h_nn, sum_h_ns, sum_h_rn, sum_h_rs,
@@ -176,18 +181,17 @@ int pick(WireKind kind, const float* residual, int64_t seed) {
 
 FASTDDP_ACCUM_CLONES void dequantize_loop(
     const int8_t* __restrict src, const float* __restrict scales, int64_t chunks, int64_t m,
-    int64_t block, float* __restrict dst, int64_t begin, int64_t end, float scale) {
-  const int64_t nb = (m + block - 1) / block;
+    int64_t block, Rows rows, float* __restrict dst, int64_t begin, int64_t end, float scale) {
   float acc[kTile];
   for (int64_t t = begin; t < end; t += kTile) {
     const int64_t len = end - t < kTile ? end - t : kTile;
     for (int64_t p = 0; p < chunks; ++p) {
-      const int8_t* row = src + p * m;
+      const int8_t* row = src + p * rows.q_stride;
       // Within one int8 block the scale is fixed: a plain loop per block segment.
       for (int64_t i = t; i < t + len;) {
         const int64_t b = i / block;
         const int64_t stop = (b + 1) * block < t + len ? (b + 1) * block : t + len;
-        const float s = scales[p * nb + b];
+        const float s = scales[p * rows.s_stride + b];
         float* a = acc + (i - t);
         const int8_t* q = row + i;
         const int64_t count = stop - i;
@@ -209,6 +213,29 @@ FASTDDP_ACCUM_CLONES void dequantize_loop(
   }
 }
 
+FASTDDP_ACCUM_CLONES void unpack_loop(
+    const int8_t* __restrict src, const float* __restrict scales, int64_t block, Rows rows,
+    float* __restrict dst, int64_t begin, int64_t end, float scale) {
+  // Row by row, and within a row block by block: each segment is a plain loop.
+  for (int64_t i = begin; i < end;) {
+    const int64_t row = i / rows.row_len;
+    const int64_t col = i - row * rows.row_len;
+    const int64_t b = col / block;
+    const int64_t block_end = row * rows.row_len + (b + 1) * block;
+    const int64_t row_end = (row + 1) * rows.row_len;
+    int64_t stop = block_end < row_end ? block_end : row_end;
+    stop = stop < end ? stop : end;
+    const float s = scales[row * rows.s_stride + b];
+    const int8_t* q = src + row * rows.q_stride + col;
+    float* out = dst + i;
+    const int64_t count = stop - i;
+    for (int64_t j = 0; j < count; ++j) {
+      out[j] = math::mul(math::mul(static_cast<float>(q[j]), s), scale);
+    }
+    i = stop;
+  }
+}
+
 }  // namespace
 
 bool compress_feedback(
@@ -227,15 +254,22 @@ bool sum_chunks(
 
 bool quantize_int8(
     const float* src, int8_t* dst, float* scales, float* residual, int64_t n, int64_t block,
-    int64_t first, int64_t last, float scale, int64_t seed) {
+    Rows rows, int64_t first, int64_t last, float scale, int64_t seed) {
   return kQuantize[pick(WireKind::kFp16, residual, seed)](
-      src, dst, scales, residual, n, block, first, last, scale, static_cast<uint64_t>(seed));
+      src, dst, scales, residual, n, block, rows, first, last, scale,
+      static_cast<uint64_t>(seed));
 }
 
 void dequantize_int8(
-    const int8_t* src, const float* scales, int64_t chunks, int64_t m, int64_t block,
+    const int8_t* src, const float* scales, int64_t chunks, int64_t m, int64_t block, Rows rows,
     float* dst, int64_t begin, int64_t end, float scale) {
-  dequantize_loop(src, scales, chunks, m, block, dst, begin, end, scale);
+  dequantize_loop(src, scales, chunks, m, block, rows, dst, begin, end, scale);
+}
+
+void unpack_int8(
+    const int8_t* src, const float* scales, int64_t block, Rows rows, float* dst, int64_t begin,
+    int64_t end, float scale) {
+  unpack_loop(src, scales, block, rows, dst, begin, end, scale);
 }
 
 }  // namespace fastddp::cpu

@@ -23,17 +23,32 @@ bool sum_chunks(
     math::WireKind kind, const uint16_t* src, int64_t chunks, int64_t m, uint16_t* dst,
     float* residual, int64_t begin, int64_t end, float scale, int64_t seed);
 
+// Where int8 rows lie (see Int8Rows in fastddp/checks.h): element i of the flat sequence is at
+// row i / row_len, column i % row_len; rows are q_stride int8 values and s_stride scales apart.
+struct Rows {
+  int64_t row_len;
+  int64_t q_stride;
+  int64_t s_stride;
+};
+
 // Blocks [first, last) of `block` elements (the final block may be short) of n elements:
 // v = src[i] * scale (+ residual[i]); scales[b] = absmax(v) / 127; dst[i] = round(v / scale);
-// residual[i] = v - dst[i] * scales[b]. Returns true when a block held inf or NaN.
+// residual[i] = v - dst[i] * scales[b]. dst and scales are laid out in `rows` (no block
+// straddles two rows). Returns true when a block held inf or NaN.
 bool quantize_int8(
     const float* src, int8_t* dst, float* scales, float* residual, int64_t n, int64_t block,
-    int64_t first, int64_t last, float scale, int64_t seed);
+    Rows rows, int64_t first, int64_t last, float scale, int64_t seed);
 
-// Elements [begin, end) of P chunks of length m with ceil(m / block) scales each:
-// dst[i] = (sum_p src[p * m + i] * scales[p * nb + i / block]) * scale.
+// Elements [begin, end) of P rows of length m with ceil(m / block) scales each:
+// dst[i] = (sum_p src[p, i] * scales[p, i / block]) * scale, with the rows laid out as `rows`.
 void dequantize_int8(
     const int8_t* src, const float* scales, int64_t chunks, int64_t m, int64_t block,
-    float* dst, int64_t begin, int64_t end, float scale);
+    Rows rows, float* dst, int64_t begin, int64_t end, float scale);
+
+// Elements [begin, end) of the flat sequence laid out in `rows`, no sum:
+// dst[i] = (src[i] * scales[i / block]) * scale.
+void unpack_int8(
+    const int8_t* src, const float* scales, int64_t block, Rows rows, float* dst,
+    int64_t begin, int64_t end, float scale);
 
 }  // namespace fastddp::cpu

@@ -137,6 +137,10 @@ void sum_chunks_cpu(
   set_flag(found_nonfinite, bad);
 }
 
+cpu::Rows rows_of(const Int8Rows& r) {
+  return {r.row_len, r.q_stride, r.s_stride};
+}
+
 void quantize_int8_cpu(
     const at::Tensor& src,
     const at::Tensor& dst,
@@ -146,7 +150,7 @@ void quantize_int8_cpu(
     const std::optional<at::Tensor>& found_nonfinite,
     const std::optional<at::Tensor>& residual,
     int64_t seed) {
-  check_quantize(src, dst, scales, block, found_nonfinite, residual);
+  const Int8Rows rows = check_quantize(src, dst, scales, block, found_nonfinite, residual);
   const int64_t n = src.numel();
   const float* in = src.const_data_ptr<float>();
   int8_t* out = dst.data_ptr<int8_t>();
@@ -156,7 +160,8 @@ void quantize_int8_cpu(
   const int64_t grain = std::max<int64_t>(1, kGrain / block);
   at::parallel_for(0, blocks_of(n, block), grain, [&](int64_t first, int64_t last) {
     if (cpu::quantize_int8(
-            in, out, sc, res, n, block, first, last, static_cast<float>(scale), seed)) {
+            in, out, sc, res, n, block, rows_of(rows), first, last, static_cast<float>(scale),
+            seed)) {
       bad.store(true, std::memory_order_relaxed);
     }
   });
@@ -169,14 +174,30 @@ void dequantize_int8_cpu(
     const at::Tensor& dst,
     int64_t block,
     double scale) {
-  check_dequantize(src, scales, dst, block);
+  const Int8Rows rows = check_dequantize(src, scales, dst, block);
   const int64_t chunks = src.size(0);
   const int64_t m = src.size(1);
   const int8_t* in = src.const_data_ptr<int8_t>();
   const float* sc = scales.const_data_ptr<float>();
   float* out = dst.data_ptr<float>();
   at::parallel_for(0, m, std::max<int64_t>(1, kGrain / chunks), [&](int64_t begin, int64_t end) {
-    cpu::dequantize_int8(in, sc, chunks, m, block, out, begin, end, static_cast<float>(scale));
+    cpu::dequantize_int8(
+        in, sc, chunks, m, block, rows_of(rows), out, begin, end, static_cast<float>(scale));
+  });
+}
+
+void unpack_int8_cpu(
+    const at::Tensor& src,
+    const at::Tensor& scales,
+    const at::Tensor& dst,
+    int64_t block,
+    double scale) {
+  const Int8Rows rows = check_unpack(src, scales, dst, block);
+  const int8_t* in = src.const_data_ptr<int8_t>();
+  const float* sc = scales.const_data_ptr<float>();
+  float* out = dst.data_ptr<float>();
+  at::parallel_for(0, dst.numel(), kGrain, [&](int64_t begin, int64_t end) {
+    cpu::unpack_int8(in, sc, block, rows_of(rows), out, begin, end, static_cast<float>(scale));
   });
 }
 
@@ -188,6 +209,7 @@ TORCH_LIBRARY_IMPL(fastddp, CPU, m) {
   m.impl("sum_chunks", &sum_chunks_cpu);
   m.impl("quantize_int8", &quantize_int8_cpu);
   m.impl("dequantize_int8", &dequantize_int8_cpu);
+  m.impl("unpack_int8", &unpack_int8_cpu);
 }
 
 }  // namespace fastddp

@@ -10,6 +10,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <optional>
 
@@ -204,16 +206,19 @@ __global__ void sum_chunks_kernel(
 
 // One warp per int8 block: the lanes stride over the block, a butterfly of shuffles gives every
 // lane the block's absolute maximum, then each lane quantises its elements.
+// Rows of dst and scales may lie apart (see Int8Rows in checks.h); a block lies in one row.
 __global__ void quantize_int8_kernel(
     const float* __restrict__ src,
-    int8_t* __restrict__ dst,
-    float* __restrict__ scales,
+    int8_t* __restrict__ dst_base,
+    float* __restrict__ scales_base,
     float* __restrict__ residual,
     int64_t n,
     int64_t block,
+    Int8Rows rows,
     float scale,
     int64_t seed,
     int* __restrict__ flag) {
+  const int64_t row_blocks = (rows.row_len + block - 1) / block;
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   const int64_t nblocks = (n + block - 1) / block;
@@ -223,6 +228,9 @@ __global__ void quantize_int8_kernel(
        b < nblocks; b += warps) {
     const int64_t lo = b * block;
     const int64_t hi = lo + block < n ? lo + block : n;
+    const int64_t row = lo / rows.row_len;
+    int8_t* dst = dst_base + row * (rows.q_stride - rows.row_len);
+    float* scales = scales_base + row * (rows.s_stride - row_blocks);
     uint32_t absmax = 0;
     for (int64_t i = lo + lane; i < hi; i += 32) {
       float v = math::mul(src[i], scale);
@@ -264,18 +272,38 @@ __global__ void dequantize_int8_kernel(
     int64_t chunks,
     int64_t m,
     int64_t block,
+    Int8Rows rows,
     float* __restrict__ dst,
     float scale) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t nb = (m + block - 1) / block;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < m;
        i += stride) {
     const int64_t b = i / block;
     float acc = math::mul(static_cast<float>(src[i]), scales[b]);
     for (int64_t p = 1; p < chunks; ++p) {
-      acc = math::add(acc, math::mul(static_cast<float>(src[p * m + i]), scales[p * nb + b]));
+      acc = math::add(
+          acc, math::mul(static_cast<float>(src[p * rows.q_stride + i]),
+                         scales[p * rows.s_stride + b]));
     }
     dst[i] = math::mul(acc, scale);
+  }
+}
+
+__global__ void unpack_int8_kernel(
+    const int8_t* __restrict__ src,
+    const float* __restrict__ scales,
+    int64_t n,
+    int64_t block,
+    Int8Rows rows,
+    float* __restrict__ dst,
+    float scale) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    const int64_t row = i / rows.row_len;
+    const int64_t col = i - row * rows.row_len;
+    const float s = scales[row * rows.s_stride + col / block];
+    dst[i] = math::mul(math::mul(static_cast<float>(src[row * rows.q_stride + col]), s), scale);
   }
 }
 
@@ -285,10 +313,14 @@ bool aligned16(const void* p) {
 
 // Enough blocks to fill the device a few times over; the kernels stride over the rest.
 int grid_for(int64_t work, int device) {
-  static int sms[64] = {0};
-  int& count = sms[device % 64];
+  // Cached per device in atomics: ops may be called from several threads (DDP's autograd
+  // threads, a side stream's callbacks), and a query that races only repeats the same answer.
+  static std::array<std::atomic<int>, 64> sms{};
+  std::atomic<int>& cached = sms[static_cast<size_t>(device) % sms.size()];
+  int count = cached.load(std::memory_order_relaxed);
   if (count == 0) {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+    cached.store(count, std::memory_order_relaxed);
   }
   const int64_t wanted = (work + kThreads - 1) / kThreads;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, int64_t{count} * 8)));
@@ -387,7 +419,7 @@ void quantize_int8_cuda(
     const std::optional<at::Tensor>& found_nonfinite,
     const std::optional<at::Tensor>& residual,
     int64_t seed) {
-  check_quantize(src, dst, scales, block, found_nonfinite, residual);
+  const Int8Rows rows = check_quantize(src, dst, scales, block, found_nonfinite, residual);
   const c10::cuda::CUDAGuard guard(src.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   int* flag = flag_ptr(found_nonfinite, stream);
@@ -399,7 +431,7 @@ void quantize_int8_cuda(
   const int grid = grid_for(blocks_of(n, block) * 32, src.get_device());
   quantize_int8_kernel<<<grid, kThreads, 0, stream>>>(
       src.const_data_ptr<float>(), dst.data_ptr<int8_t>(), scales.data_ptr<float>(),
-      residual_ptr(residual), n, block, static_cast<float>(scale), seed, flag);
+      residual_ptr(residual), n, block, rows, static_cast<float>(scale), seed, flag);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -409,7 +441,7 @@ void dequantize_int8_cuda(
     const at::Tensor& dst,
     int64_t block,
     double scale) {
-  check_dequantize(src, scales, dst, block);
+  const Int8Rows rows = check_dequantize(src, scales, dst, block);
   const int64_t m = src.size(1);
   if (m == 0) {
     return;
@@ -418,6 +450,25 @@ void dequantize_int8_cuda(
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   dequantize_int8_kernel<<<grid_for(m, src.get_device()), kThreads, 0, stream>>>(
       src.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), src.size(0), m, block,
+      rows, dst.data_ptr<float>(), static_cast<float>(scale));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void unpack_int8_cuda(
+    const at::Tensor& src,
+    const at::Tensor& scales,
+    const at::Tensor& dst,
+    int64_t block,
+    double scale) {
+  const Int8Rows rows = check_unpack(src, scales, dst, block);
+  const int64_t n = dst.numel();
+  if (n == 0) {
+    return;
+  }
+  const c10::cuda::CUDAGuard guard(src.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  unpack_int8_kernel<<<grid_for(n, src.get_device()), kThreads, 0, stream>>>(
+      src.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), n, block, rows,
       dst.data_ptr<float>(), static_cast<float>(scale));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -430,6 +481,7 @@ TORCH_LIBRARY_IMPL(fastddp, CUDA, m) {
   m.impl("sum_chunks", &sum_chunks_cuda);
   m.impl("quantize_int8", &quantize_int8_cuda);
   m.impl("dequantize_int8", &dequantize_int8_cuda);
+  m.impl("unpack_int8", &unpack_int8_cuda);
 }
 
 }  // namespace fastddp

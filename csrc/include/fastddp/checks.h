@@ -124,33 +124,91 @@ inline void check_block_size(const char* op, int64_t block) {
       "fastddp.", op, ": block_size must be between 1 and 2^20 elements, got ", block);
 }
 
-// An fp32 tensor of n elements, its int8 image, and one fp32 scale per block.
-inline void check_int8_pair(
+// Where int8 values and their scales lie. A flat sequence of elements is cut into `rows` rows
+// of `row_len` elements; row r starts at q + r * q_stride, and its scales (one per block of
+// `block` elements) at scales + r * s_stride. The rows of a tensor may be spaced apart, so that
+// each rank's int8 chunk and its scales can sit side by side in one byte buffer.
+struct Int8Rows {
+  int64_t rows;
+  int64_t row_len;
+  int64_t q_stride;
+  int64_t s_stride;
+};
+
+// Elements between the rows of `t` seen as [rows, cols] with contiguous rows, or -1.
+inline int64_t row_stride(const at::Tensor& t, int64_t rows, int64_t cols) {
+  if (t.is_contiguous() && t.numel() == rows * cols) {
+    return cols;
+  }
+  if (t.dim() == 2 && t.size(0) == rows && t.size(1) == cols && (cols <= 1 || t.stride(1) == 1) &&
+      t.stride(0) >= cols) {
+    return t.stride(0);
+  }
+  return -1;
+}
+
+// The layout of an int8 tensor `q` (1-D: one row; 2-D: one row per rank, rows may be spaced
+// apart) and of its fp32 `scales`, with all the checks shared by the int8 ops.
+inline Int8Rows int8_rows(
     const char* op,
-    const at::Tensor& values,
     const at::Tensor& q,
     const at::Tensor& scales,
-    int64_t rows,
     int64_t block) {
   check_block_size(op, block);
   TORCH_CHECK(
       q.scalar_type() == c10::ScalarType::Char,
       "fastddp.", op, ": the quantised tensor must be int8, got ", q.scalar_type());
   TORCH_CHECK(
-      values.scalar_type() == c10::ScalarType::Float &&
-          scales.scalar_type() == c10::ScalarType::Float,
-      "fastddp.", op, ": values and scales must be float32, got ", values.scalar_type(), " and ",
-      scales.scalar_type());
+      scales.scalar_type() == c10::ScalarType::Float,
+      "fastddp.", op, ": scales must be float32, got ", scales.scalar_type());
+  check_same_device(op, q, scales);
+  TORCH_CHECK(
+      q.dim() == 1 || q.dim() == 2,
+      "fastddp.", op, ": the int8 tensor must be 1-D or [rows, m], got ", q.sizes());
+  const int64_t rows = q.dim() == 1 ? 1 : q.size(0);
+  const int64_t m = q.dim() == 1 ? q.numel() : q.size(1);
+  const int64_t q_stride = q.dim() == 1 ? (q.is_contiguous() ? m : -1) : row_stride(q, rows, m);
+  TORCH_CHECK(
+      q_stride >= 0,
+      "fastddp.", op, ": each row of the int8 tensor must be contiguous (rows may be spaced "
+      "apart); call .contiguous() first");
+  const int64_t nb = blocks_of(m, block);
+  const int64_t s_stride = row_stride(scales, rows, nb);
+  TORCH_CHECK(
+      s_stride >= 0,
+      "fastddp.", op, ": ", rows, " row(s) of ", m, " int8 values need ", rows * nb,
+      " scales (one per block of ", block, "), got ", scales.numel(), " shaped ", scales.sizes(),
+      " (each row's scales contiguous)");
+  return {rows, m, q_stride, s_stride};
+}
+
+// The flat fp32 side of an int8 layout: `n` elements spread over the rows in order. Several
+// rows must hold whole blocks, so that no block straddles two rows.
+inline void check_flat_side(
+    const char* op,
+    const at::Tensor& values,
+    const at::Tensor& q,
+    const Int8Rows& rows,
+    int64_t block) {
+  TORCH_CHECK(
+      values.scalar_type() == c10::ScalarType::Float && values.is_contiguous(),
+      "fastddp.", op, ": the fp32 tensor must be contiguous float32, got ", values.scalar_type());
   check_same_device(op, values, q);
-  check_same_device(op, values, scales);
+  if (q.dim() == 1) {
+    TORCH_CHECK(
+        values.numel() == q.numel(),
+        "fastddp.", op, ": the fp32 tensor has ", values.numel(), " elements but the int8 one has ",
+        q.numel());
+    return;
+  }
   TORCH_CHECK(
-      values.is_contiguous() && q.is_contiguous() && scales.is_contiguous(),
-      "fastddp.", op, ": all tensors must be contiguous; call .contiguous() first");
-  const int64_t m = rows == 0 ? 0 : q.numel() / rows;
+      rows.rows <= 1 || rows.row_len % block == 0,
+      "fastddp.", op, ": rows of ", rows.row_len, " int8 values do not hold whole blocks of ",
+      block, "; make the row length a multiple of block_size");
   TORCH_CHECK(
-      q.numel() == rows * m && scales.numel() == rows * blocks_of(m, block),
-      "fastddp.", op, ": ", rows, " row(s) of ", m, " int8 values need ",
-      rows * blocks_of(m, block), " scales (one per block of ", block, "), got ", scales.numel());
+      values.numel() <= rows.rows * rows.row_len,
+      "fastddp.", op, ": ", values.numel(), " elements do not fit in ", rows.rows, " row(s) of ",
+      rows.row_len);
 }
 
 // The op-level checks of compress and sum_chunks, for both backends.
@@ -174,23 +232,22 @@ inline void check_sum_chunks(
   check_residual("sum_chunks", residual, dst);
 }
 
-// The op-level checks of quantize_int8 and dequantize_int8, for both backends.
-inline void check_quantize(
+// The op-level checks of the int8 ops, for both backends; they return the int8 layout.
+inline Int8Rows check_quantize(
     const at::Tensor& src,
     const at::Tensor& dst,
     const at::Tensor& scales,
     int64_t block,
     const std::optional<at::Tensor>& found_nonfinite,
     const std::optional<at::Tensor>& residual) {
-  check_int8_pair("quantize_int8", src, dst, scales, 1, block);
-  TORCH_CHECK(
-      src.numel() == dst.numel(),
-      "fastddp.quantize_int8: src has ", src.numel(), " elements but dst has ", dst.numel());
+  const Int8Rows rows = int8_rows("quantize_int8", dst, scales, block);
+  check_flat_side("quantize_int8", src, dst, rows, block);
   check_flag("quantize_int8", found_nonfinite, src);
   check_residual("quantize_int8", residual, src);
+  return rows;
 }
 
-inline void check_dequantize(
+inline Int8Rows check_dequantize(
     const at::Tensor& src,
     const at::Tensor& scales,
     const at::Tensor& dst,
@@ -199,11 +256,26 @@ inline void check_dequantize(
       src.dim() == 2,
       "fastddp.dequantize_int8: src must have shape [chunks, m] (one row per rank), got ",
       src.sizes());
-  check_int8_pair("dequantize_int8", dst, src, scales, src.size(0), block);
+  const Int8Rows rows = int8_rows("dequantize_int8", src, scales, block);
+  TORCH_CHECK(
+      dst.scalar_type() == c10::ScalarType::Float && dst.is_contiguous(),
+      "fastddp.dequantize_int8: dst must be contiguous float32, got ", dst.scalar_type());
+  check_same_device("dequantize_int8", src, dst);
   TORCH_CHECK(
       dst.numel() == src.size(1),
       "fastddp.dequantize_int8: dst has ", dst.numel(), " elements but each row has ",
       src.size(1));
+  return rows;
+}
+
+inline Int8Rows check_unpack(
+    const at::Tensor& src,
+    const at::Tensor& scales,
+    const at::Tensor& dst,
+    int64_t block) {
+  const Int8Rows rows = int8_rows("unpack_int8", src, scales, block);
+  check_flat_side("unpack_int8", dst, src, rows, block);
+  return rows;
 }
 
 inline math::WireKind kind_of(c10::ScalarType t) {

@@ -186,9 +186,15 @@ FASTDDP_HD float block_scale(uint32_t absmax_bits) {
   return block_nonfinite(absmax_bits) ? float_of(0x7fc00000u) : float_of(absmax_bits) / 127.0f;
 }
 
+// 127 / absmax, or 0 for a block that is all zeros, holds inf/NaN, or is so small (below about
+// 3.7e-37) that the inverse overflows: such a block quantises to zeros (its values stay in the
+// residual) instead of converting inf or NaN to an integer.
 FASTDDP_HD float block_inverse(uint32_t absmax_bits) {
-  return (block_nonfinite(absmax_bits) || absmax_bits == 0) ? 0.0f
-                                                            : 127.0f / float_of(absmax_bits);
+  if (block_nonfinite(absmax_bits) || absmax_bits == 0) {
+    return 0.0f;
+  }
+  const float inverse = 127.0f / float_of(absmax_bits);
+  return bits_of(inverse) < 0x7f800000u ? inverse : 0.0f;
 }
 
 FASTDDP_HD int8_t quantize_int8(float v, float inverse, bool stochastic, uint32_t r) {
