@@ -155,7 +155,7 @@ def _default_state_and_no_sync(rank, world, settings):
     hooked = DDP(copy.deepcopy(base), bucket_cap_mb=0.01)
     if settings is None:
         hooked.register_comm_hook(None, fastddp.compress_hook)  # bf16 on the default group
-        state = fastddp.hooks._default_state = fastddp.CompressState()
+        state = fastddp.hooks.hook._default_state = fastddp.CompressState()
     else:
         state = fastddp.CompressState(**settings)
         hooked.register_comm_hook(state, fastddp.compress_hook)
@@ -172,7 +172,7 @@ def _default_state_and_no_sync(rank, world, settings):
         _check_close(_grads(hooked), _grads(plain), settings or {}, f"rank {rank} no_sync")
         calls.append(state.stats()["calls"])
     if settings is None:
-        assert fastddp.hooks._default_state is state  # the hook used the shared default
+        assert fastddp.hooks.hook._default_state is state  # the hook used the shared default
         assert state.stats()["dtype"] == "bfloat16"
     # One call per bucket per synced step, none for the two no_sync micro-batches.
     per_step = [b - a for a, b in zip(calls, calls[1:])]
@@ -412,7 +412,7 @@ def _large_int8_bucket(rank, world):
     stats = state.stats()
     assert stats["wire_bytes"] <= 0.27 * stats["fp32_wire_bytes"], stats
     # The residual holds exactly what this rank's quantisations dropped.
-    assert 0 < state._slots[0].residual.abs().max() <= x.abs().max() / 127
+    assert 0 < state._slots[("i", 0)].residual.abs().max() <= x.abs().max() / 127
 
 
 def test_int8_sends_a_quarter_of_fp32_bytes():

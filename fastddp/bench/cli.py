@@ -35,7 +35,7 @@ def _parser():
     d.add_argument("--batch", type=int, default=16)
     d.add_argument("--steps", type=int, default=30)
     d.add_argument("--warmup", type=int, default=5)
-    d.add_argument("--modes", nargs="+", default=ddp.MODES, choices=ddp.MODES)
+    d.add_argument("--modes", nargs="+", default=ddp.MODES, choices=ddp.MODES + ddp.EXTRA_MODES)
     add_common_options(d)
     return p
 

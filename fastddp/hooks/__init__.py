@@ -1,0 +1,26 @@
+"""DDP communication hooks that send gradients as fp16, bf16 or int8.
+
+Each module has one job:
+
+- ``codecs``: how a fp32 bucket is encoded into wire rows, summed in fp32 and decoded
+  (fp16, bf16, int8 with block scales);
+- ``paths``: which collectives move a bucket (``allreduce``: the collective sums in the wire
+  dtype; ``alltoall``: all-to-all, fp32 sum, all-gather; ``passthrough``: 16-bit buckets);
+- ``pipeline``: when each stage runs and how result futures complete, on CPU and GPU;
+- ``buffers``: the persistent per-bucket slots; ``residuals``: error-feedback residuals across
+  bucket layouts and restarts; ``state``: :class:`CompressState`; ``hook``: the hook itself.
+"""
+
+from fastddp.hooks import hook as _hook_module
+from fastddp.hooks.hook import _reduce as _reduce  # the worker, for fastddp.all_reduce
+from fastddp.hooks.hook import compress_hook
+from fastddp.hooks.state import DEFAULT_BLOCK_SIZE, CompressState
+
+__all__ = ["CompressState", "DEFAULT_BLOCK_SIZE", "compress_hook"]
+
+
+def __getattr__(name: str):
+    # The default state lives in hook.py; read it through the package as before.
+    if name == "_default_state":
+        return _hook_module._default_state
+    raise AttributeError(name)

@@ -1,0 +1,232 @@
+"""The pipeline: when each stage of a reduction runs, and how its result future completes.
+
+Rules, in one place:
+
+- Collectives are issued only from the thread that calls the hook, in call order, so every
+  rank issues them in the same order.
+- A path's first stage runs in the call that submits the bucket. Later stages of bucket k run
+  at the next submission (so that bucket k's all-to-all overlaps the backward pass until bucket
+  k + 1 is ready), and everything still pending runs when a bucket with ``is_last`` arrives,
+  when :meth:`Pipeline.flush` is called, or at the end of the backward pass that submitted it.
+- Pending stages run *before* anything of the new bucket that could fail on this rank alone.
+- Completion (decoding into the bucket, then the result future) follows the last collective:
+  on CUDA, a ``then`` callback of that collective's own future, whose stream waits for the
+  collective's CUDA events (NCCL completes futures when work is enqueued, so nothing else is
+  safe); on CPU, the calling thread, once ``Work.wait()`` returns. No fastddp callback ever
+  runs on a Gloo thread, so none can be left for one to run at interpreter exit.
+- After a failure every later call raises the same error: the ranks' collectives no longer
+  match, and carrying on would hang or mix payloads.
+"""
+
+import warnings
+from collections import deque
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+
+from fastddp.hooks.paths import Path
+
+__all__ = ["Job", "Pipeline", "PipelineFailed"]
+
+
+class PipelineFailed(RuntimeError):
+    """A reduction failed earlier on this rank; the state cannot be used further."""
+
+
+class Job:
+    """One reduction of one bucket."""
+
+    __slots__ = (
+        "path",
+        "slot",
+        "bucket",
+        "group",
+        "world",
+        "scale",
+        "average",
+        "seeds",
+        "stage",
+        "work",
+        "result",
+    )
+
+    def __init__(self, path: Path, slot, bucket, group, world, average, seeds) -> None:
+        self.path = path
+        self.slot = slot
+        self.bucket = bucket
+        self.group = group
+        self.world = world
+        self.average = average
+        self.scale = 1.0 / world if average else 1.0
+        self.seeds = seeds
+        self.stage = 0  # the next stage to run
+        self.work: Optional[dist.Work] = None
+        device = bucket.device
+        # With devices set, the future records CUDA events when its value is set, so that
+        # whoever waits on it also waits for the kernels that produced it.
+        self.result = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
+
+    @property
+    def started_all(self) -> bool:
+        return self.stage == self.path.stages
+
+
+class Pipeline:
+    """Runs jobs' stages and completes their futures by the rules in the module docstring."""
+
+    __slots__ = ("_pending", "_completing", "_failure", "_graph_task", "_streams")
+
+    def __init__(self) -> None:
+        self._pending: deque[Job] = deque()  # jobs with stages left, oldest first
+        self._completing: deque[Job] = deque()  # CPU jobs whose last collective is in flight
+        self._failure: Optional[BaseException] = None
+        self._graph_task = -1
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def check(self) -> None:
+        """Raise if an earlier reduction failed."""
+        if self._failure is not None:
+            raise PipelineFailed(
+                "fastddp: an earlier reduction failed on this rank "
+                f"({type(self._failure).__name__}: {self._failure}); the ranks' collectives no "
+                "longer match, so this CompressState refuses further work. Fix the cause and "
+                "restart the job (a checkpointed state_dict() can be loaded into a new state)"
+            )
+
+    def guarded(self, fn: Callable[[], None]) -> None:
+        """Run ``fn``; on failure, fail every unfinished job and the pipeline, then re-raise."""
+        try:
+            fn()
+        except BaseException as e:
+            self._fail(e)
+            raise
+
+    def advance(self) -> None:
+        """Run the next stage of every pending job (called before a new bucket's own work)."""
+        for _ in range(len(self._pending)):
+            self._step(self._pending.popleft())
+        self._poll()
+
+    def submit(self, job: Job, is_last: bool) -> None:
+        """Run ``job``'s first stage; finish everything if ``is_last``."""
+        self._step(job)
+        if is_last:
+            self.flush()
+        elif self._pending or self._completing:
+            self._finish_by_end_of_backward()
+
+    def flush(self) -> None:
+        """Run every pending stage and wait for every reduction to complete."""
+        while self._pending:
+            self._step(self._pending.popleft())
+        while self._completing:
+            self._complete(self._completing.popleft())
+
+    def is_pending(self, job: Optional[Job]) -> bool:
+        """Whether stages of ``job`` have yet to run."""
+        return job is not None and job in self._pending
+
+    def settle(self, job: Optional[Job]) -> bool:
+        """Make ``job`` (a slot's previous reduction) finished before its buffers are reused.
+
+        Returns True if stages of it were still pending, which means a new step began without
+        the previous one's last bucket (a new iteration with stale work).
+        """
+        if job is None:
+            return False
+        stale = job in self._pending
+        if stale or job in self._completing:
+            self.flush()
+        job.result.wait()  # on CUDA: the current stream waits for its decode
+        return stale
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _step(self, job: Job) -> None:
+        if job.stage > 0:
+            self._wait_on_side(job)
+        else:
+            job.work = job.path.stage(job, 0)
+        job.stage += 1
+        if not job.started_all:
+            self._pending.append(job)
+        elif job.bucket.device.type == "cuda":
+            job.work.get_future().then(lambda fut, job=job: self._complete_cuda(job, fut))
+        else:
+            self._completing.append(job)
+
+    def _wait_on_side(self, job: Job) -> None:
+        # A later stage reads what the previous collective wrote. On CUDA it runs on a side
+        # stream that waits for that collective, so the compute stream never stalls on it.
+        if job.bucket.device.type != "cuda":
+            job.work.wait()
+            job.work = job.path.stage(job, job.stage)
+            return
+        device = job.bucket.device
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            job.work.wait()
+            job.work = job.path.stage(job, job.stage)
+
+    def _complete_cuda(self, job: Job, fut: torch.futures.Future) -> None:
+        # Runs with the current stream waiting on the collective's events (for NCCL, at once,
+        # on the calling thread).
+        try:
+            fut.value()  # re-raises a failed collective
+            job.path.finish(job)
+            job.result.set_result(job.bucket)
+        except Exception as e:
+            self._failure = self._failure or e
+            job.result.set_exception(e)
+
+    def _poll(self) -> None:
+        while self._completing and self._completing[0].work.is_completed():
+            self._complete(self._completing.popleft())
+
+    def _complete(self, job: Job) -> None:
+        try:
+            job.work.wait()  # re-raises a failed collective
+            job.path.finish(job)
+        except Exception as e:
+            job.result.set_exception(e)
+            self._fail(e)
+            raise
+        job.result.set_result(job.bucket)
+
+    def _fail(self, error: BaseException) -> None:
+        self._failure = self._failure or error
+        for job in (*self._pending, *self._completing):
+            if not job.result.done():
+                job.result.set_exception(RuntimeError(f"fastddp: reduction abandoned: {error}"))
+        self._pending.clear()
+        self._completing.clear()
+
+    def _finish_by_end_of_backward(self) -> None:
+        # DDP waits for every bucket's future at the end of backward. If the bucket marked
+        # is_last never reaches this hook (a user hook may send it elsewhere), nothing else would
+        # run the pending stages: queue a flush at the end of this backward pass. It runs before
+        # DDP's own end-of-backward callback, which DDP queues only after the last bucket.
+        task = torch._C._current_graph_task_id()
+        if task == -1 or task == self._graph_task:
+            return
+        self._graph_task = task
+        Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._graph_task = -1
+        if self._failure is None:
+            self.flush()
+
+
+def warn_stale() -> None:
+    warnings.warn(
+        "fastddp: a bucket was reduced again while its previous reduction still had pending "
+        "stages (the last bucket of the previous step never reached compress_hook with "
+        "is_last); finished it now. Call state.flush() after a step whose last bucket bypasses "
+        "the hook",
+        stacklevel=4,
+    )

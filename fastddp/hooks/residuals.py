@@ -1,0 +1,144 @@
+"""Error-feedback residuals that outlive a bucket layout.
+
+Each slot keeps two residuals: ``residual`` (stage 1, one per bucket element, on every rank)
+and ``shard_residual`` (stage 2 of the all-to-all path: one per element of this rank's shard).
+When a slot is retired (DDP rebuilt its buckets) or a checkpoint is loaded, its residuals are
+*parked* here by parameter, and the next slot holding that parameter takes them back:
+
+- stage 1 is local: the new slot copies each parameter's slice (parked as views, no copy);
+- stage 2 is spread over the ranks: each rank parks the pieces it owns, and the new slot's
+  shards are rebuilt with one ``reduce_scatter`` of a bucket-sized vector, in which each element
+  is non-zero on at most one rank. Whether a slot needs it depends only on the parameters'
+  history, which every rank shares, so every rank issues the same collectives.
+
+Memory stays bounded by one bucket-sized temporary per new slot, instead of a model-sized one.
+"""
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from fastddp.hooks.buffers import Slot
+
+__all__ = ["Residuals"]
+
+# torch 2.13 renamed reduce_scatter_tensor (now deprecated); older releases have only that.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Residuals:
+    """Parked residuals, by parameter key (see the module docstring)."""
+
+    __slots__ = ("stage1", "stage2", "moved", "sizes", "replicated")
+
+    def __init__(self) -> None:
+        self.stage1: dict[int, torch.Tensor] = {}
+        self.stage2: dict[int, list[tuple[int, torch.Tensor]]] = {}  # (offset, piece) we own
+        self.moved: set[int] = set()  # parameters whose stage-2 shards must be rebuilt
+        self.sizes: dict[int, int] = {}
+        # Stage-2 values held whole by every rank (an old checkpoint format): rank 0 adds them.
+        self.replicated: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(set(self.stage1) | self.moved)
+
+    def park(
+        self,
+        params: Optional[tuple],
+        residual: Optional[torch.Tensor],
+        shard_residual: Optional[torch.Tensor],
+        shard_offset: int,
+        with_shards: bool,
+    ) -> None:
+        """Park a bucket's residuals by parameter (views: nothing is copied)."""
+        if params is None:
+            return
+        lo_shard = shard_offset
+        hi_shard = lo_shard + (0 if shard_residual is None else shard_residual.numel())
+        start = 0
+        for k, numel in params:
+            self.sizes[k] = numel
+            if residual is not None:
+                self.stage1[k] = residual[start : start + numel]
+            if with_shards:
+                self.moved.add(k)
+                lo, hi = max(start, lo_shard), min(start + numel, hi_shard)
+                if lo < hi:
+                    piece = shard_residual[lo - lo_shard : hi - lo_shard]
+                    self.stage2.setdefault(k, []).append((lo - start, piece))
+            start += numel
+
+    def take(self, slot: Slot, rank: int, group: Optional[dist.ProcessGroup]) -> None:
+        """Fill a new slot's residuals from what is parked for its parameters."""
+        if slot.params is None:
+            return
+        self._check_sizes(slot.params)
+        start = 0
+        for k, numel in slot.params:
+            part = self.stage1.pop(k, None)
+            if part is not None and slot.residual is not None:
+                slot.residual[start : start + numel].copy_(part)
+            start += numel
+        if not any(k in self.moved for k, _ in slot.params):
+            return
+        full = None
+        if slot.shard_residual is not None:
+            full = torch.zeros(slot.world * slot.shard, device=slot.device)
+        start = 0
+        for k, numel in slot.params:
+            pieces = self.stage2.pop(k, ())
+            whole = self.replicated.pop(k, None)
+            self.moved.discard(k)
+            if full is not None:
+                for offset, piece in pieces:
+                    lo = start + offset
+                    full[lo : lo + piece.numel()] = piece
+                if whole is not None and rank == 0:
+                    full[start : start + numel] += whole
+            start += numel
+        if full is not None:
+            _reduce_scatter_single(slot.shard_residual, full, group=group)
+
+    def _check_sizes(self, params: tuple) -> None:
+        for k, numel in params:
+            saved = self.sizes.get(k)
+            if saved is not None and saved != numel and (k in self.stage1 or k in self.moved):
+                raise ValueError(
+                    f"fastddp: the error-feedback residual saved for parameter {k} has {saved} "
+                    f"elements, but that parameter now has {numel}; the checkpoint belongs to "
+                    "another model. Load it into the model it was saved with, or start without "
+                    "its hook state"
+                )
+
+    def state(self) -> dict[str, Any]:
+        """What is parked, on the CPU, for a checkpoint."""
+        return {
+            "stage1": {k: _cpu(t) for k, t in self.stage1.items()},
+            "stage2": {k: [(o, _cpu(p)) for o, p in ps] for k, ps in self.stage2.items()},
+            "moved": sorted(self.moved),
+            "sizes": dict(self.sizes),
+            "replicated": {k: _cpu(t) for k, t in self.replicated.items()},
+        }
+
+    def load(self, saved: dict[str, Any]) -> None:
+        """Add what :meth:`state` saved (version 2) or an old-format ``carry`` (version 1)."""
+        if "moved" not in saved:  # version 1: stage 2 held whole, identically on every rank
+            for k, t in saved.get("stage1", {}).items():
+                self.stage1[int(k)] = t
+                self.sizes[int(k)] = t.numel()
+            for k, t in saved.get("stage2", {}).items():
+                self.replicated[int(k)] = t
+                self.moved.add(int(k))
+                self.sizes[int(k)] = t.numel()
+            return
+        self.stage1.update({int(k): t for k, t in saved["stage1"].items()})
+        for k, pieces in saved["stage2"].items():
+            self.stage2.setdefault(int(k), []).extend((int(o), p) for o, p in pieces)
+        self.moved.update(int(k) for k in saved["moved"])
+        self.sizes.update({int(k): int(n) for k, n in saved["sizes"].items()})
+        self.replicated.update({int(k): t for k, t in saved.get("replicated", {}).items()})
+
+
+def _cpu(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.detach().cpu().clone()

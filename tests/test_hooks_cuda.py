@@ -1,0 +1,79 @@
+"""The hook on CUDA tensors: two ranks on Gloo sharing the one GPU, and NCCL with world size 1.
+
+NCCL completes a future when the work is enqueued and orders the rest with CUDA events, so
+these catch ordering bugs that Gloo on the CPU cannot. Skipped without a GPU.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fastddp
+
+from ._dist import run_ranks
+from .test_hook_core import _ddp, _grads, _Net
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+MODES = {
+    "bf16": {},
+    "fp16": {"dtype": torch.float16},
+    "bf16-fp32acc": {"accumulate_dtype": torch.float32},
+    "bf16-fp32acc-ef": {"accumulate_dtype": torch.float32, "error_feedback": True},
+    "int8": {"dtype": torch.int8},
+    "int8-ef-sr": {"dtype": torch.int8, "error_feedback": True, "stochastic_rounding": True},
+}
+
+
+def _cuda_against_plain_ddp(rank, world, settings, side_stream, group=None):
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    kwargs = dict(device_ids=[0], process_group=group)
+    plain = _ddp(_Net(width=512, depth=6).to(device), **kwargs)
+    hooked_a = _ddp(_Net(width=512, depth=6).to(device), **kwargs)
+    hooked_b = _ddp(_Net(width=512, depth=6, seed=3).to(device), **kwargs)
+    plain_b = _ddp(_Net(width=512, depth=6, seed=3).to(device), **kwargs)
+    state = fastddp.CompressState(**settings, process_group=group)
+    hooked_a.register_comm_hook(state, fastddp.compress_hook)  # two models, one state
+    hooked_b.register_comm_hook(state, fastddp.compress_hook)
+    gen = torch.Generator(device=device).manual_seed(rank)
+    stream = torch.cuda.Stream(device) if side_stream else torch.cuda.current_stream(device)
+    for _ in range(4):
+        x = torch.randn(32, 512, generator=gen, device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for a, b in ((plain, plain_b), (hooked_a, hooked_b)):
+                a.zero_grad()
+                b.zero_grad()
+                (a(x).square().mean() + b(x).abs().mean()).backward()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        for p, h in ((plain, hooked_a), (plain_b, hooked_b)):
+            want, got = _grads(p), _grads(h)
+            err = (got - want).abs().max().item()
+            assert err <= 2**-5 * want.abs().max().item(), f"deviation {err:.3e}"
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("side_stream", [False, True])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_gloo_with_cuda_tensors_matches_plain_ddp(mode, side_stream):
+    run_ranks(_cuda_against_plain_ddp, 2, MODES[mode], side_stream, timeout=240)
+
+
+def _nccl_world_one(rank, world, settings):
+    nccl = dist.new_group([0], backend="nccl")
+    _cuda_against_plain_ddp(rank, world, settings, False, nccl)
+    x = torch.randn(1_000_003, device="cuda")
+    y = x.clone()
+    fastddp.all_reduce(y, group=nccl, **({"dtype": torch.int8} if settings else {}))
+    step = x.abs().max() / 127 if settings else x.abs().max() * 2**-8
+    assert (y - x).abs().max() <= step
+    dist.destroy_process_group(nccl)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
+def test_nccl_world_size_one(mode):
+    run_ranks(_nccl_world_one, 1, {"dtype": torch.int8} if mode == "int8" else {}, timeout=240)
