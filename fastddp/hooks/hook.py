@@ -106,8 +106,7 @@ def _reduce(
         state._counters["passthrough_calls"] += 1
         state._counters["payload_bytes"] += buffer.numel() * buffer.element_size()
         job = Job(path_named("passthrough"), None, buffer, group, world, average, ())
-        pipeline.guarded(pipeline.advance)
-        pipeline.guarded(lambda: pipeline.submit(job, is_last))
+        pipeline.submit(lambda: job, is_last)
         return job.result
     if not state._verified:
         _check_config(state, buffer.device)
@@ -115,12 +114,9 @@ def _reduce(
     previous = state._slots.get(key)
     if previous is not None and pipeline.is_pending(previous.job):
         warn_stale()
-    # Pending stages first: nothing below that can fail on this rank alone may keep this rank
-    # from issuing the collectives every other rank issues.
-    pipeline.guarded(pipeline.advance)
     holder = []
 
-    def start() -> None:
+    def start() -> Optional[Job]:
         slot = state._slot_for(key, signature, index, buffer, parameters, params, world)
         pipeline.settle(slot.job)
         slot.calls += 1
@@ -129,17 +125,15 @@ def _reduce(
             done = torch.futures.Future()
             done.set_result(buffer)
             holder.append(done)
-            if is_last:
-                pipeline.flush()
-            return
+            return None
         seeds = (state._seed(rank, index, 1), state._seed(rank, index, 2))
         if slot.path == "allreduce":
             seeds = (state._seed(rank, index, 0),)
         job = slot.job = Job(path_named(slot.path), slot, buffer, group, world, average, seeds)
-        pipeline.submit(job, is_last)
         holder.append(job.result)
+        return job
 
-    pipeline.guarded(start)
+    pipeline.submit(start, is_last)
     return holder[0]
 
 

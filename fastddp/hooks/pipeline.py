@@ -5,10 +5,13 @@ Rules, in one place:
 - Collectives are issued only from the thread that calls the hook, in call order, so every
   rank issues them in the same order.
 - A path's first stage runs in the call that submits the bucket. Later stages of bucket k run
-  at the next submission (so that bucket k's all-to-all overlaps the backward pass until bucket
-  k + 1 is ready), and everything still pending runs when a bucket with ``is_last`` arrives,
-  when :meth:`Pipeline.flush` is called, or at the end of the backward pass that submitted it.
-- Pending stages run *before* anything of the new bucket that could fail on this rank alone.
+  at the next submission, right after bucket k + 1's first stage (so that bucket k's all-to-all
+  overlaps the backward pass until bucket k + 1 is ready, and bucket k + 1's is on the wire
+  while this thread waits for bucket k's); everything still pending runs when a bucket with
+  ``is_last`` arrives, when :meth:`Pipeline.flush` is called, or at the end of the backward
+  pass that submitted it.
+- Pending stages run even when the new bucket fails on this rank alone (out of memory, say), so
+  that this rank still issues every collective the other ranks issue.
 - Completion (decoding into the bucket, then the result future) follows the last collective:
   on CUDA, a ``then`` callback of that collective's own future, whose stream waits for the
   collective's CUDA events (NCCL completes futures when work is enqueued, so nothing else is
@@ -18,6 +21,7 @@ Rules, in one place:
   match, and carrying on would hang or mix payloads.
 """
 
+import contextlib
 import warnings
 from collections import deque
 from typing import Callable, Optional
@@ -76,10 +80,11 @@ class Job:
 class Pipeline:
     """Runs jobs' stages and completes their futures by the rules in the module docstring."""
 
-    __slots__ = ("_pending", "_completing", "_failure", "_graph_task", "_streams")
+    __slots__ = ("_pending", "_earlier", "_completing", "_failure", "_graph_task", "_streams")
 
     def __init__(self) -> None:
         self._pending: deque[Job] = deque()  # jobs with stages left, oldest first
+        self._earlier: list[Job] = []  # pending jobs set aside while a new bucket starts
         self._completing: deque[Job] = deque()  # CPU jobs whose last collective is in flight
         self._failure: Optional[BaseException] = None
         self._graph_task = -1
@@ -103,19 +108,32 @@ class Pipeline:
             self._fail(e)
             raise
 
-    def advance(self) -> None:
-        """Run the next stage of every pending job (called before a new bucket's own work)."""
-        for _ in range(len(self._pending)):
-            self._step(self._pending.popleft())
-        self._poll()
-
-    def submit(self, job: Job, is_last: bool) -> None:
-        """Run ``job``'s first stage; finish everything if ``is_last``."""
-        self._step(job)
+    def submit(self, start: Callable[[], Optional[Job]], is_last: bool) -> None:
+        """Start a new bucket with ``start`` (which returns its job, or None if there is nothing
+        to send), then run the next stage of every job that was pending before it; finish
+        everything if ``is_last``."""
+        self._earlier = list(self._pending)
+        self._pending.clear()
+        try:
+            job = start()
+            if job is not None:
+                self._step(job)
+        except BaseException as e:
+            with contextlib.suppress(BaseException):
+                self._run_earlier()  # issue them anyway: the other ranks do
+            self._fail(e)
+            raise
+        self.guarded(self._run_earlier)
+        self.guarded(self._poll)
         if is_last:
-            self.flush()
+            self.guarded(self.flush)
         elif self._pending or self._completing:
             self._finish_by_end_of_backward()
+
+    def _run_earlier(self) -> None:
+        earlier, self._earlier = self._earlier, []
+        for job in earlier:
+            self._step(job)
 
     def flush(self) -> None:
         """Run every pending stage and wait for every reduction to complete."""
@@ -126,7 +144,7 @@ class Pipeline:
 
     def is_pending(self, job: Optional[Job]) -> bool:
         """Whether stages of ``job`` have yet to run."""
-        return job is not None and job in self._pending
+        return job is not None and (job in self._pending or job in self._earlier)
 
     def settle(self, job: Optional[Job]) -> bool:
         """Make ``job`` (a slot's previous reduction) finished before its buffers are reused.
@@ -136,7 +154,9 @@ class Pipeline:
         """
         if job is None:
             return False
-        stale = job in self._pending
+        stale = self.is_pending(job)
+        if job in self._earlier:
+            self._run_earlier()  # before this bucket's own first stage, on every rank alike
         if stale or job in self._completing:
             self.flush()
         job.result.wait()  # on CUDA: the current stream waits for its decode
@@ -199,10 +219,11 @@ class Pipeline:
 
     def _fail(self, error: BaseException) -> None:
         self._failure = self._failure or error
-        for job in (*self._pending, *self._completing):
+        for job in (*self._pending, *self._earlier, *self._completing):
             if not job.result.done():
                 job.result.set_exception(RuntimeError(f"fastddp: reduction abandoned: {error}"))
         self._pending.clear()
+        self._earlier.clear()
         self._completing.clear()
 
     def _finish_by_end_of_backward(self) -> None:
