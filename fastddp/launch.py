@@ -14,6 +14,7 @@ workers are started by ``torch.distributed.run.run``. Before that, fastddp:
 
 import argparse
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import ipaddress
@@ -239,33 +240,63 @@ def _probe(addr: str, port: int, local: str, iface: Optional[str], deadline: flo
     )
 
 
-def _claim_c10d_host(args: argparse.Namespace, host: str) -> None:
-    """Make this node serve the c10d store when torch would not see that it should.
+def _must_claim_c10d_host(args: argparse.Namespace, host: str) -> bool:
+    """Whether this node must be told to serve the c10d store (torch would not see it).
 
     torch decides by comparing the endpoint with the host name and the addresses it resolves
     to, so an endpoint on a secondary interface leaves every node a client, each waiting for a
     store that nobody serves.
     """
     if "is_host" in (args.rdzv_conf or ""):
-        return
+        return False
     try:
         from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
     except ImportError:  # a torch without the heuristic: say it explicitly
-        torch_sees_it = False
-    else:
-        torch_sees_it = _matches_machine_hostname(host)
-    if not torch_sees_it:
-        args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, "is_host=1"]))
-        say(f"--rdzv-conf is_host=1 (the endpoint {host} is an address of this node)")
+        return True
+    return not _matches_machine_hostname(host)
 
 
 # -------------------------------------------------------------------------------- preflight
 
 
-def preflight(args: argparse.Namespace, network: bool = True) -> dict:
-    """Check the configuration and (with ``network``) the network; return what was found."""
+@dataclasses.dataclass
+class Decisions:
+    """What the preflight decided, for :func:`apply` to put into the arguments and environment.
+
+    Each setting comes with the line that explains it.
+    """
+
+    local_addr: Optional[tuple[str, str]] = None  # (address, why)
+    rdzv_conf: Optional[tuple[str, str]] = None  # (extra rendezvous option, why)
+    environment: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)  # user settings left alone
+
+
+def apply(args: argparse.Namespace, decisions: Decisions) -> None:
+    """Put the preflight's decisions into ``args`` and ``os.environ``, saying each one."""
+    for note in decisions.notes:
+        say(note)
+    if decisions.rdzv_conf is not None:
+        extra, why = decisions.rdzv_conf
+        args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, extra]))
+        say(f"--rdzv-conf {extra} ({why})")
+    if decisions.local_addr is not None:
+        args.local_addr, why = decisions.local_addr
+        say(f"--local-addr {args.local_addr} ({why})")
+    for var, (value, why) in decisions.environment.items():
+        os.environ[var] = value
+        say(f"{var}={value} ({why})")
+
+
+def preflight(args: argparse.Namespace, network: bool = True) -> tuple[dict, Decisions]:
+    """Check the configuration and (with ``network``) the network.
+
+    Returns what was found (for the summary) and what should be set (for :func:`apply`); it
+    changes neither ``args`` nor the environment.
+    """
     min_nodes, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
     info = {"nnodes": args.nnodes}
+    decisions = Decisions()
     static = args.rdzv_backend == "static"
     if static and not 0 <= args.node_rank < max_nodes:
         raise LaunchError(
@@ -293,10 +324,10 @@ def preflight(args: argparse.Namespace, network: bool = True) -> dict:
         host, port = args.master_addr, int(args.master_port)
     if args.rdzv_endpoint == "localhost:0":  # standalone: one node, a free port
         info.update(master="localhost (standalone)", interface="lo")
-        return info
+        return info, decisions
     if not network:
         info.update(master=f"{host}:{port}", interface="not checked (--dry-run)")
-        return info
+        return info, decisions
     addr = _resolve(host.strip("[]"), timeout=10.0)
     loopback = ipaddress.ip_address(addr).is_loopback
     if loopback and max_nodes > 1:
@@ -317,7 +348,9 @@ def preflight(args: argparse.Namespace, network: bool = True) -> dict:
             _probe(addr, port, local, iface, 2.0)
             say(f"the rendezvous port {port} is already served on this machine; joining it")
         else:
-            _claim_c10d_host(args, host)
+            if _must_claim_c10d_host(args, host):
+                why = f"the endpoint {host} is an address of this node"
+                decisions.rdzv_conf = ("is_host=1", why)
     else:
         _probe(addr, port, local, iface, args.preflight_timeout)
     info.update(
@@ -330,16 +363,16 @@ def preflight(args: argparse.Namespace, network: bool = True) -> dict:
         # The c10d rendezvous tells workers to reach rank 0 at its node's host name, which
         # other nodes often cannot resolve (or resolve to another network); the address that
         # routes to the master is the one they can use.
-        args.local_addr = local
-        say(f"--local-addr {local} (this node's address on the master's network)")
+        decisions.local_addr = (local, "this node's address on the master's network")
     if iface and not loopback:
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             if var in os.environ:
-                say(f"{var}={os.environ[var]} (yours; the route to the master uses {iface})")
+                decisions.notes.append(
+                    f"{var}={os.environ[var]} (yours; the route to the master uses {iface})"
+                )
             else:
-                os.environ[var] = iface
-                say(f"{var}={iface} (the interface that reaches the master)")
-    return info
+                decisions.environment[var] = (iface, "the interface that reaches the master")
+    return info, decisions
 
 
 def _summary(args: argparse.Namespace, info: dict) -> None:
@@ -373,10 +406,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         _apply_cluster(pre.cluster, argv)
         args = build_parser().parse_args(argv)  # now with the detected defaults
         run_args = _normalise(args)
-        info = {} if args.no_preflight else preflight(run_args, network=not args.dry_run)
+        info, decisions = ({}, Decisions())
+        if not args.no_preflight:
+            info, decisions = preflight(run_args, network=not args.dry_run)
     except (ClusterError, LaunchError) as e:
         say(f"error: {e}")
         return 2
+    apply(run_args, decisions)
     if not args.no_preflight and info.get("is_master", True):
         _summary(run_args, info)
     if args.dry_run:
@@ -403,7 +439,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    args.local_addr, args.rdzv_conf = run_args.local_addr, run_args.rdzv_conf  # preflight's picks
+    args.local_addr, args.rdzv_conf = run_args.local_addr, run_args.rdzv_conf  # as applied
     try:
         torchrun.run(args)
     except ChildFailedError as e:
