@@ -77,17 +77,21 @@ def run_mode(env, args, mode):
     steps = torch.tensor(times[args.warmup :], dtype=torch.float64)
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     numel = sum(p.numel() for p in model.parameters())
-    payload = {"fp32": 4, "torch-fp16": 2, "fastddp-bf16": 2, "fastddp-fp16": 2, "noop": 0}[mode]
+    per_elem = {"fp32": 4, "torch-fp16": 2, "noop": 0}
+    if state is not None:
+        stats = state.stats()
+        assert stats["nonfinite_events"] == 0
+        payload = stats["payload_bytes"] // max(1, args.warmup + args.steps)
+    else:
+        payload = numel * per_elem[mode]
     result = {
         "mode": mode,
         "params": numel,
         "p50_ms": _percentile(steps.tolist(), 0.5) * 1e3,
         "p90_ms": _percentile(steps.tolist(), 0.9) * 1e3,
-        "payload_bytes": numel * payload,
+        "payload_bytes": payload,
         "steps": args.steps,
     }
-    if state is not None:
-        assert state.stats()["nonfinite_events"] == 0
     return result
 
 
