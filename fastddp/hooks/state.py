@@ -375,6 +375,7 @@ class CompressState:
         if slot is None:
             return
         self._pipeline.settle(slot.job)
+        slot.job = None  # the job points back at the slot: let the buffers go now, not at GC
         for k, _ in slot.params or ():
             if self._owners.get(k) == key:
                 del self._owners[k]
