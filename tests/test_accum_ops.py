@@ -429,6 +429,36 @@ BAD = [
         ),
         "each row of the int8 tensor must be contiguous",
     ),
+    (
+        lambda: ops.unpack_int8(
+            torch.empty(2, 2, 4, dtype=torch.int8), torch.empty(4), torch.empty(16), 4
+        ),
+        "the int8 tensor must be 1-D or [rows, m]",
+    ),
+    (
+        lambda: ops.quantize_int8(
+            torch.ones(8), torch.empty(8, dtype=torch.int8), torch.empty(2, dtype=torch.half), 4
+        ),
+        "scales must be float32",
+    ),
+    (
+        lambda: ops.quantize_int8(
+            torch.ones(8, dtype=torch.float64), torch.empty(8, dtype=torch.int8), torch.empty(2), 4
+        ),
+        "the fp32 tensor must be contiguous float32",
+    ),
+    (
+        lambda: ops.quantize_int8(
+            torch.ones(9), torch.empty(8, dtype=torch.int8), torch.empty(2), 4
+        ),
+        "the fp32 tensor has 9 elements but the int8 one has 8",
+    ),
+    (
+        lambda: ops.dequantize_int8(
+            torch.ones(2, 4, dtype=torch.int8), torch.ones(2), torch.empty(4, dtype=torch.half), 4
+        ),
+        "dst must be contiguous float32",
+    ),
 ]
 
 

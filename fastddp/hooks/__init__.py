@@ -11,16 +11,8 @@ Each module has one job:
   bucket layouts and restarts; ``state``: :class:`CompressState`; ``hook``: the hook itself.
 """
 
-from fastddp.hooks import hook as _hook_module
 from fastddp.hooks.hook import _reduce as _reduce  # the worker, for fastddp.all_reduce
 from fastddp.hooks.hook import compress_hook
 from fastddp.hooks.state import DEFAULT_BLOCK_SIZE, CompressState
 
 __all__ = ["CompressState", "DEFAULT_BLOCK_SIZE", "compress_hook"]
-
-
-def __getattr__(name: str):
-    # The default state lives in hook.py; read it through the package as before.
-    if name == "_default_state":
-        return _hook_module._default_state
-    raise AttributeError(name)

@@ -8,6 +8,7 @@ kernels in ``fastddp.ops``; the paths never look inside a row.
 """
 
 import math
+from abc import ABC, abstractmethod
 from typing import Optional
 
 import torch
@@ -20,7 +21,7 @@ __all__ = ["Codec", "HalfCodec", "Int8Codec", "codec_for"]
 _ALIGN = 16
 
 
-class Codec:
+class Codec(ABC):
     """The protocol every codec follows (see the module docstring)."""
 
     name: str
@@ -36,25 +37,25 @@ class Codec:
         """Wire elements in one row carrying ``shard`` bucket elements."""
         return shard
 
+    @abstractmethod
     def payload_bytes(self, n: int) -> int:
         """Bytes that carry ``n`` elements (with their side data)."""
-        raise NotImplementedError
 
     def scratch(self, shard: int, device: torch.device) -> dict[str, torch.Tensor]:
         """Persistent work buffers for :meth:`reduce`."""
         return {}
 
+    @abstractmethod
     def encode(self, src, rows, scale, flag, residual, seed) -> None:
         """Write ``src * scale`` (+ ``residual``) into ``rows``, end to end."""
-        raise NotImplementedError
 
+    @abstractmethod
     def reduce(self, rows, out, flag, residual, seed, scratch) -> None:
         """Sum the rows in fp32 and encode the sum, rounded once, into the row ``out``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def decode(self, rows, dst) -> None:
         """Read ``dst.numel()`` elements back from ``rows`` into the fp32 ``dst``."""
-        raise NotImplementedError
 
 
 class HalfCodec(Codec):

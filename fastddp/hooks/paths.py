@@ -6,6 +6,7 @@ completion is awaited, is the pipeline's business (``pipeline.py``); what is enc
 rows are summed is the codec's (``codecs.py``). Every path writes its result into the bucket.
 """
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import torch.distributed as dist
@@ -18,21 +19,30 @@ __all__ = ["Path", "AllReducePath", "AllToAllPath", "PassthroughPath", "path_nam
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class Path:
+class Path(ABC):
     """The protocol of a reduction path (see the module docstring)."""
 
     name: str
     stages: int
 
+    @abstractmethod
     def sent_bytes(self, slot: Slot, world: int) -> int:
         """Bytes this rank sends for one reduction of ``slot``'s bucket."""
-        raise NotImplementedError
 
+    @abstractmethod
     def stage(self, job: Any, i: int) -> dist.Work:
-        raise NotImplementedError
+        """Do stage ``i``'s local work and issue its collective."""
 
+    @abstractmethod
     def finish(self, job: Any) -> None:
-        raise NotImplementedError
+        """Write the result into the bucket, once the last collective is done."""
+
+
+def _encode(job: Any) -> None:
+    # The first stage of both compressing paths: the bucket, scaled, into the wire rows.
+    slot = job.slot
+    slot.codec.encode(job.bucket, slot.wire, job.scale, slot.flag, slot.residual, job.seeds[0])
+    slot.nonfinite.add_(slot.flag)
 
 
 class AllReducePath(Path):
@@ -46,12 +56,8 @@ class AllReducePath(Path):
         return 2 * (world - 1) * ring_share * slot.codec.wire_dtype.itemsize
 
     def stage(self, job, i):
-        slot = job.slot
-        slot.codec.encode(
-            job.bucket, slot.wire, job.scale, slot.flag, slot.residual, job.seeds[0]
-        )  # fmt: skip
-        slot.nonfinite.add_(slot.flag)
-        return dist.all_reduce(slot.wire.view(-1), group=job.group, async_op=True)
+        _encode(job)
+        return dist.all_reduce(job.slot.wire.view(-1), group=job.group, async_op=True)
 
     def finish(self, job):
         job.slot.codec.decode(job.slot.wire, job.bucket)
@@ -76,10 +82,7 @@ class AllToAllPath(Path):
     def stage(self, job, i):
         slot = job.slot
         if i == 0:
-            slot.codec.encode(
-                job.bucket, slot.wire, job.scale, slot.flag, slot.residual, job.seeds[0]
-            )  # fmt: skip
-            slot.nonfinite.add_(slot.flag)
+            _encode(job)
             return dist.all_to_all_single(
                 slot.recv.view(-1), slot.wire.view(-1), group=job.group, async_op=True
             )

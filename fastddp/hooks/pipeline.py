@@ -146,21 +146,15 @@ class Pipeline:
         """Whether stages of ``job`` have yet to run."""
         return job is not None and (job in self._pending or job in self._earlier)
 
-    def settle(self, job: Optional[Job]) -> bool:
-        """Make ``job`` (a slot's previous reduction) finished before its buffers are reused.
-
-        Returns True if stages of it were still pending, which means a new step began without
-        the previous one's last bucket (a new iteration with stale work).
-        """
+    def settle(self, job: Optional[Job]) -> None:
+        """Make ``job`` (a slot's previous reduction) finished before its buffers are reused."""
         if job is None:
-            return False
-        stale = self.is_pending(job)
+            return
         if job in self._earlier:
             self._run_earlier()  # before this bucket's own first stage, on every rank alike
-        if stale or job in self._completing:
+        if job in self._pending or job in self._completing:
             self.flush()
         job.result.wait()  # on CUDA: the current stream waits for its decode
-        return stale
 
     # -- internals ------------------------------------------------------------------------
 
