@@ -11,7 +11,10 @@ When a slot is retired (DDP rebuilt its buckets) or a checkpoint is loaded, its 
   is non-zero on at most one rank. Whether a slot needs it depends only on the parameters'
   history, which every rank shares, so every rank issues the same collectives.
 
-Memory stays bounded by one bucket-sized temporary per new slot, instead of a model-sized one.
+A retired slot's communication buffers are freed before its residuals are copied out by
+parameter, and its residuals right after; each part is freed when a new slot takes it. While
+DDP rebuilds its buckets the residuals therefore exist about once, plus one bucket-sized
+temporary per new slot, instead of once per layout plus a model-sized vector.
 """
 
 from typing import Any, Optional
@@ -50,8 +53,16 @@ class Residuals:
         shard_residual: Optional[torch.Tensor],
         shard_offset: int,
         with_shards: bool,
+        copy: bool = False,
     ) -> None:
-        """Park a bucket's residuals by parameter (views: nothing is copied)."""
+        """Park a bucket's residuals by parameter.
+
+        With ``copy``, each parameter's part is copied out, so that the caller can free the
+        bucket's residuals at once and each part is freed when its new bucket takes it: while
+        DDP rebuilds its buckets, the residuals then exist about once, not once per layout.
+        Without, the parts are views (of a loaded checkpoint, say).
+        """
+        own = (lambda t: t.clone()) if copy else (lambda t: t)
         if params is None:
             return
         lo_shard = shard_offset
@@ -60,12 +71,12 @@ class Residuals:
         for k, numel in params:
             self.sizes[k] = numel
             if residual is not None:
-                self.stage1[k] = residual[start : start + numel]
+                self.stage1[k] = own(residual[start : start + numel])
             if with_shards:
                 self.moved.add(k)
                 lo, hi = max(start, lo_shard), min(start + numel, hi_shard)
                 if lo < hi:
-                    piece = shard_residual[lo - lo_shard : hi - lo_shard]
+                    piece = own(shard_residual[lo - lo_shard : hi - lo_shard])
                     self.stage2.setdefault(k, []).append((lo - start, piece))
             start += numel
 

@@ -386,6 +386,9 @@ class CompressState:
         counts["nonfinite_events"] = int(counts.get("nonfinite_events", 0)) + (
             slot.nonfinite_events()
         )
+        # Free the communication buffers first: the residuals are copied out next.
+        slot.wire = slot.recv = slot.out = None
+        slot.scratch = {}
         shard = slot.shard_residual
         self._residuals.park(
             slot.params,
@@ -393,7 +396,9 @@ class CompressState:
             shard,
             0 if shard is None else rank * shard.numel(),
             with_shards=self.error_feedback and slot.path == "alltoall",
+            copy=True,
         )
+        slot.residual = slot.shard_residual = None
 
     def _seed(self, rank: int, index: int, stage: int) -> int:
         if not self.stochastic_rounding:
