@@ -4,6 +4,7 @@ rank or model. Real processes on Gloo; each test would fail (or hang until its t
 without the behaviour it names."""
 
 import copy
+import threading
 import warnings
 
 import pytest
@@ -268,3 +269,29 @@ def _wrong_checkpoints(rank, world):
 
 def test_checkpoints_of_another_rank_or_model_are_refused():
     run_ranks(_wrong_checkpoints, 2, timeout=120)
+
+
+def _completion_thread(rank, world, settings):
+    # Whatever waits on the hook's future runs where the future completes. fastddp completes
+    # CPU futures on the thread that calls the hook, never on a Gloo thread, so nothing of
+    # fastddp's is left for a Gloo thread to run while the interpreter exits.
+    seen = set()
+
+    def recording_hook(state, bucket):
+        def note(fut):
+            seen.add(threading.get_ident())
+            return fut.value()
+
+        return fastddp.compress_hook(state, bucket).then(note)
+
+    model = _ddp(_Net())
+    model.register_comm_hook(fastddp.CompressState(**settings), recording_hook)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        _step(model, gen)
+    assert seen == {threading.get_ident()}, f"completed on threads {seen}"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_futures_complete_on_the_hook_thread(mode):
+    run_ranks(_completion_thread, 2, MODES[mode])
