@@ -15,8 +15,9 @@ Rules, in one place:
 - Completion (decoding into the bucket, then the result future) follows the last collective:
   on CUDA, a ``then`` callback of that collective's own future, whose stream waits for the
   collective's CUDA events (NCCL completes futures when work is enqueued, so nothing else is
-  safe); on CPU, the calling thread, once ``Work.wait()`` returns. No fastddp callback ever
-  runs on a Gloo thread, so none can be left for one to run at interpreter exit.
+  safe); on CPU, the calling thread, once ``Work.wait()`` returns. With CPU tensors no
+  fastddp callback runs on a Gloo thread, so none can be left for one to run at interpreter
+  exit (Gloo with CUDA tensors runs the ``then`` callback on its own thread).
 - After a failure every later call raises the same error: the ranks' collectives no longer
   match, and carrying on would hang or mix payloads.
 """
