@@ -1,9 +1,11 @@
-"""Two 'nodes' on one machine: network namespaces joined by a rate-limited veth pair.
+"""'Nodes' on one machine: network namespaces joined by rate-limited links.
 
-``python -m fastddp.netns --rate 1gbit [launch options] script.py [args]`` runs
-``python -m fastddp.launch --nnodes 2`` in each namespace, node 0's output on stdout, and
-removes the namespaces afterwards, also on failure. Needs root and iproute2 (``ip``, ``tc``).
-Addresses come from 198.18.0.0/15, the range reserved for network benchmarks.
+``python -m fastddp.netns --nodes N --rate 1gbit [launch options] script.py [args]`` runs
+``python -m fastddp.launch --nnodes N`` in each of N namespaces, node 0's output on stdout, and
+removes the namespaces afterwards, also on failure. The nodes hang off one bridge (in a
+namespace of its own), each by a veth limited to the rate both ways, as hosts on a switch.
+Needs root and iproute2 (``ip``, ``tc``). Addresses come from 198.18.0.0/15, the range reserved
+for network benchmarks.
 """
 
 import argparse
@@ -18,7 +20,7 @@ import uuid
 from collections.abc import Iterator
 from typing import NamedTuple
 
-__all__ = ["Node", "NetnsError", "two_nodes", "unavailable_reason"]
+__all__ = ["Node", "NetnsError", "nodes", "two_nodes", "unavailable_reason"]
 
 
 class NetnsError(RuntimeError):
@@ -71,28 +73,58 @@ def two_nodes(rate: str = "1gbit") -> Iterator[tuple[Node, Node]]:
             _ip("-n", n.ns, "addr", "add", f"{n.addr}/24", "dev", n.dev)
             _ip("-n", n.ns, "link", "set", "lo", "up")
             _ip("-n", n.ns, "link", "set", n.dev, "up")
-            tbf = [
-                "tc",
-                "qdisc",
-                "add",
-                "dev",
-                n.dev,
-                "root",
-                "tbf",
-                "rate",
-                rate,
-                "burst",
-                "512kb",
-                "latency",
-                "100ms",
-            ]
-            subprocess.run(
-                ["ip", "netns", "exec", n.ns, *tbf], check=True, capture_output=True, timeout=30
-            )
+            _tbf(n.ns, n.dev, rate)
         yield a, b
     finally:
         for n in (a, b):
             _ip("netns", "del", n.ns, check=False)
+
+
+def _tbf(ns: str, dev: str, rate: str) -> None:
+    tbf = ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate]
+    tbf += ["burst", "512kb", "latency", "100ms"]
+    subprocess.run(["ip", "netns", "exec", ns, *tbf], check=True, capture_output=True, timeout=30)
+
+
+@contextlib.contextmanager
+def nodes(count: int, rate: str = "1gbit") -> Iterator[list[Node]]:
+    """Yield ``count`` :class:`Node` on one bridge, each link limited to ``rate`` both ways.
+
+    The bridge lives in a namespace of its own; node ``k`` has address ``.k+1`` of a random
+    /24. Every namespace is deleted on exit, also on failure.
+    """
+    if not 1 <= count <= 200:
+        raise ValueError(f"fastddp.netns: between 1 and 200 nodes, got {count}")
+    why = unavailable_reason()
+    if why:
+        raise NetnsError(why)
+    tag = uuid.uuid4().hex[:6]
+    net = f"198.{18 + random.randint(0, 1)}.{random.randint(1, 254)}"
+    hub = f"fdh{tag}"
+    made = [hub]
+    out = [Node(f"fd{k}n{tag}", f"fv{k}n{tag}", f"{net}.{k + 1}") for k in range(count)]
+    try:
+        _ip("netns", "add", hub)
+        _ip("-n", hub, "link", "add", "br0", "type", "bridge")
+        _ip("-n", hub, "link", "set", "br0", "up")
+        for k, n in enumerate(out):
+            port = f"fp{k}n{tag}"
+            _ip("netns", "add", n.ns)
+            made.append(n.ns)
+            _ip("link", "add", n.dev, "type", "veth", "peer", "name", port)
+            _ip("link", "set", n.dev, "netns", n.ns)
+            _ip("link", "set", port, "netns", hub)
+            _ip("-n", hub, "link", "set", port, "master", "br0")
+            _ip("-n", hub, "link", "set", port, "up")
+            _ip("-n", n.ns, "addr", "add", f"{n.addr}/24", "dev", n.dev)
+            _ip("-n", n.ns, "link", "set", "lo", "up")
+            _ip("-n", n.ns, "link", "set", n.dev, "up")
+            _tbf(n.ns, n.dev, rate)  # what the node sends
+            _tbf(hub, port, rate)  # what it receives
+        yield out
+    finally:
+        for ns in made:
+            _ip("netns", "del", ns, check=False)
 
 
 def _free_port() -> int:
@@ -108,16 +140,20 @@ def main(argv=None) -> int:
         usage="%(prog)s [--rate RATE] [--nproc-per-node N] [launch options] script [args]",
     )
     p.add_argument("--rate", default="1gbit", help="link rate each way, as tc takes it")
+    p.add_argument("--nodes", type=int, default=2, help="number of nodes (default 2)")
     p.add_argument("--nproc-per-node", default="1")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before both are killed")
     args, rest = p.parse_known_args(argv)
     if not rest:
         p.error("give the script (or -m module) to run on both nodes")
+    if args.nodes < 1:
+        p.error("--nodes must be at least 1")
     try:
-        with two_nodes(args.rate) as (a, b):
+        with nodes(args.nodes, args.rate) as made:
             port = _free_port()
             procs = []
-            for rank, node in ((1, b), (0, a)):
+            a = made[0]
+            for rank, node in reversed(list(enumerate(made))):
                 cmd = [
                     "ip",
                     "netns",
@@ -127,7 +163,7 @@ def main(argv=None) -> int:
                     "-m",
                     "fastddp.launch",
                     "--nnodes",
-                    "2",
+                    str(args.nodes),
                     "--nproc-per-node",
                     args.nproc_per_node,
                     "--node-rank",

@@ -98,6 +98,9 @@ def test_ddp_step_benchmark(tmp_path):
         (["allreduce", "--factor", "1"], "--factor must be at least 2"),
         (["allreduce", "--modes", "noop", "--plot", "x.png"], "keep fp32 in --modes"),
         (["ddp", "--nproc", "0"], "--nproc must be at least 1"),
+        (["ddp", "--nodes", "2"], "--nodes needs --link"),
+        (["ddp", "--link", "1gbit", "--nodes", "0"], "--nodes must be at least 1"),
+        (["ddp", "--topologies", "ring"], "invalid choice: 'ring'"),
     ],
 )
 def test_bad_options(args, message):
@@ -148,6 +151,28 @@ def test_allreduce_over_a_two_node_link(tmp_path):
     data = json.loads(out.read_text())
     assert data["nodes"] == 2 and data["world_size"] == 2
     assert "2 nodes" in res.stdout
+
+
+def test_ddp_over_two_nodes_of_two_ranks_flat_and_hierarchical(tmp_path):
+    why = netns.unavailable_reason()
+    if why:
+        pytest.skip(why)
+    out = tmp_path / "ddp.json"
+    args = ["ddp", "--link", "1gbit", "--nodes", "2", "--nproc-per-node", "2"]
+    args += ["--params", "300000", "--steps", "2", "--warmup", "1", "--json", str(out)]
+    args += ["--modes", "fp32", "fastddp-bf16-acc", "--topologies", "flat", "hierarchical"]
+    res = _run(args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert (data["world_size"], data["nodes"]) == (4, 2)
+    rows = {r["mode"]: r for r in data["rows"]}
+    assert set(rows) == {"fp32", "fastddp-bf16-acc/flat", "fastddp-bf16-acc/hier"}
+    assert rows["fastddp-bf16-acc/flat"]["topology"] == "flat"
+    assert rows["fastddp-bf16-acc/hier"]["topology"] == "hierarchical"
+    # Cross-node bytes per step, all ranks: fp32 ring > flat all-to-all > two-level.
+    cross = [rows[m]["cross_node_bytes"] for m in rows]
+    assert cross[0] > cross[1] > cross[2] > 0
+    assert "2 nodes x 2 ranks" in res.stdout
 
 
 def _script(name, args, tmp_path):

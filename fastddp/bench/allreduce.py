@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from fastddp.bench.common import human, parse_size
+from fastddp.bench.common import fastddp_runs, human, parse_size
 from fastddp.hooks import CompressState, _reduce
 
 MODES = [
@@ -138,23 +138,25 @@ def sweep(env, args, progress=None):
     rows = []
     for size in sizes:
         count = size // 4
-        states = {m: CompressState(**SETTINGS[m]) for m in args.modes if m in SETTINGS}
-        for mode in args.modes:
+        compressing = [m for m in SETTINGS if m != "noop"]
+        for label, mode, topology in fastddp_runs(args.modes, args.topologies, compressing):
+            state = None
+            if mode in SETTINGS:
+                state = CompressState(**SETTINGS[mode], topology=topology or "auto")
             buf = _data(env.rank, count).to(device)
-            seconds, iters = _time(
-                mode, buf, world, states.get(mode), args.min_seconds, args.max_iters
-            )
-            err, wrong = _errors(mode, count, env.rank, world, states.get(mode), device)
+            seconds, iters = _time(mode, buf, world, state, args.min_seconds, args.max_iters)
+            err, wrong = _errors(mode, count, env.rank, world, state, device)
             wire_dtype = _WIRE[mode]
             wire_bytes = 0 if wire_dtype is None else count * wire_dtype.itemsize
             if wire_dtype == torch.int8:
-                wire_bytes += -(-count // states[mode].block_size) * 4  # the block scales
+                wire_bytes += -(-count // state.block_size) * 4  # the block scales
             rows.append(
                 {
                     "size": size,
                     "size_h": human(size),
                     "count": count,
-                    "mode": mode,
+                    "mode": label,
+                    "topology": None if state is None else state.stats()["topology_used"],
                     "type": "none"
                     if wire_dtype is None
                     else str(wire_dtype).removeprefix("torch."),

@@ -1,6 +1,7 @@
 """The command line of ``python -m fastddp.bench {allreduce,ddp}``."""
 
 import argparse
+import os
 import sys
 
 import torch
@@ -32,6 +33,9 @@ def _parser():
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     d.add_argument("--params", type=int, default=25_000_000, help="model size (default 25M)")
+    d.add_argument(
+        "--width", type=int, help="layer width (default: 2048 for large models, else fitted)"
+    )
     d.add_argument("--batch", type=int, default=16)
     d.add_argument("--steps", type=int, default=30)
     d.add_argument("--warmup", type=int, default=5)
@@ -46,9 +50,12 @@ def _check(p, args):
             p.error("--plot compares against fp32: keep fp32 in --modes")
         if args.factor < 2:
             p.error("--factor must be at least 2")
-    for name in ("nproc", "threads", "nproc_per_node"):
-        if getattr(args, name) < 1:
+    for name in ("nproc", "threads", "nproc_per_node", "nodes", "width"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.nodes is not None and not args.link and "RANK" not in os.environ:
+        p.error("--nodes needs --link (the nodes are network namespaces)")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but no CUDA device is visible")
 
@@ -123,11 +130,20 @@ def _ddp_job(env, args):
     rows = ddp.run(env, args)
     if env.rank != 0:
         return rows
+    shape = f"{env.num_nodes} nodes x {env.world_size // env.num_nodes} ranks"
     title = (
-        f"DDP step, {rows[0]['params'] / 1e6:.1f}M parameters, {env.world_size} ranks, "
+        f"DDP step, {rows[0]['params'] / 1e6:.1f}M parameters, {shape}, "
         f"{env.backend}, {args.steps} steps after {args.warmup} warm-up"
     )
-    cols = ["mode", "p50 (ms)", "p90 (ms)", "vs fp32", "exposed comm", "all-reduce payload/step"]
+    cols = [
+        "mode",
+        "p50 (ms)",
+        "p90 (ms)",
+        "vs fp32",
+        "exposed comm",
+        "payload/step",
+        "cross-node/step",
+    ]
     cells = [
         [
             r["mode"],
@@ -136,6 +152,7 @@ def _ddp_job(env, args):
             "-" if r["vs_fp32"] is None else f"{r['vs_fp32']:.2f}x",
             "-" if r["exposed_comm"] is None else f"{100 * r['exposed_comm']:.0f} %",
             f"{r['payload_bytes'] / 1e6:.1f} MB",
+            f"{r['cross_node_bytes'] / 1e6:.1f} MB",
         ]
         for r in rows
     ]

@@ -63,13 +63,15 @@ def _spawned(rank, fn, args, init):
 def _over_link(args, argv):
     from fastddp import netns
 
-    rest = _drop_option(argv, "--link")
+    rest = _drop_option(_drop_option(argv, "--link"), "--nodes")
     module = [
         sys.executable,
         "-m",
         "fastddp.netns",
         "--rate",
         args.link,
+        "--nodes",
+        str(args.nodes or 2),
         "--nproc-per-node",
         str(args.nproc_per_node),
         "-m",
@@ -99,6 +101,19 @@ def _drop_option(argv, name):
     return out
 
 
+def fastddp_runs(modes, topologies, fastddp_modes):
+    """``(label, mode, topology)`` per run: fastddp modes once per topology, others once."""
+    runs = []
+    for mode in modes:
+        if mode not in fastddp_modes:
+            runs.append((mode, mode, None))
+            continue
+        for topo in topologies:
+            suffix = {"auto": "", "flat": "/flat", "hierarchical": "/hier"}[topo]
+            runs.append((mode + suffix, mode, topo))
+    return runs
+
+
 def parse_size(text):
     """'64K' -> 65536, '256M' -> 268435456, '1G', or plain bytes."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -123,8 +138,17 @@ def add_common_options(p):
     p.add_argument(
         "--link",
         metavar="RATE",
-        help="run as two nodes over a veth limited to RATE (e.g. 1gbit; needs root)",
+        help="run as --nodes nodes, each on a link limited to RATE (e.g. 1gbit; needs root)",
     )
+    p.add_argument("--nodes", type=int, help="nodes with --link (default 2)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node with --link")
+    p.add_argument(
+        "--topologies",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "flat", "hierarchical"],
+        help="run each fastddp mode with each CompressState topology (default: auto); "
+        "modes other than auto are named mode/flat, mode/hier",
+    )
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")

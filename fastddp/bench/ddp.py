@@ -4,7 +4,10 @@ Modes: ``fp32`` (no hook), ``torch-fp16`` (PyTorch's ``fp16_compress_hook``), ``
 ``fastddp-fp16``, ``fastddp-bf16-acc`` (bf16 summed in fp32), ``fastddp-int8``, and ``noop``
 (PyTorch's ``noop_hook``: no communication, the floor). A step is forward, backward (with the
 hook's collectives) and an SGD update; p50/p90 are over the slowest rank's step times after
-warm-up. Exposed communication = (p50 - p50 of noop) / p50.
+warm-up. Exposed communication = (p50 - p50 of noop) / p50. Cross-node bytes per step are
+summed over all ranks: fastddp's own count (``stats()["cross_node_bytes"]``), and for the
+others what a ring all-reduce in rank order sends between nodes. ``--topologies`` runs each
+fastddp mode with each ``CompressState(topology=...)``.
 """
 
 import time
@@ -17,6 +20,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compr
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
+from fastddp.bench.common import fastddp_runs
+from fastddp.hooks.topology import Topology, node_hash
 
 MODES = ["fp32", "torch-fp16", "fastddp-bf16", "fastddp-fp16", "noop"]
 # Not run by default (the table in RESULTS.md keeps its columns); ask with --modes.
@@ -29,9 +34,10 @@ _SETTINGS = {
 }
 
 
-def _model(params, device):
+def _model(params, device, width=None):
     # A stack of square layers sized to land near `params` parameters (2048 wide when large).
-    width = 2048 if params >= 4 * 2048 * 2048 else max(16, int((params / 2) ** 0.5))
+    if width is None:
+        width = 2048 if params >= 4 * 2048 * 2048 else max(16, int((params / 2) ** 0.5))
     depth = max(1, round(params / (width * width + width)))
     torch.manual_seed(0)
     layers = []
@@ -40,13 +46,13 @@ def _model(params, device):
     return nn.Sequential(*layers[:-1]).to(device), width
 
 
-def _register(model, mode):
+def _register(model, mode, topology):
     if mode == "torch-fp16":
         model.register_comm_hook(None, fp16_compress_hook)
     elif mode == "noop":
         model.register_comm_hook(None, noop_hook)
     elif mode.startswith("fastddp"):
-        state = fastddp.CompressState(**_SETTINGS[mode])
+        state = fastddp.CompressState(**_SETTINGS[mode], topology=topology)
         model.register_comm_hook(state, fastddp.compress_hook)
         return state
     return None
@@ -57,10 +63,10 @@ def _percentile(values, q):
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def run_mode(env, args, mode):
-    module, width = _model(args.params, env.device)
+def run_mode(env, args, label, mode, topology, topo):
+    module, width = _model(args.params, env.device, args.width)
     model = DDP(module)
-    state = _register(model, mode)
+    state = _register(model, mode, topology)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(env.rank)
     x = torch.randn(args.batch, width, generator=gen).to(env.device)
@@ -78,25 +84,39 @@ def run_mode(env, args, mode):
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     numel = sum(p.numel() for p in model.parameters())
     per_elem = {"fp32": 4, "torch-fp16": 2, "noop": 0}
+    calls = max(1, args.warmup + args.steps)
     if state is not None:
         stats = state.stats()
         assert stats["nonfinite_events"] == 0
-        payload = stats["payload_bytes"] // max(1, args.warmup + args.steps)
+        payload = stats["payload_bytes"] // calls
+        cross = stats["cross_node_bytes"] // calls
+        used = stats["topology_used"]
     else:
         payload = numel * per_elem[mode]
+        cross = topo.ring_cross_bytes(numel, per_elem[mode]) if per_elem[mode] else 0
+        used = None
+    total = torch.tensor([cross], dtype=torch.int64)
+    dist.all_reduce(total)
     result = {
-        "mode": mode,
+        "mode": label,
+        "topology": used,
         "params": numel,
         "p50_ms": _percentile(steps.tolist(), 0.5) * 1e3,
         "p90_ms": _percentile(steps.tolist(), 0.9) * 1e3,
         "payload_bytes": payload,
+        "cross_node_bytes": int(total.item()),
         "steps": args.steps,
     }
     return result
 
 
 def run(env, args):
-    rows = [run_mode(env, args, mode) for mode in args.modes]
+    hashes = torch.tensor([node_hash()], dtype=torch.int64)
+    everyone = [torch.empty_like(hashes) for _ in range(env.world_size)]
+    dist.all_gather(everyone, hashes)
+    topo = Topology([int(h) for h in everyone], env.rank)
+    runs = fastddp_runs(args.modes, args.topologies, _SETTINGS)
+    rows = [run_mode(env, args, *run, topo) for run in runs]
     floor = next((r["p50_ms"] for r in rows if r["mode"] == "noop"), None)
     base = next((r["p50_ms"] for r in rows if r["mode"] == "fp32"), None)
     for r in rows:

@@ -5,7 +5,9 @@ Each module has one job:
 - ``codecs``: how a fp32 bucket is encoded into wire rows, summed in fp32 and decoded
   (fp16, bf16, int8 with block scales);
 - ``paths``: which collectives move a bucket (``allreduce``: the collective sums in the wire
-  dtype; ``alltoall``: all-to-all, fp32 sum, all-gather; ``passthrough``: 16-bit buckets);
+  dtype; ``alltoall``: all-to-all, fp32 sum, all-gather; ``hierarchical-*``: fp32 inside the
+  node, one of those across nodes; ``passthrough``: 16-bit buckets);
+- ``topology``: which ranks share a node, and the groups of the two-level path;
 - ``pipeline``: when each stage runs and how result futures complete, on CPU and GPU;
 - ``buffers``: the persistent per-bucket slots; ``residuals``: error-feedback residuals across
   bucket layouts and restarts; ``state``: :class:`CompressState`; ``hook``: the hook itself.

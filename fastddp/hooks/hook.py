@@ -8,6 +8,7 @@ import torch.distributed as dist
 from fastddp.hooks.paths import path_named
 from fastddp.hooks.pipeline import Job, warn_stale
 from fastddp.hooks.state import CompressState
+from fastddp.hooks.topology import TOPOLOGIES, Topology, node_hash, resolve
 
 __all__ = ["compress_hook"]
 
@@ -15,13 +16,18 @@ _WIRE_DTYPES = (torch.float16, torch.bfloat16)
 # Bumped whenever the bytes exchanged between ranks change meaning; part of the cross-rank
 # settings check, so that ranks running different fastddp versions refuse to mix.
 # 3: int8 rows carry their scales behind their values (one all-to-all, one all-gather).
-_PROTOCOL = 3
+# 4: the settings row carries the topology setting and a node identity.
+_PROTOCOL = 4
 
 _default_state: Optional[CompressState] = None
 
 
 def _check_config(state: CompressState, device: torch.device) -> None:
-    """Make every rank raise the same error when the ranks' settings differ."""
+    """Make every rank raise the same error when the ranks' settings differ; find the nodes.
+
+    One all-gather carries each rank's settings and node identity, so every rank derives the
+    same topology and raises the same errors.
+    """
     group = state.process_group
     s = state.settings()
     loaded = state._loaded_from or (-1, -1)
@@ -33,7 +39,9 @@ def _check_config(state: CompressState, device: torch.device) -> None:
             int(s["error_feedback"]),
             int(s["stochastic_rounding"]),
             s["block_size"] or 0,
+            TOPOLOGIES.index(state.topology),
             *loaded,
+            node_hash(),
         ],
         dtype=torch.int64,
         device=device,
@@ -42,14 +50,15 @@ def _check_config(state: CompressState, device: torch.device) -> None:
     everyone = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
     rows = [tuple(t.tolist()) for t in everyone]
-    if len({row[:6] for row in rows}) > 1:
+    if len({row[:7] for row in rows}) > 1:
         names = {1: "float16", 2: "bfloat16", 3: "int8"}
         lines = []
         for rank, row in enumerate(rows):
             lines.append(
                 f"  rank {rank}: dtype={names.get(row[1], '?')}, accumulate_dtype="
                 f"{'float32' if row[2] else None}, error_feedback={bool(row[3])}, "
-                f"stochastic_rounding={bool(row[4])}, block_size={row[5] or None}"
+                f"stochastic_rounding={bool(row[4])}, block_size={row[5] or None}, "
+                f"topology={TOPOLOGIES[row[6]]!r}"
                 + (f", fastddp protocol {row[0]}" if row[0] != _PROTOCOL else "")
             )
         raise ValueError(
@@ -58,9 +67,9 @@ def _check_config(state: CompressState, device: torch.device) -> None:
             "arguments (and the same fastddp version)."
         )
     wrong = [
-        f"  rank {rank} loaded the state dict of rank {row[6]} of {row[7]}"
+        f"  rank {rank} loaded the state dict of rank {row[7]} of {row[8]}"
         for rank, row in enumerate(rows)
-        if row[6] != -1 and (row[6], row[7]) != (rank, world)
+        if row[7] != -1 and (row[7], row[8]) != (rank, world)
     ]
     if wrong:
         raise ValueError(
@@ -69,6 +78,11 @@ def _check_config(state: CompressState, device: torch.device) -> None:
             + f"\nSave one state_dict() per rank and load each into the same rank of a job of "
             f"the same world size ({world} now)."
         )
+    topo = Topology([row[9] for row in rows], dist.get_rank(group))
+    state._resolved = resolve(state.topology, topo)
+    if state._resolved == "hierarchical":
+        topo.make_groups(group)
+    state._topology = topo
     state._verified = True
 
 
@@ -105,7 +119,7 @@ def _reduce(
         # The gradients are already 16-bit: nothing to compress, they travel as they are.
         state._counters["passthrough_calls"] += 1
         state._counters["payload_bytes"] += buffer.numel() * buffer.element_size()
-        job = Job(path_named("passthrough"), None, buffer, group, world, average, ())
+        job = Job(path_named("passthrough"), None, buffer, group, world, average, (), None)
         pipeline.submit(lambda: job, is_last)
         return job.result
     if not state._verified:
@@ -120,7 +134,7 @@ def _reduce(
         slot = state._slot_for(key, signature, index, buffer, parameters, params, world)
         pipeline.settle(slot.job)
         slot.calls += 1
-        _count_bytes(state, slot, world)
+        _count_bytes(state, slot)
         if slot.numel == 0:
             done = torch.futures.Future()
             done.set_result(buffer)
@@ -129,7 +143,9 @@ def _reduce(
         seeds = (state._seed(rank, index, 1), state._seed(rank, index, 2))
         if slot.path == "allreduce":
             seeds = (state._seed(rank, index, 0),)
-        job = slot.job = Job(path_named(slot.path), slot, buffer, group, world, average, seeds)
+        path = path_named(slot.path)
+        job = Job(path, slot, buffer, group, world, average, seeds, state._topology)
+        slot.job = job
         holder.append(job.result)
         return job
 
@@ -137,15 +153,21 @@ def _reduce(
     return holder[0]
 
 
-def _count_bytes(state: CompressState, slot, world: int) -> None:
-    n = slot.numel
+def _count_bytes(state: CompressState, slot) -> None:
+    n, topo = slot.numel, state._topology
+    path = path_named(slot.path)
     payload = state.codec.payload_bytes(n)
-    sent = path_named(slot.path).sent_bytes(slot, world)
+    sent = path.sent_bytes(slot, topo)
+    cross = path.cross_bytes(slot, topo)
     slot.payload_bytes += payload
     slot.wire_bytes += sent
-    state._counters["payload_bytes"] += payload
-    state._counters["wire_bytes"] += sent
-    state._counters["fp32_wire_bytes"] += 2 * (world - 1) * -(-n // world) * 4
+    slot.cross_node_bytes += cross
+    counters = state._counters
+    counters["payload_bytes"] += payload
+    counters["wire_bytes"] += sent
+    counters["fp32_wire_bytes"] += 2 * (topo.world - 1) * -(-n // topo.world) * 4
+    counters["cross_node_bytes"] += cross
+    counters["fp32_ring_cross_node_bytes"] += topo.ring_cross_bytes(n, 4)
 
 
 def compress_hook(

@@ -7,13 +7,22 @@ rows are summed is the codec's (``codecs.py``). Every path writes its result int
 """
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
 from fastddp.hooks.buffers import Slot
+from fastddp.hooks.topology import Topology
 
-__all__ = ["Path", "AllReducePath", "AllToAllPath", "PassthroughPath", "path_named"]
+__all__ = [
+    "Path",
+    "AllReducePath",
+    "AllToAllPath",
+    "HierarchicalPath",
+    "PassthroughPath",
+    "path_named",
+]
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated); older releases have only that.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -26,8 +35,12 @@ class Path(ABC):
     stages: int
 
     @abstractmethod
-    def sent_bytes(self, slot: Slot, world: int) -> int:
+    def sent_bytes(self, slot: Slot, topo: Topology) -> int:
         """Bytes this rank sends for one reduction of ``slot``'s bucket."""
+
+    @abstractmethod
+    def cross_bytes(self, slot: Slot, topo: Topology) -> int:
+        """Of :meth:`sent_bytes`, the bytes that leave this rank's node."""
 
     @abstractmethod
     def stage(self, job: Any, i: int) -> dist.Work:
@@ -38,10 +51,10 @@ class Path(ABC):
         """Write the result into the bucket, once the last collective is done."""
 
 
-def _encode(job: Any) -> None:
-    # The first stage of both compressing paths: the bucket, scaled, into the wire rows.
+def _encode(job: Any, src: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
+    # The first step of every compressing path: ``src``, scaled, into the wire rows.
     slot = job.slot
-    slot.codec.encode(job.bucket, slot.wire, job.scale, slot.flag, slot.residual, job.seeds[0])
+    slot.codec.encode(src, slot.wire, job.scale, slot.flag, residual, job.seeds[0])
     slot.nonfinite.add_(slot.flag)
 
 
@@ -51,12 +64,14 @@ class AllReducePath(Path):
     name = "allreduce"
     stages = 1
 
-    def sent_bytes(self, slot: Slot, world: int) -> int:
-        ring_share = -(-slot.numel // world)  # what each rank forwards per ring phase
-        return 2 * (world - 1) * ring_share * slot.codec.wire_dtype.itemsize
+    def sent_bytes(self, slot, topo):
+        return _ring_bytes(slot.wire.numel(), topo.world, slot.codec.wire_dtype.itemsize)
+
+    def cross_bytes(self, slot, topo):
+        return topo.ring_cross_bytes(slot.wire.numel(), slot.codec.wire_dtype.itemsize)
 
     def stage(self, job, i):
-        _encode(job)
+        _encode(job, job.bucket, job.slot.residual)
         return dist.all_reduce(job.slot.wire.view(-1), group=job.group, async_op=True)
 
     def finish(self, job):
@@ -75,26 +90,124 @@ class AllToAllPath(Path):
     name = "alltoall"
     stages = 2
 
-    def sent_bytes(self, slot: Slot, world: int) -> int:
+    def sent_bytes(self, slot, topo):
         # A row out to every other rank in the all-to-all, then our row to each in the gather.
-        return 2 * (world - 1) * slot.row * slot.codec.wire_dtype.itemsize
+        return 2 * (slot.wire.shape[0] - 1) * slot.row * slot.codec.wire_dtype.itemsize
+
+    def cross_bytes(self, slot, topo):
+        away = sum(topo.crosses(topo.rank, r) for r in range(topo.world))
+        return 2 * away * slot.row * slot.codec.wire_dtype.itemsize
 
     def stage(self, job, i):
-        slot = job.slot
         if i == 0:
-            _encode(job)
-            return dist.all_to_all_single(
-                slot.recv.view(-1), slot.wire.view(-1), group=job.group, async_op=True
-            )
+            _encode(job, job.bucket, job.slot.residual)
+            return self.exchange(job.slot, job.group)
+        return self.gather(job, job.group)
+
+    def finish(self, job):
+        job.slot.codec.decode(job.slot.wire, job.bucket)
+
+    @staticmethod
+    def exchange(slot: Slot, group) -> dist.Work:
+        return dist.all_to_all_single(
+            slot.recv.view(-1), slot.wire.view(-1), group=group, async_op=True
+        )
+
+    @staticmethod
+    def gather(job: Any, group) -> dist.Work:
+        slot = job.slot
         slot.codec.reduce(
             slot.recv, slot.out, slot.flag, slot.shard_residual, job.seeds[1], slot.scratch
         )  # fmt: skip
         slot.nonfinite.add_(slot.flag)
         # The wire buffer is free again once the all-to-all is done: gather into it.
-        return _all_gather_single(slot.wire.view(-1), slot.out, group=job.group, async_op=True)
+        return _all_gather_single(slot.wire.view(-1), slot.out, group=group, async_op=True)
+
+
+class HierarchicalPath(Path):
+    """Full precision inside each node, the codec across nodes (``hierarchical-<inner>``).
+
+    With L ranks on each of N nodes, local rank l reduces node shard l of the bucket:
+
+    - stage 0: an all-to-all of the fp32 bucket inside the node (a reduce-scatter that moves
+      each byte once; Gloo's ``reduce_scatter_tensor`` moves it twice);
+    - stage 1: the received pieces summed in fp32, encoded once (scaled, with the residual of
+      this rank's node shard), and the inner path's first collective on the cross-node group;
+    - the inner path's later stages, on the cross-node group;
+    - last: an all-gather of the inner path's wire inside the node (every rank then holds every
+      node shard's encoded sum, which loses nothing), and one decode into the bucket.
+
+    Only the inner path's collectives leave the node, with 1/L of the bucket per rank.
+    """
+
+    def __init__(self, inner: Path) -> None:
+        self.inner = inner
+        self.name = f"hierarchical-{inner.name}"
+        self.stages = inner.stages + 2
+
+    def sent_bytes(self, slot, topo):
+        ranks = slot.gathered.shape[0]
+        wire = slot.wire.numel() * slot.codec.wire_dtype.itemsize
+        node = (ranks - 1) * (slot.node_shard * 4 + wire)
+        return node + self.cross_bytes(slot, topo)
+
+    def cross_bytes(self, slot, topo):
+        nodes = len(topo.nodes)
+        if self.inner.name == "allreduce":
+            return _ring_bytes(slot.node_shard, nodes, slot.codec.wire_dtype.itemsize)
+        return 2 * (nodes - 1) * slot.row * slot.codec.wire_dtype.itemsize
+
+    def stage(self, job, i):
+        slot, topo = job.slot, job.topo
+        if i == 0:
+            return self._scatter(job)
+        if i == 1:
+            counts = self._counts(slot, topo)
+            mine = counts[topo.local_rank]
+            rows = slot.node_recv.view(-1)[: mine * len(counts)].view(len(counts), mine)
+            torch.sum(rows, dim=0, out=slot.node_sum[:mine])
+            lo = topo.local_rank * slot.node_shard
+            residual = slot.residual
+            if residual is not None:
+                residual = residual[lo : lo + slot.node_shard]
+            _encode(job, slot.node_sum, residual)
+            if self.inner.name == "allreduce":
+                return dist.all_reduce(slot.wire.view(-1), group=topo.cross, async_op=True)
+            return AllToAllPath.exchange(slot, topo.cross)
+        if i < self.stages - 1:
+            return AllToAllPath.gather(job, topo.cross)
+        return _all_gather_single(
+            slot.gathered.view(-1), slot.wire.view(-1), group=topo.intra, async_op=True
+        )
 
     def finish(self, job):
-        job.slot.codec.decode(job.slot.wire, job.bucket)
+        slot = job.slot
+        slot.codec.decode(slot.gathered.view(-1, slot.wire.shape[-1]), job.bucket)
+
+    @staticmethod
+    def _counts(slot: Slot, topo: Topology) -> list[int]:
+        # Elements of each node shard that lie in the bucket (the padding is never sent).
+        s = slot.node_shard
+        return [min(s, max(0, slot.numel - k * s)) for k in range(topo.per_node)]
+
+    def _scatter(self, job) -> dist.Work:
+        slot, topo = job.slot, job.topo
+        if slot.fold:
+            # Residuals from another bucket layout or a checkpoint: add them to this rank's
+            # gradient, which the node sums and the encode scales (so divide the scale out).
+            job.bucket.add_(slot.residual[: slot.numel], alpha=1.0 / job.scale)
+            slot.residual.zero_()
+            slot.fold = False
+        counts = self._counts(slot, topo)
+        mine = counts[topo.local_rank]
+        return dist.all_to_all_single(
+            slot.node_recv.view(-1)[: mine * len(counts)],
+            job.bucket,
+            output_split_sizes=[mine] * len(counts),
+            input_split_sizes=counts,
+            group=topo.intra,
+            async_op=True,
+        )
 
 
 class PassthroughPath(Path):
@@ -103,7 +216,10 @@ class PassthroughPath(Path):
     name = "passthrough"
     stages = 1
 
-    def sent_bytes(self, slot: Slot, world: int) -> int:
+    def sent_bytes(self, slot, topo):
+        return 0
+
+    def cross_bytes(self, slot, topo):
         return 0
 
     def stage(self, job, i):
@@ -115,7 +231,21 @@ class PassthroughPath(Path):
         pass
 
 
-_PATHS = {p.name: p for p in (AllReducePath(), AllToAllPath(), PassthroughPath())}
+def _ring_bytes(numel: int, world: int, itemsize: int) -> int:
+    # What each rank forwards in a ring all-reduce: 2(n-1) steps of one n-th of the payload.
+    return 2 * (world - 1) * -(-numel // world) * itemsize
+
+
+_PATHS = {
+    p.name: p
+    for p in (
+        AllReducePath(),
+        AllToAllPath(),
+        HierarchicalPath(AllReducePath()),
+        HierarchicalPath(AllToAllPath()),
+        PassthroughPath(),
+    )
+}
 
 
 def path_named(name: str) -> Path:

@@ -10,6 +10,10 @@ Rules, in one place:
   while this thread waits for bucket k's); everything still pending runs when a bucket with
   ``is_last`` arrives, when :meth:`Pipeline.flush` is called, or at the end of the backward
   pass that submitted it.
+- Pending jobs take their next stage newest first: a young job's next collective (behind a
+  quick one, an intra-node exchange say) is issued before this thread waits for an older job's
+  slower one, so the slow link never idles while this thread waits. The order depends only on
+  the order of submissions, so it is the same on every rank.
 - Pending stages run even when the new bucket fails on this rank alone (out of memory, say), so
   that this rank still issues every collective the other ranks issue.
 - Completion (decoding into the bucket, then the result future) follows the last collective:
@@ -52,12 +56,14 @@ class Job:
         "scale",
         "average",
         "seeds",
+        "topo",
+        "order",
         "stage",
         "work",
         "result",
     )
 
-    def __init__(self, path: Path, slot, bucket, group, world, average, seeds) -> None:
+    def __init__(self, path: Path, slot, bucket, group, world, average, seeds, topo) -> None:
         self.path = path
         self.slot = slot
         self.bucket = bucket
@@ -66,6 +72,8 @@ class Job:
         self.average = average
         self.scale = 1.0 / world if average else 1.0
         self.seeds = seeds
+        self.topo = topo  # the state's Topology (its groups, for the two-level path)
+        self.order = 0  # submission number (set by the pipeline): pending jobs step newest first
         self.stage = 0  # the next stage to run
         self.work: Optional[dist.Work] = None
         device = bucket.device
@@ -81,7 +89,15 @@ class Job:
 class Pipeline:
     """Runs jobs' stages and completes their futures by the rules in the module docstring."""
 
-    __slots__ = ("_pending", "_earlier", "_completing", "_failure", "_graph_task", "_streams")
+    __slots__ = (
+        "_pending",
+        "_earlier",
+        "_completing",
+        "_failure",
+        "_graph_task",
+        "_streams",
+        "_submitted",
+    )
 
     def __init__(self) -> None:
         self._pending: deque[Job] = deque()  # jobs with stages left, oldest first
@@ -90,6 +106,7 @@ class Pipeline:
         self._failure: Optional[BaseException] = None
         self._graph_task = -1
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._submitted = 0
 
     def check(self) -> None:
         """Raise if an earlier reduction failed."""
@@ -118,6 +135,8 @@ class Pipeline:
         try:
             job = start()
             if job is not None:
+                self._submitted += 1
+                job.order = self._submitted
                 self._step(job)
         except BaseException as e:
             with contextlib.suppress(BaseException):
@@ -133,13 +152,15 @@ class Pipeline:
 
     def _run_earlier(self) -> None:
         earlier, self._earlier = self._earlier, []
-        for job in earlier:
+        for job in sorted(earlier, key=lambda j: -j.order):
             self._step(job)
 
     def flush(self) -> None:
         """Run every pending stage and wait for every reduction to complete."""
         while self._pending:
-            self._step(self._pending.popleft())
+            self._earlier = list(self._pending)
+            self._pending.clear()
+            self._run_earlier()
         while self._completing:
             self._complete(self._completing.popleft())
 

@@ -11,6 +11,10 @@ When a slot is retired (DDP rebuilt its buckets) or a checkpoint is loaded, its 
   is non-zero on at most one rank. Whether a slot needs it depends only on the parameters'
   history, which every rank shares, so every rank issues the same collectives.
 
+The two-level path needs neither: its slots keep one residual per bucket element, and a new
+slot adds whatever this rank parked to its next bucket before the node sums it (``fold``), so
+the residual reaches the sum whichever rank now encodes those elements.
+
 A retired slot's communication buffers are freed before its residuals are copied out by
 parameter, and its residuals right after; each part is freed when a new slot takes it. While
 DDP rebuilds its buckets the residuals therefore exist about once, plus one bucket-sized
@@ -80,8 +84,14 @@ class Residuals:
                     self.stage2.setdefault(k, []).append((lo - start, piece))
             start += numel
 
-    def take(self, slot: Slot, rank: int, group: Optional[dist.ProcessGroup]) -> None:
-        """Fill a new slot's residuals from what is parked for its parameters."""
+    def take(
+        self, slot: Slot, rank: int, group: Optional[dist.ProcessGroup], local: bool = False
+    ) -> None:
+        """Fill a new slot's residuals from what is parked for its parameters.
+
+        With ``local`` (the two-level path), everything parked on this rank goes into the
+        slot's ``residual`` at its elements, to be folded into the next bucket: no collective.
+        """
         if slot.params is None:
             return
         self._check_sizes(slot.params)
@@ -90,7 +100,11 @@ class Residuals:
             part = self.stage1.pop(k, None)
             if part is not None and slot.residual is not None:
                 slot.residual[start : start + numel].copy_(part)
+                slot.fold = local
             start += numel
+        if local:
+            self._place(slot, rank)
+            return
         if not any(k in self.moved for k, _ in slot.params):
             return
         full = None
@@ -110,6 +124,23 @@ class Residuals:
             start += numel
         if full is not None:
             _reduce_scatter_single(slot.shard_residual, full, group=group)
+
+    def _place(self, slot: Slot, rank: int) -> None:
+        # Stage-2 pieces parked on this rank, added where their elements lie in the bucket.
+        start = 0
+        for k, numel in slot.params:
+            pieces = self.stage2.pop(k, ())
+            whole = self.replicated.pop(k, None)
+            self.moved.discard(k)
+            if slot.residual is not None:
+                for offset, piece in pieces:
+                    lo = start + offset
+                    slot.residual[lo : lo + piece.numel()] += piece
+                    slot.fold = True
+                if whole is not None and rank == 0:
+                    slot.residual[start : start + numel] += whole
+                    slot.fold = True
+            start += numel
 
     def _check_sizes(self, params: tuple) -> None:
         for k, numel in params:

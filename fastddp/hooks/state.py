@@ -14,6 +14,7 @@ from fastddp.hooks.buffers import Slot, allocate
 from fastddp.hooks.codecs import Codec, codec_for
 from fastddp.hooks.pipeline import Pipeline
 from fastddp.hooks.residuals import Residuals
+from fastddp.hooks.topology import TOPOLOGIES, Topology
 
 __all__ = ["CompressState", "DEFAULT_BLOCK_SIZE"]
 
@@ -25,8 +26,10 @@ _COUNTERS = (
     "payload_bytes",
     "wire_bytes",
     "fp32_wire_bytes",
+    "cross_node_bytes",
+    "fp32_ring_cross_node_bytes",
 )
-_SLOT_COUNTERS = ("calls", "payload_bytes", "wire_bytes", "nonfinite_events")
+_SLOT_COUNTERS = ("calls", "payload_bytes", "wire_bytes", "cross_node_bytes", "nonfinite_events")
 DEFAULT_BLOCK_SIZE = 128
 _MAX_BLOCK_SIZE = 1 << 20
 # Version of the state_dict() layout: 2 adds rank, world_size and per-rank parked pieces.
@@ -55,6 +58,14 @@ class CompressState:
         block_size (int, optional): int8 only: elements per absmax scale (default 128, so the
             scales add 1/32 to the int8 bytes).
         seed (int): seed of the stochastic rounding (mixed with rank, bucket and step).
+        topology (str): ``"auto"`` (default) reduces in two levels when the group spans
+            several nodes and a node has several ranks, and flat otherwise; ``"flat"`` treats
+            every rank alike; ``"hierarchical"`` always reduces in two levels: an fp32
+            reduce-scatter inside each node, the codec across nodes on 1/L of the bucket per
+            rank (L ranks per node), an all-gather inside the node. Nodes are told apart by
+            host name and network namespace, or by ``FASTDDP_NODE_ID``. Nodes with different
+            numbers of ranks make ``"auto"`` reduce flat with a warning and
+            ``"hierarchical"`` raise, on every rank.
 
     .. warning::
         A bucket's reduction may finish only when the next bucket reaches the hook (so that
@@ -79,6 +90,7 @@ class CompressState:
         "stochastic_rounding",
         "block_size",
         "seed",
+        "topology",
         "codec",
         "_slots",
         "_owners",
@@ -89,6 +101,8 @@ class CompressState:
         "_residuals",
         "_saved_counters",
         "_loaded_from",
+        "_topology",
+        "_resolved",
     )
 
     def __init__(
@@ -101,6 +115,7 @@ class CompressState:
         stochastic_rounding: bool = False,
         block_size: Optional[int] = None,
         seed: int = 0,
+        topology: str = "auto",
     ) -> None:
         where = "CompressState"
         if dtype not in _DTYPE_NAMES:
@@ -139,6 +154,11 @@ class CompressState:
                 raise TypeError(f"{where}: {name} must be True or False, got {value!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"{where}: seed must be an int, got {seed!r}")
+        if topology not in TOPOLOGIES:
+            raise ValueError(
+                f"{where}: topology must be one of {', '.join(map(repr, TOPOLOGIES))}, got "
+                f"{topology!r}"
+            )
         self.dtype = dtype
         self.process_group = process_group
         self.accumulate_dtype = accumulate_dtype
@@ -146,6 +166,7 @@ class CompressState:
         self.stochastic_rounding = stochastic_rounding
         self.block_size = block_size
         self.seed = seed
+        self.topology = topology
         self.codec: Codec = codec_for(dtype, block_size)
         self._reset()
         self._counters = dict.fromkeys(_COUNTERS, 0)
@@ -161,11 +182,15 @@ class CompressState:
         self._residuals = Residuals()
         self._saved_counters: dict[int, dict[str, Any]] = {}
         self._loaded_from: Optional[tuple[int, int]] = None
+        self._topology: Optional[Topology] = None  # found at the first reduction
+        self._resolved: Optional[str] = None  # "flat" or "hierarchical", from the topology
 
     @property
     def path(self) -> str:
-        """``"allreduce"`` or ``"alltoall"``: how fp32 buckets are reduced."""
-        return "alltoall" if self.accumulate_dtype == torch.float32 else "allreduce"
+        """How fp32 buckets are reduced: ``"allreduce"`` or ``"alltoall"``, prefixed with
+        ``"hierarchical-"`` once the first reduction has chosen the two-level path."""
+        inner = "alltoall" if self.accumulate_dtype == torch.float32 else "allreduce"
+        return f"hierarchical-{inner}" if self._resolved == "hierarchical" else inner
 
     def settings(self) -> dict[str, Any]:
         """The settings every rank must share, in plain Python types."""
@@ -175,6 +200,7 @@ class CompressState:
             "error_feedback": self.error_feedback,
             "stochastic_rounding": self.stochastic_rounding,
             "block_size": self.block_size,
+            "topology": self.topology,
         }
 
     def __repr__(self) -> str:
@@ -192,6 +218,7 @@ class CompressState:
             self,
             {v: k for k, v in _DTYPE_NAMES.items()}[settings["dtype"]],
             accumulate_dtype=torch.float32 if settings["accumulate_dtype"] else None,
+            topology=settings.get("topology", "auto"),
             error_feedback=settings["error_feedback"],
             stochastic_rounding=settings["stochastic_rounding"],
             block_size=settings["block_size"],
@@ -216,6 +243,11 @@ class CompressState:
         ``payload_bytes`` counts the compressed size of the reduced buckets; ``wire_bytes`` the
         bytes this rank sent for them (a ring all-reduce sends 2(n-1)/n of its payload), and
         ``fp32_wire_bytes`` what an fp32 ring all-reduce of the same buckets would have sent.
+        ``cross_node_bytes`` counts what this rank sent to other nodes, and
+        ``fp32_ring_cross_node_bytes`` what it would have sent to other nodes in an fp32 ring
+        all-reduce of the same buckets in group rank order (Gloo's ring). ``nodes`` lists
+        each node's ranks and ``topology_used`` is ``"flat"`` or ``"hierarchical"`` (``None``
+        before the first reduction).
         ``nonfinite_events`` counts reductions whose payload held an inf or NaN on this rank;
         ``allocations`` counts buffer (re)allocations, which stop after the second step;
         ``parked_residuals`` counts parameters whose loaded or moved residuals still wait for
@@ -230,6 +262,7 @@ class CompressState:
                 "calls": slot.calls,
                 "payload_bytes": slot.payload_bytes,
                 "wire_bytes": slot.wire_bytes,
+                "cross_node_bytes": slot.cross_node_bytes,
                 "nonfinite_events": slot.nonfinite_events(),
             }
             for key, slot in self._live_by_index()
@@ -237,6 +270,8 @@ class CompressState:
         return {
             **self.settings(),
             "path": self.path,
+            "topology_used": self._resolved,
+            "nodes": None if self._topology is None else self._topology.nodes,
             **self._counters,
             "nonfinite_events": sum(b["nonfinite_events"] for b in buckets.values()),
             "parked_residuals": len(self._residuals),
@@ -265,7 +300,7 @@ class CompressState:
         world = dist.get_world_size(self.process_group) if dist.is_initialized() else None
         buckets: dict[int, dict[str, Any]] = {}
         for position, (_, slot) in enumerate(self._live_by_index()):
-            shard = slot.shard_residual
+            parts = self._residuals_of(slot, rank)
             buckets[position] = {
                 "index": slot.index,
                 "numel": slot.numel,
@@ -274,10 +309,9 @@ class CompressState:
                 "calls": slot.calls,
                 "payload_bytes": slot.payload_bytes,
                 "wire_bytes": slot.wire_bytes,
+                "cross_node_bytes": slot.cross_node_bytes,
                 "nonfinite_events": slot.nonfinite_events(),
-                "residual": _cpu(slot.residual),
-                "shard_residual": _cpu(shard),
-                "shard_offset": 0 if shard is None or rank is None else rank * shard.numel(),
+                **{k: _cpu(v) if torch.is_tensor(v) else v for k, v in parts.items()},
             }
         return {
             "version": _STATE_VERSION,
@@ -299,6 +333,8 @@ class CompressState:
         """
         saved_settings = state_dict.get("settings", {"dtype": state_dict.get("dtype")})
         for key, mine in self.settings().items():
+            if key == "topology":
+                continue  # residuals carry over between topologies (see residuals.py)
             theirs = saved_settings.get(key, mine if key != "dtype" else None)
             if theirs != mine:
                 raise ValueError(
@@ -317,7 +353,7 @@ class CompressState:
                 saved.get("residual"),
                 saved.get("shard_residual"),
                 int(saved.get("shard_offset", 0)),
-                with_shards=self.error_feedback and self.path == "alltoall",
+                with_shards=self.error_feedback and self.accumulate_dtype == torch.float32,
             )
         if state_dict.get("carry"):
             self._residuals.load(state_dict["carry"])
@@ -360,14 +396,17 @@ class CompressState:
             slot.calls = int(saved["calls"])
             slot.payload_bytes = int(saved["payload_bytes"])
             slot.wire_bytes = int(saved.get("wire_bytes", 0))
+            slot.cross_node_bytes = int(saved.get("cross_node_bytes", 0))
             events = int(saved["nonfinite_events"])
-        allocate(slot, self.path, self.codec, self.error_feedback, events)
+        topo = self._topology
+        nodes, per_node = (len(topo.nodes), topo.per_node) if topo is not None else (1, 1)
+        allocate(slot, self.path, self.codec, self.error_feedback, events, nodes, per_node)
         self._counters["allocations"] += 1
         self._slots[key] = slot
         for k, _ in params or ():
             self._owners[k] = key
         if self.error_feedback:
-            self._residuals.take(slot, rank, self.process_group)
+            self._residuals.take(slot, rank, self.process_group, local=slot.node_shard > 0)
         return slot
 
     def _retire(self, key, rank: int) -> None:
@@ -381,24 +420,40 @@ class CompressState:
                 del self._owners[k]
         # Counters stay with the bucket index: the slot that takes this index next goes on.
         counts = self._saved_counters.setdefault(slot.index, dict.fromkeys(_SLOT_COUNTERS, 0))
-        for name in ("calls", "payload_bytes", "wire_bytes"):
+        for name in ("calls", "payload_bytes", "wire_bytes", "cross_node_bytes"):
             counts[name] = int(counts.get(name, 0)) + getattr(slot, name)
         counts["nonfinite_events"] = int(counts.get("nonfinite_events", 0)) + (
             slot.nonfinite_events()
         )
         # Free the communication buffers first: the residuals are copied out next.
         slot.wire = slot.recv = slot.out = None
+        slot.node_recv = slot.node_sum = slot.gathered = None
         slot.scratch = {}
-        shard = slot.shard_residual
+        parts = self._residuals_of(slot, rank)
+        slot.residual = slot.shard_residual = None
         self._residuals.park(
             slot.params,
-            slot.residual,
-            shard,
-            0 if shard is None else rank * shard.numel(),
+            parts["residual"],
+            parts["shard_residual"],
+            parts["shard_offset"],
             with_shards=self.error_feedback and slot.path == "alltoall",
             copy=True,
         )
-        slot.residual = slot.shard_residual = None
+
+    def _residuals_of(self, slot: Slot, rank: Optional[int]) -> dict[str, Any]:
+        """A slot's residuals as saved and parked: a two-level slot's in one bucket vector."""
+        shard = slot.shard_residual
+        if slot.node_shard and slot.residual is not None:
+            # Both residuals are folded into the next bucket, wherever its parameters go, so
+            # one vector of the bucket's length holds them (shard_residual at its elements).
+            whole = slot.residual.clone()
+            if shard is not None:
+                topo = self._topology
+                lo = topo.local_rank * slot.node_shard + topo.cross_rank * slot.shard
+                whole[lo : lo + slot.shard] += shard
+            return {"residual": whole[: slot.numel], "shard_residual": None, "shard_offset": 0}
+        offset = 0 if shard is None or rank is None else rank * shard.numel()
+        return {"residual": slot.residual, "shard_residual": shard, "shard_offset": offset}
 
     def _seed(self, rank: int, index: int, stage: int) -> int:
         if not self.stochastic_rounding:

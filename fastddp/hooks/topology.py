@@ -1,0 +1,160 @@
+"""Which ranks share a node, and the process groups of the two-level path.
+
+Every rank sends a node identity in the settings all-gather of its first reduction
+(``hook._check_config``), so every rank derives the same :class:`Topology` from the same rows.
+A node is identified by its host name and network namespace (ranks in one namespace reach each
+other without the node's network), or by ``FASTDDP_NODE_ID`` where that is wrong (containers
+with their own namespaces on one host, say). Rank numbering is never assumed.
+
+The two-level path needs an *intra-node* group (the ranks of this node) and a *cross-node*
+group (the ranks of every node with this rank's local rank). Groups are created by their
+members only (``use_local_synchronization``), intra-node first, so ranks outside the state's
+group never have to take part, and kept per process by rank set, so that states over the same
+ranks share them instead of creating clashing groups of the same name.
+"""
+
+import hashlib
+import os
+import socket
+import warnings
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["TOPOLOGIES", "Topology", "node_hash", "resolve"]
+
+TOPOLOGIES = ("auto", "flat", "hierarchical")
+NODE_ENV = "FASTDDP_NODE_ID"
+_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+
+
+def node_identity() -> str:
+    """This process's node: ``FASTDDP_NODE_ID``, else host name and network namespace."""
+    given = os.environ.get(NODE_ENV)
+    if given:
+        return given
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = 0
+    return f"{socket.gethostname()}/netns:{netns}"
+
+
+def node_hash() -> int:
+    """A 63-bit digest of :func:`node_identity`, equal in every process of one node."""
+    digest = hashlib.blake2b(node_identity().encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class Topology:
+    """Nodes of a process group, from the node hash of every rank (in group rank order).
+
+    Nodes are numbered by their lowest rank; ``nodes[j]`` lists node ``j``'s ranks in order.
+    ``intra`` and ``cross`` are set by :meth:`make_groups`.
+    """
+
+    __slots__ = (
+        "rank",
+        "world",
+        "node_of",
+        "nodes",
+        "node",
+        "local_rank",
+        "cross_rank",
+        "intra",
+        "cross",
+    )
+
+    def __init__(self, hashes: list[int], rank: int) -> None:
+        order: dict[int, int] = {}
+        self.node_of = [order.setdefault(h, len(order)) for h in hashes]
+        self.nodes: list[list[int]] = [[] for _ in order]
+        for r, j in enumerate(self.node_of):
+            self.nodes[j].append(r)
+        self.rank, self.world = rank, len(hashes)
+        self.node = self.node_of[rank]
+        self.local_rank = self.nodes[self.node].index(rank)
+        self.cross_rank = self.node
+        self.intra: Optional[dist.ProcessGroup] = None
+        self.cross: Optional[dist.ProcessGroup] = None
+
+    @property
+    def even(self) -> bool:
+        """Whether every node has the same number of ranks."""
+        return len({len(n) for n in self.nodes}) == 1
+
+    @property
+    def per_node(self) -> int:
+        return len(self.nodes[self.node])
+
+    def describe(self) -> str:
+        return ", ".join(f"node {j}: ranks {n}" for j, n in enumerate(self.nodes))
+
+    def crosses(self, src: int, dst: int) -> bool:
+        return self.node_of[src] != self.node_of[dst]
+
+    def ring_cross_bytes(self, numel: int, itemsize: int) -> int:
+        """Bytes this rank sends across nodes in a ring all-reduce in group rank order."""
+        if self.world == 1 or not self.crosses(self.rank, (self.rank + 1) % self.world):
+            return 0
+        return 2 * (self.world - 1) * -(-numel // self.world) * itemsize
+
+    def make_groups(self, group: Optional[dist.ProcessGroup]) -> None:
+        """Create (or reuse) the intra-node and cross-node groups; collective over ``group``."""
+        glob = dist.get_process_group_ranks(group or dist.group.WORLD)
+        mine = [glob[r] for r in self.nodes[self.node]]
+        across = [glob[n[self.local_rank]] for n in self.nodes]
+        timeout = _timeout_of(group)
+        self.intra = _group(mine, timeout)
+        self.cross = _group(across, timeout)
+        # Shards follow the groups' own rank order (ranks sorted by global rank).
+        self.local_rank = dist.get_rank(self.intra)
+        self.cross_rank = dist.get_rank(self.cross)
+
+
+def _timeout_of(group: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
+    # New groups get the state's group's timeout, not the backend default (30 min on Gloo).
+    pg = group or dist.group.WORLD
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        try:
+            return pg._get_backend(device).options._timeout
+        except Exception:  # no backend for this device, or no options: try the next
+            continue
+    return None
+
+
+def _group(ranks: list[int], timeout: Optional[timedelta]) -> dist.ProcessGroup:
+    key = (dist.get_backend(), tuple(ranks))
+    pg = _GROUPS.get(key)
+    if pg is None:
+        pg = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+        _GROUPS[key] = pg
+    return pg
+
+
+def resolve(setting: str, topo: Topology) -> str:
+    """``"flat"`` or ``"hierarchical"`` for a state's ``topology`` setting.
+
+    Raises the same ``ValueError`` on every rank (every rank holds the same ``topo``) when
+    ``"hierarchical"`` is asked for on nodes with different numbers of ranks.
+    """
+    if setting == "flat":
+        return "flat"
+    if not topo.even:
+        if setting == "hierarchical":
+            raise ValueError(
+                "fastddp: topology='hierarchical' needs the same number of ranks on every node, "
+                f"but the group has {topo.describe()}. Launch the same number of ranks per node, "
+                "or use topology='flat' (or 'auto', which falls back to flat with a warning)"
+            )
+        warnings.warn(
+            f"fastddp: nodes have different numbers of ranks ({topo.describe()}); "
+            "topology='auto' reduces flat, as topology='flat' does",
+            stacklevel=5,
+        )
+        return "flat"
+    if setting == "hierarchical":
+        return "hierarchical"
+    return "hierarchical" if len(topo.nodes) > 1 and topo.per_node > 1 else "flat"

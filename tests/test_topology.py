@@ -1,0 +1,221 @@
+"""Topology-aware reduction on several ranks per node: discovery, the two-level path for every
+codec against plain DDP, flat unchanged, uneven nodes, and error feedback that loses nothing.
+
+Real processes on Gloo; "nodes" here are told apart by ``FASTDDP_NODE_ID`` (the override a
+user sets where host name and network namespace do not tell nodes apart). The same checks over
+real network namespaces and a rate-limited link are in ``test_topology_netns.py``.
+"""
+
+import copy
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fastddp
+from fastddp.hooks.topology import NODE_ENV
+
+from ._dist import run_ranks
+from .test_hook_core import _ddp, _Net
+
+CODECS = {
+    "bf16": ({}, 2**-7),
+    "fp16": ({"dtype": torch.float16}, 2**-10),
+    "bf16-fp32acc": ({"accumulate_dtype": torch.float32}, 2**-7),
+    "int8": ({"dtype": torch.int8}, 2**-5),
+}
+
+
+def _on_node(node_of_rank, rank):
+    os.environ[NODE_ENV] = f"node-{node_of_rank[rank]}"
+
+
+def _grads(model):
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def _train_pair(rank, settings, steps=3, depth=5):
+    """Plain DDP and DDP with the hook, same data: the hooked model, its state, the gaps."""
+    torch.manual_seed(0)
+    base = _Net(depth=depth)
+    ref, hooked = _ddp(copy.deepcopy(base)), _ddp(copy.deepcopy(base))
+    state = fastddp.CompressState(**settings)
+    hooked.register_comm_hook(state, fastddp.compress_hook)
+    gen = torch.Generator().manual_seed(rank)
+    gaps = []
+    for _ in range(steps):
+        x = torch.randn(8, 24, generator=gen)
+        for m in (ref, hooked):
+            m.zero_grad()
+            m(x).square().mean().backward()
+        gaps.append([(a - b, a) for a, b in zip(_grads(ref), _grads(hooked))])
+    return hooked, state, gaps
+
+
+def _parity(rank, world, node_of_rank, codec, topology, want_path):
+    _on_node(node_of_rank, rank)
+    settings, tol = CODECS[codec]
+    model, state, gaps = _train_pair(rank, {**settings, "topology": topology})
+    for step in gaps:
+        # int8 blocks span parameters: errors scale with the largest value around, so bound
+        # them by the step's largest gradient.
+        bound = tol * max(ref.abs().max().item() for _, ref in step)
+        worst = max(gap.abs().max().item() for gap, _ in step)
+        assert worst <= bound, f"off by {worst:.2e} (bound {bound:.2e})"
+    stats = state.stats()
+    nodes = sorted(sorted(r for r in range(world) if node_of_rank[r] == n) for n in {*node_of_rank})
+    assert sorted(stats["nodes"]) == nodes
+    assert stats["path"] == want_path
+    assert {b["path"] for b in stats["buckets"].values()} == {want_path}
+    assert len(stats["buckets"]) >= 3
+    # Hierarchical: only 1/L of each bucket leaves the node, in the wire dtype.
+    cross = stats["cross_node_bytes"]
+    everyone = torch.tensor([cross, stats["fp32_ring_cross_node_bytes"]])
+    dist.all_reduce(everyone)
+    if want_path.startswith("hierarchical"):
+        assert 0 < everyone[0] < everyone[1] / 2
+    return model
+
+
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_two_nodes_of_two_ranks_match_plain_ddp(codec):
+    inner = "alltoall" if codec in ("bf16-fp32acc", "int8") else "allreduce"
+    run_ranks(_parity, 4, [0, 0, 1, 1], codec, "auto", f"hierarchical-{inner}")
+
+
+def test_nodes_are_found_whatever_the_rank_numbering():
+    # Ranks 0 and 2 on one node, 1 and 3 on the other, as a round-robin launcher would do.
+    run_ranks(_parity, 4, [0, 1, 0, 1], "int8", "hierarchical", "hierarchical-alltoall")
+
+
+def _flat_unchanged(rank, world, codec):
+    # topology="flat" over two nodes gives bit for bit what one node gives.
+    settings, _ = CODECS[codec]
+    results = []
+    for node_of_rank, topology in (([0, 0, 1, 1], "flat"), ([0, 0, 0, 0], "auto")):
+        _on_node(node_of_rank, rank)
+        model, state, _ = _train_pair(rank, {**settings, "topology": topology})
+        assert state.stats()["topology_used"] == "flat"
+        results.append(_grads(model))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+def test_flat_topology_is_unchanged(codec):
+    run_ranks(_flat_unchanged, 4, codec)
+
+
+def _uneven(rank, world):
+    _on_node([0, 0, 1], rank)
+    # "auto": flat, with a warning on every rank.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, state, _ = _train_pair(rank, {"topology": "auto"}, steps=1, depth=3)
+    assert state.stats()["topology_used"] == "flat"
+    assert any("different numbers of ranks" in str(w.message) for w in caught)
+    # "hierarchical": the same error on every rank, before any payload moves.
+    with pytest.raises(ValueError, match="needs the same number of ranks on every node") as info:
+        _train_pair(rank, {"topology": "hierarchical"}, steps=1, depth=3)
+    assert "node 0: ranks [0, 1], node 1: ranks [2]" in str(info.value)
+    # Ranks that disagree on the setting: refused on every rank too.
+    topology = "flat" if rank == 0 else "auto"
+    with pytest.raises(ValueError, match="ranks disagree") as info:
+        _train_pair(rank, {"topology": topology}, steps=1, depth=3)
+    assert "topology='flat'" in str(info.value) and "topology='auto'" in str(info.value)
+
+
+def test_uneven_nodes_and_disagreeing_ranks_fail_alike_on_every_rank():
+    run_ranks(_uneven, 3, timeout=120)
+
+
+def _residual_total(state, keys):
+    """Every residual this rank holds (live slots and parked), per parameter key, in fp64."""
+    saved = state.state_dict()
+    total = {k: torch.zeros(n, dtype=torch.float64) for k, n in keys.values()}
+
+    def add(k, offset, values):
+        total[k][offset : offset + values.numel()] += values.double()
+
+    for bucket in saved["buckets"].values():
+        start = 0
+        lo = bucket["shard_offset"]
+        shard = bucket["shard_residual"]
+        for k, n in bucket["params"]:
+            if bucket["residual"] is not None:
+                add(k, 0, bucket["residual"][start : start + n])
+            if shard is not None:
+                a, b = max(start, lo), min(start + n, lo + shard.numel())
+                if a < b:
+                    add(k, a - start, shard[a - lo : b - lo])
+            start += n
+    carry = saved["carry"]
+    for k, t in carry["stage1"].items():
+        add(k, 0, t)
+    for k, pieces in carry["stage2"].items():
+        for offset, piece in pieces:
+            add(k, offset, piece)
+    return total
+
+
+def _nothing_lost(rank, world, settings, topologies):
+    # With error feedback, what the reductions dropped so far is exactly what the residuals
+    # hold: sum of exact averages - sum of results = sum over ranks of every residual. Through a
+    # bucket rebuild, and through a checkpoint loaded under another topology.
+    _on_node([0, 0, 1, 1], rank)
+    torch.manual_seed(0)
+    module = _Net(depth=5)
+    local = copy.deepcopy(module)
+
+    def build(topology, saved=None):
+        model = _ddp(module)
+        state = fastddp.CompressState(**settings, topology=topology)
+        if saved is not None:
+            state.load_state_dict(saved)
+        model.register_comm_hook(state, fastddp.compress_hook)
+        return model, state
+
+    model, state = build(topologies[0])
+    params = list(module.parameters())
+    exact = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
+    got = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(6):
+        if step == 3:
+            saved = state.state_dict()
+            model, state = build(topologies[1], saved)
+        x = torch.randn(8, 24, generator=gen)
+        for m in (model, local):
+            m.zero_grad()
+            m(x).square().mean().backward()
+        for e, g, p, q in zip(exact, got, params, local.parameters()):
+            mine = q.grad.double()
+            dist.all_reduce(mine)
+            e += mine / world
+            g += p.grad.double()
+    used = {state.stats()["topology_used"]}
+    keys = {p: (state._param_keys[p], p.numel()) for p in params}
+    total = _residual_total(state, keys)
+    for p, e, g in zip(params, exact, got):
+        held = total[keys[p][0]].view(p.shape)
+        dist.all_reduce(held)
+        lost = (e - g - held).abs().max().item()
+        assert lost <= 1e-5 * e.abs().max().item(), f"{lost:.3e} lost under {used}"
+
+
+EF_MODES = {
+    "bf16-fp32acc-ef": {"accumulate_dtype": torch.float32, "error_feedback": True},
+    "int8-ef": {"dtype": torch.int8, "error_feedback": True},
+}
+
+
+@pytest.mark.parametrize("mode", list(EF_MODES))
+@pytest.mark.parametrize(
+    "topologies",
+    [("hierarchical", "hierarchical"), ("hierarchical", "flat"), ("flat", "hierarchical")],
+    ids=["hierarchical", "hierarchical-to-flat", "flat-to-hierarchical"],
+)
+def test_error_feedback_loses_nothing_across_layouts_and_topologies(mode, topologies):
+    run_ranks(_nothing_lost, 4, EF_MODES[mode], topologies, timeout=150)
