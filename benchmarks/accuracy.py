@@ -1,5 +1,10 @@
 """Accuracy of the compressed all-reduce against an fp64 sum, at 2, 4 and 8 CPU ranks.
 
+With ``--nodes N`` the ranks of each world are split into N nodes (``FASTDDP_NODE_ID``; the
+links do not matter for accuracy) and every mode runs twice: flat, and with
+``topology="hierarchical"`` (rows marked ``[2-level]``: fp32 inside the node, the codec
+across nodes).
+
 Each rank holds a gradient-like vector: 64 "layers" whose magnitudes span four decades, each
 the sum of a component shared by all ranks and a per-rank one. Every mode averages it with
 ``fastddp.all_reduce`` over Gloo; the error is the relative L2 distance to the fp64 average.
@@ -8,6 +13,7 @@ what error feedback buys over time (the single-step error of a rounding cannot g
 rounding of the result).
 
     python benchmarks/accuracy.py --json benchmarks/accuracy.json --plot benchmarks/accuracy.png
+    python benchmarks/accuracy.py --worlds 8 --nodes 4   # 4 nodes x 2 ranks, flat and 2-level
 """
 
 import argparse
@@ -53,8 +59,19 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).norm() / want.norm()).item()
 
 
-def _rank(rank, world, init, trials, out):
+def _variants(modes, nodes):
+    """Each mode flat, and with several nodes also two-level."""
+    out = {}
+    for name, settings in modes.items():
+        out[name] = {**settings, "topology": "flat"}
+        if nodes > 1:
+            out[f"{name} [2-level]"] = {**settings, "topology": "hierarchical"}
+    return out
+
+
+def _rank(rank, world, init, trials, out, nodes):
     torch.set_num_threads(1)
+    os.environ["FASTDDP_NODE_ID"] = f"node-{rank * nodes // world}"
     dist.init_process_group(
         "gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(minutes=5)
     )
@@ -64,11 +81,11 @@ def _rank(rank, world, init, trials, out):
         parts = [torch.empty_like(g) for _ in range(world)]
         dist.all_gather(parts, g)
         want = torch.stack(parts).double().mean(0)
-        for name, settings in MODES.items():
+        for name, settings in _variants(MODES, nodes).items():
             buf = g.clone()
             fastddp.all_reduce(buf, **settings)
             results.setdefault(name, []).append(rel_err(buf, want))
-        for name, settings in EF_MODES.items():
+        for name, settings in _variants(EF_MODES, nodes).items():
             state = fastddp.CompressState(**settings)
             total = torch.zeros_like(g, dtype=torch.float64)
             for _ in range(STEPS):
@@ -78,7 +95,7 @@ def _rank(rank, world, init, trials, out):
             results.setdefault(f"{name}, mean of {STEPS} steps", []).append(
                 rel_err(total / STEPS, want)
             )
-            if trial == 0 and name.startswith("int8"):
+            if trial == 0 and name == "int8 + EF":
                 s = state.stats()
                 results["int8 wire bytes / fp32"] = [s["wire_bytes"] / s["fp32_wire_bytes"]]
     dist.destroy_process_group()
@@ -92,27 +109,35 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--nodes", type=int, default=1, help="nodes per world (must divide it)")
     p.add_argument("--json")
     p.add_argument("--plot")
     args = p.parse_args(argv)
+    for world in args.worlds:
+        if args.nodes < 1 or world % args.nodes:
+            p.error(f"--nodes {args.nodes} does not divide a world of {world} ranks")
     table = {}
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.worlds:
             out = os.path.join(tmp, f"{world}.json")
             init = f"file://{os.path.join(tmp, f'store{world}')}"
             mp.start_processes(
-                _rank, args=(world, init, args.trials, out), nprocs=world, start_method="spawn"
+                _rank,
+                args=(world, init, args.trials, out, args.nodes),
+                nprocs=world,
+                start_method="spawn",
             )
             with open(out) as f:
                 table[world] = json.load(f)
     names = list(table[args.worlds[0]])
-    head = f"{'mode':<42}" + "".join(f"{f'{w} ranks':>12}" for w in args.worlds)
+    head = f"{'mode':<52}" + "".join(f"{f'{w} ranks':>12}" for w in args.worlds)
     print(head)
     for name in names:
-        print(f"{name:<42}" + "".join(f"{table[w][name]:>12.3e}" for w in args.worlds))
+        print(f"{name:<52}" + "".join(f"{table[w][name]:>12.3e}" for w in args.worlds))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"worlds": args.worlds, "trials": args.trials, "rel_err": table}, f, indent=1)
+            meta = {"worlds": args.worlds, "nodes": args.nodes, "trials": args.trials}
+            json.dump({**meta, "rel_err": table}, f, indent=1)
     if args.plot:
         import matplotlib
 

@@ -22,6 +22,7 @@ def all_reduce(
     accumulate_dtype: Optional[torch.dtype] = _UNSET,  # type: ignore[assignment]
     stochastic_rounding: Optional[bool] = None,
     block_size: Optional[int] = None,
+    topology: Optional[str] = None,
     state: Optional[CompressState] = None,
     bucket_cap_mb: float = 25.0,
 ) -> None:
@@ -43,6 +44,8 @@ def all_reduce(
             ``None`` lets the collective sum in the wire dtype.
         stochastic_rounding (bool, optional): round stochastically (default False).
         block_size (int, optional): int8 elements per scale (default 128).
+        topology (str, optional): ``"auto"`` (default), ``"flat"`` or ``"hierarchical"``, as
+            for :class:`CompressState`.
         state (CompressState, optional): a state to reuse across calls instead of the
             arguments above: it keeps buffers, counters and error-feedback residuals (create
             it with ``error_feedback=True`` for that). Give it the same tensors each call.
@@ -66,6 +69,7 @@ def all_reduce(
             accumulate_dtype=torch.float32 if accumulate_dtype is _UNSET else accumulate_dtype,
             stochastic_rounding=bool(stochastic_rounding),
             block_size=block_size,
+            topology="auto" if topology is None else topology,
         )
     else:
         if not isinstance(state, CompressState):
@@ -76,6 +80,7 @@ def all_reduce(
             "dtype": dtype,
             "stochastic_rounding": stochastic_rounding,
             "block_size": block_size,
+            "topology": topology,
             "accumulate_dtype": None if accumulate_dtype is _UNSET else accumulate_dtype,
         }
         clash = [k for k, v in given.items() if v is not None]

@@ -4,11 +4,14 @@ NCCL completes a future when the work is enqueued and orders the rest with CUDA 
 these catch ordering bugs that Gloo on the CPU cannot. Skipped without a GPU.
 """
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import fastddp
+from fastddp.hooks.topology import NODE_ENV
 
 from ._dist import run_ranks
 from .test_hook_core import _ddp, _grads, _Net
@@ -28,7 +31,9 @@ MODES = {
 }
 
 
-def _cuda_against_plain_ddp(rank, world, settings, side_stream, group=None):
+def _cuda_against_plain_ddp(rank, world, settings, side_stream, group=None, nodes=None):
+    if nodes is not None:
+        os.environ[NODE_ENV] = f"node-{nodes[rank]}"
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     kwargs = dict(device_ids=[0], process_group=group)
@@ -63,9 +68,18 @@ def test_gloo_with_cuda_tensors_matches_plain_ddp(mode, side_stream):
     run_ranks(_cuda_against_plain_ddp, 2, MODES[mode], side_stream, timeout=240)
 
 
+@pytest.mark.parametrize("mode", ["bf16", "bf16-fp32acc-ef", "int8-ef-sr"])
+def test_two_level_path_on_cuda_tensors(mode):
+    # Two "nodes" of two ranks, all four on the one GPU, Gloo moving CUDA tensors.
+    settings = {**MODES[mode], "topology": "hierarchical"}
+    run_ranks(_cuda_against_plain_ddp, 4, settings, True, None, [0, 0, 1, 1], timeout=300)
+
+
 def _nccl_world_one(rank, world, settings):
     nccl = dist.new_group([0], backend="nccl")
     _cuda_against_plain_ddp(rank, world, settings, False, nccl)
+    # The two-level path on NCCL: a node of one rank, its groups made with NCCL.
+    _cuda_against_plain_ddp(rank, world, {**settings, "topology": "hierarchical"}, True, nccl)
     x = torch.randn(1_000_003, device="cuda")
     y = x.clone()
     fastddp.all_reduce(y, group=nccl, **({"dtype": torch.int8} if settings else {}))

@@ -18,7 +18,7 @@ import fastddp
 from fastddp.hooks.topology import NODE_ENV
 
 from ._dist import run_ranks
-from .test_hook_core import _ddp, _Net
+from .test_hook_core import _collectives_per_bucket, _ddp, _Net
 
 CODECS = {
     "bf16": ({}, 2**-7),
@@ -88,6 +88,17 @@ def test_two_nodes_of_two_ranks_match_plain_ddp(codec):
 def test_nodes_are_found_whatever_the_rank_numbering():
     # Ranks 0 and 2 on one node, 1 and 3 on the other, as a round-robin launcher would do.
     run_ranks(_parity, 4, [0, 1, 0, 1], "int8", "hierarchical", "hierarchical-alltoall")
+
+
+def _two_level_collectives(rank, world, codec, expected):
+    _on_node([0, 0, 1, 1], rank)
+    _collectives_per_bucket(rank, world, {**CODECS[codec][0], "topology": "hierarchical"}, expected)
+
+
+@pytest.mark.parametrize("codec, expected", [("bf16", 3), ("bf16-fp32acc", 4), ("int8", 4)])
+def test_two_level_collectives_per_bucket(codec, expected):
+    # In the node: all-to-all, all-gather; across: the codec's one all-reduce or two.
+    run_ranks(_two_level_collectives, 4, codec, expected)
 
 
 def _flat_unchanged(rank, world, codec):

@@ -80,8 +80,10 @@ def _check_config(state: CompressState, device: torch.device) -> None:
         )
     topo = Topology([row[9] for row in rows], dist.get_rank(group))
     state._resolved = resolve(state.topology, topo)
-    if state._resolved == "hierarchical":
-        topo.make_groups(group)
+    hierarchical = state._resolved == "hierarchical"
+    # On CPU the progress thread issues later stages: they need groups of their own.
+    twins = device.type != "cuda" and (hierarchical or state.path == "alltoall")
+    topo.make_groups(group, hierarchical, twins)
     state._topology = topo
     state._verified = True
 
@@ -119,7 +121,7 @@ def _reduce(
         # The gradients are already 16-bit: nothing to compress, they travel as they are.
         state._counters["passthrough_calls"] += 1
         state._counters["payload_bytes"] += buffer.numel() * buffer.element_size()
-        job = Job(path_named("passthrough"), None, buffer, group, world, average, (), None)
+        job = Job(path_named("passthrough"), None, buffer, (group,), world, average, (), None)
         pipeline.submit(lambda: job, is_last)
         return job.result
     if not state._verified:
@@ -144,7 +146,8 @@ def _reduce(
         if slot.path == "allreduce":
             seeds = (state._seed(rank, index, 0),)
         path = path_named(slot.path)
-        job = Job(path, slot, buffer, group, world, average, seeds, state._topology)
+        groups = state._topology.groups_for(path.roles, buffer.device)
+        job = Job(path, slot, buffer, groups, world, average, seeds, state._topology)
         slot.job = job
         holder.append(job.result)
         return job

@@ -33,6 +33,10 @@ class Path(ABC):
 
     name: str
     stages: int
+    # The process group of each stage, by role: "group" (the state's), "intra" (this node's
+    # ranks), "cross" (this local rank on every node). A role ending in "-2" is a twin of
+    # another stage's group, used where stages are issued from two threads (progress.py).
+    roles: tuple[str, ...]
 
     @abstractmethod
     def sent_bytes(self, slot: Slot, topo: Topology) -> int:
@@ -63,6 +67,7 @@ class AllReducePath(Path):
 
     name = "allreduce"
     stages = 1
+    roles = ("group",)
 
     def sent_bytes(self, slot, topo):
         return _ring_bytes(slot.wire.numel(), topo.world, slot.codec.wire_dtype.itemsize)
@@ -72,7 +77,7 @@ class AllReducePath(Path):
 
     def stage(self, job, i):
         _encode(job, job.bucket, job.slot.residual)
-        return dist.all_reduce(job.slot.wire.view(-1), group=job.group, async_op=True)
+        return dist.all_reduce(job.slot.wire.view(-1), group=job.groups[0], async_op=True)
 
     def finish(self, job):
         job.slot.codec.decode(job.slot.wire, job.bucket)
@@ -89,6 +94,7 @@ class AllToAllPath(Path):
 
     name = "alltoall"
     stages = 2
+    roles = ("group", "group-2")
 
     def sent_bytes(self, slot, topo):
         # A row out to every other rank in the all-to-all, then our row to each in the gather.
@@ -101,8 +107,8 @@ class AllToAllPath(Path):
     def stage(self, job, i):
         if i == 0:
             _encode(job, job.bucket, job.slot.residual)
-            return self.exchange(job.slot, job.group)
-        return self.gather(job, job.group)
+            return self.exchange(job.slot, job.groups[0])
+        return self.gather(job, job.groups[1])
 
     def finish(self, job):
         job.slot.codec.decode(job.slot.wire, job.bucket)
@@ -144,6 +150,8 @@ class HierarchicalPath(Path):
         self.inner = inner
         self.name = f"hierarchical-{inner.name}"
         self.stages = inner.stages + 2
+        cross = ("cross",) if inner.stages == 1 else ("cross", "cross-2")
+        self.roles = ("intra", *cross, "intra-2")
 
     def sent_bytes(self, slot, topo):
         ranks = slot.gathered.shape[0]
@@ -172,12 +180,12 @@ class HierarchicalPath(Path):
                 residual = residual[lo : lo + slot.node_shard]
             _encode(job, slot.node_sum, residual)
             if self.inner.name == "allreduce":
-                return dist.all_reduce(slot.wire.view(-1), group=topo.cross, async_op=True)
-            return AllToAllPath.exchange(slot, topo.cross)
+                return dist.all_reduce(slot.wire.view(-1), group=job.groups[1], async_op=True)
+            return AllToAllPath.exchange(slot, job.groups[1])
         if i < self.stages - 1:
-            return AllToAllPath.gather(job, topo.cross)
+            return AllToAllPath.gather(job, job.groups[i])
         return _all_gather_single(
-            slot.gathered.view(-1), slot.wire.view(-1), group=topo.intra, async_op=True
+            slot.gathered.view(-1), slot.wire.view(-1), group=job.groups[i], async_op=True
         )
 
     def finish(self, job):
@@ -205,7 +213,7 @@ class HierarchicalPath(Path):
             job.bucket,
             output_split_sizes=[mine] * len(counts),
             input_split_sizes=counts,
-            group=topo.intra,
+            group=job.groups[0],
             async_op=True,
         )
 
@@ -215,6 +223,7 @@ class PassthroughPath(Path):
 
     name = "passthrough"
     stages = 1
+    roles = ("group",)
 
     def sent_bytes(self, slot, topo):
         return 0
@@ -225,7 +234,7 @@ class PassthroughPath(Path):
     def stage(self, job, i):
         if job.average:
             job.bucket.div_(job.world)
-        return dist.all_reduce(job.bucket, group=job.group, async_op=True)
+        return dist.all_reduce(job.bucket, group=job.groups[0], async_op=True)
 
     def finish(self, job):
         pass
