@@ -13,6 +13,7 @@ import contextlib
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -127,6 +128,23 @@ def nodes(count: int, rate: str = "1gbit") -> Iterator[list[Node]]:
             _ip("netns", "del", ns, check=False)
 
 
+def _stop(procs: list) -> None:
+    # The launchers stop their workers on SIGTERM (the workers have sessions of their own);
+    # whatever is left after a grace period is killed.
+    for sig, grace in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+        alive = [p for p in procs if p.poll() is None]
+        for proc in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+        for proc in alive:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=grace)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -137,17 +155,20 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m fastddp.netns",
         description=__doc__.splitlines()[0],
-        usage="%(prog)s [--rate RATE] [--nproc-per-node N] [launch options] script [args]",
+        usage="%(prog)s [--rate RATE] [--nodes N] [--nproc-per-node N] [launch options] "
+        "script [args]",
     )
     p.add_argument("--rate", default="1gbit", help="link rate each way, as tc takes it")
     p.add_argument("--nodes", type=int, default=2, help="number of nodes (default 2)")
     p.add_argument("--nproc-per-node", default="1")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before both are killed")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before all are killed")
     args, rest = p.parse_known_args(argv)
     if not rest:
-        p.error("give the script (or -m module) to run on both nodes")
+        p.error("give the script (or -m module) to run on every node")
     if args.nodes < 1:
         p.error("--nodes must be at least 1")
+    # A terminated run still removes its namespaces: SIGTERM unwinds like Ctrl-C.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         with nodes(args.nodes, args.rate) as made:
             port = _free_port()
@@ -175,13 +196,12 @@ def main(argv=None) -> int:
                     *rest,
                 ]
                 out = None if rank == 0 else subprocess.DEVNULL
-                procs.append(subprocess.Popen(cmd, stdout=out, stderr=out))
+                # A session per node, so that its launcher and workers are killed together.
+                procs.append(subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True))
             try:
                 codes = [proc.wait(timeout=args.timeout) for proc in procs]
             finally:
-                for proc in procs:
-                    if proc.poll() is None:
-                        proc.kill()
+                _stop(procs)
     except NetnsError as e:
         print(f"fastddp.netns: {e}", file=sys.stderr)
         return 2

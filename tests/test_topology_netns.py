@@ -8,6 +8,7 @@ estimate against plain DDP's measured traffic. Needs root; skipped cleanly other
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,85 @@ def test_two_nodes_of_two_ranks_over_a_real_link(tmp_path):
         assert 1.0 <= ring <= 1.1, f"{name}: plain DDP sent {ring:.3f}x the ring estimate"
         # 16-bit on 1/L of each bucket: a third of the fp32 ring's cross-node bytes here.
         assert row["link_bytes"] < row["plain_ddp_link_bytes"] / 2.5, name
+
+
+_ECHO = """
+import socket, sys
+srv = socket.create_server((sys.argv[1], 0))
+print(srv.getsockname()[1], flush=True)
+for _ in range(int(sys.argv[2])):
+    conn, _ = srv.accept()
+    conn.sendall(conn.recv(64))
+    conn.close()
+"""
+_CALL = """
+import socket, sys
+with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10) as s:
+    s.sendall(sys.argv[3].encode())
+    assert s.recv(64).decode() == sys.argv[3]
+"""
+
+
+def test_nodes_on_one_bridge_reach_each_other_and_are_removed():
+    why = netns.unavailable_reason()
+    if why:
+        pytest.skip(why)
+    with netns.nodes(3, "100mbit") as made:
+        names = [n.ns for n in made]
+        first = made[0]
+        server = subprocess.Popen(
+            ["ip", "netns", "exec", first.ns, sys.executable, "-c", _ECHO, first.addr, "2"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            port = server.stdout.readline().strip()
+            for node in made[1:]:
+                call = ["ip", "netns", "exec", node.ns, sys.executable, "-c", _CALL]
+                res = subprocess.run(
+                    [*call, first.addr, port, node.addr], capture_output=True, timeout=30
+                )
+                assert res.returncode == 0, res.stderr
+            assert server.wait(timeout=30) == 0
+        finally:
+            if server.poll() is None:
+                server.kill()
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(name in left for name in names)
+
+
+def test_a_terminated_run_removes_its_namespaces_and_workers(tmp_path):
+    why = netns.unavailable_reason()
+    if why:
+        pytest.skip(why)
+    marker = f"fastddp-sleeper-{tmp_path.name}"
+    script = tmp_path / f"{marker}.py"
+    script.write_text("import time\ntime.sleep(300)\n")
+
+    def namespaces():
+        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        return {line.split()[0] for line in out.splitlines() if line}
+
+    def sleepers():
+        out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+        return out.split()
+
+    before = namespaces()
+    run = subprocess.Popen(
+        [sys.executable, "-m", "fastddp.netns", "--nodes", "2", str(script)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(sleepers()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert len(namespaces() - before) == 3 and len(sleepers()) >= 2
+        run.terminate()
+        run.wait(timeout=60)
+        assert namespaces() - before == set()
+        assert sleepers() == []
+    finally:
+        if run.poll() is None:
+            run.kill()

@@ -143,6 +143,7 @@ def _ddp_job(env, args):
         "exposed comm",
         "payload/step",
         "cross-node/step",
+        "CPU/step",
     ]
     cells = [
         [
@@ -153,6 +154,7 @@ def _ddp_job(env, args):
             "-" if r["exposed_comm"] is None else f"{100 * r['exposed_comm']:.0f} %",
             f"{r['payload_bytes'] / 1e6:.1f} MB",
             f"{r['cross_node_bytes'] / 1e6:.1f} MB",
+            f"{r['cpu_s_per_step']:.2f} s",
         ]
         for r in rows
     ]

@@ -6,8 +6,10 @@ Modes: ``fp32`` (no hook), ``torch-fp16`` (PyTorch's ``fp16_compress_hook``), ``
 hook's collectives) and an SGD update; p50/p90 are over the slowest rank's step times after
 warm-up. Exposed communication = (p50 - p50 of noop) / p50. Cross-node bytes per step are
 summed over all ranks: fastddp's own count (``stats()["cross_node_bytes"]``), and for the
-others what a ring all-reduce in rank order sends between nodes. ``--topologies`` runs each
-fastddp mode with each ``CompressState(topology=...)``.
+others what a ring all-reduce in rank order sends between nodes. CPU/step is the CPU time of
+all ranks' processes (every thread) per step, summed over ranks: held against the cores times
+the step time, it shows whether a run is bound by the CPU rather than the link.
+``--topologies`` runs each fastddp mode with each ``CompressState(topology=...)``.
 """
 
 import time
@@ -71,7 +73,9 @@ def run_mode(env, args, label, mode, topology, topo):
     gen = torch.Generator().manual_seed(env.rank)
     x = torch.randn(args.batch, width, generator=gen).to(env.device)
     times = []
-    for _ in range(args.warmup + args.steps):
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            cpu = time.process_time()  # every thread of this rank, Gloo's included
         dist.barrier()
         start = time.perf_counter()
         opt.zero_grad(set_to_none=False)
@@ -80,6 +84,8 @@ def run_mode(env, args, label, mode, topology, topo):
         if env.device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+    cpu = torch.tensor([(time.process_time() - cpu) / args.steps], dtype=torch.float64)
+    dist.all_reduce(cpu)
     steps = torch.tensor(times[args.warmup :], dtype=torch.float64)
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     numel = sum(p.numel() for p in model.parameters())
@@ -105,6 +111,7 @@ def run_mode(env, args, label, mode, topology, topo):
         "p90_ms": _percentile(steps.tolist(), 0.9) * 1e3,
         "payload_bytes": payload,
         "cross_node_bytes": int(total.item()),
+        "cpu_s_per_step": cpu.item(),
         "steps": args.steps,
     }
     return result

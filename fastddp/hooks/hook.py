@@ -80,10 +80,7 @@ def _check_config(state: CompressState, device: torch.device) -> None:
         )
     topo = Topology([row[9] for row in rows], dist.get_rank(group))
     state._resolved = resolve(state.topology, topo)
-    hierarchical = state._resolved == "hierarchical"
-    # On CPU the progress thread issues later stages: they need groups of their own.
-    twins = device.type != "cuda" and (hierarchical or state.path == "alltoall")
-    topo.make_groups(group, hierarchical, twins)
+    topo.make_groups(group, state._resolved == "hierarchical")
     state._topology = topo
     state._verified = True
 
@@ -146,7 +143,7 @@ def _reduce(
         if slot.path == "allreduce":
             seeds = (state._seed(rank, index, 0),)
         path = path_named(slot.path)
-        groups = state._topology.groups_for(path.roles, buffer.device)
+        groups = state._topology.groups_for(path.roles)
         job = Job(path, slot, buffer, groups, world, average, seeds, state._topology)
         slot.job = job
         holder.append(job.result)

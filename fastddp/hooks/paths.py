@@ -34,8 +34,7 @@ class Path(ABC):
     name: str
     stages: int
     # The process group of each stage, by role: "group" (the state's), "intra" (this node's
-    # ranks), "cross" (this local rank on every node). A role ending in "-2" is a twin of
-    # another stage's group, used where stages are issued from two threads (progress.py).
+    # ranks), "cross" (this local rank on every node).
     roles: tuple[str, ...]
 
     @abstractmethod
@@ -94,7 +93,7 @@ class AllToAllPath(Path):
 
     name = "alltoall"
     stages = 2
-    roles = ("group", "group-2")
+    roles = ("group", "group")
 
     def sent_bytes(self, slot, topo):
         # A row out to every other rank in the all-to-all, then our row to each in the gather.
@@ -150,8 +149,7 @@ class HierarchicalPath(Path):
         self.inner = inner
         self.name = f"hierarchical-{inner.name}"
         self.stages = inner.stages + 2
-        cross = ("cross",) if inner.stages == 1 else ("cross", "cross-2")
-        self.roles = ("intra", *cross, "intra-2")
+        self.roles = ("intra", *("cross",) * inner.stages, "intra")
 
     def sent_bytes(self, slot, topo):
         ranks = slot.gathered.shape[0]

@@ -2,27 +2,26 @@
 
 Rules, in one place:
 
-- A path's first stage runs in the call that submits the bucket, on the calling thread, in
-  call order, so every rank issues first stages in the same order.
-- On CPU, the later stages of a bucket are run by the progress thread (``progress.py``) as
-  soon as their input has arrived, each on a group of its own and in submission order per
-  group; the calling thread goes back to the backward pass at once.
-- On CUDA, the host never waits for a collective, so later stages are issued by the calling
-  thread: bucket k's at the next submission, right after bucket k + 1's first stage (so that
-  bucket k's all-to-all overlaps the backward pass until bucket k + 1 is ready). Pending jobs
-  take their next stage newest first, so that a young job's next collective is queued before
-  an older job's. The order depends only on the order of submissions, the same on every rank.
-- Everything finishes when a bucket with ``is_last`` arrives, when :meth:`Pipeline.flush` is
-  called, or at the end of the backward pass that submitted it.
+- Collectives are issued only from the thread that calls the hook, in call order, so every
+  rank issues them in the same order.
+- A path's first stage runs in the call that submits the bucket. Later stages of bucket k run
+  at the next submission, right after bucket k + 1's first stage (so that bucket k's all-to-all
+  overlaps the backward pass until bucket k + 1 is ready, and bucket k + 1's is on the wire
+  while this thread waits for bucket k's); everything still pending runs when a bucket with
+  ``is_last`` arrives, when :meth:`Pipeline.flush` is called, or at the end of the backward
+  pass that submitted it.
+- Pending jobs take their next stage newest first: a young job's next collective (behind a
+  quick one, an intra-node exchange say) is issued before this thread waits for an older job's
+  slower one, so the slow link never idles while this thread waits. The order depends only on
+  the order of submissions, so it is the same on every rank.
 - Pending stages run even when the new bucket fails on this rank alone (out of memory, say), so
   that this rank still issues every collective the other ranks issue.
 - Completion (decoding into the bucket, then the result future) follows the last collective:
   on CUDA, a ``then`` callback of that collective's own future, whose stream waits for the
   collective's CUDA events (NCCL completes futures when work is enqueued, so nothing else is
-  safe); on CPU, the calling thread, once ``Work.wait()`` returns or the progress thread has
-  decoded the result. With CPU tensors no fastddp callback runs on a Gloo thread, so none can
-  be left for one to run at interpreter exit (Gloo with CUDA tensors runs the ``then``
-  callback on its own thread).
+  safe); on CPU, the calling thread, once ``Work.wait()`` returns. With CPU tensors no
+  fastddp callback runs on a Gloo thread, so none can be left for one to run at interpreter
+  exit (Gloo with CUDA tensors runs the ``then`` callback on its own thread).
 - After a failure every later call raises the same error: the ranks' collectives no longer
   match, and carrying on would hang or mix payloads.
 """
@@ -37,7 +36,6 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from fastddp.hooks.paths import Path
-from fastddp.hooks.progress import PROGRESS
 
 __all__ = ["Job", "Pipeline", "PipelineFailed"]
 
@@ -63,8 +61,6 @@ class Job:
         "stage",
         "work",
         "result",
-        "finished",
-        "error",
     )
 
     def __init__(self, path: Path, slot, bucket, groups, world, average, seeds, topo) -> None:
@@ -80,8 +76,6 @@ class Job:
         self.order = 0  # submission number (set by the pipeline): pending jobs step newest first
         self.stage = 0  # the next stage to run
         self.work: Optional[dist.Work] = None
-        self.finished = False  # set by the progress thread when it has decoded the result
-        self.error: Optional[BaseException] = None
         device = bucket.device
         # With devices set, the future records CUDA events when its value is set, so that
         # whoever waits on it also waits for the kernels that produced it.
@@ -90,10 +84,6 @@ class Job:
     @property
     def started_all(self) -> bool:
         return self.stage == self.path.stages
-
-    @property
-    def in_progress_thread(self) -> bool:
-        return self.path.stages > 1 and self.bucket.device.type != "cuda"
 
 
 class Pipeline:
@@ -175,12 +165,8 @@ class Pipeline:
             self._complete(self._completing.popleft())
 
     def is_pending(self, job: Optional[Job]) -> bool:
-        """Whether ``job`` has stages yet to run (or, on the progress thread, to complete)."""
-        if job is None:
-            return False
-        if job.in_progress_thread:
-            return job in self._completing
-        return job in self._pending or job in self._earlier
+        """Whether stages of ``job`` have yet to run."""
+        return job is not None and (job in self._pending or job in self._earlier)
 
     def settle(self, job: Optional[Job]) -> None:
         """Make ``job`` (a slot's previous reduction) finished before its buffers are reused."""
@@ -200,10 +186,7 @@ class Pipeline:
         else:
             job.work = job.path.stage(job, 0)
         job.stage += 1
-        if job.in_progress_thread:
-            PROGRESS.add(job)
-            self._completing.append(job)
-        elif not job.started_all:
+        if not job.started_all:
             self._pending.append(job)
         elif job.bucket.device.type == "cuda":
             job.work.get_future().then(lambda fut, job=job: self._complete_cuda(job, fut))
@@ -237,22 +220,13 @@ class Pipeline:
             job.result.set_exception(e)
 
     def _poll(self) -> None:
-        while self._completing and self._done(self._completing[0]):
+        while self._completing and self._completing[0].work.is_completed():
             self._complete(self._completing.popleft())
-
-    @staticmethod
-    def _done(job: Job) -> bool:
-        return job.finished if job.in_progress_thread else job.work.is_completed()
 
     def _complete(self, job: Job) -> None:
         try:
-            if job.in_progress_thread:
-                PROGRESS.wait(job)
-                if job.error is not None:
-                    raise job.error
-            else:
-                job.work.wait()  # re-raises a failed collective
-                job.path.finish(job)
+            job.work.wait()  # re-raises a failed collective
+            job.path.finish(job)
         except Exception as e:
             job.result.set_exception(e)
             self._fail(e)

@@ -7,13 +7,10 @@ other without the node's network), or by ``FASTDDP_NODE_ID`` where that is wrong
 with their own namespaces on one host, say). Rank numbering is never assumed.
 
 The two-level path needs an *intra-node* group (the ranks of this node) and a *cross-node*
-group (the ranks of every node with this rank's local rank). On CPU, where the progress thread
-issues later stages (``progress.py``), a stage that would share a group with an earlier stage
-gets a twin of it instead (``intra-2``, ``cross-2``, ``group-2``), so that each group's
-collectives are issued by one thread in one order. Groups are created by their members only
-(``use_local_synchronization``), in the same role order on every rank, so ranks outside the
-state's group never have to take part, and kept per process by role and rank set, so that
-states over the same ranks share them.
+group (the ranks of every node with this rank's local rank). Groups are created by their
+members only (``use_local_synchronization``), intra-node first on every rank, so ranks outside
+the state's group never have to take part, and kept per process by rank set, so that states
+over the same ranks share them instead of creating more.
 """
 
 import hashlib
@@ -93,32 +90,23 @@ class Topology:
             return 0
         return 2 * (self.world - 1) * -(-numel // self.world) * itemsize
 
-    def make_groups(
-        self, group: Optional[dist.ProcessGroup], hierarchical: bool, twins: bool
-    ) -> None:
+    def make_groups(self, group: Optional[dist.ProcessGroup], hierarchical: bool) -> None:
         """Create (or reuse) the groups a state's paths need; collective over ``group``."""
-        glob = dist.get_process_group_ranks(group or dist.group.WORLD)
-        timeout, backend = _timeout_of(group), dist.get_backend(group)
         self.groups = {"group": group}
         if not hierarchical:
-            if twins:
-                self.groups["group-2"] = _group(glob, timeout, backend, "group-2")
             return
+        glob = dist.get_process_group_ranks(group or dist.group.WORLD)
+        timeout, backend = _timeout_of(group), dist.get_backend(group)
         mine = [glob[r] for r in self.nodes[self.node]]
         across = [glob[n[self.local_rank]] for n in self.nodes]
-        roles = [("intra", mine), ("cross", across)]
-        if twins:
-            roles += [("cross-2", across), ("intra-2", mine)]
-        for role, ranks in roles:
-            self.groups[role] = _group(ranks, timeout, backend, role)
+        self.groups["intra"] = _group(mine, timeout, backend)
+        self.groups["cross"] = _group(across, timeout, backend)
         # Shards follow the groups' own rank order (ranks sorted by global rank).
         self.local_rank = dist.get_rank(self.groups["intra"])
         self.cross_rank = dist.get_rank(self.groups["cross"])
 
-    def groups_for(self, roles: tuple[str, ...], device: torch.device) -> tuple:
-        """The process group of each stage of a path with these ``roles``, on ``device``."""
-        if device.type == "cuda":  # one thread issues every stage: no twins
-            roles = tuple(r.removesuffix("-2") for r in roles)
+    def groups_for(self, roles: tuple[str, ...]) -> tuple:
+        """The process group of each stage of a path with these ``roles``."""
         return tuple(self.groups[r] for r in roles)
 
 
@@ -133,11 +121,9 @@ def _timeout_of(group: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
     return None
 
 
-def _group(
-    ranks: list[int], timeout: Optional[timedelta], backend: str, role: str
-) -> dist.ProcessGroup:
+def _group(ranks: list[int], timeout: Optional[timedelta], backend: str) -> dist.ProcessGroup:
     # The state's group's backend: an NCCL group's state gets NCCL subgroups under a Gloo world.
-    key = (backend, tuple(ranks), role)
+    key = (backend, tuple(ranks))
     pg = _GROUPS.get(key)
     if pg is None:
         pg = dist.new_group(ranks, timeout=timeout, backend=backend, use_local_synchronization=True)
