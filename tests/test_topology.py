@@ -230,3 +230,26 @@ EF_MODES = {
 )
 def test_error_feedback_loses_nothing_across_layouts_and_topologies(mode, topologies):
     run_ranks(_nothing_lost, 4, EF_MODES[mode], topologies, timeout=150)
+
+
+def _tiny_and_sums(rank, world):
+    # Buckets smaller than a node shard leave some ranks nothing to reduce across nodes.
+    _on_node([0, 0, 1, 1], rank)
+    for settings, tol in CODECS.values():
+        for n in (1, 10, 17, 300, 4099):
+            x = torch.randn(n, generator=torch.Generator().manual_seed(100 * rank + n))
+            everyone = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(everyone, x)
+            want = torch.stack(everyone).double().sum(0)
+            got = x.clone()
+            kwargs = {k: v for k, v in settings.items() if k != "accumulate_dtype"}
+            acc = settings.get("accumulate_dtype")
+            fastddp.all_reduce(
+                got, op="sum", topology="hierarchical", accumulate_dtype=acc, **kwargs
+            )
+            err = (got.double() - want).abs().max().item()
+            assert err <= 4 * tol * want.abs().max().item(), (settings, n, err)
+
+
+def test_tiny_buckets_and_sums_on_two_levels():
+    run_ranks(_tiny_and_sums, 4)

@@ -16,7 +16,9 @@ def table(title, columns, rows):
         return
     t = Table(title=title)
     for c in columns:
-        t.add_column(c, justify="right")
+        # Names (modes) are never cut short; numbers wrap their headers instead.
+        longest = max([len(c), *(len(r[len(t.columns)]) for r in rows)])
+        t.add_column(c, justify="right", min_width=longest if c in ("mode", "size") else None)
     for r in rows:
         t.add_row(*r)
     Console(width=max(120, Console().width)).print(t)
