@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup build demo test cuda-check bench lint clean
+.PHONY: setup build demo test cuda-check gpu-check bench lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,13 @@ endif
 
 test: build cuda-check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The GPU proof (benchmarks/gpu_check.py): where a GPU is present, builds against the installed
+# torch (no venv) and writes every result into $(OUT); elsewhere says so in one line and exits 0.
+GPU_PYTHON ?= python3
+OUT ?= gpu-check-out
+gpu-check:
+	@$(GPU_PYTHON) benchmarks/gpu_check.py $(OUT)
 
 bench: build
 	$(BIN)/python -m pytest benchmarks --benchmark-enable --benchmark-only \

@@ -82,12 +82,13 @@ def _nccl_world_one(rank, world, settings):
     _cuda_against_plain_ddp(rank, world, {**settings, "topology": "hierarchical"}, True, nccl)
     x = torch.randn(1_000_003, device="cuda")
     y = x.clone()
-    fastddp.all_reduce(y, group=nccl, **({"dtype": torch.int8} if settings else {}))
-    step = x.abs().max() / 127 if settings else x.abs().max() * 2**-8
+    int8 = settings.get("dtype") == torch.int8
+    fastddp.all_reduce(y, group=nccl, **({"dtype": torch.int8} if int8 else {}))
+    step = x.abs().max() / 127 if int8 else x.abs().max() * 2**-8
     assert (y - x).abs().max() <= step
     dist.destroy_process_group(nccl)
 
 
-@pytest.mark.parametrize("mode", ["bf16", "int8"])
+@pytest.mark.parametrize("mode", list(MODES))
 def test_nccl_world_size_one(mode):
-    run_ranks(_nccl_world_one, 1, {"dtype": torch.int8} if mode == "int8" else {}, timeout=240)
+    run_ranks(_nccl_world_one, 1, MODES[mode], timeout=240)

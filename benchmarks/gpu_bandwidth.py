@@ -1,0 +1,176 @@
+"""Bandwidth of each fastddp op against a device-to-device copy of the same bytes, same run.
+
+For fp32 buckets of 1 MB, 25 MB, 100 MB and 1 GB (random data), every op is timed with CUDA
+events (median of several calls) and reported in GB/s counting the bytes it reads and writes;
+``ratio`` divides that by the copy's GB/s. Targets from 25 MB up: compress and decompress
+>= 0.85, sum_chunks, quantize_int8 and dequantize_int8 >= 0.7. PyTorch's own
+``to(dtype).div_()`` + ``copy_`` (what its fp16 hook does) is timed next to compress +
+decompress. ``--device cpu`` runs the same on the CPU (perf_counter), for testing the script.
+
+    python benchmarks/gpu_bandwidth.py --json bw.json --markdown bw.md
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from fastddp import ops
+
+SIZES = {"1MB": 1 << 20, "25MB": 25 << 20, "100MB": 100 << 20, "1GB": 1 << 30}
+RANKS = 4  # rows summed by sum_chunks and dequantize_int8
+BLOCK = 128
+TARGETS = {
+    "compress": 0.85,
+    "decompress": 0.85,
+    "sum_chunks": 0.7,
+    "quantize_int8": 0.7,
+    "dequantize_int8": 0.7,
+}
+
+
+def _timer(device):
+    if device.type == "cuda":
+
+        def run(fn, iters):
+            start = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+            end = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+            for s, e in zip(start, end):
+                s.record()
+                fn()
+                e.record()
+            torch.cuda.synchronize()
+            return statistics.median(s.elapsed_time(e) / 1e3 for s, e in zip(start, end))
+
+        return run
+
+    def run_cpu(fn, iters):
+        times = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    return run_cpu
+
+
+def measure(device, sizes, iters):
+    """One row per (size, op): seconds, bytes moved, GB/s and the ratio to the copy."""
+    timed = _timer(device)
+    rows = []
+    for label, nbytes in sizes.items():
+        rows += _one_size(device, label, nbytes, timed, iters)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _one_size(device, label, nbytes, timed, iters):
+    n = nbytes // 4
+    m = -(-n // RANKS)
+    g = torch.Generator(device=device).manual_seed(0)
+    src = torch.randn(n, generator=g, device=device)
+    dst = torch.empty_like(src)
+    wire = torch.empty(n, dtype=torch.bfloat16, device=device)
+    rows16 = torch.randn(RANKS, m, generator=g, device=device).to(torch.bfloat16)
+    out16 = torch.empty(m, dtype=torch.bfloat16, device=device)
+    q = torch.empty(n, dtype=torch.int8, device=device)
+    scales = torch.empty(-(-n // BLOCK), device=device)
+    q_rows = torch.randint(-127, 128, (RANKS, m), generator=g, device=device).to(torch.int8)
+    s_rows = torch.rand(RANKS, -(-m // BLOCK), generator=g, device=device)
+    summed = torch.empty(m, device=device)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    cases = {
+        "copy (d2d)": (lambda: dst.copy_(src), 8 * n),
+        "compress": (lambda: ops.compress(src, wire, 0.25, flag), 6 * n),
+        "decompress": (lambda: ops.decompress(wire, dst, 1.0), 6 * n),
+        "sum_chunks": (lambda: ops.sum_chunks(rows16, out16, 1.0, flag), 2 * RANKS * m + 2 * m),
+        "quantize_int8": (
+            lambda: ops.quantize_int8(src, q, scales, BLOCK, 1.0, flag),
+            4 * n + n + 4 * scales.numel(),
+        ),
+        "dequantize_int8": (
+            lambda: ops.dequantize_int8(q_rows, s_rows, summed, BLOCK),
+            RANKS * m + 4 * s_rows.numel() + 4 * m,
+        ),
+        "unpack_int8": (lambda: ops.unpack_int8(q, scales, dst, BLOCK), n + 4 * n),
+        # read fp32, write bf16; div_ in place; read bf16, write fp32
+        "torch to(bf16).div_ + copy_": (
+            lambda: dst.copy_(src.to(torch.bfloat16).div_(RANKS)),
+            (4 + 2) * n + (2 + 2) * n + (2 + 4) * n,
+        ),
+    }
+    rows, copy_gbs = [], None
+    for op, (fn, moved) in cases.items():
+        for _ in range(2):
+            fn()  # warm-up
+        k = iters if nbytes < (256 << 20) else max(3, iters // 4)
+        seconds = timed(fn, k)
+        gbs = moved / seconds / 1e9
+        if op == "copy (d2d)":
+            copy_gbs = gbs
+        target = TARGETS.get(op) if nbytes >= (25 << 20) else None
+        ratio = gbs / copy_gbs
+        rows.append(
+            {
+                "size": label,
+                "op": op,
+                "time_us": seconds * 1e6,
+                "bytes_moved": moved,
+                "gbs": gbs,
+                "ratio_to_copy": ratio,
+                "target": target,
+                "meets_target": None if target is None else ratio >= target,
+            }
+        )
+    return rows
+
+
+def markdown(rows):
+    lines = [
+        "| size | op | time (us) | GB/s | vs copy | target |",
+        "| --- | --- | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        target = (
+            ""
+            if r["target"] is None
+            else f">= {r['target']}: " + ("met" if r["meets_target"] else "MISSED")
+        )
+        lines.append(
+            f"| {r['size']} | {r['op']} | {r['time_us']:.1f} | {r['gbs']:.1f} | "
+            f"{r['ratio_to_copy']:.2f} | {target} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--sizes", nargs="+", default=list(SIZES), help=f"of {list(SIZES)}")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--json")
+    p.add_argument("--markdown")
+    args = p.parse_args(argv)
+    unknown = [s for s in args.sizes if s not in SIZES]
+    if unknown:
+        p.error(f"unknown sizes {unknown}; choose from {list(SIZES)}")
+    device = torch.device(args.device)
+    rows = measure(device, {s: SIZES[s] for s in args.sizes}, args.iters)
+    table = markdown(rows)
+    print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(device), "rows": rows}, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
