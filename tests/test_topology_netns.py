@@ -122,3 +122,15 @@ def test_a_terminated_run_removes_its_namespaces_and_workers(tmp_path):
     finally:
         if run.poll() is None:
             run.kill()
+
+
+def test_three_nodes_of_two_ranks_find_their_nodes_and_reduce():
+    why = netns.unavailable_reason()
+    if why:
+        pytest.skip(why)
+    cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "3", "--nproc-per-node", "2"]
+    cmd += ["--rate", "1gbit", "--timeout", "150", "tests/_three_nodes_worker.py"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for name in ("bf16", "bf16-fp32acc", "int8"):
+        assert f"{name}: hierarchical-" in res.stdout, res.stdout[-2000:]
