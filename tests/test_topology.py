@@ -253,3 +253,22 @@ def _tiny_and_sums(rank, world):
 
 def test_tiny_buckets_and_sums_on_two_levels():
     run_ranks(_tiny_and_sums, 4)
+
+
+def _reinit(rank, world):
+    # A process that destroys its groups and starts again gets new two-level groups, not the
+    # destroyed ones it made before.
+    _on_node([0, 0, 1, 1], rank)
+    for attempt in range(2):
+        if attempt:
+            dist.destroy_process_group()
+            dist.init_process_group(
+                "gloo", init_method="tcp://127.0.0.1:29547", rank=rank, world_size=world
+            )
+        x = torch.full((1000,), float(rank))
+        fastddp.all_reduce(x, topology="hierarchical")
+        torch.testing.assert_close(x, torch.full((1000,), 1.5))
+
+
+def test_groups_are_made_again_after_the_process_group_is_destroyed():
+    run_ranks(_reinit, 4)

@@ -125,6 +125,11 @@ def _group(ranks: list[int], timeout: Optional[timedelta], backend: str) -> dist
     # The state's group's backend: an NCCL group's state gets NCCL subgroups under a Gloo world.
     key = (backend, tuple(ranks))
     pg = _GROUPS.get(key)
+    if pg is not None:
+        try:
+            dist.get_process_group_ranks(pg)
+        except (KeyError, ValueError, RuntimeError):
+            pg = None  # destroyed with an earlier default group: make a new one
     if pg is None:
         pg = dist.new_group(ranks, timeout=timeout, backend=backend, use_local_synchronization=True)
         _GROUPS[key] = pg
