@@ -160,6 +160,7 @@ def test_ddp_over_two_nodes_of_two_ranks_flat_and_hierarchical(tmp_path):
     out = tmp_path / "ddp.json"
     args = ["ddp", "--link", "1gbit", "--nodes", "2", "--nproc-per-node", "2"]
     args += ["--params", "300000", "--steps", "2", "--warmup", "1", "--json", str(out)]
+    args += ["--bucket-cap-mb", "0.5"]  # several buckets, so stages of different ones overlap
     args += ["--modes", "fp32", "fastddp-bf16-acc", "--topologies", "flat", "hierarchical"]
     res = _run(args)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -37,6 +37,7 @@ def _parser():
         "--width", type=int, help="layer width (default: 2048 for large models, else fitted)"
     )
     d.add_argument("--batch", type=int, default=16)
+    d.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket size")
     d.add_argument("--steps", type=int, default=30)
     d.add_argument("--warmup", type=int, default=5)
     d.add_argument("--modes", nargs="+", default=ddp.MODES, choices=ddp.MODES + ddp.EXTRA_MODES)

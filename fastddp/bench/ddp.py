@@ -67,7 +67,7 @@ def _percentile(values, q):
 
 def run_mode(env, args, label, mode, topology, topo):
     module, width = _model(args.params, env.device, args.width)
-    model = DDP(module)
+    model = DDP(module, bucket_cap_mb=args.bucket_cap_mb)
     state = _register(model, mode, topology)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(env.rank)
