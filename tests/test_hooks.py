@@ -280,6 +280,7 @@ BAD_STATES = [
     (dict(error_feedback=1), TypeError, "error_feedback must be True or False"),
     (dict(stochastic_rounding="yes"), TypeError, "stochastic_rounding must be True or False"),
     (dict(seed=None), TypeError, "seed must be an int"),
+    (dict(topology="ring"), ValueError, "topology must be one of 'auto', 'flat', 'hierarchical'"),
 ]
 
 

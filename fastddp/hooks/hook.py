@@ -221,6 +221,18 @@ def compress_hook(
             f"{type(state).__name__}; register it with "
             "model.register_comm_hook(CompressState(...), fastddp.compress_hook)"
         )
+    if isinstance(bucket, tuple):
+        # Compiled DDP (optimize_ddp="python_reducer" with compiled autograd) calls hooks once
+        # per parameter with (grad, param) and ignores what they return. Every rank gets here
+        # at the same parameter before any collective, so every rank raises alike.
+        raise TypeError(
+            "fastddp.compress_hook: DDP passed a (gradient, parameter) pair instead of a "
+            "GradBucket, as it does under torch.compile with "
+            "torch._dynamo.config.optimize_ddp = 'python_reducer' and compiled autograd. "
+            "fastddp compresses whole buckets and does not support that mode: keep "
+            "optimize_ddp at its default ('ddp_optimizer'), compile without compiled "
+            "autograd, or register no hook"
+        )
     return _reduce(
         state, bucket.buffer(), bucket.index(), bucket.is_last(), parameters=bucket.parameters()
     )
