@@ -29,8 +29,11 @@ def test_two_nodes_of_two_ranks_over_a_real_link(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())
     assert (report["world"], report["nodes"]) == (4, 2)
+    # Every codec reported (an empty report would skip every check below).
+    assert set(report["codecs"]) == {"bf16", "bf16-fp32acc", "int8"}
     for name, row in report["codecs"].items():
         assert row["topology_used"] == "hierarchical", name
+        assert row["counted_cross_node_bytes"] > 0 and row["link_bytes"] > 0, name
         assert row["nodes"] == [[0, 1], [2, 3]], name
         # What left the nodes is what stats() counted, plus TCP/IP headers.
         ratio = row["link_bytes"] / row["counted_cross_node_bytes"]
