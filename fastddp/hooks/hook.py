@@ -8,7 +8,7 @@ import torch.distributed as dist
 from fastddp.hooks.paths import path_named
 from fastddp.hooks.pipeline import Job, warn_stale
 from fastddp.hooks.state import CompressState
-from fastddp.hooks.topology import TOPOLOGIES, Topology, node_hash, resolve
+from fastddp.hooks.topology import TOPOLOGIES, Topology, node_hash, resolve, ring_bytes
 
 __all__ = ["compress_hook"]
 
@@ -165,7 +165,7 @@ def _count_bytes(state: CompressState, slot) -> None:
     counters = state._counters
     counters["payload_bytes"] += payload
     counters["wire_bytes"] += sent
-    counters["fp32_wire_bytes"] += 2 * (topo.world - 1) * -(-n // topo.world) * 4
+    counters["fp32_wire_bytes"] += ring_bytes(n, topo.world, 4)
     counters["cross_node_bytes"] += cross
     counters["fp32_ring_cross_node_bytes"] += topo.ring_cross_bytes(n, 4)
 

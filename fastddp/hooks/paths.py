@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from fastddp.hooks.buffers import Slot
-from fastddp.hooks.topology import Topology
+from fastddp.hooks.topology import Topology, ring_bytes
 
 __all__ = [
     "Path",
@@ -69,7 +69,7 @@ class AllReducePath(Path):
     roles = ("group",)
 
     def sent_bytes(self, slot, topo):
-        return _ring_bytes(slot.wire.numel(), topo.world, slot.codec.wire_dtype.itemsize)
+        return ring_bytes(slot.wire.numel(), topo.world, slot.codec.wire_dtype.itemsize)
 
     def cross_bytes(self, slot, topo):
         return topo.ring_cross_bytes(slot.wire.numel(), slot.codec.wire_dtype.itemsize)
@@ -160,7 +160,7 @@ class HierarchicalPath(Path):
     def cross_bytes(self, slot, topo):
         nodes = len(topo.nodes)
         if self.inner.name == "allreduce":
-            return _ring_bytes(slot.node_shard, nodes, slot.codec.wire_dtype.itemsize)
+            return ring_bytes(slot.node_shard, nodes, slot.codec.wire_dtype.itemsize)
         return 2 * (nodes - 1) * slot.row * slot.codec.wire_dtype.itemsize
 
     def stage(self, job, i):
@@ -236,11 +236,6 @@ class PassthroughPath(Path):
 
     def finish(self, job):
         pass
-
-
-def _ring_bytes(numel: int, world: int, itemsize: int) -> int:
-    # What each rank forwards in a ring all-reduce: 2(n-1) steps of one n-th of the payload.
-    return 2 * (world - 1) * -(-numel // world) * itemsize
 
 
 _PATHS = {

@@ -23,11 +23,16 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["TOPOLOGIES", "Topology", "node_hash", "resolve"]
+__all__ = ["TOPOLOGIES", "Topology", "node_hash", "resolve", "ring_bytes"]
 
 TOPOLOGIES = ("auto", "flat", "hierarchical")
 NODE_ENV = "FASTDDP_NODE_ID"
 _GROUPS: dict[tuple, dist.ProcessGroup] = {}
+
+
+def ring_bytes(numel: int, world: int, itemsize: int) -> int:
+    """What each rank sends in a ring all-reduce: 2(n-1) steps of one n-th of the payload."""
+    return 2 * (world - 1) * -(-numel // world) * itemsize
 
 
 def node_identity() -> str:
@@ -88,7 +93,7 @@ class Topology:
         """Bytes this rank sends across nodes in a ring all-reduce in group rank order."""
         if self.world == 1 or not self.crosses(self.rank, (self.rank + 1) % self.world):
             return 0
-        return 2 * (self.world - 1) * -(-numel // self.world) * itemsize
+        return ring_bytes(numel, self.world, itemsize)
 
     def make_groups(self, group: Optional[dist.ProcessGroup], hierarchical: bool) -> None:
         """Create (or reuse) the groups a state's paths need; collective over ``group``."""
