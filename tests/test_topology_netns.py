@@ -137,3 +137,22 @@ def test_three_nodes_of_two_ranks_find_their_nodes_and_reduce():
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     for name in ("bf16", "bf16-fp32acc", "int8"):
         assert f"{name}: hierarchical-" in res.stdout, res.stdout[-2000:]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nodes", "0", "script.py"], "--nodes must be at least 1"),
+        (["--nodes", "3"], "give the script (or -m module) to run on every node"),
+    ],
+)
+def test_netns_refuses_bad_options(args, message):
+    # Refused before any namespace is made, so this needs no root.
+    cmd = [sys.executable, "-m", "fastddp.netns", *args]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and message in res.stderr, res.stderr
+
+
+def test_nodes_refuses_a_count_out_of_range():
+    with pytest.raises(ValueError, match="between 1 and 200 nodes, got 0"), netns.nodes(0):
+        pass
