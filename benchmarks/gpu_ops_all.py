@@ -54,7 +54,10 @@ def run(device: torch.device) -> int:
                 out = torch.empty(n, dtype=dtype, device=device)
                 ops.sum_chunks(rows, out, 1.0, flag)
                 _check(f"sum_chunks {dtype} n={n}", out, rows.float().sum(0), tol)
-                calls += 5
+                wide = torch.empty(n, device=device)
+                ops.widen_sum(rows, wide, 1.0)
+                _check(f"widen_sum {dtype} n={n}", wide, rows.float().sum(0), 1e-6)
+                calls += 6
             blocks = -(-n // BLOCK)
             q = torch.empty(n, dtype=torch.int8, device=device)
             scales = torch.empty(blocks, device=device)

@@ -26,6 +26,9 @@ TORCH_LIBRARY(fastddp, m) {
   m.def(
       "sum_chunks(Tensor src, Tensor(a!) dst, float scale, Tensor(b!)? found_nonfinite=None, "
       "Tensor(c!)? residual=None, int seed=-1) -> ()");
+  // Sum the P rows of the 16-bit `src` [P, m] in fp32, in order, times `scale`, into the fp32
+  // `dst` [m]: the reduce step of a reduce-scatter whose result stays in fp32 (no rounding).
+  m.def("widen_sum(Tensor src, Tensor(a!) dst, float scale) -> ()");
   // Quantise src * scale (+ residual) to int8 `dst` with one fp32 scale (absmax / 127) per
   // block of `block_size` elements; the last block may be short. `dst` is 1-D, or [R, m] rows
   // (which, like the rows of `scales`, may lie apart) that hold src's elements end to end.

@@ -68,6 +68,20 @@ def sum_chunks(
     torch.ops.fastddp.sum_chunks.default(src, dst, scale, found_nonfinite, residual, seed)
 
 
+def widen_sum(src: torch.Tensor, dst: torch.Tensor, scale: float = 1.0) -> None:
+    """Sum the rows of the 16-bit ``src`` in fp32, times ``scale``, into the fp32 ``dst``.
+
+    The reduce step of a reduce-scatter whose result stays in fp32: nothing is rounded to the
+    wire format after the sum. Rows are added in order, so every device gives the same bits.
+
+    Args:
+        src: contiguous float16 or bfloat16 tensor of shape ``[chunks, m]``.
+        dst: contiguous float32 tensor of ``m`` elements, same device.
+        scale: factor applied to the sum in fp32.
+    """
+    torch.ops.fastddp.widen_sum.default(src, dst, scale)
+
+
 def quantize_int8(
     src: torch.Tensor,
     dst: torch.Tensor,
@@ -163,6 +177,15 @@ def _sum_chunks_fake(src, dst, scale, found_nonfinite=None, residual=None, seed=
     torch._check(src.dim() == 2, lambda: "fastddp.sum_chunks: src must be [chunks, m]")
     torch._check(src.dtype == dst.dtype, lambda: "fastddp.sum_chunks: dtypes differ")
     torch._check(dst.numel() == src.shape[1], lambda: "fastddp.sum_chunks: lengths differ")
+    return None
+
+
+@torch.library.register_fake("fastddp::widen_sum")
+def _widen_sum_fake(src, dst, scale):
+    torch._check(src.dim() == 2, lambda: "fastddp.widen_sum: src must be [chunks, m]")
+    torch._check(src.dtype in _WIRE_DTYPES, lambda: "fastddp.widen_sum: src must be fp16/bf16")
+    torch._check(dst.dtype == torch.float32, lambda: "fastddp.widen_sum: dst must be float32")
+    torch._check(dst.numel() == src.shape[1], lambda: "fastddp.widen_sum: lengths differ")
     return None
 
 

@@ -171,6 +171,27 @@ def test_sum_chunks_rounds_once():
     assert out.item() == 8.0 + 8 * 2.0**-7
 
 
+@pytest.mark.parametrize("m", [0, 1, 33, 4099])
+@pytest.mark.parametrize("chunks", [1, 3, 8])
+@pytest.mark.parametrize("dtype", WIRE)
+def test_widen_sum_matches_fp32_reference(device, dtype, chunks, m):
+    src = torch.stack([_grads(m, seed=p) for p in range(chunks)]).to(dtype).to(device)
+    out = torch.full((m,), float("nan"), device=device)
+    ops.widen_sum(src, out, 0.25)
+    acc = src.cpu()[0].float()
+    for p in range(1, chunks):
+        acc = acc + src.cpu()[p].float()
+    _same(out.cpu(), acc * 0.25)
+
+
+def test_widen_sum_does_not_round_the_sum():
+    # The same eight addends as above: the fp32 result keeps every addend's tail.
+    src = torch.full((8, 1), 1.0 + 2.0**-9, dtype=torch.float16)
+    out = torch.empty(1)
+    ops.widen_sum(src, out)
+    assert out.item() == 8.0 + 8 * 2.0**-9
+
+
 def quantize_ref(v, block, r=None):
     n = v.numel()
     nb = (n + block - 1) // block
@@ -335,6 +356,9 @@ def test_opcheck_accumulating_ops(device):
     torch.library.opcheck(
         torch.ops.fastddp.sum_chunks.default, (chunks, shard, 0.5, flag, shard_res, -1)
     )
+    torch.library.opcheck(
+        torch.ops.fastddp.widen_sum.default, (chunks, torch.empty(100, device=device), 0.5)
+    )
     q = torch.empty(300, dtype=torch.int8, device=device)
     scales = torch.empty(3, device=device)
     torch.library.opcheck(
@@ -386,6 +410,18 @@ BAD = [
             torch.ones(2, 4, dtype=torch.half), torch.empty(3, dtype=torch.half)
         ),
         "dst has 3 elements but each chunk has 4",
+    ),
+    (
+        lambda: ops.widen_sum(torch.ones(2, 4, dtype=torch.half), torch.empty(4, dtype=torch.half)),
+        "src must be float16 or bfloat16 and dst float32",
+    ),
+    (
+        lambda: ops.widen_sum(torch.ones(2, 4, dtype=torch.half), torch.empty(5)),
+        "dst has 5 elements but each chunk has 4",
+    ),
+    (
+        lambda: ops.widen_sum(torch.ones(8, dtype=torch.half), torch.empty(8)),
+        "src must have shape [chunks, m]",
     ),
     (
         lambda: ops.quantize_int8(

@@ -71,6 +71,30 @@ FASTDDP_ACCUM_INLINE bool sum_loop(
   return bad != 0;
 }
 
+template <WireKind K>
+FASTDDP_ACCUM_INLINE void widen_sum_loop(
+    const uint16_t* __restrict src, int64_t chunks, int64_t m, float* __restrict dst,
+    int64_t begin, int64_t end, float scale) {
+  // A tile at a time, as sum_loop, so that each row is read once and dst written once.
+  float acc[kTile];
+  for (int64_t t = begin; t < end; t += kTile) {
+    const int64_t len = end - t < kTile ? end - t : kTile;
+    const uint16_t* row = src + t;
+    for (int64_t j = 0; j < len; ++j) {
+      acc[j] = math::wire_to_float(K, row[j]);
+    }
+    for (int64_t p = 1; p < chunks; ++p) {
+      row = src + p * m + t;
+      for (int64_t j = 0; j < len; ++j) {
+        acc[j] = math::add(acc[j], math::wire_to_float(K, row[j]));
+      }
+    }
+    for (int64_t j = 0; j < len; ++j) {
+      dst[t + j] = math::mul(acc[j], scale);
+    }
+  }
+}
+
 template <bool kResidual, bool kStochastic>
 FASTDDP_ACCUM_INLINE bool quantize_loop(
     const float* __restrict src, int8_t* __restrict dst_base, float* __restrict scales_base,
@@ -163,6 +187,17 @@ FASTDDP_QUANTIZE_ENTRY(quantize_rn, true, false)
 FASTDDP_QUANTIZE_ENTRY(quantize_ns, false, true)
 FASTDDP_QUANTIZE_ENTRY(quantize_rs, true, true)
 
+FASTDDP_ACCUM_CLONES void widen_sum_h(
+    const uint16_t* src, int64_t chunks, int64_t m, float* dst, int64_t begin, int64_t end,
+    float scale) {
+  widen_sum_loop<WireKind::kFp16>(src, chunks, m, dst, begin, end, scale);
+}
+FASTDDP_ACCUM_CLONES void widen_sum_b(
+    const uint16_t* src, int64_t chunks, int64_t m, float* dst, int64_t begin, int64_t end,
+    float scale) {
+  widen_sum_loop<WireKind::kBf16>(src, chunks, m, dst, begin, end, scale);
+}
+
 // Index: wire (0 fp16, 1 bf16) * 4 + residual * 2 + stochastic.
 using CompressFn = bool (*)(const float*, uint16_t*, float*, int64_t, int64_t, float, uint64_t);
 using SumFn = bool (*)(const uint16_t*, int64_t, int64_t, uint16_t*, float*, int64_t, int64_t,
@@ -250,6 +285,16 @@ bool sum_chunks(
     float* residual, int64_t begin, int64_t end, float scale, int64_t seed) {
   return kSum[pick(kind, residual, seed)](
       src, chunks, m, dst, residual, begin, end, scale, static_cast<uint64_t>(seed));
+}
+
+void widen_sum(
+    WireKind kind, const uint16_t* src, int64_t chunks, int64_t m, float* dst, int64_t begin,
+    int64_t end, float scale) {
+  if (kind == WireKind::kBf16) {
+    widen_sum_b(src, chunks, m, dst, begin, end, scale);
+  } else {
+    widen_sum_h(src, chunks, m, dst, begin, end, scale);
+  }
 }
 
 bool quantize_int8(

@@ -23,6 +23,12 @@ bool sum_chunks(
     math::WireKind kind, const uint16_t* src, int64_t chunks, int64_t m, uint16_t* dst,
     float* residual, int64_t begin, int64_t end, float scale, int64_t seed);
 
+// Elements [begin, end) of P chunks of length m: dst[i] = (sum_p src[p * m + i]) * scale, summed
+// in fp32 in order p = 0..P-1; dst is fp32, so nothing is rounded to the wire format.
+void widen_sum(
+    math::WireKind kind, const uint16_t* src, int64_t chunks, int64_t m, float* dst,
+    int64_t begin, int64_t end, float scale);
+
 // Where int8 rows lie (see Int8Rows in fastddp/checks.h): element i of the flat sequence is at
 // row i / row_len, column i % row_len; rows are q_stride int8 values and s_stride scales apart.
 struct Rows {

@@ -137,6 +137,18 @@ void sum_chunks_cpu(
   set_flag(found_nonfinite, bad);
 }
 
+void widen_sum_cpu(const at::Tensor& src, const at::Tensor& dst, double scale) {
+  check_widen_sum(src, dst);
+  const uint16_t* in = static_cast<const uint16_t*>(src.const_data_ptr());
+  float* out = dst.data_ptr<float>();
+  const math::WireKind kind = kind_of(src.scalar_type());
+  const int64_t chunks = src.size(0);
+  const int64_t m = src.size(1);
+  at::parallel_for(0, m, std::max<int64_t>(1, kGrain / chunks), [&](int64_t begin, int64_t end) {
+    cpu::widen_sum(kind, in, chunks, m, out, begin, end, static_cast<float>(scale));
+  });
+}
+
 cpu::Rows rows_of(const Int8Rows& r) {
   return {r.row_len, r.q_stride, r.s_stride};
 }
@@ -207,6 +219,7 @@ TORCH_LIBRARY_IMPL(fastddp, CPU, m) {
   m.impl("compress", &compress_cpu);
   m.impl("decompress", &decompress_cpu);
   m.impl("sum_chunks", &sum_chunks_cpu);
+  m.impl("widen_sum", &widen_sum_cpu);
   m.impl("quantize_int8", &quantize_int8_cpu);
   m.impl("dequantize_int8", &dequantize_int8_cpu);
   m.impl("unpack_int8", &unpack_int8_cpu);

@@ -204,6 +204,24 @@ __global__ void sum_chunks_kernel(
   raise_flag(bad, flag);
 }
 
+__global__ void widen_sum_kernel(
+    math::WireKind kind,
+    const uint16_t* __restrict__ src,
+    int64_t chunks,
+    int64_t m,
+    float* __restrict__ dst,
+    float scale) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < m;
+       i += stride) {
+    float acc = math::wire_to_float(kind, src[i]);
+    for (int64_t p = 1; p < chunks; ++p) {
+      acc = math::add(acc, math::wire_to_float(kind, src[p * m + i]));
+    }
+    dst[i] = math::mul(acc, scale);
+  }
+}
+
 // One warp per int8 block: the lanes stride over the block, a butterfly of shuffles gives every
 // lane the block's absolute maximum, then each lane quantises its elements.
 // Rows of dst and scales may lie apart (see Int8Rows in checks.h); a block lies in one row.
@@ -410,6 +428,20 @@ void sum_chunks_cuda(
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+void widen_sum_cuda(const at::Tensor& src, const at::Tensor& dst, double scale) {
+  check_widen_sum(src, dst);
+  const int64_t m = src.size(1);
+  if (m == 0) {
+    return;
+  }
+  const c10::cuda::CUDAGuard guard(src.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  widen_sum_kernel<<<grid_for(m, src.get_device()), kThreads, 0, stream>>>(
+      kind_of(src.scalar_type()), static_cast<const uint16_t*>(src.const_data_ptr()),
+      src.size(0), m, dst.data_ptr<float>(), static_cast<float>(scale));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void quantize_int8_cuda(
     const at::Tensor& src,
     const at::Tensor& dst,
@@ -479,6 +511,7 @@ TORCH_LIBRARY_IMPL(fastddp, CUDA, m) {
   m.impl("compress", &compress_cuda);
   m.impl("decompress", &decompress_cuda);
   m.impl("sum_chunks", &sum_chunks_cuda);
+  m.impl("widen_sum", &widen_sum_cuda);
   m.impl("quantize_int8", &quantize_int8_cuda);
   m.impl("dequantize_int8", &dequantize_int8_cuda);
   m.impl("unpack_int8", &unpack_int8_cuda);

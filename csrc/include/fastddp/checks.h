@@ -232,6 +232,26 @@ inline void check_sum_chunks(
   check_residual("sum_chunks", residual, dst);
 }
 
+inline void check_widen_sum(const at::Tensor& src, const at::Tensor& dst) {
+  TORCH_CHECK(
+      src.dim() == 2 && src.size(0) >= 1,
+      "fastddp.widen_sum: src must have shape [chunks, m] (one row per rank), got ", src.sizes());
+  TORCH_CHECK(
+      is_wire_dtype(src.scalar_type()) && dst.scalar_type() == at::kFloat,
+      "fastddp.widen_sum: src must be float16 or bfloat16 and dst float32, got ",
+      src.scalar_type(), " and ", dst.scalar_type());
+  check_same_device("widen_sum", src, dst);
+  TORCH_CHECK(
+      dst.numel() == src.size(1),
+      "fastddp.widen_sum: dst has ", dst.numel(), " elements but each chunk has ", src.size(1));
+  TORCH_CHECK(
+      src.is_contiguous() && dst.is_contiguous(),
+      "fastddp.widen_sum: src and dst must be contiguous; call .contiguous() first");
+  TORCH_CHECK(
+      dst.numel() == 0 || !dst.is_alias_of(src),
+      "fastddp.widen_sum: dst shares storage with src; use a separate output buffer");
+}
+
 // The op-level checks of the int8 ops, for both backends; they return the int8 layout.
 inline Int8Rows check_quantize(
     const at::Tensor& src,

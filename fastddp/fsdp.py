@@ -1,0 +1,278 @@
+"""A compressed reduce-scatter for FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+FSDP2 reduce-scatters each parameter group's gradients in its ``MixedPrecisionPolicy``'s
+``reduce_dtype`` and lets a module replace that collective (``set_custom_reduce_scatter``).
+:class:`CompressedReduceScatter` is such a replacement: each rank encodes its whole input once
+(bf16, fp16, or int8 with one fp32 scale per block), one all-to-all hands rank ``r`` the encoded
+chunk ``r`` of every rank, and rank ``r`` sums those chunks in fp32 straight into its output.
+The only rounding is each rank's own encoding; the sum itself is never rounded to 16 bits, so
+the error does not grow with the number of ranks (a 16-bit ring rounds at every hop).
+"""
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from fastddp import ops
+from fastddp.hooks.state import DEFAULT_BLOCK_SIZE
+
+try:  # FSDP2's comm interfaces (torch >= 2.9 have set_custom_reduce_scatter)
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+except ImportError as error:  # pragma: no cover - depends on the installed torch
+    raise ImportError(
+        f"fastddp.fsdp needs FSDP2's custom reduce-scatter (torch >= 2.9): {error}"
+    ) from error
+
+__all__ = ["CompressedReduceScatter", "compress_reduce_scatter"]
+
+_WIRE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int8: "int8"}
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MAX_BLOCK_SIZE = 1 << 20
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+class CompressedReduceScatter(ReduceScatter):
+    r"""FSDP2's reduce-scatter with gradients sent as bf16, fp16 or int8 and summed in fp32.
+
+    Install it with :func:`compress_reduce_scatter` (every ``fully_shard``-ed module of a
+    model), or per module with ``module.set_custom_reduce_scatter(comm)``; one instance may
+    serve every module, since FSDP2 reduces one parameter group at a time on one stream.
+
+    FSDP2's ``op`` is honoured: ``SUM``, ``AVG`` and ``PREMUL_SUM(f)`` (which FSDP2 uses for a
+    ``gradient_divide_factor``). The scale is applied in fp32 before encoding, so fp16 holds the
+    averaged gradient rather than the sum. Inputs may be fp32, bf16 or fp16 (the
+    ``reduce_dtype``); with fp32, the output is the fp32 sum of the decoded chunks, unrounded.
+
+    Args:
+        dtype (torch.dtype): on the wire: ``torch.bfloat16`` (default), ``torch.float16``
+            (values beyond 65504 after the scaling become inf) or ``torch.int8`` (one fp32
+            absmax scale per ``block_size`` elements of each rank's chunk).
+        block_size (int, optional): int8 only: elements per scale (default 128).
+
+    Buffers (wire out, wire in, and for 16-bit inputs of another wire dtype an fp32 staging
+    buffer) are kept and reused; they grow to the largest parameter group and never shrink.
+    :meth:`stats` counts calls, bytes and buffer allocations.
+
+    Example::
+
+        >>> for layer in model.layers:
+        ...     fully_shard(layer)
+        >>> fully_shard(model)
+        >>> fastddp.fsdp.compress_reduce_scatter(model, dtype=torch.bfloat16)
+    """
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16, *, block_size: Optional[int] = None):
+        where = "CompressedReduceScatter"
+        if dtype not in _WIRE:
+            raise ValueError(
+                f"{where}: dtype must be torch.bfloat16, torch.float16 or torch.int8, got {dtype!r}"
+            )
+        if dtype == torch.int8:
+            block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+            if isinstance(block_size, bool) or not isinstance(block_size, int):
+                raise TypeError(f"{where}: block_size must be an int, got {block_size!r}")
+            if not 1 <= block_size <= _MAX_BLOCK_SIZE:
+                raise ValueError(
+                    f"{where}: block_size must be between 1 and {_MAX_BLOCK_SIZE}, got {block_size}"
+                )
+        elif block_size is not None:
+            raise ValueError(f"{where}: block_size applies to dtype=torch.int8 only")
+        self.dtype = dtype
+        self.block_size = block_size
+        self._buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._counters = dict.fromkeys(
+            ("calls", "allocations", "wire_bytes", "fp32_wire_bytes", "elements"), 0
+        )
+
+    def __repr__(self) -> str:
+        block = f", block_size={self.block_size}" if self.block_size else ""
+        return f"CompressedReduceScatter(dtype={self.dtype}{block})"
+
+    # FSDP2 allocates its input and output through the comm. They must be fresh tensors: FSDP2
+    # keeps views of the output as the sharded gradients.
+    def allocate(
+        self,
+        size: Sequence[int],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def stats(self) -> dict[str, int]:
+        """Counters since construction.
+
+        ``calls``: reduce-scatters done; ``elements``: input elements reduced;
+        ``wire_bytes``: bytes this rank sent to other ranks; ``fp32_wire_bytes``: what an fp32
+        all-to-all reduce-scatter of the same inputs sends; ``allocations``: wire and staging
+        buffers allocated or grown (flat after the first step).
+        """
+        return dict(self._counters)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op=ReduceOp.SUM,
+        async_op: bool = False,
+    ) -> Optional[dist.Work]:
+        world = dist.get_world_size(group)
+        chunk = output_tensor.numel()
+        pre, post = self._check(output_tensor, input_tensor, world, op, async_op)
+        if chunk == 0:
+            return None
+        src = input_tensor.view(-1)
+        dst = output_tensor.view(-1)
+        if self.dtype == torch.int8:
+            self._int8(src, dst, world, chunk, group, pre, post)
+        else:
+            self._half(src, dst, world, chunk, group, pre, post)
+        wire_row = self._row_bytes(chunk)
+        self._counters["calls"] += 1
+        self._counters["elements"] += src.numel()
+        self._counters["wire_bytes"] += (world - 1) * wire_row
+        self._counters["fp32_wire_bytes"] += (world - 1) * chunk * 4
+        return None
+
+    def _check(self, output, input, world, op, async_op) -> tuple[float, float]:
+        # Everything here depends only on what FSDP2 passes, which is the same on every rank:
+        # a bad call raises on every rank before any collective.
+        where = "CompressedReduceScatter"
+        if async_op:
+            raise ValueError(
+                f"{where}: async_op=True is not supported (FSDP2 calls with async_op=False "
+                "on its reduce-scatter stream); call it synchronously"
+            )
+        if input.dtype not in _INPUT_DTYPES or output.dtype != input.dtype:
+            raise TypeError(
+                f"{where}: input and output must both be float32, bfloat16 or float16 (FSDP2's "
+                f"reduce_dtype), got {input.dtype} and {output.dtype}"
+            )
+        if input.device != output.device:
+            raise ValueError(f"{where}: input is on {input.device} but output on {output.device}")
+        if not (input.is_contiguous() and output.is_contiguous()):
+            raise ValueError(f"{where}: input and output must be contiguous")
+        if input.numel() != output.numel() * world:
+            raise ValueError(
+                f"{where}: input has {input.numel()} elements, but a reduce-scatter over "
+                f"{world} ranks into {output.numel()} needs {output.numel() * world}"
+            )
+        kind = getattr(op, "op", op)  # PREMUL_SUM(f) is a ReduceOp carrying its factor
+        if kind == ReduceOp.SUM:
+            scale = 1.0
+        elif kind == ReduceOp.AVG:
+            scale = 1.0 / world
+        elif kind == ReduceOp.PREMUL_SUM:
+            scale = float(op.factor)
+        else:
+            raise ValueError(
+                f"{where}: op must be SUM, AVG or PREMUL_SUM (what FSDP2 uses for gradients), "
+                f"got {kind}"
+            )
+        # fp32 inputs are scaled before encoding (fp16 then holds the average, not the sum);
+        # 16-bit inputs sent as they are get the scale after the fp32 sum.
+        if input.dtype == self.dtype and self.dtype != torch.int8:
+            return 1.0, scale
+        return scale, 1.0
+
+    def _buffer(self, name: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+        # One flat buffer per name and device, grown to the largest request; callers view its
+        # front. Calls run one after another on FSDP2's reduce-scatter stream, so reuse is safe.
+        key = (name, torch.device(device))
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[key] = buf
+            self._counters["allocations"] += 1
+        return buf[:numel]
+
+    def _row_bytes(self, chunk: int) -> int:
+        if self.dtype != torch.int8:
+            return 2 * chunk
+        return _round_up(chunk, 4) + 4 * -(-chunk // self.block_size)
+
+    def _fp32_source(self, src: torch.Tensor) -> torch.Tensor:
+        if src.dtype == torch.float32:
+            return src
+        staged = self._buffer("stage", src.numel(), torch.float32, src.device)
+        staged.copy_(src)
+        return staged
+
+    def _half(self, src, dst, world, chunk, group, pre, post) -> None:
+        n = src.numel()
+        if src.dtype == self.dtype:
+            send = src  # already in the wire dtype; the scale comes after the sum
+        else:
+            send = self._buffer("send", n, self.dtype, src.device)
+            ops.compress(self._fp32_source(src), send, pre)
+        recv = self._buffer("recv", n, self.dtype, src.device)
+        dist.all_to_all_single(recv, send, group=group)
+        rows = recv.view(world, chunk)
+        if dst.dtype == torch.float32:
+            ops.widen_sum(rows, dst, post)
+        elif dst.dtype == self.dtype:
+            ops.sum_chunks(rows, dst, post)  # one rounding, of the fp32 sum
+        else:
+            total = self._buffer("sum", chunk, torch.float32, src.device)
+            ops.widen_sum(rows, total, post)
+            dst.copy_(total)
+
+    def _int8(self, src, dst, world, chunk, group, pre, post) -> None:
+        # A row per rank: [int8 values, padded to 4 bytes | fp32 scales], so that one
+        # all-to-all moves each chunk with its scales.
+        block = self.block_size
+        row = self._row_bytes(chunk)
+        values_len = _round_up(chunk, 4)
+        send = self._buffer("send", world * row, torch.int8, src.device).view(world, row)
+        recv = self._buffer("recv", world * row, torch.int8, src.device).view(world, row)
+        send_values, send_scales = send[:, :chunk], send[:, values_len:].view(torch.float32)
+        fp32 = self._fp32_source(src)
+        if chunk % block == 0:
+            ops.quantize_int8(fp32, send_values, send_scales, block, pre)
+        else:
+            # Blocks may not straddle two ranks' chunks: one call per chunk.
+            for r in range(world):
+                ops.quantize_int8(
+                    fp32[r * chunk : (r + 1) * chunk], send_values[r], send_scales[r], block, pre
+                )
+        dist.all_to_all_single(recv.view(-1), send.view(-1), group=group)
+        recv_values, recv_scales = recv[:, :chunk], recv[:, values_len:].view(torch.float32)
+        if dst.dtype == torch.float32:
+            ops.dequantize_int8(recv_values, recv_scales, dst, block, post)
+        else:
+            total = self._buffer("sum", chunk, torch.float32, src.device)
+            ops.dequantize_int8(recv_values, recv_scales, total, block, post)
+            dst.copy_(total)
+
+
+def compress_reduce_scatter(
+    module: torch.nn.Module,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    block_size: Optional[int] = None,
+) -> CompressedReduceScatter:
+    """Give every ``fully_shard``-ed module in ``module`` one :class:`CompressedReduceScatter`.
+
+    Call it after ``fully_shard`` and before the first backward. Returns the comm, whose
+    :meth:`~CompressedReduceScatter.stats` count what it did.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"compress_reduce_scatter: expected an nn.Module, got {type(module)}")
+    sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if not sharded:
+        raise ValueError(
+            "compress_reduce_scatter: no module in this model is sharded by FSDP2; call "
+            "torch.distributed.fsdp.fully_shard on its layers and on the model first"
+        )
+    comm = CompressedReduceScatter(dtype, block_size=block_size)
+    for m in sharded:
+        m.set_custom_reduce_scatter(comm)
+    return comm
