@@ -44,6 +44,8 @@ EF_MODES = {
     "int8 + EF": {"dtype": torch.int8, "error_feedback": True},
 }
 LAYERS, WIDTH, STEPS = 64, 16384, 32
+# FSDP2's reduce-scatter, each rank's result shard against the fp64 average's shard.
+FSDP_WIRES = {"bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
 
 
 def gradient(rank: int, trial: int) -> torch.Tensor:
@@ -69,6 +71,29 @@ def _variants(modes, nodes):
     return out
 
 
+def _fsdp_errors(g, want, rank, world):
+    """FSDP2's reduce-scatter of ``g`` (averaging): its default in bf16 (``reduce_dtype=
+    torch.bfloat16``) and fastddp's, the relative L2 error over all ranks' shards."""
+    from fastddp.fsdp import CompressedReduceScatter
+
+    chunk = g.numel() // world
+    mine = want[rank * chunk : (rank + 1) * chunk]
+    outs = {}
+    theirs = torch.empty(chunk, dtype=torch.bfloat16)
+    dist.reduce_scatter_tensor(theirs, g.bfloat16(), op=dist.ReduceOp.AVG)
+    outs["FSDP2 reduce-scatter, torch bf16 reduce_dtype"] = theirs
+    for name, wire in FSDP_WIRES.items():
+        ours = torch.empty(chunk)
+        CompressedReduceScatter(wire)(ours, g, dist.group.WORLD, dist.ReduceOp.AVG)
+        outs[f"FSDP2 reduce-scatter, fastddp {name}"] = ours
+    errors = {}
+    for name, out in outs.items():
+        sums = torch.tensor([(out.double() - mine).square().sum(), mine.square().sum()])
+        dist.all_reduce(sums)
+        errors[name] = (sums[0] / sums[1]).sqrt().item()
+    return errors
+
+
 def _rank(rank, world, init, trials, out, nodes):
     torch.set_num_threads(1)
     os.environ["FASTDDP_NODE_ID"] = f"node-{rank * nodes // world}"
@@ -85,6 +110,8 @@ def _rank(rank, world, init, trials, out, nodes):
             buf = g.clone()
             fastddp.all_reduce(buf, **settings)
             results.setdefault(name, []).append(rel_err(buf, want))
+        for name, err in _fsdp_errors(g, want, rank, world).items():
+            results.setdefault(name, []).append(err)
         for name, settings in _variants(EF_MODES, nodes).items():
             state = fastddp.CompressState(**settings)
             total = torch.zeros_like(g, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""The command line of ``python -m fastddp.bench {allreduce,ddp}``."""
+"""The command line of ``python -m fastddp.bench {allreduce,ddp,fsdp}``."""
 
 import argparse
 import os
@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from fastddp.bench import allreduce, ddp, report
+from fastddp.bench import allreduce, ddp, fsdp, report
 from fastddp.bench.common import add_common_options, run_everywhere
 
 
@@ -42,6 +42,27 @@ def _parser():
     d.add_argument("--warmup", type=int, default=5)
     d.add_argument("--modes", nargs="+", default=ddp.MODES, choices=ddp.MODES + ddp.EXTRA_MODES)
     add_common_options(d)
+    f = sub.add_parser(
+        "fsdp",
+        help="FSDP2 step time per reduce-scatter",
+        description=fsdp.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    f.add_argument("--width", type=int, default=512, help="model width (default 512)")
+    f.add_argument("--layers", type=int, default=8, help="decoder blocks (default 8)")
+    f.add_argument("--heads", type=int, default=8)
+    f.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
+    f.add_argument("--batch", type=int, default=4)
+    f.add_argument(
+        "--param-dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="MixedPrecisionPolicy.param_dtype (all-gathers and compute)",
+    )
+    f.add_argument("--steps", type=int, default=20)
+    f.add_argument("--warmup", type=int, default=3)
+    f.add_argument("--modes", nargs="+", default=fsdp.MODES, choices=fsdp.MODES)
+    add_common_options(f)
     return p
 
 
@@ -51,12 +72,17 @@ def _check(p, args):
             p.error("--plot compares against fp32: keep fp32 in --modes")
         if args.factor < 2:
             p.error("--factor must be at least 2")
-    for name in ("nproc", "threads", "nproc_per_node", "nodes", "width"):
+    for name in ("nproc", "threads", "nproc_per_node", "nodes", "width", "layers", "heads", "seq"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.nodes is not None and not args.link and "RANK" not in os.environ:
         p.error("--nodes needs --link (the nodes are network namespaces)")
+    if args.what == "fsdp":
+        if args.width % args.heads:
+            p.error(f"--width {args.width} must be a multiple of --heads {args.heads}")
+        if args.seq > 1024:
+            p.error("--seq must be at most 1024 (the model's positions)")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but no CUDA device is visible")
 
@@ -166,12 +192,44 @@ def _ddp_job(env, args):
     return rows
 
 
+def _fsdp_job(env, args):
+    rows = fsdp.run(env, args)
+    if env.rank != 0:
+        return rows
+    shape = f"{env.num_nodes} nodes x {env.world_size // env.num_nodes} ranks"
+    title = (
+        f"FSDP2 step, decoder {rows[0]['params'] / 1e6:.1f}M parameters "
+        f"(width {args.width}, {args.layers} blocks, param dtype {args.param_dtype}), {shape}, "
+        f"{env.backend}, {args.steps} steps after {args.warmup} warm-up"
+    )
+    cols = ["mode", "p50 (ms)", "p90 (ms)", "vs fp32", "RS sent/step", "grad err"]
+    cells = [
+        [
+            r["mode"],
+            f"{r['p50_ms']:.1f}",
+            f"{r['p90_ms']:.1f}",
+            "-" if r["vs_fp32"] is None else f"{r['vs_fp32']:.2f}x",
+            f"{r['rs_sent_bytes'] / 1e6:.1f} MB",
+            "-" if r["grad_rel_err"] is None else f"{r['grad_rel_err']:.2e}",
+        ]
+        for r in rows
+    ]
+    report.table(title, cols, cells)
+    if args.json:
+        meta = {"world_size": env.world_size, "backend": env.backend, "nodes": env.num_nodes}
+        report.write_json(args.json, {"benchmark": "fsdp", **meta, "rows": rows})
+    return rows
+
+
+_JOBS = {"allreduce": _allreduce_job, "ddp": _ddp_job, "fsdp": _fsdp_job}
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     p = _parser()
     args = p.parse_args(argv)
     _check(p, args)
-    job = _allreduce_job if args.what == "allreduce" else _ddp_job
+    job = _JOBS[args.what]
     result = run_everywhere(job, args, argv)
     return result if isinstance(result, int) else 0
 

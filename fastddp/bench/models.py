@@ -1,0 +1,62 @@
+"""Models of the benchmarks: a stack of linear layers, and a small decoder-only transformer."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    """Pre-norm causal self-attention and an MLP, as in a decoder-only transformer."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, -1).unbind(2)
+        a = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, c))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class Decoder(nn.Module):
+    """A character-level decoder: embedding, ``layers`` blocks, a norm and the output layer.
+
+    ``forward(tokens [B, T])`` returns logits flattened to ``[B * T, vocab]`` (a 2-D output, so
+    that FSDP2's root module does not return a view).
+    """
+
+    def __init__(self, vocab: int = 96, width: int = 128, heads: int = 4, layers: int = 4):
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"Decoder: width {width} is not a multiple of heads {heads}")
+        self.embed = nn.Embedding(vocab, width)
+        self.pos = nn.Parameter(torch.zeros(1024, width))
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x).flatten(0, 1))
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, targets.reshape(-1))
+
+
+def decoder_params(width: int, layers: int, vocab: int = 96) -> int:
+    """Parameters of a :class:`Decoder` (for sizing one to a target)."""
+    block = 12 * width * width + 13 * width
+    return layers * block + vocab * width + 1024 * width + 2 * width + width * vocab + vocab
