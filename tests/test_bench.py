@@ -92,6 +92,34 @@ def test_ddp_step_benchmark(tmp_path):
     assert "exposed comm" in res.stdout
 
 
+def test_fsdp_step_benchmark(tmp_path):
+    out = tmp_path / "fsdp.json"
+    small = ["--width", "32", "--layers", "2", "--heads", "4", "--seq", "16"]
+    res = _run(["fsdp", *small, "--steps", "2", "--warmup", "1", "--json", str(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {
+        "fp32",
+        "torch-bf16",
+        "a2a-fp32",
+        "fastddp-bf16",
+        "fastddp-fp16",
+        "fastddp-int8",
+    }
+    assert rows["fp32"]["vs_fp32"] == 1 and rows["fp32"]["grad_rel_err"] is None
+    assert rows["a2a-fp32"]["grad_rel_err"] < 1e-6  # an exact fp32 sum, another order
+    # fastddp counts its own bytes: half of the fp32 all-to-all's (a bit more for the padding
+    # FSDP2 adds to each parameter), a quarter and a bit for int8 with its scales.
+    a2a = rows["a2a-fp32"]["rs_sent_bytes"]
+    assert 0.45 * a2a < rows["fastddp-bf16"]["rs_sent_bytes"] < 0.55 * a2a
+    assert 0.2 * a2a < rows["fastddp-int8"]["rs_sent_bytes"] < 0.3 * a2a
+    for mode in ("fastddp-bf16", "fastddp-fp16", "torch-bf16"):
+        assert 0 < rows[mode]["grad_rel_err"] < 1e-2, mode
+    for r in rows.values():
+        assert 0 < r["p50_ms"] <= r["p90_ms"]
+    assert "RS sent/step" in res.stdout
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -101,6 +129,9 @@ def test_ddp_step_benchmark(tmp_path):
         (["ddp", "--nodes", "2"], "--nodes needs --link"),
         (["ddp", "--link", "1gbit", "--nodes", "0"], "--nodes must be at least 1"),
         (["ddp", "--topologies", "ring"], "invalid choice: 'ring'"),
+        (["fsdp", "--width", "30", "--heads", "4"], "--width 30 must be a multiple of --heads 4"),
+        (["fsdp", "--seq", "2000"], "--seq must be at most 1024"),
+        (["fsdp", "--layers", "0"], "--layers must be at least 1"),
     ],
 )
 def test_bad_options(args, message):
@@ -196,6 +227,9 @@ def test_accuracy_study_runs_and_shows_fp32_accumulation(tmp_path):
     assert errs["fp16, fp32 sum"] < errs["fp16 (16-bit ring sum)"]
     assert errs["int8 + EF, mean of 32 steps"] < errs["int8 (block 128)"] / 5
     assert errs["int8 wire bytes / fp32"] <= 0.27
+    fsdp = "FSDP2 reduce-scatter, "
+    assert errs[fsdp + "fastddp bf16"] < errs[fsdp + "torch bf16 reduce_dtype"]
+    assert errs[fsdp + "fastddp fp16"] < errs[fsdp + "fastddp bf16"]
     assert "4 ranks" in stdout
 
 
