@@ -44,6 +44,8 @@ EF_MODES = {
     "int8 + EF": {"dtype": torch.int8, "error_feedback": True},
 }
 LAYERS, WIDTH, STEPS = 64, 16384, 32
+# torch 2.13 renamed reduce_scatter_tensor (now deprecated); older releases have only that.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 # FSDP2's reduce-scatter, each rank's result shard against the fp64 average's shard.
 FSDP_WIRES = {"bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
 
@@ -80,7 +82,7 @@ def _fsdp_errors(g, want, rank, world):
     mine = want[rank * chunk : (rank + 1) * chunk]
     outs = {}
     theirs = torch.empty(chunk, dtype=torch.bfloat16)
-    dist.reduce_scatter_tensor(theirs, g.bfloat16(), op=dist.ReduceOp.AVG)
+    _reduce_scatter(theirs, g.bfloat16(), op=dist.ReduceOp.AVG)
     outs["FSDP2 reduce-scatter, torch bf16 reduce_dtype"] = theirs
     for name, wire in FSDP_WIRES.items():
         ours = torch.empty(chunk)

@@ -21,6 +21,8 @@ from . import _fsdp_worker
 from ._dist import run_ranks
 
 WIRES = (torch.bfloat16, torch.float16, torch.int8)
+# torch 2.13 renamed reduce_scatter_tensor (now deprecated); older releases have only that.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _expected(inputs, rank, chunk, wire, in_dtype, scale, block):
@@ -102,7 +104,7 @@ def _accuracy(rank, world):
     ours = torch.empty(chunk)
     CompressedReduceScatter(torch.bfloat16)(ours, x, dist.group.WORLD, ReduceOp.AVG)
     theirs = torch.empty(chunk, dtype=torch.bfloat16)
-    dist.reduce_scatter_tensor(theirs, (x / world).bfloat16(), op=ReduceOp.SUM)
+    _reduce_scatter(theirs, (x / world).bfloat16(), op=ReduceOp.SUM)
     ours_err = (ours.double() - exact).abs().mean().item()
     theirs_err = (theirs.double() - exact).abs().mean().item()
     assert ours_err < 0.75 * theirs_err, (ours_err, theirs_err)
