@@ -14,6 +14,7 @@ run sees exactly the data the uninterrupted run would have, and ends with the sa
 import argparse
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -81,7 +82,9 @@ def train(env, args) -> None:
         state.load_state_dict(hook_state)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     where = f"step {start} ({ckpt})" if ckpt is not None else "scratch"
-    print(f"rank {env.rank}: attempt {restart}, starting from {where}", flush=True)
+    # One write per line, so that the ranks' lines do not interleave in the launcher's output.
+    sys.stdout.write(f"rank {env.rank}: attempt {restart}, starting from {where}\n")
+    sys.stdout.flush()
     for step in range(start, args.steps):
         gen = torch.Generator().manual_seed((args.seed * 100_003 + step) * 1009 + env.rank)
         x = torch.randn(64, 32, generator=gen)
