@@ -29,6 +29,7 @@ from typing import Optional
 
 from torch.distributed import run as torchrun
 
+from fastddp._loopback import loopback_stores
 from fastddp.cluster import ClusterError, launcher_settings
 
 __all__ = ["LaunchError", "build_parser", "main"]
@@ -440,8 +441,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args.local_addr, args.rdzv_conf = run_args.local_addr, run_args.rdzv_conf  # as applied
+    # One node with a local rendezvous: nothing outside this machine has to reach the stores.
+    local = run_args.rdzv_endpoint == "localhost:0"
     try:
-        torchrun.run(args)
+        with loopback_stores() if local else contextlib.nullcontext():
+            torchrun.run(args)
     except ChildFailedError as e:
         say(f"error: workers failed:\n{e.format_msg()}")
         return 1
