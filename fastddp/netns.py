@@ -1,6 +1,7 @@
 """'Nodes' on one machine: network namespaces joined by rate-limited links.
 
-``python -m fastddp.netns --nodes N --rate 1gbit [launch options] script.py [args]`` runs
+``python -m fastddp.netns --nodes N --rate 1gbit [--loss PCT] [launch options] script.py [args]``
+runs
 ``python -m fastddp.launch --nnodes N`` in each of N namespaces, node 0's output on stdout, and
 removes the namespaces afterwards, also on failure. The nodes hang off one bridge (in a
 namespace of its own), each by a veth limited to the rate both ways, as hosts on a switch.
@@ -21,7 +22,18 @@ import uuid
 from collections.abc import Iterator
 from typing import NamedTuple
 
-__all__ = ["Node", "NetnsError", "nodes", "two_nodes", "unavailable_reason"]
+__all__ = [
+    "Node",
+    "NetnsError",
+    "drop",
+    "dropped",
+    "nodes",
+    "set_link",
+    "start",
+    "stop",
+    "two_nodes",
+    "unavailable_reason",
+]
 
 
 class NetnsError(RuntimeError):
@@ -128,7 +140,8 @@ def nodes(count: int, rate: str = "1gbit") -> Iterator[list[Node]]:
             _ip("netns", "del", ns, check=False)
 
 
-def _stop(procs: list) -> None:
+def stop(procs: list) -> None:
+    """Stop launchers from :func:`start` (SIGTERM, then SIGKILL), with their workers."""
     # The launchers stop their workers on SIGTERM (the workers have sessions of their own);
     # whatever is left after a grace period is killed.
     for sig, grace in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
@@ -151,6 +164,70 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def drop(node: Node, percent: float) -> None:
+    """Drop ``percent`` % of the packets ``node`` receives on its link, at random (nftables).
+
+    Loopback is left alone. Needs ``nft`` (Debian package ``nftables``); this kernel has no
+    ``tc netem`` to emulate loss or delay with. :func:`dropped` reads the count.
+    """
+    if not 0 < percent <= 100:
+        raise ValueError(f"fastddp.netns: loss must be in (0, 100] percent, got {percent}")
+    if shutil.which("nft") is None:
+        raise NetnsError("packet loss needs nft (the nftables package)")
+    # numgen draws 0..9999 per packet: below percent * 100 drops that share.
+    rules = (
+        "add table inet fastddp_loss\n"
+        "add chain inet fastddp_loss input { type filter hook input priority 0; }\n"
+        f"add rule inet fastddp_loss input iifname {node.dev} "
+        f"numgen random mod 10000 < {int(round(percent * 100))} counter drop\n"
+    )
+    subprocess.run(
+        ["ip", "netns", "exec", node.ns, "nft", "-f", "-"],
+        input=rules, check=True, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+
+
+def dropped(node: Node) -> int:
+    """Packets :func:`drop` has dropped on ``node`` so far."""
+    res = subprocess.run(
+        ["ip", "netns", "exec", node.ns, "nft", "list", "table", "inet", "fastddp_loss"],
+        check=True, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    words = res.stdout.split()
+    return int(words[words.index("packets") + 1])
+
+
+def set_link(node: Node, up: bool) -> None:
+    """Take ``node``'s link down (an outage: nothing in or out) or bring it back up."""
+    _ip("-n", node.ns, "link", "set", node.dev, "up" if up else "down")
+
+
+def start(made: list[Node], nproc_per_node: str, argv: list[str], stdout=None, env=None) -> list:
+    """Start ``python -m fastddp.launch ... argv`` on every node (static rendezvous on node 0).
+
+    Returns the launchers, node 0's last (a session each, for :func:`stop`). With ``stdout``
+    (say ``subprocess.PIPE``) every node's output and errors go there; by default node 0's are
+    inherited and the others' dropped. ``env``: the launchers'
+    environment (default: this process's).
+    """
+    port = _free_port()
+    procs = []
+    for rank, node in reversed(list(enumerate(made))):
+        cmd = ["ip", "netns", "exec", node.ns, sys.executable, "-m", "fastddp.launch"]
+        cmd += ["--nnodes", str(len(made)), "--nproc-per-node", nproc_per_node]
+        cmd += ["--node-rank", str(rank), "--master-addr", made[0].addr]
+        cmd += ["--master-port", str(port), *argv]
+        out = stdout if rank == 0 or stdout is not None else subprocess.DEVNULL
+        err = subprocess.STDOUT if stdout is not None else out
+        # A session per node, so that its launcher and workers are stopped together.
+        procs.append(
+            subprocess.Popen(
+                cmd, stdout=out, stderr=err, env=env, start_new_session=True, text=True
+            )
+        )
+    return procs
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m fastddp.netns",
@@ -162,46 +239,28 @@ def main(argv=None) -> int:
     p.add_argument("--nodes", type=int, default=2, help="number of nodes (default 2)")
     p.add_argument("--nproc-per-node", default="1")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before all are killed")
+    p.add_argument(
+        "--loss", type=float, default=0.0, help="drop this %% of every node's received packets"
+    )
     args, rest = p.parse_known_args(argv)
     if not rest:
         p.error("give the script (or -m module) to run on every node")
     if args.nodes < 1:
         p.error("--nodes must be at least 1")
+    if not 0 <= args.loss <= 100:
+        p.error("--loss must be between 0 and 100 (percent)")
     # A terminated run still removes its namespaces: SIGTERM unwinds like Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         with nodes(args.nodes, args.rate) as made:
-            port = _free_port()
-            procs = []
-            a = made[0]
-            for rank, node in reversed(list(enumerate(made))):
-                cmd = [
-                    "ip",
-                    "netns",
-                    "exec",
-                    node.ns,
-                    sys.executable,
-                    "-m",
-                    "fastddp.launch",
-                    "--nnodes",
-                    str(args.nodes),
-                    "--nproc-per-node",
-                    args.nproc_per_node,
-                    "--node-rank",
-                    str(rank),
-                    "--master-addr",
-                    a.addr,
-                    "--master-port",
-                    str(port),
-                    *rest,
-                ]
-                out = None if rank == 0 else subprocess.DEVNULL
-                # A session per node, so that its launcher and workers are killed together.
-                procs.append(subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True))
+            if args.loss:
+                for node in made:
+                    drop(node, args.loss)
+            procs = start(made, args.nproc_per_node, rest)
             try:
                 codes = [proc.wait(timeout=args.timeout) for proc in procs]
             finally:
-                _stop(procs)
+                stop(procs)
     except NetnsError as e:
         print(f"fastddp.netns: {e}", file=sys.stderr)
         return 2

@@ -66,19 +66,39 @@ class PeerWatchdog:
             wait_for_workers=False,
         )
         self._on_lost = on_lost or _exit_with
+        self._store_at = f"{host}:{port}"
         self._stop = threading.Event()
-        self._me = f"pid {os.getpid()} on {socket.gethostname()}"
+        # What names this rank's node to the others: its node rank under a launcher, and the
+        # address it reaches the store from (host names repeat across containers).
+        node = os.environ.get("GROUP_RANK")
+        where = f"node {node}, " if node is not None else ""
+        self._me = (
+            f"{where}{_local_address(host, port)}, pid {os.getpid()} on {socket.gethostname()}"
+        )
         self._thread = threading.Thread(target=self._run, name="fastddp-watchdog", daemon=True)
+        # A store call can block for good when the network to the store's node is cut (the
+        # client's timeout does not cover a peer that stops answering): a second thread
+        # watches the first one's progress instead of trusting every call to return.
+        self._deadline = threading.Thread(
+            target=self._watch_progress, name="fastddp-watchdog-deadline", daemon=True
+        )
+        self._last_ok = time.monotonic()
+        self._last_error: Optional[Exception] = None
+        self._reported = threading.Lock()
 
     def start(self) -> "PeerWatchdog":
         self._beat(0)
+        self._last_ok = time.monotonic()
         self._thread.start()
+        self._deadline.start()
         return self
 
     def stop(self) -> None:
         """Stop watching, and tell the others that this rank finished (it is not lost)."""
         self._stop.set()
         self._thread.join(timeout=self.interval + 5)
+        if self._thread.is_alive():
+            return  # stuck in a store call: the store is unreachable, and so is a last write
         with contextlib.suppress(Exception):  # the store may be gone at the end of a job
             self._store.set(self._key(self.rank), _DONE)
 
@@ -87,6 +107,11 @@ class PeerWatchdog:
 
     def _beat(self, count: int) -> None:
         self._store.set(self._key(self.rank), f"{count}|{self._me}")
+
+    def _report(self, message: str) -> None:
+        # Once, from whichever thread finds a problem first.
+        if self._reported.acquire(blocking=False) and not self._stop.is_set():
+            self._on_lost(message)
 
     def _run(self) -> None:
         seen: dict[int, tuple[str, float]] = {}
@@ -108,13 +133,22 @@ class PeerWatchdog:
                         seen[r] = (value, now)
                     elif now - last[1] > self.timeout:
                         lost.append((r, value, now - last[1]))  # value "": never came up
-            except Exception as e:  # the store itself is gone: the job is ending
-                if not self._stop.is_set():
-                    print(f"fastddp watchdog on rank {self.rank}: store unreachable ({e})",
-                          file=sys.stderr, flush=True)  # fmt: skip
-                return
+            except Exception as e:
+                # The store is gone (the job is ending, and stop() comes soon) or refuses us:
+                # keep trying; the deadline thread gives up once nothing has worked for the
+                # whole timeout.
+                self._last_error = e
+                continue
+            self._last_ok = time.monotonic()
             if lost:
-                self._on_lost(self._message(lost))
+                self._report(self._message(lost))
+                return
+
+    def _watch_progress(self) -> None:
+        while not self._stop.wait(self.interval):
+            quiet = time.monotonic() - self._last_ok
+            if quiet > self.timeout + self.interval:
+                self._report(self._store_message(quiet, self._last_error))
                 return
 
     def _message(self, lost: list[tuple[int, str, float]]) -> str:
@@ -128,6 +162,27 @@ class PeerWatchdog:
             f"{self.rank} exits with status {EXIT_PEER_LOST} instead of waiting in a "
             "collective forever."
         )
+
+    def _store_message(self, quiet: float, error: Optional[Exception]) -> str:
+        why = f"; last error: {error}" if error is not None else "; a call to it never returned"
+        return (
+            f"fastddp: the job's store at {self._store_at} (on node 0, with the rendezvous) "
+            f"has not answered rank {self.rank} for {quiet:.0f} s (peer timeout "
+            f"{self.timeout:g} s, FASTDDP_PEER_TIMEOUT{why}): the network to that node is "
+            f"down, or the node is. Rank {self.rank} exits with status {EXIT_PEER_LOST} "
+            "instead of waiting in a collective forever."
+        )
+
+
+def _local_address(host: str, port: int) -> str:
+    """The local address this process reaches ``host`` from (a UDP connect sends nothing)."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))
+            return s.getsockname()[0]
+    except OSError:
+        return "address unknown"
 
 
 def _exit_with(message: str) -> None:

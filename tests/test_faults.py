@@ -102,7 +102,7 @@ def test_stopped_worker_is_named_instead_of_hanging(tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     assert rc != 0, out
-    assert f"rank 1 (pid {pid} on " in out, out
+    assert f"rank 1 (node 0, 127.0.0.1, pid {pid} on " in out, out
     assert "has not answered for" in out and "peer timeout 5 s" in out
     assert "exits with status 3" in out
     # Named within the timeout plus a couple of heartbeat intervals, not after minutes.
