@@ -1,5 +1,6 @@
 """python -m fastddp.bench: the sweep's columns, JSON and plot, the DDP benchmark, --link."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -240,3 +241,29 @@ def test_convergence_run_runs(tmp_path):
     for name in ("bf16", "int8", "int8 + EF"):
         assert abs(data[name]["eval"] / base["eval"] - 1) < 0.05, name
     assert "vs fp32" in stdout
+
+
+def test_soak_sees_no_growth_and_would_see_it(tmp_path):
+    args = ["--steps", "300", "--every", "100", "--width", "128"]
+    data, stdout = _script("soak", args, tmp_path)
+    assert "no growth after step 100 on any rank" in stdout
+    for results in data["ranks"]:
+        assert set(results) == {"bf16", "fp16", "bf16-acc", "bf16-acc-ef", "int8", "int8-ef-sr"}
+        for result in results.values():
+            assert [r["step"] for r in result["records"]] == [100, 200, 300]
+            assert result["records"][0]["allocations"] > 0 and not result["problems"]
+    # The check itself: growth of each kind is reported.
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
+    spec = importlib.util.spec_from_file_location("soak", path)
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+
+    base = {"step": 100, "rss_mb": 300.0, "allocations": 2, "fds": 13, "threads": 5}
+    grown = [base, {**base, "step": 200, "rss_mb": 320.0, "allocations": 3, "fds": 14}]
+    problems = soak._growth(grown, slack_mb=8)
+    assert len(problems) == 3 and any("resident memory" in p for p in problems), problems
+    # Up and down within the slack is not growth; a rise from the lowest record is.
+    wobble = [base, {**base, "step": 200, "rss_mb": 306.0}, {**base, "step": 300}]
+    assert soak._growth(wobble, slack_mb=8) == []
+    rise = [*wobble, {**base, "step": 400, "rss_mb": 309.0}]
+    assert len(soak._growth(rise, slack_mb=8)) == 1

@@ -92,6 +92,7 @@ def _same(a: list, b: list) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.skipif(shutil.which("nft") is None, reason="packet loss needs nft (nftables)")
 @pytest.mark.parametrize("mode", ["bf16", "int8"])
 def test_lossy_link_gives_the_clean_runs_parameters(mode, tmp_path, tmp_path_factory):
     codes, outs, drops, params = _run(tmp_path, mode, loss=1.0)
