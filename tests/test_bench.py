@@ -93,6 +93,23 @@ def test_ddp_step_benchmark(tmp_path):
     assert "exposed comm" in res.stdout
 
 
+def test_ddp_peers_on_the_transformer(tmp_path):
+    out = tmp_path / "ddp.json"
+    small = ["--model", "transformer", "--width", "32", "--layers", "2", "--heads", "4"]
+    modes = ["fp32", "powersgd-r1", "powersgd-r4", "fastddp-int8-ef"]
+    args = ["ddp", *small, "--seq", "16", "--steps", "2", "--warmup", "2", "--modes", *modes]
+    res = _run([*args, "--json", str(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in data["rows"]}
+    assert set(rows) == set(modes) and data["model"] == "transformer"
+    fp32 = rows["fp32"]["payload_bytes"]
+    # PowerSGD sends P and Q of each large matrix, the rest as it is: more at rank 4.
+    assert 0 < rows["powersgd-r1"]["payload_bytes"] < rows["powersgd-r4"]["payload_bytes"] < fp32
+    assert 0 < rows["fastddp-int8-ef"]["payload_bytes"] < 0.3 * fp32
+    assert "transformer of 0." in res.stdout
+
+
 def test_fsdp_step_benchmark(tmp_path):
     out = tmp_path / "fsdp.json"
     small = ["--width", "32", "--layers", "2", "--heads", "4", "--seq", "16"]
@@ -133,6 +150,7 @@ def test_fsdp_step_benchmark(tmp_path):
         (["fsdp", "--width", "30", "--heads", "4"], "--width 30 must be a multiple of --heads 4"),
         (["fsdp", "--seq", "2000"], "--seq must be at most 1024"),
         (["fsdp", "--layers", "0"], "--layers must be at least 1"),
+        (["ddp", "--model", "transformer", "--width", "30"], "must be a multiple of --heads 8"),
     ],
 )
 def test_bad_options(args, message):

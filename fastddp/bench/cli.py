@@ -32,10 +32,21 @@ def _parser():
         description=ddp.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    d.add_argument("--params", type=int, default=25_000_000, help="model size (default 25M)")
     d.add_argument(
-        "--width", type=int, help="layer width (default: 2048 for large models, else fitted)"
+        "--model",
+        choices=["mlp", "transformer"],
+        default="mlp",
+        help="square linear layers (default) or a decoder-only transformer",
     )
+    d.add_argument("--params", type=int, default=25_000_000, help="mlp size (default 25M)")
+    d.add_argument(
+        "--width",
+        type=int,
+        help="layer width (mlp default: 2048 for large models, else fitted; transformer: 512)",
+    )
+    d.add_argument("--layers", type=int, default=8, help="transformer blocks (default 8)")
+    d.add_argument("--heads", type=int, default=8, help="transformer heads (default 8)")
+    d.add_argument("--seq", type=int, default=64, help="transformer tokens per sequence")
     d.add_argument("--batch", type=int, default=16)
     d.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket size")
     d.add_argument("--steps", type=int, default=30)
@@ -78,9 +89,9 @@ def _check(p, args):
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.nodes is not None and not args.link and "RANK" not in os.environ:
         p.error("--nodes needs --link (the nodes are network namespaces)")
-    if args.what == "fsdp":
-        if args.width % args.heads:
-            p.error(f"--width {args.width} must be a multiple of --heads {args.heads}")
+    if args.what == "fsdp" or (args.what == "ddp" and args.model == "transformer"):
+        if (args.width or 512) % args.heads:
+            p.error(f"--width {args.width or 512} must be a multiple of --heads {args.heads}")
         if args.seq > 1024:
             p.error("--seq must be at most 1024 (the model's positions)")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -159,7 +170,7 @@ def _ddp_job(env, args):
         return rows
     shape = f"{env.num_nodes} nodes x {env.world_size // env.num_nodes} ranks"
     title = (
-        f"DDP step, {rows[0]['params'] / 1e6:.1f}M parameters, {shape}, "
+        f"DDP step, {args.model} of {rows[0]['params'] / 1e6:.1f}M parameters, {shape}, "
         f"{env.backend}, {args.steps} steps after {args.warmup} warm-up"
     )
     cols = [
@@ -188,6 +199,7 @@ def _ddp_job(env, args):
     report.table(title, cols, cells)
     if args.json:
         meta = {"world_size": env.world_size, "backend": env.backend, "nodes": env.num_nodes}
+        meta["model"] = args.model
         report.write_json(args.json, {"benchmark": "ddp", **meta, "rows": rows})
     return rows
 

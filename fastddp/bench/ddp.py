@@ -1,8 +1,14 @@
 """End-to-end DDP step time per communication hook.
 
-Modes: ``fp32`` (no hook), ``torch-fp16`` (PyTorch's ``fp16_compress_hook``), ``fastddp-bf16``,
-``fastddp-fp16``, ``fastddp-bf16-acc`` (bf16 summed in fp32), ``fastddp-int8``, and ``noop``
-(PyTorch's ``noop_hook``: no communication, the floor). A step is forward, backward (with the
+Modes: ``fp32`` (no hook), ``torch-fp16`` (PyTorch's ``fp16_compress_hook``),
+``powersgd-r1|r2|r4`` (PyTorch's ``powerSGD_hook`` at rank 1, 2, 4, with error feedback and
+warm start; plain all-reduce during the warm-up steps, compressed in every timed step),
+``fastddp-bf16``, ``fastddp-fp16``, ``fastddp-bf16-acc`` (bf16 summed in fp32),
+``fastddp-int8``, ``fastddp-int8-ef`` (with error feedback), and ``noop`` (PyTorch's
+``noop_hook``: no communication, the floor). PyTorch's ``bf16_compress_hook`` is not among
+them: it refuses to run without CUDA and NCCL. ``--model`` picks a stack of square linear
+layers (``mlp``, sized by ``--params``) or a decoder-only transformer (``transformer``,
+``--width`` and ``--layers``, character-level tokens). A step is forward, backward (with the
 hook's collectives) and an SGD update; p50/p90 are over the slowest rank's step times after
 warm-up. Exposed communication = (p50 - p50 of noop) / p50. Cross-node bytes per step are
 summed over all ranks: fastddp's own count (``stats()["cross_node_bytes"]``), and for the
@@ -17,26 +23,37 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
 from fastddp.bench.common import fastddp_runs
+from fastddp.bench.models import Decoder
 from fastddp.hooks.topology import Topology, node_hash
 
 MODES = ["fp32", "torch-fp16", "fastddp-bf16", "fastddp-fp16", "noop"]
 # Not run by default (the table in RESULTS.md keeps its columns); ask with --modes.
-EXTRA_MODES = ["fastddp-bf16-acc", "fastddp-int8"]
+EXTRA_MODES = [
+    "fastddp-bf16-acc",
+    "fastddp-int8",
+    "fastddp-int8-ef",
+    "powersgd-r1",
+    "powersgd-r2",
+    "powersgd-r4",
+]
+POWERSGD_RANKS = {"powersgd-r1": 1, "powersgd-r2": 2, "powersgd-r4": 4}
 _SETTINGS = {
     "fastddp-bf16": {"dtype": torch.bfloat16},
     "fastddp-fp16": {"dtype": torch.float16},
     "fastddp-bf16-acc": {"accumulate_dtype": torch.float32},
     "fastddp-int8": {"dtype": torch.int8},
+    "fastddp-int8-ef": {"dtype": torch.int8, "error_feedback": True},
 }
 
 
-def _model(params, device, width=None):
+def _mlp(params, device, width=None):
     # A stack of square layers sized to land near `params` parameters (2048 wide when large).
     if width is None:
         width = 2048 if params >= 4 * 2048 * 2048 else max(16, int((params / 2) ** 0.5))
@@ -48,16 +65,54 @@ def _model(params, device, width=None):
     return nn.Sequential(*layers[:-1]).to(device), width
 
 
-def _register(model, mode, topology):
+def _model_and_batch(args, device, rank):
+    """The model and a loss function of it over this rank's fixed batch."""
+    gen = torch.Generator().manual_seed(rank)
+    if args.model == "transformer":
+        torch.manual_seed(0)
+        width = args.width or 512
+        module = Decoder(width=width, heads=args.heads, layers=args.layers).to(device)
+        tokens = torch.randint(0, 96, (args.batch, args.seq + 1), generator=gen).to(device)
+        return module, lambda m: Decoder.loss(m(tokens[:, :-1]), tokens[:, 1:])
+    module, width = _mlp(args.params, device, args.width)
+    x = torch.randn(args.batch, width, generator=gen).to(device)
+    return module, lambda m: m(x).square().mean()
+
+
+def _register(model, mode, topology, args):
     if mode == "torch-fp16":
         model.register_comm_hook(None, fp16_compress_hook)
     elif mode == "noop":
         model.register_comm_hook(None, noop_hook)
+    elif mode in POWERSGD_RANKS:
+        # PyTorch's advice: plain all-reduce for a warm-up first (here: the untimed steps),
+        # with error feedback and warm start on (the defaults).
+        state = powersgd.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=POWERSGD_RANKS[mode],
+            start_powerSGD_iter=max(2, args.warmup),
+        )
+        model.register_comm_hook(state, powersgd.powerSGD_hook)
     elif mode.startswith("fastddp"):
         state = fastddp.CompressState(**_SETTINGS[mode], topology=topology)
         model.register_comm_hook(state, fastddp.compress_hook)
         return state
     return None
+
+
+def _powersgd_bytes(model, rank, min_rate=2):
+    """What one powerSGD_hook step sends per rank in its all-reduces: P and Q (fp32) of each
+    matrix worth compressing, every other gradient in fp32 as it is."""
+    total = 0
+    for p in model.parameters():
+        if p.dim() > 1:
+            n, m = p.shape[0], p[0].numel()
+            r = min(n, m, rank)
+            if n * m >= min_rate * (n + m) * r:
+                total += (n + m) * r * 4
+                continue
+        total += p.numel() * 4
+    return total
 
 
 def _percentile(values, q):
@@ -66,12 +121,10 @@ def _percentile(values, q):
 
 
 def run_mode(env, args, label, mode, topology, topo):
-    module, width = _model(args.params, env.device, args.width)
+    module, loss_of = _model_and_batch(args, env.device, env.rank)
     model = DDP(module, bucket_cap_mb=args.bucket_cap_mb)
-    state = _register(model, mode, topology)
+    state = _register(model, mode, topology, args)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(env.rank)
-    x = torch.randn(args.batch, width, generator=gen).to(env.device)
     times = []
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
@@ -79,7 +132,7 @@ def run_mode(env, args, label, mode, topology, topo):
         dist.barrier()
         start = time.perf_counter()
         opt.zero_grad(set_to_none=False)
-        model(x).square().mean().backward()
+        loss_of(model).backward()
         opt.step()
         if env.device.type == "cuda":
             torch.cuda.synchronize()
@@ -97,6 +150,11 @@ def run_mode(env, args, label, mode, topology, topo):
         payload = stats["payload_bytes"] // calls
         cross = stats["cross_node_bytes"] // calls
         used = stats["topology_used"]
+    elif mode in POWERSGD_RANKS:
+        payload = _powersgd_bytes(model, POWERSGD_RANKS[mode])
+        # Its all-reduces are fp32 rings in rank order: count the payload as fp32 elements.
+        cross = topo.ring_cross_bytes(payload // 4, 4)
+        used = None
     else:
         payload = numel * per_elem[mode]
         cross = topo.ring_cross_bytes(numel, per_elem[mode]) if per_elem[mode] else 0
