@@ -252,6 +252,15 @@ def test_accuracy_study_runs_and_shows_fp32_accumulation(tmp_path):
     assert "4 ranks" in stdout
 
 
+def test_link_sweep_on_loopback(tmp_path):
+    args = ["--rates", "loopback", "--modes", "fp32", "fastddp-bf16", "powersgd-r1"]
+    args += ["--width", "32", "--layers", "1", "--steps", "2", "--warmup", "2"]
+    data, stdout = _script("link_sweep", args, tmp_path)
+    rows = data["rows"]["loopback"]
+    assert set(rows) == {"fp32", "fastddp-bf16", "powersgd-r1"} and rows["fp32"]["vs_fp32"] == 1
+    assert "fastddp-bf16" in stdout and "loopback" in stdout
+
+
 def test_convergence_run_runs(tmp_path):
     data, stdout = _script("convergence", ["--steps", "30"], tmp_path)
     base = data["fp32 (no hook)"]

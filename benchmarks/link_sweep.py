@@ -1,0 +1,106 @@
+"""Where compression pays: DDP step time per method against plain fp32, per link rate.
+
+Runs ``python -m fastddp.bench ddp`` once per rate, two nodes (network namespaces, as root)
+joined by links of that rate, plus once on loopback (two local ranks, no rate limit), and
+tabulates each method's step time relative to fp32 at the same rate. Every ratio comes from
+one run, so the methods at a rate share the machine's state.
+
+    python benchmarks/link_sweep.py --json benchmarks/link_sweep.json \\
+        --plot benchmarks/link_sweep.png
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+RATES = ["loopback", "10gbit", "1gbit", "100mbit"]
+MODES = [
+    "fp32",
+    "torch-fp16",
+    "powersgd-r1",
+    "powersgd-r4",
+    "fastddp-bf16",
+    "fastddp-bf16-acc",
+    "fastddp-int8",
+    "fastddp-int8-ef",
+    "noop",
+]
+
+
+def _one(rate, args, tmp) -> dict:
+    out = Path(tmp) / f"{rate}.json"
+    cmd = [sys.executable, "-m", "fastddp.bench", "ddp", "--model", "transformer"]
+    cmd += ["--width", str(args.width), "--layers", str(args.layers), "--batch", str(args.batch)]
+    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--modes", *args.modes]
+    cmd += ["--json", str(out)]
+    if rate != "loopback":
+        cmd += ["--link", rate]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    if res.returncode != 0:
+        raise SystemExit(f"link_sweep: {rate} failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rates", nargs="+", default=RATES)
+    p.add_argument("--modes", nargs="+", default=MODES)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per rate")
+    p.add_argument("--json")
+    p.add_argument("--plot")
+    args = p.parse_args(argv)
+    if "fp32" not in args.modes:
+        p.error("the ratios are against fp32: keep fp32 in --modes")
+    table = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rate in args.rates:
+            data = _one(rate, args, tmp)
+            table[rate] = {r["mode"]: r for r in data["rows"]}
+            print(f"{rate}: done", flush=True)
+    params = next(iter(next(iter(table.values())).values()))["params"]
+    print(f"\nDDP step vs fp32, transformer of {params / 1e6:.1f}M parameters, 2 ranks")
+    print(f"{'mode':<20}" + "".join(f"{r:>12}" for r in args.rates))
+    for mode in args.modes:
+        cells = [table[r][mode]["vs_fp32"] for r in args.rates]
+        print(f"{mode:<20}" + "".join(f"{c:>11.2f}x" for c in cells))
+    print(
+        f"{'fp32 p50 (ms)':<20}"
+        + "".join(f"{table[r]['fp32']['p50_ms']:>12.0f}" for r in args.rates)
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"params": params, "rates": args.rates, "rows": table}, f, indent=1)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        xs = range(len(args.rates))
+        for mode in args.modes:
+            if mode == "fp32":
+                continue
+            ax.plot(xs, [table[r][mode]["vs_fp32"] for r in args.rates], marker="o", label=mode)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(list(xs), args.rates)
+        ax.set_xlabel("link between the two nodes")
+        ax.set_ylabel("step time / fp32 step time")
+        ax.set_title(f"Where compression pays (transformer, {params / 1e6:.1f}M, 2 ranks)")
+        ax.legend(fontsize=7)
+        ax.grid(True, alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
