@@ -110,6 +110,30 @@ def test_ddp_peers_on_the_transformer(tmp_path):
     assert "transformer of 0." in res.stdout
 
 
+def test_time_to_target(tmp_path):
+    out = tmp_path / "conv.json"
+    small = ["--width", "32", "--layers", "1", "--heads", "4", "--seq", "16", "--batch", "4"]
+    modes = ["fp32", "fastddp-bf16", "powersgd-r1"]
+    args = ["convergence", *small, "--steps", "20", "--eval-every", "5", "--modes", *modes]
+    res = _run([*args, "--json", str(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == set(modes)
+    fp32 = rows["fp32"]
+    assert fp32["reached"] and fp32["steps"] == 20 and fp32["vs_fp32"] == 1
+    first = next(c for c in fp32["curve"] if c[2] <= fp32["target"])
+    assert fp32["steps_to_target"] == first[0] <= 20
+    assert fp32["target"] == pytest.approx(fp32["final_val_loss"] * 1.01)
+    for r in rows.values():
+        # Every run stops at the target or at the limit (2 x 20 steps), and says which.
+        assert r["reached"] == (r["final_val_loss"] <= fp32["target"])
+        assert r["steps"] <= 40 and r["curve"][-1][0] == r["steps"]
+        assert [c[0] for c in r["curve"]][:2] == [5, 10]
+    per_step = {m: r["sent_mb"] / r["steps"] for m, r in rows.items()}
+    assert per_step["powersgd-r1"] < per_step["fastddp-bf16"] < per_step["fp32"]
+    assert "time to target" in res.stdout
+
+
 def test_fsdp_step_benchmark(tmp_path):
     out = tmp_path / "fsdp.json"
     small = ["--width", "32", "--layers", "2", "--heads", "4", "--seq", "16"]

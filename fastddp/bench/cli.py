@@ -1,4 +1,4 @@
-"""The command line of ``python -m fastddp.bench {allreduce,ddp,fsdp}``."""
+"""The command line of ``python -m fastddp.bench {allreduce,ddp,fsdp,convergence}``."""
 
 import argparse
 import os
@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from fastddp.bench import allreduce, ddp, fsdp, report
+from fastddp.bench import allreduce, convergence, ddp, fsdp, report
 from fastddp.bench.common import add_common_options, run_everywhere
 
 
@@ -74,6 +74,29 @@ def _parser():
     f.add_argument("--warmup", type=int, default=3)
     f.add_argument("--modes", nargs="+", default=fsdp.MODES, choices=fsdp.MODES)
     add_common_options(f)
+    c = sub.add_parser(
+        "convergence",
+        help="time to a target validation loss per method (transformer)",
+        description=convergence.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    c.add_argument("--width", type=int, default=256)
+    c.add_argument("--layers", type=int, default=4)
+    c.add_argument("--heads", type=int, default=8)
+    c.add_argument("--seq", type=int, default=64)
+    c.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
+    c.add_argument("--steps", type=int, default=300, help="fp32's steps, which set the target")
+    c.add_argument("--eval-every", type=int, default=25)
+    c.add_argument("--val-batches", type=int, default=4)
+    c.add_argument("--lr", type=float, default=3e-3)
+    c.add_argument("--slack", type=float, default=0.01, help="target = fp32's loss x (1 + slack)")
+    c.add_argument("--max-factor", type=float, default=2.0, help="give up after this x --steps")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    c.add_argument(
+        "--modes", nargs="+", default=convergence.MODES, choices=ddp.MODES + ddp.EXTRA_MODES
+    )
+    add_common_options(c)
     return p
 
 
@@ -83,13 +106,19 @@ def _check(p, args):
             p.error("--plot compares against fp32: keep fp32 in --modes")
         if args.factor < 2:
             p.error("--factor must be at least 2")
-    for name in ("nproc", "threads", "nproc_per_node", "nodes", "width", "layers", "heads", "seq"):
+    for name in (
+        "nproc", "threads", "nproc_per_node", "nodes", "width", "layers", "heads", "seq",
+        "steps", "eval_every", "val_batches", "batch",
+    ):  # fmt: skip
         value = getattr(args, name, None)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.nodes is not None and not args.link and "RANK" not in os.environ:
         p.error("--nodes needs --link (the nodes are network namespaces)")
-    if args.what == "fsdp" or (args.what == "ddp" and args.model == "transformer"):
+    transformer = (
+        args.what in ("fsdp", "convergence") or getattr(args, "model", "") == "transformer"
+    )
+    if transformer:
         if (args.width or 512) % args.heads:
             p.error(f"--width {args.width or 512} must be a multiple of --heads {args.heads}")
         if args.seq > 1024:
@@ -233,7 +262,40 @@ def _fsdp_job(env, args):
     return rows
 
 
-_JOBS = {"allreduce": _allreduce_job, "ddp": _ddp_job, "fsdp": _fsdp_job}
+def _convergence_job(env, args):
+    rows = convergence.run(env, args)
+    if env.rank != 0:
+        return rows
+    title = (
+        f"Time to fp32's validation loss after {args.steps} steps (+{100 * args.slack:g} %): "
+        f"{rows[0]['target']:.3f}, transformer of {rows[0]['params'] / 1e6:.1f}M parameters, "
+        f"{env.world_size} ranks, {env.backend}"
+    )
+    cols = ["mode", "steps to target", "time to target", "vs fp32", "final val loss", "sent/rank"]
+    cells = [
+        [
+            r["mode"],
+            str(r["steps_to_target"]) if r["reached"] else f"not in {r['steps']}",
+            f"{r['seconds_to_target']:.1f} s" if r["reached"] else "-",
+            "-" if r["vs_fp32"] is None else f"{r['vs_fp32']:.2f}x",
+            f"{r['final_val_loss']:.3f}",
+            f"{r['sent_mb']:.0f} MB",
+        ]
+        for r in rows
+    ]
+    report.table(title, cols, cells)
+    if args.json:
+        meta = {"world_size": env.world_size, "backend": env.backend, "nodes": env.num_nodes}
+        report.write_json(args.json, {"benchmark": "convergence", **meta, "rows": rows})
+    return rows
+
+
+_JOBS = {
+    "allreduce": _allreduce_job,
+    "ddp": _ddp_job,
+    "fsdp": _fsdp_job,
+    "convergence": _convergence_job,
+}
 
 
 def main(argv=None):
