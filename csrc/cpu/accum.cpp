@@ -39,6 +39,23 @@ FASTDDP_ACCUM_INLINE bool compress_loop(
 // plain vectorisable loop, instead of a gather across rows per element.
 constexpr int64_t kTile = 1024;
 
+// acc[j] = sum over rows p = 0..chunks-1, in order, of row p's element t + j, for j < len.
+template <WireKind K>
+FASTDDP_ACCUM_INLINE void sum_tile(
+    const uint16_t* __restrict src, int64_t chunks, int64_t m, int64_t t, int64_t len,
+    float* __restrict acc) {
+  const uint16_t* row = src + t;
+  for (int64_t j = 0; j < len; ++j) {
+    acc[j] = math::wire_to_float(K, row[j]);
+  }
+  for (int64_t p = 1; p < chunks; ++p) {
+    row = src + p * m + t;
+    for (int64_t j = 0; j < len; ++j) {
+      acc[j] = math::add(acc[j], math::wire_to_float(K, row[j]));
+    }
+  }
+}
+
 template <WireKind K, bool kResidual, bool kStochastic>
 FASTDDP_ACCUM_INLINE bool sum_loop(
     const uint16_t* __restrict src, int64_t chunks, int64_t m, uint16_t* __restrict dst,
@@ -47,16 +64,7 @@ FASTDDP_ACCUM_INLINE bool sum_loop(
   float acc[kTile];
   for (int64_t t = begin; t < end; t += kTile) {
     const int64_t len = end - t < kTile ? end - t : kTile;
-    const uint16_t* row = src + t;
-    for (int64_t j = 0; j < len; ++j) {
-      acc[j] = math::wire_to_float(K, row[j]);
-    }
-    for (int64_t p = 1; p < chunks; ++p) {
-      row = src + p * m + t;
-      for (int64_t j = 0; j < len; ++j) {
-        acc[j] = math::add(acc[j], math::wire_to_float(K, row[j]));
-      }
-    }
+    sum_tile<K>(src, chunks, m, t, len, acc);
     for (int64_t j = 0; j < len; ++j) {
       const int64_t i = t + j;
       float v = math::mul(acc[j], scale);
@@ -75,20 +83,11 @@ template <WireKind K>
 FASTDDP_ACCUM_INLINE void widen_sum_loop(
     const uint16_t* __restrict src, int64_t chunks, int64_t m, float* __restrict dst,
     int64_t begin, int64_t end, float scale) {
-  // A tile at a time, as sum_loop, so that each row is read once and dst written once.
+  // As sum_loop, without the rounding: the fp32 sum itself, scaled, is the result.
   float acc[kTile];
   for (int64_t t = begin; t < end; t += kTile) {
     const int64_t len = end - t < kTile ? end - t : kTile;
-    const uint16_t* row = src + t;
-    for (int64_t j = 0; j < len; ++j) {
-      acc[j] = math::wire_to_float(K, row[j]);
-    }
-    for (int64_t p = 1; p < chunks; ++p) {
-      row = src + p * m + t;
-      for (int64_t j = 0; j < len; ++j) {
-        acc[j] = math::add(acc[j], math::wire_to_float(K, row[j]));
-      }
-    }
+    sum_tile<K>(src, chunks, m, t, len, acc);
     for (int64_t j = 0; j < len; ++j) {
       dst[t + j] = math::mul(acc[j], scale);
     }

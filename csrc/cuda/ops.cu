@@ -174,6 +174,16 @@ __global__ void compress_feedback_kernel(
   raise_flag(bad, flag);
 }
 
+// Element i of the P rows of length m, summed in fp32 in order p = 0..P-1.
+__device__ __forceinline__ float sum_rows(
+    math::WireKind kind, const uint16_t* __restrict__ src, int64_t chunks, int64_t m, int64_t i) {
+  float acc = math::wire_to_float(kind, src[i]);
+  for (int64_t p = 1; p < chunks; ++p) {
+    acc = math::add(acc, math::wire_to_float(kind, src[p * m + i]));
+  }
+  return acc;
+}
+
 __global__ void sum_chunks_kernel(
     math::WireKind kind,
     const uint16_t* __restrict__ src,
@@ -189,11 +199,7 @@ __global__ void sum_chunks_kernel(
   bool bad = false;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < m;
        i += stride) {
-    float acc = math::wire_to_float(kind, src[i]);
-    for (int64_t p = 1; p < chunks; ++p) {
-      acc = math::add(acc, math::wire_to_float(kind, src[p * m + i]));
-    }
-    float v = math::mul(acc, scale);
+    float v = math::mul(sum_rows(kind, src, chunks, m, i), scale);
     if (residual != nullptr) {
       v = math::add(v, residual[i]);
     }
@@ -214,11 +220,7 @@ __global__ void widen_sum_kernel(
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < m;
        i += stride) {
-    float acc = math::wire_to_float(kind, src[i]);
-    for (int64_t p = 1; p < chunks; ++p) {
-      acc = math::add(acc, math::wire_to_float(kind, src[p * m + i]));
-    }
-    dst[i] = math::mul(acc, scale);
+    dst[i] = math::mul(sum_rows(kind, src, chunks, m, i), scale);
   }
 }
 
