@@ -16,18 +16,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from fastddp.bench import convergence
+
 RATES = ["loopback", "10gbit", "1gbit", "100mbit"]
-MODES = [
-    "fp32",
-    "torch-fp16",
-    "powersgd-r1",
-    "powersgd-r4",
-    "fastddp-bf16",
-    "fastddp-bf16-acc",
-    "fastddp-int8",
-    "fastddp-int8-ef",
-    "noop",
-]
+# Every method of the time-to-target run, and the no-communication floor.
+MODES = [*convergence.MODES, "noop"]
 
 
 def _one(rate, args, tmp) -> dict:

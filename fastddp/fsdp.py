@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from fastddp import ops
-from fastddp.hooks.state import DEFAULT_BLOCK_SIZE
+from fastddp.hooks.state import checked_block_size
 
 try:  # FSDP2's comm interfaces (torch >= 2.9 have set_custom_reduce_scatter)
     from torch.distributed.fsdp import FSDPModule
@@ -31,7 +31,6 @@ __all__ = ["CompressedReduceScatter", "compress_reduce_scatter"]
 
 _WIRE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int8: "int8"}
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MAX_BLOCK_SIZE = 1 << 20
 
 
 def _round_up(n: int, k: int) -> int:
@@ -74,18 +73,8 @@ class CompressedReduceScatter(ReduceScatter):
             raise ValueError(
                 f"{where}: dtype must be torch.bfloat16, torch.float16 or torch.int8, got {dtype!r}"
             )
-        if dtype == torch.int8:
-            block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
-            if isinstance(block_size, bool) or not isinstance(block_size, int):
-                raise TypeError(f"{where}: block_size must be an int, got {block_size!r}")
-            if not 1 <= block_size <= _MAX_BLOCK_SIZE:
-                raise ValueError(
-                    f"{where}: block_size must be between 1 and {_MAX_BLOCK_SIZE}, got {block_size}"
-                )
-        elif block_size is not None:
-            raise ValueError(f"{where}: block_size applies to dtype=torch.int8 only")
         self.dtype = dtype
-        self.block_size = block_size
+        self.block_size = checked_block_size(where, dtype, block_size)
         self._buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
         self._counters = dict.fromkeys(
             ("calls", "allocations", "wire_bytes", "fp32_wire_bytes", "elements"), 0

@@ -193,6 +193,13 @@ def _allreduce_job(env, args):
     return rows
 
 
+def _write_json(args, env, benchmark, rows, **extra):
+    # The step benchmarks' JSON: what ran where, then the table's rows.
+    if args.json:
+        meta = {"world_size": env.world_size, "backend": env.backend, "nodes": env.num_nodes}
+        report.write_json(args.json, {"benchmark": benchmark, **meta, **extra, "rows": rows})
+
+
 def _ddp_job(env, args):
     rows = ddp.run(env, args)
     if env.rank != 0:
@@ -226,10 +233,7 @@ def _ddp_job(env, args):
         for r in rows
     ]
     report.table(title, cols, cells)
-    if args.json:
-        meta = {"world_size": env.world_size, "backend": env.backend, "nodes": env.num_nodes}
-        meta["model"] = args.model
-        report.write_json(args.json, {"benchmark": "ddp", **meta, "rows": rows})
+    _write_json(args, env, "ddp", rows, model=args.model)
     return rows
 
 
@@ -256,9 +260,7 @@ def _fsdp_job(env, args):
         for r in rows
     ]
     report.table(title, cols, cells)
-    if args.json:
-        meta = {"world_size": env.world_size, "backend": env.backend, "nodes": env.num_nodes}
-        report.write_json(args.json, {"benchmark": "fsdp", **meta, "rows": rows})
+    _write_json(args, env, "fsdp", rows)
     return rows
 
 
@@ -284,9 +286,7 @@ def _convergence_job(env, args):
         for r in rows
     ]
     report.table(title, cols, cells)
-    if args.json:
-        meta = {"world_size": env.world_size, "backend": env.backend, "nodes": env.num_nodes}
-        report.write_json(args.json, {"benchmark": "convergence", **meta, "rows": rows})
+    _write_json(args, env, "convergence", rows)
     return rows
 
 

@@ -36,6 +36,26 @@ _MAX_BLOCK_SIZE = 1 << 20
 _STATE_VERSION = 2
 
 
+def checked_block_size(where: str, dtype: torch.dtype, block_size) -> Optional[int]:
+    """The int8 block size for a wire ``dtype`` (default 128), or ``None`` for 16-bit wires;
+    anything else raises an error that starts with ``where``."""
+    if dtype != torch.int8:
+        if block_size is not None:
+            raise ValueError(
+                f"{where}: block_size applies to dtype=torch.int8 only (16-bit values need no "
+                "scales); leave it out, or use dtype=torch.int8"
+            )
+        return None
+    block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"{where}: block_size must be an int, got {block_size!r}")
+    if not 1 <= block_size <= _MAX_BLOCK_SIZE:
+        raise ValueError(
+            f"{where}: block_size must be between 1 and {_MAX_BLOCK_SIZE}, got {block_size}"
+        )
+    return block_size
+
+
 class CompressState:
     r"""Settings, buffers, error-feedback residuals and counters of :func:`compress_hook`.
 
@@ -134,18 +154,7 @@ class CompressState:
             )
         if dtype == torch.int8:
             accumulate_dtype = torch.float32  # int8 payloads can only be summed after scaling
-            block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
-            if isinstance(block_size, bool) or not isinstance(block_size, int):
-                raise TypeError(f"{where}: block_size must be an int, got {block_size!r}")
-            if not 1 <= block_size <= _MAX_BLOCK_SIZE:
-                raise ValueError(
-                    f"{where}: block_size must be between 1 and {_MAX_BLOCK_SIZE}, got {block_size}"
-                )
-        elif block_size is not None:
-            raise ValueError(
-                f"{where}: block_size applies to dtype=torch.int8 only (16-bit values need no "
-                "scales); leave it out, or use dtype=torch.int8"
-            )
+        block_size = checked_block_size(where, dtype, block_size)
         for name, value in (
             ("error_feedback", error_feedback),
             ("stochastic_rounding", stochastic_rounding),
