@@ -9,7 +9,8 @@ workers are started by ``torch.distributed.run.run``. Before that, fastddp:
 2. checks, in seconds, what would otherwise surface as a hang: node rank vs nnodes, a loopback
    master for several nodes, the master's name, its port (bound on the master node, connected
    to from the others), and picks the network interface that reaches the master, exporting
-   ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` for the workers unless already set.
+   ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` for the workers unless already set;
+3. keeps an elastic c10d rendezvous able to take a node back (see :func:`elastic_store`).
 """
 
 import argparse
@@ -376,6 +377,28 @@ def preflight(args: argparse.Namespace, network: bool = True) -> tuple[dict, Dec
     return info, decisions
 
 
+def elastic_store(args: argparse.Namespace) -> Optional[tuple[str, str]]:
+    """The store setting an elastic c10d rendezvous needs, as ``(value, why)``, or None.
+
+    By default torch's c10d rendezvous lets node 0's agent serve the workers' store, and each
+    agent keeps the store address it learnt in the first round. A node that joins a later
+    round (one restarted after it was lost, or one added to ``--nnodes MIN:MAX``) waits for
+    that address under the new round's keys, which the surviving agent never writes: both
+    sides wait until the rendezvous times out (measured with torch 2.13 on two namespaces).
+    With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` every round publishes a fresh address and
+    rank 0's worker serves the store, so a node can rejoin.
+    """
+    if args.rdzv_backend != "c10d" or args.rdzv_endpoint == "localhost:0":
+        return None  # static, or one node with a local rendezvous: no node can (re)join
+    min_nodes, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
+    if args.max_restarts == 0 and min_nodes == max_nodes:
+        return None  # membership never changes
+    var = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    if var in os.environ:
+        return None
+    return "1", "so that a node lost and started again, or added, can join a later round"
+
+
 def _summary(args: argparse.Namespace, info: dict) -> None:
     import torch
 
@@ -414,6 +437,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         say(f"error: {e}")
         return 2
     apply(run_args, decisions)
+    store = elastic_store(run_args)
+    if store is not None:
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = store[0]
+        say(f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE={store[0]} ({store[1]})")
     if not args.no_preflight and info.get("is_master", True):
         _summary(run_args, info)
     if args.dry_run:

@@ -302,3 +302,115 @@ def _completion_thread(rank, world, settings):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_futures_complete_on_the_hook_thread(mode):
     run_ranks(_completion_thread, 2, MODES[mode])
+
+
+# -- resuming at another world size ------------------------------------------------------------
+
+_N = 3001  # not a multiple of any world size: shards are padded
+
+
+def _grad(rank: int, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(_N, generator=gen) * torch.logspace(-3, 1, _N)
+
+
+def _owed(saved: dict) -> torch.Tensor:
+    """What one rank's saved residuals still owe the average, element by element."""
+    owed = torch.zeros(_N + 4096)
+    for b in saved["buckets"].values():
+        assert b["params"] == [[0, _N]]
+        if b["residual"] is not None:
+            owed[:_N] += b["residual"][:_N]
+        if b["shard_residual"] is not None:
+            lo = b["shard_offset"]
+            owed[lo : lo + b["shard_residual"].numel()] += b["shard_residual"]
+    carry = saved["carry"]
+    for part in carry["stage1"].values():
+        owed[:_N] += part
+    for pieces in carry["stage2"].values():
+        for offset, piece in pieces:
+            owed[offset : offset + piece.numel()] += piece
+    return owed[:_N]
+
+
+def _train_phase(rank, world, settings, steps, path, resume):
+    """Average ``_grad`` over ``steps``; save this rank's state and what was delivered."""
+    state = fastddp.CompressState(**settings)
+    if resume is not None:
+        saved = torch.load(resume)
+        state.load_state_dict(fastddp.CompressState.reshard(saved["states"], world)[rank])
+    delivered = torch.zeros(_N)
+    for step in steps:
+        x = _grad(rank, step)
+        fastddp.all_reduce(x, state=state)
+        delivered += x
+    everyone = [None] * world
+    dist.all_gather_object(everyone, state.state_dict())
+    if rank == 0:
+        torch.save({"states": everyone, "delivered": delivered}, path)
+
+
+@pytest.mark.parametrize("mode", ["bf16-fp32acc-ef", "int8-ef"])
+@pytest.mark.parametrize("worlds", [(4, 2), (2, 3)])
+def test_residuals_resharded_to_another_world_size_are_not_lost(mode, worlds, tmp_path):
+    # Error feedback's invariant: what was delivered plus what the residuals owe equals the
+    # sum of the true averages. It must survive a resume at another world size.
+    old, new = worlds
+    first, second = range(0, 6), range(6, 10)
+    run_ranks(_train_phase, old, MODES[mode], first, tmp_path / "a.pt", None, timeout=120)
+    a = torch.load(tmp_path / "a.pt")
+    run_ranks(_train_phase, new, MODES[mode], second, tmp_path / "b.pt", tmp_path / "a.pt")
+    b = torch.load(tmp_path / "b.pt")
+    truth = sum(torch.stack([_grad(r, t) for r in range(old)]).double().mean(0) for t in first)
+    truth += sum(torch.stack([_grad(r, t) for r in range(new)]).double().mean(0) for t in second)
+    owed_a = sum(_owed(sd) for sd in a["states"]).double()
+    owed_b = sum(_owed(sd) for sd in b["states"]).double()
+    scale = truth.abs() + 1e-3
+    # The residuals at the resize are far above fp32's rounding: losing them would show.
+    assert (owed_a.abs() / scale).max() > 1e-3
+    gap = (a["delivered"].double() + b["delivered"].double() + owed_b - truth).abs() / scale
+    assert gap.max() < 1e-4, f"{gap.max():.2e} of the gradient lost at the resize"
+    resharded = fastddp.CompressState.reshard(a["states"], new)
+    assert [(sd["rank"], sd["world_size"]) for sd in resharded] == [(r, new) for r in range(new)]
+    assert torch.allclose(sum(_owed(sd) for sd in resharded).double(), owed_a, atol=1e-6)
+
+
+def _load_unresharded(rank, world, settings, path):
+    saved = torch.load(path)["states"]
+    state = fastddp.CompressState(**settings)
+    state.load_state_dict(saved[rank])
+    x = _grad(rank, 0)
+    if not settings.get("error_feedback"):
+        fastddp.all_reduce(x, state=state)  # nothing per rank in it: any world size takes it
+        assert state.stats()["calls"] == saved[rank]["counters"]["calls"] + 1
+        return
+    with pytest.raises(ValueError, match="saved by a job of 4 ranks, and this job has 2") as info:
+        fastddp.all_reduce(x, state=state)
+    assert "CompressState.reshard(saved, 2)" in str(info.value)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8-ef"])
+def test_a_state_of_another_world_size_needs_reshard_only_with_residuals(mode, tmp_path):
+    run_ranks(_train_phase, 4, MODES[mode], range(2), tmp_path / "a.pt", None, timeout=120)
+    run_ranks(_load_unresharded, 2, MODES[mode], tmp_path / "a.pt")
+
+
+def test_reshard_refuses_what_is_not_one_jobs_state_dicts():
+    def saved(rank, world, **settings):
+        return {"rank": rank, "world_size": world, "settings": settings, "counters": {},
+                "buckets": {}, "carry": None}  # fmt: skip
+
+    full = [saved(r, 3) for r in range(3)]
+    with pytest.raises(ValueError, match="world_size must be a positive int"):
+        fastddp.CompressState.reshard(full, 0)
+    with pytest.raises(ValueError, match="got none"):
+        fastddp.CompressState.reshard([], 2)
+    with pytest.raises(ValueError, match=r"saved by a job of 3 ranks, and 2 were given"):
+        fastddp.CompressState.reshard([full[0], full[2]], 2)
+    with pytest.raises(ValueError, match=r"entry 1 was saved by rank 2 of 3; give the 3"):
+        fastddp.CompressState.reshard([full[0], full[2], full[1]], 2)
+    with pytest.raises(ValueError, match="not one job's state dicts"):
+        fastddp.CompressState.reshard([*full[:2], saved(2, 3, dtype="int8")], 2)
+    with pytest.raises(TypeError, match="entry 0 is not a CompressState.state_dict"):
+        fastddp.CompressState.reshard([torch.zeros(2)], 1)
+    assert [sd["rank"] for sd in fastddp.CompressState.reshard(full, 5)] == list(range(5))

@@ -220,6 +220,22 @@ def test_two_launchers_static_on_loopback():
     assert "node_rank=1 nodes=2" in text and "node_rank=0 nodes=2" in text
 
 
+@pytest.mark.parametrize(
+    "nnodes, restarts, user, expected",
+    [("1:2", "0", None, "1"), ("2", "1", None, "1"), ("2", "0", None, None), ("2", "1", "0", None)],
+)
+def test_elastic_c10d_rendezvous_gets_a_store_per_round(nnodes, restarts, user, expected):
+    # A node that joins a later round hangs with torch's shared store (see elastic_store);
+    # the lost-node test in test_network_faults.py shows the real rejoin.
+    extra = {} if user is None else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": user}
+    cmd = [*LAUNCH, "--dry-run", "--nnodes", nnodes, "--max-restarts", restarts]
+    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "198.18.0.1:29400", "x.py"]
+    res = subprocess.run(cmd, env=_env(**extra), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    line = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (so that a node lost"
+    assert (line in res.stderr) == (expected is not None), res.stderr
+
+
 def test_two_launchers_c10d_on_loopback():
     port = _free_port()
     cmd = [

@@ -66,6 +66,15 @@ def _check_config(state: CompressState, device: torch.device) -> None:
             "combined:\n" + "\n".join(lines) + "\nGive every rank the same CompressState "
             "arguments (and the same fastddp version)."
         )
+    resized = sorted({row[8] for row in rows if row[7] != -1 and row[8] != world})
+    if resized:
+        raise ValueError(
+            f"fastddp: CompressState.load_state_dict was given error-feedback residuals saved "
+            f"by a job of {' and '.join(map(str, resized))} ranks, and this job has {world}. "
+            "Residuals are per rank: load the saved state dicts of every rank, regroup them "
+            f"with CompressState.reshard(saved, {world}), and load entry r into rank r "
+            "(examples/resume.py does this); or start this state without them."
+        )
     wrong = [
         f"  rank {rank} loaded the state dict of rank {row[7]} of {row[8]}"
         for rank, row in enumerate(rows)

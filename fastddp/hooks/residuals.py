@@ -125,6 +125,22 @@ class Residuals:
         if full is not None:
             _reduce_scatter_single(slot.shard_residual, full, group=group)
 
+    def add(self, other: "Residuals") -> None:
+        """Add another rank's parked residuals to these (``reshard.py``): stage-1 parts are
+        summed, stage-2 pieces kept side by side (each lies where its old shard did)."""
+        for k, numel in other.sizes.items():
+            if self.sizes.setdefault(k, numel) != numel:
+                raise ValueError(
+                    f"fastddp: parameter {k} has {numel} elements in one rank's residuals and "
+                    f"{self.sizes[k]} in another's; these are not one job's state dicts"
+                )
+        for k, part in other.stage1.items():
+            self.stage1[k] = self.stage1[k] + part if k in self.stage1 else part
+        for k, pieces in other.stage2.items():
+            self.stage2.setdefault(k, []).extend(pieces)
+        self.moved |= other.moved
+        self.replicated.update(other.replicated)
+
     def _place(self, slot: Slot, rank: int) -> None:
         # Stage-2 pieces parked on this rank, added where their elements lie in the bucket.
         start = 0

@@ -13,6 +13,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fastddp.hooks.buffers import Slot, allocate
 from fastddp.hooks.codecs import Codec, codec_for
 from fastddp.hooks.pipeline import Pipeline
+from fastddp.hooks.reshard import holds_residuals, reshard
 from fastddp.hooks.residuals import Residuals
 from fastddp.hooks.topology import TOPOLOGIES, Topology
 
@@ -352,7 +353,8 @@ class CompressState:
                 )
         self._reset()
         self._counters = {k: int(state_dict["counters"].get(k, 0)) for k in _COUNTERS}
-        if state_dict.get("rank") is not None:
+        # Only residuals belong to one rank of one world size; counters fit any job.
+        if state_dict.get("rank") is not None and holds_residuals(state_dict):
             self._loaded_from = (int(state_dict["rank"]), int(state_dict["world_size"]))
         for index, saved in state_dict["buckets"].items():
             self._saved_counters[int(saved.get("index", index))] = saved
@@ -366,6 +368,23 @@ class CompressState:
             )
         if state_dict.get("carry"):
             self._residuals.load(state_dict["carry"])
+
+    @staticmethod
+    def reshard(state_dicts: list[dict[str, Any]], world_size: int) -> list[dict[str, Any]]:
+        """Regroup the :meth:`state_dict` of every rank of a job for a job of ``world_size``.
+
+        For a job resumed on more or fewer ranks (an elastic job that lost or gained a node).
+        Error feedback owes the average the sum of all ranks' residuals, so new rank ``r``
+        takes those of old ranks ``r, r + world_size, ...``: that sum is kept exactly, and no
+        residual is lost. Load entry ``r`` into rank ``r``. A state saved without error
+        feedback needs none of this: it loads into any rank of any job.
+
+        Example::
+
+            >>> saved = [torch.load(f"hook-rank{r}.pt") for r in range(old_world_size)]
+            >>> state.load_state_dict(CompressState.reshard(saved, world_size)[rank])
+        """
+        return reshard(state_dicts, world_size)
 
     # -- slots ----------------------------------------------------------------------------
 
