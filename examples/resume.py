@@ -9,6 +9,10 @@ the directory appears under its final name only once every rank has written its 
 crash during a save leaves the previous checkpoint as the latest. With ``--resume latest`` a
 (re)started job continues from there. Batches depend only on (seed, step, rank), so a resumed
 run sees exactly the data the uninterrupted run would have, and ends with the same parameters.
+
+A job resumed on another number of ranks (an elastic job, ``--nnodes MIN:MAX``, that lost or
+gained a node) regroups the saved hook states with ``CompressState.reshard``, which keeps
+every error-feedback residual.
 """
 
 import argparse
@@ -62,12 +66,24 @@ def save(ckpt_dir: Path, step: int, model, opt, state, rank: int) -> None:
         tmp.mkdir(parents=True)
     dist.barrier()
     if rank == 0:
-        torch.save({"model": model.module.state_dict(), "opt": opt.state_dict()}, tmp / "train.pt")
+        train = {"model": model.module.state_dict(), "opt": opt.state_dict()}
+        torch.save({**train, "world_size": dist.get_world_size()}, tmp / "train.pt")
     torch.save(state.state_dict(), tmp / f"hook-rank{rank}.pt")
     dist.barrier()  # every part is written: publish the checkpoint in one rename
     if rank == 0:
         os.replace(tmp, ckpt_dir / f"step-{step}")
     dist.barrier()
+
+
+def load_hook_state(ckpt: Path, saved_world: int, env) -> dict:
+    """This rank's hook state from ``ckpt``, regrouped if the job now has another size."""
+    if saved_world == env.world_size:
+        return torch.load(ckpt / f"hook-rank{env.rank}.pt")
+    saved = [torch.load(ckpt / f"hook-rank{r}.pt") for r in range(saved_world)]
+    if env.rank == 0:
+        print(f"rank 0: {ckpt.name} was saved by {saved_world} ranks and this job has "
+              f"{env.world_size}: resharding the hook state", flush=True)  # fmt: skip
+    return fastddp.CompressState.reshard(saved, env.world_size)[env.rank]
 
 
 def train(env, args) -> None:
@@ -80,7 +96,7 @@ def train(env, args) -> None:
         saved = torch.load(ckpt / "train.pt")
         net.load_state_dict(saved["model"])
         opt_state = saved["opt"]
-        hook_state = torch.load(ckpt / f"hook-rank{env.rank}.pt")
+        hook_state = load_hook_state(ckpt, saved["world_size"], env)
         start = int(ckpt.name[5:])
     model = DDP(net)
     state = fastddp.CompressState(**MODES[args.mode])

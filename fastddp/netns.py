@@ -18,17 +18,20 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
-from collections.abc import Iterator
-from typing import NamedTuple
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple, Optional
 
 __all__ = [
     "Node",
     "NetnsError",
     "drop",
     "dropped",
+    "kill",
     "nodes",
     "set_link",
+    "spawn",
     "start",
     "stop",
     "two_nodes",
@@ -202,30 +205,79 @@ def set_link(node: Node, up: bool) -> None:
     _ip("-n", node.ns, "link", "set", node.dev, "up" if up else "down")
 
 
-def start(made: list[Node], nproc_per_node: str, argv: list[str], stdout=None, env=None) -> list:
-    """Start ``python -m fastddp.launch ... argv`` on every node (static rendezvous on node 0).
+def spawn(
+    made: list[Node],
+    rank: int,
+    nproc_per_node: str,
+    argv: list[str],
+    port: int,
+    *,
+    stdout=None,
+    env=None,
+    rdzv_id: Optional[str] = None,
+    launch_args: Sequence[str] = (),
+) -> subprocess.Popen:
+    """Start ``python -m fastddp.launch ... argv`` for node ``rank`` of ``made``, in its namespace.
 
-    Returns the launchers, node 0's last (a session each, for :func:`stop`). With ``stdout``
-    (say ``subprocess.PIPE``) every node's output and errors go there; by default node 0's are
-    inherited and the others' dropped. ``env``: the launchers'
-    environment (default: this process's).
+    The rendezvous is node 0's ``port``: static (``--node-rank rank``) by default, or with
+    ``rdzv_id`` torchrun's elastic c10d rendezvous, which numbers the nodes itself, so that a
+    node can leave and join again (give ``--nnodes`` and ``--max-restarts`` in
+    ``launch_args``). The launcher gets a session of its own, for :func:`stop`. ``stdout``
+    (say ``subprocess.PIPE``) takes its output and errors; by default node 0's are inherited
+    and the others' dropped. ``env``: the launcher's environment (default: this process's).
+    """
+    node = made[rank]
+    cmd = ["ip", "netns", "exec", node.ns, sys.executable, "-m", "fastddp.launch"]
+    cmd += ["--nproc-per-node", nproc_per_node]
+    if rdzv_id is None:
+        cmd += ["--nnodes", str(len(made)), "--node-rank", str(rank)]
+        cmd += ["--master-addr", made[0].addr, "--master-port", str(port)]
+    else:
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{made[0].addr}:{port}"]
+        cmd += ["--rdzv-id", rdzv_id]
+    cmd += [*launch_args, *argv]
+    out = stdout if rank == 0 or stdout is not None else subprocess.DEVNULL
+    err = subprocess.STDOUT if stdout is not None else out
+    return subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True, text=True)
+
+
+def start(
+    made: list[Node],
+    nproc_per_node: str,
+    argv: list[str],
+    stdout=None,
+    env=None,
+    **rendezvous,
+) -> list:
+    """Start :func:`spawn` on every node, on a free port; the launchers, node 0's last.
+
+    ``rendezvous``: ``rdzv_id`` and ``launch_args``, as for :func:`spawn`.
     """
     port = _free_port()
-    procs = []
-    for rank, node in reversed(list(enumerate(made))):
-        cmd = ["ip", "netns", "exec", node.ns, sys.executable, "-m", "fastddp.launch"]
-        cmd += ["--nnodes", str(len(made)), "--nproc-per-node", nproc_per_node]
-        cmd += ["--node-rank", str(rank), "--master-addr", made[0].addr]
-        cmd += ["--master-port", str(port), *argv]
-        out = stdout if rank == 0 or stdout is not None else subprocess.DEVNULL
-        err = subprocess.STDOUT if stdout is not None else out
-        # A session per node, so that its launcher and workers are stopped together.
-        procs.append(
-            subprocess.Popen(
-                cmd, stdout=out, stderr=err, env=env, start_new_session=True, text=True
-            )
-        )
-    return procs
+    return [
+        spawn(made, rank, nproc_per_node, argv, port, stdout=stdout, env=env, **rendezvous)
+        for rank in reversed(range(len(made)))
+    ]
+
+
+def kill(node: Node, timeout: float = 30.0) -> int:
+    """SIGKILL every process in ``node``'s namespace, as a lost node; how many there were.
+
+    The launcher's workers have sessions of their own, so stopping the launcher's process
+    group would leave them running.
+    """
+    killed: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = {int(p) for p in _ip("netns", "pids", node.ns).stdout.split()}
+        if not pids:
+            return len(killed)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        killed |= pids
+        time.sleep(0.05)
+    raise NetnsError(f"processes in namespace {node.ns} survived SIGKILL for {timeout:.0f} s")
 
 
 def main(argv=None) -> int:

@@ -1,16 +1,22 @@
-"""Faults of the network between nodes (real namespaces, as root; skipped otherwise).
+"""Faults of the network between nodes, and of whole nodes (real namespaces, as root).
 
 Two nodes of two ranks train ``examples/resume.py`` across a 1 Gbit/s bridge: with 1 % of the
 packets every node receives dropped, and with the link of node 1 taken down mid-run, briefly
 (the job finishes, with the same parameters) and for good (the job stops with an error that
-names the ranks of the unreachable node, within the peer timeout). The math never depends on
-timing, so every finished run must end with exactly the parameters of the clean run.
+names the ranks of the unreachable node, within the peer timeout). Under torchrun's elastic
+rendezvous, every process of node 1 is killed mid-run: started again, it rejoins and the job
+resumes from the last checkpoint; not started again, with ``--nnodes 1:2``, node 0 goes on
+alone from that checkpoint, with the hook state regrouped for 2 ranks. The math never depends
+on timing, so every finished run must end with exactly the parameters of its reference run.
+Skipped where namespaces cannot be made (not root).
 """
 
 import contextlib
 import os
+import random
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -76,16 +82,18 @@ def _wait_for_step(progress: Path, step: int, proc, timeout=120.0) -> None:
     raise TimeoutError(f"rank 2 did not reach step {step}")
 
 
-_CLEAN: dict[str, list] = {}
+_CLEAN: dict[str, tuple[list, Path]] = {}
 
 
-def _clean(mode: str, tmp_path_factory) -> list:
-    """The clean-link run's parameters, once per mode for the whole module."""
+def _clean(mode: str, tmp_path_factory, ckpt: bool = False):
+    """The clean-link run's parameters (and with ``ckpt`` its checkpoint directory), once per
+    mode for the whole module."""
     if mode not in _CLEAN:
-        codes, outs, _, params = _run(tmp_path_factory.mktemp(f"clean-{mode}"), mode)
+        tmp = tmp_path_factory.mktemp(f"clean-{mode}")
+        codes, outs, _, params = _run(tmp, mode)
         assert codes == [0, 0] and params is not None, outs
-        _CLEAN[mode] = params
-    return _CLEAN[mode]
+        _CLEAN[mode] = (params, tmp / "ckpt")
+    return _CLEAN[mode] if ckpt else _CLEAN[mode][0]
 
 
 def _same(a: list, b: list) -> bool:
@@ -139,3 +147,103 @@ def test_a_lasting_outage_names_the_lost_node_within_the_peer_timeout(tmp_path):
     assert "the job's store at 198.1" in outs[1] and "has not answered rank" in outs[1], outs[1]
     # Peer timeout 4 s, checked every second; launchers stop their other workers after that.
     assert took[0] < 45 and took[1] < 45, took
+
+
+# -- a lost node, under torchrun's elastic rendezvous -------------------------------------------
+
+# A dead node is noticed after 3 missed 1 s heartbeats; a round closes 2 s after its last join.
+_RDZV = "join_timeout=90,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
+# Residuals in both stages: the hook state that must not be lost when the job shrinks. (Across
+# two nodes the hook's two-level path takes resumed residuals into the next bucket: nothing is
+# lost, but they are rounded there and not where an uninterrupted run rounds them, so a resume
+# at the same size is compared on the bf16 hook, whose resume is exact.)
+_EF_MODE = "bf16-acc-ef"
+
+
+class _Launchers:
+    """Launchers whose output is read on threads (a full pipe must never block a node)."""
+
+    def __init__(self) -> None:
+        self.procs: list = []
+        self.outs: list[str] = []
+        self._readers: list[threading.Thread] = []
+
+    def add(self, proc) -> None:
+        k = len(self.procs)
+        self.procs.append(proc)
+        self.outs.append("")
+        reader = threading.Thread(target=self._read, args=(k,), daemon=True)
+        reader.start()
+        self._readers.append(reader)
+
+    def _read(self, k: int) -> None:
+        self.outs[k] = self.procs[k].communicate()[0]
+
+    def wait(self, timeout: float) -> list:
+        deadline = time.monotonic() + timeout
+        for reader in self._readers:
+            reader.join(timeout=max(0.0, deadline - time.monotonic()))
+        return [proc.poll() for proc in self.procs]
+
+
+def _lose_node_1(tmp: Path, mode: str, nnodes: str, rejoin: bool):
+    """2 nodes x 2 ranks, elastic; every process of node 1 SIGKILLed after step 15.
+
+    Returns exit codes and outputs (node 0, node 1, and node 1 started again with ``rejoin``),
+    and the final parameters.
+    """
+    tmp.mkdir(parents=True, exist_ok=True)
+    argv = [str(EXAMPLE), *STEPS, "--mode", mode, "--ckpt-dir", str(tmp / "ckpt")]
+    argv += ["--out", str(tmp / "params.pt"), "--progress", str(tmp / "progress")]
+    argv += ["--step-seconds", "0.1"]
+    launch = {
+        "rdzv_id": f"lost-node-{nnodes}",
+        "launch_args": ["--nnodes", nnodes, "--max-restarts", "1", "--rdzv-conf", _RDZV],
+        "stdout": subprocess.PIPE,
+        "env": {**os.environ, "FASTDDP_PEER_TIMEOUT": "10"},
+    }
+    port = random.randint(20000, 60000)  # the namespaces are new: any port is free there
+    job = _Launchers()
+    with netns.nodes(2, "1gbit") as made:
+        try:
+            job.add(netns.spawn(made, 0, "2", argv, port, **launch))
+            job.add(netns.spawn(made, 1, "2", argv, port, **launch))
+            _wait_for_step(tmp / "progress", 15, job.procs[0])
+            assert netns.kill(made[1]) >= 3, "node 1 had fewer than a launcher and 2 workers"
+            job.procs[1].wait(timeout=30)
+            if rejoin:
+                job.add(netns.spawn(made, 1, "2", argv, port, **launch))
+            codes = job.wait(timeout=240)
+        finally:
+            netns.stop(job.procs)
+    params = torch.load(tmp / "params.pt") if (tmp / "params.pt").exists() else None
+    return codes, job.outs, params
+
+
+def test_a_lost_node_started_again_rejoins_and_the_job_resumes(tmp_path, tmp_path_factory):
+    codes, outs, params = _lose_node_1(tmp_path, "bf16", "2", rejoin=True)
+    assert codes[0] == 0 and codes[2] == 0 and codes[1] == -9, (codes, outs)
+    # Node 0's ranks restart once (their peers vanished); node 1's come back as ranks 2, 3.
+    assert "rank 0: attempt 1, starting from step 10" in outs[0], outs[0]
+    assert "rank 2: attempt 0, starting from step 10" in outs[2], outs[2]
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in outs[0]
+    assert _same(params, _clean("bf16", tmp_path_factory)), "resuming changed the result"
+
+
+def test_a_lost_node_not_coming_back_leaves_node_0_alone(tmp_path, tmp_path_factory):
+    codes, outs, params = _lose_node_1(tmp_path, _EF_MODE, "1:2", rejoin=False)
+    assert codes == [0, -9], (codes, outs)
+    assert "rank 0: attempt 1, starting from step 10" in outs[0], outs[0]
+    assert "step-10 was saved by 4 ranks and this job has 2: resharding" in outs[0], outs[0]
+    # The reference: the clean 4-rank run's checkpoint at step 10, resumed on 2 ranks.
+    _, ckpt = _clean(_EF_MODE, tmp_path_factory, ckpt=True)
+    ref = tmp_path / "reference"
+    shutil.copytree(ckpt / "step-10", ref / "ckpt" / "step-10")
+    argv = [str(EXAMPLE), *STEPS, "--mode", _EF_MODE, "--ckpt-dir", str(ref / "ckpt")]
+    cmd = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]
+    res = subprocess.run(
+        [*cmd, *argv, "--out", str(ref / "params.pt")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert _same(params, torch.load(ref / "params.pt")), "node 0 alone diverged from 2 ranks"
