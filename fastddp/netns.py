@@ -1,12 +1,12 @@
 """'Nodes' on one machine: network namespaces joined by rate-limited links.
 
-``python -m fastddp.netns --nodes N --rate 1gbit [--loss PCT] [launch options] script.py [args]``
-runs
-``python -m fastddp.launch --nnodes N`` in each of N namespaces, node 0's output on stdout, and
-removes the namespaces afterwards, also on failure. The nodes hang off one bridge (in a
-namespace of its own), each by a veth limited to the rate both ways, as hosts on a switch.
-Needs root and iproute2 (``ip``, ``tc``). Addresses come from 198.18.0.0/15, the range reserved
-for network benchmarks.
+``python -m fastddp.netns --nodes N --rate 1gbit [--loss PCT] [--delay MS] [launch options]
+script.py [args]`` runs ``python -m fastddp.launch --nnodes N`` in each of N namespaces, node
+0's output on stdout, and removes the namespaces afterwards, also on failure. The nodes hang
+off one bridge (in a namespace of its own), each by a veth limited to the rate both ways, as
+hosts on a switch. With ``--delay``, two nodes are joined by a userspace wire instead (see
+:func:`wired_pair`). Needs root and iproute2 (``ip``, ``tc``). Addresses come from
+198.18.0.0/15, the range reserved for network benchmarks.
 """
 
 import argparse
@@ -23,6 +23,8 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple, Optional
 
+from fastddp._wire import MTU, Wire, open_tun
+
 __all__ = [
     "Node",
     "NetnsError",
@@ -36,6 +38,7 @@ __all__ = [
     "stop",
     "two_nodes",
     "unavailable_reason",
+    "wired_pair",
 ]
 
 
@@ -94,6 +97,56 @@ def two_nodes(rate: str = "1gbit") -> Iterator[tuple[Node, Node]]:
     finally:
         for n in (a, b):
             _ip("netns", "del", n.ns, check=False)
+
+
+@contextlib.contextmanager
+def wired_pair(
+    delay_ms: float = 20.0, loss: float = 0.0, rate: Optional[str] = None, seed: int = 0
+) -> Iterator[tuple[list[Node], Wire]]:
+    """Yield two :class:`Node` joined by a wire with ``delay_ms`` each way and ``loss`` %.
+
+    Each node has a TUN device, and this process forwards packets between them (see
+    ``fastddp/_wire.py``): the stand-in for ``tc netem``, which this kernel lacks. ``rate``
+    also limits what each node sends (tc tbf). Yields ``(nodes, wire)``; ``wire.forwarded`` and
+    ``wire.dropped`` count packets. Both namespaces are deleted on exit.
+    """
+    if delay_ms < 0 or not 0 <= loss < 100:
+        raise ValueError(
+            f"fastddp.netns: delay >= 0 ms and loss in [0, 100) %, got {delay_ms}, {loss}"
+        )
+    why = unavailable_reason()
+    if why:
+        raise NetnsError(why)
+    if not os.path.exists("/dev/net/tun"):
+        raise NetnsError("a delayed link needs /dev/net/tun (TUN devices)")
+    tag = uuid.uuid4().hex[:6]
+    net = f"198.{18 + random.randint(0, 1)}.{random.randint(1, 254)}"
+    made = [Node(f"fw{k}n{tag}", f"ft{k}n{tag}", f"{net}.{k + 1}") for k in (0, 1)]
+    fds: list[int] = []
+    wire = None
+    try:
+        for k, n in enumerate(made):
+            # Attached here, then moved: the descriptor stays with the device.
+            _ip("tuntap", "add", "dev", n.dev, "mode", "tun")
+            fds.append(open_tun(n.dev))
+            _ip("netns", "add", n.ns)
+            _ip("link", "set", n.dev, "netns", n.ns)
+            _ip("-n", n.ns, "addr", "add", n.addr, "peer", made[1 - k].addr, "dev", n.dev)
+            _ip("-n", n.ns, "link", "set", n.dev, "mtu", str(MTU), "up")
+            _ip("-n", n.ns, "link", "set", "lo", "up")
+            if rate is not None:
+                _tbf(n.ns, n.dev, rate)
+        wire = Wire(fds[0], fds[1], delay_ms / 1000.0, loss / 100.0, seed).start()
+        yield made, wire
+    finally:
+        if wire is not None:
+            wire.stop()
+        else:
+            for fd in fds:
+                os.close(fd)
+        for n in made:
+            _ip("netns", "del", n.ns, check=False)
+            _ip("link", "del", n.dev, check=False)  # if it never left this namespace
 
 
 def _tbf(ns: str, dev: str, rate: str) -> None:
@@ -284,8 +337,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m fastddp.netns",
         description=__doc__.splitlines()[0],
-        usage="%(prog)s [--rate RATE] [--nodes N] [--nproc-per-node N] [launch options] "
-        "script [args]",
+        usage="%(prog)s [--rate RATE] [--nodes N] [--loss PCT] [--delay MS] "
+        "[--nproc-per-node N] [launch options] script [args]",
     )
     p.add_argument("--rate", default="1gbit", help="link rate each way, as tc takes it")
     p.add_argument("--nodes", type=int, default=2, help="number of nodes (default 2)")
@@ -294,6 +347,13 @@ def main(argv=None) -> int:
     p.add_argument(
         "--loss", type=float, default=0.0, help="drop this %% of every node's received packets"
     )
+    p.add_argument(
+        "--delay",
+        type=float,
+        default=0.0,
+        help="delay every packet this many ms each way (2 nodes, on a userspace wire of about "
+        "80 MB/s: for faults, not for speed)",
+    )
     args, rest = p.parse_known_args(argv)
     if not rest:
         p.error("give the script (or -m module) to run on every node")
@@ -301,11 +361,23 @@ def main(argv=None) -> int:
         p.error("--nodes must be at least 1")
     if not 0 <= args.loss <= 100:
         p.error("--loss must be between 0 and 100 (percent)")
+    if args.delay < 0:
+        p.error("--delay must be at least 0 (ms)")
+    if args.delay and args.nodes != 2:
+        p.error("--delay joins exactly 2 nodes (--nodes 2)")
+    if args.delay and args.loss >= 100:
+        p.error("--loss must be below 100 with --delay")
     # A terminated run still removes its namespaces: SIGTERM unwinds like Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        with nodes(args.nodes, args.rate) as made:
-            if args.loss:
+        if args.delay:
+            link = wired_pair(args.delay, args.loss, args.rate)
+        else:
+            link = nodes(args.nodes, args.rate)
+        with link as made:
+            if args.delay:
+                made = made[0]
+            elif args.loss:
                 for node in made:
                     drop(node, args.loss)
             procs = start(made, args.nproc_per_node, rest)

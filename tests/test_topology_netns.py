@@ -144,6 +144,8 @@ def test_three_nodes_of_two_ranks_find_their_nodes_and_reduce():
     [
         (["--nodes", "0", "script.py"], "--nodes must be at least 1"),
         (["--nodes", "3"], "give the script (or -m module) to run on every node"),
+        (["--delay", "-1", "script.py"], "--delay must be at least 0 (ms)"),
+        (["--nodes", "3", "--delay", "20", "script.py"], "--delay joins exactly 2 nodes"),
     ],
 )
 def test_netns_refuses_bad_options(args, message):
