@@ -96,7 +96,8 @@ def train(env, args) -> None:
         saved = torch.load(ckpt / "train.pt")
         net.load_state_dict(saved["model"])
         opt_state = saved["opt"]
-        hook_state = load_hook_state(ckpt, saved["world_size"], env)
+        saved_world = saved.get("world_size", len(list(ckpt.glob("hook-rank*.pt"))))
+        hook_state = load_hook_state(ckpt, saved_world, env)
         start = int(ckpt.name[5:])
     model = DDP(net)
     state = fastddp.CompressState(**MODES[args.mode])

@@ -153,6 +153,12 @@ for _ in range(5):
 """
 
 
+_needs_tun = pytest.mark.skipif(
+    not os.path.exists("/dev/net/tun"), reason="a delayed link needs /dev/net/tun"
+)
+
+
+@_needs_tun
 def test_the_wire_delays_every_packet_and_drops_its_share():
     with netns.wired_pair(delay_ms=20.0, loss=0.0) as ((a, b), wire):
         server = subprocess.Popen(
@@ -185,6 +191,7 @@ def test_the_wire_delays_every_packet_and_drops_its_share():
         assert 100 < wire.dropped < 350 and wire.dropped + wire.forwarded >= 400
 
 
+@_needs_tun
 @pytest.mark.parametrize("mode", ["bf16", "int8"])
 def test_a_slow_lossy_link_gives_the_clean_runs_parameters(mode, tmp_path, tmp_path_factory):
     # 20 ms each way and 1 % of the packets dropped, on a userspace wire (no tc netem here).
@@ -236,8 +243,9 @@ def test_a_lasting_outage_names_the_lost_node_within_the_peer_timeout(tmp_path):
 
 # -- a lost node, under torchrun's elastic rendezvous -------------------------------------------
 
-# A dead node is noticed after 3 missed 1 s heartbeats; a round closes 2 s after its last join.
-_RDZV = "join_timeout=90,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
+# A dead node is noticed after 3 missed 1 s heartbeats; with --nnodes 1:2 a round closes 5 s
+# after its first node joined.
+_RDZV = "join_timeout=90,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
 # Residuals in both stages: the hook state that must not be lost when the job shrinks. (Across
 # two nodes the hook's two-level path takes resumed residuals into the next bucket: nothing is
 # lost, but they are rounded there and not where an uninterrupted run rounds them, so a resume
@@ -245,11 +253,13 @@ _RDZV = "join_timeout=90,last_call_timeout=2,keep_alive_interval=1,keep_alive_ma
 _EF_MODE = "bf16-acc-ef"
 
 
-def _lose_node_1(tmp: Path, mode: str, nnodes: str, rejoin: bool):
+def _lose_node_1(tmp: Path, mode: str, nnodes: str, rejoin: bool, power: bool = False):
     """2 nodes x 2 ranks, elastic; every process of node 1 SIGKILLed after step 15.
 
-    Returns exit codes and outputs (node 0, node 1, and node 1 started again with ``rejoin``),
-    and the final parameters.
+    With ``power``, node 1's link goes down first, as when a node loses power: no socket is
+    closed, so node 0's ranks learn of it only from the watchdog (peer timeout 5 s). Returns
+    exit codes and outputs (node 0, node 1, and node 1 started again with ``rejoin``), and the
+    final parameters.
     """
     tmp.mkdir(parents=True, exist_ok=True)
     argv = [str(EXAMPLE), *STEPS, "--mode", mode, "--ckpt-dir", str(tmp / "ckpt")]
@@ -259,15 +269,20 @@ def _lose_node_1(tmp: Path, mode: str, nnodes: str, rejoin: bool):
         "rdzv_id": f"lost-node-{nnodes}",
         "launch_args": ["--nnodes", nnodes, "--max-restarts", "1", "--rdzv-conf", _RDZV],
         "stdout": subprocess.PIPE,
-        "env": {**os.environ, "FASTDDP_PEER_TIMEOUT": "10"},
+        "env": {**os.environ, "FASTDDP_PEER_TIMEOUT": "5"},
     }
     port = random.randint(20000, 60000)  # the namespaces are new: any port is free there
     job = _Launchers()
     with netns.nodes(2, "1gbit") as made:
         try:
+            # Node 1 first: it waits for node 0's store and joins at once, well within the
+            # last call, so that the first round has both nodes also with --nnodes 1:2.
+            second = netns.spawn(made, 1, "2", argv, port, **launch)
             job.add(netns.spawn(made, 0, "2", argv, port, **launch))
-            job.add(netns.spawn(made, 1, "2", argv, port, **launch))
+            job.add(second)
             _wait_for_step(tmp / "progress", 15, job.procs[0])
+            if power:
+                netns.set_link(made[1], up=False)
             assert netns.kill(made[1]) >= 3, "node 1 had fewer than a launcher and 2 workers"
             job.procs[1].wait(timeout=30)
             if rejoin:
@@ -289,20 +304,34 @@ def test_a_lost_node_started_again_rejoins_and_the_job_resumes(tmp_path, tmp_pat
     assert _same(params, _clean("bf16", tmp_path_factory)), "resuming changed the result"
 
 
-def test_a_lost_node_not_coming_back_leaves_node_0_alone(tmp_path, tmp_path_factory):
-    codes, outs, params = _lose_node_1(tmp_path, _EF_MODE, "1:2", rejoin=False)
+_REFERENCE: dict[str, list] = {}
+
+
+def _clean_resumed_on_2_ranks(tmp_path_factory) -> list:
+    """The clean 4-rank run's checkpoint at step 10, resumed on 2 ranks: its parameters."""
+    if "shrunk" not in _REFERENCE:
+        _, ckpt = _clean(_EF_MODE, tmp_path_factory, ckpt=True)
+        ref = tmp_path_factory.mktemp("reference")
+        shutil.copytree(ckpt / "step-10", ref / "ckpt" / "step-10")
+        argv = [str(EXAMPLE), *STEPS, "--mode", _EF_MODE, "--ckpt-dir", str(ref / "ckpt")]
+        cmd = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]
+        res = subprocess.run(
+            [*cmd, *argv, "--out", str(ref / "params.pt")],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stdout + res.stderr
+        _REFERENCE["shrunk"] = torch.load(ref / "params.pt")
+    return _REFERENCE["shrunk"]
+
+
+@pytest.mark.parametrize("power", [False, True], ids=["killed", "power-lost"])
+def test_a_lost_node_not_coming_back_leaves_node_0_alone(power, tmp_path, tmp_path_factory):
+    codes, outs, params = _lose_node_1(tmp_path, _EF_MODE, "1:2", rejoin=False, power=power)
     assert codes == [0, -9], (codes, outs)
+    if power:  # nothing closed node 1's sockets: the watchdog named its ranks
+        named = [line for line in outs[0].splitlines() if "has not answered for" in line]
+        assert any(f"rank {r} (node 1, 198.1" in line for r in (2, 3) for line in named), outs[0]
     assert "rank 0: attempt 1, starting from step 10" in outs[0], outs[0]
     assert "step-10 was saved by 4 ranks and this job has 2: resharding" in outs[0], outs[0]
-    # The reference: the clean 4-rank run's checkpoint at step 10, resumed on 2 ranks.
-    _, ckpt = _clean(_EF_MODE, tmp_path_factory, ckpt=True)
-    ref = tmp_path / "reference"
-    shutil.copytree(ckpt / "step-10", ref / "ckpt" / "step-10")
-    argv = [str(EXAMPLE), *STEPS, "--mode", _EF_MODE, "--ckpt-dir", str(ref / "ckpt")]
-    cmd = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]
-    res = subprocess.run(
-        [*cmd, *argv, "--out", str(ref / "params.pt")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert _same(params, torch.load(ref / "params.pt")), "node 0 alone diverged from 2 ranks"
+    # Equal to the clean 4-rank run's checkpoint at step 10 resumed on 2 ranks.
+    assert _same(params, _clean_resumed_on_2_ranks(tmp_path_factory)), "node 0 alone diverged"

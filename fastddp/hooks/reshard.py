@@ -12,8 +12,6 @@ exactly, whatever the two sizes and bucket layouts. Everything is re-parked by p
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from fastddp.hooks.residuals import Residuals
 
 __all__ = ["holds_residuals", "reshard"]
@@ -84,10 +82,7 @@ def reshard(state_dicts: Sequence[dict[str, Any]], world_size: int) -> list[dict
                 f"{state_dicts[0]['settings']}; these are not one job's state dicts"
             )
     settings = state_dicts[0]["settings"]
-    with_shards = bool(settings.get("error_feedback")) and settings.get("accumulate_dtype") in (
-        "float32",
-        torch.float32,
-    )
+    with_shards = bool(settings.get("error_feedback")) and settings["accumulate_dtype"] == "float32"
     out = []
     for new in range(world_size):
         owed = Residuals()
