@@ -4,6 +4,7 @@ rank or model. Real processes on Gloo; each test would fail (or hang until its t
 without the behaviour it names."""
 
 import copy
+import os
 import threading
 import warnings
 
@@ -16,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
 from fastddp.hooks import _reduce
+from fastddp.hooks.topology import NODE_ENV
 
 from ._dist import run_ranks
 
@@ -206,7 +208,10 @@ def test_a_rank_local_failure_still_issues_pending_collectives():
     run_ranks(_local_failure, 2, timeout=60)
 
 
-def _resume_across_layouts(rank, world, settings):
+def _resume_across_layouts(rank, world, settings, nodes=None):
+    if nodes is not None:  # "nodes" told apart by the override (see test_topology.py)
+        os.environ[NODE_ENV] = f"node-{nodes[rank]}"
+
     def build():
         model = _ddp(_Net(depth=5))
         state = fastddp.CompressState(**settings)
@@ -234,13 +239,18 @@ def _resume_across_layouts(rank, world, settings):
     for _ in range(5):
         _step(model, gen, opt)
     assert state.stats()["parked_residuals"] == 0
+    want_path = "flat" if nodes is None else "hierarchical"
+    assert state.stats()["topology_used"] == want_path
     for p, w in zip(model.parameters(), want):
         assert torch.equal(p, w), f"resumed run differs by {(p - w).abs().max().item():.3e}"
 
 
 @pytest.mark.parametrize("mode", ["bf16-fp32acc-ef"])
-def test_resume_is_exact_when_every_bucket_changes_layout(mode):
-    run_ranks(_resume_across_layouts, 2, MODES[mode], timeout=120)
+@pytest.mark.parametrize("nodes", [None, (0, 0, 1, 1)], ids=["flat", "two-nodes"])
+def test_resume_is_exact_when_every_bucket_changes_layout(mode, nodes):
+    # Every residual goes back to the rank that rounds its element, on either path.
+    world = 2 if nodes is None else len(nodes)
+    run_ranks(_resume_across_layouts, world, MODES[mode], nodes, timeout=150)
 
 
 def _wrong_checkpoints(rank, world):

@@ -246,10 +246,7 @@ def test_a_lasting_outage_names_the_lost_node_within_the_peer_timeout(tmp_path):
 # A dead node is noticed after 3 missed 1 s heartbeats; with --nnodes 1:2 a round closes 5 s
 # after its first node joined.
 _RDZV = "join_timeout=90,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
-# Residuals in both stages: the hook state that must not be lost when the job shrinks. (Across
-# two nodes the hook's two-level path takes resumed residuals into the next bucket: nothing is
-# lost, but they are rounded there and not where an uninterrupted run rounds them, so a resume
-# at the same size is compared on the bf16 hook, whose resume is exact.)
+# Residuals in both stages of the two-level path: the hook state a resume must restore.
 _EF_MODE = "bf16-acc-ef"
 
 
@@ -295,13 +292,13 @@ def _lose_node_1(tmp: Path, mode: str, nnodes: str, rejoin: bool, power: bool = 
 
 
 def test_a_lost_node_started_again_rejoins_and_the_job_resumes(tmp_path, tmp_path_factory):
-    codes, outs, params = _lose_node_1(tmp_path, "bf16", "2", rejoin=True)
+    codes, outs, params = _lose_node_1(tmp_path, _EF_MODE, "2", rejoin=True)
     assert codes[0] == 0 and codes[2] == 0 and codes[1] == -9, (codes, outs)
     # Node 0's ranks restart once (their peers vanished); node 1's come back as ranks 2, 3.
     assert "rank 0: attempt 1, starting from step 10" in outs[0], outs[0]
     assert "rank 2: attempt 0, starting from step 10" in outs[2], outs[2]
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in outs[0]
-    assert _same(params, _clean("bf16", tmp_path_factory)), "resuming changed the result"
+    assert _same(params, _clean(_EF_MODE, tmp_path_factory)), "resuming changed the result"
 
 
 _REFERENCE: dict[str, list] = {}

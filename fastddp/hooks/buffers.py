@@ -37,7 +37,6 @@ class Slot:
         "nonfinite",
         "residual",
         "shard_residual",
-        "fold",
         "node_shard",
         "node_recv",
         "node_sum",
@@ -72,7 +71,6 @@ class Slot:
         self.shard_residual: Optional[torch.Tensor] = None
         # Two-level path: residuals taken over from another layout wait in ``residual`` to be
         # added to the next bucket before it is sent (see residuals.py).
-        self.fold = False
         self.node_shard = 0  # elements of the bucket each rank of a node reduces across nodes
         self.node_recv: Optional[torch.Tensor] = None  # [L, node_shard] fp32, from the node
         self.node_sum: Optional[torch.Tensor] = None  # [node_shard] fp32, their sum
@@ -130,8 +128,8 @@ def allocate(
     slot.flag = torch.zeros(1, dtype=torch.int32, **on)
     slot.nonfinite = torch.tensor([events], dtype=torch.int64, **on)
     if error_feedback and path != "passthrough":
-        # Two-level: one residual per element of the padded bucket, used in this rank's node
-        # shard and holding residuals to fold in elsewhere (residuals.py).
+        # Two-level: one residual per element of the padded bucket, non-zero in this rank's
+        # node shard only (residuals.py moves them there).
         slot.residual = torch.zeros(max(slot.numel, per_node * slot.node_shard), **on)
         if slot.shard > 0:
             slot.shard_residual = torch.zeros(slot.shard, **on)

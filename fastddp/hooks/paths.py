@@ -198,12 +198,6 @@ class HierarchicalPath(Path):
 
     def _scatter(self, job) -> dist.Work:
         slot, topo = job.slot, job.topo
-        if slot.fold:
-            # Residuals from another bucket layout or a checkpoint: add them to this rank's
-            # gradient, which the node sums and the encode scales (so divide the scale out).
-            job.bucket.add_(slot.residual[: slot.numel], alpha=1.0 / job.scale)
-            slot.residual.zero_()
-            slot.fold = False
         counts = self._counts(slot, topo)
         mine = counts[topo.local_rank]
         return dist.all_to_all_single(

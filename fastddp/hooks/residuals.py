@@ -5,15 +5,19 @@ and ``shard_residual`` (stage 2 of the all-to-all path: one per element of this 
 When a slot is retired (DDP rebuilt its buckets) or a checkpoint is loaded, its residuals are
 *parked* here by parameter, and the next slot holding that parameter takes them back:
 
-- stage 1 is local: the new slot copies each parameter's slice (parked as views, no copy);
+- stage 1 is local on the flat path: the new slot copies each parameter's slice (parked as
+  views, no copy);
 - stage 2 is spread over the ranks: each rank parks the pieces it owns, and the new slot's
   shards are rebuilt with one ``reduce_scatter`` of a bucket-sized vector, in which each element
   is non-zero on at most one rank. Whether a slot needs it depends only on the parameters'
   history, which every rank shares, so every rank issues the same collectives.
 
-The two-level path needs neither: its slots keep one residual per bucket element, and a new
-slot adds whatever this rank parked to its next bucket before the node sums it (``fold``), so
-the residual reaches the sum whichever rank now encodes those elements.
+On the two-level path, stage 1 is a node's: the rank that now reduces an element's node shard
+needs the residual of that element held on its node. One ``reduce_scatter`` inside the node
+brings each node shard of both parts to its rank, and one across nodes brings each stage-2 shard
+to its rank. A residual thus comes back to the rank that rounds its element, so a resume is
+exact on both paths. Parts saved under the other topology (or by another world size) are
+summed where they land: rounded elsewhere, but never lost.
 
 A retired slot's communication buffers are freed before its residuals are copied out by
 parameter, and its residuals right after; each part is freed when a new slot takes it. While
@@ -74,10 +78,10 @@ class Residuals:
         start = 0
         for k, numel in params:
             self.sizes[k] = numel
+            self.moved.add(k)  # whoever takes it next may have to move its parts
             if residual is not None:
                 self.stage1[k] = own(residual[start : start + numel])
             if with_shards:
-                self.moved.add(k)
                 lo, hi = max(start, lo_shard), min(start + numel, hi_shard)
                 if lo < hi:
                     piece = own(shard_residual[lo - lo_shard : hi - lo_shard])
@@ -85,26 +89,29 @@ class Residuals:
             start += numel
 
     def take(
-        self, slot: Slot, rank: int, group: Optional[dist.ProcessGroup], local: bool = False
+        self,
+        slot: Slot,
+        rank: int,
+        group: Optional[dist.ProcessGroup],
+        topo: Optional[Any] = None,
     ) -> None:
         """Fill a new slot's residuals from what is parked for its parameters.
 
-        With ``local`` (the two-level path), everything parked on this rank goes into the
-        slot's ``residual`` at its elements, to be folded into the next bucket: no collective.
+        ``topo`` (a two-level slot's :class:`~fastddp.hooks.topology.Topology`): the parts go
+        to the ranks that reduce their elements, within the node and across nodes.
         """
         if slot.params is None:
             return
         self._check_sizes(slot.params)
+        if topo is not None:
+            self._take_two_level(slot, rank, topo)
+            return
         start = 0
         for k, numel in slot.params:
             part = self.stage1.pop(k, None)
             if part is not None and slot.residual is not None:
                 slot.residual[start : start + numel].copy_(part)
-                slot.fold = local
             start += numel
-        if local:
-            self._place(slot, rank)
-            return
         if not any(k in self.moved for k, _ in slot.params):
             return
         full = None
@@ -125,6 +132,37 @@ class Residuals:
         if full is not None:
             _reduce_scatter_single(slot.shard_residual, full, group=group)
 
+    def _take_two_level(self, slot: Slot, rank: int, topo: Any) -> None:
+        if slot.residual is None or not any(k in self.moved for k, _ in slot.params):
+            return
+        per_node, ns = topo.per_node, slot.node_shard
+        stages = 1 if slot.shard_residual is None else 2
+        # [stage][element of the padded bucket]: stage-1 parts, and stage-2 pieces.
+        parts = torch.zeros(stages, per_node * ns, device=slot.device)
+        start = 0
+        for k, numel in slot.params:
+            part = self.stage1.pop(k, None)
+            if part is not None:
+                parts[0, start : start + numel] += part.to(slot.device)
+            for offset, piece in self.stage2.pop(k, ()):
+                lo = start + offset
+                parts[stages - 1, lo : lo + piece.numel()] += piece.to(slot.device)
+            whole = self.replicated.pop(k, None)
+            if whole is not None and rank == 0:
+                parts[stages - 1, start : start + numel] += whole.to(slot.device)
+            self.moved.discard(k)
+            start += numel
+        # Node shard l of every stage to local rank l, summed over the node's ranks.
+        send = parts.view(stages, per_node, ns).transpose(0, 1).contiguous().view(-1)
+        mine = torch.empty(stages * ns, device=slot.device)
+        _reduce_scatter_single(mine, send, group=topo.groups["intra"])
+        lo = topo.local_rank * ns
+        slot.residual.zero_()
+        slot.residual[lo : lo + ns].copy_(mine[:ns])
+        if slot.shard_residual is not None:
+            # Shard c of this node shard to the rank of cross-node rank c, summed over nodes.
+            _reduce_scatter_single(slot.shard_residual, mine[ns:], group=topo.groups["cross"])
+
     def add(self, other: "Residuals") -> None:
         """Add another rank's parked residuals to these (``reshard.py``): stage-1 parts are
         summed, stage-2 pieces kept side by side (each lies where its old shard did)."""
@@ -140,23 +178,6 @@ class Residuals:
             self.stage2.setdefault(k, []).extend(pieces)
         self.moved |= other.moved
         self.replicated.update(other.replicated)
-
-    def _place(self, slot: Slot, rank: int) -> None:
-        # Stage-2 pieces parked on this rank, added where their elements lie in the bucket.
-        start = 0
-        for k, numel in slot.params:
-            pieces = self.stage2.pop(k, ())
-            whole = self.replicated.pop(k, None)
-            self.moved.discard(k)
-            if slot.residual is not None:
-                for offset, piece in pieces:
-                    lo = start + offset
-                    slot.residual[lo : lo + piece.numel()] += piece
-                    slot.fold = True
-                if whole is not None and rank == 0:
-                    slot.residual[start : start + numel] += whole
-                    slot.fold = True
-            start += numel
 
     def _check_sizes(self, params: tuple) -> None:
         for k, numel in params:

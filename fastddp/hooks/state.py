@@ -434,7 +434,8 @@ class CompressState:
         for k, _ in params or ():
             self._owners[k] = key
         if self.error_feedback:
-            self._residuals.take(slot, rank, self.process_group, local=slot.node_shard > 0)
+            two_level = self._topology if slot.node_shard else None
+            self._residuals.take(slot, rank, self.process_group, two_level)
         return slot
 
     def _retire(self, key, rank: int) -> None:
@@ -464,24 +465,21 @@ class CompressState:
             parts["residual"],
             parts["shard_residual"],
             parts["shard_offset"],
-            with_shards=self.error_feedback and slot.path == "alltoall",
+            with_shards=parts["shard_residual"] is not None,
             copy=True,
         )
 
     def _residuals_of(self, slot: Slot, rank: Optional[int]) -> dict[str, Any]:
-        """A slot's residuals as saved and parked: a two-level slot's in one bucket vector."""
+        """A slot's residuals as saved and parked, the shard's at its offset in the bucket."""
         shard = slot.shard_residual
-        if slot.node_shard and slot.residual is not None:
-            # Both residuals are folded into the next bucket, wherever its parameters go, so
-            # one vector of the bucket's length holds them (shard_residual at its elements).
-            whole = slot.residual.clone()
-            if shard is not None:
-                topo = self._topology
-                lo = topo.local_rank * slot.node_shard + topo.cross_rank * slot.shard
-                whole[lo : lo + slot.shard] += shard
-            return {"residual": whole[: slot.numel], "shard_residual": None, "shard_offset": 0}
-        offset = 0 if shard is None or rank is None else rank * shard.numel()
-        return {"residual": slot.residual, "shard_residual": shard, "shard_offset": offset}
+        offset = 0
+        if shard is not None and slot.node_shard:
+            topo = self._topology
+            offset = topo.local_rank * slot.node_shard + topo.cross_rank * slot.shard
+        elif shard is not None and rank is not None:
+            offset = rank * shard.numel()
+        residual = None if slot.residual is None else slot.residual[: slot.numel]
+        return {"residual": residual, "shard_residual": shard, "shard_offset": offset}
 
     def _seed(self, rank: int, index: int, stage: int) -> int:
         if not self.stochastic_rounding:
