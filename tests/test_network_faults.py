@@ -14,6 +14,7 @@ Skipped where namespaces cannot be made (not root).
 import contextlib
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -61,16 +62,17 @@ class _Launchers:
         return [proc.poll() for proc in self.procs]
 
 
-def _run(
-    tmp: Path, mode: str, *, loss=0.0, wire=None, during=None, env=None, extra=(), timeout=240
-):
+def _run(tmp: Path, mode: str, *, loss=0.0, wire=None, during=None, env=None, extra=(),
+         timeout=240, resume=None):  # fmt: skip
     """One run on 2 nodes x 2 ranks: (exit codes, outputs, drops, params), node 0's first.
 
     ``loss``: % of packets dropped on the bridge (nftables); ``wire``: ``(delay_ms, loss %)``
-    of a wired pair instead of the bridge.
+    of a wired pair instead of the bridge; ``resume``: a checkpoint to start from.
     """
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    if resume is not None:
+        shutil.copytree(resume, tmp / "ckpt" / resume.name)
     argv = [str(EXAMPLE), *STEPS, "--mode", mode, "--ckpt-dir", str(tmp / "ckpt")]
     argv += ["--out", str(tmp / "params.pt"), "--progress", str(tmp / "progress"), *extra]
     link = netns.wired_pair(*wire) if wire else netns.nodes(2, "1gbit")
@@ -332,3 +334,47 @@ def test_a_lost_node_not_coming_back_leaves_node_0_alone(power, tmp_path, tmp_pa
     assert "step-10 was saved by 4 ranks and this job has 2: resharding" in outs[0], outs[0]
     # Equal to the clean 4-rank run's checkpoint at step 10 resumed on 2 ranks.
     assert _same(params, _clean_resumed_on_2_ranks(tmp_path_factory)), "node 0 alone diverged"
+
+
+def test_a_node_added_to_a_running_job_grows_it(tmp_path, tmp_path_factory):
+    # Node 0 starts alone (--nnodes 1:2); node 1 joins after step 12. Node 0's agent restarts
+    # its workers for the new member, and 4 ranks go on from the last 2-rank checkpoint.
+    argv = [str(EXAMPLE), "--steps", "60", "--ckpt-every", "10", "--mode", _EF_MODE]
+    argv += ["--ckpt-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "params.pt")]
+    argv += ["--progress", str(tmp_path / "progress"), "--step-seconds", "0.3"]
+    launch = {
+        "rdzv_id": "grow",
+        "launch_args": ["--nnodes", "1:2", "--max-restarts", "1", "--rdzv-conf", _RDZV],
+        "stdout": subprocess.PIPE,
+    }
+    port = random.randint(20000, 60000)
+    job = _Launchers()
+    with netns.nodes(2, "1gbit") as made:
+        try:
+            job.add(netns.spawn(made, 0, "2", argv, port, **launch))
+            progress = (tmp_path / "progress").with_suffix(".rank0")
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                assert job.procs[0].poll() is None, job.outs
+                with contextlib.suppress(FileNotFoundError, ValueError, IndexError):
+                    if int(progress.read_text().split()[1]) >= 12:
+                        break
+                time.sleep(0.05)
+            job.add(netns.spawn(made, 1, "2", argv, port, **launch))
+            codes = job.wait(timeout=240)
+        finally:
+            netns.stop(job.procs)
+    assert codes == [0, 0], job.outs
+    found = re.search(r"step-(\d+) was saved by 2 ranks and this job has 4", job.outs[0])
+    assert found, job.outs[0]
+    step = int(found.group(1))
+    print(f"node 1 joined; 4 ranks resumed from step {step}")
+    assert f"rank 2: attempt 0, starting from step {step}" in job.outs[1], job.outs[1]
+    # The reference: that 2-rank checkpoint resumed by a static 2 x 2 job.
+    ckpt = tmp_path / "ckpt" / f"step-{step}"
+    codes, outs, _, want = _run(
+        tmp_path_factory.mktemp("grown"), _EF_MODE, extra=["--steps", "60"], resume=ckpt
+    )
+    assert codes == [0, 0], outs
+    assert f"rank 0: attempt 0, starting from step {step}" in outs[0], outs[0]
+    assert _same(torch.load(tmp_path / "params.pt"), want), "the grown job diverged"
