@@ -376,8 +376,16 @@ class CompressState:
         For a job resumed on more or fewer ranks (an elastic job that lost or gained a node).
         Error feedback owes the average the sum of all ranks' residuals, so new rank ``r``
         takes those of old ranks ``r, r + world_size, ...``: that sum is kept exactly, and no
-        residual is lost. Load entry ``r`` into rank ``r``. A state saved without error
-        feedback needs none of this: it loads into any rank of any job.
+        residual is lost. A state saved without error feedback needs none of this: it loads
+        into any rank of any job.
+
+        Args:
+            state_dicts (list of dict): :meth:`state_dict` of every rank of the saved job, in
+                rank order.
+            world_size (int): the number of ranks of the job that loads them.
+
+        Returns:
+            list of dict: ``world_size`` state dicts; load entry ``r`` into rank ``r``.
 
         Example::
 
