@@ -14,7 +14,7 @@ from typing import Any
 
 from fastddp.hooks.residuals import Residuals
 
-__all__ = ["holds_residuals", "reshard"]
+__all__ = ["holds_residuals", "parked", "reshard"]
 
 
 def holds_residuals(state_dict: dict[str, Any]) -> bool:
@@ -26,8 +26,13 @@ def holds_residuals(state_dict: dict[str, Any]) -> bool:
     return any(carry.get(key) for key in ("stage1", "stage2", "replicated"))
 
 
-def _parked(state_dict: dict[str, Any], with_shards: bool, keep_replicated: bool) -> Residuals:
-    """One saved rank's residuals, parked by parameter as ``load_state_dict`` would."""
+def parked(
+    state_dict: dict[str, Any], with_shards: bool, keep_replicated: bool = True
+) -> Residuals:
+    """One saved rank's residuals, parked by parameter (``CompressState.load_state_dict``).
+
+    ``with_shards``: the state has stage-2 residuals (error feedback summed in fp32).
+    """
     out = Residuals()
     for saved in state_dict["buckets"].values():
         params = saved.get("params")
@@ -87,7 +92,7 @@ def reshard(state_dicts: Sequence[dict[str, Any]], world_size: int) -> list[dict
     for new in range(world_size):
         owed = Residuals()
         for rank in range(new, old, world_size):
-            owed.add(_parked(state_dicts[rank], with_shards, keep_replicated=rank == 0))
+            owed.add(parked(state_dicts[rank], with_shards, keep_replicated=rank == 0))
         source = state_dicts[new if new < old else 0]
         buckets = {
             key: {**saved, "residual": None, "shard_residual": None, "shard_offset": 0}

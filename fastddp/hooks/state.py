@@ -13,7 +13,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fastddp.hooks.buffers import Slot, allocate
 from fastddp.hooks.codecs import Codec, codec_for
 from fastddp.hooks.pipeline import Pipeline
-from fastddp.hooks.reshard import holds_residuals, reshard
+from fastddp.hooks.reshard import holds_residuals, parked, reshard
 from fastddp.hooks.residuals import Residuals
 from fastddp.hooks.topology import TOPOLOGIES, Topology
 
@@ -358,16 +358,8 @@ class CompressState:
             self._loaded_from = (int(state_dict["rank"]), int(state_dict["world_size"]))
         for index, saved in state_dict["buckets"].items():
             self._saved_counters[int(saved.get("index", index))] = saved
-            params = saved.get("params")
-            self._residuals.park(
-                None if params is None else tuple((int(k), int(n)) for k, n in params),
-                saved.get("residual"),
-                saved.get("shard_residual"),
-                int(saved.get("shard_offset", 0)),
-                with_shards=self.error_feedback and self.accumulate_dtype == torch.float32,
-            )
-        if state_dict.get("carry"):
-            self._residuals.load(state_dict["carry"])
+        with_shards = self.error_feedback and self.accumulate_dtype == torch.float32
+        self._residuals = parked(state_dict, with_shards)
 
     @staticmethod
     def reshard(state_dicts: list[dict[str, Any]], world_size: int) -> list[dict[str, Any]]:
