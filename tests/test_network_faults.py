@@ -96,9 +96,9 @@ def _run(tmp: Path, mode: str, *, loss=0.0, wire=None, during=None, env=None, ex
     return codes, job.outs, drops, params
 
 
-def _wait_for_step(progress: Path, step: int, proc, timeout=120.0) -> None:
-    # Rank 2 is on node 1.
-    path = progress.with_suffix(".rank2")
+def _wait_for_step(progress: Path, step: int, proc, timeout=120.0, rank=2) -> None:
+    """Until ``rank`` (by default rank 2, on node 1) has finished ``step``."""
+    path = progress.with_suffix(f".rank{rank}")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, "the job ended before the fault"
@@ -108,7 +108,7 @@ def _wait_for_step(progress: Path, step: int, proc, timeout=120.0) -> None:
         except (FileNotFoundError, ValueError, IndexError):
             pass
         time.sleep(0.05)
-    raise TimeoutError(f"rank 2 did not reach step {step}")
+    raise TimeoutError(f"rank {rank} did not reach step {step}")
 
 
 _CLEAN: dict[str, tuple[list, Path]] = {}
@@ -252,6 +252,13 @@ _RDZV = "join_timeout=90,last_call_timeout=5,keep_alive_interval=1,keep_alive_ma
 _EF_MODE = "bf16-acc-ef"
 
 
+def _elastic(rdzv_id: str, nnodes: str, env=None) -> tuple[dict, int]:
+    """:func:`netns.spawn` options for torchrun's elastic rendezvous, and its port."""
+    args = ["--nnodes", nnodes, "--max-restarts", "1", "--rdzv-conf", _RDZV]
+    launch = {"rdzv_id": rdzv_id, "launch_args": args, "stdout": subprocess.PIPE, "env": env}
+    return launch, random.randint(20000, 60000)  # the namespaces are new: any port is free
+
+
 def _lose_node_1(tmp: Path, mode: str, nnodes: str, rejoin: bool, power: bool = False):
     """2 nodes x 2 ranks, elastic; every process of node 1 SIGKILLed after step 15.
 
@@ -264,13 +271,8 @@ def _lose_node_1(tmp: Path, mode: str, nnodes: str, rejoin: bool, power: bool = 
     argv = [str(EXAMPLE), *STEPS, "--mode", mode, "--ckpt-dir", str(tmp / "ckpt")]
     argv += ["--out", str(tmp / "params.pt"), "--progress", str(tmp / "progress")]
     argv += ["--step-seconds", "0.1"]
-    launch = {
-        "rdzv_id": f"lost-node-{nnodes}",
-        "launch_args": ["--nnodes", nnodes, "--max-restarts", "1", "--rdzv-conf", _RDZV],
-        "stdout": subprocess.PIPE,
-        "env": {**os.environ, "FASTDDP_PEER_TIMEOUT": "5"},
-    }
-    port = random.randint(20000, 60000)  # the namespaces are new: any port is free there
+    env = {**os.environ, "FASTDDP_PEER_TIMEOUT": "5"}
+    launch, port = _elastic(f"lost-node-{nnodes}", nnodes, env=env)
     job = _Launchers()
     with netns.nodes(2, "1gbit") as made:
         try:
@@ -342,24 +344,12 @@ def test_a_node_added_to_a_running_job_grows_it(tmp_path, tmp_path_factory):
     argv = [str(EXAMPLE), "--steps", "60", "--ckpt-every", "10", "--mode", _EF_MODE]
     argv += ["--ckpt-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "params.pt")]
     argv += ["--progress", str(tmp_path / "progress"), "--step-seconds", "0.3"]
-    launch = {
-        "rdzv_id": "grow",
-        "launch_args": ["--nnodes", "1:2", "--max-restarts", "1", "--rdzv-conf", _RDZV],
-        "stdout": subprocess.PIPE,
-    }
-    port = random.randint(20000, 60000)
+    launch, port = _elastic("grow", "1:2")
     job = _Launchers()
     with netns.nodes(2, "1gbit") as made:
         try:
             job.add(netns.spawn(made, 0, "2", argv, port, **launch))
-            progress = (tmp_path / "progress").with_suffix(".rank0")
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                assert job.procs[0].poll() is None, job.outs
-                with contextlib.suppress(FileNotFoundError, ValueError, IndexError):
-                    if int(progress.read_text().split()[1]) >= 12:
-                        break
-                time.sleep(0.05)
+            _wait_for_step(tmp_path / "progress", 12, job.procs[0], rank=0)
             job.add(netns.spawn(made, 1, "2", argv, port, **launch))
             codes = job.wait(timeout=240)
         finally:
