@@ -424,3 +424,10 @@ def test_reshard_refuses_what_is_not_one_jobs_state_dicts():
     with pytest.raises(TypeError, match="entry 0 is not a CompressState.state_dict"):
         fastddp.CompressState.reshard([torch.zeros(2)], 1)
     assert [sd["rank"] for sd in fastddp.CompressState.reshard(full, 5)] == list(range(5))
+    # Residuals of one parameter with two sizes: two models' states, not one job's.
+    two = [saved(r, 2) for r in range(2)]
+    for sd, n in zip(two, (4, 5)):
+        sd["carry"] = {"stage1": {0: torch.zeros(n)}, "stage2": {}, "moved": [0],
+                       "sizes": {0: n}, "replicated": {}}  # fmt: skip
+    with pytest.raises(ValueError, match="parameter 0 has 5 elements in one rank's residuals"):
+        fastddp.CompressState.reshard(two, 1)

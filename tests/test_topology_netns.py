@@ -146,6 +146,7 @@ def test_three_nodes_of_two_ranks_find_their_nodes_and_reduce():
         (["--nodes", "3"], "give the script (or -m module) to run on every node"),
         (["--delay", "-1", "script.py"], "--delay must be at least 0 (ms)"),
         (["--nodes", "3", "--delay", "20", "script.py"], "--delay joins exactly 2 nodes"),
+        (["--delay", "20", "--loss", "100", "script.py"], "--loss must be below 100 with --delay"),
     ],
 )
 def test_netns_refuses_bad_options(args, message):
@@ -153,6 +154,14 @@ def test_netns_refuses_bad_options(args, message):
     cmd = [sys.executable, "-m", "fastddp.netns", *args]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and message in res.stderr, res.stderr
+
+
+def test_a_wired_pair_refuses_a_negative_delay_or_full_loss():
+    # Refused before any namespace is made, so this needs no root.
+    for delay, loss in ((-1.0, 0.0), (20.0, 100.0)):
+        refused = pytest.raises(ValueError, match=r"delay >= 0 ms and loss in \[0, 100\) %")
+        with refused, netns.wired_pair(delay, loss):
+            pass
 
 
 def test_nodes_refuses_a_count_out_of_range():
