@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from fastddp._round_store import MARKER as ROUND_STORE_MARKER
 from fastddp.cluster import ClusterError, process_settings
 from fastddp.watchdog import PeerWatchdog
 
@@ -179,16 +180,25 @@ def init_distributed(
     else:
         addr, port = settings["master_addr"].value, settings["master_port"].value
     kwargs = {"device_id": device} if device.type == "cuda" else {}
+    # A key space of this launch attempt in the store that ranks meet through.
+    attempt = f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', 0)}"
     if launcher == "torchrun" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's agent already serves the store on MASTER_PORT: every rank is a client.
-        # The agent keeps that store across restarts (--max-restarts), and torch's env://
-        # adds no per-attempt prefix, so a restarted rank can read the previous attempt's
-        # Gloo addresses and fail to connect to a dead process. A prefix per attempt avoids it.
         client = dist.TCPStore(
             addr, int(port), is_master=False, timeout=timeout, wait_for_workers=False
         )
-        attempt = f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', 0)}"
-        kwargs["store"] = dist.PrefixStore(f"fastddp/attempt/{attempt}/", client)
+        if client.check([ROUND_STORE_MARKER]):
+            # fastddp.launch serves a fresh store per round: it holds this attempt's keys only,
+            # and the restart count may differ between nodes (a node started again counts
+            # from 0), so no prefix.
+            attempt = env.get("TORCHELASTIC_RUN_ID", "")
+            kwargs["store"] = client
+        else:
+            # Plain torchrun keeps one store across restarts (--max-restarts) and torch's env://
+            # adds no per-attempt prefix, so a restarted rank could read the previous attempt's
+            # Gloo addresses and connect to a dead process. A prefix per attempt avoids it on
+            # one node (the restart count is per node).
+            kwargs["store"] = dist.PrefixStore(f"fastddp/attempt/{attempt}/", client)
     else:
         kwargs["init_method"] = (
             "env://" if launcher == "torchrun" else f"tcp://{_bracket(addr)}:{port}"
@@ -202,7 +212,7 @@ def init_distributed(
     except BaseException:
         dist.destroy_process_group()
         raise
-    _start_watchdog(env, peer_timeout, rank, world, addr, int(port), launcher)
+    _start_watchdog(attempt, peer_timeout, rank, world, addr, int(port), launcher)
     sources = {k: s.source for k, s in settings.items() if s is not None}
     sources.setdefault("node_rank", "host names of all ranks")
     sources["local_world_size"] = "ranks on the same node"
@@ -237,13 +247,11 @@ def _peer_timeout(env, peer_timeout, world) -> float:
     return peer_timeout
 
 
-def _start_watchdog(env, peer_timeout, rank, world, addr, port, launcher) -> None:
+def _start_watchdog(attempt, peer_timeout, rank, world, addr, port, launcher) -> None:
     global _watchdog
     if peer_timeout == 0 or world == 1 or launcher == "single":
         return
-    # A fresh key space per launch attempt: torchrun's store outlives restarts.
-    namespace = f"{env.get('TORCHELASTIC_RUN_ID', '')}.{env.get('TORCHELASTIC_RESTART_COUNT', 0)}"
-    _watchdog = PeerWatchdog(addr, port, rank, world, peer_timeout, namespace).start()
+    _watchdog = PeerWatchdog(addr, port, rank, world, peer_timeout, attempt).start()
 
 
 def _bracket(addr: str) -> str:

@@ -10,7 +10,9 @@ workers are started by ``torch.distributed.run.run``. Before that, fastddp:
    master for several nodes, the master's name, its port (bound on the master node, connected
    to from the others), and picks the network interface that reaches the master, exporting
    ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` for the workers unless already set;
-3. keeps an elastic c10d rendezvous able to take a node back (see :func:`elastic_store`).
+3. gives the workers of every restarted or re-formed round a fresh store, on every rendezvous,
+   so that ``--max-restarts`` and a node that rejoins work every time (see
+   :func:`restart_store`).
 """
 
 import argparse
@@ -30,6 +32,7 @@ from typing import Optional
 
 from torch.distributed import run as torchrun
 
+from fastddp import _round_store as round_store
 from fastddp._loopback import loopback_stores
 from fastddp.cluster import ClusterError, launcher_settings
 
@@ -377,26 +380,57 @@ def preflight(args: argparse.Namespace, network: bool = True) -> tuple[dict, Dec
     return info, decisions
 
 
-def elastic_store(args: argparse.Namespace) -> Optional[tuple[str, str]]:
-    """The store setting an elastic c10d rendezvous needs, as ``(value, why)``, or None.
+_SHARE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
-    By default torch's c10d rendezvous lets node 0's agent serve the workers' store, and each
-    agent keeps the store address it learnt in the first round. A node that joins a later
-    round (one restarted after it was lost, or one added to ``--nnodes MIN:MAX``) waits for
-    that address under the new round's keys, which the surviving agent never writes: both
-    sides wait until the rendezvous times out (measured with torch 2.13 on two namespaces).
-    With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` every round publishes a fresh address and
-    rank 0's worker serves the store, so a node can rejoin.
+
+@dataclasses.dataclass
+class StorePlan:
+    """How the workers of a restarted or re-formed round get a store without stale keys.
+
+    ``fresh``: a new store per rendezvous round (:mod:`fastddp._round_store`, which says why
+    this mechanism); ``environment``: variables to set for torch's own handler; ``say``: the
+    lines for the launch summary.
     """
-    if args.rdzv_backend != "c10d" or args.rdzv_endpoint == "localhost:0":
-        return None  # static, or one node with a local rendezvous: no node can (re)join
+
+    fresh: bool = False
+    environment: dict[str, str] = dataclasses.field(default_factory=dict)
+    say: list[str] = dataclasses.field(default_factory=list)
+
+
+def restart_store(args: argparse.Namespace, environ=os.environ) -> StorePlan:
+    """Decide how the workers' store survives restarts and membership changes.
+
+    A job that can never start a second round (``--max-restarts 0``, fixed ``--nnodes``) keeps
+    torch's store. Otherwise every round gets a fresh store, served by node 0's launcher, on
+    every rendezvous backend. A user's own ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` wins on the
+    c10d rendezvous (the only one that reads it): ``1`` makes rank 0's worker serve a store per
+    attempt, ``0`` keeps torch's shared store, whose restarts can read the previous attempt's
+    keys.
+    """
     min_nodes, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
     if args.max_restarts == 0 and min_nodes == max_nodes:
-        return None  # membership never changes
-    var = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-    if var in os.environ:
-        return None
-    return "1", "so that a node lost and started again, or added, can join a later round"
+        return StorePlan()
+    c10d = args.rdzv_backend == "c10d"
+    if c10d and _SHARE_VAR in environ:
+        value = environ[_SHARE_VAR]
+        line = f"restarts: {_SHARE_VAR}={value} is yours, so torch's own workers' store is kept"
+        if value != "1":
+            line += (
+                "; warning: a restarted attempt can read the previous attempt's addresses "
+                f"and fail to connect (unset {_SHARE_VAR} to get a fresh store per round)"
+            )
+        return StorePlan(say=[line])
+    plan = StorePlan(fresh=True)
+    if c10d:
+        # torch's c10d handler must not share its own store: a node that joins a later round
+        # would wait for an address that the surviving nodes never publish again.
+        plan.environment[_SHARE_VAR] = "1"
+    plan.say.append(
+        f"restarts: a fresh workers' store for every rendezvous round, served by node 0's "
+        f"launcher ({args.rdzv_backend} rendezvous, --max-restarts {args.max_restarts}), so "
+        "that no attempt reads the keys of the one before"
+    )
+    return plan
 
 
 def _summary(args: argparse.Namespace, info: dict) -> None:
@@ -437,14 +471,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         say(f"error: {e}")
         return 2
     apply(run_args, decisions)
-    store = elastic_store(run_args)
-    if store is not None:
-        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = store[0]
-        say(f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE={store[0]} ({store[1]})")
+    # One node with a local rendezvous: nothing outside this machine has to reach the stores,
+    # so they listen on loopback, and the workers are told so (not this host's name, which
+    # may resolve to another interface).
+    local = run_args.rdzv_endpoint == "localhost:0"
+    if local and run_args.local_addr is None:
+        run_args.local_addr = "127.0.0.1"
+    plan = restart_store(run_args)
+    for var, value in plan.environment.items():
+        os.environ[var] = value
+    for line in plan.say:
+        say(line)
     if not args.no_preflight and info.get("is_master", True):
         _summary(run_args, info)
+    config, cmd, cmd_args = torchrun.config_from_args(run_args)
+    if plan.fresh:
+        round_store.install(config)
     if args.dry_run:
-        config, cmd, cmd_args = torchrun.config_from_args(run_args)
         for field in (
             "min_nodes",
             "max_nodes",
@@ -466,15 +509,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         say("worker command: " + " ".join(worker + list(cmd_args)))
         return 0
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
 
-    args.local_addr, args.rdzv_conf = run_args.local_addr, run_args.rdzv_conf  # as applied
-    # One node with a local rendezvous: nothing outside this machine has to reach the stores.
-    local = run_args.rdzv_endpoint == "localhost:0"
     try:
         with loopback_stores() if local else contextlib.nullcontext():
-            torchrun.run(args)
+            elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except ChildFailedError as e:
         say(f"error: workers failed:\n{e.format_msg()}")
+        return 1
+    except round_store.RoundStoreError as e:
+        say(f"error: {e}")
         return 1
     return 0
 

@@ -1,0 +1,114 @@
+"""A tiny training job that checkpoints every step and kills its own ranks on cue.
+
+    python -m fastddp.launch --standalone --nproc-per-node 2 --max-restarts 2 \\
+        -m fastddp.testing.restart_worker --dir RUN --kill 5:1 --kill 8:0
+
+Each ``--kill STEP:RANK`` fires once per run (a marker file in ``--dir`` remembers it): the
+rank SIGKILLs itself when it reaches that step, as a crashed worker would, so the second kill
+lands in the restarted attempt. Rank 0 saves model and optimizer after every step (written to
+a temporary file, then renamed, so a kill never leaves half a checkpoint), and a (re)started
+attempt resumes from the latest. Batches depend only on (step, rank), so every run that
+finishes ends with the parameters of an uninterrupted run, whatever was killed when.
+
+``--init plain`` calls ``torch.distributed.init_process_group`` as most scripts do;
+``--init fastddp`` calls :func:`fastddp.init_distributed`. Rank 0 appends one line per attempt
+to ``DIR/attempts`` (``attempt N resumed-from S``) and saves the final parameters to
+``DIR/params.pt``.
+"""
+
+import argparse
+import os
+import signal
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fastddp
+
+
+def _args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", type=Path, required=True, help="checkpoints, markers and results")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--init", choices=["plain", "fastddp"], default="plain")
+    p.add_argument("--backend", default="gloo")
+    p.add_argument("--kill", action="append", default=[], metavar="STEP:RANK")
+    p.add_argument("--timeout", type=float, default=60.0, help="process group timeout, s")
+    return p.parse_args(argv)
+
+
+def _kills(specs: list[str]) -> list[tuple[int, int]]:
+    out = []
+    for spec in specs:
+        step, _, rank = spec.partition(":")
+        if not (step.isdigit() and rank.isdigit()):
+            raise SystemExit(f"--kill {spec!r}: expected STEP:RANK, e.g. --kill 5:1")
+        out.append((int(step), int(rank)))
+    return out
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step * 1009 + rank)
+    x = torch.randn(8, 16, generator=gen)
+    return x, x[:, :4].sin()
+
+
+def _maybe_die(run: Path, kills: list[tuple[int, int]], step: int, rank: int) -> None:
+    for k, (at, who) in enumerate(kills):
+        marker = run / f"killed-{k}"
+        if (at, who) == (step, rank) and not marker.exists():
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(argv=None) -> None:
+    args = _args(argv)
+    kills = _kills(args.kill)
+    timeout = timedelta(seconds=args.timeout)
+    if args.init == "plain":
+        dist.init_process_group(args.backend, timeout=timeout)
+    else:
+        fastddp.init_distributed(backend=args.backend, timeout=timeout)
+    rank = dist.get_rank()
+    net = _model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    ckpt = args.dir / "ckpt.pt"
+    start = 0
+    if ckpt.exists():
+        saved = torch.load(ckpt)
+        net.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        start = saved["step"]
+    model = DDP(net)
+    model.register_comm_hook(fastddp.CompressState(), fastddp.compress_hook)
+    if rank == 0:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        with open(args.dir / "attempts", "a") as f:
+            f.write(f"attempt {attempt} resumed-from {start}\n")
+    for step in range(start, args.steps):
+        _maybe_die(args.dir, kills, step, rank)
+        x, y = _batch(step, rank)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        if rank == 0:
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "step": step + 1}, tmp)
+            os.replace(tmp, ckpt)
+    if rank == 0:
+        torch.save([p.detach() for p in net.parameters()], args.dir / "params.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
