@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup build demo test cuda-check gpu-check bench lint clean
+.PHONY: setup build demo test cuda-check gpu-check bench stress-restart lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,12 @@ gpu-check:
 bench: build
 	$(BIN)/python -m pytest benchmarks --benchmark-enable --benchmark-only \
 		--benchmark-columns=min,median,mean,rounds
+
+# Every restart case of fastddp.testing.restarts, many times (README, "Restarts"); add
+# --launchers fastddp torchrun for plain torchrun's column.
+STRESS_ARGS ?= --runs 50 --multi-node-runs 20 --json benchmarks/restart_stress.json
+stress-restart: build
+	$(BIN)/python benchmarks/restart_stress.py $(STRESS_ARGS)
 
 lint: setup
 	$(BIN)/ruff check fastddp tests benchmarks examples

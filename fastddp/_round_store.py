@@ -77,8 +77,8 @@ class RoundStoreHandler(RendezvousHandler):
             arrivals = store.add(_ARRIVALS, 1)
         except RuntimeError as e:
             raise RoundStoreError(
-                f"fastddp.launch: the rendezvous store is unreachable ({e}); node 0's launcher "
-                "has exited, so this node cannot restart its workers"
+                f"the rendezvous store is unreachable ({e}): node 0's launcher has exited, so "
+                "this node cannot start its workers again"
             ) from None
         round_ = (arrivals - 1) // info.world_size
         key = f"fastddp/round_store/{round_}"
@@ -93,10 +93,16 @@ class RoundStoreHandler(RendezvousHandler):
             store.wait([key], self._timeout)
             addr, port = store.get(key).decode().split()
         except RuntimeError as e:
+            why = (
+                "node 0 did not restart its workers: its launcher exited, or it has fewer "
+                "--max-restarts than this node"
+                if round_
+                else "node 0 was not started by fastddp.launch, or it was started with "
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE set and this node without"
+            )
             raise RoundStoreError(
-                f"fastddp.launch: node 0 did not publish the workers' store for round {round_} "
-                f"within {self._timeout.total_seconds():.0f} s ({e}). Node 0 did not restart its "
-                "workers: its launcher exited, or it has fewer --max-restarts than this node"
+                f"node 0 did not publish the workers' store for round {round_} within "
+                f"{self._timeout.total_seconds():.0f} s ({e}): {why}"
             ) from None
         return RendezvousInfo(store, rank, info.world_size, RendezvousStoreInfo(addr, int(port)))
 

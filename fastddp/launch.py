@@ -385,7 +385,7 @@ _SHARE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 @dataclasses.dataclass
 class StorePlan:
-    """How the workers of a restarted or re-formed round get a store without stale keys.
+    """How the workers of every rendezvous round get a store without the last round's keys.
 
     ``fresh``: a new store per rendezvous round (:mod:`fastddp._round_store`, which says why
     this mechanism); ``environment``: variables to set for torch's own handler; ``say``: the
@@ -400,16 +400,13 @@ class StorePlan:
 def restart_store(args: argparse.Namespace, environ=os.environ) -> StorePlan:
     """Decide how the workers' store survives restarts and membership changes.
 
-    A job that can never start a second round (``--max-restarts 0``, fixed ``--nnodes``) keeps
-    torch's store. Otherwise every round gets a fresh store, served by node 0's launcher, on
-    every rendezvous backend. A user's own ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` wins on the
-    c10d rendezvous (the only one that reads it): ``1`` makes rank 0's worker serve a store per
-    attempt, ``0`` keeps torch's shared store, whose restarts can read the previous attempt's
-    keys.
+    Every round gets a fresh store, served by node 0's launcher, on every rendezvous backend,
+    also in a job without ``--max-restarts``: each node decides alone, and nodes that decided
+    differently (say, different ``--max-restarts``) would wait for each other's store. A user's
+    own ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` wins on the c10d rendezvous (the only one that
+    reads it): ``1`` makes rank 0's worker serve a store per attempt, ``0`` keeps torch's shared
+    store, whose restarts can read the previous attempt's keys.
     """
-    min_nodes, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
-    if args.max_restarts == 0 and min_nodes == max_nodes:
-        return StorePlan()
     c10d = args.rdzv_backend == "c10d"
     if c10d and _SHARE_VAR in environ:
         value = environ[_SHARE_VAR]
@@ -427,8 +424,8 @@ def restart_store(args: argparse.Namespace, environ=os.environ) -> StorePlan:
         plan.environment[_SHARE_VAR] = "1"
     plan.say.append(
         f"restarts: a fresh workers' store for every rendezvous round, served by node 0's "
-        f"launcher ({args.rdzv_backend} rendezvous, --max-restarts {args.max_restarts}), so "
-        "that no attempt reads the keys of the one before"
+        f"launcher ({args.rdzv_backend} rendezvous), so that no attempt reads the keys of the "
+        "one before"
     )
     return plan
 

@@ -220,20 +220,34 @@ def test_two_launchers_static_on_loopback():
     assert "node_rank=1 nodes=2" in text and "node_rank=0 nodes=2" in text
 
 
+_FRESH = "restarts: a fresh workers' store for every rendezvous round"
+
+
 @pytest.mark.parametrize(
-    "nnodes, restarts, user, expected",
-    [("1:2", "0", None, "1"), ("2", "1", None, "1"), ("2", "0", None, None), ("2", "1", "0", None)],
+    "backend, nnodes, restarts, user, fresh",
+    [
+        ("c10d", "1:2", "0", None, True),
+        ("c10d", "2", "1", None, True),
+        ("c10d", "2", "0", None, True),  # all nodes alike, whatever their --max-restarts
+        ("c10d", "2", "1", "0", False),  # the user's setting wins...
+        ("c10d", "2", "1", "1", False),
+        ("static", "2", "1", "0", True),  # ...where torch reads it: static does not
+    ],
 )
-def test_elastic_c10d_rendezvous_gets_a_store_per_round(nnodes, restarts, user, expected):
-    # A node that joins a later round hangs with torch's shared store (see elastic_store);
-    # the lost-node test in test_network_faults.py shows the real rejoin.
+def test_a_job_with_a_second_round_gets_a_store_per_round(backend, nnodes, restarts, user, fresh):
     extra = {} if user is None else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": user}
     cmd = [*LAUNCH, "--dry-run", "--nnodes", nnodes, "--max-restarts", restarts]
-    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "198.18.0.1:29400", "x.py"]
+    if backend == "c10d":
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "198.18.0.1:29400", "x.py"]
+    else:
+        cmd += ["--node-rank", "0", "--master-addr", "198.18.0.1", "x.py"]
     res = subprocess.run(cmd, env=_env(**extra), capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
-    line = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (so that a node lost"
-    assert (line in res.stderr) == (expected is not None), res.stderr
+    assert (_FRESH in res.stderr) == fresh, res.stderr
+    want = f"'fastddp-{backend}'" if fresh else f"'{backend}'"
+    assert f"config rdzv_backend={want}" in res.stderr, res.stderr
+    warned = "warning: a restarted attempt can read the previous attempt's" in res.stderr
+    assert warned == (user == "0" and backend == "c10d"), res.stderr
 
 
 def test_two_launchers_c10d_on_loopback():

@@ -13,12 +13,13 @@ finishes ends with the parameters of an uninterrupted run, whatever was killed w
 ``--init plain`` calls ``torch.distributed.init_process_group`` as most scripts do;
 ``--init fastddp`` calls :func:`fastddp.init_distributed`. Rank 0 appends one line per attempt
 to ``DIR/attempts`` (``attempt N resumed-from S``) and saves the final parameters to
-``DIR/params.pt``.
+``DIR/params.pt``; ``DIR/step`` holds the last checkpointed step.
 """
 
 import argparse
 import os
 import signal
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -38,6 +39,7 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", default="gloo")
     p.add_argument("--kill", action="append", default=[], metavar="STEP:RANK")
     p.add_argument("--timeout", type=float, default=60.0, help="process group timeout, s")
+    p.add_argument("--step-seconds", type=float, default=0.0, help="sleep after each step")
     return p.parse_args(argv)
 
 
@@ -104,6 +106,8 @@ def main(argv=None) -> None:
             tmp = ckpt.with_suffix(".tmp")
             torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "step": step + 1}, tmp)
             os.replace(tmp, ckpt)
+            (args.dir / "step").write_text(str(step + 1))  # for a harness that kills nodes
+        time.sleep(args.step_seconds)
     if rank == 0:
         torch.save([p.detach() for p in net.parameters()], args.dir / "params.pt")
     dist.barrier()

@@ -1,0 +1,97 @@
+"""Run every restart case many times under fastddp.launch and plain torchrun; count outcomes.
+
+    python benchmarks/restart_stress.py --runs 50 --multi-node-runs 20 \\
+        --launchers fastddp torchrun --json benchmarks/restart_stress.json
+
+Cases are :data:`fastddp.testing.restarts.CASES` (``--cases`` keeps those whose name contains
+one of the given strings). Launchers alternate run by run, so that both see the same machine.
+Prints a table of finished / failed / wrong / hung and the median seconds per case and
+launcher; the JSON is rewritten after every run, so an interrupted sweep keeps what it did.
+The two-node cases need root (network namespaces) and are left out without it.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from fastddp import netns
+from fastddp.testing.restarts import CASES, LAUNCHERS, reference, run_case
+
+STATUSES = ("finished", "failed", "wrong", "hung")
+
+
+def _args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=50, help="runs per one-node case")
+    p.add_argument("--multi-node-runs", type=int, default=20, help="runs per two-node case")
+    p.add_argument("--launchers", nargs="+", choices=list(LAUNCHERS), default=["fastddp"])
+    p.add_argument("--cases", nargs="*", default=[], help="substrings of case names to keep")
+    p.add_argument("--timeout", type=float, default=150.0, help="seconds before a run is hung")
+    p.add_argument("--json", type=Path, help="write the counts and every failure here")
+    args = p.parse_args(argv)
+    if args.runs < 0 or args.multi_node_runs < 0:
+        p.error("--runs and --multi-node-runs must be 0 or more")
+    return args
+
+
+def _table(counts: dict, seconds: dict) -> str:
+    head = f"{'case':36s} {'launcher':9s} " + " ".join(f"{s:>8s}" for s in STATUSES)
+    lines = [head + f" {'median s':>9s}", "-" * (len(head) + 10)]
+    for (name, launcher), row in counts.items():
+        cells = " ".join(f"{row[s]:8d}" for s in STATUSES)
+        median = statistics.median(seconds[name, launcher])
+        lines.append(f"{name:36s} {launcher:9s} {cells} {median:9.1f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
+    cases = [c for c in CASES if not args.cases or any(s in c.name for s in args.cases)]
+    if netns.unavailable_reason():
+        print(f"two-node cases left out: {netns.unavailable_reason()}", file=sys.stderr)
+        cases = [c for c in cases if c.nodes == 1]
+    work = Path(tempfile.mkdtemp(prefix="restart-stress-"))
+    counts: dict = {}
+    seconds: dict = defaultdict(list)
+    failures: list = []
+    refs = {}
+    started = time.time()
+    for run in range(max(args.runs, args.multi_node_runs)):
+        for case in cases:
+            if run >= (args.runs if case.nodes == 1 else args.multi_node_runs):
+                continue
+            if case.nodes not in refs:
+                refs[case.nodes] = reference(case, work)
+            for launcher in args.launchers:
+                out = run_case(case, launcher, refs[case.nodes], work, timeout=args.timeout)
+                row = counts.setdefault((case.name, launcher), dict.fromkeys(STATUSES, 0))
+                row[out.status] += 1
+                seconds[case.name, launcher].append(out.seconds)
+                mark = "." if out.status == "finished" else out.status[0].upper()
+                print(mark, end="", flush=True)
+                if out.status != "finished":
+                    tail = [ln for ln in out.output.splitlines() if "Error" in ln][-2:]
+                    failures.append({"case": case.name, "launcher": launcher, "run": run,
+                                     "status": out.status, "detail": out.detail,
+                                     "errors": tail})  # fmt: skip
+        if args.json:
+            rows = [{"case": n, "launcher": la, **row,
+                     "median_s": statistics.median(seconds[n, la])}
+                    for (n, la), row in counts.items()]  # fmt: skip
+            report = {"started": started, "runs_done": run + 1, "rows": rows,
+                      "failures": failures}  # fmt: skip
+            args.json.write_text(json.dumps(report, indent=1) + "\n")
+    print()
+    print(_table(counts, seconds))
+    bad = sum(row[s] for row in counts.values() for s in STATUSES[1:])
+    print(f"{bad} runs did not finish correctly; failures kept in {work}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

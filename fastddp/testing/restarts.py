@@ -1,0 +1,228 @@
+"""The restart matrix: a job killed on cue under a launcher, held against an uninterrupted run.
+
+A :class:`Case` names the rendezvous (``standalone``, ``static``, ``c10d``), how the script
+initialises (``plain`` ``init_process_group`` or ``fastddp.init_distributed``), the faults (a
+worker killed once; killed again in the restarted attempt with ``--max-restarts 2``; a whole
+node lost and started again) and the nodes (one, or two network namespaces of 2 ranks each).
+:func:`run_case` runs :mod:`fastddp.testing.restart_worker` under ``fastddp.launch`` or plain
+``torchrun`` and says whether it finished (exit 0, resumed from its checkpoint after every
+fault, the parameters of an uninterrupted run), failed, gave a wrong result, or hung.
+"""
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from fastddp import netns
+
+__all__ = ["CASES", "Case", "Outcome", "reference", "run_case"]
+
+LAUNCHERS = {
+    "fastddp": [sys.executable, "-m", "fastddp.launch"],
+    "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+}
+# Dead members of a c10d rendezvous are dropped after 3 missed 1 s heartbeats (default 5 x 30 s).
+_RDZV_CONF = "join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3"
+STEPS = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One cell of the matrix.
+
+    Args:
+        rdzv: ``standalone``, ``static`` or ``c10d``.
+        init: ``plain`` or ``fastddp``.
+        fault: ``kill`` (rank 1 at step 5), ``kill-twice`` (then rank 0 at step 8, in the
+            restarted attempt) or ``node-loss`` (every process of node 1 after step 4, then
+            node 1 started again).
+        nodes: 1, or 2 namespaces (needs root).
+    """
+
+    rdzv: str
+    init: str
+    fault: str
+    nodes: int = 1
+
+    @property
+    def name(self) -> str:
+        where = "1-node" if self.nodes == 1 else f"{self.nodes}-nodes"
+        return f"{where}/{self.rdzv}/{self.init}/{self.fault}"
+
+    @property
+    def max_restarts(self) -> int:
+        return 2 if self.fault == "kill-twice" else 1
+
+    @property
+    def kills(self) -> list[str]:
+        last = 2 * self.nodes - 1  # a rank of the last node
+        return {"kill": [f"5:{last}"], "kill-twice": [f"5:{last}", "8:0"]}.get(self.fault, [])
+
+    @property
+    def resumes(self) -> int:
+        """How many attempts must resume from a checkpoint."""
+        return {"kill": 1, "kill-twice": 2, "node-loss": 1}[self.fault]
+
+
+CASES = [
+    Case(rdzv, init, fault)
+    for rdzv in ("standalone", "static", "c10d")
+    for init in ("plain", "fastddp")
+    for fault in ("kill", "kill-twice")
+] + [
+    Case(rdzv, init, fault, nodes=2)
+    for rdzv in ("static", "c10d")
+    for init, fault in (("plain", "kill"), ("fastddp", "kill-twice"), ("plain", "node-loss"))
+]
+
+
+@dataclasses.dataclass
+class Outcome:
+    """``status``: ``finished``, ``failed``, ``wrong`` or ``hung``; ``detail`` says why."""
+
+    status: str
+    detail: str
+    seconds: float
+    output: str = ""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch_args(case: Case, node: int, addr: str, port: int, run_id: str) -> list[str]:
+    args = ["--nproc-per-node", "2", "--max-restarts", str(case.max_restarts)]
+    if case.rdzv == "standalone":
+        return [*args, "--standalone"]
+    args += ["--nnodes", str(case.nodes)]
+    if case.rdzv == "static":
+        return [*args, "--node-rank", str(node), "--master-addr", addr, "--master-port", str(port)]
+    return [*args, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addr}:{port}",
+            "--rdzv-id", run_id, "--rdzv-conf", _RDZV_CONF]  # fmt: skip
+
+
+def _worker_args(case: Case, run: Path, kills: bool = True) -> list[str]:
+    argv = ["-m", "fastddp.testing.restart_worker", "--dir", str(run), "--init", case.init]
+    argv += ["--steps", str(STEPS)]
+    if case.fault == "node-loss":
+        argv += ["--step-seconds", "0.3"]  # time to lose the node mid-run
+    for spec in case.kills if kills else []:
+        argv += ["--kill", spec]
+    return argv
+
+
+def _spawn(cmd: list[str], ns: Optional[str], log: Path, env: dict) -> subprocess.Popen:
+    if ns is not None:
+        cmd = ["ip", "netns", "exec", ns, *cmd]
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        alive = [p for p in procs if p.poll() is None]
+        for proc in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+        for proc in alive:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=grace)
+
+
+def _wait_for_step(run: Path, step: int, procs, deadline: float) -> bool:
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            if int((run / "step").read_text()) >= step:
+                return True
+        time.sleep(0.05)
+    return False
+
+
+def _execute(case: Case, launcher: str, run: Path, timeout: float, kills: bool = True):
+    """Launch every node of ``case`` (node 0 last), apply the faults; exit codes or None."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # each launcher decides for itself
+    log = run / "launch.log"
+    deadline = time.monotonic() + timeout
+    with netns.nodes(case.nodes, "1gbit") if case.nodes > 1 else contextlib.nullcontext() as made:
+        addr = made[0].addr if made else "127.0.0.1"
+        port = _free_port() if not made else 29400 + int(uuid.uuid4().int % 20000)
+        run_id = f"restart-{uuid.uuid4().hex[:8]}"
+
+        def start(node: int) -> subprocess.Popen:
+            cmd = LAUNCHERS[launcher] + _launch_args(case, node, addr, port, run_id)
+            ns = made[node].ns if made else None
+            return _spawn(cmd + _worker_args(case, run, kills), ns, log, env)
+
+        procs = [start(node) for node in reversed(range(case.nodes))][::-1]
+        try:
+            if case.fault == "node-loss" and kills:
+                if not _wait_for_step(run, 4, procs, deadline):
+                    return [p.poll() for p in procs]
+                netns.kill(made[-1])
+                procs[-1].wait(timeout=30)
+                procs.append(start(case.nodes - 1))
+                procs_to_wait = [procs[0], procs[-1]]
+            else:
+                procs_to_wait = procs
+            for proc in procs_to_wait:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            return [p.returncode for p in procs_to_wait]
+        except subprocess.TimeoutExpired:
+            return None
+        finally:
+            _stop(procs)
+
+
+def reference(case: Case, workdir: Path) -> list[torch.Tensor]:
+    """The parameters of ``case``'s job run without faults (on the same nodes)."""
+    run = Path(tempfile.mkdtemp(prefix="reference-", dir=workdir))
+    clean = dataclasses.replace(case, fault="kill")
+    codes = _execute(clean, "fastddp", run, timeout=120, kills=False)
+    if codes is None or any(codes) or not (run / "params.pt").exists():
+        raise RuntimeError(f"the reference run failed: {(run / 'launch.log').read_text()}")
+    return torch.load(run / "params.pt")
+
+
+def run_case(
+    case: Case, launcher: str, want: list[torch.Tensor], workdir: Path, timeout: float = 150.0
+) -> Outcome:
+    """Run ``case`` once under ``launcher`` (``fastddp`` or ``torchrun``) and judge it."""
+    run = Path(tempfile.mkdtemp(prefix="restart-", dir=workdir))
+    start = time.monotonic()
+    codes = _execute(case, launcher, run, timeout)
+    took = time.monotonic() - start
+    output = (run / "launch.log").read_text(errors="replace")
+    attempts = (run / "attempts").read_text().split("\n") if (run / "attempts").exists() else []
+    resumed = [line for line in attempts if line and not line.endswith("resumed-from 0")]
+    if codes is None:
+        outcome = Outcome("hung", f"still running after {timeout:.0f} s", took, output)
+    elif any(codes):
+        outcome = Outcome("failed", f"exit codes {codes}", took, output)
+    elif len(resumed) != case.resumes:
+        outcome = Outcome("wrong", f"attempts {attempts}: expected {case.resumes} resumes", took)
+    else:
+        got = torch.load(run / "params.pt")
+        same = len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+        detail = "resumed and matched the uninterrupted run" if same else "parameters differ"
+        outcome = Outcome("finished" if same else "wrong", detail, took, output)
+    if outcome.status == "finished":
+        shutil.rmtree(run, ignore_errors=True)
+    return outcome
