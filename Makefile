@@ -51,8 +51,13 @@ else
 	@echo "CUDA sources compiled and linked for sm_80 and sm_90"
 endif
 
+# The emu tests run once, under AddressSanitizer (its runtime must be loaded first, hence a
+# second pytest with LD_PRELOAD); everything else in the first.
+ASAN_RUNTIME = $(shell $${CXX:-g++} -print-file-name=libasan.so)
 test: build cuda-check
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not emu" $(PYTEST_ARGS)
+	LD_PRELOAD=$(ASAN_RUNTIME) ASAN_OPTIONS=detect_leaks=0 $(BIN)/python -m pytest -m emu \
+		-p no:cacheprovider $(PYTEST_ARGS)
 
 # The GPU proof (benchmarks/gpu_check.py): where a GPU is present, builds against the installed
 # torch (no venv) and writes every result into $(OUT); elsewhere says so in one line and exits 0.

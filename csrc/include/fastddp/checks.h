@@ -6,6 +6,7 @@
 
 #include <optional>
 
+#include "fastddp/layout.h"
 #include "fastddp/rounding.h"
 
 namespace fastddp {
@@ -114,26 +115,11 @@ inline void check_chunks_and_shard(const char* op, const at::Tensor& src, const 
       "fastddp.", op, ": dst shares storage with src; use a separate output buffer");
 }
 
-inline int64_t blocks_of(int64_t n, int64_t block) {
-  return (n + block - 1) / block;
-}
-
 inline void check_block_size(const char* op, int64_t block) {
   TORCH_CHECK(
       block >= 1 && block <= (int64_t{1} << 20),
       "fastddp.", op, ": block_size must be between 1 and 2^20 elements, got ", block);
 }
-
-// Where int8 values and their scales lie. A flat sequence of elements is cut into `rows` rows
-// of `row_len` elements; row r starts at q + r * q_stride, and its scales (one per block of
-// `block` elements) at scales + r * s_stride. The rows of a tensor may be spaced apart, so that
-// each rank's int8 chunk and its scales can sit side by side in one byte buffer.
-struct Int8Rows {
-  int64_t rows;
-  int64_t row_len;
-  int64_t q_stride;
-  int64_t s_stride;
-};
 
 // Elements between the rows of `t` seen as [rows, cols] with contiguous rows, or -1.
 inline int64_t row_stride(const at::Tensor& t, int64_t rows, int64_t cols) {

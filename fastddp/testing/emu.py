@@ -1,0 +1,154 @@
+"""fastddp's CUDA kernels on the CPU, through the CUDA grid emulator (``csrc/emu``).
+
+:func:`load` builds ``csrc/emu`` with g++ (seconds; no torch headers) into a library cached by
+the hash of its sources, and returns an :class:`Emu` whose methods take the same arguments as
+:mod:`fastddp.ops` (CPU tensors) and run the CUDA backend's launch code and kernels. The tensor
+checks are not repeated here: give only arguments that the real op accepts (the tests run the
+CPU op on the same layout first).
+
+Sanitizers: the library is always built with UBSan (a misaligned vector access is undefined
+behaviour), and with AddressSanitizer when the process runs under it
+(``LD_PRELOAD=$(gcc -print-file-name=libasan.so)``, as ``make test`` runs the ``emu`` tests), so
+that an access past a buffer fails. The device has a settable number of SMs (default 2), so
+grid-stride loops take several passes at small sizes; every launch's thread and block order is
+drawn from ``seed``.
+"""
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+__all__ = ["CSRC", "Emu", "EmuError", "asan_active", "build", "load"]
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+_SOURCES = ("emu/emu.cpp", "emu/ops.cpp")
+_HEADERS = ("emu/cuda_emu.h", "cuda/kernels.cuh", "cuda/launch.h",
+            "include/fastddp/rounding.h", "include/fastddp/layout.h")  # fmt: skip
+
+
+class EmuError(RuntimeError):
+    """A launch failed on the emulator (a hang, a bad shuffle, a bad launch); says which."""
+
+
+def asan_active() -> bool:
+    """Whether AddressSanitizer's runtime is loaded in this process."""
+    with open("/proc/self/maps") as maps:
+        return "libasan" in maps.read()
+
+
+def build(csrc: Path = CSRC, *, sanitize: Optional[bool] = None, cache: Optional[Path] = None):
+    """Compile the emulator library from ``csrc`` (a copy, for mutation tests); its path."""
+    asan = asan_active() if sanitize is None else sanitize
+    flags = ["-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror",
+             "-DFASTDDP_EMU", "-fno-omit-frame-pointer", "-fsanitize=undefined",
+             "-fno-sanitize-recover=undefined", "-Wno-clobbered"]  # fmt: skip
+    if asan:
+        flags.append("-fsanitize=address")
+    digest = hashlib.sha256(" ".join(flags).encode())
+    for rel in _SOURCES + _HEADERS:
+        digest.update((csrc / rel).read_bytes())
+    cache = cache or Path(tempfile.gettempdir()) / "fastddp-emu"
+    cache.mkdir(parents=True, exist_ok=True)
+    lib = cache / f"libfastddp_emu-{digest.hexdigest()[:16]}.so"
+    if not lib.exists():
+        compiler = os.environ.get("CXX", "g++")
+        if shutil.which(compiler) is None:
+            raise EmuError(f"the emulator needs a C++17 compiler; {compiler!r} is not found")
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [compiler, *flags, f"-I{csrc / 'include'}"]
+        cmd += [str(csrc / s) for s in _SOURCES] + ["-o", str(tmp)]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if res.returncode != 0:
+            raise EmuError(f"building the emulator failed:\n{res.stderr}")
+        os.replace(tmp, lib)
+    return lib
+
+
+def load(path: Optional[Path] = None, *, sms: int = 2, seed: int = 0) -> "Emu":
+    """The emulator library at ``path`` (default: :func:`build`), configured."""
+    emu = Emu(ctypes.CDLL(str(path or build())))
+    emu.configure(sms, seed)
+    return emu
+
+
+def _kind(t: torch.Tensor) -> int:
+    return 1 if t.dtype == torch.bfloat16 else 0
+
+
+def _rows(q: torch.Tensor, scales: torch.Tensor, block: int):
+    """The int8 layout the C++ checks compute (``int8_rows`` in checks.h), as 4 int64."""
+    rows = 1 if q.dim() == 1 else q.size(0)
+    m = q.numel() if q.dim() == 1 else q.size(1)
+    nb = -(-m // block)
+    q_stride = m if q.dim() == 1 or q.is_contiguous() else q.stride(0)
+    s_stride = nb if scales.is_contiguous() else scales.stride(0)
+    return (ctypes.c_int64 * 4)(rows, m, q_stride, s_stride)
+
+
+class Emu:
+    """The ops of :mod:`fastddp.ops`, run by the CUDA backend's code on the emulator."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        for name in ("compress", "decompress", "sum_chunks", "widen_sum", "quantize_int8",
+                     "dequantize_int8", "unpack_int8"):  # fmt: skip
+            getattr(lib, f"fastddp_emu_{name}").restype = ctypes.c_char_p
+        lib.fastddp_emu_configure.argtypes = [ctypes.c_int, ctypes.c_uint64]
+
+    def configure(self, sms: int, seed: int) -> None:
+        """The device's SM count and the seed of the next launches' order."""
+        self._lib.fastddp_emu_configure(sms, seed)
+
+    def _call(self, name: str, *args) -> None:
+        conv = [ctypes.c_float(a) if isinstance(a, float) else
+                ctypes.c_int64(a) if isinstance(a, int) and not isinstance(a, bool) else
+                ctypes.c_void_p(a) if a is None else a for a in args]  # fmt: skip
+        err = getattr(self._lib, f"fastddp_emu_{name}")(*conv)
+        if err:
+            raise EmuError(f"fastddp emulator, {name}: {err.decode()}")
+
+    @staticmethod
+    def _ptr(t: Optional[torch.Tensor]) -> ctypes.c_void_p:
+        return ctypes.c_void_p(None if t is None else t.data_ptr())
+
+    def compress(self, src, dst, scale=1.0, found_nonfinite=None, residual=None, seed=-1):
+        self._call("compress", ctypes.c_int(_kind(dst)), self._ptr(src), self._ptr(dst),
+                   src.numel(), float(scale), self._ptr(residual), int(seed),
+                   self._ptr(found_nonfinite))  # fmt: skip
+
+    def decompress(self, src, dst, scale=1.0):
+        self._call("decompress", ctypes.c_int(_kind(src)), self._ptr(src), self._ptr(dst),
+                   src.numel(), float(scale))  # fmt: skip
+
+    def sum_chunks(self, src, dst, scale=1.0, found_nonfinite=None, residual=None, seed=-1):
+        self._call("sum_chunks", ctypes.c_int(_kind(src)), self._ptr(src), src.size(0),
+                   src.size(1), self._ptr(dst), self._ptr(residual), float(scale), int(seed),
+                   self._ptr(found_nonfinite))  # fmt: skip
+
+    def widen_sum(self, src, dst, scale=1.0):
+        self._call("widen_sum", ctypes.c_int(_kind(src)), self._ptr(src), src.size(0),
+                   src.size(1), self._ptr(dst), float(scale))  # fmt: skip
+
+    def quantize_int8(self, src, dst, scales, block_size, scale=1.0, found_nonfinite=None,
+                      residual=None, seed=-1):  # fmt: skip
+        self._call("quantize_int8", self._ptr(src), self._ptr(dst), self._ptr(scales),
+                   self._ptr(residual), src.numel(), int(block_size),
+                   _rows(dst, scales, block_size), float(scale), int(seed),
+                   self._ptr(found_nonfinite))  # fmt: skip
+
+    def dequantize_int8(self, src, scales, dst, block_size, scale=1.0):
+        self._call("dequantize_int8", self._ptr(src), self._ptr(scales), src.size(0),
+                   src.size(1), int(block_size), _rows(src, scales, block_size), self._ptr(dst),
+                   float(scale))  # fmt: skip
+
+    def unpack_int8(self, src, scales, dst, block_size, scale=1.0):
+        self._call("unpack_int8", self._ptr(src), self._ptr(scales), dst.numel(),
+                   int(block_size), _rows(src, scales, block_size), self._ptr(dst),
+                   float(scale))  # fmt: skip
