@@ -272,3 +272,29 @@ def _reinit(rank, world):
 
 def test_groups_are_made_again_after_the_process_group_is_destroyed():
     run_ranks(_reinit, 4)
+
+
+def _groups_made_alike(rank, world, node_of_rank):
+    # Every rank must make the same groups in the same order: with NCCL and a bound device,
+    # new groups split the default communicator and a rank that skips one hangs the others.
+    _on_node(node_of_rank, rank)
+    made = []
+    create = dist.new_group
+
+    def record(ranks=None, *args, **kwargs):
+        made.append((list(ranks), kwargs.get("use_local_synchronization", False)))
+        return create(ranks, *args, **kwargs)
+
+    dist.new_group = record
+    try:
+        _train_pair(rank, {"topology": "hierarchical"}, steps=1)
+    finally:
+        dist.new_group = create
+    everyone = [None] * world
+    dist.all_gather_object(everyone, made)
+    assert made == [([0, 1], False), ([2, 3], False), ([0, 2], False), ([1, 3], False)], made
+    assert all(other == made for other in everyone), everyone
+
+
+def test_every_rank_makes_every_node_group_in_one_order():
+    run_ranks(_groups_made_alike, 4, [0, 0, 1, 1])

@@ -7,10 +7,15 @@ other without the node's network), or by ``FASTDDP_NODE_ID`` where that is wrong
 with their own namespaces on one host, say). Rank numbering is never assumed.
 
 The two-level path needs an *intra-node* group (the ranks of this node) and a *cross-node*
-group (the ranks of every node with this rank's local rank). Groups are created by their
-members only (``use_local_synchronization``), intra-node first on every rank, so ranks outside
-the state's group never have to take part, and kept per process by rank set, so that states
-over the same ranks share them instead of creating more.
+group (the ranks of every node with this rank's local rank). For a state over every rank, every
+rank creates every such group (each node's, then each local rank's), in that order, and keeps
+its own: with NCCL and a bound device (``init_process_group(device_id=...)``), torch makes a new
+group by splitting the default communicator, which every rank must join, in the same order, or
+the job hangs; torch's TorchComms path refuses groups made by their members alone. A state
+over a subgroup cannot ask ranks outside it to take part, so its groups are made by their
+members only (``use_local_synchronization``), which Gloo and an unbound NCCL allow; with a
+bound NCCL device that is refused with an error. Groups are kept per process by their layout,
+so that states over the same ranks share them instead of creating more.
 """
 
 import hashlib
@@ -27,7 +32,7 @@ __all__ = ["TOPOLOGIES", "Topology", "node_hash", "resolve", "ring_bytes"]
 
 TOPOLOGIES = ("auto", "flat", "hierarchical")
 NODE_ENV = "FASTDDP_NODE_ID"
-_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+_GROUPS: dict[tuple, dict[tuple, dist.ProcessGroup]] = {}
 
 
 def ring_bytes(numel: int, world: int, itemsize: int) -> int:
@@ -102,10 +107,11 @@ class Topology:
             return
         glob = dist.get_process_group_ranks(group or dist.group.WORLD)
         timeout, backend = _timeout_of(group), dist.get_backend(group)
-        mine = [glob[r] for r in self.nodes[self.node]]
-        across = [glob[n[self.local_rank]] for n in self.nodes]
-        self.groups["intra"] = _group(mine, timeout, backend)
-        self.groups["cross"] = _group(across, timeout, backend)
+        intra = [[glob[r] for r in node] for node in self.nodes]
+        cross = [[glob[node[k]] for node in self.nodes] for k in range(self.per_node)]
+        made = _groups(intra + cross, timeout, backend, everyone=len(glob) == dist.get_world_size())
+        self.groups["intra"] = made[tuple(intra[self.node])]
+        self.groups["cross"] = made[tuple(cross[self.local_rank])]
         # Shards follow the groups' own rank order (ranks sorted by global rank).
         self.local_rank = dist.get_rank(self.groups["intra"])
         self.cross_rank = dist.get_rank(self.groups["cross"])
@@ -126,19 +132,52 @@ def _timeout_of(group: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
     return None
 
 
-def _group(ranks: list[int], timeout: Optional[timedelta], backend: str) -> dist.ProcessGroup:
+def _bound_nccl(backend: str) -> bool:
+    return (
+        "nccl" in backend and dist.distributed_c10d._get_default_group().bound_device_id is not None
+    )
+
+
+def _groups(
+    layout: list[list[int]], timeout: Optional[timedelta], backend: str, everyone: bool
+) -> dict[tuple, dist.ProcessGroup]:
+    """The groups of ``layout`` that hold this rank, by rank tuple; made once per process.
+
+    With ``everyone`` (the state's group is every rank) each rank makes every group of
+    ``layout``, in its order; otherwise each group is made by its members only.
+    """
     # The state's group's backend: an NCCL group's state gets NCCL subgroups under a Gloo world.
-    key = (backend, tuple(ranks))
-    pg = _GROUPS.get(key)
-    if pg is not None:
+    key = (backend, tuple(map(tuple, layout)))
+    made = _GROUPS.get(key)
+    if made is not None:
         try:
-            dist.get_process_group_ranks(pg)
+            for pg in made.values():
+                dist.get_process_group_ranks(pg)
+            return made
         except (KeyError, ValueError, RuntimeError):
-            pg = None  # destroyed with an earlier default group: make a new one
-    if pg is None:
-        pg = dist.new_group(ranks, timeout=timeout, backend=backend, use_local_synchronization=True)
-        _GROUPS[key] = pg
-    return pg
+            pass  # destroyed with an earlier default group: make them again
+    me = dist.get_rank()
+    if not everyone and _bound_nccl(backend):
+        raise ValueError(
+            "fastddp: the two-level path of a state over a subgroup needs its node groups made "
+            "by their members only, which NCCL refuses once init_process_group(device_id=...) "
+            "has bound a device (every rank of the job would have to take part). Use "
+            "topology='flat' for this state, or a state over every rank"
+        )
+    made = {}
+    for ranks in layout:
+        if everyone:
+            pg = dist.new_group(ranks, timeout=timeout, backend=backend)
+        elif me in ranks:
+            pg = dist.new_group(
+                ranks, timeout=timeout, backend=backend, use_local_synchronization=True
+            )
+        else:
+            continue
+        if me in ranks:
+            made[tuple(ranks)] = pg
+    _GROUPS[key] = made
+    return made
 
 
 def resolve(setting: str, topo: Topology) -> str:
