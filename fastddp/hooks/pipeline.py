@@ -16,12 +16,15 @@ Rules, in one place:
   the order of submissions, so it is the same on every rank.
 - Pending stages run even when the new bucket fails on this rank alone (out of memory, say), so
   that this rank still issues every collective the other ranks issue.
-- Completion (decoding into the bucket, then the result future) follows the last collective:
-  on CUDA, a ``then`` callback of that collective's own future, whose stream waits for the
-  collective's CUDA events (NCCL completes futures when work is enqueued, so nothing else is
-  safe); on CPU, the calling thread, once ``Work.wait()`` returns. With CPU tensors no
-  fastddp callback runs on a Gloo thread, so none can be left for one to run at interpreter
-  exit (Gloo with CUDA tensors runs the ``then`` callback on its own thread).
+- Completion (decoding into the bucket, then the result future) follows the last collective,
+  in the way the job's device runtime (``runtime.py``) orders it: on CUDA, a ``then``
+  callback of that collective's own future, whose stream waits for the collective's CUDA
+  events (NCCL completes futures when work is enqueued, so nothing else is safe); on CPU, the
+  calling thread, once ``Work.wait()`` returns. With CPU tensors no fastddp callback runs on a
+  Gloo thread, so none can be left for one to run at interpreter exit (Gloo with CUDA tensors
+  runs the ``then`` callback on its own thread).
+- :meth:`Pipeline.flush` leaves the current stream ordered after everything queued, so that
+  host reads (``state_dict()``, ``stats()``) see finished values.
 - After a failure every later call raises the same error: the ranks' collectives no longer
   match, and carrying on would hang or mix payloads.
 """
@@ -36,6 +39,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from fastddp.hooks.paths import Path
+from fastddp.hooks.runtime import Runtime, runtime_for
 
 __all__ = ["Job", "Pipeline", "PipelineFailed"]
 
@@ -61,6 +65,7 @@ class Job:
         "stage",
         "work",
         "result",
+        "runtime",
     )
 
     def __init__(self, path: Path, slot, bucket, groups, world, average, seeds, topo) -> None:
@@ -80,6 +85,7 @@ class Job:
         # With devices set, the future records CUDA events when its value is set, so that
         # whoever waits on it also waits for the kernels that produced it.
         self.result = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
+        self.runtime: Optional[Runtime] = None  # set by the pipeline
 
     @property
     def started_all(self) -> bool:
@@ -95,7 +101,7 @@ class Pipeline:
         "_completing",
         "_failure",
         "_graph_task",
-        "_streams",
+        "_runtimes",
         "_submitted",
     )
 
@@ -105,7 +111,7 @@ class Pipeline:
         self._completing: deque[Job] = deque()  # CPU jobs whose last collective is in flight
         self._failure: Optional[BaseException] = None
         self._graph_task = -1
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._runtimes: dict[tuple, Runtime] = {}
         self._submitted = 0
 
     def check(self) -> None:
@@ -135,6 +141,7 @@ class Pipeline:
         try:
             job = start()
             if job is not None:
+                job.runtime = self._runtime_of(job)
                 self._submitted += 1
                 job.order = self._submitted
                 self._step(job)
@@ -163,6 +170,12 @@ class Pipeline:
             self._run_earlier()
         while self._completing:
             self._complete(self._completing.popleft())
+        self.synchronize()
+
+    def synchronize(self) -> None:
+        """Order the current stream after all queued work (before reading results on the host)."""
+        for runtime in self._runtimes.values():
+            runtime.synchronize()
 
     def is_pending(self, job: Optional[Job]) -> bool:
         """Whether stages of ``job`` have yet to run."""
@@ -176,41 +189,39 @@ class Pipeline:
             self._run_earlier()  # before this bucket's own first stage, on every rank alike
         if job in self._pending or job in self._completing:
             self.flush()
-        job.result.wait()  # on CUDA: the current stream waits for its decode
+        job.runtime.wait_result(job.result)  # on CUDA: the current stream waits for its decode
 
     # -- internals ------------------------------------------------------------------------
 
+    def _runtime_of(self, job: Job) -> Runtime:
+        group = job.groups[0]
+        key = (job.bucket.device, dist.get_backend(group))
+        runtime = self._runtimes.get(key)
+        if runtime is None:
+            runtime = self._runtimes[key] = runtime_for(job.bucket.device, group)
+        return runtime
+
     def _step(self, job: Job) -> None:
+        runtime = job.runtime
         if job.stage > 0:
-            self._wait_on_side(job)
+            # A later stage reads what the previous collective wrote. On CUDA it runs on a
+            # side stream that waits for that collective, so the compute stream never stalls.
+            with runtime.side():
+                runtime.wait(job.work)
+                job.work = job.path.stage(job, job.stage)
         else:
             job.work = job.path.stage(job, 0)
         job.stage += 1
         if not job.started_all:
             self._pending.append(job)
-        elif job.bucket.device.type == "cuda":
-            job.work.get_future().then(lambda fut, job=job: self._complete_cuda(job, fut))
+        elif runtime.asynchronous:
+            runtime.then(job.work, lambda fut, job=job: self._complete_async(job, fut))
         else:
             self._completing.append(job)
 
-    def _wait_on_side(self, job: Job) -> None:
-        # A later stage reads what the previous collective wrote. On CUDA it runs on a side
-        # stream that waits for that collective, so the compute stream never stalls on it.
-        if job.bucket.device.type != "cuda":
-            job.work.wait()
-            job.work = job.path.stage(job, job.stage)
-            return
-        device = job.bucket.device
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device)
-        with torch.cuda.stream(stream):
-            job.work.wait()
-            job.work = job.path.stage(job, job.stage)
-
-    def _complete_cuda(self, job: Job, fut: torch.futures.Future) -> None:
-        # Runs with the current stream waiting on the collective's events (for NCCL, at once,
-        # on the calling thread).
+    def _complete_async(self, job: Job, fut: torch.futures.Future) -> None:
+        # Runs once the collective's output can be read (on CUDA, with the current stream
+        # waiting on its events; for NCCL at once, on the calling thread).
         try:
             fut.value()  # re-raises a failed collective
             job.path.finish(job)
@@ -220,12 +231,12 @@ class Pipeline:
             job.result.set_exception(e)
 
     def _poll(self) -> None:
-        while self._completing and self._completing[0].work.is_completed():
+        while self._completing and self._completing[0].runtime.ready(self._completing[0].work):
             self._complete(self._completing.popleft())
 
     def _complete(self, job: Job) -> None:
         try:
-            job.work.wait()  # re-raises a failed collective
+            job.runtime.wait(job.work)  # re-raises a failed collective
             job.path.finish(job)
         except Exception as e:
             job.result.set_exception(e)

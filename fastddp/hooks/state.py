@@ -239,10 +239,11 @@ class CompressState:
     def flush(self) -> None:
         """Finish every pending reduction of this state now.
 
-        Issues the collectives still pending and waits for all of them; every rank must call
-        it at the same point. Needed only where the bucket DDP marks ``is_last`` does not
-        reach :func:`compress_hook` and the pending futures are waited on before the end of
-        the backward pass (for example by a hook that waits on this hook's future).
+        Issues the collectives still pending, waits for all of them, and orders the current
+        stream after the work they queued; every rank must call it at the same point. Needed
+        only where the bucket DDP marks ``is_last`` does not reach :func:`compress_hook` and the
+        pending futures are waited on before the end of the backward pass (for example by a
+        hook that waits on this hook's future).
         """
         self._pipeline.check()
         self._pipeline.flush()
@@ -263,8 +264,10 @@ class CompressState:
         ``parked_residuals`` counts parameters whose loaded or moved residuals still wait for
         their bucket. ``buckets`` has each bucket's figures and ``path``, keyed by
         ``bucket.index()`` (``(index, k)`` for the k-th other model sharing this state).
-        Reading ``nonfinite_events`` synchronises with the device.
+        Reading ``nonfinite_events`` synchronises with the device, after the streams that
+        reductions queued work on.
         """
+        self._pipeline.synchronize()  # the side stream may still be adding to the flags
         buckets = {
             key: {
                 "numel": slot.numel,

@@ -1,0 +1,102 @@
+"""The device runtime: how the pipeline orders work around collectives on one kind of device.
+
+The pipeline (``pipeline.py``) decides *when* each stage of a reduction runs; a runtime decides
+*how* the stage that reads a collective's output waits for it, how a job's completion follows
+its last collective, and how host reads see the device's work. Three implementations:
+
+- :class:`CpuRuntime` (Gloo, CPU tensors): nothing runs asynchronously but the collective, so
+  waiting means blocking the calling thread on ``Work.wait()``, and completion is polled.
+- :class:`CudaRuntime` (NCCL, or Gloo with CUDA tensors): later stages run on a side stream
+  that waits for the collective's CUDA events, so the compute stream never stalls; completion
+  is a ``then`` callback of the collective's own future, whose stream waits for those events
+  (NCCL completes its futures when the work is *enqueued*, so nothing else is safe); host reads
+  first make the current stream wait for the side streams.
+- a simulated-NCCL runtime for tests (:mod:`fastddp.testing.nccl_sim`), registered for its
+  backend with :func:`register`: NCCL's completion order on CPU tensors.
+"""
+
+import contextlib
+from contextlib import AbstractContextManager
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CpuRuntime", "CudaRuntime", "Runtime", "register", "runtime_for"]
+
+
+class Runtime:
+    """Primitives that order a pipeline's work on one device (see the module docstring).
+
+    The pipeline decides which wait goes where; a runtime only says what a wait means here.
+    ``asynchronous``: a job completes in a callback on its last collective's future
+    (:meth:`then`); otherwise the pipeline waits on the calling thread once :meth:`ready`.
+    """
+
+    asynchronous = False
+
+    def side(self) -> AbstractContextManager:
+        """Where a later stage runs: off the compute stream, where there is one."""
+        return contextlib.nullcontext()
+
+    def wait(self, work: dist.Work) -> None:
+        """Make what runs next here (the current stream on CUDA) wait for ``work``."""
+        work.wait()
+
+    def then(self, work: dist.Work, callback: Callable[[torch.futures.Future], None]) -> None:
+        """Call ``callback(future)`` where ``work``'s output can be read (asynchronous only)."""
+        raise TypeError(f"{type(self).__name__} completes jobs by waiting, not by callbacks")
+
+    def ready(self, work: dist.Work) -> bool:
+        """Whether ``work`` has finished (polled by synchronous runtimes)."""
+        return work.is_completed()
+
+    def wait_result(self, result: torch.futures.Future) -> None:
+        """Make what runs next wait for a job's completion (its decode)."""
+        result.wait()
+
+    def synchronize(self) -> None:
+        """Order the current stream after the side stream, before the host reads results."""
+
+
+class CpuRuntime(Runtime):
+    """Gloo on CPU tensors: the calling thread waits; there is no other stream."""
+
+
+class CudaRuntime(Runtime):
+    """CUDA tensors: a side stream per device for later stages, completion by ``then``."""
+
+    asynchronous = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._side: Optional[torch.cuda.Stream] = None
+
+    def side(self):
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        return torch.cuda.stream(self._side)
+
+    def then(self, work, callback):
+        # torch runs the callback with its stream waiting for the future's CUDA events.
+        work.get_future().then(callback)
+
+    def synchronize(self):
+        if self._side is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+
+
+_BY_BACKEND: dict[str, Callable[[torch.device], Runtime]] = {}
+
+
+def register(backend: str, make: Callable[[torch.device], Runtime]) -> None:
+    """Use ``make(device)`` as the runtime of CPU tensors on process groups of ``backend``."""
+    _BY_BACKEND[backend] = make
+
+
+def runtime_for(device: torch.device, group: Any) -> Runtime:
+    """The runtime for tensors on ``device`` reduced over ``group``."""
+    if device.type == "cuda":
+        return CudaRuntime(device)
+    make = _BY_BACKEND.get(dist.get_backend(group))
+    return make(device) if make is not None else CpuRuntime()

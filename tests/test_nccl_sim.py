@@ -1,0 +1,150 @@
+"""NCCL's completion order on CPU: the hook on the simulated-NCCL backend equals plain Gloo.
+
+On :mod:`fastddp.testing.nccl_sim` a collective's future is complete when the call returns and
+its output is NaN until the pipeline waits for it, as a GPU stream would see it under NCCL.
+Every mode x path (flat; two-level on 2 nodes x 2 ranks) x world size trains DDP with the
+hook on that backend and on plain Gloo from the same weights and data: the gradients of every
+step must be bit-identical, and after every backward the current stream must be ordered after
+the side stream. Then waits are deleted from the pipeline's source, one at a time, in the rank
+processes: each deletion must make the run differ.
+"""
+
+import copy
+import inspect
+import os
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fastddp
+from fastddp.hooks import pipeline as pipeline_module
+from fastddp.hooks.topology import NODE_ENV
+from fastddp.testing import nccl_sim
+
+from ._dist import run_ranks
+
+pytestmark = [pytest.mark.nccl_sim, pytest.mark.multiproc, pytest.mark.timeout(300)]
+
+MODES = {
+    "fp16": {"dtype": torch.float16},
+    "bf16": {},
+    "bf16-fp32acc": {"accumulate_dtype": torch.float32},
+    "bf16-fp32acc-ef": {"accumulate_dtype": torch.float32, "error_feedback": True},
+    "int8": {"dtype": torch.int8},
+    "int8-ef": {"dtype": torch.int8, "error_feedback": True},
+}
+
+# Planted defects: (function of Pipeline, text to find, replacement).
+MUTATIONS = {
+    # A later stage that reads the previous collective's output without waiting for it.
+    "no-wait-before-later-stage": ("_step", "runtime.wait(job.work)\n", "pass\n"),
+    # Completion run at once instead of where the collective's output can be read.
+    "complete-without-then": (
+        "_step",
+        "runtime.then(job.work, lambda fut, job=job: self._complete_async(job, fut))",
+        "self._complete_async(job, job.work.get_future())",
+    ),
+    # flush() that leaves host reads unordered after the side stream.
+    "flush-without-synchronize": ("flush", "self.synchronize()\n", "pass\n"),
+}
+
+
+class _Net(nn.Module):
+    # Layers run in reverse registration order, so that DDP's rebuilt buckets all differ.
+    def __init__(self, width=24, depth=5):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in reversed(self.layers):
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _train(base, group, settings, rank, steps=3):
+    """Gradients of each step and the states' runtimes' state after each backward."""
+    model = DDP(copy.deepcopy(base), process_group=group, bucket_cap_mb=0.002)
+    state = fastddp.CompressState(process_group=group, **settings)
+    model.register_comm_hook(state, fastddp.compress_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(rank)
+    grads, dirty = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(8, 24, generator=gen)).square().mean().backward()
+        dirty.append(any(getattr(r, "dirty", False) for r in state._pipeline._runtimes.values()))
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    buckets = len(state.stats()["buckets"])
+    return grads, dirty, state, buckets
+
+
+def _mutate(name):
+    where, old, new = MUTATIONS[name]
+    source = textwrap.dedent(inspect.getsource(getattr(pipeline_module.Pipeline, where)))
+    assert old in source, f"the mutation {name} no longer applies: {old!r} not in {where}"
+    scope = {}
+    exec(
+        compile(source.replace(old, new), f"<mutant {name}>", "exec"), vars(pipeline_module), scope
+    )
+    setattr(pipeline_module.Pipeline, where, scope[where])
+
+
+def _sim_equals_gloo(rank, world, nodes, cases, mutation=None):
+    os.environ[NODE_ENV] = f"node-{rank * nodes // world}"
+    nccl_sim.install()
+    sim = dist.new_group(backend=nccl_sim.BACKEND)
+    assert dist.get_backend(sim) == nccl_sim.BACKEND
+    if mutation is not None:
+        _mutate(mutation)
+    torch.manual_seed(0)
+    base = _Net()
+    for mode, topology in cases:
+        settings = {**MODES[mode], "topology": topology}
+        want, _, _, _ = _train(base, None, settings, rank)
+        try:
+            got, dirty, state, buckets = _train(base, sim, settings, rank)
+        except Exception as e:  # a planted defect may also be caught by the backend's checks
+            assert mutation is not None, f"{mode}/{topology}: {type(e).__name__}: {e}"
+            return
+        used = state.stats()["topology_used"]
+        assert used == topology, f"{mode}: ran {used}, asked for {topology}"
+        assert buckets > 2, f"{mode}/{topology}: {buckets} buckets; the pipeline needs several"
+        same = all(
+            torch.equal(a, b) for gs, ws in zip(got, want) for a, b in zip(gs, ws)
+        ) and not any(dirty)
+        if mutation is None:
+            for step, (gs, ws) in enumerate(zip(got, want)):
+                for a, b in zip(gs, ws):
+                    assert torch.isfinite(b).all(), f"{mode}: the Gloo run is not finite"
+                    assert torch.equal(a, b), (
+                        f"{mode}/{topology} step {step}: {(a - b).abs().max()}"
+                    )
+            assert not any(dirty), (
+                f"{mode}/{topology}: host reads not ordered after the side stream"
+            )
+        elif not same:
+            return
+    assert mutation is None, f"the planted defect {mutation} survived every case"
+
+
+FLAT = [(mode, "flat") for mode in MODES]
+
+
+def test_every_mode_on_two_ranks():
+    run_ranks(_sim_equals_gloo, 2, 1, FLAT, timeout=280)
+
+
+def test_every_mode_and_path_on_two_nodes_of_two_ranks():
+    cases = FLAT + [(mode, "hierarchical") for mode in MODES]
+    run_ranks(_sim_equals_gloo, 4, 2, cases, timeout=280)
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_a_deleted_wait_makes_the_run_differ(mutation):
+    cases = [("bf16", "flat"), ("int8-ef", "flat"), ("bf16-fp32acc-ef", "flat")]
+    run_ranks(_sim_equals_gloo, 2, 1, cases, mutation, timeout=200)
