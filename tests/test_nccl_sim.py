@@ -148,3 +148,30 @@ def test_every_mode_and_path_on_two_nodes_of_two_ranks():
 def test_a_deleted_wait_makes_the_run_differ(mutation):
     cases = [("bf16", "flat"), ("int8-ef", "flat"), ("bf16-fp32acc-ef", "flat")]
     run_ranks(_sim_equals_gloo, 2, 1, cases, mutation, timeout=200)
+
+
+def _backend_semantics(rank, world):
+    nccl_sim.install()
+    sim = dist.new_group(backend=nccl_sim.BACKEND)
+    t = torch.full((6,), float(rank + 1))
+    work = dist.all_reduce(t, group=sim, async_op=True)
+    assert work.get_future().done(), "an NCCL future is complete once the work is enqueued"
+    assert t.isnan().all(), "the output must read as NaN before the wait"
+    work.wait()
+    assert torch.equal(t, torch.full((6,), 3.0)), t
+    # An input written between the call and the wait: NCCL's stream may still be reading it.
+    src, out = torch.arange(4.0), torch.empty(4)
+    work = dist.all_to_all_single(out, src, group=sim, async_op=True)
+    src.add_(1)
+    with pytest.raises(nccl_sim.SimRace, match="input of all_to_all_single"):
+        work.wait()
+    # An output written before the wait: NCCL's stream may still be writing it.
+    out = torch.empty(4)
+    work = dist.all_gather_into_tensor(out, torch.ones(2), group=sim, async_op=True)
+    out[0] = 1.0
+    with pytest.raises(nccl_sim.SimRace, match="output of all_gather_single"):
+        work.wait()
+
+
+def test_the_backend_completes_like_nccl_and_sees_races():
+    run_ranks(_backend_semantics, 2)
