@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup build demo test cuda-check gpu-check bench stress-restart lint clean
+.PHONY: setup build demo test cuda-check gpu-check gpu-check-plan bench stress-restart lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,7 +32,8 @@ demo: build
 	$(BIN)/python -m fastddp.launch --standalone --nproc-per-node 2 -m fastddp.demo $(DEMO_ARGS)
 
 # Compile and link the CUDA sources with nvcc for sm_80/sm_90 (no GPU needed), then check that
-# the library holds device code for both and leaves nothing of fastddp's own unresolved.
+# the library holds device code for both, leaves nothing of fastddp's own unresolved, and that
+# the kernels' PTX keeps bit parity with the CPU (benchmarks/ptx_check.py).
 # Without nvcc this is skipped with a message, unless REQUIRE_CUDA_CHECK=1 (as in CI).
 NVCC := $(shell command -v nvcc 2>/dev/null)
 cuda-check: setup
@@ -48,7 +49,10 @@ else
 	strings build-cmake/_C.so | grep -q -- '-arch sm_80'
 	strings build-cmake/_C.so | grep -q -- '-arch sm_90'
 	! nm -uC build-cmake/_C.so | grep -q 'fastddp::'
-	@echo "CUDA sources compiled and linked for sm_80 and sm_90"
+	# Bit parity with the CPU: no FMA nvcc or ptxas could contract, no approximate math, in the
+	# PTX of every kernel, compiled with the flags of the build above.
+	$(BIN)/python benchmarks/ptx_check.py --build-dir build-cmake
+	@echo "CUDA sources compiled and linked for sm_80 and sm_90; their PTX keeps CPU parity"
 endif
 
 # The emu tests run once, under AddressSanitizer (its runtime must be loaded first, hence a
@@ -61,10 +65,16 @@ test: build cuda-check
 
 # The GPU proof (benchmarks/gpu_check.py): where a GPU is present, builds against the installed
 # torch (no venv) and writes every result into $(OUT); elsewhere says so in one line and exits 0.
+# PART=1..4 runs one part of the plan, each within 540 s (for a machine lent 600 s a command);
+# without PART, every part in one go. `make gpu-check-plan` prints the plan and checks its times.
 GPU_PYTHON ?= python3
 OUT ?= gpu-check-out
+PART ?=
 gpu-check:
-	@$(GPU_PYTHON) benchmarks/gpu_check.py $(OUT)
+	@$(GPU_PYTHON) benchmarks/gpu_check.py $(OUT) $(if $(PART),--part $(PART))
+
+gpu-check-plan:
+	@$(GPU_PYTHON) benchmarks/gpu_check.py $(OUT) $(if $(PART),--part $(PART)) --dry-run
 
 bench: build
 	$(BIN)/python -m pytest benchmarks --benchmark-enable --benchmark-only \

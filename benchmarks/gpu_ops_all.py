@@ -1,10 +1,14 @@
 """Call every fastddp op at several sizes and alignments, and check each against plain torch.
 
 Run under ``compute-sanitizer`` by ``benchmarks/gpu_check.py`` (memcheck, racecheck,
-synccheck): sizes around the vector width and the block size, views that start off a 16-byte
-boundary, random data (never zeros), with and without the non-finite flag, error feedback and
-stochastic rounding. ``--device cpu`` runs the same calls on the CPU kernels (what the tests do
-where there is no GPU). Exits non-zero on the first wrong result.
+synccheck, initcheck): sizes around the vector width and the block size, one long enough for
+three passes of every grid-stride loop, views that start off a 16-byte boundary, random data
+(never zeros), with and without the non-finite flag, error feedback and stochastic rounding.
+Every buffer is exactly as long as its op needs and a view ends where its allocation ends, so
+that memcheck (with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, which gives each tensor its own
+``cudaMalloc``) sees an access one element past the end. ``--device cpu`` runs the same calls
+on the CPU kernels (what the tests do where there is no GPU). Exits non-zero on the first wrong
+result.
 
     python benchmarks/gpu_ops_all.py [--device cuda]
 """
@@ -19,11 +23,29 @@ from fastddp import ops
 SIZES = (1, 7, 8, 127, 128, 129, 1000, 4099, 65537)
 OFFSETS = (0, 1, 3)  # elements: 4, 12 bytes off alignment for fp32
 BLOCK = 128
+H100_SMS = 132
 
 
-def _data(n, device, seed):
+def long_size(sms: int) -> int:
+    """A length for which every grid-stride loop runs at least 3 passes on ``sms`` SMs.
+
+    ``grid_for`` (csrc/cuda/launch.h) caps the grid at ``8 * sms`` blocks of 256 threads; the
+    vectorised compress/decompress move 8 elements a thread, the most of any kernel, so 3 of
+    their passes cover ``3 * 8 * sms * 256 * 8`` elements (6,488,064 on an H100). The scalar
+    kernels then run 25 passes and quantize_int8 (a warp per block of 128) 7.
+    """
+    return 3 * 8 * sms * 256 * 8 + 3  # + an odd tail for the scalar loop
+
+
+def _empty(n, off, dtype, device):
+    """``n`` elements starting ``off`` elements into an allocation that ends with them."""
+    return torch.empty(n + off, dtype=dtype, device=device)[off:]
+
+
+def _data(n, off, device, seed):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n + 8, generator=g) * torch.exp(torch.randn(n + 8, generator=g))).to(device)
+    x = torch.randn(n + off, generator=g) * torch.exp(torch.randn(n + off, generator=g))
+    return x.to(device)[off:]
 
 
 def _check(what, got, want, tol):
@@ -36,42 +58,47 @@ def _check(what, got, want, tol):
 def run(device: torch.device) -> int:
     calls = 0
     flag = torch.zeros(1, dtype=torch.int32, device=device)
-    for n in SIZES:
-        for off in OFFSETS:
-            base = _data(n, device, seed=n * 10 + off)
-            src = base[off : off + n]
-            for dtype, tol in ((torch.float16, 2**-10), (torch.bfloat16, 2**-7)):
-                wire = torch.empty(n + 8, dtype=dtype, device=device)[off : off + n]
-                ops.compress(src, wire, 0.5, flag)
-                _check(f"compress {dtype} n={n} off={off}", wire, (src * 0.5).to(dtype), 0)
-                back = torch.empty(n + 8, device=device)[off : off + n]
-                ops.decompress(wire, back, 2.0)
-                _check(f"decompress {dtype} n={n} off={off}", back, src, tol)
-                residual = torch.zeros(n, device=device)
-                ops.compress(src, wire, 0.5, flag, residual, 7)
-                _check(f"compress+ef+sr {dtype} n={n}", wire.float() + residual, src * 0.5, 1e-6)
-                rows = torch.stack([src, -src * 0.5, src * 0.25]).to(dtype).contiguous()
-                out = torch.empty(n, dtype=dtype, device=device)
-                ops.sum_chunks(rows, out, 1.0, flag)
-                _check(f"sum_chunks {dtype} n={n}", out, rows.float().sum(0), tol)
-                wide = torch.empty(n, device=device)
-                ops.widen_sum(rows, wide, 1.0)
-                _check(f"widen_sum {dtype} n={n}", wide, rows.float().sum(0), 1e-6)
-                calls += 6
-            blocks = -(-n // BLOCK)
-            q = torch.empty(n, dtype=torch.int8, device=device)
-            scales = torch.empty(blocks, device=device)
+    # The long size aligned (16-byte accesses) and not (the scalar loop). The CPU runs the same
+    # calls at the length an H100 needs.
+    sms = H100_SMS
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    cases = [(n, off) for n in SIZES for off in OFFSETS]
+    cases += [(long_size(sms), 0), (long_size(sms), 1)]
+    for n, off in cases:
+        src = _data(n, off, device, seed=n * 10 + off)
+        for dtype, tol in ((torch.float16, 2**-10), (torch.bfloat16, 2**-7)):
+            wire = _empty(n, off, dtype, device)
+            ops.compress(src, wire, 0.5, flag)
+            _check(f"compress {dtype} n={n} off={off}", wire, (src * 0.5).to(dtype), 0)
+            back = _empty(n, off, torch.float32, device)
+            ops.decompress(wire, back, 2.0)
+            _check(f"decompress {dtype} n={n} off={off}", back, src, tol)
             residual = torch.zeros(n, device=device)
-            ops.quantize_int8(src, q, scales, BLOCK, 1.0, flag, residual, 3)
-            whole = torch.empty(n, device=device)
-            ops.unpack_int8(q, scales, whole, BLOCK)
-            _check(f"quantize+unpack int8 n={n} off={off}", whole + residual, src, 1e-6)
-            summed = torch.empty(n, device=device)
-            ops.dequantize_int8(torch.stack([q, q]), torch.stack([scales, scales]), summed, BLOCK)
-            _check(f"dequantize_int8 n={n}", summed, 2 * whole, 1e-6)
-            calls += 3
+            ops.compress(src, wire, 0.5, flag, residual, 7)
+            _check(f"compress+ef+sr {dtype} n={n}", wire.float() + residual, src * 0.5, 1e-6)
+            rows = torch.stack([src, -src * 0.5, src * 0.25]).to(dtype).contiguous()
+            out = torch.empty(n, dtype=dtype, device=device)
+            ops.sum_chunks(rows, out, 1.0, flag)
+            _check(f"sum_chunks {dtype} n={n}", out, rows.float().sum(0), tol)
+            wide = torch.empty(n, device=device)
+            ops.widen_sum(rows, wide, 1.0)
+            _check(f"widen_sum {dtype} n={n}", wide, rows.float().sum(0), 1e-6)
+            calls += 6
+        blocks = -(-n // BLOCK)
+        q = torch.empty(n, dtype=torch.int8, device=device)
+        scales = torch.empty(blocks, device=device)
+        residual = torch.zeros(n, device=device)
+        ops.quantize_int8(src, q, scales, BLOCK, 1.0, flag, residual, 3)
+        whole = torch.empty(n, device=device)
+        ops.unpack_int8(q, scales, whole, BLOCK)
+        _check(f"quantize+unpack int8 n={n} off={off}", whole + residual, src, 1e-6)
+        summed = torch.empty(n, device=device)
+        ops.dequantize_int8(torch.stack([q, q]), torch.stack([scales, scales]), summed, BLOCK)
+        _check(f"dequantize_int8 n={n}", summed, 2 * whole, 1e-6)
+        calls += 3
     # The non-finite flag: an inf must be reported by every op that can produce one.
-    bad = _data(300, device, seed=1)[:300]
+    bad = _data(300, 0, device, seed=1)
     bad[123] = float("inf")
     ops.compress(bad, torch.empty(300, dtype=torch.float16, device=device), 1.0, flag)
     if int(flag.item()) != 1:

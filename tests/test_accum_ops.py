@@ -11,6 +11,8 @@ import torch
 
 from fastddp import ops
 
+from ._grid import INT8_BLOCKS_OF_128, SCALAR, devices_and_lengths
+
 WIRE = [torch.float16, torch.bfloat16]
 LENGTHS = [0, 1, 7, 33, 1000, 65537]
 
@@ -75,7 +77,7 @@ def _same(a, b):
         assert torch.equal(a[~nan], b[~nan])
 
 
-@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("device, n", devices_and_lengths(LENGTHS, SCALAR), indirect=["device"])
 @pytest.mark.parametrize("dtype", WIRE)
 @pytest.mark.parametrize("feedback", [False, True])
 @pytest.mark.parametrize("seed", [-1, 5])
@@ -137,7 +139,9 @@ def test_feedback_keeps_residual_on_overflow(dtype):
     assert torch.isfinite(res).all()
 
 
-@pytest.mark.parametrize("m", [0, 1, 33, 4099])
+@pytest.mark.parametrize(
+    "device, m", devices_and_lengths([0, 1, 33, 4099], SCALAR), indirect=["device"]
+)
 @pytest.mark.parametrize("chunks", [1, 2, 3, 8])
 @pytest.mark.parametrize("dtype", WIRE)
 @pytest.mark.parametrize("feedback", [False, True])
@@ -171,7 +175,9 @@ def test_sum_chunks_rounds_once():
     assert out.item() == 8.0 + 8 * 2.0**-7
 
 
-@pytest.mark.parametrize("m", [0, 1, 33, 4099])
+@pytest.mark.parametrize(
+    "device, m", devices_and_lengths([0, 1, 33, 4099], SCALAR), indirect=["device"]
+)
 @pytest.mark.parametrize("chunks", [1, 3, 8])
 @pytest.mark.parametrize("dtype", WIRE)
 def test_widen_sum_matches_fp32_reference(device, dtype, chunks, m):
@@ -217,7 +223,11 @@ def quantize_ref(v, block, r=None):
     return q.to(torch.int8), step, bad
 
 
-@pytest.mark.parametrize("n", [0, 1, 127, 128, 129, 5000])
+@pytest.mark.parametrize(
+    "device, n",
+    devices_and_lengths([0, 1, 127, 128, 129, 5000], INT8_BLOCKS_OF_128),
+    indirect=["device"],
+)
 @pytest.mark.parametrize("block", [1, 32, 128, 1000])
 @pytest.mark.parametrize("feedback", [False, True])
 @pytest.mark.parametrize("seed", [-1, 3])
@@ -237,6 +247,9 @@ def test_quantize_int8_matches_reference(device, n, block, feedback, seed):
     _same(q.cpu(), want_q)
     _same(scales.cpu(), want_step)
     assert flag.item() == int(bad.any())
+    unpacked = torch.empty(n, device=device)
+    ops.unpack_int8(q, scales, unpacked, block)
+    _same(unpacked.cpu(), want_q.float() * want_step.repeat_interleave(block)[:n])
     if res is not None:
         expect = v - want_q.float() * want_step.repeat_interleave(block)[:n]
         _same(res.cpu(), expect)
@@ -262,7 +275,9 @@ def test_quantize_int8_nonfinite_block_dequantises_to_nan():
     assert torch.equal(res, torch.tensor([0.0] * 4 + [0.25] * 4))
 
 
-@pytest.mark.parametrize("m", [0, 1, 128, 1000])
+@pytest.mark.parametrize(
+    "device, m", devices_and_lengths([0, 1, 128, 1000], SCALAR), indirect=["device"]
+)
 @pytest.mark.parametrize("chunks", [1, 2, 5])
 @pytest.mark.parametrize("block", [1, 64, 128])
 def test_dequantize_int8_sums_rows(device, chunks, m, block):

@@ -10,6 +10,8 @@ import torch
 import fastddp
 from fastddp import ops
 
+from ._grid import SCALAR, VECTORISED, devices_and_lengths
+
 WIRE = [torch.float16, torch.bfloat16]
 LENGTHS = [0, 1, 7, 8, 15, 16, 17, 33, 1000, 65537, 2**20 + 3]
 
@@ -28,7 +30,7 @@ def _same_bits(a, b):
     assert torch.equal(a[~nan].view(torch.int16), b[~nan].view(torch.int16))
 
 
-@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("device, n", devices_and_lengths(LENGTHS, VECTORISED), indirect=["device"])
 @pytest.mark.parametrize("dtype", WIRE)
 def test_compress_matches_torch(device, dtype, n):
     x = _random(n, device)
@@ -41,7 +43,7 @@ def test_compress_matches_torch(device, dtype, n):
         assert flag.item() == int(not torch.isfinite(expected.float()).all())
 
 
-@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("device, n", devices_and_lengths(LENGTHS, VECTORISED), indirect=["device"])
 @pytest.mark.parametrize("dtype", WIRE)
 def test_decompress_matches_torch(device, dtype, n):
     wire = _random(n, device, seed=1).to(dtype)
@@ -114,14 +116,15 @@ def test_fp16_overflow_is_inf_not_clipped(device):
     assert flag.item() == 0 and torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("device, n", devices_and_lengths([4099], SCALAR), indirect=["device"])
 @pytest.mark.parametrize("dtype", WIRE)
-def test_unaligned_views(device, dtype):
+def test_unaligned_views(device, dtype, n):
     # Offsets that break 16-byte alignment must take the scalar path and still be exact.
-    base = _random(4099, device, seed=2)
-    wire_base = torch.empty(4099, dtype=dtype, device=device)
+    base = _random(n, device, seed=2)
+    wire_base = torch.empty(n, dtype=dtype, device=device)
     for offset in (1, 3, 5):
         x = base[offset:]
-        out = wire_base[offset - 1 : 4098]
+        out = wire_base[offset - 1 : n - 1]
         ops.compress(x, out, 0.5)
         _same_bits(out, (x * 0.5).to(dtype))
         back = base.clone()[offset:]

@@ -138,9 +138,11 @@ FASTDDP_HD uint16_t to_fp16(float v, bool stochastic, uint32_t r) {
   // Below 2^-14 the result is subnormal, counted in units of 2^-24.
   uint32_t subnormal;
   if (stochastic) {
-    const float m = float_of(a < 0x38800000u ? a : 0u) * 0x1p24f;  // exact
+    // Exact, but written with mul/sub all the same: an unrounded m * 2^24 - whole is a pair
+    // nvcc may fuse, and benchmarks/ptx_check.py refuses every such pair in the kernels.
+    const float m = mul(float_of(a < 0x38800000u ? a : 0u), 0x1p24f);
     const float whole = floor_of(m);
-    subnormal = static_cast<uint32_t>(whole) + ((m - whole) > random_unit(r) ? 1u : 0u);
+    subnormal = static_cast<uint32_t>(whole) + (sub(m, whole) > random_unit(r) ? 1u : 0u);
   } else {
     // Adding 0.5f lines the value up with fp16's 2^-24 spacing and lets the FPU round to even.
     subnormal = bits_of(add(float_of(a), 0.5f)) - 0x3f000000u;

@@ -1,0 +1,268 @@
+"""Check the PTX of fastddp's CUDA kernels for math that would break bit parity with the CPU.
+
+Every kernel in ``csrc/cuda/kernels.cuh`` promises the CPU's results bit for bit (README,
+"Ops"): each fp32 multiply and add is rounded on its own, as the CPU loops built with
+``-ffp-contract=off`` do. nvcc contracts ``a * b + c`` into one FMA unless the code says
+otherwise (the kernels call ``__fmul_rn``/``__fadd_rn`` through ``fastddp/rounding.h``), so a
+plain ``*`` or ``+`` slipped into a kernel silently changes the last bit on the GPU. Per
+``.entry`` this reports:
+
+- ``fma``/``mad`` on floating-point values (contracted, or written as an FMA);
+- an unrounded ``mul.f32`` whose result feeds an unrounded ``add``/``sub``: ptxas may still
+  fuse such a pair into an FMA (a rounding modifier such as ``.rn`` forbids it);
+- ``.approx`` math and ``div.full`` (approximate), and ``.ftz`` (the CPU keeps subnormals).
+
+The PTX comes from nvcc itself: the compile command of ``csrc/cuda/ops.cu`` in the CMake
+build's ``compile_commands.json``, with ``-ptx`` for each architecture it targets, so the
+flags are exactly those of the build (``make cuda-check`` runs it after the CMake build).
+PTX files can also be given directly. Exits 1 on any finding, or when a kernel of the header
+is missing from the PTX (renamed without updating ``KERNELS``).
+
+    python benchmarks/ptx_check.py --build-dir build-cmake
+    python benchmarks/ptx_check.py kernels.ptx [more.ptx ...]
+
+It lives beside ``gpu_check.py`` because it is a check run from the Makefile, linted and
+tested with the other scripts; it needs nvcc but no GPU and no torch.
+"""
+
+import argparse
+import json
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# The kernels of csrc/cuda/kernels.cuh, all of which promise parity with the CPU.
+KERNELS = (
+    "compress_kernel",
+    "decompress_kernel",
+    "compress_feedback_kernel",
+    "sum_chunks_kernel",
+    "widen_sum_kernel",
+    "quantize_int8_kernel",
+    "dequantize_int8_kernel",
+    "unpack_int8_kernel",
+)
+FLOAT_TYPES = (".f16", ".f16x2", ".bf16", ".bf16x2", ".f32", ".f64")
+ROUNDING = (".rn", ".rz", ".rm", ".rp")
+
+_FUNC = re.compile(r"^\s*(?:\.\w+\s+)*\.(entry|func)\s+(?:\([^)]*\)\s*)?([\w$]+)")
+_CALL = re.compile(r"^call(?:\.uni)?\b.*?,?\s*([\w$]+)\s*,?\s*\(")
+
+
+@dataclass
+class Function:
+    """One ``.entry`` or ``.func`` of a PTX module: its instructions and whom it calls."""
+
+    name: str
+    entry: bool
+    instructions: list = field(default_factory=list)  # (line number, text)
+    calls: set = field(default_factory=set)
+
+
+def parse(ptx: str) -> dict[str, Function]:
+    """Split PTX text into its functions, each with its statements (comments removed)."""
+    funcs: dict[str, Function] = {}
+    current, in_body, depth = None, False, 0
+    pending, start = "", 0
+
+    def flush():
+        nonlocal pending
+        stmt = " ".join(pending.split())
+        pending = ""
+        # Directives (.reg, .loc, .pragma) and labels are not instructions.
+        if stmt and not stmt.startswith(".") and not stmt.endswith(":"):
+            stmt = re.sub(r"^@!?%\w+\s+", "", stmt)  # the guard predicate
+            current.instructions.append((start, stmt))
+            call = _CALL.match(stmt)
+            if call:
+                current.calls.add(call.group(1))
+
+    for number, raw in enumerate(ptx.splitlines(), 1):
+        line = raw.split("//", 1)[0].strip()
+        if not line:
+            continue
+        if current is None:
+            m = _FUNC.match(line)
+            if m is None:
+                continue
+            current = funcs[m.group(2)] = Function(m.group(2), m.group(1) == "entry")
+            in_body, depth, pending = False, 0, ""
+        if not in_body:
+            if "{" in line:
+                in_body, line = True, line[line.index("{") :]
+            elif line.endswith(";"):  # a declaration (.extern .func ...;): no body
+                if not current.instructions:
+                    del funcs[current.name]
+                current = None
+                continue
+            else:
+                continue
+        if not pending.strip() and (line.endswith(":") or line.startswith(".")):
+            continue  # a label, or a directive such as .loc (which has no ";")
+        # Statements may span lines (calls do) and inline asm wraps them in braces on one
+        # line: split on ";" and braces, counting the braces to find the body's end.
+        for ch in line:
+            if ch in "{};":
+                flush()
+                depth += {"{": 1, "}": -1}.get(ch, 0)
+                if depth == 0:
+                    current = None
+                    break
+            else:
+                if not pending.strip() and not ch.isspace():
+                    start = number
+                pending += ch
+        else:
+            pending += " "
+    return funcs
+
+
+def _opcode(stmt: str) -> str:
+    return stmt.split(None, 1)[0]
+
+
+def _operands(stmt: str) -> list[str]:
+    parts = stmt.split(None, 1)
+    return [o.strip() for o in parts[1].split(",")] if len(parts) > 1 else []
+
+
+def _is_float(op: str) -> bool:
+    return any(op.endswith(t) or f"{t}." in op for t in FLOAT_TYPES)
+
+
+def _unrounded(op: str, base: str) -> bool:
+    return op.startswith(base + ".") and _is_float(op) and not any(r in op for r in ROUNDING)
+
+
+def findings(func: Function) -> list[str]:
+    """What in one function's own instructions may break parity, one line each."""
+    found = []
+    products: dict[str, int] = {}  # register -> line of the unrounded mul that wrote it
+    for number, stmt in func.instructions:
+        op = _opcode(stmt)
+        args = _operands(stmt)
+        if op.split(".")[0] in ("fma", "mad") and _is_float(op):
+            found.append(f"line {number}: {stmt}  (fused multiply-add)")
+        elif ".approx" in op or op.startswith("div.full"):
+            found.append(f"line {number}: {stmt}  (approximate math)")
+        elif ".ftz" in op and _is_float(op):
+            found.append(f"line {number}: {stmt}  (flushes subnormals to zero)")
+        if _unrounded(op, "mul") and args:
+            products[args[0]] = number
+        elif op.split(".")[0] in ("mov", "neg") and len(args) == 2 and args[1] in products:
+            products[args[0]] = products[args[1]]
+        elif _unrounded(op, "add") or _unrounded(op, "sub"):
+            fed = [a for a in args[1:] if a in products]
+            if fed:
+                found.append(
+                    f"line {number}: {stmt}  (adds the unrounded product of line "
+                    f"{products[fed[0]]}: ptxas may fuse the pair into an FMA)"
+                )
+    return found
+
+
+def demangle(name: str) -> str:
+    """``_ZN7fastddp7kernels15compress_kernelINS0_8WireBf16EEE...`` -> compress_kernel<WireBf16>."""
+    m = re.match(r"_ZN7fastddp7kernels(\d+)", name)
+    if not m:
+        return name
+    start = m.end()
+    short = name[start : start + int(m.group(1))]
+    arg = re.match(r"INS0_(\d+)", name[start + len(short) :])
+    if arg:
+        rest = name[start + len(short) + arg.end() :]
+        short += f"<{rest[: int(arg.group(1))]}>"
+    return short
+
+
+def check(ptx: str) -> dict[str, list[str]]:
+    """Findings per kernel entry (demangled name), a called ``.func``'s included."""
+    funcs = parse(ptx)
+    report = {}
+    for func in funcs.values():
+        if not func.entry:
+            continue
+        seen, todo, found = set(), [func.name], []
+        while todo:
+            name = todo.pop()
+            if name in seen or name not in funcs:
+                continue
+            seen.add(name)
+            prefix = "" if name == func.name else f"in {demangle(name)}, "
+            found += [prefix + f for f in findings(funcs[name])]
+            todo += sorted(funcs[name].calls)
+        report[demangle(func.name)] = found
+    return report
+
+
+def missing_kernels(report: dict[str, list[str]]) -> list[str]:
+    """Kernels of the header with no entry in the PTX."""
+    names = {k.split("<", 1)[0] for k in report}
+    return [k for k in KERNELS if k not in names]
+
+
+def ptx_from_build(build_dir: Path, work: Path) -> list[Path]:
+    """Compile ``csrc/cuda/ops.cu`` to PTX with the CMake build's own flags, per architecture."""
+    commands = json.loads((build_dir / "compile_commands.json").read_text())
+    entry = next((e for e in commands if e["file"].endswith("ops.cu")), None)
+    if entry is None:
+        raise SystemExit(f"ptx_check: no ops.cu in {build_dir}/compile_commands.json")
+    args = entry.get("arguments") or shlex.split(entry["command"])
+    base, archs, skip = [], [], False
+    for arg in args:
+        if skip:
+            skip = False
+            continue
+        if arg in ("-o", "-c"):
+            skip = arg == "-o"
+            continue
+        gencode = re.match(r"--generate-code=arch=(compute_\d+a?)", arg)
+        if gencode:
+            archs.append(gencode.group(1))
+            continue
+        base.append(arg)
+    outputs = []
+    for arch in archs or ["compute_90"]:
+        out = work / f"ops.{arch}.ptx"
+        cmd = [*base, f"-arch={arch}", "-ptx", "-o", str(out)]
+        res = subprocess.run(cmd, cwd=entry["directory"], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise SystemExit(f"ptx_check: nvcc -ptx failed:\n$ {shlex.join(cmd)}\n{res.stderr}")
+        outputs.append(out)
+    return outputs
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("ptx", nargs="*", type=Path, help="PTX files to check")
+    p.add_argument("--build-dir", type=Path, help="a CMake build: compile its ops.cu to PTX")
+    args = p.parse_args(argv)
+    if not args.ptx and args.build_dir is None:
+        p.error("give PTX files or --build-dir")
+    bad = False
+    with tempfile.TemporaryDirectory() as tmp:
+        files = list(args.ptx)
+        if args.build_dir is not None:
+            files += ptx_from_build(args.build_dir.resolve(), Path(tmp))
+        for path in files:
+            report = check(path.read_text())
+            print(f"{path.name}: {len(report)} kernels")
+            for kernel, found in report.items():
+                print(f"  {kernel}: {'clean' if not found else f'{len(found)} findings'}")
+                for f in found:
+                    print(f"    {f}")
+            bad |= any(report.values())
+            if args.build_dir is not None:
+                for kernel in missing_kernels(report):
+                    print(f"  {kernel}: not in the PTX (renamed? update KERNELS)")
+                    bad = True
+    print("ptx_check: " + ("FAILED" if bad else "no contracted FMA or approximate math"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
