@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -138,17 +137,6 @@ def _spawn(cmd: list[str], ns: Optional[str], log: Path, env: dict) -> subproces
         )
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        alive = [p for p in procs if p.poll() is None]
-        for proc in alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
-        for proc in alive:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=grace)
-
-
 def _wait_for_step(run: Path, step: int, procs, deadline: float) -> bool:
     while time.monotonic() < deadline and all(p.poll() is None for p in procs):
         with contextlib.suppress(FileNotFoundError, ValueError):
@@ -191,7 +179,7 @@ def _execute(case: Case, launcher: str, run: Path, timeout: float, kills: bool =
         except subprocess.TimeoutExpired:
             return None
         finally:
-            _stop(procs)
+            netns.stop(procs)  # launchers and their workers, on any node
 
 
 def reference(case: Case, workdir: Path) -> list[torch.Tensor]:
