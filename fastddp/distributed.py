@@ -13,8 +13,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from fastddp._round_store import MARKER as ROUND_STORE_MARKER
 from fastddp.cluster import ClusterError, process_settings
+from fastddp.launch.store import MARKER as ROUND_STORE_MARKER
 from fastddp.watchdog import PeerWatchdog
 
 __all__ = [

@@ -100,41 +100,35 @@ def test_forced_kind_without_its_variables():
         launcher_settings({}, "pbs")
 
 
-def test_process_settings_tables():
-    plain = {
-        "RANK": "1",
-        "WORLD_SIZE": "2",
-        "LOCAL_RANK": "1",
-        "MASTER_ADDR": "h",
-        "MASTER_PORT": "29500",
-    }
-    source, s = process_settings(plain)
-    assert source == "env" and s["rank"].value == 1 and s["master_port"].value == 29500
-    source, _ = process_settings({**plain, "TORCHELASTIC_RUN_ID": "x", "GROUP_RANK": "0"})
-    assert source == "torchrun"
-    srun = {
-        "SLURM_JOB_ID": "7",
-        "SLURM_STEP_ID": "0",
-        "SLURM_PROCID": "5",
-        "SLURM_NTASKS": "8",
-        "SLURM_LOCALID": "1",
-        "SLURM_NODEID": "1",
-        "SLURM_JOB_NODELIST": "n[1-2]",
-        "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
-    }
-    source, s = process_settings(srun)
-    assert source == "slurm"
-    assert (s["rank"].value, s["world_size"].value, s["local_rank"].value) == (5, 8, 1)
-    assert s["master_addr"].value == "n1" and s["local_world_size"].value == 4
-    mpi = {
-        "OMPI_COMM_WORLD_RANK": "2",
-        "OMPI_COMM_WORLD_SIZE": "4",
-        "OMPI_COMM_WORLD_LOCAL_RANK": "0",
-        "MASTER_ADDR": "m",
-    }
-    source, s = process_settings(mpi)
-    assert source == "mpi" and s["rank"].value == 2 and s["master_port"].value == 29500
-    assert process_settings({})[0] == "single"
+PLAIN = dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="h", MASTER_PORT="29500")
+SRUN = {
+    "SLURM_JOB_ID": "7",
+    "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "5",
+    "SLURM_NTASKS": "8",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_JOB_NODELIST": "n[1-2]",
+    "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+}
+MPI = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "MASTER_ADDR": "m"}
+
+
+@pytest.mark.parametrize(
+    "env,source,want",
+    [
+        (PLAIN, "env", {"rank": 1, "world_size": 2, "master_port": 29500}),
+        ({**PLAIN, "TORCHELASTIC_RUN_ID": "x", "GROUP_RANK": "0"}, "torchrun", {"node_rank": 0}),
+        (SRUN, "slurm", {"rank": 5, "world_size": 8, "local_rank": 1, "local_world_size": 4}),
+        (SRUN, "slurm", {"master_addr": "n1", "master_port": slurm_port("7")}),
+        ({**MPI, "OMPI_COMM_WORLD_LOCAL_RANK": "0"}, "mpi", {"rank": 2, "master_port": 29500}),
+        ({}, "single", {"rank": 0, "world_size": 1, "local_rank": 0}),
+    ],
+)
+def test_process_settings_tables(env, source, want):
+    found, settings = process_settings(env)
+    assert found == source
+    assert {key: settings[key].value for key in want} == want
 
 
 def test_process_settings_errors():

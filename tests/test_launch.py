@@ -44,6 +44,17 @@ def _env(**extra):
     return env
 
 
+def _launch(*args, **env):
+    """Run the launcher in the foreground; for runs that start no workers."""
+    cmd = [*LAUNCH, *args]
+    return subprocess.run(cmd, env=_env(**env), capture_output=True, text=True, timeout=60)
+
+
+def _python(code):
+    cmd = [sys.executable, "-c", code]
+    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=60)
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -80,9 +91,7 @@ def _ok(results, workers):
 
 
 def test_help_lists_torchrun_and_fastddp_options():
-    out = subprocess.run(
-        [*LAUNCH, "--help"], env=_env(), capture_output=True, text=True, timeout=60
-    ).stdout
+    out = _launch("--help").stdout
     for option in (
         "--nproc-per-node",
         "--nproc_per_node",
@@ -96,6 +105,25 @@ def test_help_lists_torchrun_and_fastddp_options():
         assert option in out
 
 
+def test_help_without_the_compiled_extension():
+    # The launcher runs on nodes without a build of fastddp._C (None in sys.modules makes its
+    # import fail, as a missing build does). The fastddp package itself loads _C on import
+    # (tests/test_ops.py), so a bare package stands in for it here.
+    code = (
+        "import importlib.util, runpy, sys, types\n"
+        "sys.modules['fastddp._C'] = None\n"
+        "package = types.ModuleType('fastddp')\n"
+        "package.__path__ = importlib.util.find_spec('fastddp').submodule_search_locations\n"
+        "sys.modules['fastddp'] = package\n"
+        "sys.argv[1:] = ['--help']\n"
+        "runpy.run_module('fastddp.launch', run_name='__main__', alter_sys=True)\n"
+    )
+    res = _python(code)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("usage: python -m fastddp.launch"), res.stdout
+    assert "--preflight-timeout" in res.stdout and "--max-restarts" in res.stdout
+
+
 def test_slurm_dry_run_on_both_nodes():
     slurm = {
         "SLURM_JOB_ID": "918273",
@@ -104,13 +132,7 @@ def test_slurm_dry_run_on_both_nodes():
     }
     ports = set()
     for node in (0, 1):
-        res = subprocess.run(
-            [*LAUNCH, "--dry-run", "train.py"],
-            env=_env(**slurm, SLURM_NODEID=node),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        res = _launch("--dry-run", "train.py", **slurm, SLURM_NODEID=node)
         assert res.returncode == 0, res.stderr
         assert "nnodes=2 (from slurm: SLURM_JOB_NUM_NODES)" in res.stderr
         assert f"node_rank={node} (from slurm: SLURM_NODEID)" in res.stderr
@@ -124,14 +146,8 @@ def test_slurm_dry_run_on_both_nodes():
 
 
 def test_command_line_beats_pet_beats_detection():
-    env = _env(NNODES="4", NODE_RANK="3", PET_NODE_RANK="1", MASTER_ADDR="h0")
-    res = subprocess.run(
-        [*LAUNCH, "--dry-run", "--nnodes", "2", "x.py"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    env = {"NNODES": "4", "NODE_RANK": "3", "PET_NODE_RANK": "1", "MASTER_ADDR": "h0"}
+    res = _launch("--dry-run", "--nnodes", "2", "x.py", **env)
     assert res.returncode == 0, res.stderr
     assert "nnodes: command line wins over 4 from NNODES" in res.stderr
     assert "node_rank: PET_NODE_RANK=1 wins over 3 from NODE_RANK" in res.stderr
@@ -139,24 +155,14 @@ def test_command_line_beats_pet_beats_detection():
 
 
 def test_bad_node_rank_is_refused():
-    res = subprocess.run(
-        [*LAUNCH, "--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1", WORKER],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    res = _launch("--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1", WORKER)
     assert res.returncode == 2
     assert "--node-rank 2 is not valid with --nnodes 2: node ranks run from 0 to 1" in res.stderr
 
 
 def test_srun_with_several_tasks_per_node_is_refused():
-    env = _env(
-        SLURM_JOB_ID="5", SLURM_STEP_ID="0", SLURM_NTASKS_PER_NODE="4", SLURM_JOB_NODELIST="n1"
-    )
-    res = subprocess.run(
-        [*LAUNCH, "--dry-run", "x.py"], env=env, capture_output=True, text=True, timeout=60
-    )
+    slurm = dict(SLURM_JOB_ID=5, SLURM_STEP_ID=0, SLURM_NTASKS_PER_NODE=4, SLURM_JOB_NODELIST="n1")
+    res = _launch("--dry-run", "x.py", **slurm)
     assert res.returncode == 2
     assert "srun started 4 tasks per node" in res.stderr
 
@@ -167,24 +173,8 @@ def test_port_in_use_on_the_master():
         busy.listen()
         port = busy.getsockname()[1]
         start = time.monotonic()
-        res = subprocess.run(
-            [
-                *LAUNCH,
-                "--nnodes",
-                "2",
-                "--node-rank",
-                "0",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(port),
-                WORKER,
-            ],
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        master = ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+        res = _launch("--nnodes", "2", "--node-rank", "0", *master, WORKER)
     assert res.returncode == 2
     assert f"port {port} on this node (the master) is already in use" in res.stderr
     assert time.monotonic() - start < 30
@@ -236,12 +226,12 @@ _FRESH = "restarts: a fresh workers' store for every rendezvous round"
 )
 def test_a_job_with_a_second_round_gets_a_store_per_round(backend, nnodes, restarts, user, fresh):
     extra = {} if user is None else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": user}
-    cmd = [*LAUNCH, "--dry-run", "--nnodes", nnodes, "--max-restarts", restarts]
+    args = ["--dry-run", "--nnodes", nnodes, "--max-restarts", restarts]
     if backend == "c10d":
-        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "198.18.0.1:29400", "x.py"]
+        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "198.18.0.1:29400", "x.py"]
     else:
-        cmd += ["--node-rank", "0", "--master-addr", "198.18.0.1", "x.py"]
-    res = subprocess.run(cmd, env=_env(**extra), capture_output=True, text=True, timeout=60)
+        args += ["--node-rank", "0", "--master-addr", "198.18.0.1", "x.py"]
+    res = _launch(*args, **extra)
     assert res.returncode == 0, res.stderr
     assert (_FRESH in res.stderr) == fresh, res.stderr
     want = f"'fastddp-{backend}'" if fresh else f"'{backend}'"
@@ -353,9 +343,7 @@ def test_init_distributed_single_process_is_idempotent():
         "assert not dist.is_initialized()\n"
         "print('ok')\n"
     )
-    res = subprocess.run(
-        [sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60
-    )
+    res = _python(code)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 
 
@@ -380,9 +368,7 @@ def test_init_distributed_refuses_bad_ranks_and_foreign_groups():
         "    print(e)\n"
         "dist.destroy_process_group()\n"
     )
-    res = subprocess.run(
-        [sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60
-    )
+    res = _python(code)
     assert "torch.distributed was initialised elsewhere" in res.stdout, res.stderr
 
 
@@ -393,6 +379,7 @@ def _in(ns, cmd):
     return ["ip", "netns", "exec", ns, *cmd]
 
 
+@pytest.mark.netns
 def test_two_nodes_static_with_interface_found():
     with two_nodes() as (a, b):
         port = _free_port()
@@ -422,6 +409,7 @@ def test_two_nodes_static_with_interface_found():
         assert "nodes=2" in text
 
 
+@pytest.mark.netns
 def test_two_nodes_c10d_rendezvous_as_in_sana():
     # Sana's line with fastddp.launch in place of torchrun.
     with two_nodes() as (a, b):
@@ -444,6 +432,7 @@ def test_two_nodes_c10d_rendezvous_as_in_sana():
         assert f"--local-addr {b['addr']}" in text
 
 
+@pytest.mark.netns
 def test_unreachable_master_fails_fast():
     with two_nodes() as (a, b):
         nobody = a["addr"].rsplit(".", 1)[0] + ".77"  # on the link, but no host answers
@@ -478,6 +467,7 @@ def test_unreachable_master_fails_fast():
     assert elapsed < 30
 
 
+@pytest.mark.netns
 @pytest.mark.parametrize(
     "master,message",
     [

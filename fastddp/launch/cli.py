@@ -1,0 +1,200 @@
+"""The command line: torchrun's parser plus fastddp's group, cluster defaults, and :func:`main`.
+
+Every torchrun option works as it does in the installed torch (the parser is torchrun's own);
+workers are started by torch's ``elastic_launch``, as ``torch.distributed.run.run`` does.
+"""
+
+import argparse
+import contextlib
+import os
+import sys
+import uuid
+from typing import Optional
+
+from torch.distributed import run as torchrun
+
+from fastddp.cluster import ClusterError, launcher_settings
+from fastddp.launch import store
+from fastddp.launch.preflight import Decisions, LaunchError, apply, gpus_visible, preflight, say
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return torchrun's parser (its defaults read from ``PET_*`` now), plus fastddp's options."""
+    parser = torchrun.get_args_parser()
+    parser.prog = "python -m fastddp.launch"
+    parser.description = (
+        "torchrun with cluster detection and a network preflight. All torchrun options are "
+        "accepted; fastddp's own are listed under 'fastddp'."
+    )
+    group = parser.add_argument_group("fastddp")
+    group.add_argument(
+        "--cluster",
+        choices=["auto", "none", "slurm", "mpi", "env"],
+        default=os.environ.get("FASTDDP_CLUSTER", "auto"),
+        help="where to read nnodes/node rank/master from (default: auto, or $FASTDDP_CLUSTER)",
+    )
+    group.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved torchrun configuration and worker command, after the "
+        "configuration checks but without touching the network; start nothing",
+    )
+    group.add_argument(
+        "--no-preflight", action="store_true", help="skip the network and configuration checks"
+    )
+    group.add_argument(
+        "--preflight-timeout",
+        type=float,
+        default=float(os.environ.get("FASTDDP_PREFLIGHT_TIMEOUT", "20")),
+        help="seconds a non-master node waits to reach the master's port (default: 20)",
+    )
+    return parser
+
+
+def _given_on_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """Return the option names (dests) that ``argv`` sets explicitly."""
+    # argparse fills in a default only where the namespace lacks the attribute, so whatever
+    # still holds the marker afterwards was not on the command line.
+    unset = object()
+    ns = argparse.Namespace(**{action.dest: unset for action in parser._actions})
+    parser.parse_args(argv, namespace=ns)
+    return {dest for dest, value in vars(ns).items() if value is not unset}
+
+
+def _apply_cluster(parser: argparse.ArgumentParser, kind: str, argv: list[str]) -> None:
+    """Make detected settings the defaults (and ``PET_*``) where neither CLI nor user set them."""
+    kind, settings = launcher_settings(os.environ, kind, gpus_on_node=gpus_visible())
+    if not settings:
+        return
+    given = _given_on_command_line(parser, argv)
+    for key, (value, source) in settings.items():
+        pet = f"PET_{key.upper()}"
+        if key in given:
+            say(f"{key}: command line wins over {value} from {source}")
+        elif pet in os.environ:
+            say(f"{key}: {pet}={os.environ[pet]} wins over {value} from {source}")
+        else:
+            os.environ[pet] = str(value)
+            # What torchrun's parser reads from PET_* when it is built, and converts alike.
+            parser.set_defaults(**{key: str(value)})
+            say(f"{key}={value} (from {kind}: {source})")
+
+
+def _normalise(args: argparse.Namespace) -> argparse.Namespace:
+    """Apply the same rewrites ``torch.distributed.run.run`` makes before launching."""
+    args = argparse.Namespace(**vars(args))
+    _, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
+    if args.standalone or (
+        args.rdzv_backend == "static"
+        and not args.rdzv_endpoint
+        and args.master_port is None
+        and max_nodes == 1
+    ):
+        args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
+        args.rdzv_id = args.rdzv_id if args.rdzv_id != "none" else str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    return args
+
+
+def _summary(args: argparse.Namespace, info: dict) -> None:
+    import torch
+
+    _, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
+    nproc = torchrun.determine_local_world_size(args.nproc_per_node)
+    nccl = "n/a"
+    with contextlib.suppress(Exception):
+        if torch.cuda.is_available():
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    env = {
+        k: v
+        for k, v in sorted(os.environ.items())
+        if k.startswith(("NCCL_", "GLOO_", "FASTDDP_", "MASTER_", "OMP_NUM_THREADS"))
+    }
+    lines = [
+        f"nodes {args.nnodes}, {nproc} processes per node, world size {max_nodes * nproc}",
+        f"rendezvous {args.rdzv_backend} at {info.get('master')}",
+        f"interface {info.get('interface')}  torch {torch.__version__}  NCCL {nccl}",
+        "environment " + (" ".join(f"{k}={v}" for k, v in env.items()) or "(none relevant)"),
+    ]
+    for line in lines:
+        say(line)
+
+
+def _print_dry_run(args: argparse.Namespace, config, cmd, cmd_args: list[str]) -> None:
+    for field in (
+        "min_nodes",
+        "max_nodes",
+        "nproc_per_node",
+        "run_id",
+        "rdzv_backend",
+        "rdzv_endpoint",
+        "rdzv_configs",
+        "max_restarts",
+        "start_method",
+        "local_addr",
+    ):
+        say(f"config {field}={getattr(config, field)!r}")
+    say(
+        f"config node_rank={args.node_rank} master_addr={args.master_addr} "
+        f"master_port={args.master_port}"
+    )
+    worker = [cmd if isinstance(cmd, str) else getattr(cmd, "__name__", str(cmd))]
+    say("worker command: " + " ".join(worker + list(cmd_args)))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run ``python -m fastddp.launch``; return the exit code.
+
+    Returns:
+        0 when the workers finished (or after ``--dry-run``), 1 when they failed, 2 when the
+        configuration or the network cannot work. Bad arguments exit 2 from argparse.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    pre = parser.parse_args(argv)  # fails early, with torchrun's messages
+    try:
+        _apply_cluster(parser, pre.cluster, argv)
+        args = parser.parse_args(argv)  # now with the detected defaults
+        run_args = _normalise(args)
+        info, decisions = ({}, Decisions())
+        if not args.no_preflight:
+            info, decisions = preflight(run_args, network=not args.dry_run)
+    except (ClusterError, LaunchError) as e:
+        say(f"error: {e}")
+        return 2
+    apply(run_args, decisions)
+    # One node with a local rendezvous: nothing outside this machine has to reach the stores,
+    # so they listen on loopback, and the workers are told so (not this host's name, which
+    # may resolve to another interface).
+    local = run_args.rdzv_endpoint == "localhost:0"
+    if local and run_args.local_addr is None:
+        run_args.local_addr = "127.0.0.1"
+    plan = store.restart_store(run_args)
+    for var, value in plan.environment.items():
+        os.environ[var] = value
+    for line in plan.say:
+        say(line)
+    if not args.no_preflight and info.get("is_master", True):
+        _summary(run_args, info)
+    config, cmd, cmd_args = torchrun.config_from_args(run_args)
+    if plan.fresh:
+        store.install(config)
+    if args.dry_run:
+        _print_dry_run(run_args, config, cmd, cmd_args)
+        return 0
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    try:
+        with store.loopback_stores() if local else contextlib.nullcontext():
+            elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+    except ChildFailedError as e:
+        say(f"error: workers failed:\n{e.format_msg()}")
+        return 1
+    except store.RoundStoreError as e:
+        say(f"error: {e}")
+        return 1
+    return 0

@@ -1,0 +1,187 @@
+"""The preflight: check a launch's configuration and network in seconds, before torchrun runs.
+
+What would otherwise surface as a hang fails here with the fix in the message: node rank vs
+nnodes, a loopback master for several nodes, the master's name, its port (bound on the master
+node, connected to from the others). :func:`preflight` decides; :func:`apply` puts its
+decisions (``--local-addr``, ``--rdzv-conf is_host=1``, ``GLOO_SOCKET_IFNAME``/
+``NCCL_SOCKET_IFNAME``) into the arguments and the environment, saying each one.
+"""
+
+import argparse
+import dataclasses
+import ipaddress
+import os
+import sys
+from typing import Optional
+
+from torch.distributed import run as torchrun
+
+from fastddp.launch import net
+from fastddp.launch.net import LaunchError
+
+__all__ = ["Decisions", "LaunchError", "apply", "preflight", "say"]
+
+_PREFIX = "fastddp.launch:"
+
+
+def say(msg: str) -> None:
+    """Print one line of the launcher's report to stderr."""
+    print(f"{_PREFIX} {msg}", file=sys.stderr, flush=True)
+
+
+def gpus_visible() -> int:
+    """Return the number of GPUs this node sees, without initialising CUDA."""
+    try:
+        import torch
+
+        return torch.cuda.device_count()  # NVML-based: does not initialise CUDA
+    except Exception:
+        return 0
+
+
+@dataclasses.dataclass
+class Decisions:
+    """What the preflight decided, for :func:`apply` to put into the arguments and environment.
+
+    Each setting comes with the line that explains it.
+    """
+
+    local_addr: Optional[tuple[str, str]] = None  # (address, why)
+    rdzv_conf: Optional[tuple[str, str]] = None  # (extra rendezvous option, why)
+    environment: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)  # user settings left alone
+
+
+def apply(args: argparse.Namespace, decisions: Decisions) -> None:
+    """Put the preflight's decisions into ``args`` and ``os.environ``, saying each one."""
+    for note in decisions.notes:
+        say(note)
+    if decisions.rdzv_conf is not None:
+        extra, why = decisions.rdzv_conf
+        args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, extra]))
+        say(f"--rdzv-conf {extra} ({why})")
+    if decisions.local_addr is not None:
+        args.local_addr, why = decisions.local_addr
+        say(f"--local-addr {args.local_addr} ({why})")
+    for var, (value, why) in decisions.environment.items():
+        os.environ[var] = value
+        say(f"{var}={value} ({why})")
+
+
+def _must_claim_c10d_host(args: argparse.Namespace, host: str) -> bool:
+    """Whether this node must be told to serve the c10d store (torch would not see it).
+
+    torch decides by comparing the endpoint with the host name and the addresses it resolves
+    to, so an endpoint on a secondary interface leaves every node a client, each waiting for a
+    store that nobody serves.
+    """
+    if "is_host" in (args.rdzv_conf or ""):
+        return False
+    try:
+        from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+    except ImportError:  # a torch without the heuristic: say it explicitly
+        return True
+    return not _matches_machine_hostname(host)
+
+
+def _check_ranks(args: argparse.Namespace, static: bool, max_nodes: int) -> None:
+    if static and not 0 <= args.node_rank < max_nodes:
+        raise LaunchError(
+            f"--node-rank {args.node_rank} is not valid with --nnodes {args.nnodes}: node "
+            f"ranks run from 0 to {max_nodes - 1}, one per node, each used once"
+        )
+    if not static and args.node_rank != 0:
+        say(
+            f"warning: --node-rank {args.node_rank} is ignored by the {args.rdzv_backend} "
+            "rendezvous, which assigns node ranks itself"
+        )
+    gpus = gpus_visible()
+    nproc = args.nproc_per_node
+    if gpus and nproc.isdigit() and int(nproc) > gpus:
+        say(
+            f"warning: --nproc-per-node {nproc} exceeds the {gpus} visible GPU(s); NCCL "
+            "refuses two ranks on one GPU (use Gloo, or fewer processes)"
+        )
+
+
+def _master(args: argparse.Namespace) -> tuple[str, int]:
+    """The rendezvous host and port: the endpoint's (port 29400 if none), else the master's."""
+    if args.rdzv_endpoint and args.rdzv_endpoint != "localhost:0":
+        host, _, port_s = args.rdzv_endpoint.rpartition(":")
+        if not host:
+            host, port_s = args.rdzv_endpoint, "29400"
+        return host, int(port_s)
+    return args.master_addr, int(args.master_port)
+
+
+def preflight(args: argparse.Namespace, network: bool = True) -> tuple[dict, Decisions]:
+    """Check the configuration and (with ``network``) the network.
+
+    Args:
+        args: torchrun's arguments, normalised as ``torch.distributed.run.run`` would.
+        network: also resolve the master, find the route and check or probe its port.
+
+    Returns:
+        ``(info, decisions)``: what was found (for the summary) and what should be set (for
+        :func:`apply`); neither ``args`` nor the environment is changed.
+
+    Raises:
+        LaunchError: the launch cannot work; the message says how to fix it.
+    """
+    _, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
+    info = {"nnodes": args.nnodes}
+    decisions = Decisions()
+    static = args.rdzv_backend == "static"
+    _check_ranks(args, static, max_nodes)
+    host, port = _master(args)
+    if args.rdzv_endpoint == "localhost:0":  # standalone: one node, a free port
+        info.update(master="localhost (standalone)", interface="lo")
+        return info, decisions
+    if not network:
+        info.update(master=f"{host}:{port}", interface="not checked (--dry-run)")
+        return info, decisions
+    addr = net.resolve(host.strip("[]"), timeout=10.0)
+    loopback = ipaddress.ip_address(addr).is_loopback
+    if loopback and max_nodes > 1:
+        say(
+            f"warning: the master {host} is a loopback address: nodes on other machines "
+            "cannot reach it (fine only when every node runs on this machine)"
+        )
+    local, iface = net.route_to(addr, port)
+    is_master = (args.node_rank == 0) if static else net.is_local(addr)
+    if is_master and static:
+        net.check_port_free(addr, port)
+    elif is_master:
+        # c10d: the first launcher on the endpoint's host serves the store and the others on
+        # that host join it, so a port in use may be this job's own rendezvous: it must answer.
+        try:
+            net.check_port_free(addr, port)
+        except LaunchError:
+            net.probe(addr, port, local, iface, 2.0)
+            say(f"the rendezvous port {port} is already served on this machine; joining it")
+        else:
+            if _must_claim_c10d_host(args, host):
+                why = f"the endpoint {host} is an address of this node"
+                decisions.rdzv_conf = ("is_host=1", why)
+    else:
+        net.probe(addr, port, local, iface, args.preflight_timeout)
+    info.update(
+        master=f"{host}:{port}" + (f" ({addr})" if addr != host else ""),
+        interface=iface or "unknown",
+        local_address=local,
+        is_master=is_master,
+    )
+    if not static and args.local_addr is None and not loopback:
+        # The c10d rendezvous tells workers to reach rank 0 at its node's host name, which
+        # other nodes often cannot resolve (or resolve to another network); the address that
+        # routes to the master is the one they can use.
+        decisions.local_addr = (local, "this node's address on the master's network")
+    if iface and not loopback:
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if var in os.environ:
+                decisions.notes.append(
+                    f"{var}={os.environ[var]} (yours; the route to the master uses {iface})"
+                )
+            else:
+                decisions.environment[var] = (iface, "the interface that reaches the master")
+    return info, decisions
