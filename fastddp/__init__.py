@@ -1,9 +1,15 @@
 """fastddp: fused gradient compression and communication hooks for PyTorch DDP.
 
-Importing fastddp loads the compiled ops (``torch.ops.fastddp``) and never initialises CUDA.
+Importing fastddp needs neither the compiled ops nor CUDA: the launcher, cluster detection and
+rank setup work without them. The names that compute (:func:`compress_hook`,
+:class:`CompressState`, :func:`all_reduce`, :data:`PRESETS`, :mod:`fastddp.ops`) load the
+compiled ops (``torch.ops.fastddp``) when first used, and a missing or mismatched build raises
+:class:`ExtensionError` naming the rebuild command. CUDA is never initialised on import.
 """
 
-from fastddp import ops
+import importlib
+from typing import Any
+
 from fastddp._extension import ExtensionError, build_info
 from fastddp.cluster import ClusterError
 from fastddp.distributed import (
@@ -13,10 +19,17 @@ from fastddp.distributed import (
     is_main_process,
     shutdown_distributed,
 )
-from fastddp.hooks import CompressState, compress_hook
-from fastddp.reduce import all_reduce
 
 __version__ = "0.1.0"
+
+# Public names whose modules load the compiled ops: imported on first use.
+_LAZY = {
+    "ops": ("fastddp.ops", None),
+    "PRESETS": ("fastddp.hooks", "PRESETS"),
+    "CompressState": ("fastddp.hooks", "CompressState"),
+    "compress_hook": ("fastddp.hooks", "compress_hook"),
+    "all_reduce": ("fastddp.reduce", "all_reduce"),
+}
 
 __all__ = [
     "all_reduce",
@@ -24,6 +37,7 @@ __all__ = [
     "CompressState",
     "DistEnv",
     "ExtensionError",
+    "PRESETS",
     "build_info",
     "compress_hook",
     "distributed_session",
@@ -32,3 +46,18 @@ __all__ = [
     "ops",
     "shutdown_distributed",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'fastddp' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = importlib.import_module(module)
+    if attr is not None:
+        value = getattr(value, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -3,10 +3,11 @@
 FSDP2 reduce-scatters each parameter group's gradients in its ``MixedPrecisionPolicy``'s
 ``reduce_dtype`` and lets a module replace that collective (``set_custom_reduce_scatter``).
 :class:`CompressedReduceScatter` is such a replacement: each rank encodes its whole input once
-(bf16, fp16, or int8 with one fp32 scale per block), one all-to-all hands rank ``r`` the encoded
-chunk ``r`` of every rank, and rank ``r`` sums those chunks in fp32 straight into its output.
-The only rounding is each rank's own encoding; the sum itself is never rounded to 16 bits, so
-the error does not grow with the number of ranks (a 16-bit ring rounds at every hop).
+with a codec of :mod:`fastddp.codecs` (bf16, fp16, or int8 with one fp32 scale per block, in
+the hooks' row layout), one all-to-all hands rank ``r`` the encoded chunk ``r`` of every
+rank, and rank ``r`` sums those chunks in fp32 straight into its output. The only rounding is
+each rank's own encoding; the sum itself is never rounded to 16 bits, so the error does not
+grow with the number of ranks (a 16-bit ring rounds at every hop).
 """
 
 from collections.abc import Sequence
@@ -16,8 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from fastddp import ops
-from fastddp.hooks.state import checked_block_size
+from fastddp.codecs import codec_for
 
 try:  # FSDP2's comm interfaces (torch >= 2.9 have set_custom_reduce_scatter)
     from torch.distributed.fsdp import FSDPModule
@@ -29,12 +29,7 @@ except ImportError as error:  # pragma: no cover - depends on the installed torc
 
 __all__ = ["CompressedReduceScatter", "compress_reduce_scatter"]
 
-_WIRE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int8: "int8"}
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _round_up(n: int, k: int) -> int:
-    return -(-n // k) * k
 
 
 class CompressedReduceScatter(ReduceScatter):
@@ -68,13 +63,9 @@ class CompressedReduceScatter(ReduceScatter):
     """
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16, *, block_size: Optional[int] = None):
-        where = "CompressedReduceScatter"
-        if dtype not in _WIRE:
-            raise ValueError(
-                f"{where}: dtype must be torch.bfloat16, torch.float16 or torch.int8, got {dtype!r}"
-            )
+        self.codec = codec_for(dtype, block_size, "CompressedReduceScatter")
         self.dtype = dtype
-        self.block_size = checked_block_size(where, dtype, block_size)
+        self.block_size = self.codec.block_size
         self._buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
         self._counters = dict.fromkeys(
             ("calls", "allocations", "wire_bytes", "fp32_wire_bytes", "elements"), 0
@@ -120,14 +111,28 @@ class CompressedReduceScatter(ReduceScatter):
             return None
         src = input_tensor.view(-1)
         dst = output_tensor.view(-1)
-        if self.dtype == torch.int8:
-            self._int8(src, dst, world, chunk, group, pre, post)
+        codec = self.codec
+        row = codec.row_elems(chunk)
+        wire = (world * row, codec.wire_dtype, src.device)
+        if codec.plain and src.dtype == codec.wire_dtype:
+            send = src  # already in the wire dtype; the scale comes after the sum
         else:
-            self._half(src, dst, world, chunk, group, pre, post)
-        wire_row = self._row_bytes(chunk)
+            send = self._buffer("send", *wire)
+            codec.encode(self._fp32_source(src), send.view(world, row), chunk, pre)
+        recv = self._buffer("recv", *wire)
+        dist.all_to_all_single(recv, send, group=group)
+        rows = recv.view(world, row)
+        if dst.dtype == torch.float32:
+            codec.sum_into(rows, chunk, dst, post)
+        elif codec.plain and dst.dtype == codec.wire_dtype:
+            codec.reduce(rows, dst, chunk, post)  # one rounding, of the fp32 sum
+        else:
+            total = self._buffer("sum", chunk, torch.float32, src.device)
+            codec.sum_into(rows, chunk, total, post)
+            dst.copy_(total)
         self._counters["calls"] += 1
         self._counters["elements"] += src.numel()
-        self._counters["wire_bytes"] += (world - 1) * wire_row
+        self._counters["wire_bytes"] += (world - 1) * codec.payload_bytes(chunk)
         self._counters["fp32_wire_bytes"] += (world - 1) * chunk * 4
         return None
 
@@ -168,7 +173,7 @@ class CompressedReduceScatter(ReduceScatter):
             )
         # fp32 inputs are scaled before encoding (fp16 then holds the average, not the sum);
         # 16-bit inputs sent as they are get the scale after the fp32 sum.
-        if input.dtype == self.dtype and self.dtype != torch.int8:
+        if input.dtype == self.dtype and self.codec.plain:
             return 1.0, scale
         return scale, 1.0
 
@@ -183,63 +188,12 @@ class CompressedReduceScatter(ReduceScatter):
             self._counters["allocations"] += 1
         return buf[:numel]
 
-    def _row_bytes(self, chunk: int) -> int:
-        if self.dtype != torch.int8:
-            return 2 * chunk
-        return _round_up(chunk, 4) + 4 * -(-chunk // self.block_size)
-
     def _fp32_source(self, src: torch.Tensor) -> torch.Tensor:
         if src.dtype == torch.float32:
             return src
         staged = self._buffer("stage", src.numel(), torch.float32, src.device)
         staged.copy_(src)
         return staged
-
-    def _half(self, src, dst, world, chunk, group, pre, post) -> None:
-        n = src.numel()
-        if src.dtype == self.dtype:
-            send = src  # already in the wire dtype; the scale comes after the sum
-        else:
-            send = self._buffer("send", n, self.dtype, src.device)
-            ops.compress(self._fp32_source(src), send, pre)
-        recv = self._buffer("recv", n, self.dtype, src.device)
-        dist.all_to_all_single(recv, send, group=group)
-        rows = recv.view(world, chunk)
-        if dst.dtype == torch.float32:
-            ops.widen_sum(rows, dst, post)
-        elif dst.dtype == self.dtype:
-            ops.sum_chunks(rows, dst, post)  # one rounding, of the fp32 sum
-        else:
-            total = self._buffer("sum", chunk, torch.float32, src.device)
-            ops.widen_sum(rows, total, post)
-            dst.copy_(total)
-
-    def _int8(self, src, dst, world, chunk, group, pre, post) -> None:
-        # A row per rank: [int8 values, padded to 4 bytes | fp32 scales], so that one
-        # all-to-all moves each chunk with its scales.
-        block = self.block_size
-        row = self._row_bytes(chunk)
-        values_len = _round_up(chunk, 4)
-        send = self._buffer("send", world * row, torch.int8, src.device).view(world, row)
-        recv = self._buffer("recv", world * row, torch.int8, src.device).view(world, row)
-        send_values, send_scales = send[:, :chunk], send[:, values_len:].view(torch.float32)
-        fp32 = self._fp32_source(src)
-        if chunk % block == 0:
-            ops.quantize_int8(fp32, send_values, send_scales, block, pre)
-        else:
-            # Blocks may not straddle two ranks' chunks: one call per chunk.
-            for r in range(world):
-                ops.quantize_int8(
-                    fp32[r * chunk : (r + 1) * chunk], send_values[r], send_scales[r], block, pre
-                )
-        dist.all_to_all_single(recv.view(-1), send.view(-1), group=group)
-        recv_values, recv_scales = recv[:, :chunk], recv[:, values_len:].view(torch.float32)
-        if dst.dtype == torch.float32:
-            ops.dequantize_int8(recv_values, recv_scales, dst, block, post)
-        else:
-            total = self._buffer("sum", chunk, torch.float32, src.device)
-            ops.dequantize_int8(recv_values, recv_scales, total, block, post)
-            dst.copy_(total)
 
 
 def compress_reduce_scatter(

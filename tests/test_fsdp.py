@@ -171,7 +171,9 @@ def test_fsdp2_four_ranks_matches_default_reduce_scatter():
 
 
 def test_bad_settings_are_refused():
-    with pytest.raises(ValueError, match="torch.bfloat16, torch.float16 or torch.int8"):
+    with pytest.raises(
+        ValueError, match="dtype must be torch.float16, torch.bfloat16 or torch.int8"
+    ):
         CompressedReduceScatter(torch.float32)
     with pytest.raises(ValueError, match="int8 only"):
         CompressedReduceScatter(torch.bfloat16, block_size=64)

@@ -15,6 +15,7 @@ Each module has one job:
 
 from fastddp.hooks.hook import _reduce as _reduce  # the worker, for fastddp.all_reduce
 from fastddp.hooks.hook import compress_hook
+from fastddp.hooks.presets import PRESETS
 from fastddp.hooks.state import DEFAULT_BLOCK_SIZE, CompressState
 
-__all__ = ["CompressState", "DEFAULT_BLOCK_SIZE", "compress_hook"]
+__all__ = ["CompressState", "DEFAULT_BLOCK_SIZE", "PRESETS", "compress_hook"]

@@ -5,93 +5,28 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from fastddp.hooks.paths import path_named
+from fastddp.hooks import handshake, stats
+from fastddp.hooks.paths import PASSTHROUGH
 from fastddp.hooks.pipeline import Job, warn_stale
 from fastddp.hooks.state import CompressState
-from fastddp.hooks.topology import TOPOLOGIES, Topology, node_hash, resolve, ring_bytes
+from fastddp.hooks.topology import resolve
 
 __all__ = ["compress_hook"]
 
-_WIRE_DTYPES = (torch.float16, torch.bfloat16)
-# Bumped whenever the bytes exchanged between ranks change meaning; part of the cross-rank
-# settings check, so that ranks running different fastddp versions refuse to mix.
-# 3: int8 rows carry their scales behind their values (one all-to-all, one all-gather).
-# 4: the settings row carries the topology setting and a node identity.
-_PROTOCOL = 4
+# Buckets of these dtypes are already small: they pass through, averaged as they are.
+_PASSTHROUGH_DTYPES = (torch.float16, torch.bfloat16)
 
 _default_state: Optional[CompressState] = None
 
 
-def _check_config(state: CompressState, device: torch.device) -> None:
-    """Make every rank raise the same error when the ranks' settings differ; find the nodes.
-
-    One all-gather carries each rank's settings and node identity, so every rank derives the
-    same topology and raises the same errors.
-    """
-    group = state.process_group
-    s = state.settings()
-    loaded = state._loaded_from or (-1, -1)
-    mine = torch.tensor(
-        [
-            _PROTOCOL,
-            state.codec.code,
-            int(s["accumulate_dtype"] is not None),
-            int(s["error_feedback"]),
-            int(s["stochastic_rounding"]),
-            s["block_size"] or 0,
-            TOPOLOGIES.index(state.topology),
-            *loaded,
-            node_hash(),
-        ],
-        dtype=torch.int64,
-        device=device,
-    )
-    world = dist.get_world_size(group)
-    everyone = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine, group=group)
-    rows = [tuple(t.tolist()) for t in everyone]
-    if len({row[:7] for row in rows}) > 1:
-        names = {1: "float16", 2: "bfloat16", 3: "int8"}
-        lines = []
-        for rank, row in enumerate(rows):
-            lines.append(
-                f"  rank {rank}: dtype={names.get(row[1], '?')}, accumulate_dtype="
-                f"{'float32' if row[2] else None}, error_feedback={bool(row[3])}, "
-                f"stochastic_rounding={bool(row[4])}, block_size={row[5] or None}, "
-                f"topology={TOPOLOGIES[row[6]]!r}"
-                + (f", fastddp protocol {row[0]}" if row[0] != _PROTOCOL else "")
-            )
-        raise ValueError(
-            "fastddp: ranks disagree on the compression settings, so their payloads cannot be "
-            "combined:\n" + "\n".join(lines) + "\nGive every rank the same CompressState "
-            "arguments (and the same fastddp version)."
-        )
-    resized = sorted({row[8] for row in rows if row[7] != -1 and row[8] != world})
-    if resized:
-        raise ValueError(
-            f"fastddp: CompressState.load_state_dict was given error-feedback residuals saved "
-            f"by a job of {' and '.join(map(str, resized))} ranks, and this job has {world}. "
-            "Residuals are per rank: load the saved state dicts of every rank, regroup them "
-            f"with CompressState.reshard(saved, {world}), and load entry r into rank r "
-            "(examples/resume.py does this); or start this state without them."
-        )
-    wrong = [
-        f"  rank {rank} loaded the state dict of rank {row[7]} of {row[8]}"
-        for rank, row in enumerate(rows)
-        if row[7] != -1 and (row[7], row[8]) != (rank, world)
-    ]
-    if wrong:
-        raise ValueError(
-            "fastddp: CompressState.load_state_dict was given another rank's residuals:\n"
-            + "\n".join(wrong)
-            + f"\nSave one state_dict() per rank and load each into the same rank of a job of "
-            f"the same world size ({world} now)."
-        )
-    topo = Topology([row[9] for row in rows], dist.get_rank(group))
-    state._resolved = resolve(state.topology, topo)
-    topo.make_groups(group, state._resolved == "hierarchical")
-    state._topology = topo
-    state._verified = True
+def _verify(state: CompressState, device: torch.device) -> None:
+    """Check every rank's settings alike (the handshake), then find the nodes and make groups."""
+    rows = handshake.exchange(state, device)
+    handshake.check(rows)
+    topo = handshake.topology_of(rows, dist.get_rank(state.process_group))
+    resolved = resolve(state.topology, topo)
+    topo.make_groups(state.process_group, resolved == "hierarchical")
+    state._resolved, state._topology, state._verified = resolved, topo, True
 
 
 def _reduce(
@@ -115,7 +50,7 @@ def _reduce(
     group = state.process_group
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    passthrough = buffer.dtype in _WIRE_DTYPES
+    passthrough = buffer.dtype in _PASSTHROUGH_DTYPES
     if not passthrough and buffer.dtype != torch.float32:
         raise TypeError(
             f"fastddp.compress_hook: gradient bucket dtype {buffer.dtype} is not supported; it "
@@ -127,13 +62,13 @@ def _reduce(
         # The gradients are already 16-bit: nothing to compress, they travel as they are.
         state._counters["passthrough_calls"] += 1
         state._counters["payload_bytes"] += buffer.numel() * buffer.element_size()
-        job = Job(path_named("passthrough"), None, buffer, (group,), world, average, (), None)
+        job = Job(PASSTHROUGH, None, buffer, (group,), world, average, (), None)
         pipeline.submit(lambda: job, is_last)
         return job.result
     if not state._verified:
-        _check_config(state, buffer.device)
-    key, signature = state._identify(index, buffer, parameters, params)
-    previous = state._slots.get(key)
+        _verify(state, buffer.device)
+    key, signature = state._table.identify(index, buffer, parameters, params)
+    previous = state._table.slots.get(key)
     if previous is not None and pipeline.is_pending(previous.job):
         warn_stale()
     holder = []
@@ -142,16 +77,14 @@ def _reduce(
         slot = state._slot_for(key, signature, index, buffer, parameters, params, world)
         pipeline.settle(slot.job)
         slot.calls += 1
-        _count_bytes(state, slot)
+        stats.count(state._counters, slot, state.codec, state._topology)
         if slot.numel == 0:
             done = torch.futures.Future()
             done.set_result(buffer)
             holder.append(done)
             return None
-        seeds = (state._seed(rank, index, 1), state._seed(rank, index, 2))
-        if slot.path == "allreduce":
-            seeds = (state._seed(rank, index, 0),)
-        path = path_named(slot.path)
+        path = slot.path
+        seeds = tuple(state._seed(rank, index, stage) for stage in path.seed_stages)
         groups = state._topology.groups_for(path.roles)
         job = Job(path, slot, buffer, groups, world, average, seeds, state._topology)
         slot.job = job
@@ -160,23 +93,6 @@ def _reduce(
 
     pipeline.submit(start, is_last)
     return holder[0]
-
-
-def _count_bytes(state: CompressState, slot) -> None:
-    n, topo = slot.numel, state._topology
-    path = path_named(slot.path)
-    payload = state.codec.payload_bytes(n)
-    sent = path.sent_bytes(slot, topo)
-    cross = path.cross_bytes(slot, topo)
-    slot.payload_bytes += payload
-    slot.wire_bytes += sent
-    slot.cross_node_bytes += cross
-    counters = state._counters
-    counters["payload_bytes"] += payload
-    counters["wire_bytes"] += sent
-    counters["fp32_wire_bytes"] += ring_bytes(n, topo.world, 4)
-    counters["cross_node_bytes"] += cross
-    counters["fp32_ring_cross_node_bytes"] += topo.ring_cross_bytes(n, 4)
 
 
 def compress_hook(

@@ -1,9 +1,11 @@
 """Reduction paths: which collectives move a bucket, and which codec step runs between them.
 
 A path runs in *stages*. Stage ``i`` does local work and issues collective ``i``, returning its
-``Work``; :meth:`Path.finish` runs once the last collective is done. When a stage runs, and how
-completion is awaited, is the pipeline's business (``pipeline.py``); what is encoded and how
-rows are summed is the codec's (``codecs.py``). Every path writes its result into the bucket.
+``Work``; :meth:`Path.finish` runs once the last collective is done. A path also allocates the
+buffers its stages use (:meth:`Path.allocate`) and says which stages draw stochastic-rounding
+seeds. When a stage runs, and how completion is awaited, is the pipeline's business
+(``pipeline.py``); what is encoded and how rows are summed is the codec's
+(:mod:`fastddp.codecs`). Every path writes its result into the bucket.
 """
 
 from abc import ABC, abstractmethod
@@ -12,16 +14,18 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from fastddp.hooks.buffers import Slot
+from fastddp.codecs import Codec
+from fastddp.hooks.slots import Slot
 from fastddp.hooks.topology import Topology, ring_bytes
 
 __all__ = [
+    "PASSTHROUGH",
     "Path",
     "AllReducePath",
     "AllToAllPath",
     "HierarchicalPath",
     "PassthroughPath",
-    "path_named",
+    "path_for",
 ]
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated); older releases have only that.
@@ -36,6 +40,28 @@ class Path(ABC):
     # The process group of each stage, by role: "group" (the state's), "intra" (this node's
     # ranks), "cross" (this local rank on every node).
     roles: tuple[str, ...]
+    # The stages whose rounding draws a seed, in the order the job's ``seeds`` hold them.
+    seed_stages: tuple[int, ...] = ()
+
+    def allocate(self, slot: Slot, codec: Codec, topo: Topology) -> None:
+        """Give ``slot`` the buffers its stages use (zeros where padding must stay zero)."""
+        self.buffers(slot, codec, slot.numel, slot.world)
+
+    def buffers(self, slot: Slot, codec: Codec, n: int, world: int) -> None:  # noqa: B027
+        """Give ``slot`` the wire buffers for ``n`` elements over ``world`` ranks (the
+        passthrough path has none)."""
+
+    def unit(self, codec: Codec, world: int) -> int:
+        """Lengths this path pads to a multiple of, over ``world`` ranks."""
+        return codec.align()
+
+    def group_bytes(self, slot: Slot, ranks: int) -> int:
+        """Bytes one rank sends in this path's collectives over a group of ``ranks`` ranks."""
+        return 0
+
+    def issue(self, job: Any, group) -> dist.Work:
+        """Issue the first collective on the encoded wire buffer."""
+        raise NotImplementedError
 
     @abstractmethod
     def sent_bytes(self, slot: Slot, topo: Topology) -> int:
@@ -57,7 +83,7 @@ class Path(ABC):
 def _encode(job: Any, src: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
     # The first step of every compressing path: ``src``, scaled, into the wire rows.
     slot = job.slot
-    slot.codec.encode(src, slot.wire, job.scale, slot.flag, residual, job.seeds[0])
+    slot.codec.encode(src, slot.wire, slot.per_row, job.scale, slot.flag, residual, job.seeds[0])
     slot.nonfinite.add_(slot.flag)
 
 
@@ -67,19 +93,30 @@ class AllReducePath(Path):
     name = "allreduce"
     stages = 1
     roles = ("group",)
+    seed_stages = (0,)
+
+    def buffers(self, slot, codec, n, world):
+        slot.shard, slot.row = 0, n
+        slot.wire = torch.empty(1, n, dtype=codec.wire_dtype, device=slot.device)
+
+    def group_bytes(self, slot, ranks):
+        return ring_bytes(slot.wire.numel(), ranks, slot.codec.wire_dtype.itemsize)
 
     def sent_bytes(self, slot, topo):
-        return ring_bytes(slot.wire.numel(), topo.world, slot.codec.wire_dtype.itemsize)
+        return self.group_bytes(slot, topo.world)
 
     def cross_bytes(self, slot, topo):
         return topo.ring_cross_bytes(slot.wire.numel(), slot.codec.wire_dtype.itemsize)
 
+    def issue(self, job, group):
+        return dist.all_reduce(job.slot.wire.view(-1), group=group, async_op=True)
+
     def stage(self, job, i):
         _encode(job, job.bucket, job.slot.residual)
-        return dist.all_reduce(job.slot.wire.view(-1), group=job.groups[0], async_op=True)
+        return self.issue(job, job.groups[0])
 
     def finish(self, job):
-        job.slot.codec.decode(job.slot.wire, job.bucket)
+        job.slot.codec.decode(job.slot.wire, job.slot.per_row, job.bucket)
 
 
 class AllToAllPath(Path):
@@ -94,35 +131,53 @@ class AllToAllPath(Path):
     name = "alltoall"
     stages = 2
     roles = ("group", "group")
+    seed_stages = (1, 2)
+
+    def buffers(self, slot, codec, n, world):
+        align, on = codec.align(), dict(dtype=codec.wire_dtype, device=slot.device)
+        slot.shard = -(-n // (world * align)) * align
+        slot.row = codec.row_elems(slot.shard)
+        # Rows past the bucket's end stay zero: every stage maps zeros to zeros.
+        slot.wire = torch.zeros(world, slot.row, **on)
+        slot.recv = torch.empty(world, slot.row, **on)
+        slot.out = torch.empty(slot.row, **on)
+        slot.scratch = codec.scratch(slot.shard, slot.device)
+
+    def unit(self, codec, world):
+        return codec.align() * world
+
+    def group_bytes(self, slot, ranks):
+        # A row out to every other rank in the all-to-all, then our row to each in the gather.
+        return 2 * (ranks - 1) * slot.row * slot.codec.wire_dtype.itemsize
 
     def sent_bytes(self, slot, topo):
-        # A row out to every other rank in the all-to-all, then our row to each in the gather.
-        return 2 * (slot.wire.shape[0] - 1) * slot.row * slot.codec.wire_dtype.itemsize
+        return self.group_bytes(slot, slot.wire.shape[0])
 
     def cross_bytes(self, slot, topo):
         away = sum(topo.crosses(topo.rank, r) for r in range(topo.world))
         return 2 * away * slot.row * slot.codec.wire_dtype.itemsize
 
-    def stage(self, job, i):
-        if i == 0:
-            _encode(job, job.bucket, job.slot.residual)
-            return self.exchange(job.slot, job.groups[0])
-        return self.gather(job, job.groups[1])
-
-    def finish(self, job):
-        job.slot.codec.decode(job.slot.wire, job.bucket)
-
-    @staticmethod
-    def exchange(slot: Slot, group) -> dist.Work:
+    def issue(self, job, group):
+        slot = job.slot
         return dist.all_to_all_single(
             slot.recv.view(-1), slot.wire.view(-1), group=group, async_op=True
         )
+
+    def stage(self, job, i):
+        if i == 0:
+            _encode(job, job.bucket, job.slot.residual)
+            return self.issue(job, job.groups[0])
+        return self.gather(job, job.groups[1])
+
+    def finish(self, job):
+        job.slot.codec.decode(job.slot.wire, job.slot.per_row, job.bucket)
 
     @staticmethod
     def gather(job: Any, group) -> dist.Work:
         slot = job.slot
         slot.codec.reduce(
-            slot.recv, slot.out, slot.flag, slot.shard_residual, job.seeds[1], slot.scratch
+            slot.recv, slot.out, slot.shard, 1.0, slot.flag, slot.shard_residual, job.seeds[1],
+            slot.scratch,
         )  # fmt: skip
         slot.nonfinite.add_(slot.flag)
         # The wire buffer is free again once the all-to-all is done: gather into it.
@@ -150,6 +205,19 @@ class HierarchicalPath(Path):
         self.name = f"hierarchical-{inner.name}"
         self.stages = inner.stages + 2
         self.roles = ("intra", *("cross",) * inner.stages, "intra")
+        self.seed_stages = (1, 2)
+
+    def allocate(self, slot, codec, topo):
+        # Node shards split evenly into the inner path's aligned shards; the inner path's
+        # buffers (wire, recv, out) are sized for the cross-node group.
+        nodes, per_node, on = len(topo.nodes), topo.per_node, dict(device=slot.device)
+        unit = self.inner.unit(codec, nodes)
+        slot.node_shard = n = -(-slot.numel // (per_node * unit)) * unit
+        slot.node_recv = torch.empty(per_node, n, **on)
+        slot.node_sum = torch.zeros(n, **on)  # zeros past the bucket's end stay zero
+        self.inner.buffers(slot, codec, n, nodes)
+        wire = slot.wire.numel()
+        slot.gathered = torch.empty(per_node, wire, dtype=codec.wire_dtype, **on)
 
     def sent_bytes(self, slot, topo):
         ranks = slot.gathered.shape[0]
@@ -158,10 +226,7 @@ class HierarchicalPath(Path):
         return node + self.cross_bytes(slot, topo)
 
     def cross_bytes(self, slot, topo):
-        nodes = len(topo.nodes)
-        if self.inner.name == "allreduce":
-            return ring_bytes(slot.node_shard, nodes, slot.codec.wire_dtype.itemsize)
-        return 2 * (nodes - 1) * slot.row * slot.codec.wire_dtype.itemsize
+        return self.inner.group_bytes(slot, len(topo.nodes))
 
     def stage(self, job, i):
         slot, topo = job.slot, job.topo
@@ -177,9 +242,7 @@ class HierarchicalPath(Path):
             if residual is not None:
                 residual = residual[lo : lo + slot.node_shard]
             _encode(job, slot.node_sum, residual)
-            if self.inner.name == "allreduce":
-                return dist.all_reduce(slot.wire.view(-1), group=job.groups[1], async_op=True)
-            return AllToAllPath.exchange(slot, job.groups[1])
+            return self.inner.issue(job, job.groups[1])
         if i < self.stages - 1:
             return AllToAllPath.gather(job, job.groups[i])
         return _all_gather_single(
@@ -188,7 +251,8 @@ class HierarchicalPath(Path):
 
     def finish(self, job):
         slot = job.slot
-        slot.codec.decode(slot.gathered.view(-1, slot.wire.shape[-1]), job.bucket)
+        rows = slot.gathered.view(-1, slot.wire.shape[-1])
+        slot.codec.decode(rows, slot.per_row, job.bucket)
 
     @staticmethod
     def _counts(slot: Slot, topo: Topology) -> list[int]:
@@ -232,17 +296,12 @@ class PassthroughPath(Path):
         pass
 
 
-_PATHS = {
-    p.name: p
-    for p in (
-        AllReducePath(),
-        AllToAllPath(),
-        HierarchicalPath(AllReducePath()),
-        HierarchicalPath(AllToAllPath()),
-        PassthroughPath(),
-    )
-}
+PASSTHROUGH = PassthroughPath()
+_FLAT = {False: AllReducePath(), True: AllToAllPath()}
+_TWO_LEVEL = {fp32: HierarchicalPath(inner) for fp32, inner in _FLAT.items()}
 
 
-def path_named(name: str) -> Path:
-    return _PATHS[name]
+def path_for(sum_in_fp32: bool, hierarchical: bool) -> Path:
+    """The path of a compressing state: summed in fp32 (all-to-all) or by the collective
+    (all-reduce), flat or in two levels."""
+    return (_TWO_LEVEL if hierarchical else _FLAT)[sum_in_fp32]

@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from fastddp.hooks.buffers import Slot
+from fastddp.hooks.slots import Slot
 
 __all__ = ["Residuals"]
 

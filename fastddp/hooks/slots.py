@@ -3,16 +3,21 @@
 A slot is allocated when a bucket is first seen and reused on every later step, so that the
 hook never allocates per step; DDP's bucket rebuild after its first iteration (or a changed
 bucket) retires the old slot and allocates a new one. Slots belong to one bucket *of one
-model*: two models sharing a state never share buffers.
+model*: two models sharing a state never share buffers. :class:`SlotTable` finds a bucket's
+slot and remembers which slot holds each parameter; the path allocates a slot's buffers.
 """
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
-from fastddp.hooks.codecs import Codec
+from fastddp.codecs import Codec
 
-__all__ = ["Slot", "allocate"]
+__all__ = ["SLOT_COUNTERS", "Slot", "SlotTable"]
+
+# Counters of one slot, kept with its bucket index when the slot is retired.
+SLOT_COUNTERS = ("calls", "payload_bytes", "wire_bytes", "cross_node_bytes", "nonfinite_events")
 
 
 class Slot:
@@ -57,7 +62,7 @@ class Slot:
         # their parameters into another bucket layout or a restarted job.
         self.params: Optional[tuple] = None
         self.signature: tuple = ()  # what identifies the bucket cheaply on every call
-        self.path = ""
+        self.path = None  # the paths.Path that reduces this bucket
         self.codec: Optional[Codec] = None
         self.shard = 0
         self.row = 0
@@ -81,55 +86,116 @@ class Slot:
         self.cross_node_bytes = 0
         self.job = None  # the latest reduction of this bucket (pipeline.Job)
 
+    @property
+    def per_row(self) -> int:
+        """Bucket elements in one wire row."""
+        return self.shard or self.row
+
     def nonfinite_events(self) -> int:
         return 0 if self.nonfinite is None else int(self.nonfinite.item())
 
+    def counts(self) -> dict[str, int]:
+        """The counters of :data:`SLOT_COUNTERS` (reads the device's event count)."""
+        return {
+            name: self.nonfinite_events() if name == "nonfinite_events" else getattr(self, name)
+            for name in SLOT_COUNTERS
+        }
 
-def allocate(
-    slot: Slot,
-    path: str,
-    codec: Codec,
-    error_feedback: bool,
-    events: int = 0,
-    nodes: int = 1,
-    per_node: int = 1,
-) -> None:
-    """Give ``slot`` the buffers its path needs (zeros where padding must stay zero).
+    def resume(self, saved: Optional[dict[str, Any]]) -> int:
+        """Go on from counters saved for this bucket index; return its non-finite events."""
+        if saved is None:
+            return 0
+        for name in SLOT_COUNTERS[:-1]:
+            setattr(self, name, int(saved.get(name, 0)))
+        return int(saved.get("nonfinite_events", 0))
 
-    A two-level path (``hierarchical-*``, ``nodes`` x ``per_node`` ranks) reduces a node shard
-    of ``node_shard`` elements across nodes with the inner path's buffers (``wire``, ``recv``,
-    ``out``), sized for the cross-node group.
+    def give_buffers(self, codec: Codec, error_feedback: bool, events: int, per_node: int) -> None:
+        """Give the flags and, with ``error_feedback``, the residuals (after the path's buffers).
+
+        Two-level: one residual per element of the padded bucket, non-zero in this rank's node
+        shard only (residuals.py moves them there).
+        """
+        on = dict(device=self.device)
+        self.codec = codec
+        self.flag = torch.zeros(1, dtype=torch.int32, **on)
+        self.nonfinite = torch.tensor([events], dtype=torch.int64, **on)
+        if error_feedback:
+            self.residual = torch.zeros(max(self.numel, per_node * self.node_shard), **on)
+            if self.shard > 0:
+                self.shard_residual = torch.zeros(self.shard, **on)
+
+    def free_buffers(self) -> None:
+        """Let the communication buffers go (the residuals stay)."""
+        self.wire = self.recv = self.out = None
+        self.node_recv = self.node_sum = self.gathered = None
+        self.scratch = {}
+
+
+class SlotTable:
+    """The slots of one state by bucket key, and which slot holds each parameter.
+
+    A DDP bucket is keyed by its first parameter (so a model's bucket keeps its slot whatever
+    its index), other buffers by index. ``saved`` keeps counters by bucket index for the slot
+    that takes that index next (after a retire or a :meth:`CompressState.load_state_dict`).
     """
-    on = dict(device=slot.device)
-    slot.path, slot.codec = path, codec
-    inner, n, world = path, slot.numel, slot.world
-    if path.startswith("hierarchical-"):
-        inner, world = path.removeprefix("hierarchical-"), nodes
-        # Node shards split evenly into the inner path's aligned shards.
-        unit = codec.align() * (nodes if inner == "alltoall" else 1)
-        slot.node_shard = n = -(-slot.numel // (per_node * unit)) * unit
-        slot.node_recv = torch.empty(per_node, n, **on)
-        slot.node_sum = torch.zeros(n, **on)  # zeros past the bucket's end stay zero
-    if inner == "allreduce":
-        slot.shard, slot.row = 0, n
-        slot.wire = torch.empty(1, n, dtype=codec.wire_dtype, **on)
-    elif inner == "alltoall":
-        align = codec.align()
-        slot.shard = -(-n // (world * align)) * align
-        slot.row = codec.row_elems(slot.shard)
-        # Rows past the bucket's end stay zero: every stage maps zeros to zeros.
-        slot.wire = torch.zeros(world, slot.row, dtype=codec.wire_dtype, **on)
-        slot.recv = torch.empty(world, slot.row, dtype=codec.wire_dtype, **on)
-        slot.out = torch.empty(slot.row, dtype=codec.wire_dtype, **on)
-        slot.scratch = codec.scratch(slot.shard, slot.device)
-    if slot.node_shard:
-        wire = slot.wire.numel()
-        slot.gathered = torch.empty(per_node, wire, dtype=codec.wire_dtype, **on)
-    slot.flag = torch.zeros(1, dtype=torch.int32, **on)
-    slot.nonfinite = torch.tensor([events], dtype=torch.int64, **on)
-    if error_feedback and path != "passthrough":
-        # Two-level: one residual per element of the padded bucket, non-zero in this rank's
-        # node shard only (residuals.py moves them there).
-        slot.residual = torch.zeros(max(slot.numel, per_node * slot.node_shard), **on)
-        if slot.shard > 0:
-            slot.shard_residual = torch.zeros(slot.shard, **on)
+
+    def __init__(self) -> None:
+        self.slots: dict[Any, Slot] = {}
+        self.owners: dict[int, Any] = {}  # parameter key -> key of the slot holding it
+        # Keys of parameters in first-seen order; weak, so that a new tensor that happens to
+        # reuse a dead one's id() never inherits its key.
+        self.param_keys = WeakIdKeyDictionary()
+        self.saved: dict[int, dict[str, Any]] = {}
+
+    def keys_of(self, parameters: list[torch.Tensor]) -> tuple:
+        keys = self.param_keys
+        return tuple((keys.setdefault(p, len(keys)), p.numel()) for p in parameters)
+
+    def identify(self, index: int, buffer: torch.Tensor, parameters, params) -> tuple:
+        """The slot key of a bucket and what must match for its slot to be reused."""
+        if parameters:  # a DDP bucket: its first parameter names it, model and layout alike
+            first = self.param_keys.get(parameters[0])
+            last = self.param_keys.get(parameters[-1])
+            if first is None:
+                return ("p", None), None
+            return ("p", first), (last, len(parameters), buffer.numel(), buffer.device)
+        return ("i", index), (params, buffer.numel(), buffer.device)
+
+    def reusable(self, key, signature, index: int) -> Optional[Slot]:
+        """The slot of ``key`` if it still fits the bucket (it takes ``index``), else None."""
+        slot = self.slots.get(key)
+        if slot is not None and slot.signature == signature:
+            slot.index = index
+            return slot
+        return None
+
+    def holders(self, key, params) -> set:
+        """Keys of the slot of ``key`` and of every slot holding one of ``params``."""
+        return {key} | {self.owners[k] for k, _ in params or () if k in self.owners}
+
+    def add(self, key, slot: Slot) -> None:
+        self.slots[key] = slot
+        for k, _ in slot.params or ():
+            self.owners[k] = key
+
+    def remove(self, key) -> Optional[Slot]:
+        """Take the slot of ``key`` out; its counters stay with its bucket index."""
+        slot = self.slots.pop(key, None)
+        if slot is None:
+            return None
+        for k, _ in slot.params or ():
+            if self.owners.get(k) == key:
+                del self.owners[k]
+        counts = self.saved.setdefault(slot.index, dict.fromkeys(SLOT_COUNTERS, 0))
+        for name, value in slot.counts().items():
+            counts[name] = int(counts.get(name, 0)) + value
+        return slot
+
+    def by_index(self) -> list[tuple[Any, Slot]]:
+        """Live slots in bucket order, keyed by index (``(index, k)`` for the k-th other model)."""
+        out, seen = [], {}
+        for slot in sorted(self.slots.values(), key=lambda s: s.index):
+            k = seen.get(slot.index, 0)
+            seen[slot.index] = k + 1
+            out.append((slot.index if k == 0 else (slot.index, k), slot))
+        return out

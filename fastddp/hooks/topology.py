@@ -1,7 +1,7 @@
 """Which ranks share a node, and the process groups of the two-level path.
 
 Every rank sends a node identity in the settings all-gather of its first reduction
-(``hook._check_config``), so every rank derives the same :class:`Topology` from the same rows.
+(``handshake.py``), so every rank derives the same :class:`Topology` from the same rows.
 A node is identified by its host name and network namespace (ranks in one namespace reach each
 other without the node's network), or by ``FASTDDP_NODE_ID`` where that is wrong (containers
 with their own namespaces on one host, say). Rank numbering is never assumed.

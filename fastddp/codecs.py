@@ -1,0 +1,220 @@
+"""Codecs: how fp32 values are written onto the wire, summed in fp32, and read back.
+
+One table, :data:`CODECS`, keyed by wire dtype, serves the DDP hook, FSDP2's reduce-scatter and
+:func:`fastddp.all_reduce`. A codec works on *rows*: a wire buffer seen as ``[P, row]``, one row
+per destination rank (``P = 1`` when the collective sums the payload itself). Row ``r`` holds
+``shard`` values, elements ``[r * shard, (r + 1) * shard)`` of the source, plus whatever side
+data the codec needs, so that one collective moves each row with its side data:
+
+- ``float16`` / ``bfloat16``: the 16-bit values, nothing else;
+- ``int8``: ``[int8 values, padded to 4 bytes | one fp32 absmax scale per block]``.
+
+Adding a codec is one class here, one entry in :data:`CODECS`, and its kernels in
+:mod:`fastddp.ops`; the users of codecs never look inside a row.
+"""
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from fastddp import ops
+
+__all__ = ["CODECS", "Blocks", "Codec", "HalfCodec", "Int8Codec", "checked_block_size", "codec_for"]
+
+# Hook shards start at multiples of this many elements: 16-byte aligned for every wire dtype.
+_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """The block sizes a block-scaled codec accepts (elements per scale)."""
+
+    default: int
+    low: int
+    high: int
+
+
+class Codec(ABC):
+    """The protocol every codec follows (see the module docstring).
+
+    ``scale`` multiplies the values in fp32 before they are rounded; ``flag`` (an int32 tensor)
+    is set where a non-finite value was met; ``residual`` (fp32, optional) is added before
+    rounding and receives what the rounding dropped (error feedback); ``seed`` >= 0 asks for
+    stochastic rounding.
+    """
+
+    name: str  # the wire dtype's name, as saved in state dicts
+    code: int  # identifies the codec in the cross-rank settings check
+    wire_dtype: torch.dtype  # element type of wire buffers
+    sums_on_wire: bool  # whether a collective may sum payloads in the wire dtype
+    plain: bool  # whether a row is the values alone (a tensor of the wire dtype is a row)
+    block_size: Optional[int] = None
+
+    def align(self) -> int:
+        """Hook shard lengths are multiples of this many elements."""
+        return _ALIGN
+
+    def row_elems(self, shard: int) -> int:
+        """Wire elements in one row carrying ``shard`` values."""
+        return shard
+
+    def payload_bytes(self, n: int) -> int:
+        """Bytes that carry ``n`` values (with their side data)."""
+        return self.row_elems(n) * self.wire_dtype.itemsize
+
+    def scratch(self, shard: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """Persistent work buffers for :meth:`reduce`."""
+        return {}
+
+    @abstractmethod
+    def encode(self, src, rows, shard, scale=1.0, flag=None, residual=None, seed=-1) -> None:
+        """Write ``src * scale`` (+ ``residual``) into ``rows``, end to end."""
+
+    @abstractmethod
+    def sum_into(self, rows, shard, dst, scale=1.0) -> None:
+        """Sum the rows in fp32, times ``scale``, into the fp32 ``dst`` of ``shard`` values."""
+
+    @abstractmethod
+    def reduce(self, rows, out, shard, scale=1.0, flag=None, residual=None, seed=-1, scratch=None):
+        """Sum the rows in fp32, times ``scale``, and encode the sum, rounded once, into the
+        row ``out``."""
+
+    @abstractmethod
+    def decode(self, rows, shard, dst) -> None:
+        """Read ``dst.numel()`` values back from ``rows``, end to end, into the fp32 ``dst``."""
+
+
+class HalfCodec(Codec):
+    """fp16 or bf16: a row is the 16-bit values, nothing else."""
+
+    sums_on_wire = True
+    plain = True
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.wire_dtype = dtype
+        self.name = str(dtype).removeprefix("torch.")
+        self.code = CODECS[dtype].code
+
+    def encode(self, src, rows, shard, scale=1.0, flag=None, residual=None, seed=-1) -> None:
+        ops.compress(src, rows.view(-1)[: src.numel()], scale, flag, residual, seed)
+
+    def sum_into(self, rows, shard, dst, scale=1.0) -> None:
+        ops.widen_sum(rows.view(-1, shard), dst, scale)
+
+    def reduce(self, rows, out, shard, scale=1.0, flag=None, residual=None, seed=-1, scratch=None):
+        ops.sum_chunks(rows.view(-1, shard), out.view(-1), scale, flag, residual, seed)
+
+    def decode(self, rows, shard, dst) -> None:
+        ops.decompress(rows.view(-1)[: dst.numel()], dst, 1.0)
+
+
+class Int8Codec(Codec):
+    """int8 with one fp32 absmax scale per block of each row; always summed in fp32."""
+
+    name = "int8"
+    code = 3
+    wire_dtype = torch.int8
+    sums_on_wire = False  # int8 values of different scales cannot be added as they are
+    plain = False
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def align(self) -> int:
+        return math.lcm(self.block_size, _ALIGN)
+
+    def row_elems(self, shard: int) -> int:
+        return -(-shard // 4) * 4 + 4 * -(-shard // self.block_size)
+
+    def scratch(self, shard: int, device: torch.device) -> dict[str, torch.Tensor]:
+        return {"sum": torch.empty(shard, device=device)}
+
+    def _split(self, rows: torch.Tensor, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Views of the values and the scales of every row; rows stay where they are.
+        rows = rows.view(-1, rows.shape[-1])
+        return rows[:, :shard], rows[:, -(-shard // 4) * 4 :].view(torch.float32)
+
+    def encode(self, src, rows, shard, scale=1.0, flag=None, residual=None, seed=-1) -> None:
+        values, scales = self._split(rows, shard)
+        block = self.block_size
+        if shard % block == 0 or values.shape[0] == 1:
+            ops.quantize_int8(src, values, scales, block, scale, flag, residual, seed)
+            return
+        # A block may not straddle two rows: one call per row.
+        for r in range(values.shape[0]):
+            piece = slice(r * shard, min((r + 1) * shard, src.numel()))
+            if piece.start >= piece.stop:
+                break
+            extra = None if residual is None else residual[piece]
+            ops.quantize_int8(src[piece], values[r], scales[r], block, scale, flag, extra, seed)
+
+    def sum_into(self, rows, shard, dst, scale=1.0) -> None:
+        values, scales = self._split(rows, shard)
+        ops.dequantize_int8(values, scales, dst, self.block_size, scale)
+
+    def reduce(self, rows, out, shard, scale=1.0, flag=None, residual=None, seed=-1, scratch=None):
+        total = scratch["sum"] if scratch else torch.empty(shard, device=rows.device)
+        self.sum_into(rows, shard, total, scale)
+        self.encode(total, out.view(1, -1), shard, 1.0, flag, residual, seed)
+
+    def decode(self, rows, shard, dst) -> None:
+        values, scales = self._split(rows, shard)
+        ops.unpack_int8(values, scales, dst, self.block_size)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    code: int  # sent in the cross-rank settings check; never reuse one
+    bits: int  # bits per value on the wire, side data aside
+    blocks: Optional[Blocks]  # block sizes of a block-scaled codec; None: no blocks
+    error_feedback: bool  # whether it needs error feedback to train as well as fp32
+    make: type
+
+
+# The codecs, by wire dtype.
+CODECS: dict[torch.dtype, _Entry] = {
+    torch.float16: _Entry(1, 16, None, False, HalfCodec),
+    torch.bfloat16: _Entry(2, 16, None, False, HalfCodec),
+    torch.int8: _Entry(3, 8, Blocks(default=128, low=1, high=1 << 20), True, Int8Codec),
+}
+
+
+def _names(dtypes) -> str:
+    names = [str(d) for d in dtypes]
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+
+
+def checked_block_size(where: str, dtype: torch.dtype, block_size) -> Optional[int]:
+    """Return the block size for wire ``dtype`` (its default when ``None``), or ``None`` for a
+    codec without blocks; anything else raises an error that starts with ``where``."""
+    if dtype not in CODECS:
+        raise ValueError(f"{where}: dtype must be {_names(CODECS)}, got {dtype!r}")
+    blocks = CODECS[dtype].blocks
+    if blocks is None:
+        if block_size is not None:
+            scaled = _names(d for d, e in CODECS.items() if e.blocks)
+            raise ValueError(
+                f"{where}: block_size applies to dtype={scaled} only ({dtype} values need no "
+                f"scales); leave it out, or use dtype={scaled}"
+            )
+        return None
+    block_size = blocks.default if block_size is None else block_size
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"{where}: block_size must be an int, got {block_size!r}")
+    if not blocks.low <= block_size <= blocks.high:
+        raise ValueError(
+            f"{where}: block_size must be between {blocks.low} and {blocks.high}, got {block_size}"
+        )
+    return block_size
+
+
+def codec_for(
+    dtype: torch.dtype, block_size: Optional[int] = None, where: str = "fastddp"
+) -> Codec:
+    """Return the codec of wire ``dtype``; ``block_size`` as for :func:`checked_block_size`."""
+    block_size = checked_block_size(where, dtype, block_size)
+    make = CODECS[dtype].make
+    return make(block_size) if block_size is not None else make(dtype)

@@ -1,0 +1,70 @@
+"""``state_dict()`` and ``load_state_dict()`` of :class:`~fastddp.CompressState`.
+
+A state dict holds the settings (checked on load), the counters, and each bucket's counters and
+error-feedback residuals on the CPU, stored with the parameters they belong to, so that they
+find their parameters again when the resumed DDP lays its buckets out differently.
+"""
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from fastddp.hooks.reshard import holds_residuals, parked
+from fastddp.hooks.settings import mismatch
+from fastddp.hooks.stats import COUNTERS
+
+__all__ = ["STATE_VERSION", "load", "save"]
+
+# Version of the state_dict() layout: 2 adds rank, world_size and per-rank parked pieces.
+STATE_VERSION = 2
+
+
+def save(state: Any) -> dict[str, Any]:
+    """Return ``state``'s state dict; pending reductions are finished first."""
+    if not state._pipeline._failure:
+        state._pipeline.flush()
+    group = state.process_group
+    rank = dist.get_rank(group) if dist.is_initialized() else None
+    world = dist.get_world_size(group) if dist.is_initialized() else None
+    buckets: dict[int, dict[str, Any]] = {}
+    for position, (_, slot) in enumerate(state._table.by_index()):
+        parts = state._residuals_of(slot, rank)
+        buckets[position] = {
+            "index": slot.index,
+            "numel": slot.numel,
+            "world": slot.world,
+            "params": None if slot.params is None else [list(p) for p in slot.params],
+            **slot.counts(),
+            **{k: _cpu(v) if torch.is_tensor(v) else v for k, v in parts.items()},
+        }
+    return {
+        "version": STATE_VERSION,
+        "rank": rank,
+        "world_size": world,
+        "settings": state.settings(),
+        "counters": dict(state._counters),
+        "buckets": buckets,
+        "carry": state._residuals.state(),
+    }
+
+
+def load(state: Any, state_dict: dict[str, Any]) -> None:
+    """Restore counters and park residuals saved by :func:`save`; the settings must match."""
+    saved_settings = state_dict.get("settings", {"dtype": state_dict.get("dtype")})
+    problem = mismatch(saved_settings, state.settings())
+    if problem:
+        raise ValueError(problem)
+    state._reset()
+    state._counters = {k: int(state_dict["counters"].get(k, 0)) for k in COUNTERS}
+    # Only residuals belong to one rank of one world size; counters fit any job.
+    if state_dict.get("rank") is not None and holds_residuals(state_dict):
+        state._loaded_from = (int(state_dict["rank"]), int(state_dict["world_size"]))
+    for index, saved in state_dict["buckets"].items():
+        state._table.saved[int(saved.get("index", index))] = saved
+    with_shards = state.error_feedback and state.accumulate_dtype == torch.float32
+    state._residuals = parked(state_dict, with_shards)
+
+
+def _cpu(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.detach().cpu().clone()

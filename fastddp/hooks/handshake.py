@@ -1,0 +1,94 @@
+"""The first reduction's handshake: every rank's settings and node, checked alike on every rank.
+
+One all-gather carries each rank's settings, the rank its loaded residuals were saved by, and
+its node identity. :func:`check` raises the same error on every rank when the ranks disagree, so
+that no rank waits in a collective that another rank left; the rows also give every rank the
+same :class:`~fastddp.hooks.topology.Topology`.
+"""
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fastddp.codecs import CODECS
+from fastddp.hooks.topology import TOPOLOGIES, Topology, node_hash
+
+__all__ = ["PROTOCOL", "check", "exchange", "topology_of"]
+
+# Bumped whenever the bytes exchanged between ranks change meaning; part of the settings check,
+# so that ranks running different fastddp versions refuse to mix.
+# 3: int8 rows carry their scales behind their values (one all-to-all, one all-gather).
+# 4: the settings row carries the topology setting and a node identity.
+PROTOCOL = 4
+_SHARED = 7  # the first columns of a row, which every rank must share
+
+
+def exchange(state: Any, device: torch.device) -> list[tuple[int, ...]]:
+    """All-gather every rank's row of the group of ``state`` (a collective: every rank calls it)."""
+    s = state.settings()
+    loaded = state._loaded_from or (-1, -1)
+    mine = torch.tensor(
+        [
+            PROTOCOL,
+            state.codec.code,
+            int(s["accumulate_dtype"] is not None),
+            int(s["error_feedback"]),
+            int(s["stochastic_rounding"]),
+            s["block_size"] or 0,
+            TOPOLOGIES.index(state.topology),
+            *loaded,
+            node_hash(),
+        ],
+        dtype=torch.int64,
+        device=device,
+    )
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(state.process_group))]
+    dist.all_gather(everyone, mine, group=state.process_group)
+    return [tuple(t.tolist()) for t in everyone]
+
+
+def check(rows: list[tuple[int, ...]]) -> None:
+    """Raise the same ``ValueError`` on every rank if the rows disagree or residuals are amiss."""
+    world = len(rows)
+    if len({row[:_SHARED] for row in rows}) > 1:
+        names = {entry.code: str(d).removeprefix("torch.") for d, entry in CODECS.items()}
+        lines = [
+            f"  rank {rank}: dtype={names.get(row[1], '?')}, accumulate_dtype="
+            f"{'float32' if row[2] else None}, error_feedback={bool(row[3])}, "
+            f"stochastic_rounding={bool(row[4])}, block_size={row[5] or None}, "
+            f"topology={TOPOLOGIES[row[6]]!r}"
+            + (f", fastddp protocol {row[0]}" if row[0] != PROTOCOL else "")
+            for rank, row in enumerate(rows)
+        ]
+        raise ValueError(
+            "fastddp: ranks disagree on the compression settings, so their payloads cannot be "
+            "combined:\n" + "\n".join(lines) + "\nGive every rank the same CompressState "
+            "arguments (and the same fastddp version)."
+        )
+    resized = sorted({row[8] for row in rows if row[7] != -1 and row[8] != world})
+    if resized:
+        raise ValueError(
+            f"fastddp: CompressState.load_state_dict was given error-feedback residuals saved "
+            f"by a job of {' and '.join(map(str, resized))} ranks, and this job has {world}. "
+            "Residuals are per rank: load the saved state dicts of every rank, regroup them "
+            f"with CompressState.reshard(saved, {world}), and load entry r into rank r "
+            "(examples/resume.py does this); or start this state without them."
+        )
+    wrong = [
+        f"  rank {rank} loaded the state dict of rank {row[7]} of {row[8]}"
+        for rank, row in enumerate(rows)
+        if row[7] != -1 and (row[7], row[8]) != (rank, world)
+    ]
+    if wrong:
+        raise ValueError(
+            "fastddp: CompressState.load_state_dict was given another rank's residuals:\n"
+            + "\n".join(wrong)
+            + f"\nSave one state_dict() per rank and load each into the same rank of a job of "
+            f"the same world size ({world} now)."
+        )
+
+
+def topology_of(rows: list[tuple[int, ...]], rank: int) -> Topology:
+    """The topology the rows describe, seen from ``rank``."""
+    return Topology([row[9] for row in rows], rank)
