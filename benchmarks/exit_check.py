@@ -3,7 +3,7 @@
 Runs ``tests/_keep_model_trainer.py`` under ``python -m fastddp.launch`` (2 ranks, Gloo) N
 times per mode and reports how many runs ended with a non-zero exit code or an abort message.
 
-    .venv/bin/python benchmarks/exit_check.py --runs 50 --modes none bf16 bf16-fp32acc int8-ef
+    .venv/bin/python benchmarks/exit_check.py --runs 50 --modes none bf16 bf16-acc int8-ef
 """
 
 import argparse
@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 import time
+
+import fastddp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINER = os.path.join(ROOT, "tests", "_keep_model_trainer.py")
@@ -36,7 +38,12 @@ def unclean(code: int, stderr: str) -> bool:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=50)
-    parser.add_argument("--modes", nargs="+", default=["none", "bf16", "bf16-fp32acc", "int8-ef"])
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["none", "bf16", "bf16-acc", "int8-ef"],
+        choices=["none", *fastddp.PRESETS],
+    )
     parser.add_argument("--port", type=int, default=29731)
     parser.add_argument("--json", help="write the counts here")
     args = parser.parse_args(argv)

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fastddp.bench import convergence
+from fastddp.bench import convergence, report
 
 RATES = ["loopback", "10gbit", "1gbit", "100mbit"]
 # Every method of the time-to-target run, and the no-communication floor.
@@ -72,26 +72,17 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"params": params, "rates": args.rates, "rows": table}, f, indent=1)
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        xs = range(len(args.rates))
-        for mode in args.modes:
-            if mode == "fp32":
-                continue
-            ax.plot(xs, [table[r][mode]["vs_fp32"] for r in args.rates], marker="o", label=mode)
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xticks(list(xs), args.rates)
-        ax.set_xlabel("link between the two nodes")
-        ax.set_ylabel("step time / fp32 step time")
-        ax.set_title(f"Where compression pays (transformer, {params / 1e6:.1f}M, 2 ranks)")
-        ax.legend(fontsize=7)
-        ax.grid(True, alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
+        title = f"Where compression pays (transformer, {params / 1e6:.1f}M, 2 ranks)"
+        x, y = "link between the two nodes", "step time / fp32 step time"
+        with report.figure(args.plot, title, x, y, legend_size=7) as ax:
+            xs = range(len(args.rates))
+            for mode in args.modes:
+                if mode == "fp32":
+                    continue
+                ratios = [table[r][mode]["vs_fp32"] for r in args.rates]
+                ax.plot(xs, ratios, marker="o", label=mode)
+            ax.axhline(1.0, color="black", linewidth=0.8)
+            ax.set_xticks(list(xs), args.rates)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Peak host memory added by DDP's bucket rebuild with error feedback (bf16 summed in fp32).
+"""Peak host memory added by DDP's bucket rebuild with error feedback (preset ``bf16-acc-ef``).
 
 DDP's first step reduces one bucket in model order; it then rebuilds its buckets in gradient
 order, and the hook moves every error-feedback residual to its parameter's new bucket. This
@@ -9,33 +9,27 @@ runs 2 ranks on Gloo/CPU and reports, per rank, the growth of the peak resident 
 """
 
 import argparse
-import json
-import os
 import resource
 import sys
-import tempfile
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
+from fastddp.testing.spawn import spawn_ranks
 
 
 def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def _rank(rank, world, init, params, steps, out):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+def _rank(rank, world, params, steps):
     width = 2048
     depth = max(1, params // (width * width))
     torch.manual_seed(0)
     model = DDP(nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]))
-    state = fastddp.CompressState(accumulate_dtype=torch.float32, error_feedback=True)
+    state = fastddp.CompressState.from_preset("bf16-acc-ef")
     model.register_comm_hook(state, fastddp.compress_hook)
     x = torch.randn(4, width)
     peaks = []
@@ -46,13 +40,7 @@ def _rank(rank, world, init, params, steps, out):
     numel = sum(p.numel() for p in model.parameters())
     row = {"rank": rank, "params": numel, "model_mb": numel * 4 / 2**20, "peaks_mb": peaks}
     row["rebuild_growth_mb"] = peaks[-1] - peaks[0]
-    everyone = [None] * world
-    dist.all_gather_object(everyone, row)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(everyone, f, indent=2)
-    del model
-    dist.destroy_process_group()
+    return row
 
 
 def main(argv=None) -> int:
@@ -60,14 +48,7 @@ def main(argv=None) -> int:
     parser.add_argument("--params", type=int, default=50_000_000)
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        init = f"file://{os.path.join(tmp, 'store')}"
-        mp.start_processes(
-            _rank, args=(2, init, args.params, args.steps, out), nprocs=2, start_method="spawn"
-        )
-        with open(out) as f:
-            rows = json.load(f)
+    rows = spawn_ranks(_rank, 2, args.params, args.steps)
     for r in rows:
         print(
             f"rank {r['rank']}: model {r['model_mb']:.0f} MB fp32; peak RSS after each step "

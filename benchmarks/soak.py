@@ -14,26 +14,18 @@ import argparse
 import json
 import os
 import sys
-import tempfile
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
-from fastddp.distributed import exit_after_shutdown
+from fastddp.bench.models import mlp
+from fastddp.testing.spawn import spawn_ranks
 
-MODES = {
-    "bf16": {},
-    "fp16": {"dtype": torch.float16},
-    "bf16-acc": {"accumulate_dtype": torch.float32},
-    "bf16-acc-ef": {"accumulate_dtype": torch.float32, "error_feedback": True},
-    "int8": {"dtype": torch.int8},
-    "int8-ef-sr": {"dtype": torch.int8, "error_feedback": True, "stochastic_rounding": True},
-}
+# Each mode's preset and the settings it changes: every preset, and int8 with error feedback
+# and stochastic rounding (which keeps a random state).
+MODES = {name: (name, {}) for name in fastddp.PRESETS}
+MODES["int8-ef+sr"] = ("int8-ef", {"stochastic_rounding": True})
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -49,13 +41,9 @@ def _sample(state) -> dict:
 
 
 def _mode(name, args, rank):
-    torch.manual_seed(0)
-    sizes = [256] + [args.width] * 3 + [64]
-    layers = []
-    for a, b in zip(sizes, sizes[1:]):
-        layers += [nn.Linear(a, b), nn.GELU()]
-    model = DDP(nn.Sequential(*layers[:-1]), bucket_cap_mb=1)
-    state = fastddp.CompressState(**MODES[name])
+    model = DDP(mlp([256] + [args.width] * 3 + [64], seed=0), bucket_cap_mb=1)
+    preset, overrides = MODES[name]
+    state = fastddp.CompressState.from_preset(preset, **overrides)
     model.register_comm_hook(state, fastddp.compress_hook)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(rank)
@@ -88,11 +76,7 @@ def _growth(records, slack_mb) -> list[str]:
     return problems
 
 
-def _rank(rank, world, init, args, out):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(minutes=5)
-    )
+def _rank(rank, world, args):
     results = {}
     for name in args.modes:
         records = _mode(name, args, rank)
@@ -102,13 +86,7 @@ def _rank(rank, world, init, args, out):
                 f"[{r['step']}] {r['rss_mb']:.0f} MB, {r['allocations']} alloc, "
                 f"{r['fds']} fds, {r['threads']} threads" for r in records
             ), flush=True)  # fmt: skip
-    everyone = [None] * world
-    dist.all_gather_object(everyone, results)
-    dist.destroy_process_group()
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(everyone, f)
-    exit_after_shutdown()
+    return results
 
 
 def main(argv=None) -> int:
@@ -122,12 +100,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.every < 1 or args.steps < 2 * args.every:
         p.error("--steps must cover at least two records of --every steps")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "soak.json")
-        init = f"file://{os.path.join(tmp, 'store')}"
-        mp.start_processes(_rank, args=(2, init, args, out), nprocs=2, start_method="spawn")
-        with open(out) as f:
-            ranks = json.load(f)
+    ranks = spawn_ranks(_rank, 2, args)
     bad = [
         f"rank {r} {name}: {problem}"
         for r, results in enumerate(ranks)

@@ -18,7 +18,10 @@ import fastddp
 import fastddp.fsdp
 from fastddp.bench.models import Decoder
 
-WIRES = {"bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8, "none": None}
+# The presets the compressed reduce-scatter can take (it sums in fp32 and keeps no residuals:
+# those that set only the wire dtype), and "none" for FSDP2's own reduce-scatter.
+WIRES = {n: s["dtype"] for n, s in fastddp.PRESETS.items() if s.keys() == {"dtype"}}
+WIRES["none"] = None
 
 
 def corpus() -> torch.Tensor:

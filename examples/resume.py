@@ -29,15 +29,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
 
-# The hook's settings per --mode; the default is bf16 summed in fp32 with error feedback, whose
-# residuals are part of the checkpoint.
-MODES = {
-    "bf16-acc-ef": {"accumulate_dtype": torch.float32, "error_feedback": True},
-    "bf16": {},
-    "int8": {"dtype": torch.int8},
-    "int8-ef": {"dtype": torch.int8, "error_feedback": True},
-}
-
 
 def _args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -49,7 +40,13 @@ def _args(argv=None):
     p.add_argument("--out", type=Path, help="rank 0 saves the final parameters here")
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step (demos)")
     p.add_argument("--progress", type=Path, help="each rank writes 'pid step' here per step")
-    p.add_argument("--mode", choices=list(MODES), default="bf16-acc-ef", help="the hook's codec")
+    # The default, bf16 summed in fp32 with error feedback, has residuals to checkpoint.
+    p.add_argument(
+        "--mode",
+        choices=list(fastddp.PRESETS),
+        default="bf16-acc-ef",
+        help="the hook's preset (fastddp.PRESETS; default bf16-acc-ef)",
+    )
     return p.parse_args(argv)
 
 
@@ -100,7 +97,7 @@ def train(env, args) -> None:
         hook_state = load_hook_state(ckpt, saved_world, env)
         start = int(ckpt.name[5:])
     model = DDP(net)
-    state = fastddp.CompressState(**MODES[args.mode])
+    state = fastddp.CompressState.from_preset(args.mode)
     model.register_comm_hook(state, fastddp.compress_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     if opt_state is not None:

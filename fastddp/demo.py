@@ -14,7 +14,6 @@ import argparse
 import copy
 import os
 import statistics
-import tempfile
 import time
 from datetime import timedelta
 
@@ -25,31 +24,27 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
 from fastddp.bench import report
+from fastddp.bench.common import FASTDDP_MODES, fastddp_state
+from fastddp.bench.models import mlp
 from fastddp.distributed import exit_after_shutdown
+from fastddp.testing.spawn import spawn_ranks
 
-MODES = {"plain fp32": None, "fastddp bf16": torch.bfloat16, "fastddp fp16": torch.float16}
-
-
-def _mlp(sizes, seed):
-    torch.manual_seed(seed)
-    layers = []
-    for a, b in zip(sizes, sizes[1:]):
-        layers += [nn.Linear(a, b), nn.GELU()]
-    return nn.Sequential(*layers[:-1])
+# Plain DDP, then fastddp's hook with the presets bf16 and fp16 (named as in fastddp.bench).
+MODES = ["fp32", "fastddp-bf16", "fastddp-fp16"]
 
 
 def _grads(model):
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
-def _train(mode, dtype, args, rank, world):
+def _train(mode, args, rank, world):
     sizes = [args.inputs] + [args.width] * args.depth + [args.outputs]
-    teacher = _mlp(sizes, seed=1)
-    model = DDP(_mlp(sizes, seed=2))
+    teacher = mlp(sizes, seed=1)
+    model = DDP(mlp(sizes, seed=2))
     probe = DDP(copy.deepcopy(model.module))  # plain DDP at the same weights, for deviations
     state = None
-    if dtype is not None:
-        state = fastddp.CompressState(dtype=dtype)
+    if mode in FASTDDP_MODES:
+        state = fastddp_state(mode)
         model.register_comm_hook(state, fastddp.compress_hook)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard, same per mode
@@ -106,7 +101,7 @@ def _print_table(rows, args, world):
     cols = [
         "mode",
         "step ms",
-        "vs plain",
+        "vs fp32",
         "payload MB/step",
         "sent MB/rank/step",
         "final loss",
@@ -133,21 +128,10 @@ def _print_table(rows, args, world):
 
 def _run(rank, world, args):
     torch.set_num_threads(args.threads)
-    rows = [_train(mode, dtype, args, rank, world) for mode, dtype in MODES.items()]
+    rows = [_train(mode, args, rank, world) for mode in MODES]
     if rank == 0:
         _print_table(rows, args, world)
     return rows
-
-
-def _spawned(rank, world, init, args):
-    dist.init_process_group(
-        "gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=120)
-    )
-    try:
-        _run(rank, world, args)
-    finally:
-        dist.destroy_process_group()
-    exit_after_shutdown()
 
 
 def main(argv=None):
@@ -176,18 +160,13 @@ def main(argv=None):
     ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    timeout = timedelta(seconds=120)
     if "RANK" in os.environ:  # started by a launcher
         # Gloo on CPU even where GPUs exist: this demo compares the CPU paths.
-        with fastddp.distributed_session(backend="gloo", timeout=timedelta(seconds=120)) as env:
+        with fastddp.distributed_session(backend="gloo", timeout=timeout) as env:
             _run(env.rank, env.world_size, args)
         exit_after_shutdown()
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        init = f"file://{os.path.join(tmp, 'store')}"
-        mp.start_processes(
-            _spawned, args=(args.nproc, init, args), nprocs=args.nproc, start_method="spawn"
-        )
+    spawn_ranks(_run, args.nproc, args, threads=args.threads, timeout=timeout)
 
 
 if __name__ == "__main__":

@@ -69,9 +69,7 @@ def accelerate_fit(out: Path) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = torch.utils.data.DataLoader(_data(), batch_size=16)
     model, opt, loader = accelerator.prepare(model, opt, loader)
-    state = register_comm_hook(
-        accelerator, model, fastddp.CompressState(accumulate_dtype=torch.float32)
-    )
+    state = register_comm_hook(accelerator, model, fastddp.CompressState.from_preset("bf16-acc"))
     for step, (x, y) in enumerate(loader):
         opt.zero_grad()
         accelerator.backward(nn.functional.mse_loss(model(x), y))

@@ -10,21 +10,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
 
-SETTINGS = {
-    "none": None,
-    "bf16": {},
-    "bf16-fp32acc": {"accumulate_dtype": torch.float32},
-    "int8": {"dtype": torch.int8},
-    "int8-ef": {"dtype": torch.int8, "error_feedback": True},
-}
-
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = DDP(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)), bucket_cap_mb=0.02)
-settings = SETTINGS[sys.argv[1]]
-if settings is not None:
-    model.register_comm_hook(fastddp.CompressState(**settings), fastddp.compress_hook)
+mode = sys.argv[1]  # a preset name, or "none" for no hook
+if mode != "none":
+    model.register_comm_hook(fastddp.CompressState.from_preset(mode), fastddp.compress_hook)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 gen = torch.Generator().manual_seed(dist.get_rank())
 for _ in range(8):

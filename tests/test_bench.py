@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import fastddp
 from fastddp import netns
+from fastddp.bench import allreduce
 
 BENCH = [sys.executable, "-m", "fastddp.bench"]
 
@@ -47,16 +49,10 @@ def test_allreduce_sweep_columns_json_and_plot(tmp_path):
     data = json.loads(out.read_text())
     rows = data["rows"]
     assert data["world_size"] == 2
-    modes = [
-        "fp32",
-        "torch-fp16",
-        "fastddp-fp16",
-        "fastddp-bf16",
-        "fastddp-fp16-acc",
-        "fastddp-bf16-acc",
-        "fastddp-int8",
-        "noop",
-    ]
+    # By default every mode but the presets with error feedback, which one message cannot show.
+    modes = allreduce.MODES
+    assert {"fastddp-bf16", "fastddp-bf16-acc", "fastddp-int8"} < set(modes)
+    assert not [m for m in modes if m.endswith("-ef")]
     assert [r["size"] for r in rows[:: len(modes)]] == [65536, 262144, 1048576]
     assert [r["mode"] for r in rows[: len(modes)]] == modes
     for r in rows:
@@ -266,13 +262,13 @@ def _script(name, args, tmp_path):
 def test_accuracy_study_runs_and_shows_fp32_accumulation(tmp_path):
     data, stdout = _script("accuracy", ["--worlds", "4", "--trials", "1"], tmp_path)
     errs = data["rel_err"]["4"]
-    assert errs["bf16, fp32 sum"] < errs["bf16 (16-bit ring sum)"]
-    assert errs["fp16, fp32 sum"] < errs["fp16 (16-bit ring sum)"]
-    assert errs["int8 + EF, mean of 32 steps"] < errs["int8 (block 128)"] / 5
+    assert errs["bf16-acc"] < errs["bf16"]
+    assert errs["fp16-acc"] < errs["fp16"]
+    assert errs["int8-ef, mean of 32 steps"] < errs["int8"] / 5
     assert errs["int8 wire bytes / fp32"] <= 0.27
     fsdp = "FSDP2 reduce-scatter, "
-    assert errs[fsdp + "fastddp bf16"] < errs[fsdp + "torch bf16 reduce_dtype"]
-    assert errs[fsdp + "fastddp fp16"] < errs[fsdp + "fastddp bf16"]
+    assert errs[fsdp + "fastddp-bf16"] < errs[fsdp + "torch bf16 reduce_dtype"]
+    assert errs[fsdp + "fastddp-fp16"] < errs[fsdp + "fastddp-bf16"]
     assert "4 ranks" in stdout
 
 
@@ -287,9 +283,9 @@ def test_link_sweep_on_loopback(tmp_path):
 
 def test_convergence_run_runs(tmp_path):
     data, stdout = _script("convergence", ["--steps", "30"], tmp_path)
-    base = data["fp32 (no hook)"]
+    base = data["fp32"]
     assert len(base["losses"]) == 30 and base["losses"][-1] < base["first"]
-    for name in ("bf16", "int8", "int8 + EF"):
+    for name in ("bf16", "int8", "int8-ef"):
         assert abs(data[name]["eval"] / base["eval"] - 1) < 0.05, name
     assert "vs fp32" in stdout
 
@@ -299,7 +295,7 @@ def test_soak_sees_no_growth_and_would_see_it(tmp_path):
     data, stdout = _script("soak", args, tmp_path)
     assert "no growth after step 100 on any rank" in stdout
     for results in data["ranks"]:
-        assert set(results) == {"bf16", "fp16", "bf16-acc", "bf16-acc-ef", "int8", "int8-ef-sr"}
+        assert set(results) == {*fastddp.PRESETS, "int8-ef+sr"}
         for result in results.values():
             assert [r["step"] for r in result["records"]] == [100, 200, 300]
             assert result["records"][0]["allocations"] > 0 and not result["problems"]

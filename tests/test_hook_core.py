@@ -18,15 +18,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
 from fastddp.hooks import _reduce
+from fastddp.hooks.presets import preset
 from fastddp.hooks.topology import NODE_ENV
 
 from ._dist import run_ranks
 
-MODES = {
-    "bf16": {},
-    "bf16-fp32acc-ef": {"accumulate_dtype": torch.float32, "error_feedback": True},
-    "int8-ef": {"dtype": torch.int8, "error_feedback": True},
-}
+# Presets whose reductions differ in their stages: the collective's 16-bit sum, the fp32 sum
+# (all-to-all and all-gather), and int8, each with error feedback where there is one.
+MODES = ["bf16", "bf16-acc-ef", "int8-ef"]
 
 
 def _seq(group=None):
@@ -52,11 +51,11 @@ def _collectives_per_bucket(rank, world, settings, expected):
 
 @pytest.mark.parametrize(
     "mode, expected",
-    [("bf16", 1), ("bf16-fp32acc-ef", 2), ("int8-ef", 2)],
+    [("bf16", 1), ("bf16-acc-ef", 2), ("int8-ef", 2)],
 )
 def test_one_all_to_all_and_one_all_gather_per_bucket(mode, expected):
     # int8 scales travel behind their values: one all-to-all and one all-gather, not two each.
-    run_ranks(_collectives_per_bucket, 2, MODES[mode], expected)
+    run_ranks(_collectives_per_bucket, 2, preset(mode), expected)
 
 
 class _Net(nn.Module):
@@ -133,10 +132,10 @@ def _two_models_one_state(rank, world, settings):
     assert len(state.stats()["buckets"]) >= 6
 
 
-@pytest.mark.parametrize("mode", [None, "bf16-fp32acc-ef", "int8-ef"])
+@pytest.mark.parametrize("mode", [None, "bf16-acc-ef", "int8-ef"])
 @_needs_bucket_caps
 def test_two_models_share_one_state(mode):
-    run_ranks(_two_models_one_state, 2, None if mode is None else MODES[mode], timeout=120)
+    run_ranks(_two_models_one_state, 2, None if mode is None else preset(mode), timeout=120)
 
 
 def _partial_hook(state, bucket):
@@ -169,14 +168,14 @@ def _hooks_that_bypass_the_pipeline(rank, world, settings):
         assert state.stats()["calls"] > 0
 
 
-@pytest.mark.parametrize("mode", ["bf16-fp32acc-ef", "int8-ef"])
+@pytest.mark.parametrize("mode", ["bf16-acc-ef", "int8-ef"])
 @_needs_bucket_caps
 def test_hooks_that_skip_or_wait_on_buckets_do_not_hang(mode):
-    run_ranks(_hooks_that_bypass_the_pipeline, 2, MODES[mode], timeout=120)
+    run_ranks(_hooks_that_bypass_the_pipeline, 2, preset(mode), timeout=120)
 
 
 def _stale_pending(rank, world):
-    state = fastddp.CompressState(accumulate_dtype=torch.float32)
+    state = fastddp.CompressState.from_preset("bf16-acc")
     a = torch.full((100,), float(rank + 1))
     fut = _reduce(state, a, 0, is_last=False)
     assert not fut.done()  # its all-gather waits for the next bucket
@@ -197,7 +196,7 @@ def test_stale_pending_work_is_finished_with_a_warning():
 
 
 def _local_failure(rank, world):
-    import fastddp.hooks.state as state_module
+    from fastddp.hooks.slots import Slot
 
     state = fastddp.CompressState(dtype=torch.int8)
     first = torch.full((300,), float(rank + 1))
@@ -207,7 +206,7 @@ def _local_failure(rank, world):
         def no_memory(*args, **kwargs):
             raise MemoryError("injected: out of memory")
 
-        state_module.allocate = no_memory
+        Slot.give_buffers = no_memory
         with pytest.raises(MemoryError, match="injected"):
             _reduce(state, torch.ones(50), 1, is_last=True)
         for _ in range(2):  # every later call refuses, with the same clear error
@@ -261,17 +260,17 @@ def _resume_across_layouts(rank, world, settings, nodes=None):
         assert torch.equal(p, w), f"resumed run differs by {(p - w).abs().max().item():.3e}"
 
 
-@pytest.mark.parametrize("mode", ["bf16-fp32acc-ef"])
+@pytest.mark.parametrize("mode", ["bf16-acc-ef"])
 @pytest.mark.parametrize("nodes", [None, (0, 0, 1, 1)], ids=["flat", "two-nodes"])
 @_needs_bucket_caps
 def test_resume_is_exact_when_every_bucket_changes_layout(mode, nodes):
     # Every residual goes back to the rank that rounds its element, on either path.
     world = 2 if nodes is None else len(nodes)
-    run_ranks(_resume_across_layouts, world, MODES[mode], nodes, timeout=150)
+    run_ranks(_resume_across_layouts, world, preset(mode), nodes, timeout=150)
 
 
 def _wrong_checkpoints(rank, world):
-    settings = MODES["bf16-fp32acc-ef"]
+    settings = preset("bf16-acc-ef")
     model = _ddp(_Net())
     state = fastddp.CompressState(**settings)
     model.register_comm_hook(state, fastddp.compress_hook)
@@ -326,9 +325,9 @@ def _completion_thread(rank, world, settings):
     assert seen == {threading.get_ident()}, f"completed on threads {seen}"
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", MODES)
 def test_futures_complete_on_the_hook_thread(mode):
-    run_ranks(_completion_thread, 2, MODES[mode])
+    run_ranks(_completion_thread, 2, preset(mode))
 
 
 # -- resuming at another world size ------------------------------------------------------------
@@ -377,16 +376,16 @@ def _train_phase(rank, world, settings, steps, path, resume):
         torch.save({"states": everyone, "delivered": delivered}, path)
 
 
-@pytest.mark.parametrize("mode", ["bf16-fp32acc-ef", "int8-ef"])
+@pytest.mark.parametrize("mode", ["bf16-acc-ef", "int8-ef"])
 @pytest.mark.parametrize("worlds", [(4, 2), (2, 3)])
 def test_residuals_resharded_to_another_world_size_are_not_lost(mode, worlds, tmp_path):
     # Error feedback's invariant: what was delivered plus what the residuals owe equals the
     # sum of the true averages. It must survive a resume at another world size.
     old, new = worlds
     first, second = range(0, 6), range(6, 10)
-    run_ranks(_train_phase, old, MODES[mode], first, tmp_path / "a.pt", None, timeout=120)
+    run_ranks(_train_phase, old, preset(mode), first, tmp_path / "a.pt", None, timeout=120)
     a = torch.load(tmp_path / "a.pt")
-    run_ranks(_train_phase, new, MODES[mode], second, tmp_path / "b.pt", tmp_path / "a.pt")
+    run_ranks(_train_phase, new, preset(mode), second, tmp_path / "b.pt", tmp_path / "a.pt")
     b = torch.load(tmp_path / "b.pt")
     truth = sum(torch.stack([_grad(r, t) for r in range(old)]).double().mean(0) for t in first)
     truth += sum(torch.stack([_grad(r, t) for r in range(new)]).double().mean(0) for t in second)
@@ -418,8 +417,8 @@ def _load_unresharded(rank, world, settings, path):
 
 @pytest.mark.parametrize("mode", ["bf16", "int8-ef"])
 def test_a_state_of_another_world_size_needs_reshard_only_with_residuals(mode, tmp_path):
-    run_ranks(_train_phase, 4, MODES[mode], range(2), tmp_path / "a.pt", None, timeout=120)
-    run_ranks(_load_unresharded, 2, MODES[mode], tmp_path / "a.pt")
+    run_ranks(_train_phase, 4, preset(mode), range(2), tmp_path / "a.pt", None, timeout=120)
+    run_ranks(_load_unresharded, 2, preset(mode), tmp_path / "a.pt")
 
 
 def test_reshard_refuses_what_is_not_one_jobs_state_dicts():

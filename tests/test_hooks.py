@@ -11,7 +11,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
+from fastddp.bench.models import mlp
 from fastddp.hooks import _reduce
+from fastddp.hooks.presets import PRESETS, preset
 
 from ._dist import run_ranks
 
@@ -20,14 +22,7 @@ IN, HIDDEN, OUT = 36, 53, 5
 
 
 def _model(dtype=torch.float32):
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(IN, HIDDEN),
-        nn.GELU(),
-        nn.Linear(HIDDEN, HIDDEN),
-        nn.GELU(),
-        nn.Linear(HIDDEN, OUT),
-    ).to(dtype)
+    return mlp([IN, HIDDEN, HIDDEN, OUT], seed=0).to(dtype)
 
 
 def _batch(gen, dtype=torch.float32, scale=1.0):
@@ -121,20 +116,15 @@ def _matches_plain_ddp(rank, world, settings, as_view, static_graph):
     assert stats["nonfinite_events"] == 0
 
 
-FP32_ACC = {"accumulate_dtype": torch.float32}
-MODES = {
-    "bf16": {},
-    "fp16": {"dtype": torch.float16},
-    "bf16-fp32acc": {**FP32_ACC},
-    "fp16-fp32acc": {"dtype": torch.float16, **FP32_ACC},
-    "bf16-ef-sr": {"error_feedback": True, "stochastic_rounding": True},
-    "bf16-fp32acc-ef": {"error_feedback": True, **FP32_ACC},
-    "fp16-ef": {"dtype": torch.float16, "error_feedback": True},
-    "int8": {"dtype": torch.int8},
-    "int8-ef-sr": {"dtype": torch.int8, "error_feedback": True, "stochastic_rounding": True},
-    "int8-block32": {"dtype": torch.int8, "block_size": 32},
-    "int8-ef": {"dtype": torch.int8, "error_feedback": True},
-}
+_EF, _SR = {"error_feedback": True}, {"stochastic_rounding": True}
+# Every preset, and a preset with other settings on top ("preset+what").
+MODES = {name: preset(name) for name in PRESETS}
+MODES.update({
+    "bf16+ef+sr": {**preset("bf16"), **_EF, **_SR},
+    "fp16+ef": {**preset("fp16"), **_EF},
+    "int8-ef+sr": {**preset("int8-ef"), **_SR},
+    "int8+block32": {**preset("int8"), "block_size": 32},
+})  # fmt: skip
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -144,7 +134,7 @@ def test_matches_plain_ddp(world, mode):
 
 
 @pytest.mark.parametrize("as_view,static_graph", [(False, False), (True, True), (False, True)])
-@pytest.mark.parametrize("mode", ["bf16", "bf16-fp32acc", "int8-ef-sr"])
+@pytest.mark.parametrize("mode", ["bf16", "bf16-acc", "int8-ef+sr"])
 def test_matches_plain_ddp_bucket_modes(mode, as_view, static_graph):
     run_ranks(_matches_plain_ddp, 2, MODES[mode], as_view, static_graph)
 
@@ -179,7 +169,7 @@ def _default_state_and_no_sync(rank, world, settings):
     assert per_step[1] == per_step[2] <= len(list(base.parameters())), per_step
 
 
-@pytest.mark.parametrize("mode", [None, "bf16-fp32acc", "int8-ef-sr"])
+@pytest.mark.parametrize("mode", [None, "bf16-acc", "int8-ef+sr"])
 def test_default_state_and_no_sync(mode):
     run_ranks(_default_state_and_no_sync, 3, None if mode is None else MODES[mode])
 
@@ -310,8 +300,8 @@ def test_state_validation_and_pickling():
 
 def _mismatched_settings(rank, world):
     model = DDP(_model(), bucket_cap_mb=0.01)
-    settings = [{}, {"dtype": torch.int8}, {"accumulate_dtype": torch.float32}][rank]
-    model.register_comm_hook(fastddp.CompressState(**settings), fastddp.compress_hook)
+    state = fastddp.CompressState.from_preset(["bf16", "int8", "bf16-acc"][rank])
+    model.register_comm_hook(state, fastddp.compress_hook)
     x, y = _batch(torch.Generator().manual_seed(rank))
     with pytest.raises(Exception) as info:
         _backward(model, x, y)
@@ -388,10 +378,10 @@ def _resume(rank, world, settings, exact):
 @pytest.mark.parametrize(
     "mode, exact",
     [
-        ("bf16-fp32acc-ef", True),
-        ("fp16-ef", True),
+        ("bf16-acc-ef", True),
+        ("fp16+ef", True),
         ("int8-ef", False),
-        ("bf16-ef-sr", False),
+        ("bf16+ef+sr", False),
     ],
 )
 def test_resume_from_state_dict(mode, exact):
@@ -413,7 +403,7 @@ def _large_int8_bucket(rank, world):
     stats = state.stats()
     assert stats["wire_bytes"] <= 0.27 * stats["fp32_wire_bytes"], stats
     # The residual holds exactly what this rank's quantisations dropped.
-    assert 0 < state._slots[("i", 0)].residual.abs().max() <= x.abs().max() / 127
+    assert 0 < state._table.slots[("i", 0)].residual.abs().max() <= x.abs().max() / 127
 
 
 def test_int8_sends_a_quarter_of_fp32_bytes():

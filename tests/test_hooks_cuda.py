@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import fastddp
+from fastddp.hooks.presets import PRESETS, preset
 from fastddp.hooks.topology import NODE_ENV
 
 from ._dist import run_ranks
@@ -21,14 +22,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-MODES = {
-    "bf16": {},
-    "fp16": {"dtype": torch.float16},
-    "bf16-fp32acc": {"accumulate_dtype": torch.float32},
-    "bf16-fp32acc-ef": {"accumulate_dtype": torch.float32, "error_feedback": True},
-    "int8": {"dtype": torch.int8},
-    "int8-ef-sr": {"dtype": torch.int8, "error_feedback": True, "stochastic_rounding": True},
-}
+# Every preset, and int8 with error feedback and stochastic rounding (its random numbers).
+MODES = {name: preset(name) for name in PRESETS}
+MODES["int8-ef+sr"] = {**preset("int8-ef"), "stochastic_rounding": True}
 
 
 def _cuda_against_plain_ddp(rank, world, settings, side_stream, group=None, nodes=None):
@@ -68,7 +64,7 @@ def test_gloo_with_cuda_tensors_matches_plain_ddp(mode, side_stream):
     run_ranks(_cuda_against_plain_ddp, 2, MODES[mode], side_stream, timeout=240)
 
 
-@pytest.mark.parametrize("mode", ["bf16", "bf16-fp32acc-ef", "int8-ef-sr"])
+@pytest.mark.parametrize("mode", ["bf16", "bf16-acc-ef", "int8-ef+sr"])
 def test_two_level_path_on_cuda_tensors(mode):
     # Two "nodes" of two ranks, all four on the one GPU, Gloo moving CUDA tensors.
     settings = {**MODES[mode], "topology": "hierarchical"}

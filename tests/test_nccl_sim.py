@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
 from fastddp.hooks import pipeline as pipeline_module
+from fastddp.hooks.presets import PRESETS, preset
 from fastddp.hooks.topology import NODE_ENV
 from fastddp.testing import nccl_sim
 
@@ -29,14 +30,7 @@ from ._dist import run_ranks
 
 pytestmark = [pytest.mark.nccl_sim, pytest.mark.multiproc, pytest.mark.timeout(300)]
 
-MODES = {
-    "fp16": {"dtype": torch.float16},
-    "bf16": {},
-    "bf16-fp32acc": {"accumulate_dtype": torch.float32},
-    "bf16-fp32acc-ef": {"accumulate_dtype": torch.float32, "error_feedback": True},
-    "int8": {"dtype": torch.int8},
-    "int8-ef": {"dtype": torch.int8, "error_feedback": True},
-}
+MODES = list(PRESETS)
 
 # Planted defects: (function of Pipeline, text to find, replacement).
 MUTATIONS = {
@@ -104,7 +98,7 @@ def _sim_equals_gloo(rank, world, nodes, cases, mutation=None):
     torch.manual_seed(0)
     base = _Net()
     for mode, topology in cases:
-        settings = {**MODES[mode], "topology": topology}
+        settings = {**preset(mode), "topology": topology}
         want, _, _, _ = _train(base, None, settings, rank)
         try:
             got, dirty, state, buckets = _train(base, sim, settings, rank)
@@ -146,7 +140,7 @@ def test_every_mode_and_path_on_two_nodes_of_two_ranks():
 
 @pytest.mark.parametrize("mutation", list(MUTATIONS))
 def test_a_deleted_wait_makes_the_run_differ(mutation):
-    cases = [("bf16", "flat"), ("int8-ef", "flat"), ("bf16-fp32acc-ef", "flat")]
+    cases = [("bf16", "flat"), ("int8-ef", "flat"), ("bf16-acc-ef", "flat")]
     run_ranks(_sim_equals_gloo, 2, 1, cases, mutation, timeout=200)
 
 

@@ -15,17 +15,15 @@ import torch
 import torch.distributed as dist
 
 import fastddp
+from fastddp.hooks.presets import preset
 from fastddp.hooks.topology import NODE_ENV
 
 from ._dist import run_ranks
 from .test_hook_core import _collectives_per_bucket, _ddp, _Net
 
-CODECS = {
-    "bf16": ({}, 2**-7),
-    "fp16": ({"dtype": torch.float16}, 2**-10),
-    "bf16-fp32acc": ({"accumulate_dtype": torch.float32}, 2**-7),
-    "int8": ({"dtype": torch.int8}, 2**-5),
-}
+# The presets of each codec and summation, and how far each may be from plain DDP (relative
+# to the largest gradient).
+TOLERANCES = {"bf16": 2**-7, "fp16": 2**-10, "bf16-acc": 2**-7, "int8": 2**-5}
 
 
 def _on_node(node_of_rank, rank):
@@ -56,8 +54,8 @@ def _train_pair(rank, settings, steps=3, depth=5):
 
 def _parity(rank, world, node_of_rank, codec, topology, want_path):
     _on_node(node_of_rank, rank)
-    settings, tol = CODECS[codec]
-    model, state, gaps = _train_pair(rank, {**settings, "topology": topology})
+    tol = TOLERANCES[codec]
+    model, state, gaps = _train_pair(rank, {**preset(codec), "topology": topology})
     for step in gaps:
         # int8 blocks span parameters: errors scale with the largest value around, so bound
         # them by the step's largest gradient.
@@ -79,9 +77,9 @@ def _parity(rank, world, node_of_rank, codec, topology, want_path):
     return model
 
 
-@pytest.mark.parametrize("codec", list(CODECS))
+@pytest.mark.parametrize("codec", list(TOLERANCES))
 def test_two_nodes_of_two_ranks_match_plain_ddp(codec):
-    inner = "alltoall" if codec in ("bf16-fp32acc", "int8") else "allreduce"
+    inner = "alltoall" if codec in ("bf16-acc", "int8") else "allreduce"
     run_ranks(_parity, 4, [0, 0, 1, 1], codec, "auto", f"hierarchical-{inner}")
 
 
@@ -92,10 +90,10 @@ def test_nodes_are_found_whatever_the_rank_numbering():
 
 def _two_level_collectives(rank, world, codec, expected):
     _on_node([0, 0, 1, 1], rank)
-    _collectives_per_bucket(rank, world, {**CODECS[codec][0], "topology": "hierarchical"}, expected)
+    _collectives_per_bucket(rank, world, {**preset(codec), "topology": "hierarchical"}, expected)
 
 
-@pytest.mark.parametrize("codec, expected", [("bf16", 3), ("bf16-fp32acc", 4), ("int8", 4)])
+@pytest.mark.parametrize("codec, expected", [("bf16", 3), ("bf16-acc", 4), ("int8", 4)])
 def test_two_level_collectives_per_bucket(codec, expected):
     # In the node: all-to-all, all-gather; across: the codec's one all-reduce or two.
     run_ranks(_two_level_collectives, 4, codec, expected)
@@ -103,11 +101,10 @@ def test_two_level_collectives_per_bucket(codec, expected):
 
 def _flat_unchanged(rank, world, codec):
     # topology="flat" over two nodes gives bit for bit what one node gives.
-    settings, _ = CODECS[codec]
     results = []
     for node_of_rank, topology in (([0, 0, 1, 1], "flat"), ([0, 0, 0, 0], "auto")):
         _on_node(node_of_rank, rank)
-        model, state, _ = _train_pair(rank, {**settings, "topology": topology})
+        model, state, _ = _train_pair(rank, {**preset(codec), "topology": topology})
         assert state.stats()["topology_used"] == "flat"
         results.append(_grads(model))
     for a, b in zip(*results):
@@ -207,7 +204,7 @@ def _nothing_lost(rank, world, settings, topologies):
             e += mine / world
             g += p.grad.double()
     used = {state.stats()["topology_used"]}
-    keys = {p: (state._param_keys[p], p.numel()) for p in params}
+    keys = {p: (state._table.param_keys[p], p.numel()) for p in params}
     total = _residual_total(state, keys)
     for p, e, g in zip(params, exact, got):
         held = total[keys[p][0]].view(p.shape)
@@ -216,39 +213,30 @@ def _nothing_lost(rank, world, settings, topologies):
         assert lost <= 1e-5 * e.abs().max().item(), f"{lost:.3e} lost under {used}"
 
 
-EF_MODES = {
-    "bf16-fp32acc-ef": {"accumulate_dtype": torch.float32, "error_feedback": True},
-    "int8-ef": {"dtype": torch.int8, "error_feedback": True},
-}
-
-
-@pytest.mark.parametrize("mode", list(EF_MODES))
+@pytest.mark.parametrize("mode", ["bf16-acc-ef", "int8-ef"])
 @pytest.mark.parametrize(
     "topologies",
     [("hierarchical", "hierarchical"), ("hierarchical", "flat"), ("flat", "hierarchical")],
     ids=["hierarchical", "hierarchical-to-flat", "flat-to-hierarchical"],
 )
 def test_error_feedback_loses_nothing_across_layouts_and_topologies(mode, topologies):
-    run_ranks(_nothing_lost, 4, EF_MODES[mode], topologies, timeout=150)
+    run_ranks(_nothing_lost, 4, preset(mode), topologies, timeout=150)
 
 
 def _tiny_and_sums(rank, world):
     # Buckets smaller than a node shard leave some ranks nothing to reduce across nodes.
     _on_node([0, 0, 1, 1], rank)
-    for settings, tol in CODECS.values():
+    for codec, tol in TOLERANCES.items():
         for n in (1, 10, 17, 300, 4099):
             x = torch.randn(n, generator=torch.Generator().manual_seed(100 * rank + n))
             everyone = [torch.empty_like(x) for _ in range(world)]
             dist.all_gather(everyone, x)
             want = torch.stack(everyone).double().sum(0)
             got = x.clone()
-            kwargs = {k: v for k, v in settings.items() if k != "accumulate_dtype"}
-            acc = settings.get("accumulate_dtype")
-            fastddp.all_reduce(
-                got, op="sum", topology="hierarchical", accumulate_dtype=acc, **kwargs
-            )
+            state = fastddp.CompressState.from_preset(codec, topology="hierarchical")
+            fastddp.all_reduce(got, op="sum", state=state)
             err = (got.double() - want).abs().max().item()
-            assert err <= 4 * tol * want.abs().max().item(), (settings, n, err)
+            assert err <= 4 * tol * want.abs().max().item(), (codec, n, err)
 
 
 def test_tiny_buckets_and_sums_on_two_levels():

@@ -30,7 +30,7 @@ def test_two_nodes_of_two_ranks_over_a_real_link(tmp_path):
     report = json.loads(out.read_text())
     assert (report["world"], report["nodes"]) == (4, 2)
     # Every codec reported (an empty report would skip every check below).
-    assert set(report["codecs"]) == {"bf16", "bf16-fp32acc", "int8"}
+    assert set(report["codecs"]) == {"bf16", "bf16-acc", "int8"}
     for name, row in report["codecs"].items():
         assert row["topology_used"] == "hierarchical", name
         assert row["counted_cross_node_bytes"] > 0 and row["link_bytes"] > 0, name
@@ -135,7 +135,7 @@ def test_three_nodes_of_two_ranks_find_their_nodes_and_reduce():
     cmd += ["--rate", "1gbit", "--timeout", "150", "tests/_three_nodes_worker.py"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    for name in ("bf16", "bf16-fp32acc", "int8"):
+    for name in ("bf16", "bf16-acc", "int8"):
         assert f"{name}: hierarchical-" in res.stdout, res.stdout[-2000:]
 
 

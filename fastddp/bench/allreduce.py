@@ -5,11 +5,12 @@ Every mode averages a float32 buffer across the ranks, as DDP does with gradient
 - ``fp32``: ``div_(world)`` then ``all_reduce`` in fp32 (DDP without a hook);
 - ``torch-fp16``: what PyTorch's ``fp16_compress_hook`` does: ``to(fp16).div_(world)``,
   ``all_reduce``, ``copy_`` back;
-- ``fastddp-fp16`` / ``fastddp-bf16``: fastddp's hook worker (fused compress, all_reduce of
-  the 16-bit payload, fused decompress in place);
-- ``fastddp-fp16-acc`` / ``fastddp-bf16-acc``: the same payloads summed in fp32
-  (``accumulate_dtype=torch.float32``: all-to-all, fused fp32 sum, all-gather);
-- ``fastddp-int8``: int8 with one fp32 scale per 128 elements, summed in fp32;
+- ``fastddp-<preset>``, one per preset of :data:`fastddp.PRESETS`: fastddp's hook worker.
+  ``fastddp-fp16`` / ``fastddp-bf16``: fused compress, all_reduce of the 16-bit payload, fused
+  decompress in place; ``fastddp-fp16-acc`` / ``fastddp-bf16-acc``: the same payloads summed
+  in fp32 (all-to-all, fused fp32 sum, all-gather); ``fastddp-int8``: int8 with one fp32
+  scale per 128 elements, summed in fp32. The presets with error feedback (``-ef``) run only
+  when asked for: they carry a residual from step to step, which one message cannot show;
 - ``noop``: the headroom row: fastddp bf16's local work with no communication at all.
 
 Columns: time (µs, the slowest rank's median per call), algbw (fp32 bytes / time), wire
@@ -23,33 +24,22 @@ import time
 import torch
 import torch.distributed as dist
 
-from fastddp.bench.common import fastddp_runs, human, parse_size
-from fastddp.hooks import CompressState, _reduce
+from fastddp.bench.common import (
+    FASTDDP_MODES,
+    fastddp_runs,
+    fastddp_state,
+    human,
+    parse_size,
+    settings_of,
+)
+from fastddp.hooks import _reduce
 
-MODES = [
-    "fp32",
-    "torch-fp16",
-    "fastddp-fp16",
-    "fastddp-bf16",
-    "fastddp-fp16-acc",
-    "fastddp-bf16-acc",
-    "fastddp-int8",
-    "noop",
-]
-_ACC = {"accumulate_dtype": torch.float32}
-# CompressState settings of the fastddp modes.
-SETTINGS = {
-    "fastddp-fp16": {"dtype": torch.float16},
-    "fastddp-bf16": {"dtype": torch.bfloat16},
-    "fastddp-fp16-acc": {"dtype": torch.float16, **_ACC},
-    "fastddp-bf16-acc": {"dtype": torch.bfloat16, **_ACC},
-    "fastddp-int8": {"dtype": torch.int8},
-    "noop": {"dtype": torch.bfloat16},
-}
+CHOICES = ["fp32", "torch-fp16", *FASTDDP_MODES, "noop"]
+MODES = [m for m in CHOICES if m not in FASTDDP_MODES or not settings_of(m).get("error_feedback")]
 _WIRE = {
     "fp32": torch.float32,
     "torch-fp16": torch.float16,
-    **{m: s["dtype"] for m, s in SETTINGS.items()},
+    **{m: settings_of(m)["dtype"] for m in FASTDDP_MODES},
     "noop": None,
 }
 # #wrong tolerance relative to the largest |value|: a few roundings of the wire dtype.
@@ -138,14 +128,15 @@ def sweep(env, args, progress=None):
     rows = []
     for size in sizes:
         count = size // 4
-        compressing = [m for m in SETTINGS if m != "noop"]
-        for label, mode, topology in fastddp_runs(args.modes, args.topologies, compressing):
-            state = None
-            if mode in SETTINGS:
-                state = CompressState(**SETTINGS[mode], topology=topology or "auto")
+        for label, mode, topology in fastddp_runs(args.modes, args.topologies):
+            state = check = None
+            if mode in FASTDDP_MODES:
+                state = fastddp_state(mode, topology=topology)
+                # A state of its own for the error check: no residual of the timed calls.
+                check = fastddp_state(mode, topology=topology)
             buf = _data(env.rank, count).to(device)
             seconds, iters = _time(mode, buf, world, state, args.min_seconds, args.max_iters)
-            err, wrong = _errors(mode, count, env.rank, world, state, device)
+            err, wrong = _errors(mode, count, env.rank, world, check, device)
             wire_dtype = _WIRE[mode]
             wire_bytes = 0 if wire_dtype is None else count * wire_dtype.itemsize
             if wire_dtype == torch.int8:

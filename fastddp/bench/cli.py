@@ -10,28 +10,46 @@ from fastddp.bench import allreduce, convergence, ddp, fsdp, report
 from fastddp.bench.common import add_common_options, run_everywhere
 
 
+def _decoder_options(p, width, layers, batch, width_help=None):
+    # The size of the decoder-only transformer (fastddp.bench.models.Decoder) and the batch.
+    width_help = width_help or f"model width (default {width})"
+    p.add_argument("--width", type=int, default=width, help=width_help)
+    p.add_argument("--layers", type=int, default=layers, help=f"decoder blocks (default {layers})")
+    p.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
+    p.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
+    p.add_argument(
+        "--batch", type=int, default=batch, help=f"batch per rank and step (default {batch})"
+    )
+
+
+def _steps_options(p, steps, warmup):
+    p.add_argument("--steps", type=int, default=steps, help=f"timed steps (default {steps})")
+    p.add_argument(
+        "--warmup", type=int, default=warmup, help=f"untimed steps first (default {warmup})"
+    )
+
+
 def _parser():
     p = argparse.ArgumentParser(prog="python -m fastddp.bench", description=__doc__)
     sub = p.add_subparsers(dest="what", required=True)
-    a = sub.add_parser(
-        "allreduce",
-        help="all-reduce sweep over message sizes, per mode",
-        description=allreduce.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+
+    def command(name, module, help):
+        return sub.add_parser(
+            name,
+            help=help,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+
+    a = command("allreduce", allreduce, "all-reduce sweep over message sizes, per mode")
     a.add_argument("--min-size", default="64K", help="smallest fp32 message (default 64K)")
     a.add_argument("--max-size", default="256M", help="largest fp32 message (default 256M)")
     a.add_argument("--factor", type=int, default=4, help="size step factor (default 4)")
-    a.add_argument("--modes", nargs="+", default=allreduce.MODES, choices=allreduce.MODES)
+    a.add_argument("--modes", nargs="+", default=allreduce.MODES, choices=allreduce.CHOICES)
     a.add_argument("--min-seconds", type=float, default=1.0, help="time per size and mode")
     a.add_argument("--max-iters", type=int, default=100)
     add_common_options(a)
-    d = sub.add_parser(
-        "ddp",
-        help="DDP step time per hook",
-        description=ddp.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    d = command("ddp", ddp, "DDP step time per hook")
     d.add_argument(
         "--model",
         choices=["mlp", "transformer"],
@@ -39,52 +57,27 @@ def _parser():
         help="square linear layers (default) or a decoder-only transformer",
     )
     d.add_argument("--params", type=int, default=25_000_000, help="mlp size (default 25M)")
-    d.add_argument(
-        "--width",
-        type=int,
-        help="layer width (mlp default: 2048 for large models, else fitted; transformer: 512)",
-    )
-    d.add_argument("--layers", type=int, default=8, help="transformer blocks (default 8)")
-    d.add_argument("--heads", type=int, default=8, help="transformer heads (default 8)")
-    d.add_argument("--seq", type=int, default=64, help="transformer tokens per sequence")
-    d.add_argument("--batch", type=int, default=16)
+    width = "layer width (mlp default: 2048 for large models, else fitted; transformer: 512)"
+    _decoder_options(d, width=None, layers=8, batch=16, width_help=width)
     d.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket size")
-    d.add_argument("--steps", type=int, default=30)
-    d.add_argument("--warmup", type=int, default=5)
-    d.add_argument("--modes", nargs="+", default=ddp.MODES, choices=ddp.MODES + ddp.EXTRA_MODES)
+    _steps_options(d, steps=30, warmup=5)
+    d.add_argument("--modes", nargs="+", default=ddp.MODES, choices=ddp.CHOICES)
     add_common_options(d)
-    f = sub.add_parser(
-        "fsdp",
-        help="FSDP2 step time per reduce-scatter",
-        description=fsdp.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    f.add_argument("--width", type=int, default=512, help="model width (default 512)")
-    f.add_argument("--layers", type=int, default=8, help="decoder blocks (default 8)")
-    f.add_argument("--heads", type=int, default=8)
-    f.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
-    f.add_argument("--batch", type=int, default=4)
+    f = command("fsdp", fsdp, "FSDP2 step time per reduce-scatter")
+    _decoder_options(f, width=512, layers=8, batch=4)
     f.add_argument(
         "--param-dtype",
         choices=["fp32", "bf16"],
         default="fp32",
         help="MixedPrecisionPolicy.param_dtype (all-gathers and compute)",
     )
-    f.add_argument("--steps", type=int, default=20)
-    f.add_argument("--warmup", type=int, default=3)
+    _steps_options(f, steps=20, warmup=3)
     f.add_argument("--modes", nargs="+", default=fsdp.MODES, choices=fsdp.MODES)
     add_common_options(f)
-    c = sub.add_parser(
-        "convergence",
-        help="time to a target validation loss per method (transformer)",
-        description=convergence.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    c = command(
+        "convergence", convergence, "time to a target validation loss per method (transformer)"
     )
-    c.add_argument("--width", type=int, default=256)
-    c.add_argument("--layers", type=int, default=4)
-    c.add_argument("--heads", type=int, default=8)
-    c.add_argument("--seq", type=int, default=64)
-    c.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
+    _decoder_options(c, width=256, layers=4, batch=8)
     c.add_argument("--steps", type=int, default=300, help="fp32's steps, which set the target")
     c.add_argument("--eval-every", type=int, default=25)
     c.add_argument("--val-batches", type=int, default=4)
@@ -93,9 +86,7 @@ def _parser():
     c.add_argument("--max-factor", type=float, default=2.0, help="give up after this x --steps")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    c.add_argument(
-        "--modes", nargs="+", default=convergence.MODES, choices=ddp.MODES + ddp.EXTRA_MODES
-    )
+    c.add_argument("--modes", nargs="+", default=convergence.MODES, choices=ddp.CHOICES)
     add_common_options(c)
     return p
 
@@ -193,109 +184,96 @@ def _allreduce_job(env, args):
     return rows
 
 
-def _write_json(args, env, benchmark, rows, **extra):
-    # The step benchmarks' JSON: what ran where, then the table's rows.
-    if args.json:
+def _vs_fp32(r):
+    return "-" if r["vs_fp32"] is None else f"{r['vs_fp32']:.2f}x"
+
+
+def _times(r):
+    # The step time columns of the step benchmarks: p50, p90 and the ratio to fp32's p50.
+    return [f"{r['p50_ms']:.1f}", f"{r['p90_ms']:.1f}", _vs_fp32(r)]
+
+
+def _ddp_cells(r):
+    exposed = "-" if r["exposed_comm"] is None else f"{100 * r['exposed_comm']:.0f} %"
+    return [
+        r["mode"],
+        *_times(r),
+        exposed,
+        f"{r['payload_bytes'] / 1e6:.1f} MB",
+        f"{r['cross_node_bytes'] / 1e6:.1f} MB",
+        f"{r['cpu_s_per_step']:.2f} s",
+    ]
+
+
+def _fsdp_cells(r):
+    err = "-" if r["grad_rel_err"] is None else f"{r['grad_rel_err']:.2e}"
+    return [r["mode"], *_times(r), f"{r['rs_sent_bytes'] / 1e6:.1f} MB", err]
+
+
+def _convergence_cells(r):
+    return [
+        r["mode"],
+        str(r["steps_to_target"]) if r["reached"] else f"not in {r['steps']}",
+        f"{r['seconds_to_target']:.1f} s" if r["reached"] else "-",
+        _vs_fp32(r),
+        f"{r['final_val_loss']:.3f}",
+        f"{r['sent_mb']:.0f} MB",
+    ]
+
+
+def _millions(rows):
+    return f"{rows[0]['params'] / 1e6:.1f}M parameters"
+
+
+# The step benchmarks: what runs, the start of the table's title (the ranks and the steps
+# follow), its columns, and a row's cells.
+_STEP_TABLES = {
+    "ddp": (
+        ddp.run,
+        lambda args, rows: f"DDP step, {args.model} of {_millions(rows)}",
+        ["mode", "p50 (ms)", "p90 (ms)", "vs fp32", "exposed comm", "payload/step",
+         "cross-node/step", "CPU/step"],
+        _ddp_cells,
+    ),
+    "fsdp": (
+        fsdp.run,
+        lambda args, rows: (
+            f"FSDP2 step, decoder {_millions(rows)} (width {args.width}, {args.layers} blocks, "
+            f"param dtype {args.param_dtype})"
+        ),
+        ["mode", "p50 (ms)", "p90 (ms)", "vs fp32", "RS sent/step", "grad err"],
+        _fsdp_cells,
+    ),
+    "convergence": (
+        convergence.run,
+        lambda args, rows: (
+            f"Time to fp32's validation loss after {args.steps} steps (+{100 * args.slack:g} %): "
+            f"{rows[0]['target']:.3f}, transformer of {_millions(rows)}"
+        ),
+        ["mode", "steps to target", "time to target", "vs fp32", "final val loss", "sent/rank"],
+        _convergence_cells,
+    ),
+}  # fmt: skip
+
+
+def _step_job(env, args):
+    run, head, columns, cells = _STEP_TABLES[args.what]
+    rows = run(env, args)
+    if env.rank != 0:
+        return rows
+    shape = f"{env.num_nodes} nodes x {env.world_size // env.num_nodes} ranks"
+    title = f"{head(args, rows)}, {shape}, {env.backend}"
+    if args.what != "convergence":  # it runs to a target, after no warm-up
+        title += f", {args.steps} steps after {args.warmup} warm-up"
+    report.table(title, columns, [cells(r) for r in rows])
+    if args.json:  # what ran where, then the table's rows
         meta = {"world_size": env.world_size, "backend": env.backend, "nodes": env.num_nodes}
-        report.write_json(args.json, {"benchmark": benchmark, **meta, **extra, "rows": rows})
-
-
-def _ddp_job(env, args):
-    rows = ddp.run(env, args)
-    if env.rank != 0:
-        return rows
-    shape = f"{env.num_nodes} nodes x {env.world_size // env.num_nodes} ranks"
-    title = (
-        f"DDP step, {args.model} of {rows[0]['params'] / 1e6:.1f}M parameters, {shape}, "
-        f"{env.backend}, {args.steps} steps after {args.warmup} warm-up"
-    )
-    cols = [
-        "mode",
-        "p50 (ms)",
-        "p90 (ms)",
-        "vs fp32",
-        "exposed comm",
-        "payload/step",
-        "cross-node/step",
-        "CPU/step",
-    ]
-    cells = [
-        [
-            r["mode"],
-            f"{r['p50_ms']:.1f}",
-            f"{r['p90_ms']:.1f}",
-            "-" if r["vs_fp32"] is None else f"{r['vs_fp32']:.2f}x",
-            "-" if r["exposed_comm"] is None else f"{100 * r['exposed_comm']:.0f} %",
-            f"{r['payload_bytes'] / 1e6:.1f} MB",
-            f"{r['cross_node_bytes'] / 1e6:.1f} MB",
-            f"{r['cpu_s_per_step']:.2f} s",
-        ]
-        for r in rows
-    ]
-    report.table(title, cols, cells)
-    _write_json(args, env, "ddp", rows, model=args.model)
+        extra = {"model": args.model} if args.what == "ddp" else {}
+        report.write_json(args.json, {"benchmark": args.what, **meta, **extra, "rows": rows})
     return rows
 
 
-def _fsdp_job(env, args):
-    rows = fsdp.run(env, args)
-    if env.rank != 0:
-        return rows
-    shape = f"{env.num_nodes} nodes x {env.world_size // env.num_nodes} ranks"
-    title = (
-        f"FSDP2 step, decoder {rows[0]['params'] / 1e6:.1f}M parameters "
-        f"(width {args.width}, {args.layers} blocks, param dtype {args.param_dtype}), {shape}, "
-        f"{env.backend}, {args.steps} steps after {args.warmup} warm-up"
-    )
-    cols = ["mode", "p50 (ms)", "p90 (ms)", "vs fp32", "RS sent/step", "grad err"]
-    cells = [
-        [
-            r["mode"],
-            f"{r['p50_ms']:.1f}",
-            f"{r['p90_ms']:.1f}",
-            "-" if r["vs_fp32"] is None else f"{r['vs_fp32']:.2f}x",
-            f"{r['rs_sent_bytes'] / 1e6:.1f} MB",
-            "-" if r["grad_rel_err"] is None else f"{r['grad_rel_err']:.2e}",
-        ]
-        for r in rows
-    ]
-    report.table(title, cols, cells)
-    _write_json(args, env, "fsdp", rows)
-    return rows
-
-
-def _convergence_job(env, args):
-    rows = convergence.run(env, args)
-    if env.rank != 0:
-        return rows
-    title = (
-        f"Time to fp32's validation loss after {args.steps} steps (+{100 * args.slack:g} %): "
-        f"{rows[0]['target']:.3f}, transformer of {rows[0]['params'] / 1e6:.1f}M parameters, "
-        f"{env.world_size} ranks, {env.backend}"
-    )
-    cols = ["mode", "steps to target", "time to target", "vs fp32", "final val loss", "sent/rank"]
-    cells = [
-        [
-            r["mode"],
-            str(r["steps_to_target"]) if r["reached"] else f"not in {r['steps']}",
-            f"{r['seconds_to_target']:.1f} s" if r["reached"] else "-",
-            "-" if r["vs_fp32"] is None else f"{r['vs_fp32']:.2f}x",
-            f"{r['final_val_loss']:.3f}",
-            f"{r['sent_mb']:.0f} MB",
-        ]
-        for r in rows
-    ]
-    report.table(title, cols, cells)
-    _write_json(args, env, "convergence", rows)
-    return rows
-
-
-_JOBS = {
-    "allreduce": _allreduce_job,
-    "ddp": _ddp_job,
-    "fsdp": _fsdp_job,
-    "convergence": _convergence_job,
-}
+_JOBS = {"allreduce": _allreduce_job, **dict.fromkeys(_STEP_TABLES, _step_job)}
 
 
 def main(argv=None):

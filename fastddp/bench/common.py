@@ -1,15 +1,30 @@
-"""What the benchmarks share: rank setup (any launcher, own spawn, or a two-node link)."""
+"""What the benchmarks share: rank setup (any launcher, own spawn, or a two-node link), and
+fastddp's modes, one per preset."""
 
 import os
 import sys
-import tempfile
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 import fastddp
 from fastddp.distributed import exit_after_shutdown
+from fastddp.hooks.presets import PRESETS, preset
+from fastddp.testing.spawn import spawn_ranks
+
+_PREFIX = "fastddp-"
+#: fastddp's benchmark modes: ``fastddp-`` and the name of each of :data:`fastddp.PRESETS`.
+FASTDDP_MODES = [_PREFIX + name for name in PRESETS]
+
+
+def settings_of(mode: str) -> dict:
+    """The :class:`~fastddp.CompressState` settings of the benchmark mode ``fastddp-<preset>``."""
+    return preset(mode.removeprefix(_PREFIX))
+
+
+def fastddp_state(mode: str, **overrides) -> fastddp.CompressState:
+    """A :class:`~fastddp.CompressState` for the benchmark mode ``fastddp-<preset>``."""
+    return fastddp.CompressState.from_preset(mode.removeprefix(_PREFIX), **overrides)
 
 
 def run_everywhere(fn, args, argv):
@@ -26,25 +41,17 @@ def run_everywhere(fn, args, argv):
         return result
     if args.link:
         return _over_link(args, argv)
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        init = f"file://{os.path.join(tmp, 'store')}"
-        mp.start_processes(_spawned, args=(fn, args, init), nprocs=args.nproc, start_method="spawn")
-    return None
+    timeout = timedelta(minutes=10)
+    return spawn_ranks(_spawned, args.nproc, fn, args, threads=args.threads, timeout=timeout)[0]
 
 
-def _spawned(rank, fn, args, init):
-    torch.set_num_threads(args.threads)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(rank))
-    dist.init_process_group(
-        "gloo", init_method=init, rank=rank, world_size=args.nproc, timeout=timedelta(minutes=10)
-    )
+def _spawned(rank, world, fn, args):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     env = fastddp.DistEnv(
         rank=rank,
         local_rank=rank,
-        world_size=args.nproc,
-        local_world_size=args.nproc,
+        world_size=world,
+        local_world_size=world,
         node_rank=0,
         num_nodes=1,
         device=torch.device("cpu"),
@@ -53,11 +60,7 @@ def _spawned(rank, fn, args, init):
         master_port=0,
         launcher="spawn",
     )
-    try:
-        fn(env, args)
-    finally:
-        dist.destroy_process_group()
-    exit_after_shutdown()
+    return fn(env, args)
 
 
 def _over_link(args, argv):
@@ -101,11 +104,11 @@ def _drop_option(argv, name):
     return out
 
 
-def fastddp_runs(modes, topologies, fastddp_modes):
+def fastddp_runs(modes, topologies):
     """``(label, mode, topology)`` per run: fastddp modes once per topology, others once."""
     runs = []
     for mode in modes:
-        if mode not in fastddp_modes:
+        if mode not in FASTDDP_MODES:
             runs.append((mode, mode, None))
             continue
         for topo in topologies:

@@ -3,18 +3,18 @@
 Modes: ``fp32`` (no hook), ``torch-fp16`` (PyTorch's ``fp16_compress_hook``),
 ``powersgd-r1|r2|r4`` (PyTorch's ``powerSGD_hook`` at rank 1, 2, 4, with error feedback and
 warm start; plain all-reduce during the warm-up steps, compressed in every timed step),
-``fastddp-bf16``, ``fastddp-fp16``, ``fastddp-bf16-acc`` (bf16 summed in fp32),
-``fastddp-int8``, ``fastddp-int8-ef`` (with error feedback), and ``noop`` (PyTorch's
-``noop_hook``: no communication, the floor). PyTorch's ``bf16_compress_hook`` is not among
-them: it refuses to run without CUDA and NCCL. ``--model`` picks a stack of square linear
-layers (``mlp``, sized by ``--params``) or a decoder-only transformer (``transformer``,
-``--width`` and ``--layers``, character-level tokens). A step is forward, backward (with the
-hook's collectives) and an SGD update; p50/p90 are over the slowest rank's step times after
-warm-up. Exposed communication = (p50 - p50 of noop) / p50. Cross-node bytes per step are
-summed over all ranks: fastddp's own count (``stats()["cross_node_bytes"]``), and for the
-others what a ring all-reduce in rank order sends between nodes. CPU/step is the CPU time of
-all ranks' processes (every thread) per step, summed over ranks: held against the cores times
-the step time, it shows whether a run is bound by the CPU rather than the link.
+``fastddp-<preset>`` for each of :data:`fastddp.PRESETS` (``fastddp-bf16``,
+``fastddp-bf16-acc`` for bf16 summed in fp32, ``fastddp-int8-ef`` with error feedback, ...),
+and ``noop`` (PyTorch's ``noop_hook``: no communication, the floor). PyTorch's
+``bf16_compress_hook`` is not among them: it refuses to run without CUDA and NCCL. ``--model``
+picks a stack of square linear layers (``mlp``, sized by ``--params``) or a decoder-only
+transformer (``transformer``, ``--width`` and ``--layers``, character-level tokens). A step is
+forward, backward (with the hook's collectives) and an SGD update; p50/p90 are over the slowest
+rank's step times after warm-up. Exposed communication = (p50 - p50 of noop) / p50. Cross-node
+bytes per step are summed over all ranks: fastddp's own count (``stats()["cross_node_bytes"]``),
+and for the others what a ring all-reduce in rank order sends between nodes. CPU/step is the CPU
+time of all ranks' processes (every thread) per step, summed over ranks: held against the cores
+times the step time, it shows whether a run is bound by the CPU rather than the link.
 ``--topologies`` runs each fastddp mode with each ``CompressState(topology=...)``.
 """
 
@@ -22,35 +22,20 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
-from fastddp.bench.common import fastddp_runs
-from fastddp.bench.models import Decoder
+from fastddp.bench.common import FASTDDP_MODES, fastddp_runs, fastddp_state
+from fastddp.bench.models import Decoder, mlp
 from fastddp.hooks.topology import Topology, node_hash
 
-MODES = ["fp32", "torch-fp16", "fastddp-bf16", "fastddp-fp16", "noop"]
-# Not run by default (the table in RESULTS.md keeps its columns); ask with --modes.
-EXTRA_MODES = [
-    "fastddp-bf16-acc",
-    "fastddp-int8",
-    "fastddp-int8-ef",
-    "powersgd-r1",
-    "powersgd-r2",
-    "powersgd-r4",
-]
 POWERSGD_RANKS = {"powersgd-r1": 1, "powersgd-r2": 2, "powersgd-r4": 4}
-_SETTINGS = {
-    "fastddp-bf16": {"dtype": torch.bfloat16},
-    "fastddp-fp16": {"dtype": torch.float16},
-    "fastddp-bf16-acc": {"accumulate_dtype": torch.float32},
-    "fastddp-int8": {"dtype": torch.int8},
-    "fastddp-int8-ef": {"dtype": torch.int8, "error_feedback": True},
-}
+# Every mode --modes takes; the default is a few (the table in RESULTS.md keeps its columns).
+CHOICES = ["fp32", "torch-fp16", *FASTDDP_MODES, *POWERSGD_RANKS, "noop"]
+MODES = ["fp32", "torch-fp16", "fastddp-bf16", "fastddp-fp16", "noop"]
 
 
 def _mlp(params, device, width=None):
@@ -58,11 +43,7 @@ def _mlp(params, device, width=None):
     if width is None:
         width = 2048 if params >= 4 * 2048 * 2048 else max(16, int((params / 2) ** 0.5))
     depth = max(1, round(params / (width * width + width)))
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.GELU()]
-    return nn.Sequential(*layers[:-1]).to(device), width
+    return mlp([width] * (depth + 1), seed=0).to(device), width
 
 
 def _model_and_batch(args, device, rank):
@@ -93,8 +74,8 @@ def _register(model, mode, topology, args):
             start_powerSGD_iter=max(2, args.warmup),
         )
         model.register_comm_hook(state, powersgd.powerSGD_hook)
-    elif mode.startswith("fastddp"):
-        state = fastddp.CompressState(**_SETTINGS[mode], topology=topology)
+    elif mode in FASTDDP_MODES:
+        state = fastddp_state(mode, topology=topology)
         model.register_comm_hook(state, fastddp.compress_hook)
         return state
     return None
@@ -180,7 +161,7 @@ def run(env, args):
     everyone = [torch.empty_like(hashes) for _ in range(env.world_size)]
     dist.all_gather(everyone, hashes)
     topo = Topology([int(h) for h in everyone], env.rank)
-    runs = fastddp_runs(args.modes, args.topologies, _SETTINGS)
+    runs = fastddp_runs(args.modes, args.topologies)
     rows = [run_mode(env, args, *run, topo) for run in runs]
     floor = next((r["p50_ms"] for r in rows if r["mode"] == "noop"), None)
     base = next((r["p50_ms"] for r in rows if r["mode"] == "fp32"), None)

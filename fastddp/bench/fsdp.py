@@ -3,7 +3,9 @@
 Modes: ``fp32`` (FSDP2's own reduce-scatter in fp32), ``torch-bf16`` (FSDP2's own, with
 ``reduce_dtype=torch.bfloat16``), ``a2a-fp32`` (an fp32 all-to-all and sum: what fastddp does,
 uncompressed, to tell the wire format's gain from the collective's), and fastddp's
-``CompressedReduceScatter`` as ``fastddp-bf16``, ``fastddp-fp16`` and ``fastddp-int8``. Every
+``CompressedReduceScatter`` as ``fastddp-<preset>`` for each preset of :data:`fastddp.PRESETS`
+that sets nothing but the wire dtype (``fastddp-fp16``, ``fastddp-bf16``, ``fastddp-int8``):
+it always sums in fp32 and keeps no residuals, so the presets' other settings do not apply. Every
 block and the root are ``fully_shard``-ed; a step is forward, backward and an AdamW update
 (p50/p90 of the slowest rank, after warm-up). ``RS sent/step`` is what one rank's
 reduce-scatters send: fastddp's own count, or for the others the collective's bytes (Gloo's
@@ -18,15 +20,13 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
+from fastddp.bench.common import FASTDDP_MODES, settings_of
 from fastddp.bench.models import Decoder
 from fastddp.fsdp import compress_reduce_scatter
 
-MODES = ["fp32", "torch-bf16", "a2a-fp32", "fastddp-bf16", "fastddp-fp16", "fastddp-int8"]
-_WIRE = {
-    "fastddp-bf16": torch.bfloat16,
-    "fastddp-fp16": torch.float16,
-    "fastddp-int8": torch.int8,
-}
+# The wire dtype of each fastddp mode whose preset sets nothing else.
+WIRES = {m: settings_of(m)["dtype"] for m in FASTDDP_MODES if settings_of(m).keys() == {"dtype"}}
+MODES = ["fp32", "torch-bf16", "a2a-fp32", *WIRES]
 
 
 class AllToAllReduceScatter(ReduceScatter):
@@ -63,8 +63,8 @@ def _model(args, device, mode):
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     comm = None
-    if mode in _WIRE:
-        comm = compress_reduce_scatter(model, _WIRE[mode])
+    if mode in WIRES:
+        comm = compress_reduce_scatter(model, WIRES[mode])
     elif mode == "a2a-fp32":
         for m in (*model.blocks, model):
             m.set_custom_reduce_scatter(AllToAllReduceScatter())

@@ -1,8 +1,27 @@
 """Models of the benchmarks: a stack of linear layers, and a small decoder-only transformer."""
 
+from collections.abc import Sequence
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def mlp(
+    sizes: Sequence[int], activation: type[nn.Module] = nn.GELU, seed: Optional[int] = None
+) -> nn.Sequential:
+    """Linear layers ``sizes[0] -> sizes[1] -> ...`` with ``activation`` between them.
+
+    With ``seed``, the weights are those ``torch.manual_seed(seed)`` gives (the same on every
+    rank and in every run).
+    """
+    if seed is not None:
+        torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for a, b in zip(sizes, sizes[1:]):
+        layers += [nn.Linear(a, b), activation()]
+    return nn.Sequential(*layers[:-1])
 
 
 class Block(nn.Module):
@@ -54,9 +73,3 @@ class Decoder(nn.Module):
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits, targets.reshape(-1))
-
-
-def decoder_params(width: int, layers: int, vocab: int = 96) -> int:
-    """Parameters of a :class:`Decoder` (for sizing one to a target)."""
-    block = 12 * width * width + 13 * width
-    return layers * block + vocab * width + 1024 * width + 2 * width + width * vocab + vocab

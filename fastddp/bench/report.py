@@ -1,5 +1,6 @@
 """Tables (rich when installed), JSON and plots for the benchmarks."""
 
+import contextlib
 import json
 
 
@@ -29,17 +30,36 @@ def write_json(path, payload):
         json.dump(payload, f, indent=2)
 
 
-def plot_allreduce(path, rows, title):
-    """busbw and speed-up over fp32 against message size, one line per mode."""
+def pyplot():
+    """matplotlib's ``pyplot`` drawing to files (the Agg backend); exits if it is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit(
-            "fastddp.bench: --plot needs matplotlib (pip install matplotlib)"
-        ) from None
+        raise SystemExit("--plot needs matplotlib (pip install matplotlib)") from None
+    return plt
+
+
+@contextlib.contextmanager
+def figure(path, title, xlabel, ylabel, legend_size=8):
+    """``with figure(...) as ax:`` draw on one set of axes; on leaving, label them, add a
+    legend and a grid, and save the figure to ``path`` (PNG)."""
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
+    yield ax
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=legend_size)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot_allreduce(path, rows, title):
+    """busbw and speed-up over fp32 against message size, one line per mode."""
+    plt = pyplot()
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     base = {r["size"]: r["time_us"] for r in rows if r["mode"] == "fp32"}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))

@@ -1,0 +1,93 @@
+"""The one table of named modes: each preset's state, overrides, unknown names, and the names
+the benchmarks and examples offer (taken from the table, so they cannot drift apart)."""
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastddp
+from fastddp.bench import cli
+from fastddp.hooks.presets import PRESETS, preset
+
+ROOT = Path(__file__).resolve().parents[1]
+# What a state holds for a setting a preset leaves out.
+DEFAULTS = {"accumulate_dtype": None, "error_feedback": False, "stochastic_rounding": False}
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_each_preset_builds_the_state_its_table_row_says(name):
+    state = fastddp.CompressState.from_preset(name)
+    want = {**DEFAULTS, **PRESETS[name]}
+    if want["dtype"] == torch.int8:
+        want["accumulate_dtype"] = torch.float32  # int8 is always summed in fp32
+    for key, value in want.items():
+        assert getattr(state, key) == value, (name, key)
+    assert state.process_group is None and state.topology == "auto"
+    # The name says it: -acc sums in fp32, -ef keeps residuals, the rest is the wire dtype.
+    assert (state.accumulate_dtype == torch.float32) == ("-acc" in name or "int8" in name)
+    assert state.error_feedback == name.endswith("-ef")
+    wire = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
+    assert state.dtype == wire[name[:4]]
+
+
+def test_overrides_go_on_top_of_the_preset():
+    state = fastddp.CompressState.from_preset("int8-ef", block_size=64, topology="flat")
+    assert (state.dtype, state.error_feedback) == (torch.int8, True)
+    assert (state.block_size, state.topology) == (64, "flat")
+    # An override may also change what the preset sets.
+    state = fastddp.CompressState.from_preset("bf16-acc-ef", None, error_feedback=False)
+    assert (state.accumulate_dtype, state.error_feedback) == (torch.float32, False)
+    # Overrides are checked like any setting.
+    with pytest.raises(ValueError, match="block_size applies to dtype=torch.int8 only"):
+        fastddp.CompressState.from_preset("bf16", block_size=64)
+
+
+def test_preset_returns_a_copy():
+    settings = preset("bf16-acc-ef")
+    settings["error_feedback"] = False
+    assert PRESETS["bf16-acc-ef"]["error_feedback"] is True
+    assert fastddp.PRESETS is PRESETS
+
+
+@pytest.mark.parametrize("make", [preset, fastddp.CompressState.from_preset])
+def test_an_unknown_name_lists_the_names(make):
+    with pytest.raises(ValueError, match="unknown fastddp preset 'bf16-fp32acc'") as info:
+        make("bf16-fp32acc")
+    for name in PRESETS:
+        assert name in str(info.value)
+
+
+def _mode_choices(what):
+    parser = cli._parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    modes = next(a for a in sub.choices[what]._actions if a.dest == "modes")
+    return [m for m in modes.choices if m.startswith("fastddp-")]
+
+
+@pytest.mark.parametrize("what", ["ddp", "allreduce", "convergence"])
+def test_the_bench_offers_every_preset_and_nothing_else(what):
+    assert _mode_choices(what) == [f"fastddp-{name}" for name in PRESETS]
+
+
+def test_fsdp_bench_offers_the_presets_that_set_only_the_wire_dtype():
+    # FSDP2's compressed reduce-scatter always sums in fp32 and keeps no residuals.
+    only_dtype = [name for name, settings in PRESETS.items() if settings.keys() == {"dtype"}]
+    assert _mode_choices("fsdp") == [f"fastddp-{name}" for name in only_dtype]
+    assert {"fastddp-bf16", "fastddp-fp16", "fastddp-int8"} <= set(_mode_choices("fsdp"))
+
+
+def _load(relative):
+    spec = importlib.util.spec_from_file_location(Path(relative).stem, ROOT / relative)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_resume_example_takes_every_preset():
+    resume = _load("examples/resume.py")
+    for name in PRESETS:
+        assert resume._args(["--ckpt-dir", "x", "--mode", name]).mode == name
+    assert resume._args(["--ckpt-dir", "x"]).mode == "bf16-acc-ef"
