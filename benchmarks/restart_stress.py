@@ -19,7 +19,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from fastddp import netns
+from fastddp.testing import netns
 from fastddp.testing.restarts import CASES, LAUNCHERS, reference, run_case
 
 STATUSES = ("finished", "failed", "wrong", "hung")

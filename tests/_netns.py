@@ -5,7 +5,7 @@ import uuid
 
 import pytest
 
-from fastddp import netns
+from fastddp.testing import netns
 
 
 @contextlib.contextmanager

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import fastddp
-from fastddp import netns
 from fastddp.bench import allreduce
+from fastddp.testing import netns
 
 BENCH = [sys.executable, "-m", "fastddp.bench"]
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastddp import netns
+from fastddp.testing import netns
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "resume.py"

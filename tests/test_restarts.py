@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from fastddp import netns
+from fastddp.testing import netns
 from fastddp.testing.restarts import CASES, Case, reference, run_case
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]

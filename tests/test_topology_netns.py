@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fastddp import netns
+from fastddp.testing import netns
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -64,7 +64,7 @@ def _spawned(rank, world, fn, args):
 
 
 def _over_link(args, argv):
-    from fastddp import netns
+    from fastddp.testing import netns
 
     rest = _drop_option(_drop_option(argv, "--link"), "--nodes")
     module = [

@@ -1,1 +1,3 @@
-"""What fastddp's tests and benchmarks share: jobs to launch and the harness that runs them."""
+"""What fastddp's tests and benchmarks share: spawning ranks (``spawn``), network namespaces
+as nodes (``netns``, over the userspace ``wire``), restart cases (``restarts``), the simulated
+NCCL backend (``nccl_sim``) and the CUDA grid emulator's cases (``emu``, ``emu_cases``)."""

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from fastddp import netns
+from fastddp.testing import netns
 
 __all__ = ["CASES", "Case", "Outcome", "reference", "run_case"]
 
