@@ -165,17 +165,28 @@ def findings(func: Function) -> list[str]:
     return found
 
 
+# The values of fastddp::math::WireKind, a template argument of the compress/decompress kernels.
+_WIRE_KINDS = {"0": "kFp16", "1": "kBf16"}
+
+
 def demangle(name: str) -> str:
-    """``_ZN7fastddp7kernels15compress_kernelINS0_8WireBf16EEE...`` -> compress_kernel<WireBf16>."""
+    """A kernel's short name with its template argument, from the mangled one.
+
+    ``_ZN7fastddp7kernels15compress_kernelILNS_4math8WireKindE1EEEv...`` -> compress_kernel<kBf16>,
+    ``_ZN7fastddp7kernels15compress_kernelINS0_8WireBf16EEE...`` -> compress_kernel<WireBf16>.
+    """
     m = re.match(r"_ZN7fastddp7kernels(\d+)", name)
     if not m:
         return name
     start = m.end()
     short = name[start : start + int(m.group(1))]
-    arg = re.match(r"INS0_(\d+)", name[start + len(short) :])
+    rest = name[start + len(short) :]
+    arg = re.match(r"INS0_(\d+)", rest)  # a type of fastddp::kernels
     if arg:
-        rest = name[start + len(short) + arg.end() :]
-        short += f"<{rest[: int(arg.group(1))]}>"
+        short += f"<{rest[arg.end() : arg.end() + int(arg.group(1))]}>"
+    kind = re.match(r"ILNS_4math8WireKindE(\d+)E", rest)  # a math::WireKind value
+    if kind:
+        short += f"<{_WIRE_KINDS.get(kind.group(1), kind.group(1))}>"
     return short
 
 
@@ -195,7 +206,8 @@ def check(ptx: str) -> dict[str, list[str]]:
             prefix = "" if name == func.name else f"in {demangle(name)}, "
             found += [prefix + f for f in findings(funcs[name])]
             todo += sorted(funcs[name].calls)
-        report[demangle(func.name)] = found
+        name = demangle(func.name)
+        report[func.name if name in report else name] = found  # two instances never merge
     return report
 
 

@@ -6,19 +6,71 @@ import torch
 
 from fastddp import _extension
 
+__all__ = [
+    "compress",
+    "decompress",
+    "dequantize_int8",
+    "quantize_int8",
+    "sum_chunks",
+    "unpack_int8",
+    "widen_sum",
+]
+
 _extension.load()
 
 _WIRE_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def compress(
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    scale: float = 1.0,
-    found_nonfinite: Optional[torch.Tensor] = None,
-    residual: Optional[torch.Tensor] = None,
-    seed: int = -1,
-) -> None:
+def _check_pair(op: str, bucket: torch.Tensor, wire: torch.Tensor) -> None:
+    # Mirrors csrc/include/fastddp/checks.h so that tracing rejects what the kernels reject.
+    torch._check(bucket.dtype == torch.float32, lambda: f"fastddp.{op}: bucket must be float32")
+    torch._check(wire.dtype in _WIRE_DTYPES, lambda: f"fastddp.{op}: wire must be fp16/bf16")
+    torch._check(bucket.device == wire.device, lambda: f"fastddp.{op}: devices differ")
+    torch._check(bucket.numel() == wire.numel(), lambda: f"fastddp.{op}: lengths differ")
+
+
+def _named(wrapper, name: str, doc: str):
+    # The public name and docstring of a wrapper that one of the factories below made.
+    wrapper.__name__ = wrapper.__qualname__ = name
+    wrapper.__doc__ = doc
+    return wrapper
+
+
+def _rounding_op(name: str, doc: str):
+    """The wrapper of compress or sum_chunks, whose schemas take the same arguments."""
+    op = getattr(torch.ops.fastddp, name).default
+
+    def wrapper(
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        scale: float = 1.0,
+        found_nonfinite: Optional[torch.Tensor] = None,
+        residual: Optional[torch.Tensor] = None,
+        seed: int = -1,
+    ) -> None:
+        op(src, dst, scale, found_nonfinite, residual, seed)
+
+    return _named(wrapper, name, doc)
+
+
+def _dequantizing_op(name: str, doc: str):
+    """The wrapper of dequantize_int8 or unpack_int8, whose schemas take the same arguments."""
+    op = getattr(torch.ops.fastddp, name).default
+
+    def wrapper(
+        src: torch.Tensor,
+        scales: torch.Tensor,
+        dst: torch.Tensor,
+        block_size: int,
+        scale: float = 1.0,
+    ) -> None:
+        op(src, scales, dst, block_size, scale)
+
+    return _named(wrapper, name, doc)
+
+
+compress = _rounding_op(
+    "compress",
     """Write ``(src * scale)`` rounded to ``dst.dtype`` (fp16/bf16) into ``dst``, in one pass.
 
     Args:
@@ -32,8 +84,14 @@ def compress(
             (left unchanged where the result is inf or NaN).
         seed: ``>= 0`` rounds stochastically with random numbers drawn from this seed and the
             element index (the same on every device); ``-1`` rounds to nearest even.
-    """
-    torch.ops.fastddp.compress.default(src, dst, scale, found_nonfinite, residual, seed)
+    """,
+)
+
+
+@torch.library.register_fake("fastddp::compress")
+def _compress_fake(src, dst, scale, found_nonfinite=None, residual=None, seed=-1):
+    _check_pair("compress", src, dst)
+    return None
 
 
 def decompress(src: torch.Tensor, dst: torch.Tensor, scale: float = 1.0) -> None:
@@ -47,14 +105,14 @@ def decompress(src: torch.Tensor, dst: torch.Tensor, scale: float = 1.0) -> None
     torch.ops.fastddp.decompress.default(src, dst, scale)
 
 
-def sum_chunks(
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    scale: float = 1.0,
-    found_nonfinite: Optional[torch.Tensor] = None,
-    residual: Optional[torch.Tensor] = None,
-    seed: int = -1,
-) -> None:
+@torch.library.register_fake("fastddp::decompress")
+def _decompress_fake(src, dst, scale):
+    _check_pair("decompress", dst, src)
+    return None
+
+
+sum_chunks = _rounding_op(
+    "sum_chunks",
     """Sum the rows of ``src`` in fp32, times ``scale``, and round once into ``dst``.
 
     The reduce step of a reduce-scatter whose payload is 16-bit: one rounding in all, however
@@ -64,8 +122,16 @@ def sum_chunks(
         src: contiguous float16 or bfloat16 tensor of shape ``[chunks, m]``.
         dst: contiguous tensor of ``m`` elements, of ``src``'s dtype and device.
         scale, found_nonfinite, residual, seed: as for :func:`compress`, applied to the sum.
-    """
-    torch.ops.fastddp.sum_chunks.default(src, dst, scale, found_nonfinite, residual, seed)
+    """,
+)
+
+
+@torch.library.register_fake("fastddp::sum_chunks")
+def _sum_chunks_fake(src, dst, scale, found_nonfinite=None, residual=None, seed=-1):
+    torch._check(src.dim() == 2, lambda: "fastddp.sum_chunks: src must be [chunks, m]")
+    torch._check(src.dtype == dst.dtype, lambda: "fastddp.sum_chunks: dtypes differ")
+    torch._check(dst.numel() == src.shape[1], lambda: "fastddp.sum_chunks: lengths differ")
+    return None
 
 
 def widen_sum(src: torch.Tensor, dst: torch.Tensor, scale: float = 1.0) -> None:
@@ -80,6 +146,15 @@ def widen_sum(src: torch.Tensor, dst: torch.Tensor, scale: float = 1.0) -> None:
         scale: factor applied to the sum in fp32.
     """
     torch.ops.fastddp.widen_sum.default(src, dst, scale)
+
+
+@torch.library.register_fake("fastddp::widen_sum")
+def _widen_sum_fake(src, dst, scale):
+    torch._check(src.dim() == 2, lambda: "fastddp.widen_sum: src must be [chunks, m]")
+    torch._check(src.dtype in _WIRE_DTYPES, lambda: "fastddp.widen_sum: src must be fp16/bf16")
+    torch._check(dst.dtype == torch.float32, lambda: "fastddp.widen_sum: dst must be float32")
+    torch._check(dst.numel() == src.shape[1], lambda: "fastddp.widen_sum: lengths differ")
+    return None
 
 
 def quantize_int8(
@@ -115,80 +190,6 @@ def quantize_int8(
     )
 
 
-def dequantize_int8(
-    src: torch.Tensor,
-    scales: torch.Tensor,
-    dst: torch.Tensor,
-    block_size: int,
-    scale: float = 1.0,
-) -> None:
-    """Dequantise the rows of ``src`` and sum them in fp32 into ``dst``, times ``scale``.
-
-    Args:
-        src: int8 tensor of shape ``[chunks, m]`` whose rows are contiguous (they may lie
-            apart).
-        scales: float32 ``[chunks, ceil(m / block_size)]`` with contiguous rows (or a
-            contiguous tensor of that many elements).
-        dst: contiguous float32 tensor of ``m`` elements, same device.
-        block_size: elements per scale.
-        scale: factor applied to the sum.
-    """
-    torch.ops.fastddp.dequantize_int8.default(src, scales, dst, block_size, scale)
-
-
-def unpack_int8(
-    src: torch.Tensor,
-    scales: torch.Tensor,
-    dst: torch.Tensor,
-    block_size: int,
-    scale: float = 1.0,
-) -> None:
-    """Dequantise int8 rows laid out as :func:`quantize_int8` writes them into ``dst``, no sum.
-
-    The inverse of :func:`quantize_int8`: ``dst[i] = src[i] * scales[i // block_size] * scale``
-    with ``src`` and ``scales`` 1-D, or 2-D rows holding ``dst``'s elements end to end.
-
-    Args:
-        src: int8, 1-D with ``dst.numel()`` elements or ``[R, m]`` (contiguous rows).
-        scales: float32 scales in the matching layout.
-        dst: contiguous float32 tensor, same device.
-        block_size: elements per scale.
-        scale: factor applied in fp32.
-    """
-    torch.ops.fastddp.unpack_int8.default(src, scales, dst, block_size, scale)
-
-
-def _check_pair(op: str, bucket: torch.Tensor, wire: torch.Tensor) -> None:
-    # Mirrors csrc/include/fastddp/checks.h so that tracing rejects what the kernels reject.
-    torch._check(bucket.dtype == torch.float32, lambda: f"fastddp.{op}: bucket must be float32")
-    torch._check(wire.dtype in _WIRE_DTYPES, lambda: f"fastddp.{op}: wire must be fp16/bf16")
-    torch._check(bucket.device == wire.device, lambda: f"fastddp.{op}: devices differ")
-    torch._check(bucket.numel() == wire.numel(), lambda: f"fastddp.{op}: lengths differ")
-
-
-@torch.library.register_fake("fastddp::compress")
-def _compress_fake(src, dst, scale, found_nonfinite=None, residual=None, seed=-1):
-    _check_pair("compress", src, dst)
-    return None
-
-
-@torch.library.register_fake("fastddp::sum_chunks")
-def _sum_chunks_fake(src, dst, scale, found_nonfinite=None, residual=None, seed=-1):
-    torch._check(src.dim() == 2, lambda: "fastddp.sum_chunks: src must be [chunks, m]")
-    torch._check(src.dtype == dst.dtype, lambda: "fastddp.sum_chunks: dtypes differ")
-    torch._check(dst.numel() == src.shape[1], lambda: "fastddp.sum_chunks: lengths differ")
-    return None
-
-
-@torch.library.register_fake("fastddp::widen_sum")
-def _widen_sum_fake(src, dst, scale):
-    torch._check(src.dim() == 2, lambda: "fastddp.widen_sum: src must be [chunks, m]")
-    torch._check(src.dtype in _WIRE_DTYPES, lambda: "fastddp.widen_sum: src must be fp16/bf16")
-    torch._check(dst.dtype == torch.float32, lambda: "fastddp.widen_sum: dst must be float32")
-    torch._check(dst.numel() == src.shape[1], lambda: "fastddp.widen_sum: lengths differ")
-    return None
-
-
 @torch.library.register_fake("fastddp::quantize_int8")
 def _quantize_int8_fake(
     src, dst, scales, block_size, scale, found_nonfinite=None, residual=None, seed=-1
@@ -201,11 +202,20 @@ def _quantize_int8_fake(
     return None
 
 
-@torch.library.register_fake("fastddp::unpack_int8")
-def _unpack_int8_fake(src, scales, dst, block_size, scale):
-    torch._check(src.dtype == torch.int8, lambda: "fastddp.unpack_int8: src must be int8")
-    torch._check(dst.numel() <= src.numel(), lambda: "fastddp.unpack_int8: too long")
-    return None
+dequantize_int8 = _dequantizing_op(
+    "dequantize_int8",
+    """Dequantise the rows of ``src`` and sum them in fp32 into ``dst``, times ``scale``.
+
+    Args:
+        src: int8 tensor of shape ``[chunks, m]`` whose rows are contiguous (they may lie
+            apart).
+        scales: float32 ``[chunks, ceil(m / block_size)]`` with contiguous rows (or a
+            contiguous tensor of that many elements).
+        dst: contiguous float32 tensor of ``m`` elements, same device.
+        block_size: elements per scale.
+        scale: factor applied to the sum.
+    """,
+)
 
 
 @torch.library.register_fake("fastddp::dequantize_int8")
@@ -215,7 +225,25 @@ def _dequantize_int8_fake(src, scales, dst, block_size, scale):
     return None
 
 
-@torch.library.register_fake("fastddp::decompress")
-def _decompress_fake(src, dst, scale):
-    _check_pair("decompress", dst, src)
+unpack_int8 = _dequantizing_op(
+    "unpack_int8",
+    """Dequantise int8 rows laid out as :func:`quantize_int8` writes them into ``dst``, no sum.
+
+    The inverse of :func:`quantize_int8`: ``dst[i] = src[i] * scales[i // block_size] * scale``
+    with ``src`` and ``scales`` 1-D, or 2-D rows holding ``dst``'s elements end to end.
+
+    Args:
+        src: int8, 1-D with ``dst.numel()`` elements or ``[R, m]`` (contiguous rows).
+        scales: float32 scales in the matching layout.
+        dst: contiguous float32 tensor, same device.
+        block_size: elements per scale.
+        scale: factor applied in fp32.
+    """,
+)
+
+
+@torch.library.register_fake("fastddp::unpack_int8")
+def _unpack_int8_fake(src, scales, dst, block_size, scale):
+    torch._check(src.dtype == torch.int8, lambda: "fastddp.unpack_int8: src must be int8")
+    torch._check(dst.numel() <= src.numel(), lambda: "fastddp.unpack_int8: too long")
     return None

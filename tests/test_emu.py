@@ -97,14 +97,15 @@ DEFECTS = [
     ("a divergent shuffle", "cuda/kernels.cuh",
      "for (int offset = 16; offset > 0; offset /= 2) {",
      "for (int offset = 16; offset > 0 && lane < 16; offset /= 2) {", "quantize_int8"),
-    ("tail bound < made <=", "cuda/kernels.cuh",
-     "for (int64_t i = tail + tid; i < n; i += stride) {",
-     "for (int64_t i = tail + tid; i <= n; i += stride) {", "compress"),
+    ("loop bound < made <=", "cuda/kernels.cuh",
+     "for (int64_t i = begin + thread_index(); i < end; i += stride) {",
+     "for (int64_t i = begin + thread_index(); i <= end; i += stride) {", "compress"),
     ("__syncthreads_or replaced by the thread's own flag", "cuda/kernels.cuh",
-     "if (__syncthreads_or(bad) && threadIdx.x == 0) {",
-     "if (bad && threadIdx.x == 0) {", "compress"),
+     "if (flag != nullptr && __syncthreads_or(bad) && threadIdx.x == 0) {",
+     "if (flag != nullptr && bad && threadIdx.x == 0) {", "compress"),
     ("a vector load at an offset that is not a multiple of its width", "cuda/launch.h",
-     "const bool vec = aligned16(in) && aligned16(out);", "const bool vec = true;", "compress"),
+     "const bool vec = aligned16(a.src) && aligned16(a.dst);", "const bool vec = true;",
+     "compress"),
 ]  # fmt: skip
 
 

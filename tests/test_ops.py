@@ -212,11 +212,13 @@ def test_bad_flag_and_aliasing():
 
 
 def test_import_does_not_initialise_cuda_and_records_build():
+    # build_info() loads the compiled ops (if importing fastddp has not already).
     code = (
         "import torch, fastddp\n"
         "assert not torch.cuda.is_initialized()\n"
-        "assert hasattr(torch.ops.fastddp, 'compress')\n"
         "print(fastddp.build_info()['torch_version'])\n"
+        "assert hasattr(torch.ops.fastddp, 'compress')\n"
+        "assert not torch.cuda.is_initialized()\n"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
@@ -232,7 +234,7 @@ def test_mismatched_build_names_the_rebuild_command():
         "stale.torch_version = '1.0.0'\n"
         "stale.with_cuda = 0\n"
         "sys.modules['fastddp._C'] = stale\n"
-        "import fastddp\n"
+        "import fastddp.ops\n"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode != 0
@@ -242,7 +244,7 @@ def test_mismatched_build_names_the_rebuild_command():
 
 def test_missing_build_names_the_rebuild_command():
     # A None entry in sys.modules makes `import fastddp._C` fail, as a missing build does.
-    code = "import sys\nsys.modules['fastddp._C'] = None\nimport fastddp\n"
+    code = "import sys\nsys.modules['fastddp._C'] = None\nimport fastddp.ops\n"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode != 0
     assert "fastddp's compiled extension could not be loaded" in res.stderr

@@ -1,13 +1,14 @@
 // Every kernel launch of fastddp, once: the grid for the work, the choice of the vectorised
-// path, the flag, the kernel. `Rt` is the runtime that runs a launch:
+// path, the flag, the kernel. Each `run` takes an op's raw arguments (fastddp/layout.h) and
+// `Rt`, the runtime that runs a launch:
 //
 //   int sms();                                 the device's multiprocessors
 //   void zero_flag(int* flag);                 the flag to 0, in stream order
 //   void launch(kernel, int grid, args...);    kernel<<<grid, kThreads, 0, stream>>>(args...)
 //
-// ops.cu gives the CUDA runtime (torch's current stream, the launch check) and the tensor
-// checks; the emulator (csrc/emu) gives one that runs the grid on the CPU. Both run this code,
-// so the emulator tests the launch decisions (grids, alignment, tails) with the kernels.
+// ops.cu gives the CUDA runtime (torch's current stream, the launch check); the emulator
+// (csrc/emu) gives one that runs the grid on the CPU. Both run this code, so the emulator tests
+// the launch decisions (grids, alignment, tails) with the kernels.
 #pragma once
 
 #include <algorithm>
@@ -29,140 +30,92 @@ inline int grid_for(int64_t work, int sms) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, int64_t{sms} * 8)));
 }
 
+// Zeroes the op's flag, if it has one (the kernels only ever set it, so it is zeroed even when
+// there is nothing to do), and says whether there is any work to launch.
 template <class Rt>
-void compress(
-    Rt& rt,
-    math::WireKind kind,
-    const float* in,
-    uint16_t* out,
-    int64_t n,
-    float scale,
-    float* residual,
-    int64_t seed,
-    int* flag) {
-  if (flag != nullptr) {
-    rt.zero_flag(flag);  // the kernels only ever set it
-  }
-  if (n == 0) {
-    return;
-  }
-  if (residual != nullptr || seed >= 0) {
-    rt.launch(compress_feedback_kernel, grid_for(n, rt.sms()), kind, in, out, residual, n, scale,
-              seed, flag);
-    return;
-  }
-  const bool vec = aligned16(in) && aligned16(out);
-  const int grid = grid_for(vec ? n / kVec + 1 : n, rt.sms());
-  if (kind == math::WireKind::kBf16) {
-    rt.launch(compress_kernel<WireBf16>, grid, in, out, n, scale, vec, flag);
-  } else {
-    rt.launch(compress_kernel<WireFp16>, grid, in, out, n, scale, vec, flag);
-  }
-}
-
-template <class Rt>
-void decompress(
-    Rt& rt, math::WireKind kind, const uint16_t* in, float* out, int64_t n, float scale) {
-  if (n == 0) {
-    return;
-  }
-  const bool vec = aligned16(in) && aligned16(out);
-  const int grid = grid_for(vec ? n / kVec + 1 : n, rt.sms());
-  if (kind == math::WireKind::kBf16) {
-    rt.launch(decompress_kernel<WireBf16>, grid, in, out, n, scale, vec);
-  } else {
-    rt.launch(decompress_kernel<WireFp16>, grid, in, out, n, scale, vec);
-  }
-}
-
-template <class Rt>
-void sum_chunks(
-    Rt& rt,
-    math::WireKind kind,
-    const uint16_t* in,
-    int64_t chunks,
-    int64_t m,
-    uint16_t* out,
-    float* residual,
-    float scale,
-    int64_t seed,
-    int* flag) {
+bool start(Rt& rt, int64_t work, int* flag = nullptr) {
   if (flag != nullptr) {
     rt.zero_flag(flag);
   }
-  if (m == 0) {
-    return;
-  }
-  rt.launch(sum_chunks_kernel, grid_for(m, rt.sms()), kind, in, chunks, m, out, residual, scale,
-            seed, flag);
+  return work > 0;
+}
+
+// compress and decompress: one thread per 16-byte vector of 8 elements when both pointers allow
+// 16-byte accesses, else one per element; the kernel's instance for the wire format.
+template <class Rt, class Kernel, class In, class Out, class... Flag>
+void launch_convert(
+    Rt& rt, const ConvertArgs<In, Out>& a, Kernel fp16, Kernel bf16, Flag... flag) {
+  const bool vec = aligned16(a.src) && aligned16(a.dst);
+  const int grid = grid_for(vec ? a.n / kVec + 1 : a.n, rt.sms());
+  const Kernel kernel = a.kind == WireKind::kBf16 ? bf16 : fp16;
+  rt.launch(kernel, grid, a.src, a.dst, a.n, a.scale, vec, flag...);
 }
 
 template <class Rt>
-void widen_sum(
-    Rt& rt, math::WireKind kind, const uint16_t* in, int64_t chunks, int64_t m, float* out,
-    float scale) {
-  if (m == 0) {
+void run(Rt& rt, const CompressArgs& a) {
+  const Rounding& r = a.rounding;
+  if (!start(rt, a.n, r.flag)) {
     return;
   }
-  rt.launch(widen_sum_kernel, grid_for(m, rt.sms()), kind, in, chunks, m, out, scale);
+  if (r.residual != nullptr || r.seed >= 0) {
+    rt.launch(compress_feedback_kernel, grid_for(a.n, rt.sms()), a.kind, a.src, a.dst,
+              r.residual, a.n, a.scale, r.seed, r.flag);
+    return;
+  }
+  launch_convert(rt, a, compress_kernel<WireKind::kFp16>, compress_kernel<WireKind::kBf16>,
+                 r.flag);
 }
 
 template <class Rt>
-void quantize_int8(
-    Rt& rt,
-    const float* in,
-    int8_t* out,
-    float* scales,
-    float* residual,
-    int64_t n,
-    int64_t block,
-    Int8Rows rows,
-    float scale,
-    int64_t seed,
-    int* flag) {
-  if (flag != nullptr) {
-    rt.zero_flag(flag);
+void run(Rt& rt, const DecompressArgs& a) {
+  if (start(rt, a.n)) {
+    launch_convert(rt, a, decompress_kernel<WireKind::kFp16>, decompress_kernel<WireKind::kBf16>);
   }
-  if (n == 0) {
-    return;
-  }
-  // One warp per block of elements: kThreads / 32 int8 blocks per CUDA block.
-  rt.launch(quantize_int8_kernel, grid_for(blocks_of(n, block) * 32, rt.sms()), in, out, scales,
-            residual, n, block, rows, scale, seed, flag);
 }
 
 template <class Rt>
-void dequantize_int8(
-    Rt& rt,
-    const int8_t* in,
-    const float* scales,
-    int64_t chunks,
-    int64_t m,
-    int64_t block,
-    Int8Rows rows,
-    float* out,
-    float scale) {
-  if (m == 0) {
-    return;
+void run(Rt& rt, const SumChunksArgs& a) {
+  const Rounding& r = a.rounding;
+  if (start(rt, a.m, r.flag)) {
+    rt.launch(sum_chunks_kernel, grid_for(a.m, rt.sms()), a.kind, a.src, a.chunks, a.m, a.dst,
+              r.residual, a.scale, r.seed, r.flag);
   }
-  rt.launch(dequantize_int8_kernel, grid_for(m, rt.sms()), in, scales, chunks, m, block, rows,
-            out, scale);
 }
 
 template <class Rt>
-void unpack_int8(
-    Rt& rt,
-    const int8_t* in,
-    const float* scales,
-    int64_t n,
-    int64_t block,
-    Int8Rows rows,
-    float* out,
-    float scale) {
-  if (n == 0) {
-    return;
+void run(Rt& rt, const WidenSumArgs& a) {
+  if (start(rt, a.m)) {
+    rt.launch(widen_sum_kernel, grid_for(a.m, rt.sms()), a.kind, a.src, a.chunks, a.m, a.dst,
+              a.scale);
   }
-  rt.launch(unpack_int8_kernel, grid_for(n, rt.sms()), in, scales, n, block, rows, out, scale);
+}
+
+template <class Rt>
+void run(Rt& rt, const QuantizeArgs& a) {
+  const Rounding& r = a.rounding;
+  if (start(rt, a.n, r.flag)) {
+    // One warp per block of elements: kThreads / 32 int8 blocks per CUDA block.
+    rt.launch(quantize_int8_kernel, grid_for(blocks_of(a.n, a.block) * 32, rt.sms()), a.src,
+              a.dst, a.scales, r.residual, a.n, a.block, a.rows, a.scale, r.seed, r.flag);
+  }
+}
+
+template <class Rt>
+void run(Rt& rt, const DequantizeArgs& a) {
+  const Int8Source& s = a.src;
+  if (start(rt, s.rows.row_len)) {
+    rt.launch(dequantize_int8_kernel, grid_for(s.rows.row_len, rt.sms()), s.q, s.scales, s.block,
+              s.rows, a.dst, a.scale);
+  }
+}
+
+template <class Rt>
+void run(Rt& rt, const UnpackArgs& a) {
+  const Int8Source& s = a.src;
+  if (start(rt, a.n)) {
+    rt.launch(unpack_int8_kernel, grid_for(a.n, rt.sms()), s.q, s.scales, a.n, s.block, s.rows,
+              a.dst, a.scale);
+  }
 }
 
 }  // namespace fastddp::kernels

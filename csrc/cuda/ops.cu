@@ -1,6 +1,5 @@
-// The CUDA backend of the fastddp ops: the tensor checks, then the launch (launch.h) of a
-// kernel (kernels.cuh) on torch's current stream.
-#include <ATen/core/Tensor.h>
+// The CUDA backend of the fastddp ops: each op's entry (fastddp/ops.h) checks the tensors, and
+// this backend launches its kernel (launch.h, kernels.cuh) on torch's current stream.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -10,9 +9,8 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
-#include <optional>
 
-#include "fastddp/checks.h"
+#include "fastddp/ops.h"
 #include "launch.h"
 
 namespace fastddp {
@@ -22,9 +20,6 @@ namespace {
 struct CudaRuntime {
   int device;
   cudaStream_t stream;
-
-  explicit CudaRuntime(const at::Tensor& t)
-      : device(t.get_device()), stream(c10::cuda::getCurrentCUDAStream(t.get_device())) {}
 
   int sms() const {
     // Cached per device in atomics: ops may be called from several threads (DDP's autograd
@@ -50,116 +45,25 @@ struct CudaRuntime {
   }
 };
 
-int* flag_of(const std::optional<at::Tensor>& flag) {
-  return flag.has_value() ? flag->data_ptr<int32_t>() : nullptr;
-}
+// An op's launch on the device of its tensors, which stays current until the launch is done.
+struct CudaBackend {
+  c10::cuda::CUDAGuard guard;
+  CudaRuntime rt;
 
-void compress_cuda(
-    const at::Tensor& src,
-    const at::Tensor& dst,
-    double scale,
-    const std::optional<at::Tensor>& found_nonfinite,
-    const std::optional<at::Tensor>& residual,
-    int64_t seed) {
-  check_compress(src, dst, found_nonfinite, residual);
-  const c10::cuda::CUDAGuard guard(src.device());
-  CudaRuntime rt(src);
-  kernels::compress(
-      rt, kind_of(dst.scalar_type()), src.const_data_ptr<float>(),
-      static_cast<uint16_t*>(dst.data_ptr()), src.numel(), static_cast<float>(scale),
-      residual_ptr(residual), seed, flag_of(found_nonfinite));
-}
+  explicit CudaBackend(const at::Tensor& t)
+      : guard(t.device()),
+        rt{t.get_device(), c10::cuda::getCurrentCUDAStream(t.get_device()).stream()} {}
 
-void decompress_cuda(const at::Tensor& src, const at::Tensor& dst, double scale) {
-  check_bucket_and_wire("decompress", dst, src);
-  const c10::cuda::CUDAGuard guard(src.device());
-  CudaRuntime rt(src);
-  kernels::decompress(
-      rt, kind_of(src.scalar_type()), static_cast<const uint16_t*>(src.const_data_ptr()),
-      dst.data_ptr<float>(), src.numel(), static_cast<float>(scale));
-}
-
-void sum_chunks_cuda(
-    const at::Tensor& src,
-    const at::Tensor& dst,
-    double scale,
-    const std::optional<at::Tensor>& found_nonfinite,
-    const std::optional<at::Tensor>& residual,
-    int64_t seed) {
-  check_sum_chunks(src, dst, found_nonfinite, residual);
-  const c10::cuda::CUDAGuard guard(src.device());
-  CudaRuntime rt(src);
-  kernels::sum_chunks(
-      rt, kind_of(src.scalar_type()), static_cast<const uint16_t*>(src.const_data_ptr()),
-      src.size(0), src.size(1), static_cast<uint16_t*>(dst.data_ptr()), residual_ptr(residual),
-      static_cast<float>(scale), seed, flag_of(found_nonfinite));
-}
-
-void widen_sum_cuda(const at::Tensor& src, const at::Tensor& dst, double scale) {
-  check_widen_sum(src, dst);
-  const c10::cuda::CUDAGuard guard(src.device());
-  CudaRuntime rt(src);
-  kernels::widen_sum(
-      rt, kind_of(src.scalar_type()), static_cast<const uint16_t*>(src.const_data_ptr()),
-      src.size(0), src.size(1), dst.data_ptr<float>(), static_cast<float>(scale));
-}
-
-void quantize_int8_cuda(
-    const at::Tensor& src,
-    const at::Tensor& dst,
-    const at::Tensor& scales,
-    int64_t block,
-    double scale,
-    const std::optional<at::Tensor>& found_nonfinite,
-    const std::optional<at::Tensor>& residual,
-    int64_t seed) {
-  const Int8Rows rows = check_quantize(src, dst, scales, block, found_nonfinite, residual);
-  const c10::cuda::CUDAGuard guard(src.device());
-  CudaRuntime rt(src);
-  kernels::quantize_int8(
-      rt, src.const_data_ptr<float>(), dst.data_ptr<int8_t>(), scales.data_ptr<float>(),
-      residual_ptr(residual), src.numel(), block, rows, static_cast<float>(scale), seed,
-      flag_of(found_nonfinite));
-}
-
-void dequantize_int8_cuda(
-    const at::Tensor& src,
-    const at::Tensor& scales,
-    const at::Tensor& dst,
-    int64_t block,
-    double scale) {
-  const Int8Rows rows = check_dequantize(src, scales, dst, block);
-  const c10::cuda::CUDAGuard guard(src.device());
-  CudaRuntime rt(src);
-  kernels::dequantize_int8(
-      rt, src.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), src.size(0),
-      src.size(1), block, rows, dst.data_ptr<float>(), static_cast<float>(scale));
-}
-
-void unpack_int8_cuda(
-    const at::Tensor& src,
-    const at::Tensor& scales,
-    const at::Tensor& dst,
-    int64_t block,
-    double scale) {
-  const Int8Rows rows = check_unpack(src, scales, dst, block);
-  const c10::cuda::CUDAGuard guard(src.device());
-  CudaRuntime rt(src);
-  kernels::unpack_int8(
-      rt, src.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), dst.numel(), block,
-      rows, dst.data_ptr<float>(), static_cast<float>(scale));
-}
+  template <class Args>
+  void run(const Args& args) {
+    kernels::run(rt, args);
+  }
+};
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastddp, CUDA, m) {
-  m.impl("compress", &compress_cuda);
-  m.impl("decompress", &decompress_cuda);
-  m.impl("sum_chunks", &sum_chunks_cuda);
-  m.impl("widen_sum", &widen_sum_cuda);
-  m.impl("quantize_int8", &quantize_int8_cuda);
-  m.impl("dequantize_int8", &dequantize_int8_cuda);
-  m.impl("unpack_int8", &unpack_int8_cuda);
+  ops::register_ops<CudaBackend>(m);
 }
 
 }  // namespace fastddp

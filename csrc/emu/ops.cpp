@@ -44,7 +44,11 @@ struct EmuRuntime {
 
 thread_local std::string g_error;
 
-const char* result(const EmuRuntime& rt) {
+// Runs an op's launch code on the emulator; NULL, or what went wrong.
+template <class Args>
+const char* run(const Args& args) {
+  EmuRuntime rt;
+  kernels::run(rt, args);
   g_error = rt.error;
   return g_error.empty() ? nullptr : g_error.c_str();
 }
@@ -53,75 +57,62 @@ math::WireKind kind(int k) {
   return k == 1 ? math::WireKind::kBf16 : math::WireKind::kFp16;
 }
 
+Int8Rows rows_of(const int64_t* rows) {
+  return {rows[0], rows[1], rows[2], rows[3]};
+}
+
 }  // namespace
 }  // namespace fastddp::emu
 
-using fastddp::Int8Rows;
-using fastddp::emu::EmuRuntime;
-using fastddp::emu::kind;
-using fastddp::emu::result;
-namespace kernels = fastddp::kernels;
+using namespace fastddp;
+using emu::kind;
+using emu::rows_of;
+using emu::run;
 
 extern "C" {
 
 void fastddp_emu_configure(int sms, uint64_t seed) {
-  fastddp::emu::configure(sms, seed);
+  emu::configure(sms, seed);
 }
 
 const char* fastddp_emu_compress(int k, const float* in, uint16_t* out, int64_t n, float scale,
                                  float* residual, int64_t seed, int* flag) {
-  EmuRuntime rt;
-  kernels::compress(rt, kind(k), in, out, n, scale, residual, seed, flag);
-  return result(rt);
+  return run(CompressArgs{{kind(k), in, out, n, scale}, {residual, seed, flag}});
 }
 
 const char* fastddp_emu_decompress(int k, const uint16_t* in, float* out, int64_t n,
                                    float scale) {
-  EmuRuntime rt;
-  kernels::decompress(rt, kind(k), in, out, n, scale);
-  return result(rt);
+  return run(DecompressArgs{kind(k), in, out, n, scale});
 }
 
 const char* fastddp_emu_sum_chunks(int k, const uint16_t* in, int64_t chunks, int64_t m,
                                    uint16_t* out, float* residual, float scale, int64_t seed,
                                    int* flag) {
-  EmuRuntime rt;
-  kernels::sum_chunks(rt, kind(k), in, chunks, m, out, residual, scale, seed, flag);
-  return result(rt);
+  return run(SumChunksArgs{{kind(k), in, chunks, m, out, scale}, {residual, seed, flag}});
 }
 
 const char* fastddp_emu_widen_sum(int k, const uint16_t* in, int64_t chunks, int64_t m,
                                   float* out, float scale) {
-  EmuRuntime rt;
-  kernels::widen_sum(rt, kind(k), in, chunks, m, out, scale);
-  return result(rt);
+  return run(WidenSumArgs{kind(k), in, chunks, m, out, scale});
 }
 
 const char* fastddp_emu_quantize_int8(const float* in, int8_t* out, float* scales,
                                       float* residual, int64_t n, int64_t block,
                                       const int64_t* rows, float scale, int64_t seed,
                                       int* flag) {
-  EmuRuntime rt;
-  kernels::quantize_int8(rt, in, out, scales, residual, n, block,
-                         Int8Rows{rows[0], rows[1], rows[2], rows[3]}, scale, seed, flag);
-  return result(rt);
+  return run(QuantizeArgs{in, out, scales, n, block, rows_of(rows), scale, {residual, seed, flag}});
 }
 
-const char* fastddp_emu_dequantize_int8(const int8_t* in, const float* scales, int64_t chunks,
-                                        int64_t m, int64_t block, const int64_t* rows,
+// The rows' count and length (chunks, m) are in `rows` as well.
+const char* fastddp_emu_dequantize_int8(const int8_t* in, const float* scales, int64_t /*chunks*/,
+                                        int64_t /*m*/, int64_t block, const int64_t* rows,
                                         float* out, float scale) {
-  EmuRuntime rt;
-  kernels::dequantize_int8(rt, in, scales, chunks, m, block,
-                           Int8Rows{rows[0], rows[1], rows[2], rows[3]}, out, scale);
-  return result(rt);
+  return run(DequantizeArgs{{in, scales, block, rows_of(rows)}, out, scale});
 }
 
 const char* fastddp_emu_unpack_int8(const int8_t* in, const float* scales, int64_t n,
                                     int64_t block, const int64_t* rows, float* out, float scale) {
-  EmuRuntime rt;
-  kernels::unpack_int8(rt, in, scales, n, block, Int8Rows{rows[0], rows[1], rows[2], rows[3]},
-                       out, scale);
-  return result(rt);
+  return run(UnpackArgs{{in, scales, block, rows_of(rows)}, out, n, scale});
 }
 
 }  // extern "C"

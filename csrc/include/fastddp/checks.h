@@ -1,4 +1,5 @@
-// Argument checks shared by the CPU and CUDA implementations of every op.
+// Argument checks shared by the ops' entries (ops.h), which both backends register. Each check
+// names the op and the tensor, and says how to fix the call.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -7,7 +8,6 @@
 #include <optional>
 
 #include "fastddp/layout.h"
-#include "fastddp/rounding.h"
 
 namespace fastddp {
 
@@ -15,11 +15,38 @@ inline bool is_wire_dtype(c10::ScalarType t) {
   return t == c10::ScalarType::Half || t == c10::ScalarType::BFloat16;
 }
 
+inline math::WireKind kind_of(const at::Tensor& wire) {
+  return wire.scalar_type() == c10::ScalarType::BFloat16 ? math::WireKind::kBf16
+                                                         : math::WireKind::kFp16;
+}
+
+inline void check_same_device(
+    const char* op, const char* a_name, const at::Tensor& a, const char* b_name,
+    const at::Tensor& b) {
+  TORCH_CHECK(
+      a.device() == b.device(),
+      "fastddp.", op, ": ", a_name, " is on ", a.device(), " but ", b_name, " is on ", b.device(),
+      "; allocate them on the same device");
+}
+
+// An output must not share memory with an input: the kernels read one while writing the other.
+inline void check_own_storage(
+    const char* op, const char* out_name, const at::Tensor& out, const char* in_name,
+    const at::Tensor& in) {
+  TORCH_CHECK(
+      out.numel() == 0 || !out.is_alias_of(in),
+      "fastddp.", op, ": ", out_name, " shares storage with ", in_name, "; give it its own buffer");
+}
+
+inline void check_contiguous_fp32(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(
+      t.scalar_type() == c10::ScalarType::Float && t.is_contiguous(),
+      "fastddp.", op, ": ", name, " must be contiguous float32, got ", t.scalar_type());
+}
+
 // A bucket (fp32) and its 16-bit wire buffer: same device, same length, both contiguous.
 inline void check_bucket_and_wire(
-    const char* op,
-    const at::Tensor& bucket,
-    const at::Tensor& wire) {
+    const char* op, const at::Tensor& bucket, const at::Tensor& wire) {
   TORCH_CHECK(
       bucket.scalar_type() == c10::ScalarType::Float,
       "fastddp.", op, ": the fp32 bucket must be float32, got ", bucket.scalar_type(),
@@ -27,10 +54,7 @@ inline void check_bucket_and_wire(
   TORCH_CHECK(
       is_wire_dtype(wire.scalar_type()),
       "fastddp.", op, ": the wire buffer must be float16 or bfloat16, got ", wire.scalar_type());
-  TORCH_CHECK(
-      bucket.device() == wire.device(),
-      "fastddp.", op, ": bucket is on ", bucket.device(), " but the wire buffer is on ",
-      wire.device(), "; allocate both on the same device");
+  check_same_device(op, "the bucket", bucket, "the wire buffer", wire);
   TORCH_CHECK(
       bucket.numel() == wire.numel(),
       "fastddp.", op, ": bucket has ", bucket.numel(), " elements but the wire buffer has ",
@@ -38,81 +62,60 @@ inline void check_bucket_and_wire(
   TORCH_CHECK(
       bucket.is_contiguous() && wire.is_contiguous(),
       "fastddp.", op, ": bucket and wire buffer must be contiguous; call .contiguous() first");
-  // Both kernels read one buffer while writing the other in a single pass.
   TORCH_CHECK(
       bucket.numel() == 0 || !bucket.is_alias_of(wire),
       "fastddp.", op, ": bucket and wire buffer share storage; use a separate wire buffer");
 }
 
-inline void check_flag(
-    const char* op,
-    const std::optional<at::Tensor>& flag,
-    const at::Tensor& like) {
-  if (!flag.has_value()) {
-    return;
-  }
-  TORCH_CHECK(
-      flag->scalar_type() == c10::ScalarType::Int && flag->numel() == 1 &&
-          flag->is_contiguous(),
-      "fastddp.", op, ": found_nonfinite must be a one-element int32 tensor, got ",
-      flag->scalar_type(), " with ", flag->numel(), " elements");
-  TORCH_CHECK(
-      flag->device() == like.device(),
-      "fastddp.", op, ": found_nonfinite is on ", flag->device(), " but the bucket is on ",
-      like.device());
-}
-
-// An error-feedback residual: fp32, one per element of `like`, contiguous, same device.
-inline void check_residual(
-    const char* op,
-    const std::optional<at::Tensor>& residual,
-    const at::Tensor& like) {
-  if (!residual.has_value()) {
-    return;
-  }
-  TORCH_CHECK(
-      residual->scalar_type() == c10::ScalarType::Float && residual->is_contiguous(),
-      "fastddp.", op, ": residual must be a contiguous float32 tensor, got ",
-      residual->scalar_type());
-  TORCH_CHECK(
-      residual->numel() == like.numel(),
-      "fastddp.", op, ": residual has ", residual->numel(), " elements but ", like.numel(),
-      " are rounded; allocate one residual per element");
-  TORCH_CHECK(
-      residual->device() == like.device(),
-      "fastddp.", op, ": residual is on ", residual->device(), " but the data is on ",
-      like.device());
-  TORCH_CHECK(
-      like.numel() == 0 || !residual->is_alias_of(like),
-      "fastddp.", op, ": residual shares storage with the data; give it its own buffer");
-}
-
-inline void check_same_device(const char* op, const at::Tensor& a, const at::Tensor& b) {
-  TORCH_CHECK(
-      a.device() == b.device(),
-      "fastddp.", op, ": tensors on different devices (", a.device(), " and ", b.device(),
-      "); allocate them on the same device");
-}
-
-// P received 16-bit chunks, src of shape [P, m], summed into the 16-bit dst of m elements.
-inline void check_chunks_and_shard(const char* op, const at::Tensor& src, const at::Tensor& dst) {
+// P received 16-bit chunks, src of shape [P, m], summed per column into the m elements of dst,
+// whose dtype must be `dst_dtype`; `dtypes` says what src and dst must be.
+inline void check_row_sum(
+    const char* op, const at::Tensor& src, const at::Tensor& dst, c10::ScalarType dst_dtype,
+    const char* dtypes) {
   TORCH_CHECK(
       src.dim() == 2 && src.size(0) >= 1,
       "fastddp.", op, ": src must have shape [chunks, m] (one row per rank), got ", src.sizes());
   TORCH_CHECK(
-      is_wire_dtype(src.scalar_type()) && dst.scalar_type() == src.scalar_type(),
-      "fastddp.", op, ": src and dst must both be float16 or both bfloat16, got ",
-      src.scalar_type(), " and ", dst.scalar_type());
-  check_same_device(op, src, dst);
+      is_wire_dtype(src.scalar_type()) && dst.scalar_type() == dst_dtype,
+      "fastddp.", op, ": ", dtypes, ", got ", src.scalar_type(), " and ", dst.scalar_type());
+  check_same_device(op, "src", src, "dst", dst);
   TORCH_CHECK(
       dst.numel() == src.size(1),
       "fastddp.", op, ": dst has ", dst.numel(), " elements but each chunk has ", src.size(1));
   TORCH_CHECK(
       src.is_contiguous() && dst.is_contiguous(),
       "fastddp.", op, ": src and dst must be contiguous; call .contiguous() first");
-  TORCH_CHECK(
-      dst.numel() == 0 || !dst.is_alias_of(src),
-      "fastddp.", op, ": dst shares storage with src; use a separate output buffer");
+  check_own_storage(op, "dst", dst, "src", src);
+}
+
+// The found_nonfinite, residual and seed of a rounding op, checked and as raw pointers: the flag
+// one int32 on the device of `data`, the residual one contiguous fp32 per element of `data`,
+// in memory of its own.
+inline Rounding rounding_of(
+    const char* op, const std::optional<at::Tensor>& flag,
+    const std::optional<at::Tensor>& residual, int64_t seed, const at::Tensor& data) {
+  if (flag.has_value()) {
+    TORCH_CHECK(
+        flag->scalar_type() == c10::ScalarType::Int && flag->numel() == 1 &&
+            flag->is_contiguous(),
+        "fastddp.", op, ": found_nonfinite must be a one-element int32 tensor, got ",
+        flag->scalar_type(), " with ", flag->numel(), " elements");
+    check_same_device(op, "found_nonfinite", *flag, "the data", data);
+  }
+  if (residual.has_value()) {
+    TORCH_CHECK(
+        residual->scalar_type() == c10::ScalarType::Float && residual->is_contiguous(),
+        "fastddp.", op, ": residual must be a contiguous float32 tensor, got ",
+        residual->scalar_type());
+    TORCH_CHECK(
+        residual->numel() == data.numel(),
+        "fastddp.", op, ": residual has ", residual->numel(), " elements but ", data.numel(),
+        " are rounded; allocate one residual per element");
+    check_same_device(op, "residual", *residual, "the data", data);
+    check_own_storage(op, "residual", *residual, "the data", data);
+  }
+  return {residual.has_value() ? residual->data_ptr<float>() : nullptr, seed,
+          flag.has_value() ? flag->data_ptr<int32_t>() : nullptr};
 }
 
 inline void check_block_size(const char* op, int64_t block) {
@@ -136,10 +139,7 @@ inline int64_t row_stride(const at::Tensor& t, int64_t rows, int64_t cols) {
 // The layout of an int8 tensor `q` (1-D: one row; 2-D: one row per rank, rows may be spaced
 // apart) and of its fp32 `scales`, with all the checks shared by the int8 ops.
 inline Int8Rows int8_rows(
-    const char* op,
-    const at::Tensor& q,
-    const at::Tensor& scales,
-    int64_t block) {
+    const char* op, const at::Tensor& q, const at::Tensor& scales, int64_t block) {
   check_block_size(op, block);
   TORCH_CHECK(
       q.scalar_type() == c10::ScalarType::Char,
@@ -147,7 +147,7 @@ inline Int8Rows int8_rows(
   TORCH_CHECK(
       scales.scalar_type() == c10::ScalarType::Float,
       "fastddp.", op, ": scales must be float32, got ", scales.scalar_type());
-  check_same_device(op, q, scales);
+  check_same_device(op, "the int8 tensor", q, "scales", scales);
   TORCH_CHECK(
       q.dim() == 1 || q.dim() == 2,
       "fastddp.", op, ": the int8 tensor must be 1-D or [rows, m], got ", q.sizes());
@@ -171,15 +171,10 @@ inline Int8Rows int8_rows(
 // The flat fp32 side of an int8 layout: `n` elements spread over the rows in order. Several
 // rows must hold whole blocks, so that no block straddles two rows.
 inline void check_flat_side(
-    const char* op,
-    const at::Tensor& values,
-    const at::Tensor& q,
-    const Int8Rows& rows,
+    const char* op, const at::Tensor& values, const at::Tensor& q, const Int8Rows& rows,
     int64_t block) {
-  TORCH_CHECK(
-      values.scalar_type() == c10::ScalarType::Float && values.is_contiguous(),
-      "fastddp.", op, ": the fp32 tensor must be contiguous float32, got ", values.scalar_type());
-  check_same_device(op, values, q);
+  check_contiguous_fp32(op, "the fp32 tensor", values);
+  check_same_device(op, "the fp32 tensor", values, "the int8 tensor", q);
   if (q.dim() == 1) {
     TORCH_CHECK(
         values.numel() == q.numel(),
@@ -195,101 +190,6 @@ inline void check_flat_side(
       values.numel() <= rows.rows * rows.row_len,
       "fastddp.", op, ": ", values.numel(), " elements do not fit in ", rows.rows, " row(s) of ",
       rows.row_len);
-}
-
-// The op-level checks of compress and sum_chunks, for both backends.
-inline void check_compress(
-    const at::Tensor& src,
-    const at::Tensor& dst,
-    const std::optional<at::Tensor>& found_nonfinite,
-    const std::optional<at::Tensor>& residual) {
-  check_bucket_and_wire("compress", src, dst);
-  check_flag("compress", found_nonfinite, src);
-  check_residual("compress", residual, src);
-}
-
-inline void check_sum_chunks(
-    const at::Tensor& src,
-    const at::Tensor& dst,
-    const std::optional<at::Tensor>& found_nonfinite,
-    const std::optional<at::Tensor>& residual) {
-  check_chunks_and_shard("sum_chunks", src, dst);
-  check_flag("sum_chunks", found_nonfinite, src);
-  check_residual("sum_chunks", residual, dst);
-}
-
-inline void check_widen_sum(const at::Tensor& src, const at::Tensor& dst) {
-  TORCH_CHECK(
-      src.dim() == 2 && src.size(0) >= 1,
-      "fastddp.widen_sum: src must have shape [chunks, m] (one row per rank), got ", src.sizes());
-  TORCH_CHECK(
-      is_wire_dtype(src.scalar_type()) && dst.scalar_type() == at::kFloat,
-      "fastddp.widen_sum: src must be float16 or bfloat16 and dst float32, got ",
-      src.scalar_type(), " and ", dst.scalar_type());
-  check_same_device("widen_sum", src, dst);
-  TORCH_CHECK(
-      dst.numel() == src.size(1),
-      "fastddp.widen_sum: dst has ", dst.numel(), " elements but each chunk has ", src.size(1));
-  TORCH_CHECK(
-      src.is_contiguous() && dst.is_contiguous(),
-      "fastddp.widen_sum: src and dst must be contiguous; call .contiguous() first");
-  TORCH_CHECK(
-      dst.numel() == 0 || !dst.is_alias_of(src),
-      "fastddp.widen_sum: dst shares storage with src; use a separate output buffer");
-}
-
-// The op-level checks of the int8 ops, for both backends; they return the int8 layout.
-inline Int8Rows check_quantize(
-    const at::Tensor& src,
-    const at::Tensor& dst,
-    const at::Tensor& scales,
-    int64_t block,
-    const std::optional<at::Tensor>& found_nonfinite,
-    const std::optional<at::Tensor>& residual) {
-  const Int8Rows rows = int8_rows("quantize_int8", dst, scales, block);
-  check_flat_side("quantize_int8", src, dst, rows, block);
-  check_flag("quantize_int8", found_nonfinite, src);
-  check_residual("quantize_int8", residual, src);
-  return rows;
-}
-
-inline Int8Rows check_dequantize(
-    const at::Tensor& src,
-    const at::Tensor& scales,
-    const at::Tensor& dst,
-    int64_t block) {
-  TORCH_CHECK(
-      src.dim() == 2,
-      "fastddp.dequantize_int8: src must have shape [chunks, m] (one row per rank), got ",
-      src.sizes());
-  const Int8Rows rows = int8_rows("dequantize_int8", src, scales, block);
-  TORCH_CHECK(
-      dst.scalar_type() == c10::ScalarType::Float && dst.is_contiguous(),
-      "fastddp.dequantize_int8: dst must be contiguous float32, got ", dst.scalar_type());
-  check_same_device("dequantize_int8", src, dst);
-  TORCH_CHECK(
-      dst.numel() == src.size(1),
-      "fastddp.dequantize_int8: dst has ", dst.numel(), " elements but each row has ",
-      src.size(1));
-  return rows;
-}
-
-inline Int8Rows check_unpack(
-    const at::Tensor& src,
-    const at::Tensor& scales,
-    const at::Tensor& dst,
-    int64_t block) {
-  const Int8Rows rows = int8_rows("unpack_int8", src, scales, block);
-  check_flat_side("unpack_int8", dst, src, rows, block);
-  return rows;
-}
-
-inline math::WireKind kind_of(c10::ScalarType t) {
-  return t == c10::ScalarType::BFloat16 ? math::WireKind::kBf16 : math::WireKind::kFp16;
-}
-
-inline float* residual_ptr(const std::optional<at::Tensor>& residual) {
-  return residual.has_value() ? residual->data_ptr<float>() : nullptr;
 }
 
 }  // namespace fastddp

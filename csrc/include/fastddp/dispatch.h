@@ -1,24 +1,44 @@
-// Dtype dispatch for the wire (16-bit) side of an op. The fp32 side is fixed, so the
-// launchers dispatch only on the wire dtype; math is always done in fp32.
+// Run-time choices as compile-time constants: the wire format, error feedback and stochastic
+// rounding each pick a template instance, so that a loop is compiled once per combination with
+// no branch on them left inside it. The math is always done in fp32; only the wire side varies.
 #pragma once
 
-#include <c10/core/ScalarType.h>
-#include <c10/util/Exception.h>
+#include <type_traits>
 
-// Calls __VA_ARGS__ with `wire_t` bound to c10::Half or c10::BFloat16.
-#define FASTDDP_DISPATCH_WIRE(DTYPE, OP, ...)                                   \
-  [&] {                                                                         \
-    switch (DTYPE) {                                                            \
-      case c10::ScalarType::Half: {                                             \
-        using wire_t = c10::Half;                                               \
-        return __VA_ARGS__();                                                   \
-      }                                                                         \
-      case c10::ScalarType::BFloat16: {                                         \
-        using wire_t = c10::BFloat16;                                           \
-        return __VA_ARGS__();                                                   \
-      }                                                                         \
-      default:                                                                  \
-        TORCH_CHECK(false, "fastddp.", OP, ": unsupported wire dtype ", DTYPE,  \
-                    "; use torch.float16 or torch.bfloat16");                   \
-    }                                                                           \
-  }()
+#include "fastddp/rounding.h"
+
+namespace fastddp {
+
+template <math::WireKind K>
+using Kind = std::integral_constant<math::WireKind, K>;
+
+template <bool B>
+using Bool = std::integral_constant<bool, B>;
+
+// f(Kind<kFp16>{}) or f(Kind<kBf16>{}); f reads the format as decltype(kind)::value.
+template <class F>
+decltype(auto) with_kind(math::WireKind kind, F&& f) {
+  if (kind == math::WireKind::kBf16) {
+    return f(Kind<math::WireKind::kBf16>{});
+  }
+  return f(Kind<math::WireKind::kFp16>{});
+}
+
+// f(Bool<true>{}) or f(Bool<false>{}).
+template <class F>
+decltype(auto) with_bool(bool b, F&& f) {
+  if (b) {
+    return f(Bool<true>{});
+  }
+  return f(Bool<false>{});
+}
+
+// f(feedback, stochastic), both as Bool<>.
+template <class F>
+decltype(auto) with_mode(const math::Mode& mode, F&& f) {
+  return with_bool(mode.feedback, [&](auto feedback) {
+    return with_bool(mode.stochastic, [&](auto stochastic) { return f(feedback, stochastic); });
+  });
+}
+
+}  // namespace fastddp

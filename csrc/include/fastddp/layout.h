@@ -1,8 +1,11 @@
-// Plain data shared by the op checks (checks.h, which needs torch) and the kernels (which do
-// not): nothing here includes torch.
+// Plain data shared by the op entries (ops.h, which needs torch) and the code that runs the ops
+// (the CPU loops, the CUDA launches and kernels, the emulator, none of which includes torch):
+// the arguments of each op once its tensors are checked, and where int8 values lie.
 #pragma once
 
 #include <cstdint>
+
+#include "fastddp/rounding.h"
 
 namespace fastddp {
 
@@ -17,8 +20,117 @@ struct Int8Rows {
   int64_t s_stride;
 };
 
-inline int64_t blocks_of(int64_t n, int64_t block) {
+FASTDDP_HD int64_t blocks_of(int64_t n, int64_t block) {
   return (n + block - 1) / block;
 }
+
+// Block b of a flat sequence of n elements laid out in `rows`: its elements [lo, hi) (the last
+// block may be short), and the int8 values and scales of its row, shifted back so that flat
+// element and block indices land in that row (a block lies in one row).
+struct Int8Block {
+  int64_t lo, hi;
+  int8_t* q;
+  float* scales;
+};
+
+FASTDDP_HD Int8Block int8_block(
+    const Int8Rows& rows, int64_t n, int64_t block, int64_t b, int8_t* q, float* scales) {
+  const int64_t lo = b * block;
+  const int64_t row = lo / rows.row_len;
+  return {lo, lo + block < n ? lo + block : n, q + row * (rows.q_stride - rows.row_len),
+          scales + row * (rows.s_stride - blocks_of(rows.row_len, block))};
+}
+
+// The arguments of each op (csrc/fastddp.cpp has the schemas) as raw pointers and lengths.
+// Wire values (fp16 or bf16, as `kind` says) are passed as their bits.
+
+// The rounding mode of an op given its residual (null: no error feedback) and seed (< 0: to
+// nearest even).
+FASTDDP_HD math::Mode mode_of(float* residual, int64_t seed) {
+  return {residual != nullptr, residual, seed >= 0, static_cast<uint64_t>(seed)};
+}
+
+// What the rounding ops (compress, sum_chunks, quantize_int8) take beyond their data.
+struct Rounding {
+  float* residual;  // error feedback: one fp32 per element; null for none
+  int64_t seed;     // >= 0: round stochastically, with random bits drawn from this seed
+  int* flag;        // set to 1 if a written value is inf or NaN, else to 0; null for none
+
+  FASTDDP_HD math::Mode mode() const {
+    return mode_of(residual, seed);
+  }
+};
+
+// compress (In = float, Out = uint16_t) and decompress (In = uint16_t, Out = float): n values
+// converted between fp32 and the wire format, times scale (before rounding, after widening).
+template <class In, class Out>
+struct ConvertArgs {
+  math::WireKind kind;
+  const In* src;
+  Out* dst;
+  int64_t n;
+  float scale;
+};
+
+struct CompressArgs : ConvertArgs<float, uint16_t> {
+  Rounding rounding;
+};
+
+using DecompressArgs = ConvertArgs<uint16_t, float>;
+
+// sum_chunks (Out = uint16_t: rounded to the wire format again) and widen_sum (Out = float):
+// the columns of `chunks` rows of m wire values, summed in fp32 in row order, times scale.
+template <class Out>
+struct RowSumArgs {
+  math::WireKind kind;
+  const uint16_t* src;  // [chunks, m], contiguous
+  int64_t chunks, m;
+  Out* dst;             // m values
+  float scale;
+};
+
+struct SumChunksArgs : RowSumArgs<uint16_t> {
+  Rounding rounding;
+};
+
+using WidenSumArgs = RowSumArgs<float>;
+
+// quantize_int8: n fp32 values, times scale, to int8 laid out in `rows`, with one fp32 scale
+// (absmax / 127) per block of `block` values.
+struct QuantizeArgs {
+  const float* src;
+  int8_t* dst;
+  float* scales;
+  int64_t n;
+  int64_t block;
+  Int8Rows rows;
+  float scale;
+  Rounding rounding;
+};
+
+// What dequantize_int8 and unpack_int8 read: int8 values laid out in `rows`, and one fp32
+// scale per block of `block` values.
+struct Int8Source {
+  const int8_t* q;
+  const float* scales;
+  int64_t block;
+  Int8Rows rows;
+};
+
+// dequantize_int8: the rows (rows.rows of rows.row_len values) dequantised and summed per
+// column in fp32, times scale, into the row_len values of dst.
+struct DequantizeArgs {
+  Int8Source src;
+  float* dst;
+  float scale;
+};
+
+// unpack_int8: the flat sequence of n values the rows hold, dequantised, times scale, into dst.
+struct UnpackArgs {
+  Int8Source src;
+  float* dst;
+  int64_t n;
+  float scale;
+};
 
 }  // namespace fastddp

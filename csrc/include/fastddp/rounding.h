@@ -1,8 +1,9 @@
-// Element-wise math shared by the CPU and CUDA kernels of the accumulating and int8 ops:
-// fp32 -> fp16/bf16/int8 rounding (to nearest even, or stochastic), the counter-based random
-// numbers behind stochastic rounding, and fp32 arithmetic that never contracts into an FMA.
-// Both backends call exactly these functions, so they produce bit-identical results, and the
-// Python reference in the tests can reproduce them with plain torch operations.
+// Element-wise math shared by the CPU loops and the CUDA kernels: fp32 <-> fp16/bf16 and
+// fp32 -> int8 rounding (to nearest even, or stochastic), the counter-based random numbers
+// behind stochastic rounding, fp32 arithmetic that never contracts into an FMA, and what each
+// rounding op does with one element. Both backends call exactly these functions, so they produce
+// bit-identical results, and the Python reference in the tests can reproduce them with plain
+// torch operations.
 #pragma once
 
 #include <cstdint>
@@ -18,68 +19,42 @@ namespace fastddp::math {
 
 enum class WireKind { kFp16, kBf16 };
 
-FASTDDP_HD uint32_t bits_of(float f) {
+// The primitives, once for each side. On the device, CUDA's intrinsics: __fmul_rn, __fadd_rn
+// and __fsub_rn each round once, and neither nvcc nor ptxas fuses them into an FMA. On the host,
+// the plain operators: the build's -ffp-contract=off keeps the compiler from fusing them.
+// select(c, a, b) is c ? a : b; on the host it is written with masks, because GCC will not
+// if-convert a branch whose arm holds a float operation (it might raise an exception), and the
+// CPU loops over these functions must be free of branches to vectorise.
 #if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
+FASTDDP_HD uint32_t bits_of(float f) { return __float_as_uint(f); }
+FASTDDP_HD float float_of(uint32_t u) { return __uint_as_float(u); }
+FASTDDP_HD float mul(float a, float b) { return __fmul_rn(a, b); }
+FASTDDP_HD float add(float a, float b) { return __fadd_rn(a, b); }
+FASTDDP_HD float sub(float a, float b) { return __fsub_rn(a, b); }
+FASTDDP_HD float floor_of(float x) { return floorf(x); }
+FASTDDP_HD float round_even(float x) { return rintf(x); }  // rint: half to even
+FASTDDP_HD uint32_t select(bool c, uint32_t a, uint32_t b) { return c ? a : b; }
 #else
+FASTDDP_HD uint32_t bits_of(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
   return u;
-#endif
 }
-
 FASTDDP_HD float float_of(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
-#endif
 }
-
-// a * b and a + b, each rounded once: nvcc would otherwise fuse a * b + c into an FMA on the
-// device but not on the host, and the two backends would disagree in the last bit.
-FASTDDP_HD float mul(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
+FASTDDP_HD float mul(float a, float b) { return a * b; }
+FASTDDP_HD float add(float a, float b) { return a + b; }
+FASTDDP_HD float sub(float a, float b) { return a - b; }
+FASTDDP_HD float floor_of(float x) { return __builtin_floorf(x); }
+FASTDDP_HD float round_even(float x) { return __builtin_rintf(x); }  // the default rounding mode
+FASTDDP_HD uint32_t select(bool c, uint32_t a, uint32_t b) {
+  const uint32_t mask = 0u - static_cast<uint32_t>(c);
+  return b ^ ((a ^ b) & mask);
 }
-
-FASTDDP_HD float add(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
 #endif
-}
-
-FASTDDP_HD float sub(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fsub_rn(a, b);
-#else
-  return a - b;
-#endif
-}
-
-FASTDDP_HD float floor_of(float x) {
-#if defined(__CUDA_ARCH__)
-  return floorf(x);
-#else
-  return __builtin_floorf(x);
-#endif
-}
-
-// Round half to even (the default rounding mode on the host, rint's definition on the device).
-FASTDDP_HD float round_even(float x) {
-#if defined(__CUDA_ARCH__)
-  return rintf(x);
-#else
-  return __builtin_rintf(x);
-#endif
-}
 
 // 32 random bits for element `index` of a call seeded with `seed`: a stateless integer hash, so
 // any thread of any backend can draw element i's number without coordination.
@@ -93,13 +68,14 @@ FASTDDP_HD uint32_t random_bits(uint64_t seed, uint64_t index) {
   return static_cast<uint32_t>(x);
 }
 
-// Uniform in [0, 1) with 24 random bits (exactly representable in fp32).
+// Uniform in [0, 1) with 24 random bits (exactly representable in fp32). Converted as a signed
+// integer, which it fits: x86 has no vector conversion from unsigned.
 FASTDDP_HD float random_unit(uint32_t r) {
-  return static_cast<float>(r >> 8) * 0x1p-24f;
+  return static_cast<float>(static_cast<int32_t>(r >> 8)) * 0x1p-24f;
 }
 
-// The conversions below are written as selects, not branches, so that the CPU loops over them
-// vectorise; on the GPU they compile to predicated instructions.
+// The conversions below are written with selects, not branches, so that the CPU loops over
+// them vectorise; on the GPU they compile to predicated instructions.
 FASTDDP_HD float wire_to_float(WireKind kind, uint16_t h) {
   if (kind == WireKind::kBf16) {
     return float_of(static_cast<uint32_t>(h) << 16);
@@ -107,10 +83,10 @@ FASTDDP_HD float wire_to_float(WireKind kind, uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t em = h & 0x7fffu;
   // Rebias 15 -> 127; inf and NaN need the exponent moved to 255 as well.
-  const uint32_t normal = (em << 13) + 0x38000000u + (em >= 0x7c00u ? 0x38000000u : 0u);
+  const uint32_t normal = (em << 13) + 0x38000000u + select(em >= 0x7c00u, 0x38000000u, 0u);
   // Zero and subnormals are exactly em * 2^-24.
   const uint32_t subnormal = bits_of(static_cast<float>(static_cast<int32_t>(em)) * 0x1p-24f);
-  return float_of((em < 0x400u ? subnormal : normal) | sign);
+  return float_of(select(em < 0x400u, subnormal, normal) | sign);
 }
 
 FASTDDP_HD bool wire_nonfinite(WireKind kind, uint16_t h) {
@@ -121,9 +97,12 @@ FASTDDP_HD bool wire_nonfinite(WireKind kind, uint16_t h) {
 // zero with probability equal to the dropped fraction of a bf16 step.
 FASTDDP_HD uint16_t to_bf16(float v, bool stochastic, uint32_t r) {
   const uint32_t u = bits_of(v);
+  // To nearest: adding 0x7fff plus the lowest kept bit rounds half-way cases to even. A NaN
+  // becomes the canonical quiet NaN, 0x7fc0 (chosen before the shift, so that the CPU loops
+  // narrow to 16 bits once).
   const uint32_t add_bits = stochastic ? (r & 0xffffu) : 0x7fffu + ((u >> 16) & 1u);
-  const uint32_t rounded = (u + add_bits) >> 16;
-  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
+  const uint32_t wide = select((u & 0x7fffffffu) > 0x7f800000u, 0x7fc00000u, u + add_bits);
+  return static_cast<uint16_t>(wide >> 16);
 }
 
 // fp32 -> fp16, to nearest even or stochastically; past 65504 (after rounding) gives inf.
@@ -139,36 +118,23 @@ FASTDDP_HD uint16_t to_fp16(float v, bool stochastic, uint32_t r) {
   uint32_t subnormal;
   if (stochastic) {
     // Exact, but written with mul/sub all the same: an unrounded m * 2^24 - whole is a pair
-    // nvcc may fuse, and benchmarks/ptx_check.py refuses every such pair in the kernels.
-    const float m = mul(float_of(a < 0x38800000u ? a : 0u), 0x1p24f);
-    const float whole = floor_of(m);
-    subnormal = static_cast<uint32_t>(whole) + (sub(m, whole) > random_unit(r) ? 1u : 0u);
+    // nvcc may fuse, and benchmarks/ptx_check.py refuses every such pair in the kernels. m is
+    // in [0, 1024), so truncating it to an int32 is its floor (and vectorises on x86).
+    const float m = mul(float_of(select(a < 0x38800000u, a, 0u)), 0x1p24f);
+    const int32_t whole = static_cast<int32_t>(m);
+    const float above = sub(m, static_cast<float>(whole));
+    subnormal = static_cast<uint32_t>(whole) + (above > random_unit(r) ? 1u : 0u);
   } else {
     // Adding 0.5f lines the value up with fp16's 2^-24 spacing and lets the FPU round to even.
     subnormal = bits_of(add(float_of(a), 0.5f)) - 0x3f000000u;
   }
-  uint32_t h = a < 0x38800000u ? subnormal : normal;
-  h = a >= 0x47800000u ? (a > 0x7f800000u ? 0x7e00u : 0x7c00u) : h;
-  return static_cast<uint16_t>(h | sign);
+  const uint32_t h = select(a < 0x38800000u, subnormal, normal);
+  const uint32_t special = select(a > 0x7f800000u, 0x7e00u, 0x7c00u);
+  return static_cast<uint16_t>(select(a >= 0x47800000u, special, h) | sign);
 }
 
 FASTDDP_HD uint16_t float_to_wire(WireKind kind, float v, bool stochastic, uint32_t r) {
   return kind == WireKind::kBf16 ? to_bf16(v, stochastic, r) : to_fp16(v, stochastic, r);
-}
-
-// Rounds v into the wire format; with a residual (error feedback), v already includes it and
-// the residual becomes what the rounding dropped. A non-finite result leaves the residual alone
-// so that one overflow does not poison every later step. Returns true for a non-finite result.
-FASTDDP_HD bool round_with_feedback(
-    WireKind kind, float v, uint16_t* out, float* residual, bool stochastic, uint32_t r) {
-  const uint16_t w = float_to_wire(kind, v, stochastic, r);
-  *out = w;
-  const bool bad = wire_nonfinite(kind, w);
-  if (residual != nullptr) {
-    const float dropped = sub(v, wire_to_float(kind, w));
-    *residual = bad ? *residual : dropped;
-  }
-  return bad;
 }
 
 // int8 block quantisation: scale = absmax / 127, q = round(v * 127 / absmax) in [-127, 127].
@@ -210,6 +176,52 @@ FASTDDP_HD int8_t quantize_int8(float v, float inverse, bool stochastic, uint32_
   }
   q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
   return static_cast<int8_t>(static_cast<int32_t>(q));
+}
+
+// How a rounding op (compress, sum_chunks, quantize_int8) treats its elements: with error
+// feedback when `feedback` (`residual` holds one fp32 per element), stochastically when
+// `stochastic` (random bits from `seed` and the element's index). The kernels fill it in at run
+// time; the CPU loops with compile-time constants, so that each of their instances is one loop
+// without a branch in it.
+struct Mode {
+  bool feedback;
+  float* residual;
+  bool stochastic;
+  uint64_t seed;
+};
+
+// The value element i is rounded from: x * scale, plus its residual under error feedback.
+FASTDDP_HD float rounding_input(const Mode& mode, float x, float scale, int64_t i) {
+  const float v = mul(x, scale);
+  return mode.feedback ? add(v, mode.residual[i]) : v;
+}
+
+FASTDDP_HD uint32_t random_for(const Mode& mode, int64_t i) {
+  return mode.stochastic ? random_bits(mode.seed, static_cast<uint64_t>(i)) : 0u;
+}
+
+// Rounds element i (v from rounding_input) into out[i]; under error feedback residual[i]
+// becomes what the rounding dropped, except where the result is inf or NaN: one overflow must
+// not poison every later step. Returns true for an inf or NaN result.
+FASTDDP_HD bool round_element(WireKind kind, const Mode& mode, float v, uint16_t* out, int64_t i) {
+  const uint16_t w = float_to_wire(kind, v, mode.stochastic, random_for(mode, i));
+  out[i] = w;
+  const bool bad = wire_nonfinite(kind, w);
+  if (mode.feedback) {
+    const float dropped = sub(v, wire_to_float(kind, w));
+    mode.residual[i] = float_of(select(bad, bits_of(mode.residual[i]), bits_of(dropped)));
+  }
+  return bad;
+}
+
+// Quantises element i (v from rounding_input) of a block whose absmax is finite; under error
+// feedback residual[i] becomes what the quantisation dropped.
+FASTDDP_HD int8_t quantize_element(const Mode& mode, float v, float inverse, float step, int64_t i) {
+  const int8_t q = quantize_int8(v, inverse, mode.stochastic, random_for(mode, i));
+  if (mode.feedback) {
+    mode.residual[i] = sub(v, mul(static_cast<float>(q), step));
+  }
+  return q;
 }
 
 }  // namespace fastddp::math

@@ -1,0 +1,127 @@
+// Every op's C++ entry, once for both backends: check the tensors (checks.h), gather the raw
+// arguments (layout.h), and hand them to a backend. A backend is built from the op's first
+// tensor (the CUDA one holds a device guard and torch's current stream) and has a `run` for
+// each argument struct. cpu/ops.cpp and cuda/ops.cu register these entries with
+// register_ops<TheirBackend>; the schemas are in csrc/fastddp.cpp.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+
+#include "fastddp/checks.h"
+#include "fastddp/layout.h"
+
+namespace fastddp::ops {
+
+using Tensor = at::Tensor;
+using OptionalTensor = std::optional<at::Tensor>;
+
+inline const uint16_t* wire_bits(const Tensor& t) {
+  return static_cast<const uint16_t*>(t.const_data_ptr());
+}
+
+inline uint16_t* mutable_wire_bits(const Tensor& t) {
+  return static_cast<uint16_t*>(t.data_ptr());
+}
+
+template <class Backend>
+void compress(
+    const Tensor& src, const Tensor& dst, double scale, const OptionalTensor& found_nonfinite,
+    const OptionalTensor& residual, int64_t seed) {
+  check_bucket_and_wire("compress", src, dst);
+  const Rounding rounding = rounding_of("compress", found_nonfinite, residual, seed, src);
+  Backend(src).run(CompressArgs{
+      {kind_of(dst), src.const_data_ptr<float>(), mutable_wire_bits(dst), src.numel(),
+       static_cast<float>(scale)},
+      rounding});
+}
+
+template <class Backend>
+void decompress(const Tensor& src, const Tensor& dst, double scale) {
+  check_bucket_and_wire("decompress", dst, src);
+  Backend(src).run(DecompressArgs{
+      kind_of(src), wire_bits(src), dst.data_ptr<float>(), src.numel(), static_cast<float>(scale)});
+}
+
+template <class Backend>
+void sum_chunks(
+    const Tensor& src, const Tensor& dst, double scale, const OptionalTensor& found_nonfinite,
+    const OptionalTensor& residual, int64_t seed) {
+  check_row_sum(
+      "sum_chunks", src, dst, src.scalar_type(),
+      "src and dst must both be float16 or both bfloat16");
+  const Rounding rounding = rounding_of("sum_chunks", found_nonfinite, residual, seed, dst);
+  Backend(src).run(SumChunksArgs{
+      {kind_of(src), wire_bits(src), src.size(0), src.size(1), mutable_wire_bits(dst),
+       static_cast<float>(scale)},
+      rounding});
+}
+
+template <class Backend>
+void widen_sum(const Tensor& src, const Tensor& dst, double scale) {
+  check_row_sum(
+      "widen_sum", src, dst, c10::ScalarType::Float,
+      "src must be float16 or bfloat16 and dst float32");
+  Backend(src).run(WidenSumArgs{
+      kind_of(src), wire_bits(src), src.size(0), src.size(1), dst.data_ptr<float>(),
+      static_cast<float>(scale)});
+}
+
+template <class Backend>
+void quantize_int8(
+    const Tensor& src, const Tensor& dst, const Tensor& scales, int64_t block, double scale,
+    const OptionalTensor& found_nonfinite, const OptionalTensor& residual, int64_t seed) {
+  const Int8Rows rows = int8_rows("quantize_int8", dst, scales, block);
+  check_flat_side("quantize_int8", src, dst, rows, block);
+  const Rounding rounding = rounding_of("quantize_int8", found_nonfinite, residual, seed, src);
+  Backend(src).run(QuantizeArgs{
+      src.const_data_ptr<float>(), dst.data_ptr<int8_t>(), scales.data_ptr<float>(),
+      src.numel(), block, rows, static_cast<float>(scale), rounding});
+}
+
+template <class Backend>
+void dequantize_int8(
+    const Tensor& src, const Tensor& scales, const Tensor& dst, int64_t block, double scale) {
+  TORCH_CHECK(
+      src.dim() == 2,
+      "fastddp.dequantize_int8: src must have shape [chunks, m] (one row per rank), got ",
+      src.sizes());
+  const Int8Rows rows = int8_rows("dequantize_int8", src, scales, block);
+  check_contiguous_fp32("dequantize_int8", "dst", dst);
+  check_same_device("dequantize_int8", "src", src, "dst", dst);
+  TORCH_CHECK(
+      dst.numel() == src.size(1),
+      "fastddp.dequantize_int8: dst has ", dst.numel(), " elements but each row has ",
+      src.size(1));
+  Backend(src).run(DequantizeArgs{
+      {src.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), block, rows},
+      dst.data_ptr<float>(), static_cast<float>(scale)});
+}
+
+template <class Backend>
+void unpack_int8(
+    const Tensor& src, const Tensor& scales, const Tensor& dst, int64_t block, double scale) {
+  const Int8Rows rows = int8_rows("unpack_int8", src, scales, block);
+  check_flat_side("unpack_int8", dst, src, rows, block);
+  Backend(src).run(UnpackArgs{
+      {src.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), block, rows},
+      dst.data_ptr<float>(), dst.numel(), static_cast<float>(scale)});
+}
+
+// Every op of the library on one backend:
+//   TORCH_LIBRARY_IMPL(fastddp, CPU, m) { ops::register_ops<CpuBackend>(m); }
+template <class Backend>
+void register_ops(torch::Library& m) {
+  m.impl("compress", &compress<Backend>);
+  m.impl("decompress", &decompress<Backend>);
+  m.impl("sum_chunks", &sum_chunks<Backend>);
+  m.impl("widen_sum", &widen_sum<Backend>);
+  m.impl("quantize_int8", &quantize_int8<Backend>);
+  m.impl("dequantize_int8", &dequantize_int8<Backend>);
+  m.impl("unpack_int8", &unpack_int8<Backend>);
+}
+
+}  // namespace fastddp::ops
