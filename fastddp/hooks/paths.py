@@ -59,10 +59,6 @@ class Path(ABC):
         """Bytes one rank sends in this path's collectives over a group of ``ranks`` ranks."""
         return 0
 
-    def issue(self, job: Any, group) -> dist.Work:
-        """Issue the first collective on the encoded wire buffer."""
-        raise NotImplementedError
-
     @abstractmethod
     def sent_bytes(self, slot: Slot, topo: Topology) -> int:
         """Bytes this rank sends for one reduction of ``slot``'s bucket."""
@@ -108,7 +104,8 @@ class AllReducePath(Path):
     def cross_bytes(self, slot, topo):
         return topo.ring_cross_bytes(slot.wire.numel(), slot.codec.wire_dtype.itemsize)
 
-    def issue(self, job, group):
+    def issue(self, job, group) -> dist.Work:
+        """Issue the first collective on the encoded wire buffer."""
         return dist.all_reduce(job.slot.wire.view(-1), group=group, async_op=True)
 
     def stage(self, job, i):
@@ -200,8 +197,8 @@ class HierarchicalPath(Path):
     Only the inner path's collectives leave the node, with 1/L of the bucket per rank.
     """
 
-    def __init__(self, inner: Path) -> None:
-        self.inner = inner
+    def __init__(self, inner: "AllReducePath | AllToAllPath") -> None:
+        self.inner = inner  # a flat compressing path: it issues its first collective itself
         self.name = f"hierarchical-{inner.name}"
         self.stages = inner.stages + 2
         self.roles = ("intra", *("cross",) * inner.stages, "intra")
