@@ -1,6 +1,6 @@
 """Count unclean exits of a trainer that keeps its DDP model alive past the process group.
 
-Runs ``tests/_keep_model_trainer.py`` under ``python -m fastddp.launch`` (2 ranks, Gloo) N
+Runs ``tests/launch/_keep_model_trainer.py`` under ``python -m fastddp.launch`` (2 ranks, Gloo) N
 times per mode and reports how many runs ended with a non-zero exit code or an abort message.
 
     .venv/bin/python benchmarks/exit_check.py --runs 50 --modes none bf16 bf16-acc int8-ef
@@ -16,7 +16,7 @@ import time
 import fastddp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAINER = os.path.join(ROOT, "tests", "_keep_model_trainer.py")
+TRAINER = os.path.join(ROOT, "tests", "launch", "_keep_model_trainer.py")
 
 
 def run_once(mode: str, port: int, timeout: float = 120.0) -> tuple[int, str]:

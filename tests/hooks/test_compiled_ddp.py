@@ -8,7 +8,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
 
-from ._dist import run_ranks
+from .._dist import run_ranks
 
 
 def _compiled_autograd():

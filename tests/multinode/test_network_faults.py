@@ -27,7 +27,7 @@ import torch
 
 from fastddp.testing import netns
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "resume.py"
 STEPS = ["--steps", "30", "--ckpt-every", "10"]
 

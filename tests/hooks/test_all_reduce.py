@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import fastddp
 
-from ._dist import run_ranks
+from .._dist import run_ranks
 
 
 def _tensors(rank, loud=1e3):

@@ -253,7 +253,7 @@ def _script(name, args, tmp_path):
         capture_output=True,
         text=True,
         timeout=240,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(out.read_text()), res.stdout
@@ -300,7 +300,7 @@ def test_soak_sees_no_growth_and_would_see_it(tmp_path):
             assert [r["step"] for r in result["records"]] == [100, 200, 300]
             assert result["records"][0]["allocations"] > 0 and not result["problems"]
     # The check itself: growth of each kind is reported.
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
     spec = importlib.util.spec_from_file_location("soak", path)
     soak = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(soak)

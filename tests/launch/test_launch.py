@@ -11,6 +11,7 @@ import pytest
 from ._netns import lonely_node, two_nodes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKER = os.path.join(HERE, "_ddp_worker.py")
 LAUNCH = [sys.executable, "-m", "fastddp.launch"]
 
@@ -39,7 +40,7 @@ _STRIP = (
 
 def _env(**extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith(_STRIP)}
-    env["PYTHONPATH"] = os.path.dirname(HERE) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

@@ -15,7 +15,7 @@ import pytest
 
 from fastddp.testing import netns
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_two_nodes_of_two_ranks_over_a_real_link(tmp_path):
@@ -24,7 +24,7 @@ def test_two_nodes_of_two_ranks_over_a_real_link(tmp_path):
         pytest.skip(why)
     out = tmp_path / "topology.json"
     cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "2", "--nproc-per-node", "2"]
-    cmd += ["--rate", "1gbit", "--timeout", "150", "tests/_topology_worker.py", str(out)]
+    cmd += ["--rate", "1gbit", "--timeout", "150", "tests/multinode/_topology_worker.py", str(out)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -132,7 +132,7 @@ def test_three_nodes_of_two_ranks_find_their_nodes_and_reduce():
     if why:
         pytest.skip(why)
     cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "3", "--nproc-per-node", "2"]
-    cmd += ["--rate", "1gbit", "--timeout", "150", "tests/_three_nodes_worker.py"]
+    cmd += ["--rate", "1gbit", "--timeout", "150", "tests/multinode/_three_nodes_worker.py"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     for name in ("bf16", "bf16-acc", "int8"):

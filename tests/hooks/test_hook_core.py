@@ -21,7 +21,7 @@ from fastddp.hooks import _reduce
 from fastddp.hooks.presets import preset
 from fastddp.hooks.topology import NODE_ENV
 
-from ._dist import run_ranks
+from .._dist import run_ranks
 
 # Presets whose reductions differ in their stages: the collective's 16-bit sum, the fp32 sum
 # (all-to-all and all-gather), and int8, each with error feedback where there is one.

@@ -10,8 +10,8 @@ from torch.distributed import ReduceOp
 from fastddp.bench.fsdp import AllToAllReduceScatter
 from fastddp.fsdp import CompressedReduceScatter
 
+from .._dist import run_ranks
 from . import _fsdp_worker
-from ._dist import run_ranks
 from .test_fsdp import _TOL, _expected, _relative
 
 pytestmark = [

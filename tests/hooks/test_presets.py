@@ -12,7 +12,7 @@ import fastddp
 from fastddp.bench import cli
 from fastddp.hooks.presets import PRESETS, preset
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # What a state holds for a setting a preset leaves out.
 DEFAULTS = {"accumulate_dtype": None, "error_feedback": False, "stochastic_rounding": False}
 

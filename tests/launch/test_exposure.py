@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = """
 import time, fastddp
 with fastddp.distributed_session() as env:

@@ -17,8 +17,8 @@ import fastddp.fsdp
 from fastddp import ops
 from fastddp.fsdp import CompressedReduceScatter, compress_reduce_scatter
 
+from .._dist import run_ranks
 from . import _fsdp_worker
-from ._dist import run_ranks
 
 WIRES = (torch.bfloat16, torch.float16, torch.int8)
 # torch 2.13 renamed reduce_scatter_tensor (now deprecated); older releases have only that.
@@ -189,7 +189,7 @@ def test_bad_settings_are_refused():
 
 
 def test_example_trains_with_the_compressed_reduce_scatter():
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     res = subprocess.run(
         [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2",

@@ -14,7 +14,7 @@ import fastddp
 from fastddp.hooks.presets import PRESETS, preset
 from fastddp.hooks.topology import NODE_ENV
 
-from ._dist import run_ranks
+from .._dist import run_ranks
 from .test_hook_core import _ddp, _grads, _Net
 
 pytestmark = [

@@ -8,7 +8,7 @@ import fastddp
 from fastddp import ops
 from fastddp.cluster import ClusterError
 
-from ._dist import run_ranks
+from .._dist import run_ranks
 
 pytestmark = [
     pytest.mark.cuda,

@@ -18,7 +18,7 @@ import fastddp
 from fastddp.hooks.presets import preset
 from fastddp.hooks.topology import NODE_ENV
 
-from ._dist import run_ranks
+from .._dist import run_ranks
 from .test_hook_core import _collectives_per_bucket, _ddp, _Net
 
 # The presets of each codec and summation, and how far each may be from plain DDP (relative

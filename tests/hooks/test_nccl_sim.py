@@ -26,7 +26,7 @@ from fastddp.hooks.presets import PRESETS, preset
 from fastddp.hooks.topology import NODE_ENV
 from fastddp.testing import nccl_sim
 
-from ._dist import run_ranks
+from .._dist import run_ranks
 
 pytestmark = [pytest.mark.nccl_sim, pytest.mark.multiproc, pytest.mark.timeout(300)]
 

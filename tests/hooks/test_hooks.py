@@ -15,7 +15,7 @@ from fastddp.bench.models import mlp
 from fastddp.hooks import _reduce
 from fastddp.hooks.presets import PRESETS, preset
 
-from ._dist import run_ranks
+from .._dist import run_ranks
 
 # Odd parameter sizes, so that every bucket has an odd length.
 IN, HIDDEN, OUT = 36, 53, 5
