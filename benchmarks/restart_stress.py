@@ -1,10 +1,12 @@
 """Run every restart case many times under fastddp.launch and plain torchrun; count outcomes.
 
     python benchmarks/restart_stress.py --runs 50 --multi-node-runs 20 \\
-        --launchers fastddp torchrun --json benchmarks/restart_stress.json
+        --launchers fastddp torchrun --torchrun-runs 5 --json benchmarks/results/restart_stress.json
 
 Cases are :data:`fastddp.testing.restarts.CASES` (``--cases`` keeps those whose name contains
-one of the given strings). Launchers alternate run by run, so that both see the same machine.
+one of the given strings). Launchers alternate run by run, so that both see the same machine;
+``--torchrun-runs`` keeps torchrun to the first rounds, since its hung runs cost the whole
+``--timeout`` each.
 Prints a table of finished / failed / wrong / hung and the median seconds per case and
 launcher; the JSON is rewritten after every run, so an interrupted sweep keeps what it did.
 The two-node cases need root (network namespaces) and are left out without it.
@@ -30,12 +32,13 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=50, help="runs per one-node case")
     p.add_argument("--multi-node-runs", type=int, default=20, help="runs per two-node case")
     p.add_argument("--launchers", nargs="+", choices=list(LAUNCHERS), default=["fastddp"])
+    p.add_argument("--torchrun-runs", type=int, help="torchrun only in the first N rounds")
     p.add_argument("--cases", nargs="*", default=[], help="substrings of case names to keep")
     p.add_argument("--timeout", type=float, default=150.0, help="seconds before a run is hung")
     p.add_argument("--json", type=Path, help="write the counts and every failure here")
     args = p.parse_args(argv)
-    if args.runs < 0 or args.multi_node_runs < 0:
-        p.error("--runs and --multi-node-runs must be 0 or more")
+    if args.runs < 0 or args.multi_node_runs < 0 or (args.torchrun_runs or 0) < 0:
+        p.error("--runs, --multi-node-runs and --torchrun-runs must be 0 or more")
     return args
 
 
@@ -60,6 +63,7 @@ def main(argv=None) -> int:
     seconds: dict = defaultdict(list)
     failures: list = []
     refs = {}
+    torchrun_runs = args.torchrun_runs if args.torchrun_runs is not None else float("inf")
     started = time.time()
     for run in range(max(args.runs, args.multi_node_runs)):
         for case in cases:
@@ -68,6 +72,8 @@ def main(argv=None) -> int:
             if case.nodes not in refs:
                 refs[case.nodes] = reference(case, work)
             for launcher in args.launchers:
+                if launcher == "torchrun" and run >= torchrun_runs:
+                    continue
                 out = run_case(case, launcher, refs[case.nodes], work, timeout=args.timeout)
                 row = counts.setdefault((case.name, launcher), dict.fromkeys(STATUSES, 0))
                 row[out.status] += 1
@@ -81,7 +87,8 @@ def main(argv=None) -> int:
                                      "errors": tail})  # fmt: skip
         if args.json:
             rows = [{"case": n, "launcher": la, **row,
-                     "median_s": statistics.median(seconds[n, la])}
+                     "median_s": statistics.median(seconds[n, la]),
+                     "seconds": [round(t, 2) for t in seconds[n, la]]}
                     for (n, la), row in counts.items()]  # fmt: skip
             report = {"started": started, "runs_done": run + 1, "rows": rows,
                       "failures": failures}  # fmt: skip
