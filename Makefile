@@ -82,7 +82,7 @@ bench: build
 
 # Every restart case of fastddp.testing.restarts, many times (README, "Restarts"); add
 # --launchers fastddp torchrun for plain torchrun's column.
-STRESS_ARGS ?= --runs 50 --multi-node-runs 20 --json benchmarks/restart_stress.json
+STRESS_ARGS ?= --runs 50 --multi-node-runs 20 --json benchmarks/results/restart_stress.json
 stress-restart: build
 	$(BIN)/python benchmarks/restart_stress.py $(STRESS_ARGS)
 

@@ -13,7 +13,8 @@ error is the relative L2 distance to the fp64 average. The presets with error fe
 feedback buys over time (the single-step error of a rounding cannot go below one rounding of
 the result). FSDP2's reduce-scatter rows are named as in ``python -m fastddp.bench fsdp``.
 
-    python benchmarks/accuracy.py --json benchmarks/accuracy.json --plot benchmarks/accuracy.png
+    python benchmarks/accuracy.py --json benchmarks/results/accuracy.json \\
+        --plot benchmarks/results/accuracy.png
     python benchmarks/accuracy.py --worlds 8 --nodes 4   # 4 nodes x 2 ranks, flat and 2-level
 """
 

@@ -7,8 +7,8 @@ fp32 DDP, and fastddp's hook with the presets ``bf16``, ``bf16-acc`` (bf16 summe
 scale per 16384 elements). The final loss is the mean over the last 20 steps, and the
 evaluation loss is on a held-out set after training.
 
-    python benchmarks/convergence.py --json benchmarks/convergence.json \\
-        --plot benchmarks/convergence.png
+    python benchmarks/convergence.py --json benchmarks/results/convergence.json \\
+        --plot benchmarks/results/convergence.png
 """
 
 import argparse

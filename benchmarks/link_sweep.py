@@ -5,8 +5,8 @@ joined by links of that rate, plus once on loopback (two local ranks, no rate li
 tabulates each method's step time relative to fp32 at the same rate. Every ratio comes from
 one run, so the methods at a rate share the machine's state.
 
-    python benchmarks/link_sweep.py --json benchmarks/link_sweep.json \\
-        --plot benchmarks/link_sweep.png
+    python benchmarks/link_sweep.py --json benchmarks/results/link_sweep.json \\
+        --plot benchmarks/results/link_sweep.png
 """
 
 import argparse

@@ -7,7 +7,7 @@ and threads must stay equal, and resident memory may not rise more than ``--rss-
 above its lowest record so far (it moves by a few MB from record to record). Rank 0 prints the
 records; the exit status is 1 if any rank saw growth.
 
-    python benchmarks/soak.py --steps 2000 --every 200 --json benchmarks/soak.json
+    python benchmarks/soak.py --steps 2000 --every 200 --json benchmarks/results/soak.json
 """
 
 import argparse
