@@ -14,6 +14,8 @@ import fastddp
 from fastddp.bench import allreduce
 from fastddp.testing import netns
 
+pytestmark = pytest.mark.multiproc
+
 BENCH = [sys.executable, "-m", "fastddp.bench"]
 
 
@@ -194,6 +196,7 @@ def test_demo_refuses_bad_options():
     assert res.returncode == 2 and "--steps must be at least 1" in res.stderr
 
 
+@pytest.mark.netns
 def test_allreduce_over_a_two_node_link(tmp_path):
     why = netns.unavailable_reason()
     if why:
@@ -223,6 +226,7 @@ def test_allreduce_over_a_two_node_link(tmp_path):
     assert "2 nodes" in res.stdout
 
 
+@pytest.mark.netns
 def test_ddp_over_two_nodes_of_two_ranks_flat_and_hierarchical(tmp_path):
     why = netns.unavailable_reason()
     if why:

@@ -88,6 +88,7 @@ def _direct(rank, world):
         comm(out, torch.randn(world * 8, 2)[:, 0], dist.group.WORLD, ReduceOp.SUM)
 
 
+@pytest.mark.multiproc
 def test_reduce_scatter_bit_for_bit_on_three_ranks():
     run_ranks(_direct, 3, timeout=120)
 
@@ -110,6 +111,7 @@ def _accuracy(rank, world):
     assert ours_err < 0.75 * theirs_err, (ours_err, theirs_err)
 
 
+@pytest.mark.multiproc
 def test_reduce_scatter_more_accurate_than_a_bf16_reduce_scatter():
     run_ranks(_accuracy, 4, timeout=120)
 
@@ -156,6 +158,7 @@ def _fsdp_two(rank, world):
     _check_fsdp_run(rank, ref, torch.bfloat16, reduce_dtype=torch.bfloat16)
 
 
+@pytest.mark.multiproc
 def test_fsdp2_two_ranks_matches_default_reduce_scatter():
     run_ranks(_fsdp_two, 2, timeout=240)
 
@@ -166,6 +169,7 @@ def _fsdp_four(rank, world):
         _check_fsdp_run(rank, ref, wire)
 
 
+@pytest.mark.multiproc
 def test_fsdp2_four_ranks_matches_default_reduce_scatter():
     run_ranks(_fsdp_four, 4, timeout=240)
 
@@ -188,6 +192,7 @@ def test_bad_settings_are_refused():
     assert "int8" in repr(fastddp.fsdp.CompressedReduceScatter(torch.int8))
 
 
+@pytest.mark.multiproc
 def test_example_trains_with_the_compressed_reduce_scatter():
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

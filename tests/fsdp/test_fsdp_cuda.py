@@ -15,6 +15,7 @@ from . import _fsdp_worker
 from .test_fsdp import _TOL, _expected, _relative
 
 pytestmark = [
+    pytest.mark.multiproc,
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]

@@ -8,6 +8,8 @@ import fastddp
 
 from .._dist import run_ranks
 
+pytestmark = pytest.mark.multiproc
+
 
 def _tensors(rank, loud=1e3):
     g = torch.Generator().manual_seed(rank)

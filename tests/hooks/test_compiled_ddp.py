@@ -10,6 +10,8 @@ import fastddp
 
 from .._dist import run_ranks
 
+pytestmark = pytest.mark.multiproc
+
 
 def _compiled_autograd():
     try:

@@ -49,6 +49,7 @@ def _collectives_per_bucket(rank, world, settings, expected):
     assert count == expected, f"{count} collectives for one bucket"
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize(
     "mode, expected",
     [("bf16", 1), ("bf16-acc-ef", 2), ("int8-ef", 2)],
@@ -132,6 +133,7 @@ def _two_models_one_state(rank, world, settings):
     assert len(state.stats()["buckets"]) >= 6
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("mode", [None, "bf16-acc-ef", "int8-ef"])
 @_needs_bucket_caps
 def test_two_models_share_one_state(mode):
@@ -168,6 +170,7 @@ def _hooks_that_bypass_the_pipeline(rank, world, settings):
         assert state.stats()["calls"] > 0
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("mode", ["bf16-acc-ef", "int8-ef"])
 @_needs_bucket_caps
 def test_hooks_that_skip_or_wait_on_buckets_do_not_hang(mode):
@@ -191,6 +194,7 @@ def _stale_pending(rank, world):
     torch.testing.assert_close(fut3.wait(), torch.full((100,), 0.5))
 
 
+@pytest.mark.multiproc
 def test_stale_pending_work_is_finished_with_a_warning():
     run_ranks(_stale_pending, 2)
 
@@ -219,6 +223,7 @@ def _local_failure(rank, world):
         torch.testing.assert_close(fut.wait(), torch.full((300,), 1.5), rtol=0, atol=0.02)
 
 
+@pytest.mark.multiproc
 def test_a_rank_local_failure_still_issues_pending_collectives():
     run_ranks(_local_failure, 2, timeout=60)
 
@@ -260,6 +265,7 @@ def _resume_across_layouts(rank, world, settings, nodes=None):
         assert torch.equal(p, w), f"resumed run differs by {(p - w).abs().max().item():.3e}"
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("mode", ["bf16-acc-ef"])
 @pytest.mark.parametrize("nodes", [None, (0, 0, 1, 1)], ids=["flat", "two-nodes"])
 @_needs_bucket_caps
@@ -300,6 +306,7 @@ def _wrong_checkpoints(rank, world):
         _step(model, gen, width=20)
 
 
+@pytest.mark.multiproc
 def test_checkpoints_of_another_rank_or_model_are_refused():
     run_ranks(_wrong_checkpoints, 2, timeout=120)
 
@@ -325,6 +332,7 @@ def _completion_thread(rank, world, settings):
     assert seen == {threading.get_ident()}, f"completed on threads {seen}"
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("mode", MODES)
 def test_futures_complete_on_the_hook_thread(mode):
     run_ranks(_completion_thread, 2, preset(mode))
@@ -376,6 +384,7 @@ def _train_phase(rank, world, settings, steps, path, resume):
         torch.save({"states": everyone, "delivered": delivered}, path)
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("mode", ["bf16-acc-ef", "int8-ef"])
 @pytest.mark.parametrize("worlds", [(4, 2), (2, 3)])
 def test_residuals_resharded_to_another_world_size_are_not_lost(mode, worlds, tmp_path):
@@ -415,6 +424,7 @@ def _load_unresharded(rank, world, settings, path):
     assert "CompressState.reshard(saved, 2)" in str(info.value)
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("mode", ["bf16", "int8-ef"])
 def test_a_state_of_another_world_size_needs_reshard_only_with_residuals(mode, tmp_path):
     run_ranks(_train_phase, 4, preset(mode), range(2), tmp_path / "a.pt", None, timeout=120)

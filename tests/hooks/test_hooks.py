@@ -127,12 +127,14 @@ MODES.update({
 })  # fmt: skip
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_matches_plain_ddp(world, mode):
     run_ranks(_matches_plain_ddp, world, MODES[mode], True, False)
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("as_view,static_graph", [(False, False), (True, True), (False, True)])
 @pytest.mark.parametrize("mode", ["bf16", "bf16-acc", "int8-ef+sr"])
 def test_matches_plain_ddp_bucket_modes(mode, as_view, static_graph):
@@ -169,6 +171,7 @@ def _default_state_and_no_sync(rank, world, settings):
     assert per_step[1] == per_step[2] <= len(list(base.parameters())), per_step
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("mode", [None, "bf16-acc", "int8-ef+sr"])
 def test_default_state_and_no_sync(mode):
     run_ranks(_default_state_and_no_sync, 3, None if mode is None else MODES[mode])
@@ -206,6 +209,7 @@ def _fp16_overflow(rank, world):
     assert state.stats()["nonfinite_events"] == events
 
 
+@pytest.mark.multiproc
 def test_fp16_overflow_propagates_inf_and_is_counted():
     run_ranks(_fp16_overflow, 2)
 
@@ -234,6 +238,7 @@ def _sixteen_bit_and_float64(rank, world):
         _backward(model, x, y.double())
 
 
+@pytest.mark.multiproc
 def test_16bit_buckets_pass_through_and_float64_is_refused():
     run_ranks(_sixteen_bit_and_float64, 2)
 
@@ -256,6 +261,7 @@ def _empty_and_direct(rank, world):
     assert state.stats()["allocations"] == 3
 
 
+@pytest.mark.multiproc
 def test_empty_and_odd_buffers():
     run_ranks(_empty_and_direct, 2)
 
@@ -313,6 +319,7 @@ def _mismatched_settings(rank, world):
     assert "rank 2: dtype=bfloat16, accumulate_dtype=float32" in text
 
 
+@pytest.mark.multiproc
 def test_mismatched_settings_fail_on_every_rank():
     run_ranks(_mismatched_settings, 3)
 
@@ -375,6 +382,7 @@ def _resume(rank, world, settings, exact):
 # follow their parameters. 16-bit rounding to nearest is element-wise, so that resume is exact.
 # int8 blocks and stochastic rounding's random numbers depend on the layout: those resume with
 # their residuals in place, and differ from the uninterrupted run only in that step's rounding.
+@pytest.mark.multiproc
 @pytest.mark.parametrize(
     "mode, exact",
     [
@@ -406,6 +414,7 @@ def _large_int8_bucket(rank, world):
     assert 0 < state._table.slots[("i", 0)].residual.abs().max() <= x.abs().max() / 127
 
 
+@pytest.mark.multiproc
 def test_int8_sends_a_quarter_of_fp32_bytes():
     run_ranks(_large_int8_bucket, 3)
 
@@ -422,6 +431,7 @@ def _registration_errors(rank, world):
         DDP(frozen)
 
 
+@pytest.mark.multiproc
 def test_registering_twice_and_a_model_without_gradients():
     # Both refused by DDP itself, before fastddp's hook could run; listed in the README table.
     run_ranks(_registration_errors, 2)

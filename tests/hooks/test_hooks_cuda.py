@@ -18,6 +18,7 @@ from .._dist import run_ranks
 from .test_hook_core import _ddp, _grads, _Net
 
 pytestmark = [
+    pytest.mark.multiproc,
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]

@@ -21,6 +21,7 @@ def _run(cmd, tmp_path, timeout=240):
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.multiproc
 def test_lightning_fit_runs_the_hook_on_cpu(tmp_path):
     pytest.importorskip("lightning")
     ranks = _run([sys.executable, str(SCRIPT), "fastddp", str(tmp_path)], tmp_path)
@@ -33,6 +34,7 @@ def test_lightning_fit_runs_the_hook_on_cpu(tmp_path):
     assert ranks[0]["checksum"] == ranks[1]["checksum"]  # the ranks stayed in step
 
 
+@pytest.mark.multiproc
 def test_lightning_own_argument_skips_the_hook_on_cpu(tmp_path):
     # Why FastDDPStrategy exists: DDPStrategy(ddp_comm_hook=...) is silently ignored on CPU.
     pytest.importorskip("lightning")
@@ -50,6 +52,7 @@ def test_fastddp_strategy_refuses_hook_arguments():
         FastDDPStrategy(state={"dtype": "fp16"})
 
 
+@pytest.mark.multiproc
 def test_accelerate_prepared_model_runs_the_hook(tmp_path):
     pytest.importorskip("accelerate")
     launch = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]

@@ -21,6 +21,8 @@ from fastddp.hooks.topology import NODE_ENV
 from .._dist import run_ranks
 from .test_hook_core import _collectives_per_bucket, _ddp, _Net
 
+pytestmark = pytest.mark.multiproc
+
 # The presets of each codec and summation, and how far each may be from plain DDP (relative
 # to the largest gradient).
 TOLERANCES = {"bf16": 2**-7, "fp16": 2**-10, "bf16-acc": 2**-7, "int8": 2**-5}

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,6 +83,7 @@ def test_the_helper_sees_a_store_listening_everywhere():
     del store
 
 
+@pytest.mark.multiproc
 def test_standalone_listens_on_loopback_only(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)

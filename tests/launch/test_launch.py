@@ -10,6 +10,8 @@ import pytest
 
 from ._netns import lonely_node, two_nodes
 
+pytestmark = pytest.mark.multiproc
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKER = os.path.join(HERE, "_ddp_worker.py")

@@ -31,9 +31,13 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "resume.py"
 STEPS = ["--steps", "30", "--ckpt-every", "10"]
 
-pytestmark = pytest.mark.skipif(
-    bool(netns.unavailable_reason()), reason=netns.unavailable_reason() or "namespaces"
-)
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.multiproc,
+    pytest.mark.skipif(
+        bool(netns.unavailable_reason()), reason=netns.unavailable_reason() or "namespaces"
+    ),
+]
 
 
 class _Launchers:

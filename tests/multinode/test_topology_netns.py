@@ -15,6 +15,8 @@ import pytest
 
 from fastddp.testing import netns
 
+pytestmark = [pytest.mark.netns, pytest.mark.multiproc]
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
