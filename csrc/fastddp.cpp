@@ -44,6 +44,19 @@ TORCH_LIBRARY(fastddp, m) {
   // rows that may lie apart, as may the rows of `scales`), end to end, into the fp32 `dst`.
   m.def(
       "unpack_int8(Tensor src, Tensor scales, Tensor(a!) dst, int block_size, float scale) -> ()");
+  // The int8 ops for 4- and 2-bit codes (`bits`), packed 8 / bits to a byte of the uint8 `dst`
+  // / `src` (code j of a byte in bits [j * bits, (j + 1) * bits), two's complement), with one
+  // fp32 scale (absmax / 7 or / 1) per block; block_size is a multiple of 8 / bits.
+  m.def(
+      "quantize_packed(Tensor src, Tensor(a!) dst, Tensor(b!) scales, int bits, int block_size, "
+      "float scale, Tensor(c!)? found_nonfinite=None, Tensor(d!)? residual=None, int seed=-1) "
+      "-> ()");
+  m.def(
+      "dequantize_packed(Tensor src, Tensor scales, Tensor(a!) dst, int bits, int block_size, "
+      "float scale) -> ()");
+  m.def(
+      "unpack_packed(Tensor src, Tensor scales, Tensor(a!) dst, int bits, int block_size, "
+      "float scale) -> ()");
 }
 
 extern "C" {

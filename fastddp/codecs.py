@@ -7,7 +7,8 @@ per destination rank (``P = 1`` when the collective sums the payload itself). Ro
 data the codec needs, so that one collective moves each row with its side data:
 
 - ``float16`` / ``bfloat16``: the 16-bit values, nothing else;
-- ``int8``: ``[int8 values, padded to 4 bytes | one fp32 absmax scale per block]``.
+- ``int8``: ``[int8 values, padded to 4 bytes | one fp32 absmax scale per block]``;
+- ``int4`` / ``int2``: the same with the codes packed two or four to a byte (a uint8 wire).
 
 Adding a codec is one class here, one entry in :data:`CODECS`, and its kernels in
 :mod:`fastddp.ops`; the users of codecs never look inside a row.
@@ -16,13 +17,23 @@ Adding a codec is one class here, one entry in :data:`CODECS`, and its kernels i
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Optional
+from functools import partial
+from typing import Callable, Optional
 
 import torch
 
 from fastddp import ops
 
-__all__ = ["CODECS", "Blocks", "Codec", "HalfCodec", "Int8Codec", "checked_block_size", "codec_for"]
+__all__ = [
+    "CODECS",
+    "Blocks",
+    "Codec",
+    "HalfCodec",
+    "Int8Codec",
+    "PackedCodec",
+    "checked_block_size",
+    "codec_for",
+]
 
 # Hook shards start at multiples of this many elements: 16-byte aligned for every wire dtype.
 _ALIGN = 16
@@ -35,6 +46,7 @@ class Blocks:
     default: int
     low: int
     high: int
+    power_of_two: bool = False  # packed codecs: a block holds whole bytes
 
 
 class Codec(ABC):
@@ -165,13 +177,61 @@ class Int8Codec(Codec):
         ops.unpack_int8(values, scales, dst, self.block_size)
 
 
+class PackedCodec(Int8Codec):
+    """int4 or int2: codes in ``[-7, 7]`` or ``[-1, 1]`` packed ``8 / bits`` to a byte, one fp32
+    absmax scale per block of each row; always summed in fp32."""
+
+    wire_dtype = torch.uint8
+
+    def __init__(self, bits: int, block_size: int) -> None:
+        super().__init__(block_size)
+        self.bits = bits
+        self.name = f"int{bits}"
+        self.code = CODECS[torch.int4 if bits == 4 else torch.int2].code
+
+    def _bytes(self, shard: int) -> int:
+        return -(-shard * self.bits // 8)
+
+    def row_elems(self, shard: int) -> int:
+        return -(-self._bytes(shard) // 4) * 4 + 4 * -(-shard // self.block_size)
+
+    def _split(self, rows: torch.Tensor, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = rows.view(-1, rows.shape[-1])
+        nbytes = self._bytes(shard)
+        return rows[:, :nbytes], rows[:, -(-nbytes // 4) * 4 :].view(torch.float32)
+
+    def encode(self, src, rows, shard, scale=1.0, flag=None, residual=None, seed=-1) -> None:
+        values, scales = self._split(rows, shard)
+        bits, block = self.bits, self.block_size
+        if shard % block == 0 or values.shape[0] == 1:
+            ops.quantize_packed(src, values, scales, bits, block, scale, flag, residual, seed)
+            return
+        for r in range(values.shape[0]):  # a block may not straddle two rows
+            piece = slice(r * shard, min((r + 1) * shard, src.numel()))
+            if piece.start >= piece.stop:
+                break
+            n = piece.stop - piece.start
+            extra = None if residual is None else residual[piece]
+            q, sc = values[r, : self._bytes(n)], scales[r, : -(-n // block)]
+            ops.quantize_packed(src[piece], q, sc, bits, block, scale, flag, extra, seed)
+
+    def sum_into(self, rows, shard, dst, scale=1.0) -> None:
+        values, scales = self._split(rows, shard)
+        ops.dequantize_packed(values, scales, dst, self.bits, self.block_size, scale)
+
+    def decode(self, rows, shard, dst) -> None:
+        values, scales = self._split(rows, shard)
+        ops.unpack_packed(values, scales, dst, self.bits, self.block_size)
+
+
 @dataclass(frozen=True)
 class _Entry:
     code: int  # sent in the cross-rank settings check; never reuse one
     bits: int  # bits per value on the wire, side data aside
     blocks: Optional[Blocks]  # block sizes of a block-scaled codec; None: no blocks
     error_feedback: bool  # whether it needs error feedback to train as well as fp32
-    make: type
+    make: Callable[..., Codec]  # (dtype) for a codec without blocks, else (block_size)
+    feedback_required: bool = False  # refused without it: rounding drops most of a gradient
 
 
 # The codecs, by wire dtype.
@@ -179,6 +239,8 @@ CODECS: dict[torch.dtype, _Entry] = {
     torch.float16: _Entry(1, 16, None, False, HalfCodec),
     torch.bfloat16: _Entry(2, 16, None, False, HalfCodec),
     torch.int8: _Entry(3, 8, Blocks(default=128, low=1, high=1 << 20), True, Int8Codec),
+    torch.int4: _Entry(4, 4, Blocks(128, 32, 256, True), True, partial(PackedCodec, 4)),
+    torch.int2: _Entry(5, 2, Blocks(128, 32, 256, True), True, partial(PackedCodec, 2), True),
 }
 
 
@@ -207,6 +269,10 @@ def checked_block_size(where: str, dtype: torch.dtype, block_size) -> Optional[i
     if not blocks.low <= block_size <= blocks.high:
         raise ValueError(
             f"{where}: block_size must be between {blocks.low} and {blocks.high}, got {block_size}"
+        )
+    if blocks.power_of_two and block_size & (block_size - 1):
+        raise ValueError(
+            f"{where}: block_size must be a power of two for dtype={dtype}, got {block_size}"
         )
     return block_size
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from fastddp.codecs import codec_for
+from fastddp.codecs import CODECS, codec_for
 
 try:  # FSDP2's comm interfaces (torch >= 2.9 have set_custom_reduce_scatter)
     from torch.distributed.fsdp import FSDPModule
@@ -46,9 +46,11 @@ class CompressedReduceScatter(ReduceScatter):
 
     Args:
         dtype (torch.dtype): on the wire: ``torch.bfloat16`` (default), ``torch.float16``
-            (values beyond 65504 after the scaling become inf) or ``torch.int8`` (one fp32
-            absmax scale per ``block_size`` elements of each rank's chunk).
-        block_size (int, optional): int8 only: elements per scale (default 128).
+            (values beyond 65504 after the scaling become inf), ``torch.int8`` or
+            ``torch.int4`` (one fp32 absmax scale per ``block_size`` elements of each rank's
+            chunk). ``torch.int2`` is refused: it needs error feedback.
+        block_size (int, optional): int8 and int4 only: elements per scale (default 128; int4:
+            a power of two from 32 to 256).
 
     Buffers (wire out, wire in, and for 16-bit inputs of another wire dtype an fp32 staging
     buffer) are kept and reused; they grow to the largest parameter group and never shrink.
@@ -64,6 +66,11 @@ class CompressedReduceScatter(ReduceScatter):
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16, *, block_size: Optional[int] = None):
         self.codec = codec_for(dtype, block_size, "CompressedReduceScatter")
+        if CODECS[dtype].feedback_required:
+            raise ValueError(
+                f"CompressedReduceScatter: dtype={dtype} trains only with error feedback, which "
+                "FSDP2's reduce-scatter does not keep; use torch.int4 or torch.int8"
+            )
         self.dtype = dtype
         self.block_size = self.codec.block_size
         self._buffers: dict[tuple[str, torch.device], torch.Tensor] = {}

@@ -10,9 +10,12 @@ __all__ = [
     "compress",
     "decompress",
     "dequantize_int8",
+    "dequantize_packed",
     "quantize_int8",
+    "quantize_packed",
     "sum_chunks",
     "unpack_int8",
+    "unpack_packed",
     "widen_sum",
 ]
 
@@ -246,4 +249,59 @@ unpack_int8 = _dequantizing_op(
 def _unpack_int8_fake(src, scales, dst, block_size, scale):
     torch._check(src.dtype == torch.int8, lambda: "fastddp.unpack_int8: src must be int8")
     torch._check(dst.numel() <= src.numel(), lambda: "fastddp.unpack_int8: too long")
+    return None
+
+
+def quantize_packed(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    block_size: int,
+    scale: float = 1.0,
+    found_nonfinite: Optional[torch.Tensor] = None,
+    residual: Optional[torch.Tensor] = None,
+    seed: int = -1,
+) -> None:
+    """:func:`quantize_int8` for ``bits`` = 4 or 2: codes in ``[-7, 7]`` or ``[-1, 1]``
+    (``scales[b] = absmax / 7`` or ``absmax``), packed ``8 / bits`` to a byte of the uint8
+    ``dst``, code ``j`` of a byte in bits ``[j * bits, (j + 1) * bits)``, two's complement.
+
+    ``dst`` is 1-D with ``ceil(n * bits / 8)`` bytes, or ``[R, m]`` rows of ``m * 8 / bits``
+    codes; ``block_size`` is a multiple of ``8 / bits``, so that a block holds whole bytes.
+    """
+    torch.ops.fastddp.quantize_packed.default(
+        src, dst, scales, bits, block_size, scale, found_nonfinite, residual, seed
+    )
+
+
+@torch.library.register_fake("fastddp::quantize_packed")
+def _quantize_packed_fake(
+    src, dst, scales, bits, block_size, scale, found_nonfinite=None, residual=None, seed=-1
+):
+    torch._check(dst.dtype == torch.uint8, lambda: "fastddp.quantize_packed: dst must be uint8")
+    torch._check(bits in (4, 2), lambda: "fastddp.quantize_packed: bits must be 4 or 2")
+    return None
+
+
+def dequantize_packed(src, scales, dst, bits: int, block_size: int, scale: float = 1.0) -> None:
+    """:func:`dequantize_int8` for the packed codes of :func:`quantize_packed`: ``src`` is
+    ``[chunks, ceil(m * bits / 8)]`` bytes, ``dst`` the ``m`` fp32 sums."""
+    torch.ops.fastddp.dequantize_packed.default(src, scales, dst, bits, block_size, scale)
+
+
+def unpack_packed(src, scales, dst, bits: int, block_size: int, scale: float = 1.0) -> None:
+    """:func:`unpack_int8` for the packed codes of :func:`quantize_packed`."""
+    torch.ops.fastddp.unpack_packed.default(src, scales, dst, bits, block_size, scale)
+
+
+@torch.library.register_fake("fastddp::dequantize_packed")
+def _dequantize_packed_fake(src, scales, dst, bits, block_size, scale):
+    torch._check(src.dim() == 2, lambda: "fastddp.dequantize_packed: src must be [chunks, bytes]")
+    return None
+
+
+@torch.library.register_fake("fastddp::unpack_packed")
+def _unpack_packed_fake(src, scales, dst, bits, block_size, scale):
+    torch._check(src.dtype == torch.uint8, lambda: "fastddp.unpack_packed: src must be uint8")
     return None

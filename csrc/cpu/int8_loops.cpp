@@ -102,6 +102,9 @@ FASTDDP_CLONES void unpack_loop(
 }  // namespace
 
 bool run(const QuantizeArgs& a, int64_t first_block, int64_t last_block) {
+  if (a.bits != 8) {
+    return run_packed(a, first_block, last_block);
+  }
   const math::Mode mode = a.rounding.mode();
   return with_mode(mode, [&](auto feedback, auto stochastic) {
     return quantize_loop<decltype(feedback)::value, decltype(stochastic)::value>(
@@ -111,11 +114,17 @@ bool run(const QuantizeArgs& a, int64_t first_block, int64_t last_block) {
 }
 
 bool run(const DequantizeArgs& a, int64_t begin, int64_t end) {
+  if (a.src.bits != 8) {
+    return run_packed(a, begin, end);
+  }
   dequantize_loop(a.src.q, a.src.scales, a.src.block, a.src.rows, a.dst, begin, end, a.scale);
   return false;
 }
 
 bool run(const UnpackArgs& a, int64_t begin, int64_t end) {
+  if (a.src.bits != 8) {
+    return run_packed(a, begin, end);
+  }
   unpack_loop(a.src.q, a.src.scales, a.src.block, a.src.rows, a.dst, begin, end, a.scale);
   return false;
 }

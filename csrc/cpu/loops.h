@@ -1,6 +1,7 @@
 // The CPU loops of the ops, over the raw arguments of fastddp/layout.h and free of torch
 // headers, so that they compile fast and can carry per-ISA clones. wire_loops.cpp has the
-// 16-bit ops, int8_loops.cpp the int8 ones; cpu/ops.cpp splits their work across threads.
+// 16-bit ops, int8_loops.cpp the int8 ones, packed_loops.cpp int4 and int2; cpu/ops.cpp splits
+// their work across threads.
 //
 // Each `run` handles the items [begin, end) of its op (elements, or int8 blocks for
 // quantize_int8), so that the caller can split the work; random numbers are drawn by absolute
@@ -60,5 +61,10 @@ bool run(const WidenSumArgs& a, int64_t begin, int64_t end);
 bool run(const QuantizeArgs& a, int64_t first_block, int64_t last_block);
 bool run(const DequantizeArgs& a, int64_t begin, int64_t end);
 bool run(const UnpackArgs& a, int64_t begin, int64_t end);
+
+// The int4 and int2 loops (packed_loops.cpp), which the int8 ops' `run` hands bits < 8 to.
+bool run_packed(const QuantizeArgs& a, int64_t first_block, int64_t last_block);
+bool run_packed(const DequantizeArgs& a, int64_t begin, int64_t end);
+bool run_packed(const UnpackArgs& a, int64_t begin, int64_t end);
 
 }  // namespace fastddp::cpu

@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "kernels.cuh"
+#include "packed_kernels.cuh"
 
 namespace fastddp::kernels {
 
@@ -90,32 +91,59 @@ void run(Rt& rt, const WidenSumArgs& a) {
   }
 }
 
+// The instance of a packed kernel for 4 or 2 bits (int8 has kernels of its own).
+template <class Kernel>
+Kernel for_bits(int bits, Kernel four, Kernel two) {
+  return bits == 4 ? four : two;
+}
+
+// quantize: one warp per block of elements, kThreads / 32 blocks per CUDA block.
 template <class Rt>
 void run(Rt& rt, const QuantizeArgs& a) {
   const Rounding& r = a.rounding;
-  if (start(rt, a.n, r.flag)) {
-    // One warp per block of elements: kThreads / 32 int8 blocks per CUDA block.
-    rt.launch(quantize_int8_kernel, grid_for(blocks_of(a.n, a.block) * 32, rt.sms()), a.src,
-              a.dst, a.scales, r.residual, a.n, a.block, a.rows, a.scale, r.seed, r.flag);
+  if (!start(rt, a.n, r.flag)) {
+    return;
   }
+  const int grid = grid_for(blocks_of(a.n, a.block) * 32, rt.sms());
+  if (a.bits == 8) {
+    rt.launch(quantize_int8_kernel, grid, a.src, a.dst, a.scales, r.residual, a.n, a.block,
+              a.rows, a.scale, r.seed, r.flag);
+    return;
+  }
+  rt.launch(for_bits(a.bits, quantize_packed_kernel<4>, quantize_packed_kernel<2>), grid, a.src,
+            reinterpret_cast<uint8_t*>(a.dst), a.scales, r.residual, a.n, a.block, a.rows,
+            a.scale, r.seed, r.flag);
 }
 
 template <class Rt>
 void run(Rt& rt, const DequantizeArgs& a) {
   const Int8Source& s = a.src;
-  if (start(rt, s.rows.row_len)) {
-    rt.launch(dequantize_int8_kernel, grid_for(s.rows.row_len, rt.sms()), s.q, s.scales, s.block,
-              s.rows, a.dst, a.scale);
+  if (!start(rt, s.rows.row_len)) {
+    return;
   }
+  const int grid = grid_for(s.rows.row_len, rt.sms());
+  if (s.bits == 8) {
+    rt.launch(dequantize_int8_kernel, grid, s.q, s.scales, s.block, s.rows, a.dst, a.scale);
+    return;
+  }
+  rt.launch(for_bits(s.bits, dequantize_packed_kernel<4>, dequantize_packed_kernel<2>), grid,
+            reinterpret_cast<const uint8_t*>(s.q), s.scales, s.block, s.rows, a.dst, a.scale);
 }
 
 template <class Rt>
 void run(Rt& rt, const UnpackArgs& a) {
   const Int8Source& s = a.src;
-  if (start(rt, a.n)) {
-    rt.launch(unpack_int8_kernel, grid_for(a.n, rt.sms()), s.q, s.scales, a.n, s.block, s.rows,
-              a.dst, a.scale);
+  if (!start(rt, a.n)) {
+    return;
   }
+  const int grid = grid_for(a.n, rt.sms());
+  if (s.bits == 8) {
+    rt.launch(unpack_int8_kernel, grid, s.q, s.scales, a.n, s.block, s.rows, a.dst, a.scale);
+    return;
+  }
+  rt.launch(for_bits(s.bits, unpack_packed_kernel<4>, unpack_packed_kernel<2>), grid,
+            reinterpret_cast<const uint8_t*>(s.q), s.scales, a.n, s.block, s.rows, a.dst,
+            a.scale);
 }
 
 }  // namespace fastddp::kernels

@@ -115,4 +115,27 @@ const char* fastddp_emu_unpack_int8(const int8_t* in, const float* scales, int64
   return run(UnpackArgs{{in, scales, block, rows_of(rows)}, out, n, scale});
 }
 
+// The packed ops: `bits` 4 or 2; `out` / `in` are the codes' bytes.
+const char* fastddp_emu_quantize_packed(int bits, const float* in, uint8_t* out, float* scales,
+                                        float* residual, int64_t n, int64_t block,
+                                        const int64_t* rows, float scale, int64_t seed,
+                                        int* flag) {
+  return run(QuantizeArgs{in, reinterpret_cast<int8_t*>(out), scales, n, block, rows_of(rows),
+                          scale, {residual, seed, flag}, bits});
+}
+
+const char* fastddp_emu_dequantize_packed(int bits, const uint8_t* in, const float* scales,
+                                          int64_t block, const int64_t* rows, float* out,
+                                          float scale) {
+  const Int8Source src{reinterpret_cast<const int8_t*>(in), scales, block, rows_of(rows), bits};
+  return run(DequantizeArgs{src, out, scale});
+}
+
+const char* fastddp_emu_unpack_packed(int bits, const uint8_t* in, const float* scales,
+                                      int64_t n, int64_t block, const int64_t* rows, float* out,
+                                      float scale) {
+  const Int8Source src{reinterpret_cast<const int8_t*>(in), scales, block, rows_of(rows), bits};
+  return run(UnpackArgs{src, out, n, scale});
+}
+
 }  // extern "C"

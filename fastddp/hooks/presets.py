@@ -2,7 +2,8 @@
 
 A name says what travels on the wire and how it is summed: ``bf16`` lets the collective sum
 bf16 payloads (rounding at every hop); ``-acc`` sums the payloads in fp32 (one rounding however
-many ranks); ``-ef`` adds error feedback. int8 is always summed in fp32. Benchmarks, tests,
+many ranks); ``-ef`` adds error feedback. int8, int4 and int2 are always summed in fp32
+(int4 and int2 are for slow links; int2 trains only with error feedback). Benchmarks, tests,
 examples and docs take mode names from here; benchmark modes are these names prefixed with
 ``fastddp-`` (next to ``fp32``, ``torch-fp16``, ``powersgd-r1``, ...).
 """
@@ -24,6 +25,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "bf16-acc-ef": {"dtype": torch.bfloat16, **_ACC, **_EF},
     "int8": {"dtype": torch.int8},
     "int8-ef": {"dtype": torch.int8, **_EF},
+    "int4-ef": {"dtype": torch.int4, **_EF},
+    "int2-ef": {"dtype": torch.int2, **_EF},
 }
 
 

@@ -52,6 +52,12 @@ def checked(
     ):
         if not isinstance(value, bool):
             raise TypeError(f"{_WHERE}: {name} must be True or False, got {value!r}")
+    if CODECS[dtype].feedback_required and not error_feedback:
+        raise ValueError(
+            f"{_WHERE}: dtype={dtype} rounds most of a gradient to zero (codes -1, 0, 1) and "
+            "trains only with error feedback; pass error_feedback=True (preset "
+            f"'{str(dtype).removeprefix('torch.')}-ef')"
+        )
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"{_WHERE}: seed must be an int, got {seed!r}")
     if topology not in TOPOLOGIES:

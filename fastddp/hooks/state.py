@@ -33,19 +33,22 @@ class CompressState:
             exponent range, so nothing overflows), ``torch.float16`` (3 more mantissa bits;
             values above 65504 after the division by world size become inf and are counted), or
             ``torch.int8`` (a quarter of fp32's bytes plus one fp32 scale per ``block_size``
-            elements; always summed in fp32).
+            elements; always summed in fp32), ``torch.int4`` (codes -7..7, two to a byte) or
+            ``torch.int2`` (codes -1, 0, 1, four to a byte; only with ``error_feedback``), for
+            slow links.
         process_group (ProcessGroup, optional): the group to reduce over; ``None`` is the
             default group.
         accumulate_dtype (torch.dtype, optional): ``torch.float32`` sums the 16-bit payloads in
             fp32 (all-to-all, fused fp32 sum, all-gather: one rounding however many ranks);
             ``None`` (default for fp16/bf16) lets the collective sum in 16 bits, rounding at
-            every hop. int8 always accumulates in fp32.
+            every hop. int8, int4 and int2 always accumulate in fp32.
         error_feedback (bool): keep what each rounding dropped and add it to the next step's
             gradient (per bucket, on the bucket's device; saved by :meth:`state_dict`).
         stochastic_rounding (bool): round up or down at random, with probabilities that make
             the rounding unbiased.
-        block_size (int, optional): int8 only: elements per absmax scale (default 128, so the
-            scales add 1/32 to the int8 bytes).
+        block_size (int, optional): int8, int4 and int2: elements per absmax scale (default
+            128, so the scales add 1/4 bit per element; int4 and int2: a power of two from 32
+            to 256).
         seed (int): seed of the stochastic rounding (mixed with rank, bucket and step).
         topology (str): ``"auto"`` (default) reduces in two levels when the group spans
             several nodes and a node has several ranks, and flat otherwise; ``"flat"`` treats

@@ -92,13 +92,28 @@ def _rows(q: torch.Tensor, scales: torch.Tensor, block: int):
     return (ctypes.c_int64 * 4)(rows, m, q_stride, s_stride)
 
 
+def _packed_rows(q: torch.Tensor, scales: torch.Tensor, block: int, row_len: int):
+    """The packed layout the C++ checks compute (``packed_rows`` in checks.h), as 4 int64."""
+    rows = 1 if q.dim() == 1 else q.size(0)
+    nbytes = q.numel() if q.dim() == 1 else q.size(1)
+    nb = -(-row_len // block)
+    q_stride = nbytes if q.dim() == 1 or q.is_contiguous() else q.stride(0)
+    s_stride = nb if scales.is_contiguous() else scales.stride(0)
+    return (ctypes.c_int64 * 4)(rows, row_len, q_stride, s_stride)
+
+
+def _packed_row_len(q: torch.Tensor, n: int, bits: int) -> int:
+    return n if q.dim() == 1 else q.size(1) * (8 // bits)
+
+
 class Emu:
     """The ops of :mod:`fastddp.ops`, run by the CUDA backend's code on the emulator."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
         for name in ("compress", "decompress", "sum_chunks", "widen_sum", "quantize_int8",
-                     "dequantize_int8", "unpack_int8"):  # fmt: skip
+                     "dequantize_int8", "unpack_int8", "quantize_packed", "dequantize_packed",
+                     "unpack_packed"):  # fmt: skip
             getattr(lib, f"fastddp_emu_{name}").restype = ctypes.c_char_p
         lib.fastddp_emu_configure.argtypes = [ctypes.c_int, ctypes.c_uint64]
 
@@ -152,3 +167,20 @@ class Emu:
         self._call("unpack_int8", self._ptr(src), self._ptr(scales), dst.numel(),
                    int(block_size), _rows(src, scales, block_size), self._ptr(dst),
                    float(scale))  # fmt: skip
+
+    def quantize_packed(self, src, dst, scales, bits, block_size, scale=1.0,
+                        found_nonfinite=None, residual=None, seed=-1):  # fmt: skip
+        rows = _packed_rows(dst, scales, block_size, _packed_row_len(dst, src.numel(), bits))
+        self._call("quantize_packed", ctypes.c_int(bits), self._ptr(src), self._ptr(dst),
+                   self._ptr(scales), self._ptr(residual), src.numel(), int(block_size), rows,
+                   float(scale), int(seed), self._ptr(found_nonfinite))  # fmt: skip
+
+    def dequantize_packed(self, src, scales, dst, bits, block_size, scale=1.0):
+        rows = _packed_rows(src, scales, block_size, dst.numel())
+        self._call("dequantize_packed", ctypes.c_int(bits), self._ptr(src), self._ptr(scales),
+                   int(block_size), rows, self._ptr(dst), float(scale))  # fmt: skip
+
+    def unpack_packed(self, src, scales, dst, bits, block_size, scale=1.0):
+        rows = _packed_rows(src, scales, block_size, _packed_row_len(src, dst.numel(), bits))
+        self._call("unpack_packed", ctypes.c_int(bits), self._ptr(src), self._ptr(scales),
+                   dst.numel(), int(block_size), rows, self._ptr(dst), float(scale))  # fmt: skip

@@ -212,6 +212,65 @@ def check_unpack_int8(emu: Emu, n: int, block: int, rows: int) -> None:
     _same(f"unpack_int8 n={n} block={block} rows={rows}", *outs)
 
 
+def _packed_layout(n: int, bits: int, block: int, rows: int):
+    """uint8 and scales buffers for ``n`` packed codes in ``rows`` rows spaced apart."""
+    per = 8 // bits
+    per_row = -(-n // rows)
+    m = n if rows == 1 else -(-per_row // block) * block  # whole blocks per row
+    nbytes, nb = -(-m // per), -(-m // block)
+    qw = torch.full((rows * (nbytes + 16) + 2 * _CANARY,), 93, dtype=torch.uint8)
+    sw = torch.full((rows * (nb + 16) + 2 * _CANARY,), 93.0)
+    q = qw[_CANARY : _CANARY + rows * (nbytes + 16)].view(rows, nbytes + 16)[:, :nbytes]
+    s = sw[_CANARY : _CANARY + rows * (nb + 16)].view(rows, nb + 16)[:, :nb]
+    return (q[0], s[0], qw, sw) if rows == 1 else (q, s, qw, sw)
+
+
+def check_quantize_packed(emu: Emu, bits: int, n: int, block: int, variant: str, rows=1) -> None:
+    """quantize_packed as :func:`check_quantize_int8`, for ``bits`` 4 or 2."""
+    src = _data(n, n, special=False)
+    residual = _data(n, n + 3) * 1e-3 if "ef" in variant else None
+    seed = 99 + n if "sr" in variant else -1
+    outs = []
+    for run in (ops.quantize_packed, emu.quantize_packed):
+        q, s, qw, sw = _packed_layout(n, bits, block, rows)
+        r = residual.clone() if residual is not None else None
+        f = torch.zeros(1, dtype=torch.int32)
+        run(src.clone(), q, s, bits, block, 0.5, f, r, seed)
+        outs.append((qw, sw, r, f))
+    what = f"quantize_packed bits={bits} n={n} block={block} {variant} rows={rows}"
+    for k, part in enumerate(("values", "scales", "residual", "flag")):
+        if outs[0][k] is not None:
+            _same(f"{what} {part}", outs[0][k], outs[1][k])
+
+
+def _random_codes(q: torch.Tensor, s: torch.Tensor, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    q.copy_(torch.randint(0, 256, q.shape, generator=gen, dtype=torch.uint8))
+    s.copy_(torch.rand(s.shape, generator=gen))
+
+
+def check_dequantize_packed(emu: Emu, bits: int, m: int, block: int, chunks: int) -> None:
+    q, s, _, _ = _packed_layout(chunks * m, bits, block, chunks)
+    _random_codes(q, s, m)
+    outs = []
+    for run in (ops.dequantize_packed, emu.dequantize_packed):
+        d, whole = _buffer(m, torch.float32, False)
+        run(q, s, d, bits, block, 0.5)
+        outs.append(whole)
+    _same(f"dequantize_packed bits={bits} m={m} block={block} chunks={chunks}", *outs)
+
+
+def check_unpack_packed(emu: Emu, bits: int, n: int, block: int, rows: int) -> None:
+    q, s, _, _ = _packed_layout(n, bits, block, rows)
+    _random_codes(q, s, n)
+    outs = []
+    for run in (ops.unpack_packed, emu.unpack_packed):
+        d, whole = _buffer(n, torch.float32, False)
+        run(q, s, d, bits, block, 2.0)
+        outs.append(whole)
+    _same(f"unpack_packed bits={bits} n={n} block={block} rows={rows}", *outs)
+
+
 WIRES = (torch.bfloat16, torch.float16)
 
 # (name, function, argument tuples) for a quick sweep: every op and variant, a few sizes.
@@ -232,6 +291,13 @@ CHECKS = [
                                                for m in (3 * THREADS + b,)]),
     ("unpack_int8", check_unpack_int8, [(3 * THREADS + 7, b, r) for b in (32, 100)
                                         for r in (1, 3)]),
+    ("quantize_packed", check_quantize_packed,
+     [(bits, n, b, v, r) for bits in (4, 2) for b in (32, 128) for v in ("plain", "ef", "sr")
+      for r in (1, 3) for n in (3 * 64 * b + 5,)]),
+    ("dequantize_packed", check_dequantize_packed,
+     [(bits, 3 * THREADS + b, b, 3) for bits in (4, 2) for b in (32, 128)]),
+    ("unpack_packed", check_unpack_packed,
+     [(bits, 3 * THREADS + 7, b, r) for bits in (4, 2) for b in (32, 128) for r in (1, 3)]),
 ]  # fmt: skip
 
 

@@ -20,7 +20,8 @@ from fastddp.fsdp import CompressedReduceScatter, compress_reduce_scatter
 from .._dist import run_ranks
 from . import _fsdp_worker
 
-WIRES = (torch.bfloat16, torch.float16, torch.int8)
+WIRES = (torch.bfloat16, torch.float16, torch.int8, torch.int4)
+_BLOCKED = (torch.int8, torch.int4)
 # torch 2.13 renamed reduce_scatter_tensor (now deprecated); older releases have only that.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -31,17 +32,25 @@ def _expected(inputs, rank, chunk, wire, in_dtype, scale, block):
     acc = None
     for x in inputs:
         piece = x[rank * chunk : (rank + 1) * chunk]
-        if wire == torch.int8:
-            q = torch.empty(chunk, dtype=torch.int8)
+        if wire in _BLOCKED:
+            # The codes times their block's scale, by the ops the codecs use.
             s = torch.empty(-(-chunk // block))
-            ops.quantize_int8(piece.float(), q, s, block, scale)
-            value = q.float() * s.repeat_interleave(block)[:chunk]
+            codes = torch.empty(chunk)
+            if wire == torch.int8:
+                q = torch.empty(chunk, dtype=torch.int8)
+                ops.quantize_int8(piece.float(), q, s, block, scale)
+                codes = q.float()
+            else:
+                q = torch.empty(-(-chunk // 2), dtype=torch.uint8)
+                ops.quantize_packed(piece.float(), q, s, 4, block, scale)
+                ops.unpack_packed(q, torch.ones_like(s), codes, 4, block)
+            value = codes * s.repeat_interleave(block)[:chunk]
         elif in_dtype == wire:
             value = piece.float()  # sent as it is; scaled after the sum
         else:
             value = (piece.float() * scale).to(wire).float()
         acc = value if acc is None else acc + value
-    if in_dtype == wire and wire != torch.int8:
+    if in_dtype == wire and wire not in _BLOCKED:
         acc = acc * scale
     return acc.to(in_dtype)
 
@@ -50,7 +59,7 @@ def _direct(rank, world):
     gen = torch.Generator().manual_seed(rank)
     ops_ = [(ReduceOp.SUM, 1.0), (ReduceOp.AVG, 1.0 / world), (ReduceOp.PREMUL_SUM(0.3), 0.3)]
     for wire in WIRES:
-        comm = CompressedReduceScatter(wire, block_size=64 if wire == torch.int8 else None)
+        comm = CompressedReduceScatter(wire, block_size=64 if wire in _BLOCKED else None)
         # 128 = two int8 blocks (one quantize call for all ranks); 1000 and 7 are not.
         for chunk in (128, 1000, 7):
             for in_dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -176,15 +185,18 @@ def test_fsdp2_four_ranks_matches_default_reduce_scatter():
 
 def test_bad_settings_are_refused():
     with pytest.raises(
-        ValueError, match="dtype must be torch.float16, torch.bfloat16 or torch.int8"
+        ValueError,
+        match="dtype must be torch.float16, torch.bfloat16, torch.int8, torch.int4 or torch.int2",
     ):
         CompressedReduceScatter(torch.float32)
-    with pytest.raises(ValueError, match="int8 only"):
+    with pytest.raises(ValueError, match="torch.int2 only"):
         CompressedReduceScatter(torch.bfloat16, block_size=64)
     with pytest.raises(ValueError, match="between 1 and"):
         CompressedReduceScatter(torch.int8, block_size=0)
     with pytest.raises(TypeError, match="must be an int"):
         CompressedReduceScatter(torch.int8, block_size=2.0)
+    with pytest.raises(ValueError, match="FSDP2's reduce-scatter does not keep; use torch.int4"):
+        CompressedReduceScatter(torch.int2)
     with pytest.raises(ValueError, match="call torch.distributed.fsdp.fully_shard"):
         compress_reduce_scatter(nn.Linear(2, 2))
     with pytest.raises(TypeError, match="nn.Module"):

@@ -115,7 +115,7 @@ def _bad_input(rank, world):
         (lambda: fastddp.all_reduce(torch.ones(3), bucket_cap_mb=0), "bucket_cap_mb must be"),
         (
             lambda: fastddp.all_reduce(torch.ones(3), dtype=torch.float64),
-            "dtype must be torch.float16, torch.bfloat16 or torch.int8",
+            "dtype must be torch.float16, torch.bfloat16, torch.int8, torch.int4 or torch.int2",
         ),
     ]
     group = dist.new_group([0, 1])

@@ -10,6 +10,7 @@ import torch
 
 import fastddp
 from fastddp.bench import cli
+from fastddp.codecs import CODECS
 from fastddp.hooks.presets import PRESETS, preset
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,15 +22,16 @@ DEFAULTS = {"accumulate_dtype": None, "error_feedback": False, "stochastic_round
 def test_each_preset_builds_the_state_its_table_row_says(name):
     state = fastddp.CompressState.from_preset(name)
     want = {**DEFAULTS, **PRESETS[name]}
-    if want["dtype"] == torch.int8:
-        want["accumulate_dtype"] = torch.float32  # int8 is always summed in fp32
+    if CODECS[want["dtype"]].blocks is not None:
+        want["accumulate_dtype"] = torch.float32  # block-scaled codes are summed in fp32
     for key, value in want.items():
         assert getattr(state, key) == value, (name, key)
     assert state.process_group is None and state.topology == "auto"
     # The name says it: -acc sums in fp32, -ef keeps residuals, the rest is the wire dtype.
-    assert (state.accumulate_dtype == torch.float32) == ("-acc" in name or "int8" in name)
+    assert (state.accumulate_dtype == torch.float32) == ("-acc" in name or name.startswith("int"))
     assert state.error_feedback == name.endswith("-ef")
     wire = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
+    wire.update({"int4": torch.int4, "int2": torch.int2})
     assert state.dtype == wire[name[:4]]
 
 
@@ -41,7 +43,7 @@ def test_overrides_go_on_top_of_the_preset():
     state = fastddp.CompressState.from_preset("bf16-acc-ef", None, error_feedback=False)
     assert (state.accumulate_dtype, state.error_feedback) == (torch.float32, False)
     # Overrides are checked like any setting.
-    with pytest.raises(ValueError, match="block_size applies to dtype=torch.int8 only"):
+    with pytest.raises(ValueError, match="block_size applies to dtype=torch.int8, torch.int4 or"):
         fastddp.CompressState.from_preset("bf16", block_size=64)
 
 

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.multiproc
 
 # The presets of each codec and summation, and how far each may be from plain DDP (relative
 # to the largest gradient).
-TOLERANCES = {"bf16": 2**-7, "fp16": 2**-10, "bf16-acc": 2**-7, "int8": 2**-5}
+TOLERANCES = {"bf16": 2**-7, "fp16": 2**-10, "bf16-acc": 2**-7, "int8": 2**-5, "int4-ef": 2**-1}
 
 
 def _on_node(node_of_rank, rank):
@@ -81,7 +81,7 @@ def _parity(rank, world, node_of_rank, codec, topology, want_path):
 
 @pytest.mark.parametrize("codec", list(TOLERANCES))
 def test_two_nodes_of_two_ranks_match_plain_ddp(codec):
-    inner = "alltoall" if codec in ("bf16-acc", "int8") else "allreduce"
+    inner = "allreduce" if codec in ("bf16", "fp16") else "alltoall"
     run_ranks(_parity, 4, [0, 0, 1, 1], codec, "auto", f"hierarchical-{inner}")
 
 
@@ -95,7 +95,9 @@ def _two_level_collectives(rank, world, codec, expected):
     _collectives_per_bucket(rank, world, {**preset(codec), "topology": "hierarchical"}, expected)
 
 
-@pytest.mark.parametrize("codec, expected", [("bf16", 3), ("bf16-acc", 4), ("int8", 4)])
+@pytest.mark.parametrize(
+    "codec, expected", [("bf16", 3), ("bf16-acc", 4), ("int8", 4), ("int4-ef", 4), ("int2-ef", 4)]
+)
 def test_two_level_collectives_per_bucket(codec, expected):
     # In the node: all-to-all, all-gather; across: the codec's one all-reduce or two.
     run_ranks(_two_level_collectives, 4, codec, expected)
@@ -215,7 +217,7 @@ def _nothing_lost(rank, world, settings, topologies):
         assert lost <= 1e-5 * e.abs().max().item(), f"{lost:.3e} lost under {used}"
 
 
-@pytest.mark.parametrize("mode", ["bf16-acc-ef", "int8-ef"])
+@pytest.mark.parametrize("mode", ["bf16-acc-ef", "int8-ef", "int4-ef", "int2-ef"])
 @pytest.mark.parametrize(
     "topologies",
     [("hierarchical", "hierarchical"), ("hierarchical", "flat"), ("flat", "hierarchical")],

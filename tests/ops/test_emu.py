@@ -22,6 +22,7 @@ from fastddp.testing.emu_cases import (
     check_compress,
     check_decompress,
     check_quantize_int8,
+    check_quantize_packed,
     check_sum_chunks,
     sizes,
 )
@@ -71,6 +72,13 @@ def test_int8_block_sizes(emu, block):
             check_quantize_int8(emu, n, block, "ef-sr", rows=1)
 
 
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("block", [32, 64, 256])
+def test_packed_block_sizes_and_short_last_bytes(emu, bits, block):
+    for n in (1, 2, 3, block - 1, block + 1, 3 * 64 * block + 3):
+        check_quantize_packed(emu, bits, n, block, "ef-sr", rows=1)
+
+
 def test_thread_and_block_order_do_not_change_the_bits():
     results = []
     src = torch.randn(3 * 2048 * 8 + 5, generator=torch.Generator().manual_seed(0))
@@ -103,6 +111,13 @@ DEFECTS = [
     ("__syncthreads_or replaced by the thread's own flag", "cuda/kernels.cuh",
      "if (flag != nullptr && __syncthreads_or(bad) && threadIdx.x == 0) {",
      "if (flag != nullptr && bad && threadIdx.x == 0) {", "compress"),
+    ("the codes of a packed byte in reverse order", "cuda/packed_kernels.cuh",
+     "byte |= pack_code(math::quantize_element(mode, v, inverse, step, i, qmax), kBits, j);",
+     "byte |= pack_code(math::quantize_element(mode, v, inverse, step, i, qmax), kBits, "
+     "kPer - 1 - j);", "quantize_packed"),
+    ("the last byte of a packed row left out", "cuda/packed_kernels.cuh",
+     "const int64_t end_byte = (hi - row_first + kPer - 1) / kPer;",
+     "const int64_t end_byte = (hi - row_first) / kPer;", "quantize_packed"),
     ("a vector load at an offset that is not a multiple of its width", "cuda/launch.h",
      "const bool vec = aligned16(a.src) && aligned16(a.dst);", "const bool vec = true;",
      "compress"),

@@ -192,4 +192,68 @@ inline void check_flat_side(
       rows.row_len);
 }
 
+// The layout of packed int4/int2 codes `q` (uint8, 8 / bits codes a byte; 1-D: one row, or
+// [rows, bytes] with rows that may lie apart) holding `row_len` codes a row, and of its fp32
+// `scales`. A block holds whole bytes.
+inline Int8Rows packed_rows(
+    const char* op, const at::Tensor& q, const at::Tensor& scales, int64_t block, int64_t bits,
+    int64_t row_len) {
+  TORCH_CHECK(
+      bits == 4 || bits == 2,
+      "fastddp.", op, ": bits must be 4 or 2, got ", bits, "; int8 codes use the int8 ops");
+  check_block_size(op, block);
+  const int64_t per = 8 / bits;
+  TORCH_CHECK(
+      block % per == 0,
+      "fastddp.", op, ": block_size must be a multiple of ", per, " for ", bits,
+      "-bit codes (a block holds whole bytes), got ", block);
+  TORCH_CHECK(
+      q.scalar_type() == c10::ScalarType::Byte,
+      "fastddp.", op, ": the packed tensor must be uint8, got ", q.scalar_type());
+  TORCH_CHECK(
+      scales.scalar_type() == c10::ScalarType::Float,
+      "fastddp.", op, ": scales must be float32, got ", scales.scalar_type());
+  check_same_device(op, "the packed tensor", q, "scales", scales);
+  TORCH_CHECK(
+      q.dim() == 1 || q.dim() == 2,
+      "fastddp.", op, ": the packed tensor must be 1-D or [rows, bytes], got ", q.sizes());
+  const int64_t rows = q.dim() == 1 ? 1 : q.size(0);
+  const int64_t bytes = q.dim() == 1 ? q.numel() : q.size(1);
+  TORCH_CHECK(
+      bytes == (row_len + per - 1) / per,
+      "fastddp.", op, ": ", row_len, " codes of ", bits, " bits take ", (row_len + per - 1) / per,
+      " bytes a row, but the packed tensor has ", bytes);
+  const int64_t q_stride =
+      q.dim() == 1 ? (q.is_contiguous() ? bytes : -1) : row_stride(q, rows, bytes);
+  TORCH_CHECK(
+      q_stride >= 0,
+      "fastddp.", op, ": each row of the packed tensor must be contiguous (rows may be spaced "
+      "apart); call .contiguous() first");
+  const int64_t nb = blocks_of(row_len, block);
+  const int64_t s_stride = row_stride(scales, rows, nb);
+  TORCH_CHECK(
+      s_stride >= 0,
+      "fastddp.", op, ": ", rows, " row(s) of ", row_len, " codes need ", rows * nb,
+      " scales (one per block of ", block, "), got ", scales.numel(), " shaped ", scales.sizes(),
+      " (each row's scales contiguous)");
+  return {rows, row_len, q_stride, s_stride};
+}
+
+// The flat fp32 side of a packed layout: `values` spread over the rows in order; several rows
+// must hold whole blocks.
+inline void check_packed_flat_side(
+    const char* op, const at::Tensor& values, const at::Tensor& q, const Int8Rows& rows,
+    int64_t block) {
+  check_contiguous_fp32(op, "the fp32 tensor", values);
+  check_same_device(op, "the fp32 tensor", values, "the packed tensor", q);
+  TORCH_CHECK(
+      rows.rows <= 1 || rows.row_len % block == 0,
+      "fastddp.", op, ": rows of ", rows.row_len, " codes do not hold whole blocks of ", block,
+      "; make the row length a multiple of block_size");
+  TORCH_CHECK(
+      values.numel() <= rows.rows * rows.row_len,
+      "fastddp.", op, ": ", values.numel(), " elements do not fit in ", rows.rows, " row(s) of ",
+      rows.row_len);
+}
+
 }  // namespace fastddp

@@ -9,10 +9,12 @@
 
 namespace fastddp {
 
-// Where int8 values and their scales lie. A flat sequence of elements is cut into `rows` rows
-// of `row_len` elements; row r starts at q + r * q_stride, and its scales (one per block of
+// Where integer codes and their scales lie. A flat sequence of elements is cut into `rows` rows
+// of `row_len` elements; row r starts at byte q + r * q_stride, and its scales (one per block of
 // `block` elements) at scales + r * s_stride. The rows of a tensor may be spaced apart, so that
-// each rank's int8 chunk and its scales can sit side by side in one byte buffer.
+// each rank's chunk and its scales can sit side by side in one byte buffer. int8 codes take a
+// byte each; int4 and int2 codes are packed 8 / bits to a byte (see pack_code), and then a row of
+// several holds whole blocks and a block whole bytes.
 struct Int8Rows {
   int64_t rows;
   int64_t row_len;
@@ -39,6 +41,24 @@ FASTDDP_HD Int8Block int8_block(
   const int64_t row = lo / rows.row_len;
   return {lo, lo + block < n ? lo + block : n, q + row * (rows.q_stride - rows.row_len),
           scales + row * (rows.s_stride - blocks_of(rows.row_len, block))};
+}
+
+// Packed codes: code j of a byte sits in bits [j * bits, (j + 1) * bits), two's complement.
+FASTDDP_HD int codes_per_byte(int bits) {
+  return 8 / bits;
+}
+
+FASTDDP_HD float code_max(int bits) {
+  return static_cast<float>((1 << (bits - 1)) - 1);  // 127, 7, 1
+}
+
+FASTDDP_HD uint32_t pack_code(int8_t q, int bits, int j) {
+  return (static_cast<uint32_t>(q) & ((1u << bits) - 1u)) << (j * bits);
+}
+
+FASTDDP_HD int32_t unpack_code(uint8_t byte, int bits, int j) {
+  const int32_t v = (byte >> (j * bits)) & ((1 << bits) - 1);
+  return v - ((v & (1 << (bits - 1))) << 1);  // sign-extend
 }
 
 // The arguments of each op (csrc/fastddp.cpp has the schemas) as raw pointers and lengths.
@@ -95,8 +115,9 @@ struct SumChunksArgs : RowSumArgs<uint16_t> {
 
 using WidenSumArgs = RowSumArgs<float>;
 
-// quantize_int8: n fp32 values, times scale, to int8 laid out in `rows`, with one fp32 scale
-// (absmax / 127) per block of `block` values.
+// quantize_int8 and quantize_packed: n fp32 values, times scale, to codes of `bits` bits laid
+// out in `rows` (for bits < 8, dst is their bytes), with one fp32 scale (absmax / code_max)
+// per block of `block` values.
 struct QuantizeArgs {
   const float* src;
   int8_t* dst;
@@ -106,15 +127,17 @@ struct QuantizeArgs {
   Int8Rows rows;
   float scale;
   Rounding rounding;
+  int bits = 8;
 };
 
-// What dequantize_int8 and unpack_int8 read: int8 values laid out in `rows`, and one fp32
-// scale per block of `block` values.
+// What dequantize_int8/_packed and unpack_int8/_packed read: codes of `bits` bits laid out in
+// `rows`, and one fp32 scale per block of `block` values.
 struct Int8Source {
   const int8_t* q;
   const float* scales;
   int64_t block;
   Int8Rows rows;
+  int bits = 8;
 };
 
 // dequantize_int8: the rows (rows.rows of rows.row_len values) dequantised and summed per

@@ -111,6 +111,58 @@ void unpack_int8(
       dst.data_ptr<float>(), dst.numel(), static_cast<float>(scale)});
 }
 
+// 1-D packed tensors hold the flat side's `n` codes; [rows, bytes] ones 8 / bits codes a byte.
+inline int64_t packed_row_len(const Tensor& q, int64_t n, int64_t bits) {
+  return q.dim() == 1 ? n : q.size(1) * (8 / bits);
+}
+
+template <class Backend>
+void quantize_packed(
+    const Tensor& src, const Tensor& dst, const Tensor& scales, int64_t bits, int64_t block,
+    double scale, const OptionalTensor& found_nonfinite, const OptionalTensor& residual,
+    int64_t seed) {
+  const char* op = "quantize_packed";
+  const Int8Rows rows =
+      packed_rows(op, dst, scales, block, bits, packed_row_len(dst, src.numel(), bits));
+  check_packed_flat_side(op, src, dst, rows, block);
+  const Rounding rounding = rounding_of(op, found_nonfinite, residual, seed, src);
+  Backend(src).run(QuantizeArgs{
+      src.const_data_ptr<float>(), static_cast<int8_t*>(dst.data_ptr()), scales.data_ptr<float>(),
+      src.numel(), block, rows, static_cast<float>(scale), rounding, static_cast<int>(bits)});
+}
+
+template <class Backend>
+void dequantize_packed(
+    const Tensor& src, const Tensor& scales, const Tensor& dst, int64_t bits, int64_t block,
+    double scale) {
+  const char* op = "dequantize_packed";
+  TORCH_CHECK(
+      src.dim() == 2,
+      "fastddp.dequantize_packed: src must have shape [chunks, bytes] (one row per rank), got ",
+      src.sizes());
+  check_contiguous_fp32(op, "dst", dst);
+  check_same_device(op, "src", src, "dst", dst);
+  const Int8Rows rows = packed_rows(op, src, scales, block, bits, dst.numel());
+  Backend(src).run(DequantizeArgs{
+      {static_cast<const int8_t*>(src.const_data_ptr()), scales.const_data_ptr<float>(), block,
+       rows, static_cast<int>(bits)},
+      dst.data_ptr<float>(), static_cast<float>(scale)});
+}
+
+template <class Backend>
+void unpack_packed(
+    const Tensor& src, const Tensor& scales, const Tensor& dst, int64_t bits, int64_t block,
+    double scale) {
+  const char* op = "unpack_packed";
+  const Int8Rows rows =
+      packed_rows(op, src, scales, block, bits, packed_row_len(src, dst.numel(), bits));
+  check_packed_flat_side(op, dst, src, rows, block);
+  Backend(src).run(UnpackArgs{
+      {static_cast<const int8_t*>(src.const_data_ptr()), scales.const_data_ptr<float>(), block,
+       rows, static_cast<int>(bits)},
+      dst.data_ptr<float>(), dst.numel(), static_cast<float>(scale)});
+}
+
 // Every op of the library on one backend:
 //   TORCH_LIBRARY_IMPL(fastddp, CPU, m) { ops::register_ops<CpuBackend>(m); }
 template <class Backend>
@@ -122,6 +174,9 @@ void register_ops(torch::Library& m) {
   m.impl("quantize_int8", &quantize_int8<Backend>);
   m.impl("dequantize_int8", &dequantize_int8<Backend>);
   m.impl("unpack_int8", &unpack_int8<Backend>);
+  m.impl("quantize_packed", &quantize_packed<Backend>);
+  m.impl("dequantize_packed", &dequantize_packed<Backend>);
+  m.impl("unpack_packed", &unpack_packed<Backend>);
 }
 
 }  // namespace fastddp::ops

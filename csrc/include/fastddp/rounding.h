@@ -1,5 +1,5 @@
 // Element-wise math shared by the CPU loops and the CUDA kernels: fp32 <-> fp16/bf16 and
-// fp32 -> int8 rounding (to nearest even, or stochastic), the counter-based random numbers
+// fp32 -> int8/int4/int2 codes (to nearest even, or stochastic), the counter-based random numbers
 // behind stochastic rounding, fp32 arithmetic that never contracts into an FMA, and what each
 // rounding op does with one element. Both backends call exactly these functions, so they produce
 // bit-identical results, and the Python reference in the tests can reproduce them with plain
@@ -137,8 +137,11 @@ FASTDDP_HD uint16_t float_to_wire(WireKind kind, float v, bool stochastic, uint3
   return kind == WireKind::kBf16 ? to_bf16(v, stochastic, r) : to_fp16(v, stochastic, r);
 }
 
-// int8 block quantisation: scale = absmax / 127, q = round(v * 127 / absmax) in [-127, 127].
-// The absolute maximum is taken over the bit patterns so that a NaN anywhere wins.
+// Block quantisation to signed integer codes in [-qmax, qmax]: 127 for int8, 7 for int4, 1 for
+// int2. scale = absmax / qmax, q = round(v * qmax / absmax). The absolute maximum is taken over
+// the bit patterns so that a NaN anywhere wins.
+constexpr float kInt8Max = 127.0f;
+
 FASTDDP_HD uint32_t abs_bits_max(uint32_t m, float v) {
   const uint32_t a = bits_of(v) & 0x7fffffffu;
   return a > m ? a : m;
@@ -148,24 +151,24 @@ FASTDDP_HD bool block_nonfinite(uint32_t absmax_bits) {
   return absmax_bits >= 0x7f800000u;
 }
 
-// The scale stored for a block: absmax / 127; NaN for a block holding inf or NaN, so that its
+// The scale stored for a block: absmax / qmax; NaN for a block holding inf or NaN, so that its
 // dequantised values come out NaN and the step is visibly bad.
-FASTDDP_HD float block_scale(uint32_t absmax_bits) {
-  return block_nonfinite(absmax_bits) ? float_of(0x7fc00000u) : float_of(absmax_bits) / 127.0f;
+FASTDDP_HD float block_scale(uint32_t absmax_bits, float qmax = kInt8Max) {
+  return block_nonfinite(absmax_bits) ? float_of(0x7fc00000u) : float_of(absmax_bits) / qmax;
 }
 
-// 127 / absmax, or 0 for a block that is all zeros, holds inf/NaN, or is so small (below about
-// 3.7e-37) that the inverse overflows: such a block quantises to zeros (its values stay in the
-// residual) instead of converting inf or NaN to an integer.
-FASTDDP_HD float block_inverse(uint32_t absmax_bits) {
+// qmax / absmax, or 0 for a block that is all zeros, holds inf/NaN, or is so small that the
+// inverse overflows (below about 3.7e-37 for int8): such a block quantises to zeros (its values
+// stay in the residual) instead of converting inf or NaN to an integer.
+FASTDDP_HD float block_inverse(uint32_t absmax_bits, float qmax = kInt8Max) {
   if (block_nonfinite(absmax_bits) || absmax_bits == 0) {
     return 0.0f;
   }
-  const float inverse = 127.0f / float_of(absmax_bits);
+  const float inverse = qmax / float_of(absmax_bits);
   return bits_of(inverse) < 0x7f800000u ? inverse : 0.0f;
 }
 
-FASTDDP_HD int8_t quantize_int8(float v, float inverse, bool stochastic, uint32_t r) {
+FASTDDP_HD int8_t quantize_code(float v, float inverse, float qmax, bool stochastic, uint32_t r) {
   const float x = mul(v, inverse);
   float q;
   if (stochastic) {
@@ -174,8 +177,12 @@ FASTDDP_HD int8_t quantize_int8(float v, float inverse, bool stochastic, uint32_
   } else {
     q = round_even(x);
   }
-  q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+  q = q > qmax ? qmax : (q < -qmax ? -qmax : q);
   return static_cast<int8_t>(static_cast<int32_t>(q));
+}
+
+FASTDDP_HD int8_t quantize_int8(float v, float inverse, bool stochastic, uint32_t r) {
+  return quantize_code(v, inverse, kInt8Max, stochastic, r);
 }
 
 // How a rounding op (compress, sum_chunks, quantize_int8) treats its elements: with error
@@ -214,10 +221,11 @@ FASTDDP_HD bool round_element(WireKind kind, const Mode& mode, float v, uint16_t
   return bad;
 }
 
-// Quantises element i (v from rounding_input) of a block whose absmax is finite; under error
-// feedback residual[i] becomes what the quantisation dropped.
-FASTDDP_HD int8_t quantize_element(const Mode& mode, float v, float inverse, float step, int64_t i) {
-  const int8_t q = quantize_int8(v, inverse, mode.stochastic, random_for(mode, i));
+// Quantises element i (v from rounding_input) of a block whose absmax is finite to a code in
+// [-qmax, qmax]; under error feedback residual[i] becomes what the quantisation dropped.
+FASTDDP_HD int8_t quantize_element(
+    const Mode& mode, float v, float inverse, float step, int64_t i, float qmax = kInt8Max) {
+  const int8_t q = quantize_code(v, inverse, qmax, mode.stochastic, random_for(mode, i));
   if (mode.feedback) {
     mode.residual[i] = sub(v, mul(static_cast<float>(q), step));
   }
