@@ -22,8 +22,10 @@ FASTDDP_CLONES bool quantize_loop(
     float* __restrict residual, int64_t n, int64_t block, Int8Rows rows, int64_t first,
     int64_t last, float scale, uint64_t seed) {
   constexpr int kPer = 8 / kBits;
+  constexpr int64_t kChunk = 256;  // a multiple of kPer
   const float qmax = code_max(kBits);
   const math::Mode mode{kFeedback, residual, kStochastic, seed};
+  int8_t codes[kChunk];
   bool bad = false;
   for (int64_t b = first; b < last; ++b) {
     const int64_t lo = b * block;
@@ -47,51 +49,132 @@ FASTDDP_CLONES bool quantize_loop(
       std::fill(bytes + first_byte, bytes + end_byte, uint8_t{0});
       continue;
     }
-    for (int64_t k = first_byte; k < end_byte; ++k) {
-      const int64_t i0 = row_first + k * kPer;
-      uint32_t byte = 0;
-      for (int j = 0; j < kPer; ++j) {
-        const int64_t i = i0 + j;
-        if (i < hi) {  // the last byte of the last block may be short
-          const float v = math::rounding_input(mode, src[i], scale, i);
-          byte |= pack_code(math::quantize_element(mode, v, inverse, step, i, qmax), kBits, j);
-        }
+    // The codes of up to kChunk elements into a small array (the same loop as int8's, which
+    // vectorises), then packed kPer to a byte; chunks start on whole bytes.
+    for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {
+      const int64_t len = std::min(kChunk, hi - c0);
+      for (int64_t j = 0; j < len; ++j) {
+        const int64_t i = c0 + j;
+        const float v = math::rounding_input(mode, src[i], scale, i);
+        codes[j] = math::quantize_element(mode, v, inverse, step, i, qmax);
       }
-      bytes[k] = static_cast<uint8_t>(byte);
+      const int64_t nbytes = (len + kPer - 1) / kPer;
+      for (int64_t j = len; j < nbytes * kPer; ++j) {
+        codes[j] = 0;  // the last byte of the last block may be short
+      }
+      uint8_t* out = bytes + byte_of<kBits>(c0, row_first);
+      for (int64_t k = 0; k < nbytes; ++k) {
+        uint32_t byte = 0;
+        for (int j = 0; j < kPer; ++j) {
+          byte |= pack_code(codes[k * kPer + j], kBits, j);
+        }
+        out[k] = static_cast<uint8_t>(byte);
+      }
     }
   }
   return bad;
 }
 
-// Element `col` of row `row`, times its block's scale.
-template <int kBits>
-FASTDDP_INLINE float code_value(const Int8Source& s, int64_t row, int64_t col) {
+// What decode_segment does with each decoded value v = code * s.
+enum class Put { kStoreScaled, kStore, kAdd };  // out = v * post; out = v; out += v
+
+// out[j] for j < count from codes col .. col + count of one row, all in one block (scale s).
+// Whole bytes in the middle, so that the loop over them unrolls and vectorises; the codes
+// before the first whole byte and after the last one are done one at a time.
+template <int kBits, Put kPut>
+FASTDDP_INLINE void decode_segment(
+    const uint8_t* __restrict bytes, int64_t col, int64_t count, float s, float post,
+    float* __restrict out) {
   constexpr int kPer = 8 / kBits;
-  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(s.q) + row * s.rows.q_stride;
-  const int32_t c = unpack_code(bytes[col / kPer], kBits, static_cast<int>(col % kPer));
-  return math::mul(static_cast<float>(c), s.scales[row * s.rows.s_stride + col / s.block]);
+  auto put = [&](float* o, int32_t code) {
+    const float v = math::mul(static_cast<float>(code), s);
+    if constexpr (kPut == Put::kStoreScaled) {
+      *o = math::mul(v, post);
+    } else if constexpr (kPut == Put::kStore) {
+      *o = v;
+    } else {
+      *o = math::add(*o, v);
+    }
+  };
+  auto one = [&](int64_t j) {
+    const int64_t c = col + j;
+    put(out + j, unpack_code(bytes[c / kPer], kBits, static_cast<int>(c % kPer)));
+  };
+  int64_t j = 0;
+  for (; j < count && (col + j) % kPer != 0; ++j) {
+    one(j);
+  }
+  const int64_t whole = (count - j) / kPer;
+  const uint8_t* b = bytes + (col + j) / kPer;
+  float* o = out + j;
+  for (int64_t k = 0; k < whole; ++k) {
+    const uint8_t byte = b[k];
+    for (int q = 0; q < kPer; ++q) {
+      put(o + k * kPer + q, unpack_code(byte, kBits, q));
+    }
+  }
+  for (j += whole * kPer; j < count; ++j) {
+    one(j);
+  }
 }
 
-// Rows summed in row order per column, as dequantize_int8 does.
+// Calls f(row, col, count, scale) for the pieces of elements [begin, end) of `rows` that lie
+// in one block of one row (flat element i is column i - row * row_len of its row).
+template <class F>
+FASTDDP_INLINE void for_each_segment(const Int8Source& s, int64_t begin, int64_t end, F&& f) {
+  for (int64_t i = begin; i < end;) {
+    const int64_t row = i / s.rows.row_len;
+    const int64_t col = i - row * s.rows.row_len;
+    const int64_t b = col / s.block;
+    const int64_t stop = std::min({(b + 1) * s.block, s.rows.row_len, col + (end - i)});
+    f(row, col, stop - col, s.scales[row * s.rows.s_stride + b]);
+    i += stop - col;
+  }
+}
+
+template <int kBits>
+FASTDDP_INLINE const uint8_t* row_bytes(const Int8Source& s, int64_t row) {
+  return reinterpret_cast<const uint8_t*>(s.q) + row * s.rows.q_stride;
+}
+
+// Rows summed in row order per column, as dequantize_int8 does: a tile at a time into a small
+// fp32 array (columns [begin, end) of every row lie in one "row" of the segment walk).
+constexpr int64_t kTile = 1024;
+
 template <int kBits>
 FASTDDP_CLONES void dequantize_loop(
     const Int8Source s, float* __restrict dst, int64_t begin, int64_t end, float scale) {
-  for (int64_t i = begin; i < end; ++i) {
-    float acc = code_value<kBits>(s, 0, i);
-    for (int64_t p = 1; p < s.rows.rows; ++p) {
-      acc = math::add(acc, code_value<kBits>(s, p, i));
+  float acc[kTile];
+  for (int64_t t = begin; t < end; t += kTile) {
+    const int64_t len = std::min(end - t, kTile);
+    for (int64_t p = 0; p < s.rows.rows; ++p) {
+      const uint8_t* bytes = row_bytes<kBits>(s, p);
+      // Columns t .. t + len of row p, in segments of one block (as row 0 of a one-row walk).
+      for (int64_t c = t; c < t + len;) {
+        const int64_t b = c / s.block;
+        const int64_t stop = std::min((b + 1) * s.block, t + len);
+        const float sc = s.scales[p * s.rows.s_stride + b];
+        if (p == 0) {
+          decode_segment<kBits, Put::kStore>(bytes, c, stop - c, sc, 1.0f, acc + (c - t));
+        } else {
+          decode_segment<kBits, Put::kAdd>(bytes, c, stop - c, sc, 1.0f, acc + (c - t));
+        }
+        c = stop;
+      }
     }
-    dst[i] = math::mul(acc, scale);
+    for (int64_t j = 0; j < len; ++j) {
+      dst[t + j] = math::mul(acc[j], scale);
+    }
   }
 }
 
 template <int kBits>
 FASTDDP_CLONES void unpack_loop(
     const Int8Source s, float* __restrict dst, int64_t begin, int64_t end, float scale) {
-  for (int64_t i = begin; i < end; ++i) {
-    const int64_t row = i / s.rows.row_len;
-    dst[i] = math::mul(code_value<kBits>(s, row, i - row * s.rows.row_len), scale);
-  }
+  for_each_segment(s, begin, end, [&](int64_t row, int64_t col, int64_t count, float sc) {
+    float* out = dst + row * s.rows.row_len + col;
+    decode_segment<kBits, Put::kStoreScaled>(row_bytes<kBits>(s, row), col, count, sc, scale, out);
+  });
 }
 
 // f(std::integral_constant<int, 4>) or f(... 2>).
