@@ -109,3 +109,51 @@ def test_torch_fp16_hook_cpu_work(benchmark, bucket_bytes):
     benchmark(work)
     # Dividing after the cast rounds twice: off by one fp16 ulp in a few places.
     torch.testing.assert_close(result, (bucket / WORLD).half().float(), rtol=1e-3, atol=6e-8)
+
+
+_BLOCK = 128
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2], ids=["int8", "int4", "int2"])
+def test_fastddp_quantize(benchmark, bucket_bytes, bits):
+    # Codes of `bits` bits and one fp32 scale per block of 128: what a block codec writes.
+    label, nbytes = bucket_bytes
+    src = _bucket(nbytes)
+    n = src.numel()
+    scales = torch.empty(-(-n // _BLOCK))
+    moved = nbytes + n * bits // 8 + scales.numel() * 4
+    _group(benchmark, label, f"fastddp quantize int{bits}", moved)
+    if bits == 8:
+        codes = torch.empty(n, dtype=torch.int8)
+        benchmark(ops.quantize_int8, src, codes, scales, _BLOCK, 1.0 / WORLD)
+        out = torch.empty(n)
+        ops.unpack_int8(codes, scales, out, _BLOCK)
+    else:
+        codes = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
+        benchmark(ops.quantize_packed, src, codes, scales, bits, _BLOCK, 1.0 / WORLD)
+        out = torch.empty(n)
+        ops.unpack_packed(codes, scales, out, bits, _BLOCK)
+    step = scales.repeat_interleave(_BLOCK)[:n]
+    assert ((out - src / WORLD).abs() <= step * 0.5001).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2], ids=["int8", "int4", "int2"])
+def test_fastddp_unpack(benchmark, bucket_bytes, bits):
+    label, nbytes = bucket_bytes
+    src = _bucket(nbytes)
+    n = src.numel()
+    scales = torch.empty(-(-n // _BLOCK))
+    out = torch.empty(n)
+    _group(
+        benchmark, label, f"fastddp unpack int{bits}", nbytes + n * bits // 8 + scales.numel() * 4
+    )
+    if bits == 8:
+        codes = torch.empty(n, dtype=torch.int8)
+        ops.quantize_int8(src, codes, scales, _BLOCK)
+        benchmark(ops.unpack_int8, codes, scales, out, _BLOCK)
+    else:
+        codes = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
+        ops.quantize_packed(src, codes, scales, bits, _BLOCK)
+        benchmark(ops.unpack_packed, codes, scales, out, bits, _BLOCK)
+    step = scales.repeat_interleave(_BLOCK)[:n]
+    assert ((out - src).abs() <= step * 0.5001).all()
