@@ -114,26 +114,34 @@ def test_torch_fp16_hook_cpu_work(benchmark, bucket_bytes):
 _BLOCK = 128
 
 
+def _block_codec(n, bits):
+    """(scales, quantize(src, scale), unpack(out)) over the codes of ``n`` elements."""
+    scales = torch.empty(-(-n // _BLOCK))
+    if bits == 8:
+        q = torch.empty(n, dtype=torch.int8)
+        return (scales, lambda src, s=1.0: ops.quantize_int8(src, q, scales, _BLOCK, s),
+                lambda out: ops.unpack_int8(q, scales, out, _BLOCK))  # fmt: skip
+    q = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
+    return (scales, lambda src, s=1.0: ops.quantize_packed(src, q, scales, bits, _BLOCK, s),
+            lambda out: ops.unpack_packed(q, scales, out, bits, _BLOCK))  # fmt: skip
+
+
+def _codec_bytes(nbytes, bits):
+    n = nbytes // 4
+    return nbytes + n * bits // 8 + -(-n // _BLOCK) * 4
+
+
 @pytest.mark.parametrize("bits", [8, 4, 2], ids=["int8", "int4", "int2"])
 def test_fastddp_quantize(benchmark, bucket_bytes, bits):
     # Codes of `bits` bits and one fp32 scale per block of 128: what a block codec writes.
     label, nbytes = bucket_bytes
     src = _bucket(nbytes)
-    n = src.numel()
-    scales = torch.empty(-(-n // _BLOCK))
-    moved = nbytes + n * bits // 8 + scales.numel() * 4
-    _group(benchmark, label, f"fastddp quantize int{bits}", moved)
-    if bits == 8:
-        codes = torch.empty(n, dtype=torch.int8)
-        benchmark(ops.quantize_int8, src, codes, scales, _BLOCK, 1.0 / WORLD)
-        out = torch.empty(n)
-        ops.unpack_int8(codes, scales, out, _BLOCK)
-    else:
-        codes = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
-        benchmark(ops.quantize_packed, src, codes, scales, bits, _BLOCK, 1.0 / WORLD)
-        out = torch.empty(n)
-        ops.unpack_packed(codes, scales, out, bits, _BLOCK)
-    step = scales.repeat_interleave(_BLOCK)[:n]
+    scales, quantize, unpack = _block_codec(src.numel(), bits)
+    _group(benchmark, label, f"fastddp quantize int{bits}", _codec_bytes(nbytes, bits))
+    benchmark(quantize, src, 1.0 / WORLD)
+    out = torch.empty_like(src)
+    unpack(out)
+    step = scales.repeat_interleave(_BLOCK)[: src.numel()]
     assert ((out - src / WORLD).abs() <= step * 0.5001).all()
 
 
@@ -141,19 +149,10 @@ def test_fastddp_quantize(benchmark, bucket_bytes, bits):
 def test_fastddp_unpack(benchmark, bucket_bytes, bits):
     label, nbytes = bucket_bytes
     src = _bucket(nbytes)
-    n = src.numel()
-    scales = torch.empty(-(-n // _BLOCK))
-    out = torch.empty(n)
-    _group(
-        benchmark, label, f"fastddp unpack int{bits}", nbytes + n * bits // 8 + scales.numel() * 4
-    )
-    if bits == 8:
-        codes = torch.empty(n, dtype=torch.int8)
-        ops.quantize_int8(src, codes, scales, _BLOCK)
-        benchmark(ops.unpack_int8, codes, scales, out, _BLOCK)
-    else:
-        codes = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
-        ops.quantize_packed(src, codes, scales, bits, _BLOCK)
-        benchmark(ops.unpack_packed, codes, scales, out, bits, _BLOCK)
-    step = scales.repeat_interleave(_BLOCK)[:n]
+    scales, quantize, unpack = _block_codec(src.numel(), bits)
+    quantize(src)
+    out = torch.empty_like(src)
+    _group(benchmark, label, f"fastddp unpack int{bits}", _codec_bytes(nbytes, bits))
+    benchmark(unpack, out)
+    step = scales.repeat_interleave(_BLOCK)[: src.numel()]
     assert ((out - src).abs() <= step * 0.5001).all()
