@@ -297,10 +297,7 @@ def test_soak_sees_no_growth_and_would_see_it(tmp_path):
             assert [r["step"] for r in result["records"]] == [100, 200, 300]
             assert result["records"][0]["allocations"] > 0 and not result["problems"]
     # The check itself: growth of each kind is reported.
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
-    spec = importlib.util.spec_from_file_location("soak", path)
-    soak = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(soak)
+    soak = _module("soak")
 
     base = {"step": 100, "rss_mb": 300.0, "allocations": 2, "fds": 13, "threads": 5}
     grown = [base, {**base, "step": 200, "rss_mb": 320.0, "allocations": 3, "fds": 14}]
@@ -311,3 +308,26 @@ def test_soak_sees_no_growth_and_would_see_it(tmp_path):
     assert soak._growth(wobble, slack_mb=8) == []
     rise = [*wobble, {**base, "step": 400, "rss_mb": 309.0}]
     assert len(soak._growth(rise, slack_mb=8)) == 1
+
+
+def _module(name):
+    """The module of ``benchmarks/<name>.py``."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_rotation_benchmark_rotates_and_measures(tmp_path):
+    rotation = _module("rotation")
+    x = torch.randn(4 * 128, generator=torch.Generator().manual_seed(0))
+    y = rotation.hadamard(x, 128)
+    assert torch.allclose(rotation.hadamard(y, 128), x, atol=1e-5)  # its own inverse
+    assert torch.allclose(y.norm(), x.norm()) and not torch.allclose(y, x)
+    spike = torch.zeros(128)
+    spike[5] = 1.0  # an outlier spreads evenly over its block
+    assert torch.allclose(rotation.hadamard(spike, 128).abs(), torch.full((128,), 128**-0.5))
+    assert rotation.main(["--steps", "0", "--json", str(tmp_path / "r.json")]) == 0
+    errors = json.loads((tmp_path / "r.json").read_text())["rows"][0]["errors"]
+    assert 0 < errors["int8/128/plain"] < errors["int4/128/plain"] < errors["int2/128/plain"] < 1
