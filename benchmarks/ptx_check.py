@@ -43,8 +43,9 @@ KERNELS = (
     "sum_chunks_kernel",
     "widen_sum_kernel",
     "quantize_int8_kernel",
-    "dequantize_int8_kernel",
-    "unpack_int8_kernel",
+    "quantize_packed_kernel",
+    "dequantize_kernel",
+    "unpack_kernel",
 )
 FLOAT_TYPES = (".f16", ".f16x2", ".bf16", ".bf16x2", ".f32", ".f64")
 ROUNDING = (".rn", ".rz", ".rm", ".rp")

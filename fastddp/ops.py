@@ -252,17 +252,8 @@ def _unpack_int8_fake(src, scales, dst, block_size, scale):
     return None
 
 
-def quantize_packed(
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    scales: torch.Tensor,
-    bits: int,
-    block_size: int,
-    scale: float = 1.0,
-    found_nonfinite: Optional[torch.Tensor] = None,
-    residual: Optional[torch.Tensor] = None,
-    seed: int = -1,
-) -> None:
+def quantize_packed(src, dst, scales, bits: int, block_size: int, scale: float = 1.0,
+                    found_nonfinite=None, residual=None, seed: int = -1) -> None:  # fmt: skip
     """:func:`quantize_int8` for ``bits`` = 4 or 2: codes in ``[-7, 7]`` or ``[-1, 1]``
     (``scales[b] = absmax / 7`` or ``absmax``), packed ``8 / bits`` to a byte of the uint8
     ``dst``, code ``j`` of a byte in bits ``[j * bits, (j + 1) * bits)``, two's complement.

@@ -204,8 +204,24 @@ __global__ void widen_sum_kernel(
   });
 }
 
-// One warp per int8 block: the lanes stride over the block, a butterfly of shuffles gives every
-// lane the block's absolute maximum, then each lane quantises its elements.
+// The absolute maximum (as bits) of the rounding inputs of elements [lo, hi), for one warp: the
+// lanes stride over the range, then a butterfly of shuffles gives every lane the result.
+__device__ __forceinline__ uint32_t warp_absmax(
+    const math::Mode& mode, const float* __restrict__ src, float scale, int64_t lo, int64_t hi,
+    int lane) {
+  uint32_t absmax = 0;
+  for (int64_t i = lo + lane; i < hi; i += 32) {
+    absmax = math::abs_bits_max(absmax, math::rounding_input(mode, src[i], scale, i));
+  }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const uint32_t other = __shfl_xor_sync(0xffffffffu, absmax, offset);
+    absmax = other > absmax ? other : absmax;
+  }
+  return absmax;
+}
+
+// One warp per int8 block: every lane gets the block's absolute maximum (warp_absmax), then
+// each lane quantises its elements.
 // Rows of q and scales may lie apart (see Int8Rows in layout.h); a block lies in one row.
 __global__ void quantize_int8_kernel(
     const float* __restrict__ src,
@@ -225,14 +241,7 @@ __global__ void quantize_int8_kernel(
   bool bad = false;
   for (int64_t b = thread_index() / 32; b < nblocks; b += warps) {
     const Int8Block blk = int8_block(rows, n, block, b, q, scales);
-    uint32_t absmax = 0;
-    for (int64_t i = blk.lo + lane; i < blk.hi; i += 32) {
-      absmax = math::abs_bits_max(absmax, math::rounding_input(mode, src[i], scale, i));
-    }
-    for (int offset = 16; offset > 0; offset /= 2) {
-      const uint32_t other = __shfl_xor_sync(0xffffffffu, absmax, offset);
-      absmax = other > absmax ? other : absmax;
-    }
+    const uint32_t absmax = warp_absmax(mode, src, scale, blk.lo, blk.hi, lane);
     const float step = math::block_scale(absmax);
     const float inverse = math::block_inverse(absmax);
     const bool block_bad = math::block_nonfinite(absmax);
@@ -249,43 +258,37 @@ __global__ void quantize_int8_kernel(
   raise_flag(bad, flag);
 }
 
-// Element `col` of int8 row `row`, times its block's scale.
-__device__ __forceinline__ float int8_value(
-    const int8_t* __restrict__ q, const float* __restrict__ scales, const Int8Rows& rows,
-    int64_t block, int64_t row, int64_t col) {
-  return math::mul(
-      static_cast<float>(q[row * rows.q_stride + col]), scales[row * rows.s_stride + col / block]);
-}
+// Reads int8 codes laid out as Int8Source says: code `col` of row `row`, times its block's
+// scale. PackedCodes (packed_kernels.cuh) reads int4 and int2 codes the same way.
+struct Int8Codes {
+  Int8Source src;
 
-// The rows.rows rows of rows.row_len values, dequantised and summed per column in row order.
-__global__ void dequantize_int8_kernel(
-    const int8_t* __restrict__ src,
-    const float* __restrict__ scales,
-    int64_t block,
-    Int8Rows rows,
-    float* __restrict__ dst,
-    float scale) {
+  __device__ __forceinline__ float operator()(int64_t row, int64_t col) const {
+    const float code = static_cast<float>(src.q[row * src.rows.q_stride + col]);
+    return math::mul(code, src.scales[row * src.rows.s_stride + col / src.block]);
+  }
+};
+
+// The rows.rows rows of rows.row_len codes, dequantised and summed per column in row order.
+template <class Codes>
+__global__ void dequantize_kernel(Codes codes, float* __restrict__ dst, float scale) {
+  const Int8Rows& rows = codes.src.rows;
   grid_stride_loop(0, rows.row_len, [&](int64_t i) {
-    float acc = int8_value(src, scales, rows, block, 0, i);
+    float acc = codes(0, i);
     for (int64_t p = 1; p < rows.rows; ++p) {
-      acc = math::add(acc, int8_value(src, scales, rows, block, p, i));
+      acc = math::add(acc, codes(p, i));
     }
     dst[i] = math::mul(acc, scale);
   });
 }
 
 // The flat sequence of n values the rows hold, dequantised.
-__global__ void unpack_int8_kernel(
-    const int8_t* __restrict__ src,
-    const float* __restrict__ scales,
-    int64_t n,
-    int64_t block,
-    Int8Rows rows,
-    float* __restrict__ dst,
-    float scale) {
+template <class Codes>
+__global__ void unpack_kernel(Codes codes, int64_t n, float* __restrict__ dst, float scale) {
+  const int64_t row_len = codes.src.rows.row_len;
   grid_stride_loop(0, n, [&](int64_t i) {
-    const int64_t row = i / rows.row_len;
-    dst[i] = math::mul(int8_value(src, scales, rows, block, row, i - row * rows.row_len), scale);
+    const int64_t row = i / row_len;
+    dst[i] = math::mul(codes(row, i - row * row_len), scale);
   });
 }
 

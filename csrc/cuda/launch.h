@@ -110,40 +110,41 @@ void run(Rt& rt, const QuantizeArgs& a) {
               a.rows, a.scale, r.seed, r.flag);
     return;
   }
-  rt.launch(for_bits(a.bits, quantize_packed_kernel<4>, quantize_packed_kernel<2>), grid, a.src,
-            reinterpret_cast<uint8_t*>(a.dst), a.scales, r.residual, a.n, a.block, a.rows,
-            a.scale, r.seed, r.flag);
+  rt.launch(for_bits(a.bits, quantize_packed_kernel<4>, quantize_packed_kernel<2>), grid, a);
+}
+
+// f(codes) with the reader of s's codes: Int8Codes, or PackedCodes of 4 or 2 bits.
+template <class F>
+void with_codes(const Int8Source& s, F&& f) {
+  if (s.bits == 8) {
+    f(Int8Codes{s});
+  } else if (s.bits == 4) {
+    f(PackedCodes<4>{s});
+  } else {
+    f(PackedCodes<2>{s});
+  }
 }
 
 template <class Rt>
 void run(Rt& rt, const DequantizeArgs& a) {
-  const Int8Source& s = a.src;
-  if (!start(rt, s.rows.row_len)) {
+  if (!start(rt, a.src.rows.row_len)) {
     return;
   }
-  const int grid = grid_for(s.rows.row_len, rt.sms());
-  if (s.bits == 8) {
-    rt.launch(dequantize_int8_kernel, grid, s.q, s.scales, s.block, s.rows, a.dst, a.scale);
-    return;
-  }
-  rt.launch(for_bits(s.bits, dequantize_packed_kernel<4>, dequantize_packed_kernel<2>), grid,
-            reinterpret_cast<const uint8_t*>(s.q), s.scales, s.block, s.rows, a.dst, a.scale);
+  with_codes(a.src, [&](auto codes) {
+    rt.launch(dequantize_kernel<decltype(codes)>, grid_for(a.src.rows.row_len, rt.sms()), codes,
+              a.dst, a.scale);
+  });
 }
 
 template <class Rt>
 void run(Rt& rt, const UnpackArgs& a) {
-  const Int8Source& s = a.src;
   if (!start(rt, a.n)) {
     return;
   }
-  const int grid = grid_for(a.n, rt.sms());
-  if (s.bits == 8) {
-    rt.launch(unpack_int8_kernel, grid, s.q, s.scales, a.n, s.block, s.rows, a.dst, a.scale);
-    return;
-  }
-  rt.launch(for_bits(s.bits, unpack_packed_kernel<4>, unpack_packed_kernel<2>), grid,
-            reinterpret_cast<const uint8_t*>(s.q), s.scales, a.n, s.block, s.rows, a.dst,
-            a.scale);
+  with_codes(a.src, [&](auto codes) {
+    rt.launch(unpack_kernel<decltype(codes)>, grid_for(a.n, rt.sms()), codes, a.n, a.dst,
+              a.scale);
+  });
 }
 
 }  // namespace fastddp::kernels

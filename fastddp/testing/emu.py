@@ -84,16 +84,12 @@ def _kind(t: torch.Tensor) -> int:
 
 def _rows(q: torch.Tensor, scales: torch.Tensor, block: int):
     """The int8 layout the C++ checks compute (``int8_rows`` in checks.h), as 4 int64."""
-    rows = 1 if q.dim() == 1 else q.size(0)
-    m = q.numel() if q.dim() == 1 else q.size(1)
-    nb = -(-m // block)
-    q_stride = m if q.dim() == 1 or q.is_contiguous() else q.stride(0)
-    s_stride = nb if scales.is_contiguous() else scales.stride(0)
-    return (ctypes.c_int64 * 4)(rows, m, q_stride, s_stride)
+    return _packed_rows(q, scales, block, q.numel() if q.dim() == 1 else q.size(1))
 
 
 def _packed_rows(q: torch.Tensor, scales: torch.Tensor, block: int, row_len: int):
-    """The packed layout the C++ checks compute (``packed_rows`` in checks.h), as 4 int64."""
+    """The layout of ``row_len`` codes a row that the C++ checks compute (``packed_rows`` in
+    checks.h; for int8, one byte a code), as 4 int64."""
     rows = 1 if q.dim() == 1 else q.size(0)
     nbytes = q.numel() if q.dim() == 1 else q.size(1)
     nb = -(-row_len // block)

@@ -249,26 +249,18 @@ def _random_codes(q: torch.Tensor, s: torch.Tensor, seed: int) -> None:
     s.copy_(torch.rand(s.shape, generator=gen))
 
 
-def check_dequantize_packed(emu: Emu, bits: int, m: int, block: int, chunks: int) -> None:
-    q, s, _, _ = _packed_layout(chunks * m, bits, block, chunks)
-    _random_codes(q, s, m)
-    outs = []
-    for run in (ops.dequantize_packed, emu.dequantize_packed):
-        d, whole = _buffer(m, torch.float32, False)
-        run(q, s, d, bits, block, 0.5)
-        outs.append(whole)
-    _same(f"dequantize_packed bits={bits} m={m} block={block} chunks={chunks}", *outs)
-
-
-def check_unpack_packed(emu: Emu, bits: int, n: int, block: int, rows: int) -> None:
-    q, s, _, _ = _packed_layout(n, bits, block, rows)
+def check_decode_packed(emu: Emu, op: str, bits: int, n: int, block: int, rows: int) -> None:
+    """``op``: ``dequantize`` sums ``rows`` rows of ``n`` codes each; ``unpack`` reads ``n``
+    codes laid out in ``rows`` rows."""
+    summing = op == "dequantize"
+    q, s, _, _ = _packed_layout(rows * n if summing else n, bits, block, rows)
     _random_codes(q, s, n)
     outs = []
-    for run in (ops.unpack_packed, emu.unpack_packed):
+    for run in (getattr(ops, f"{op}_packed"), getattr(emu, f"{op}_packed")):
         d, whole = _buffer(n, torch.float32, False)
-        run(q, s, d, bits, block, 2.0)
+        run(q, s, d, bits, block, 0.5 if summing else 2.0)
         outs.append(whole)
-    _same(f"unpack_packed bits={bits} n={n} block={block} rows={rows}", *outs)
+    _same(f"{op}_packed bits={bits} n={n} block={block} rows={rows}", *outs)
 
 
 WIRES = (torch.bfloat16, torch.float16)
@@ -294,10 +286,11 @@ CHECKS = [
     ("quantize_packed", check_quantize_packed,
      [(bits, n, b, v, r) for bits in (4, 2) for b in (32, 128) for v in ("plain", "ef", "sr")
       for r in (1, 3) for n in (3 * 64 * b + 5,)]),
-    ("dequantize_packed", check_dequantize_packed,
-     [(bits, 3 * THREADS + b, b, 3) for bits in (4, 2) for b in (32, 128)]),
-    ("unpack_packed", check_unpack_packed,
-     [(bits, 3 * THREADS + 7, b, r) for bits in (4, 2) for b in (32, 128) for r in (1, 3)]),
+    ("dequantize_packed", check_decode_packed,
+     [("dequantize", bits, 3 * THREADS + b, b, 3) for bits in (4, 2) for b in (32, 128)]),
+    ("unpack_packed", check_decode_packed,
+     [("unpack", bits, 3 * THREADS + 7, b, r) for bits in (4, 2) for b in (32, 128)
+      for r in (1, 3)]),
 ]  # fmt: skip
 
 

@@ -171,7 +171,7 @@ def _bad(**kw):
 BAD = [
     (_bad(bits=8), "bits must be 4 or 2, got 8; int8 codes use the int8 ops"),
     (_bad(bits=2, block=6), "block_size must be a multiple of 4 for 2-bit codes"),
-    (_bad(dst=torch.empty(32, dtype=torch.int8)), "the packed tensor must be uint8"),
+    (_bad(dst=torch.empty(32, dtype=torch.int8)), "the quantised tensor must be uint8"),
     (_bad(dst=torch.empty(31, dtype=torch.uint8)), "64 codes of 4 bits take 32 bytes a row"),
     (_bad(scales=torch.empty(3)), "1 row(s) of 64 codes need 2 scales"),
     (_bad(dst=torch.empty(3, 20, dtype=torch.uint8), scales=torch.empty(3, 2)),

@@ -136,36 +136,48 @@ inline int64_t row_stride(const at::Tensor& t, int64_t rows, int64_t cols) {
   return -1;
 }
 
-// The layout of an int8 tensor `q` (1-D: one row; 2-D: one row per rank, rows may be spaced
-// apart) and of its fp32 `scales`, with all the checks shared by the int8 ops.
-inline Int8Rows int8_rows(
-    const char* op, const at::Tensor& q, const at::Tensor& scales, int64_t block) {
+// The layout shared by the int8 and packed ops: the codes `q`, of `dtype`, called `tensor` in
+// messages (1-D: one row; 2-D [rows, `cols`]: one row per rank, rows may be spaced apart),
+// holding `row_len` codes a row (`unit` in messages), and their fp32 `scales`, one per block.
+inline Int8Rows code_rows(
+    const char* op, const at::Tensor& q, const at::Tensor& scales, int64_t block,
+    c10::ScalarType dtype, const char* tensor, const char* cols, const char* unit,
+    int64_t row_len) {
   check_block_size(op, block);
   TORCH_CHECK(
-      q.scalar_type() == c10::ScalarType::Char,
-      "fastddp.", op, ": the quantised tensor must be int8, got ", q.scalar_type());
+      q.scalar_type() == dtype,
+      "fastddp.", op, ": the quantised tensor must be ",
+      dtype == c10::ScalarType::Char ? "int8" : "uint8", ", got ", q.scalar_type());
   TORCH_CHECK(
       scales.scalar_type() == c10::ScalarType::Float,
       "fastddp.", op, ": scales must be float32, got ", scales.scalar_type());
-  check_same_device(op, "the int8 tensor", q, "scales", scales);
+  check_same_device(op, tensor, q, "scales", scales);
   TORCH_CHECK(
       q.dim() == 1 || q.dim() == 2,
-      "fastddp.", op, ": the int8 tensor must be 1-D or [rows, m], got ", q.sizes());
+      "fastddp.", op, ": ", tensor, " must be 1-D or [rows, ", cols, "], got ", q.sizes());
   const int64_t rows = q.dim() == 1 ? 1 : q.size(0);
   const int64_t m = q.dim() == 1 ? q.numel() : q.size(1);
   const int64_t q_stride = q.dim() == 1 ? (q.is_contiguous() ? m : -1) : row_stride(q, rows, m);
   TORCH_CHECK(
       q_stride >= 0,
-      "fastddp.", op, ": each row of the int8 tensor must be contiguous (rows may be spaced "
+      "fastddp.", op, ": each row of ", tensor, " must be contiguous (rows may be spaced "
       "apart); call .contiguous() first");
-  const int64_t nb = blocks_of(m, block);
+  const int64_t nb = blocks_of(row_len, block);
   const int64_t s_stride = row_stride(scales, rows, nb);
   TORCH_CHECK(
       s_stride >= 0,
-      "fastddp.", op, ": ", rows, " row(s) of ", m, " int8 values need ", rows * nb,
+      "fastddp.", op, ": ", rows, " row(s) of ", row_len, " ", unit, " need ", rows * nb,
       " scales (one per block of ", block, "), got ", scales.numel(), " shaped ", scales.sizes(),
       " (each row's scales contiguous)");
-  return {rows, m, q_stride, s_stride};
+  return {rows, row_len, q_stride, s_stride};
+}
+
+// The layout of an int8 tensor `q` and of its scales (code_rows: one byte a code).
+inline Int8Rows int8_rows(
+    const char* op, const at::Tensor& q, const at::Tensor& scales, int64_t block) {
+  const int64_t m = q.dim() == 1 ? q.numel() : q.dim() == 2 ? q.size(1) : 0;
+  return code_rows(
+      op, q, scales, block, c10::ScalarType::Char, "the int8 tensor", "m", "int8 values", m);
 }
 
 // The flat fp32 side of an int8 layout: `n` elements spread over the rows in order. Several
@@ -192,51 +204,28 @@ inline void check_flat_side(
       rows.row_len);
 }
 
-// The layout of packed int4/int2 codes `q` (uint8, 8 / bits codes a byte; 1-D: one row, or
-// [rows, bytes] with rows that may lie apart) holding `row_len` codes a row, and of its fp32
-// `scales`. A block holds whole bytes.
+// The layout of packed int4/int2 codes `q` (uint8, 8 / bits codes a byte) holding `row_len`
+// codes a row, and of its scales (code_rows). A block holds whole bytes.
 inline Int8Rows packed_rows(
     const char* op, const at::Tensor& q, const at::Tensor& scales, int64_t block, int64_t bits,
     int64_t row_len) {
   TORCH_CHECK(
       bits == 4 || bits == 2,
       "fastddp.", op, ": bits must be 4 or 2, got ", bits, "; int8 codes use the int8 ops");
-  check_block_size(op, block);
   const int64_t per = 8 / bits;
   TORCH_CHECK(
       block % per == 0,
       "fastddp.", op, ": block_size must be a multiple of ", per, " for ", bits,
       "-bit codes (a block holds whole bytes), got ", block);
-  TORCH_CHECK(
-      q.scalar_type() == c10::ScalarType::Byte,
-      "fastddp.", op, ": the packed tensor must be uint8, got ", q.scalar_type());
-  TORCH_CHECK(
-      scales.scalar_type() == c10::ScalarType::Float,
-      "fastddp.", op, ": scales must be float32, got ", scales.scalar_type());
-  check_same_device(op, "the packed tensor", q, "scales", scales);
-  TORCH_CHECK(
-      q.dim() == 1 || q.dim() == 2,
-      "fastddp.", op, ": the packed tensor must be 1-D or [rows, bytes], got ", q.sizes());
-  const int64_t rows = q.dim() == 1 ? 1 : q.size(0);
+  const Int8Rows rows = code_rows(
+      op, q, scales, block, c10::ScalarType::Byte, "the packed tensor", "bytes", "codes",
+      row_len);
   const int64_t bytes = q.dim() == 1 ? q.numel() : q.size(1);
   TORCH_CHECK(
       bytes == (row_len + per - 1) / per,
       "fastddp.", op, ": ", row_len, " codes of ", bits, " bits take ", (row_len + per - 1) / per,
       " bytes a row, but the packed tensor has ", bytes);
-  const int64_t q_stride =
-      q.dim() == 1 ? (q.is_contiguous() ? bytes : -1) : row_stride(q, rows, bytes);
-  TORCH_CHECK(
-      q_stride >= 0,
-      "fastddp.", op, ": each row of the packed tensor must be contiguous (rows may be spaced "
-      "apart); call .contiguous() first");
-  const int64_t nb = blocks_of(row_len, block);
-  const int64_t s_stride = row_stride(scales, rows, nb);
-  TORCH_CHECK(
-      s_stride >= 0,
-      "fastddp.", op, ": ", rows, " row(s) of ", row_len, " codes need ", rows * nb,
-      " scales (one per block of ", block, "), got ", scales.numel(), " shaped ", scales.sizes(),
-      " (each row's scales contiguous)");
-  return {rows, row_len, q_stride, s_stride};
+  return rows;
 }
 
 // The flat fp32 side of a packed layout: `values` spread over the rows in order; several rows
