@@ -3,7 +3,7 @@
 FSDP2 reduce-scatters each parameter group's gradients in its ``MixedPrecisionPolicy``'s
 ``reduce_dtype`` and lets a module replace that collective (``set_custom_reduce_scatter``).
 :class:`CompressedReduceScatter` is such a replacement: each rank encodes its whole input once
-with a codec of :mod:`fastddp.codecs` (bf16, fp16, or int8 with one fp32 scale per block, in
+with a codec of :mod:`fastddp.codecs` (bf16, fp16, or int8/int4 with one fp32 scale per block, in
 the hooks' row layout), one all-to-all hands rank ``r`` the encoded chunk ``r`` of every
 rank, and rank ``r`` sums those chunks in fp32 straight into its output. The only rounding is
 each rank's own encoding; the sum itself is never rounded to 16 bits, so the error does not
@@ -33,7 +33,7 @@ _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class CompressedReduceScatter(ReduceScatter):
-    r"""FSDP2's reduce-scatter with gradients sent as bf16, fp16 or int8 and summed in fp32.
+    r"""FSDP2's reduce-scatter with gradients sent as bf16, fp16, int8 or int4, summed in fp32.
 
     Install it with :func:`compress_reduce_scatter` (every ``fully_shard``-ed module of a
     model), or per module with ``module.set_custom_reduce_scatter(comm)``; one instance may

@@ -1,9 +1,9 @@
-"""DDP communication hooks that send gradients as fp16, bf16 or int8.
+"""DDP communication hooks that send gradients as fp16, bf16, int8, int4 or int2.
 
 Each module has one job:
 
 - ``codecs``: how a fp32 bucket is encoded into wire rows, summed in fp32 and decoded
-  (fp16, bf16, int8 with block scales);
+  (fp16, bf16; int8, int4 and int2 with block scales);
 - ``paths``: which collectives move a bucket (``allreduce``: the collective sums in the wire
   dtype; ``alltoall``: all-to-all, fp32 sum, all-gather; ``hierarchical-*``: fp32 inside the
   node, one of those across nodes; ``passthrough``: 16-bit buckets);

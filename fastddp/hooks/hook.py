@@ -98,13 +98,13 @@ def _reduce(
 def compress_hook(
     state: Optional[CompressState], bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    r"""Average a DDP gradient bucket across ranks, sending it as fp16, bf16 or int8.
+    r"""Average a DDP gradient bucket across ranks, sending it as fp16, bf16, int8, int4 or int2.
 
     By default one fused pass scales the fp32 bucket by ``1 / world_size`` and rounds it (to
     nearest even) into a persistent 16-bit buffer; the buffer is all-reduced asynchronously; a
     second fused pass widens the sum back into ``bucket.buffer()`` in place, which the future
-    returns. With ``accumulate_dtype=torch.float32`` or ``dtype=torch.int8`` the sum is taken
-    in fp32 after an all-to-all and rounded once (see :class:`CompressState`). An overflow
+    returns. With ``accumulate_dtype=torch.float32`` or a block codec (int8, int4, int2) the sum
+    is taken in fp32 after an all-to-all and rounded once (see :class:`CompressState`). An overflow
     gives inf or NaN, which reaches the gradients (so ``torch.amp.GradScaler`` skips the step)
     and is counted in ``state.stats()["nonfinite_events"]``; nothing is clipped.
 
