@@ -80,9 +80,10 @@ bench: build
 	$(BIN)/python -m pytest benchmarks --benchmark-enable --benchmark-only \
 		--benchmark-columns=min,median,mean,rounds
 
-# Every restart case of fastddp.testing.restarts, many times (README, "Restarts"); add
-# --launchers fastddp torchrun for plain torchrun's column.
-STRESS_ARGS ?= --runs 50 --multi-node-runs 20 --json benchmarks/results/restart_stress.json
+# Every restart case of fastddp.testing.restarts, many times (README, "Restarts"), under
+# fastddp.launch and, in the first 5 rounds, plain torchrun (its hung runs cost the timeout).
+STRESS_ARGS ?= --runs 50 --multi-node-runs 20 --launchers fastddp torchrun --torchrun-runs 5 \
+	--timeout 75 --json benchmarks/results/restart_stress.json
 stress-restart: build
 	$(BIN)/python benchmarks/restart_stress.py $(STRESS_ARGS)
 
