@@ -36,6 +36,8 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--cases", nargs="*", default=[], help="substrings of case names to keep")
     p.add_argument("--timeout", type=float, default=150.0, help="seconds before a run is hung")
     p.add_argument("--json", type=Path, help="write the counts and every failure here")
+    p.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                   help="run nothing: add up the counts of earlier sweeps' JSON files")  # fmt: skip
     args = p.parse_args(argv)
     if args.runs < 0 or args.multi_node_runs < 0 or (args.torchrun_runs or 0) < 0:
         p.error("--runs, --multi-node-runs and --torchrun-runs must be 0 or more")
@@ -52,8 +54,29 @@ def _table(counts: dict, seconds: dict) -> str:
     return "\n".join(lines)
 
 
+def _merged(paths: list[Path]) -> tuple[dict, dict]:
+    """Counts and seconds per (case, launcher) over sweeps' JSON files (a report, or a dict of
+    reports). A file without per-run seconds counts each of its runs at its median."""
+    counts: dict = {}
+    seconds: dict = defaultdict(list)
+    for path in paths:
+        data = json.loads(path.read_text())
+        reports = [data] if "rows" in data else [v for v in data.values() if "rows" in v]
+        for row in (r for report in reports for r in report["rows"]):
+            key = (row["case"], row["launcher"])
+            total = counts.setdefault(key, dict.fromkeys(STATUSES, 0))
+            for status in STATUSES:
+                total[status] += row[status]
+            runs = sum(row[status] for status in STATUSES)
+            seconds[key] += row.get("seconds") or [row["median_s"]] * runs
+    return dict(sorted(counts.items())), seconds
+
+
 def main(argv=None) -> int:
     args = _args(argv)
+    if args.merge:
+        print(_table(*_merged(args.merge)))
+        return 0
     cases = [c for c in CASES if not args.cases or any(s in c.name for s in args.cases)]
     if netns.unavailable_reason():
         print(f"two-node cases left out: {netns.unavailable_reason()}", file=sys.stderr)

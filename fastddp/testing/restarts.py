@@ -166,7 +166,9 @@ def _execute(case: Case, launcher: str, run: Path, timeout: float, kills: bool =
         try:
             if case.fault == "node-loss" and kills:
                 if not _wait_for_step(run, 4, procs, deadline):
-                    return [p.poll() for p in procs]
+                    codes = [p.poll() for p in procs]
+                    # Every launcher still running at the deadline: hung before the fault.
+                    return None if all(c is None for c in codes) else codes
                 netns.kill(made[-1])
                 procs[-1].wait(timeout=30)
                 procs.append(start(case.nodes - 1))
