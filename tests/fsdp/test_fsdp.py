@@ -133,7 +133,9 @@ def _relative(a: dict, b: dict) -> float:
 # Per wire dtype: the largest relative error of first-step gradients and of parameters after
 # three SGD steps. Measured worst cases over 2 and 4 ranks: bf16 3.9e-3 / 2.5e-3, fp16
 # 4.7e-4 / 2.7e-4, int8 4.1e-2 / 2.8e-2 (block 128: a block may hold a bias next to a weight's
-# larger gradients). A missing or doubled scale gives errors near 1.
+# larger gradients). A missing or doubled scale gives errors near 1. int4 is left out of these
+# training runs: without error feedback its first-step gradient error is 0.21 on 2 ranks and
+# 0.86 on 4 (block 32), as large as that of a wrong scale; _direct checks it bit for bit.
 _TOL = {torch.bfloat16: (1e-2, 6e-3), torch.float16: (2e-3, 1e-3), torch.int8: (8e-2, 6e-2)}
 _GROUPS = 3  # two blocks and the root: one reduce-scatter each per step
 
@@ -150,7 +152,7 @@ def _check_fsdp_run(rank, ref, wire, **kwargs):
 
 def _fsdp_two(rank, world):
     ref = _fsdp_worker.train(rank)
-    for wire in WIRES:
+    for wire in _TOL:
         _check_fsdp_run(rank, ref, wire, block_size=32 if wire == torch.int8 else None)
     # FSDP2's own knobs change the op it passes: SUM with FSDP2 dividing itself, and
     # PREMUL_SUM(1 / factor), which Gloo's own reduce-scatter refuses, so the reference there is
