@@ -7,6 +7,9 @@ one run, so the methods at a rate share the machine's state.
 
     python benchmarks/link_sweep.py --json benchmarks/results/link_sweep.json \\
         --plot benchmarks/results/link_sweep.png
+
+It also prints, per rate, fastddp's fastest mode against PowerSGD's fastest: the crossover is
+the fastest measured rate at which PowerSGD's step is the shorter.
 """
 
 import argparse
@@ -28,13 +31,33 @@ def _one(rate, args, tmp) -> dict:
     cmd = [sys.executable, "-m", "fastddp.bench", "ddp", "--model", "transformer"]
     cmd += ["--width", str(args.width), "--layers", str(args.layers), "--batch", str(args.batch)]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--modes", *args.modes]
-    cmd += ["--json", str(out)]
+    cmd += ["--bucket-cap-mb", str(args.bucket_cap_mb), "--json", str(out)]
     if rate != "loopback":
         cmd += ["--link", rate]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if res.returncode != 0:
         raise SystemExit(f"link_sweep: {rate} failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
     return json.loads(out.read_text())
+
+
+def _crossover(table, rates) -> dict:
+    """Per rate, fastddp's and PowerSGD's fastest modes and their step ratio; print them."""
+    out = {}
+    for rate in rates:
+        rows = table[rate]
+        ours = [m for m in rows if m.startswith("fastddp-")]
+        theirs = [m for m in rows if m.startswith("powersgd-")]
+        if not ours or not theirs:
+            continue
+        best = min(ours, key=lambda m: rows[m]["p50_ms"])
+        peer = min(theirs, key=lambda m: rows[m]["p50_ms"])
+        ratio = rows[best]["p50_ms"] / rows[peer]["p50_ms"]
+        out[rate] = {"fastddp": best, "powersgd": peer, "ratio": ratio}
+        print(f"{rate}: fastddp's fastest {best} is {ratio:.2f}x PowerSGD's fastest {peer}")
+    slower = [r for r in rates if r in out and out[r]["ratio"] > 1]
+    if slower:
+        print(f"crossover: PowerSGD's step is shorter at {slower[0]} and at {', '.join(slower)}")
+    return out
 
 
 def main(argv=None) -> int:
@@ -46,6 +69,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket size")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per rate")
     p.add_argument("--json")
     p.add_argument("--plot")
@@ -68,9 +92,14 @@ def main(argv=None) -> int:
         f"{'fp32 p50 (ms)':<20}"
         + "".join(f"{table[r]['fp32']['p50_ms']:>12.0f}" for r in args.rates)
     )
+    crossover = _crossover(table, args.rates)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"params": params, "rates": args.rates, "rows": table}, f, indent=1)
+            json.dump(
+                {"params": params, "rates": args.rates, "rows": table, "crossover": crossover},
+                f,
+                indent=1,
+            )
     if args.plot:
         title = f"Where compression pays (transformer, {params / 1e6:.1f}M, 2 ranks)"
         x, y = "link between the two nodes", "step time / fp32 step time"

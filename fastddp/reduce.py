@@ -89,6 +89,11 @@ def all_reduce(
                 f"{where}: pass either state= or the settings ({', '.join(clash)}), not both: "
                 "the state already holds its settings"
             )
+        if state.delay:
+            raise ValueError(
+                f"{where}: state has delay=1, which only DDP's compress_hook applies (it hands "
+                "back the previous step's gradient); give all_reduce a state with delay=0"
+            )
         if group is not None and group is not state.process_group:
             raise ValueError(
                 f"{where}: group differs from state.process_group; build the CompressState "

@@ -59,7 +59,12 @@ def _parser():
     d.add_argument("--params", type=int, default=25_000_000, help="mlp size (default 25M)")
     width = "layer width (mlp default: 2048 for large models, else fitted; transformer: 512)"
     _decoder_options(d, width=None, layers=8, batch=16, width_help=width)
-    d.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket size")
+    d.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=25.0,
+        help="DDP's bucket size (PowerSGD on Gloo: one bucket, see bench/ddp.py)",
+    )
     _steps_options(d, steps=30, warmup=5)
     d.add_argument("--modes", nargs="+", default=ddp.MODES, choices=ddp.CHOICES)
     add_common_options(d)
@@ -85,7 +90,7 @@ def _parser():
     c.add_argument("--slack", type=float, default=0.01, help="target = fp32's loss x (1 + slack)")
     c.add_argument("--max-factor", type=float, default=2.0, help="give up after this x --steps")
     c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    c.add_argument("--bucket-cap-mb", type=float, default=25.0, help="as for ddp")
     c.add_argument("--modes", nargs="+", default=convergence.MODES, choices=ddp.CHOICES)
     add_common_options(c)
     return p

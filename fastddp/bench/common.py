@@ -13,18 +13,31 @@ from fastddp.hooks.presets import PRESETS, preset
 from fastddp.testing.spawn import spawn_ranks
 
 _PREFIX = "fastddp-"
+_DELAYED = "-delay"
 #: fastddp's benchmark modes: ``fastddp-`` and the name of each of :data:`fastddp.PRESETS`.
 FASTDDP_MODES = [_PREFIX + name for name in PRESETS]
+#: DDP's modes with one-step delayed reduction (``delay=1``): ``fastddp-<preset>-delay``.
+DELAYED_MODES = [mode + _DELAYED for mode in FASTDDP_MODES]
 
 
 def settings_of(mode: str) -> dict:
-    """The :class:`~fastddp.CompressState` settings of the benchmark mode ``fastddp-<preset>``."""
-    return preset(mode.removeprefix(_PREFIX))
+    """The :class:`~fastddp.CompressState` settings of the benchmark mode ``fastddp-<preset>``
+    (``fastddp-<preset>-delay``: with ``delay=1``)."""
+    name = mode.removeprefix(_PREFIX)
+    if name.endswith(_DELAYED):
+        return {**preset(name.removesuffix(_DELAYED)), "delay": 1}
+    return preset(name)
 
 
 def fastddp_state(mode: str, **overrides) -> fastddp.CompressState:
-    """A :class:`~fastddp.CompressState` for the benchmark mode ``fastddp-<preset>``."""
-    return fastddp.CompressState.from_preset(mode.removeprefix(_PREFIX), **overrides)
+    """A :class:`~fastddp.CompressState` for the benchmark mode ``fastddp-<preset>[-delay]``."""
+    return fastddp.CompressState(**{**settings_of(mode), **overrides})
+
+
+def pacing_group():
+    """A group of its own for the benchmarks' per-step barrier: a barrier on the hooks' group
+    would wait for reductions that ``delay=1`` leaves in flight into the next step."""
+    return torch.distributed.new_group(backend="gloo")
 
 
 def run_everywhere(fn, args, argv):
@@ -108,7 +121,7 @@ def fastddp_runs(modes, topologies):
     """``(label, mode, topology)`` per run: fastddp modes once per topology, others once."""
     runs = []
     for mode in modes:
-        if mode not in FASTDDP_MODES:
+        if mode not in FASTDDP_MODES + DELAYED_MODES:
             runs.append((mode, mode, None))
             continue
         for topo in topologies:

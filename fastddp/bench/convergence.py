@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fastddp.bench import ddp
+from fastddp.bench import common, ddp
 from fastddp.bench.models import Decoder
 
 MODES = [
@@ -49,20 +49,20 @@ def _batch(data, args, step, rank, gen_base):
     return data[at + torch.arange(args.seq + 1)]
 
 
-def _val_loss(model, val_batches, device) -> float:
+def _val_loss(model, val_batches, device, group=None) -> float:
     with torch.no_grad():
         total = sum(
             Decoder.loss(model(b[:, :-1].to(device)), b[:, 1:].to(device)) for b in val_batches
         )
     mean = torch.tensor([float(total) / len(val_batches)], dtype=torch.float64)
-    dist.all_reduce(mean)
+    dist.all_reduce(mean, group=group)
     return mean.item() / dist.get_world_size()
 
 
-def run_mode(env, args, mode, data, val_batches, target):
+def run_mode(env, args, mode, data, val_batches, target, pacer=None):
     torch.manual_seed(args.seed)
     module = Decoder(width=args.width, heads=args.heads, layers=args.layers).to(env.device)
-    model = DDP(module, bucket_cap_mb=args.bucket_cap_mb)
+    model = DDP(module, bucket_cap_mb=ddp.bucket_cap_mb(args, mode, module, env.device))
     # PowerSGD's warm-up (plain all-reduce first): a tenth of the fp32 run, as PyTorch advises.
     hook_args = argparse.Namespace(warmup=max(2, args.steps // 10))
     state = ddp._register(model, mode, "auto", hook_args)
@@ -71,7 +71,7 @@ def run_mode(env, args, mode, data, val_batches, target):
     trained, curve, reached = 0.0, [], None
     for step in range(1, limit + 1):
         batch = _batch(data, args, step, env.rank, args.seed * 100_003).to(env.device)
-        dist.barrier()
+        dist.barrier(group=pacer)
         start = time.perf_counter()
         Decoder.loss(model(batch[:, :-1]), batch[:, 1:]).backward()
         opt.step()
@@ -80,7 +80,7 @@ def run_mode(env, args, mode, data, val_batches, target):
             torch.cuda.synchronize()
         trained += time.perf_counter() - start
         if step % args.eval_every == 0 or step == limit:
-            loss = _val_loss(model, val_batches, env.device)
+            loss = _val_loss(model, val_batches, env.device, pacer)
             curve.append((step, trained, loss))
             if target is not None and loss <= target:
                 reached = (step, trained)
@@ -116,8 +116,9 @@ def run(env, args):
     val_batches = [_batch(val, args, -k, env.rank, 7) for k in range(1, args.val_batches + 1)]
     modes = ["fp32"] + [m for m in args.modes if m != "fp32"]
     rows, target = [], None
+    pacer = common.pacing_group()
     for mode in modes:
-        row = run_mode(env, args, mode, train, val_batches, target)
+        row = run_mode(env, args, mode, train, val_batches, target, pacer)
         if mode == "fp32":
             # fp32 itself is timed to the same target: its first check at or below it.
             target = row["final_val_loss"] * (1 + args.slack)

@@ -1,21 +1,22 @@
 """End-to-end DDP step time per communication hook.
 
 Modes: ``fp32`` (no hook), ``torch-fp16`` (PyTorch's ``fp16_compress_hook``),
-``powersgd-r1|r2|r4`` (PyTorch's ``powerSGD_hook`` at rank 1, 2, 4, with error feedback and
-warm start; plain all-reduce during the warm-up steps, compressed in every timed step),
-``fastddp-<preset>`` for each of :data:`fastddp.PRESETS` (``fastddp-bf16``,
-``fastddp-bf16-acc`` for bf16 summed in fp32, ``fastddp-int8-ef`` with error feedback, ...),
-and ``noop`` (PyTorch's ``noop_hook``: no communication, the floor). PyTorch's
-``bf16_compress_hook`` is not among them: it refuses to run without CUDA and NCCL. ``--model``
-picks a stack of square linear layers (``mlp``, sized by ``--params``) or a decoder-only
-transformer (``transformer``, ``--width`` and ``--layers``, character-level tokens). A step is
-forward, backward (with the hook's collectives) and an SGD update; p50/p90 are over the slowest
-rank's step times after warm-up. Exposed communication = (p50 - p50 of noop) / p50. Cross-node
-bytes per step are summed over all ranks: fastddp's own count (``stats()["cross_node_bytes"]``),
-and for the others what a ring all-reduce in rank order sends between nodes. CPU/step is the CPU
-time of all ranks' processes (every thread) per step, summed over ranks: held against the cores
-times the step time, it shows whether a run is bound by the CPU rather than the link.
-``--topologies`` runs each fastddp mode with each ``CompressState(topology=...)``.
+``powersgd-r1|r2|r4`` (PyTorch's ``powerSGD_hook`` at rank 1, 2, 4, with error feedback and warm
+start; plain all-reduce during the warm-up steps, compressed in every timed step),
+``fastddp-<preset>`` for each of :data:`fastddp.PRESETS` (``fastddp-bf16``, ``fastddp-bf16-acc``
+for bf16 summed in fp32, ``fastddp-int8-ef`` with error feedback, ...), each also as
+``fastddp-<preset>-delay`` (``delay=1``: one-step delayed reduction), and ``noop`` (PyTorch's
+``noop_hook``: no communication, the floor). PyTorch's ``bf16_compress_hook`` is not among them:
+it refuses to run without CUDA and NCCL. ``--model`` picks a stack of square linear layers
+(``mlp``, sized by ``--params``) or a decoder-only transformer (``transformer``, ``--width`` and
+``--layers``, character-level tokens). A step is forward, backward (with the hook's collectives)
+and an SGD update; p50/p90 are over the slowest rank's step times after warm-up. Exposed
+communication = (p50 - p50 of noop) / p50. Cross-node bytes per step are summed over all ranks:
+fastddp's own count (``stats()["cross_node_bytes"]``), and for the others what a ring all-reduce
+in rank order sends between nodes. CPU/step is the CPU time of all ranks' processes (every
+thread) per step, summed over ranks: held against the cores times the step time, it shows
+whether a run is bound by the CPU rather than the link. ``--topologies`` runs each fastddp mode
+with each ``CompressState(topology=...)``.
 """
 
 import time
@@ -28,13 +29,19 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compr
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
-from fastddp.bench.common import FASTDDP_MODES, fastddp_runs, fastddp_state
+from fastddp.bench.common import (
+    DELAYED_MODES,
+    FASTDDP_MODES,
+    fastddp_runs,
+    fastddp_state,
+    pacing_group,
+)
 from fastddp.bench.models import Decoder, mlp
 from fastddp.hooks.topology import Topology, node_hash
 
 POWERSGD_RANKS = {"powersgd-r1": 1, "powersgd-r2": 2, "powersgd-r4": 4}
 # Every mode --modes takes; the default is a few (the table in RESULTS.md keeps its columns).
-CHOICES = ["fp32", "torch-fp16", *FASTDDP_MODES, *POWERSGD_RANKS, "noop"]
+CHOICES = ["fp32", "torch-fp16", *FASTDDP_MODES, *DELAYED_MODES, *POWERSGD_RANKS, "noop"]
 MODES = ["fp32", "torch-fp16", "fastddp-bf16", "fastddp-fp16", "noop"]
 
 
@@ -74,11 +81,25 @@ def _register(model, mode, topology, args):
             start_powerSGD_iter=max(2, args.warmup),
         )
         model.register_comm_hook(state, powersgd.powerSGD_hook)
-    elif mode in FASTDDP_MODES:
+    elif mode in FASTDDP_MODES or mode in DELAYED_MODES:
         state = fastddp_state(mode, topology=topology)
         model.register_comm_hook(state, fastddp.compress_hook)
         return state
     return None
+
+
+def bucket_cap_mb(args, mode, module, device) -> float:
+    """DDP's bucket size for ``mode``: ``--bucket-cap-mb``, but one bucket for PowerSGD on Gloo.
+
+    PyTorch's PowerSGD hook issues its second all-reduce from a callback of the first one's
+    future, which Gloo runs on one of its own threads: with several buckets the ranks issue
+    those all-reduces in different orders, and Gloo aborts on the mismatched sizes (torch
+    2.13). NCCL runs such callbacks inline, so on CUDA the option holds for every mode.
+    """
+    if mode not in POWERSGD_RANKS or device.type == "cuda":
+        return args.bucket_cap_mb
+    size_mb = sum(p.numel() * p.element_size() for p in module.parameters()) / 2**20
+    return max(args.bucket_cap_mb, size_mb + 1)
 
 
 def _powersgd_bytes(model, rank, min_rate=2):
@@ -101,16 +122,16 @@ def _percentile(values, q):
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def run_mode(env, args, label, mode, topology, topo):
+def run_mode(env, args, label, mode, topology, topo, pacer=None):
     module, loss_of = _model_and_batch(args, env.device, env.rank)
-    model = DDP(module, bucket_cap_mb=args.bucket_cap_mb)
+    model = DDP(module, bucket_cap_mb=bucket_cap_mb(args, mode, module, env.device))
     state = _register(model, mode, topology, args)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     times = []
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             cpu = time.process_time()  # every thread of this rank, Gloo's included
-        dist.barrier()
+        dist.barrier(group=pacer)
         start = time.perf_counter()
         opt.zero_grad(set_to_none=False)
         loss_of(model).backward()
@@ -162,7 +183,8 @@ def run(env, args):
     dist.all_gather(everyone, hashes)
     topo = Topology([int(h) for h in everyone], env.rank)
     runs = fastddp_runs(args.modes, args.topologies)
-    rows = [run_mode(env, args, *run, topo) for run in runs]
+    pacer = pacing_group()
+    rows = [run_mode(env, args, *run, topo, pacer) for run in runs]
     floor = next((r["p50_ms"] for r in rows if r["mode"] == "noop"), None)
     base = next((r["p50_ms"] for r in rows if r["mode"] == "fp32"), None)
     for r in rows:

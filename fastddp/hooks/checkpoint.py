@@ -2,7 +2,8 @@
 
 A state dict holds the settings (checked on load), the counters, and each bucket's counters and
 error-feedback residuals on the CPU, stored with the parameters they belong to, so that they
-find their parameters again when the resumed DDP lays its buckets out differently.
+find their parameters again when the resumed DDP lays its buckets out differently; with
+``delay=1`` also the reduced gradients in waiting, by parameter (the same on every rank).
 """
 
 from typing import Any, Optional
@@ -46,6 +47,7 @@ def save(state: Any) -> dict[str, Any]:
         "counters": dict(state._counters),
         "buckets": buckets,
         "carry": state._residuals.state(),
+        "delayed": state._delayed.state(state._pipeline.settle),
     }
 
 
@@ -64,6 +66,7 @@ def load(state: Any, state_dict: dict[str, Any]) -> None:
         state._table.saved[int(saved.get("index", index))] = saved
     with_shards = state.error_feedback and state.accumulate_dtype == torch.float32
     state._residuals = parked(state_dict, with_shards)
+    state._delayed.load(state_dict.get("delayed"))
 
 
 def _cpu(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

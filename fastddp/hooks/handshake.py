@@ -20,8 +20,9 @@ __all__ = ["PROTOCOL", "check", "exchange", "topology_of"]
 # so that ranks running different fastddp versions refuse to mix.
 # 3: int8 rows carry their scales behind their values (one all-to-all, one all-gather).
 # 4: the settings row carries the topology setting and a node identity.
-PROTOCOL = 4
-_SHARED = 7  # the first columns of a row, which every rank must share
+# 5: and the delay setting.
+PROTOCOL = 5
+_SHARED = 8  # the first columns of a row, which every rank must share
 
 
 def exchange(state: Any, device: torch.device) -> list[tuple[int, ...]]:
@@ -37,6 +38,7 @@ def exchange(state: Any, device: torch.device) -> list[tuple[int, ...]]:
             int(s["stochastic_rounding"]),
             s["block_size"] or 0,
             TOPOLOGIES.index(state.topology),
+            state.delay,
             *loaded,
             node_hash(),
         ],
@@ -57,7 +59,7 @@ def check(rows: list[tuple[int, ...]]) -> None:
             f"  rank {rank}: dtype={names.get(row[1], '?')}, accumulate_dtype="
             f"{'float32' if row[2] else None}, error_feedback={bool(row[3])}, "
             f"stochastic_rounding={bool(row[4])}, block_size={row[5] or None}, "
-            f"topology={TOPOLOGIES[row[6]]!r}"
+            f"topology={TOPOLOGIES[row[6]]!r}, delay={row[7]}"
             + (f", fastddp protocol {row[0]}" if row[0] != PROTOCOL else "")
             for rank, row in enumerate(rows)
         ]
@@ -66,7 +68,7 @@ def check(rows: list[tuple[int, ...]]) -> None:
             "combined:\n" + "\n".join(lines) + "\nGive every rank the same CompressState "
             "arguments (and the same fastddp version)."
         )
-    resized = sorted({row[8] for row in rows if row[7] != -1 and row[8] != world})
+    resized = sorted({row[9] for row in rows if row[8] != -1 and row[9] != world})
     if resized:
         raise ValueError(
             f"fastddp: CompressState.load_state_dict was given error-feedback residuals saved "
@@ -76,9 +78,9 @@ def check(rows: list[tuple[int, ...]]) -> None:
             "(examples/resume.py does this); or start this state without them."
         )
     wrong = [
-        f"  rank {rank} loaded the state dict of rank {row[7]} of {row[8]}"
+        f"  rank {rank} loaded the state dict of rank {row[8]} of {row[9]}"
         for rank, row in enumerate(rows)
-        if row[7] != -1 and (row[7], row[8]) != (rank, world)
+        if row[8] != -1 and (row[8], row[9]) != (rank, world)
     ]
     if wrong:
         raise ValueError(
@@ -91,4 +93,4 @@ def check(rows: list[tuple[int, ...]]) -> None:
 
 def topology_of(rows: list[tuple[int, ...]], rank: int) -> Topology:
     """The topology the rows describe, seen from ``rank``."""
-    return Topology([row[9] for row in rows], rank)
+    return Topology([row[10] for row in rows], rank)

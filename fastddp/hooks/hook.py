@@ -45,6 +45,21 @@ def _reduce(
     ``parameters`` (a DDP bucket's tensors) or ``params`` (``(key, numel)`` of the tensors
     packed in ``buffer``) let buffers and error-feedback residuals follow their tensors.
     """
+    return _start(state, buffer, index, is_last, average, params, parameters)[0]
+
+
+def _start(
+    state: CompressState,
+    buffer: torch.Tensor,
+    index: int,
+    is_last: bool,
+    average: bool,
+    params: Optional[tuple],
+    parameters: Optional[list],
+    defer: bool = False,
+) -> tuple[torch.futures.Future, Optional[Job]]:
+    """:func:`_reduce`, returning the job too (None if nothing is sent); ``defer`` leaves it
+    pending past the end of the backward pass (``delay=1``)."""
     pipeline = state._pipeline
     pipeline.check()
     group = state.process_group
@@ -63,8 +78,8 @@ def _reduce(
         state._counters["passthrough_calls"] += 1
         state._counters["payload_bytes"] += buffer.numel() * buffer.element_size()
         job = Job(PASSTHROUGH, None, buffer, (group,), world, average, (), None)
-        pipeline.submit(lambda: job, is_last)
-        return job.result
+        pipeline.submit(lambda: job, is_last, defer)
+        return job.result, job
     if not state._verified:
         _verify(state, buffer.device)
     key, signature = state._table.identify(index, buffer, parameters, params)
@@ -88,11 +103,31 @@ def _reduce(
         groups = state._topology.groups_for(path.roles)
         job = Job(path, slot, buffer, groups, world, average, seeds, state._topology)
         slot.job = job
-        holder.append(job.result)
+        holder.extend((job.result, job))
         return job
 
-    pipeline.submit(start, is_last)
-    return holder[0]
+    pipeline.submit(start, is_last, defer)
+    return holder[0], holder[1] if len(holder) > 1 else None
+
+
+def _reduce_delayed(state: CompressState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """``delay=1``: start reducing this step's gradient, give the bucket the previous step's."""
+    pipeline = state._pipeline
+    pipeline.check()
+    buffer, parameters = bucket.buffer(), bucket.parameters()
+    params = state._table.keys_of(parameters)
+    delayed = state._delayed
+
+    def swap_and_start() -> None:
+        entry = delayed.entry_for(params, buffer, pipeline.settle)
+        pipeline.settle(entry.job)
+        send = delayed.start(entry, buffer)
+        entry.job = _start(state, send, bucket.index(), False, True, None, parameters, True)[1]
+
+    pipeline.guarded(swap_and_start)
+    done = torch.futures.Future(devices=[buffer.device] if buffer.device.type == "cuda" else None)
+    done.set_result(buffer)
+    return done
 
 
 def compress_hook(
@@ -158,6 +193,8 @@ def compress_hook(
             "optimize_ddp at its default ('ddp_optimizer'), compile without compiled "
             "autograd, or register no hook"
         )
+    if state.delay:
+        return _reduce_delayed(state, bucket)
     return _reduce(
         state, bucket.buffer(), bucket.index(), bucket.is_last(), parameters=bucket.parameters()
     )

@@ -132,10 +132,13 @@ class Pipeline:
             self._fail(e)
             raise
 
-    def submit(self, start: Callable[[], Optional[Job]], is_last: bool) -> None:
+    def submit(
+        self, start: Callable[[], Optional[Job]], is_last: bool, defer: bool = False
+    ) -> None:
         """Start a new bucket with ``start`` (which returns its job, or None if there is nothing
         to send), then run the next stage of every job that was pending before it; finish
-        everything if ``is_last``."""
+        everything if ``is_last``. ``defer`` (``delay=1``): leave jobs pending past the end of
+        the backward pass; later submissions and :meth:`settle` run them."""
         self._earlier = list(self._pending)
         self._pending.clear()
         try:
@@ -152,6 +155,8 @@ class Pipeline:
             raise
         self.guarded(self._run_earlier)
         self.guarded(self._poll)
+        if defer:
+            return
         if is_last:
             self.guarded(self.flush)
         elif self._pending or self._completing:
@@ -182,13 +187,21 @@ class Pipeline:
         return job is not None and (job in self._pending or job in self._earlier)
 
     def settle(self, job: Optional[Job]) -> None:
-        """Make ``job`` (a slot's previous reduction) finished before its buffers are reused."""
+        """Make ``job`` (a slot's previous reduction) finished before its buffers are reused.
+
+        Pending jobs step as in :meth:`flush` (every rank alike), until ``job`` has no stage
+        left; jobs completed before it (in order) and it are completed, later ones are left.
+        """
         if job is None:
             return
         if job in self._earlier:
             self._run_earlier()  # before this bucket's own first stage, on every rank alike
-        if job in self._pending or job in self._completing:
-            self.flush()
+        while job in self._pending:
+            self._earlier = list(self._pending)
+            self._pending.clear()
+            self._run_earlier()
+        while job in self._completing:
+            self._complete(self._completing.popleft())
         job.runtime.wait_result(job.result)  # on CUDA: the current stream waits for its decode
 
     # -- internals ------------------------------------------------------------------------

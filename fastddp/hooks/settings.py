@@ -27,6 +27,7 @@ def checked(
     block_size: Optional[int],
     seed: int,
     topology: str,
+    delay: int = 0,
 ) -> dict[str, Any]:
     """Return the arguments of :class:`~fastddp.CompressState`, normalised; raise on bad ones.
 
@@ -65,6 +66,11 @@ def checked(
             f"{_WHERE}: topology must be one of {', '.join(map(repr, TOPOLOGIES))}, got "
             f"{topology!r}"
         )
+    if isinstance(delay, bool) or not isinstance(delay, int) or delay not in (0, 1):
+        raise ValueError(
+            f"{_WHERE}: delay must be 0 (each step applies its own reduced gradient) or 1 (each "
+            f"step applies the gradient reduced during the previous step), got {delay!r}"
+        )
     return {
         "dtype": dtype,
         "process_group": process_group,
@@ -74,6 +80,7 @@ def checked(
         "block_size": block_size,
         "seed": seed,
         "topology": topology,
+        "delay": delay,
     }
 
 
@@ -86,6 +93,7 @@ def plain(state: Any) -> dict[str, Any]:
         "stochastic_rounding": state.stochastic_rounding,
         "block_size": state.block_size,
         "topology": state.topology,
+        "delay": state.delay,
     }
 
 
@@ -99,6 +107,7 @@ def from_plain(settings: dict[str, Any]) -> dict[str, Any]:
         "error_feedback": settings["error_feedback"],
         "stochastic_rounding": settings["stochastic_rounding"],
         "block_size": settings["block_size"],
+        "delay": settings.get("delay", 0),
     }
 
 
@@ -110,7 +119,8 @@ def mismatch(saved: dict[str, Any], mine: dict[str, Any]) -> Optional[str]:
     for key, value in mine.items():
         if key == "topology":
             continue
-        theirs = saved.get(key, value if key != "dtype" else None)
+        default = 0 if key == "delay" else value if key != "dtype" else None
+        theirs = saved.get(key, default)
         if theirs != value:
             return (
                 f"CompressState.load_state_dict: saved {key} {theirs!r} does not match this "

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from fastddp.codecs import CODECS, Codec, codec_for
 from fastddp.hooks import checkpoint, settings, stats
+from fastddp.hooks.delay import Delayed
 from fastddp.hooks.paths import Path, path_for
 from fastddp.hooks.pipeline import Pipeline
 from fastddp.hooks.presets import preset
@@ -58,6 +59,11 @@ class CompressState:
             host name and network namespace, or by ``FASTDDP_NODE_ID``. Nodes with different
             numbers of ranks make ``"auto"`` reduce flat with a warning and
             ``"hierarchical"`` raise, on every rank.
+        delay (int): ``1`` applies, at each step, the gradient reduced during the previous
+            step, so that the reduction has a whole step of compute to hide behind (one-step
+            delayed gradients: the first step after the state is made applies zeros, and the
+            last step's reduction is never applied; :meth:`state_dict` saves the reduced
+            gradient in waiting). ``0`` (default) applies each step's own.
 
     .. warning::
         A bucket's reduction may finish only when the next bucket reaches the hook (so that
@@ -83,6 +89,7 @@ class CompressState:
         "block_size",
         "seed",
         "topology",
+        "delay",
         "codec",
         "_table",
         "_counters",
@@ -92,6 +99,7 @@ class CompressState:
         "_loaded_from",
         "_topology",
         "_resolved",
+        "_delayed",
     )
 
     def __init__(
@@ -105,10 +113,11 @@ class CompressState:
         block_size: Optional[int] = None,
         seed: int = 0,
         topology: str = "auto",
+        delay: int = 0,
     ) -> None:
         args = settings.checked(
             dtype, process_group, accumulate_dtype, error_feedback, stochastic_rounding,
-            block_size, seed, topology,
+            block_size, seed, topology, delay,
         )  # fmt: skip
         for name, value in args.items():
             setattr(self, name, value)
@@ -136,6 +145,7 @@ class CompressState:
         self._loaded_from: Optional[tuple[int, int]] = None
         self._topology: Optional[Topology] = None  # found at the first reduction
         self._resolved: Optional[str] = None  # "flat" or "hierarchical", from the topology
+        self._delayed = Delayed()  # with delay=1: each bucket's reduced gradient in waiting
 
     @property
     def path(self) -> str:

@@ -93,7 +93,7 @@ def test_ddp_step_benchmark(tmp_path):
 def test_ddp_peers_on_the_transformer(tmp_path):
     out = tmp_path / "ddp.json"
     small = ["--model", "transformer", "--width", "32", "--layers", "2", "--heads", "4"]
-    modes = ["fp32", "powersgd-r1", "powersgd-r4", "fastddp-int8-ef"]
+    modes = ["fp32", "powersgd-r1", "powersgd-r4", "fastddp-int8-ef", "fastddp-int8-ef-delay"]
     args = ["ddp", *small, "--seq", "16", "--steps", "2", "--warmup", "2", "--modes", *modes]
     res = _run([*args, "--json", str(out)])
     assert res.returncode == 0, res.stderr[-3000:]
@@ -104,6 +104,10 @@ def test_ddp_peers_on_the_transformer(tmp_path):
     # PowerSGD sends P and Q of each large matrix, the rest as it is: more at rank 4.
     assert 0 < rows["powersgd-r1"]["payload_bytes"] < rows["powersgd-r4"]["payload_bytes"] < fp32
     assert 0 < rows["fastddp-int8-ef"]["payload_bytes"] < 0.3 * fp32
+    # Delayed, the same bytes go a step later.
+    assert (
+        rows["fastddp-int8-ef-delay"]["payload_bytes"] == rows["fastddp-int8-ef"]["payload_bytes"]
+    )
     assert "transformer of 0." in res.stdout
 
 
@@ -272,10 +276,14 @@ def test_accuracy_study_runs_and_shows_fp32_accumulation(tmp_path):
 def test_link_sweep_on_loopback(tmp_path):
     args = ["--rates", "loopback", "--modes", "fp32", "fastddp-bf16", "powersgd-r1"]
     args += ["--width", "32", "--layers", "1", "--steps", "2", "--warmup", "2"]
-    data, stdout = _script("link_sweep", args, tmp_path)
+    data, stdout = _script("link_sweep", [*args, "--bucket-cap-mb", "0.01"], tmp_path)
     rows = data["rows"]["loopback"]
     assert set(rows) == {"fp32", "fastddp-bf16", "powersgd-r1"} and rows["fp32"]["vs_fp32"] == 1
     assert "fastddp-bf16" in stdout and "loopback" in stdout
+    cross = data["crossover"]["loopback"]
+    assert cross["fastddp"] == "fastddp-bf16" and cross["powersgd"] == "powersgd-r1"
+    assert cross["ratio"] == rows["fastddp-bf16"]["p50_ms"] / rows["powersgd-r1"]["p50_ms"]
+    assert "fastddp's fastest fastddp-bf16" in stdout
 
 
 def test_convergence_run_runs(tmp_path):

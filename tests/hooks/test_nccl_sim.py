@@ -97,8 +97,8 @@ def _sim_equals_gloo(rank, world, nodes, cases, mutation=None):
         _mutate(mutation)
     torch.manual_seed(0)
     base = _Net()
-    for mode, topology in cases:
-        settings = {**preset(mode), "topology": topology}
+    for mode, topology, *delay in cases:
+        settings = {**preset(mode), "topology": topology, "delay": delay[0] if delay else 0}
         want, _, _, _ = _train(base, None, settings, rank)
         try:
             got, dirty, state, buckets = _train(base, sim, settings, rank)
@@ -108,9 +108,9 @@ def _sim_equals_gloo(rank, world, nodes, cases, mutation=None):
         used = state.stats()["topology_used"]
         assert used == topology, f"{mode}: ran {used}, asked for {topology}"
         assert buckets > 2, f"{mode}/{topology}: {buckets} buckets; the pipeline needs several"
-        same = all(
-            torch.equal(a, b) for gs, ws in zip(got, want) for a, b in zip(gs, ws)
-        ) and not any(dirty)
+        same = all(torch.equal(a, b) for gs, ws in zip(got, want) for a, b in zip(gs, ws)) and (
+            settings["delay"] or not any(dirty)
+        )
         if mutation is None:
             for step, (gs, ws) in enumerate(zip(got, want)):
                 for a, b in zip(gs, ws):
@@ -118,7 +118,9 @@ def _sim_equals_gloo(rank, world, nodes, cases, mutation=None):
                     assert torch.equal(a, b), (
                         f"{mode}/{topology} step {step}: {(a - b).abs().max()}"
                     )
-            assert not any(dirty), (
+            # With delay=1 reductions stay in flight after backward by design; the gradients
+            # handed back come from settled jobs, which the NaN outputs above would expose.
+            assert settings["delay"] or not any(dirty), (
                 f"{mode}/{topology}: host reads not ordered after the side stream"
             )
         elif not same:
@@ -135,6 +137,13 @@ def test_every_mode_on_two_ranks():
 
 def test_every_mode_and_path_on_two_nodes_of_two_ranks():
     cases = FLAT + [(mode, "hierarchical") for mode in MODES]
+    run_ranks(_sim_equals_gloo, 4, 2, cases, timeout=280)
+
+
+def test_delayed_modes_on_two_nodes_of_two_ranks():
+    # delay=1 settles a bucket's previous job when the bucket comes back, a step later.
+    modes = ["bf16", "bf16-acc-ef", "int8-ef", "int4-ef"]
+    cases = [(mode, topology, 1) for mode in modes for topology in ("flat", "hierarchical")]
     run_ranks(_sim_equals_gloo, 4, 2, cases, timeout=280)
 
 
