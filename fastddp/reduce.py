@@ -89,6 +89,11 @@ def all_reduce(
                 f"{where}: pass either state= or the settings ({', '.join(clash)}), not both: "
                 "the state already holds its settings"
             )
+        if state.dtype == "auto":
+            raise ValueError(
+                f"{where}: state has dtype='auto', which plans by DDP's step time; give "
+                "all_reduce a state of one mode (CompressState.from_preset(...))"
+            )
         if state.delay:
             raise ValueError(
                 f"{where}: state has delay=1, which only DDP's compress_hook applies (it hands "

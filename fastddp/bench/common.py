@@ -18,6 +18,8 @@ _DELAYED = "-delay"
 FASTDDP_MODES = [_PREFIX + name for name in PRESETS]
 #: DDP's modes with one-step delayed reduction (``delay=1``): ``fastddp-<preset>-delay``.
 DELAYED_MODES = [mode + _DELAYED for mode in FASTDDP_MODES]
+#: DDP's mode that chooses among the default candidates by itself (``dtype="auto"``).
+AUTO = _PREFIX + "auto"
 
 
 def settings_of(mode: str) -> dict:
@@ -121,7 +123,7 @@ def fastddp_runs(modes, topologies):
     """``(label, mode, topology)`` per run: fastddp modes once per topology, others once."""
     runs = []
     for mode in modes:
-        if mode not in FASTDDP_MODES + DELAYED_MODES:
+        if mode not in [*FASTDDP_MODES, *DELAYED_MODES, AUTO]:
             runs.append((mode, mode, None))
             continue
         for topo in topologies:

@@ -89,7 +89,11 @@ def run_mode(env, args, mode, data, val_batches, target, pacer=None):
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     numel = sum(p.numel() for p in model.parameters())
     steps_done = curve[-1][0]
-    if state is not None:
+    if mode == common.AUTO:  # what every candidate sent, fp32 steps included
+        stats = state.stats()
+        sent = sum(c["payload_bytes"] for c in stats["candidates"].values())
+        per_step = (sent + stats["steps_in"].get("none", 0) * numel * 4) / steps_done
+    elif state is not None:
         per_step = state.stats()["payload_bytes"] / steps_done
     elif mode in ddp.POWERSGD_RANKS:
         per_step = ddp._powersgd_bytes(model, ddp.POWERSGD_RANKS[mode])

@@ -5,7 +5,8 @@ Modes: ``fp32`` (no hook), ``torch-fp16`` (PyTorch's ``fp16_compress_hook``),
 start; plain all-reduce during the warm-up steps, compressed in every timed step),
 ``fastddp-<preset>`` for each of :data:`fastddp.PRESETS` (``fastddp-bf16``, ``fastddp-bf16-acc``
 for bf16 summed in fp32, ``fastddp-int8-ef`` with error feedback, ...), each also as
-``fastddp-<preset>-delay`` (``delay=1``: one-step delayed reduction), and ``noop`` (PyTorch's
+``fastddp-<preset>-delay`` (``delay=1``: one-step delayed reduction), ``fastddp-auto``
+(``dtype="auto"``, timed after its plan; the row names the mode it chose), and ``noop`` (PyTorch's
 ``noop_hook``: no communication, the floor). PyTorch's ``bf16_compress_hook`` is not among them:
 it refuses to run without CUDA and NCCL. ``--model`` picks a stack of square linear layers
 (``mlp``, sized by ``--params``) or a decoder-only transformer (``transformer``, ``--width`` and
@@ -30,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
 from fastddp.bench.common import (
+    AUTO,
     DELAYED_MODES,
     FASTDDP_MODES,
     fastddp_runs,
@@ -41,7 +43,7 @@ from fastddp.hooks.topology import Topology, node_hash
 
 POWERSGD_RANKS = {"powersgd-r1": 1, "powersgd-r2": 2, "powersgd-r4": 4}
 # Every mode --modes takes; the default is a few (the table in RESULTS.md keeps its columns).
-CHOICES = ["fp32", "torch-fp16", *FASTDDP_MODES, *DELAYED_MODES, *POWERSGD_RANKS, "noop"]
+CHOICES = ["fp32", "torch-fp16", *FASTDDP_MODES, *DELAYED_MODES, AUTO, *POWERSGD_RANKS, "noop"]
 MODES = ["fp32", "torch-fp16", "fastddp-bf16", "fastddp-fp16", "noop"]
 
 
@@ -81,6 +83,10 @@ def _register(model, mode, topology, args):
             start_powerSGD_iter=max(2, args.warmup),
         )
         model.register_comm_hook(state, powersgd.powerSGD_hook)
+    elif mode == AUTO:
+        state = fastddp.CompressState(dtype="auto", topology=topology)
+        model.register_comm_hook(state, fastddp.compress_hook)
+        return state
     elif mode in FASTDDP_MODES or mode in DELAYED_MODES:
         state = fastddp_state(mode, topology=topology)
         model.register_comm_hook(state, fastddp.compress_hook)
@@ -117,6 +123,15 @@ def _powersgd_bytes(model, rank, min_rate=2):
     return total
 
 
+def _auto_bytes(stats, numel, topo):
+    """Payload and cross-node bytes per step of the mode ``auto`` planned, and its name."""
+    chosen = stats["plan"]["mode"]
+    if chosen == "none":
+        return numel * 4, topo.ring_cross_bytes(numel, 4), chosen
+    own, steps = stats["candidates"][chosen], max(1, stats["steps_in"][chosen])
+    return own["payload_bytes"] // steps, own["cross_node_bytes"] // steps, chosen
+
+
 def _percentile(values, q):
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
@@ -127,9 +142,11 @@ def run_mode(env, args, label, mode, topology, topo, pacer=None):
     model = DDP(module, bucket_cap_mb=bucket_cap_mb(args, mode, module, env.device))
     state = _register(model, mode, topology, args)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    # auto's timed steps start once it has planned.
+    warmup = args.warmup if mode != AUTO else max(args.warmup, state.trial_steps + 1)
     times = []
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup:
+    for step in range(warmup + args.steps):
+        if step == warmup:
             cpu = time.process_time()  # every thread of this rank, Gloo's included
         dist.barrier(group=pacer)
         start = time.perf_counter()
@@ -141,12 +158,15 @@ def run_mode(env, args, label, mode, topology, topo, pacer=None):
         times.append(time.perf_counter() - start)
     cpu = torch.tensor([(time.process_time() - cpu) / args.steps], dtype=torch.float64)
     dist.all_reduce(cpu)
-    steps = torch.tensor(times[args.warmup :], dtype=torch.float64)
+    steps = torch.tensor(times[warmup:], dtype=torch.float64)
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     numel = sum(p.numel() for p in model.parameters())
     per_elem = {"fp32": 4, "torch-fp16": 2, "noop": 0}
-    calls = max(1, args.warmup + args.steps)
-    if state is not None:
+    calls = max(1, warmup + args.steps)
+    if mode == AUTO:
+        payload, cross, used = _auto_bytes(state.stats(), numel, topo)
+        label = f"{label} ({used})"
+    elif state is not None:
         stats = state.stats()
         assert stats["nonfinite_events"] == 0
         payload = stats["payload_bytes"] // calls

@@ -193,6 +193,8 @@ def compress_hook(
             "optimize_ddp at its default ('ddp_optimizer'), compile without compiled "
             "autograd, or register no hook"
         )
+    if state.dtype == "auto":
+        return state._reduce_bucket(bucket)
     if state.delay:
         return _reduce_delayed(state, bucket)
     return _reduce(

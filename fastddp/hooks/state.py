@@ -36,7 +36,9 @@ class CompressState:
             ``torch.int8`` (a quarter of fp32's bytes plus one fp32 scale per ``block_size``
             elements; always summed in fp32), ``torch.int4`` (codes -7..7, two to a byte) or
             ``torch.int2`` (codes -1, 0, 1, four to a byte; only with ``error_feedback``), for
-            slow links.
+            slow links. ``"auto"`` measures the allowed modes on the job itself and uses the
+            one that makes the step shortest (:class:`~fastddp.hooks.auto.AutoState`; then
+            only ``process_group``, ``allow``, ``topology`` and ``seed`` apply).
         process_group (ProcessGroup, optional): the group to reduce over; ``None`` is the
             default group.
         accumulate_dtype (torch.dtype, optional): ``torch.float32`` sums the 16-bit payloads in
@@ -101,6 +103,13 @@ class CompressState:
         "_resolved",
         "_delayed",
     )
+
+    def __new__(cls, dtype: Any = torch.bfloat16, *args: Any, **kwargs: Any) -> "CompressState":
+        if cls is CompressState and isinstance(dtype, str):
+            from fastddp.hooks.auto import AutoState  # it builds on this class
+
+            return object.__new__(AutoState)
+        return object.__new__(cls)
 
     def __init__(
         self,

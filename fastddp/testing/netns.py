@@ -247,6 +247,14 @@ def dropped(node: Node) -> int:
     return int(words[words.index("packets") + 1])
 
 
+def set_rate(node: Node, rate: str) -> None:
+    """Change the rate at which ``node`` sends (its link's tc tbf), while a job runs."""
+    tbf = ["tc", "qdisc", "change", "dev", node.dev, "root", "tbf", "rate", rate]
+    tbf += ["burst", "512kb", "latency", "100ms"]
+    cmd = ["ip", "netns", "exec", node.ns, *tbf]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=30)
+
+
 def set_link(node: Node, up: bool) -> None:
     """Take ``node``'s link down (an outage: nothing in or out) or bring it back up."""
     _ip("-n", node.ns, "link", "set", node.dev, "up" if up else "down")

@@ -1,0 +1,42 @@
+"""``dtype="auto"`` re-plans when the link between two nodes (of two ranks each) slows down.
+
+The job starts on a fast link and plans; the test then lowers both nodes' rate to 20 Mbit/s.
+The plan's step must drift from what was measured, and a new trial must choose int8 with
+error feedback, having measured fp32 far slower than before. Needs root; skipped otherwise.
+"""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from fastddp.testing import netns
+
+pytestmark = [pytest.mark.netns, pytest.mark.multiproc, pytest.mark.timeout(300)]
+
+WORKER = Path(__file__).with_name("_auto_worker.py")
+
+
+def test_a_link_that_slows_down_is_planned_for_again(tmp_path):
+    out, slowed = tmp_path / "plans.json", tmp_path / "slowed"
+    with netns.nodes(2, "10gbit") as made:
+        procs = netns.start(made, "2", [str(WORKER), str(out), str(slowed)])
+        try:
+            deadline = time.monotonic() + 150
+            while not Path(str(out) + ".planned").exists():
+                assert time.monotonic() < deadline, "no plan within 150 s"
+                assert all(p.poll() is None for p in procs), "a launcher exited before a plan"
+                time.sleep(0.2)
+            for node in made:
+                netns.set_rate(node, "20mbit")
+            slowed.touch()
+            codes = [p.wait(timeout=200) for p in procs]
+        finally:
+            netns.stop(procs)
+    assert codes == [0, 0], codes
+    report = json.loads(out.read_text())
+    first, last = report["plans"][0], report["plans"][-1]
+    assert report["slowed_at"] is not None and last["made_at_step"] > report["slowed_at"], report
+    assert last["mode"] == "int8-ef", report
+    assert last["step_ms"]["none"] > 3 * first["step_ms"]["none"], report
