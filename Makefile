@@ -1,5 +1,6 @@
 # Two commands for a fresh machine (see README.md):
-#   make demo   set up .venv, build, and run the compressed-vs-plain DDP demo on 2 local ranks
+#   make demo   set up .venv, build, and run the compressed-vs-plain DDP demo (2 namespace nodes
+#               on a 1 Gbit/s link as root, else 2 local ranks)
 #   make test   set up .venv, build (also the nvcc compile of the CUDA sources), run the tests
 PYTHON ?= python3
 VENV ?= .venv
@@ -29,7 +30,7 @@ build: setup
 	$(BIN)/pip install -q --no-build-isolation --no-deps -e .
 
 demo: build
-	$(BIN)/python -m fastddp.launch --standalone --nproc-per-node 2 -m fastddp.demo $(DEMO_ARGS)
+	$(BIN)/python -m fastddp.demo $(DEMO_ARGS)
 
 # Compile and link the CUDA sources with nvcc for sm_80/sm_90 (no GPU needed), then check that
 # the library holds device code for both, leaves nothing of fastddp's own unresolved, and that

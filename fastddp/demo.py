@@ -1,8 +1,13 @@
-"""Train one model with plain DDP and with fastddp's bf16 and fp16 hooks; print a comparison.
+"""Train one model with plain DDP and with fastddp's hooks; print a comparison.
 
-Run it under a launcher, ``python -m fastddp.launch --standalone --nproc-per-node 2 -m
-fastddp.demo`` (what ``make demo`` does; any torchrun-style launch works), or alone, when it
-spawns ``--nproc`` local ranks itself. Ranks talk over Gloo, on the CPU.
+``python -m fastddp.demo`` (what ``make demo`` runs) shows where compression pays: it runs on two
+nodes made of network namespaces joined by a ``--link`` of 1 Gbit/s, one rank each, where this
+machine allows namespaces (root), through ``python -m fastddp.netns``; elsewhere, or with
+``--link none``, on ``--nproc`` local ranks over loopback through ``python -m fastddp.launch
+--standalone``, and it says so. Under any torchrun-style launcher it runs as launched. Ranks
+talk over Gloo, on the CPU. Modes: plain DDP, fastddp's bf16, bf16 summed in fp32, int8 with
+error feedback, and ``auto``, which measures those on the job and keeps the fastest (its row
+names its choice and is timed after its plan).
 
 A student MLP learns a fixed random teacher MLP from synthetic data. Every mode starts from
 the same weights and sees the same batches, so their losses are directly comparable. Every
@@ -14,6 +19,8 @@ import argparse
 import copy
 import os
 import statistics
+import subprocess
+import sys
 import time
 from datetime import timedelta
 
@@ -24,13 +31,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
 from fastddp.bench import report
-from fastddp.bench.common import FASTDDP_MODES, fastddp_state
+from fastddp.bench.common import AUTO, FASTDDP_MODES, fastddp_state
 from fastddp.bench.models import mlp
 from fastddp.distributed import exit_after_shutdown
-from fastddp.testing.spawn import spawn_ranks
+from fastddp.testing import netns
 
-# Plain DDP, then fastddp's hook with the presets bf16 and fp16 (named as in fastddp.bench).
-MODES = ["fp32", "fastddp-bf16", "fastddp-fp16"]
+# Plain DDP, then fastddp's hook with presets and auto (named as in fastddp.bench).
+MODES = ["fp32", "fastddp-bf16", "fastddp-bf16-acc", "fastddp-int8-ef", AUTO]
 
 
 def _grads(model):
@@ -45,6 +52,9 @@ def _train(mode, args, rank, world):
     state = None
     if mode in FASTDDP_MODES:
         state = fastddp_state(mode)
+    elif mode == AUTO:
+        state = fastddp.CompressState(dtype="auto")
+    if state is not None:
         model.register_comm_hook(state, fastddp.compress_hook)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard, same per mode
@@ -72,17 +82,25 @@ def _train(mode, args, rank, world):
     numel = sum(p.numel() for p in model.parameters())
     final = torch.stack(losses[-10:]).mean()
     dist.all_reduce(final)
-    warm = times[min(5, len(times) - 1) :]
+    first = 5 if mode != AUTO else state.trial_steps + 1  # auto: timed after its plan
+    warm = times[min(first, len(times) - 1) :]
     step_ms = torch.tensor([statistics.median(warm) * 1e3])
     dist.all_reduce(step_ms, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+    label = mode
     if state is None:
         payload = numel * 4
+    elif mode == AUTO:
+        s = state.stats()
+        chosen = s["plan"]["mode"] if s["plan"] else "none (no plan yet: more --steps)"
+        label = f"{mode} ({chosen})"
+        own = s["candidates"].get(chosen)
+        payload = numel * 4 if own is None else own["payload_bytes"] // s["steps_in"][chosen]
     else:
         s = state.stats()
         payload = s["payload_bytes"] // args.steps
         assert s["nonfinite_events"] == 0, "fp16 overflowed in the demo"
     return {
-        "mode": mode,
+        "mode": label,
         "step_ms": step_ms.item(),
         "payload_mb": payload / 1e6,
         "wire_mb": payload * 2 * (world - 1) / world / 1e6,
@@ -94,8 +112,10 @@ def _train(mode, args, rank, world):
 
 def _print_table(rows, args, world):
     base = rows[0]["step_ms"]
+    where = os.environ.get("FASTDDP_DEMO_LINK")
+    where = f"2 nodes joined by a {where} link" if where else "one machine (loopback)"
     head = (
-        f"{world} ranks (Gloo, CPU), {rows[0]['params'] / 1e6:.2f}M parameters, "
+        f"{world} ranks (Gloo, CPU) on {where}, {rows[0]['params'] / 1e6:.2f}M parameters, "
         f"{args.steps} steps, batch {args.batch} per rank"
     )
     cols = [
@@ -146,6 +166,12 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--probe-every", type=int, default=25)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument(
+        "--link",
+        default="1gbit",
+        help="rate of the link between two namespace nodes, as tc takes it (default 1gbit); "
+        "'none': local ranks on loopback",
+    )
     args = p.parse_args(argv)
     for name in (
         "nproc",
@@ -160,14 +186,34 @@ def main(argv=None):
     ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    timeout = timedelta(seconds=120)
     if "RANK" in os.environ:  # started by a launcher
         # Gloo on CPU even where GPUs exist: this demo compares the CPU paths.
+        timeout = timedelta(seconds=120)
         with fastddp.distributed_session(backend="gloo", timeout=timeout) as env:
             _run(env.rank, env.world_size, args)
         exit_after_shutdown()
-    spawn_ranks(_run, args.nproc, args, threads=args.threads, timeout=timeout)
+    return _relaunch(args, sys.argv[1:] if argv is None else list(argv))
+
+
+def _relaunch(args, argv) -> int:
+    """Run the demo's ranks on two namespace nodes over ``--link``, or locally over loopback."""
+    me = [sys.executable, "-m", "fastddp.netns"]
+    why = "--link none" if args.link == "none" else netns.unavailable_reason()
+    env = dict(os.environ)
+    if not why:
+        cmd = [*me, "--nodes", "2", "--rate", args.link, "--nproc-per-node", "1"]
+        env["FASTDDP_DEMO_LINK"] = args.link
+    else:
+        if args.link != "none":
+            print(
+                f"fastddp.demo: on loopback, since {why}; as root, `make demo` runs it on two "
+                f"nodes joined by a {args.link} link, where compression pays",
+                flush=True,
+            )
+        cmd = [sys.executable, "-m", "fastddp.launch", "--standalone"]
+        cmd += ["--nproc-per-node", str(args.nproc)]
+    return subprocess.call([*cmd, "-m", "fastddp.demo", *argv], env=env)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -12,6 +12,8 @@ import torch
 
 import fastddp
 from fastddp.bench import allreduce
+from fastddp.hooks import auto
+from fastddp.testing import netns
 
 pytestmark = pytest.mark.multiproc
 
@@ -197,6 +199,30 @@ def test_demo_refuses_bad_options():
         timeout=60,
     )
     assert res.returncode == 2 and "--steps must be at least 1" in res.stderr
+
+
+def _demo(*args):
+    small = ["--steps", "24", "--width", "64", "--batch", "16", "--probe-every", "25"]
+    cmd = [sys.executable, "-m", "fastddp.demo", *small, *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    # Every mode has its row, and auto names the mode it planned (24 steps: one plan).
+    for mode in ("fp32", "fastddp-bf16", "fastddp-bf16-acc", "fastddp-int8-ef"):
+        assert f" {mode} " in res.stdout, res.stdout
+    assert any(f"fastddp-auto ({m})" in res.stdout for m in auto.DEFAULT_ALLOW), res.stdout
+    return res.stdout
+
+
+def test_demo_on_loopback():
+    assert "on one machine (loopback)" in _demo("--link", "none")
+
+
+@pytest.mark.netns
+def test_demo_over_a_link_between_two_namespace_nodes():
+    why = netns.unavailable_reason()
+    if why:
+        pytest.skip(why)
+    assert "2 ranks (Gloo, CPU) on 2 nodes joined by a 200mbit link" in _demo("--link", "200mbit")
 
 
 @pytest.mark.netns
