@@ -2,7 +2,8 @@
 
     python -m fastddp.launch --standalone --nproc-per-node 2 examples/ddp_train.py --preset bf16
 
-``--preset`` is one of ``fastddp.PRESETS`` (``none`` trains with plain DDP, for comparison).
+``--preset`` is one of ``fastddp.PRESETS``, or ``auto`` (fastddp measures the modes on this job
+and keeps the fastest), or ``none`` (plain DDP, for comparison).
 Ranks use Gloo on the CPU and NCCL when each has a GPU. The two fastddp lines are marked; the
 rest is an ordinary DDP loop. ``python -m fastddp.demo`` runs this comparison with timings.
 """
@@ -19,7 +20,7 @@ import fastddp
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="bf16", choices=["none", *fastddp.PRESETS])
+    p.add_argument("--preset", default="bf16", choices=["none", "auto", *fastddp.PRESETS])
     p.add_argument("--steps", type=int, default=60)
     args = p.parse_args(argv)
     with fastddp.distributed_session() as env:
@@ -28,7 +29,10 @@ def main(argv=None):
         model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 8)).to(device)
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         if args.preset != "none":  # fastddp: compress every gradient bucket on the wire
-            state = fastddp.CompressState.from_preset(args.preset)
+            if args.preset == "auto":
+                state = fastddp.CompressState(dtype="auto")
+            else:
+                state = fastddp.CompressState.from_preset(args.preset)
             model.register_comm_hook(state, fastddp.compress_hook)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         teacher = torch.Generator().manual_seed(1)

@@ -25,7 +25,7 @@ def _train(preset: str) -> list[float]:
 
 def test_the_copied_script_learns_as_plain_ddp_does():
     plain = _train("none")
-    for preset in ("bf16", "int8-ef"):
+    for preset in ("bf16", "int8-ef", "auto"):
         losses = _train(preset)
         assert len(losses) == len(plain) == 3, losses
         assert losses[-1] < losses[0] / 2, losses  # it learns
