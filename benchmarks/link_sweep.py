@@ -56,7 +56,7 @@ def _crossover(table, rates) -> dict:
         print(f"{rate}: fastddp's fastest {best} is {ratio:.2f}x PowerSGD's fastest {peer}")
     slower = [r for r in rates if r in out and out[r]["ratio"] > 1]
     if slower:
-        print(f"crossover: PowerSGD's step is shorter at {slower[0]} and at {', '.join(slower)}")
+        print(f"PowerSGD's step is the shorter at: {', '.join(slower)}")
     return out
 
 
