@@ -61,9 +61,16 @@ def _shifted_by_one_step(rank, world, mode, nodes):
     assert torch.equal(in_waiting, previous)
 
 
+# Every codec flat; the two-level path with one 16-bit and one packed codec (the paths differ
+# in their stages, not per codec).
+CASES = [(m, None) for m in ("bf16", "bf16-acc-ef", "int8-ef", "int4-ef", "int2-ef")]
+CASES += [(m, (0, 0, 1, 1)) for m in ("bf16-acc-ef", "int4-ef")]
+
+
 @pytest.mark.multiproc
-@pytest.mark.parametrize("mode", ["bf16", "bf16-acc-ef", "int8-ef", "int4-ef", "int2-ef"])
-@pytest.mark.parametrize("nodes", [None, (0, 0, 1, 1)], ids=["flat", "two-nodes"])
+@pytest.mark.parametrize(
+    "mode, nodes", CASES, ids=[f"{m}-{'flat' if n is None else 'two-nodes'}" for m, n in CASES]
+)
 @_needs_bucket_caps
 def test_delay_applies_the_previous_steps_reduction_bit_for_bit(mode, nodes):
     world = 2 if nodes is None else len(nodes)
