@@ -88,6 +88,9 @@ def main(argv=None) -> int:
     for mode in args.modes:
         cells = [table[r][mode]["vs_fp32"] for r in args.rates]
         print(f"{mode:<20}" + "".join(f"{c:>11.2f}x" for c in cells))
+        chose = [table[r][mode].get("chose") for r in args.rates]
+        if any(chose):  # auto: what it planned at each rate
+            print(f"{'  (chose)':<20}" + "".join(f"{c or '-':>12}" for c in chose))
     print(
         f"{'fp32 p50 (ms)':<20}"
         + "".join(f"{table[r]['fp32']['p50_ms']:>12.0f}" for r in args.rates)

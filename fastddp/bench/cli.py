@@ -201,7 +201,7 @@ def _times(r):
 def _ddp_cells(r):
     exposed = "-" if r["exposed_comm"] is None else f"{100 * r['exposed_comm']:.0f} %"
     return [
-        r["mode"],
+        r["mode"] if not r.get("chose") else f"{r['mode']} ({r['chose']})",
         *_times(r),
         exposed,
         f"{r['payload_bytes'] / 1e6:.1f} MB",

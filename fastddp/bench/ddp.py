@@ -165,7 +165,6 @@ def run_mode(env, args, label, mode, topology, topo, pacer=None):
     calls = max(1, warmup + args.steps)
     if mode == AUTO:
         payload, cross, used = _auto_bytes(state.stats(), numel, topo)
-        label = f"{label} ({used})"
     elif state is not None:
         stats = state.stats()
         assert stats["nonfinite_events"] == 0
@@ -193,6 +192,7 @@ def run_mode(env, args, label, mode, topology, topo, pacer=None):
         "cross_node_bytes": int(total.item()),
         "cpu_s_per_step": cpu.item(),
         "steps": args.steps,
+        "chose": used if mode == AUTO else None,  # auto's plan
     }
     return result
 

@@ -300,16 +300,20 @@ def test_accuracy_study_runs_and_shows_fp32_accumulation(tmp_path):
 
 
 def test_link_sweep_on_loopback(tmp_path):
-    args = ["--rates", "loopback", "--modes", "fp32", "fastddp-bf16", "powersgd-r1"]
+    args = ["--rates", "loopback", "--modes", "fp32", "fastddp-bf16", "powersgd-r1", "fastddp-auto"]
     args += ["--width", "32", "--layers", "1", "--steps", "2", "--warmup", "2"]
     data, stdout = _script("link_sweep", [*args, "--bucket-cap-mb", "0.01"], tmp_path)
     rows = data["rows"]["loopback"]
-    assert set(rows) == {"fp32", "fastddp-bf16", "powersgd-r1"} and rows["fp32"]["vs_fp32"] == 1
+    assert set(rows) == {"fp32", "fastddp-bf16", "powersgd-r1", "fastddp-auto"}
+    assert rows["fp32"]["vs_fp32"] == 1
+    # auto is timed after its plan, and says what it chose.
+    assert rows["fastddp-auto"]["chose"] in auto.DEFAULT_ALLOW and "(chose)" in stdout
     assert "fastddp-bf16" in stdout and "loopback" in stdout
     cross = data["crossover"]["loopback"]
-    assert cross["fastddp"] == "fastddp-bf16" and cross["powersgd"] == "powersgd-r1"
-    assert cross["ratio"] == rows["fastddp-bf16"]["p50_ms"] / rows["powersgd-r1"]["p50_ms"]
-    assert "fastddp's fastest fastddp-bf16" in stdout
+    ours = min(["fastddp-bf16", "fastddp-auto"], key=lambda m: rows[m]["p50_ms"])
+    assert cross["fastddp"] == ours and cross["powersgd"] == "powersgd-r1"
+    assert cross["ratio"] == rows[ours]["p50_ms"] / rows["powersgd-r1"]["p50_ms"]
+    assert f"fastddp's fastest {ours}" in stdout
 
 
 def test_convergence_run_runs(tmp_path):
