@@ -42,6 +42,8 @@ MARGIN = 0.25  # relative change of the step time that, at two checks in a row, 
 PREFER = 0.02  # a candidate earlier in ``allow`` within this of the fastest is chosen
 
 logger = logging.getLogger("fastddp")
+# Settings of a fixed mode, which dtype="auto" takes only at their defaults.
+_FIXED_ONLY = ("accumulate_dtype", "error_feedback", "stochastic_rounding", "block_size", "delay")
 
 
 def _checked_allow(allow) -> tuple[str, ...]:
@@ -104,6 +106,9 @@ class AutoState(CompressState):
     ) -> None:
         if dtype != "auto":
             raise ValueError(f"CompressState: dtype must be a torch.dtype or 'auto', got {dtype!r}")
+        for name in fixed:
+            if name not in _FIXED_ONLY:
+                raise TypeError(f"CompressState() got an unexpected keyword argument {name!r}")
         given = [k for k, v in fixed.items() if v not in (None, False, 0)]
         if given:
             raise ValueError(

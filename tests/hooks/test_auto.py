@@ -140,6 +140,7 @@ def test_ranks_that_disagree_on_allow_fail_alike():
         (dict(allow="bf16"), TypeError, "allow must be a list of mode names"),
         (dict(error_feedback=True), ValueError, "error_feedback belongs to a fixed mode"),
         (dict(dtype="fast"), ValueError, "dtype must be a torch.dtype or 'auto'"),
+        (dict(alow=["bf16"]), TypeError, "unexpected keyword argument 'alow'"),
     ],
 )
 def test_bad_auto_settings(kwargs, error, message):
