@@ -9,8 +9,10 @@ Each module has one job:
   node, one of those across nodes; ``passthrough``: 16-bit buckets);
 - ``topology``: which ranks share a node, and the groups of the two-level path;
 - ``pipeline``: when each stage runs and how result futures complete, on CPU and GPU;
-- ``buffers``: the persistent per-bucket slots; ``residuals``: error-feedback residuals across
-  bucket layouts and restarts; ``state``: :class:`CompressState`; ``hook``: the hook itself.
+- ``slots``: the persistent per-bucket buffers; ``residuals``: error-feedback residuals across
+  bucket layouts and restarts; ``delay``: the gradients in waiting of ``delay=1``; ``state``:
+  :class:`CompressState`; ``hook``: the hook itself; ``auto``: ``dtype="auto"``, which tries
+  fixed states on the job and keeps the fastest.
 """
 
 from fastddp.hooks.hook import _reduce as _reduce  # the worker, for fastddp.all_reduce
