@@ -10,6 +10,9 @@ Rules, in one place:
   while this thread waits for bucket k's); everything still pending runs when a bucket with
   ``is_last`` arrives, when :meth:`Pipeline.flush` is called, or at the end of the backward
   pass that submitted it.
+- With ``delay=1`` (``submit(..., defer=True)``) nothing is finished at ``is_last`` or at the
+  end of the backward pass: later submissions step the jobs, and a bucket's previous job is
+  settled when that bucket comes back, a step later (``delay.py``).
 - Pending jobs take their next stage newest first: a young job's next collective (behind a
   quick one, an intra-node exchange say) is issued before this thread waits for an older job's
   slower one, so the slow link never idles while this thread waits. The order depends only on
