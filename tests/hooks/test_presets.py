@@ -71,7 +71,12 @@ def _mode_choices(what):
 
 @pytest.mark.parametrize("what", ["ddp", "allreduce", "convergence"])
 def test_the_bench_offers_every_preset_and_nothing_else(what):
-    assert _mode_choices(what) == [f"fastddp-{name}" for name in PRESETS]
+    presets = [f"fastddp-{name}" for name in PRESETS]
+    if what == "allreduce":
+        assert _mode_choices(what) == presets
+    else:  # DDP's own: each preset delayed (delay=1), and auto
+        delayed = [f"{mode}-delay" for mode in presets]
+        assert _mode_choices(what) == [*presets, *delayed, "fastddp-auto"]
 
 
 def test_fsdp_bench_offers_the_presets_that_set_only_the_wire_dtype():
