@@ -1,0 +1,20 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) with compressed gradient reductions.
+
+- ``reduce_scatter``: :class:`CompressedReduceScatter`, a compressed reduce-scatter over the
+  shard group (:func:`compress_reduce_scatter` installs it);
+- ``mesh``: :func:`node_mesh`, the 2-D mesh of nodes × ranks per node;
+- ``hybrid``: :func:`hybrid`, sharding inside the node with each shard all-reduced across nodes
+  compressed, with error feedback kept per shard (:class:`HybridAllReduce`).
+"""
+
+from fastddp.fsdp.hybrid import HybridAllReduce, hybrid
+from fastddp.fsdp.mesh import node_mesh
+from fastddp.fsdp.reduce_scatter import CompressedReduceScatter, compress_reduce_scatter
+
+__all__ = [
+    "CompressedReduceScatter",
+    "HybridAllReduce",
+    "compress_reduce_scatter",
+    "hybrid",
+    "node_mesh",
+]

@@ -1,0 +1,261 @@
+"""``hybrid()``: FSDP2 sharded inside each node, each shard all-reduced across nodes compressed.
+
+Native HSDP (``fully_shard(module, mesh=<2-D mesh>)``) reduce-scatters the gradients inside the
+node and then all-reduces each rank's shard across nodes in the ``reduce_dtype``: fp32 over
+the slow link. Here the model is sharded over the node only (``mesh["shard"]``, 1-D), and
+:func:`hybrid` gives every ``fully_shard``-ed module an all-reduce hook
+(``set_all_reduce_hook``), which FSDP2 runs on each reduce-scattered shard: it all-reduces the
+shard over the replicate group (this local rank on every node) with the DDP hooks' machinery.
+So every codec, the fp32 sum of compressed payloads and error feedback come as they are: one
+:class:`~fastddp.CompressState` over the replicate group, in which each module is a bucket of
+its own (its index is the module's position in ``model.modules()``), so each shard keeps its
+own residual.
+
+FSDP2 reads the shard as soon as the hook returns, so the hook finishes its reduction before
+it returns (on CUDA its work is ordered on FSDP2's all-reduce stream, which the hook runs in).
+"""
+
+import io
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from fastddp.fsdp.reduce_scatter import CompressedReduceScatter, FSDPModule, compress_reduce_scatter
+from fastddp.hooks import CompressState, _reduce
+
+__all__ = ["HybridAllReduce", "hybrid"]
+
+_WHERE = "fastddp.fsdp.hybrid"
+_SHARD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _param_group(module: FSDPModule):
+    # FSDP2 keeps a module's parameters, mesh and divide factor on its parameter group; there is
+    # no public accessor for the mesh or the factor.
+    return module._get_fsdp_state()._fsdp_param_group
+
+
+class HybridAllReduce:
+    """The cross-node half of :func:`hybrid`: one compressed all-reduce per reduce-scattered
+    shard, over the replicate group. Made by :func:`hybrid`; see its docstring.
+
+    It is a checkpoint ``Stateful``: :meth:`state_dict` holds this rank's error-feedback
+    residuals under a key of its own rank, so that ``torch.distributed.checkpoint`` keeps every
+    rank's (``dcp.save({"model": ..., "fastddp": hybrid_comm})``).
+    """
+
+    def __init__(
+        self,
+        modules: list[tuple[str, FSDPModule]],
+        state: CompressState,
+        shard_size: int,
+        reduce_scatter: Optional[CompressedReduceScatter],
+    ) -> None:
+        self.state = state
+        self.reduce_scatter = reduce_scatter
+        self.nodes = dist.get_world_size(state.process_group)
+        self.ranks_per_node = shard_size
+        self._names = [name for name, _ in modules]
+        self._numels: dict[int, int] = {}
+        self._calls = 0
+        self._key = f"rank{dist.get_rank()}_of_{dist.get_world_size()}"
+        for index, (_, module) in enumerate(modules):
+            module.set_all_reduce_hook(self._hook_for(index, module))
+
+    def __repr__(self) -> str:
+        return f"HybridAllReduce(nodes={self.nodes}, {self.state!r})"
+
+    def _hook_for(self, index: int, module: FSDPModule):
+        def hook(output: torch.Tensor) -> None:
+            self._reduce_shard(index, module, output)
+
+        return hook
+
+    def _reduce_shard(self, index: int, module: FSDPModule, output: torch.Tensor) -> None:
+        # Everything checked here is the same on every rank of the replicate group (the same
+        # model, sharded alike), so a bad call raises on all of them before any collective.
+        if output.dtype not in _SHARD_DTYPES:
+            raise TypeError(
+                f"{_WHERE}: {self._names[index] or 'the root module'}'s reduce-scattered "
+                f"gradient is {output.dtype}; use a reduce_dtype of float32, bfloat16 or float16"
+            )
+        flat = output.view(-1)
+        numel = flat.numel()
+        seen = self._numels.setdefault(index, numel)
+        if seen != numel and self.state.error_feedback:
+            raise ValueError(
+                f"{_WHERE}: {self._names[index] or 'the root module'}'s reduce-scattered gradient "
+                f"had {seen} elements and now has {numel}: a parameter got no gradient in one "
+                "of these steps. Error feedback keeps a residual per element of the shard; give "
+                "every parameter a gradient each step (or requires_grad=False), or use a mode "
+                "without error feedback"
+            )
+        self._numels[index] = numel
+        self._calls += 1
+        if self.nodes == 1:
+            return
+        # FSDP2 divides by the shard group's size (its average); the hook adds the nodes'. With a
+        # gradient_divide_factor the user's factor is the whole division, and nodes are summed.
+        average = _param_group(module).gradient_divide_factor is None
+        work = flat if flat.dtype == torch.float32 else flat.float()
+        params = ((index, numel),)
+        _reduce(self.state, work, index, is_last=True, average=average, params=params).wait()
+        if work is not flat:
+            flat.copy_(work)
+
+    def stats(self) -> dict[str, Any]:
+        """``nodes``, ``ranks_per_node``, ``calls`` (shards reduced), ``all_reduce`` (the
+        cross-node state's :meth:`~fastddp.CompressState.stats`: bytes, per-module buckets) and
+        ``reduce_scatter`` (the intra-node comm's stats, ``None`` when FSDP2 reduces inside the
+        node itself)."""
+        return {
+            "nodes": self.nodes,
+            "ranks_per_node": self.ranks_per_node,
+            "calls": self._calls,
+            "all_reduce": self.state.stats(),
+            "reduce_scatter": None if self.reduce_scatter is None else self.reduce_scatter.stats(),
+        }
+
+    def state_dict(self) -> dict[str, bytes]:
+        """This rank's cross-node state (residuals, counters), serialised under its rank's key.
+
+        Each rank's residuals are its own; a key per rank keeps ``torch.distributed.checkpoint``
+        from keeping one rank's copy only, as it does for values saved under the same key.
+        """
+        buffer = io.BytesIO()
+        torch.save(self.state.state_dict(), buffer)
+        return {self._key: buffer.getvalue()}
+
+    def load_state_dict(self, state_dict: dict[str, bytes]) -> None:
+        """Restore what :meth:`state_dict` saved on this rank of a job of the same shape."""
+        blob = state_dict.get(self._key)
+        if not isinstance(blob, bytes) or not blob:
+            saved = sorted(k for k in state_dict if isinstance(k, str))
+            raise ValueError(
+                f"{_WHERE}: the checkpoint holds no cross-node state for {self._key} (it holds "
+                f"{saved[:4]}{'...' if len(saved) > 4 else ''}): it was saved by a job of "
+                "another size. Error-feedback residuals belong to the shards they were saved "
+                "with; resume on the same number of ranks, or leave this comm out of the state "
+                "you load (its residuals then start from zero)"
+            )
+        self.state.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
+
+
+def hybrid(
+    model: torch.nn.Module,
+    replicate_group: Union[dist.ProcessGroup, DeviceMesh],
+    dtype: Union[str, torch.dtype] = "bf16-acc",
+    *,
+    reduce_scatter: Optional[torch.dtype] = None,
+    **settings: Any,
+) -> HybridAllReduce:
+    """All-reduce every FSDP2 shard across nodes compressed; FSDP2 shards inside the node.
+
+    Shard with ``fully_shard(module, mesh=mesh["shard"])`` (``mesh`` from
+    :func:`fastddp.fsdp.node_mesh`) on the layers and the root, then call ``hybrid`` once, on
+    every rank, before the first backward. The result is HSDP's, with the cross-node
+    all-reduce sent as ``dtype``; every node ends with the same parameters, bit for bit.
+
+    Args:
+        model (nn.Module): the model, its layers and root ``fully_shard``-ed over one node.
+        replicate_group (ProcessGroup or DeviceMesh): the ranks with this rank's local position
+            on every node: ``mesh["replicate"]``.
+        dtype (str or torch.dtype): a preset of :data:`fastddp.PRESETS` (``"bf16-acc"``, the
+            default: bf16 summed in fp32; ``"int8-ef"``, ``"int4-ef"``: with error feedback),
+            or a wire dtype with ``settings`` as for :class:`~fastddp.CompressState`.
+        reduce_scatter (torch.dtype, optional): also compress the reduce-scatter inside the
+            node (:func:`compress_reduce_scatter`); by default FSDP2 reduces inside the node in
+            its ``reduce_dtype``.
+        **settings: :class:`~fastddp.CompressState` settings (``error_feedback``,
+            ``block_size``, ``accumulate_dtype``, ``stochastic_rounding``, ``seed``), with a
+            dtype; overrides of the preset's, with a preset name.
+
+    Returns:
+        HybridAllReduce: its :meth:`~HybridAllReduce.stats`, and its state for checkpoints
+        (error-feedback residuals): save it with the model, e.g. with
+        ``torch.distributed.checkpoint``.
+
+    Example::
+
+        >>> mesh = fastddp.fsdp.node_mesh()
+        >>> for layer in model.layers:
+        ...     fully_shard(layer, mesh=mesh["shard"])
+        >>> fully_shard(model, mesh=mesh["shard"])
+        >>> comm = fastddp.fsdp.hybrid(model, mesh["replicate"], "int8-ef")
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{_WHERE}: expected an nn.Module, got {type(model).__name__}")
+    group = _replicate_group(replicate_group)
+    modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise ValueError(
+            f"{_WHERE}: no module in this model is sharded by FSDP2; call fully_shard(layer, "
+            'mesh=mesh["shard"]) on its layers and on the model first'
+        )
+    shard_ranks = _shard_ranks(modules)
+    _check_groups(group, shard_ranks)
+    for name in ("process_group", "topology", "delay"):
+        if name in settings:
+            raise TypeError(f"{_WHERE}: {name} is not a setting here (the group is given)")
+    # The replicate group holds one rank per node: the flat path is the cross-node path.
+    if isinstance(dtype, str):
+        state = CompressState.from_preset(dtype, group, topology="flat", **settings)
+    else:
+        state = CompressState(dtype, group, topology="flat", **settings)
+    rs = None if reduce_scatter is None else compress_reduce_scatter(model, reduce_scatter)
+    return HybridAllReduce(modules, state, len(shard_ranks), rs)
+
+
+def _replicate_group(given) -> dist.ProcessGroup:
+    if isinstance(given, DeviceMesh):
+        if given.ndim != 1:
+            raise ValueError(
+                f"{_WHERE}: replicate_group is a {given.ndim}-D mesh; pass its replicate "
+                'dimension, mesh["replicate"]'
+            )
+        return given.get_group()
+    if not isinstance(given, dist.ProcessGroup):
+        raise TypeError(
+            f"{_WHERE}: replicate_group must be a ProcessGroup or a 1-D DeviceMesh "
+            f'(mesh["replicate"] of fastddp.fsdp.node_mesh()), got {type(given).__name__}'
+        )
+    return given
+
+
+def _shard_ranks(modules: list[tuple[str, FSDPModule]]) -> list[int]:
+    meshes = {}
+    for name, module in modules:
+        group = _param_group(module)
+        if group is None:
+            continue  # a module without parameters of its own reduces nothing
+        mesh = group.mesh_info.mesh
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"{_WHERE}: {name or 'the root module'} is sharded on a {mesh.ndim}-D mesh "
+                "(native HSDP, which all-reduces across nodes itself); shard over the node "
+                'only: fully_shard(module, mesh=mesh["shard"])'
+            )
+        meshes[tuple(mesh.mesh.flatten().tolist())] = name
+    if len(meshes) != 1:
+        raise ValueError(
+            f"{_WHERE}: the modules are sharded over different ranks ({list(meshes)}); shard "
+            'every module over the same mesh["shard"]'
+        )
+    return list(next(iter(meshes)))
+
+
+def _check_groups(group: dist.ProcessGroup, shard_ranks: list[int]) -> None:
+    replicate_ranks = dist.get_process_group_ranks(group)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if set(replicate_ranks) & set(shard_ranks) != {rank} or (
+        len(replicate_ranks) * len(shard_ranks) != world
+    ):
+        raise ValueError(
+            f"{_WHERE}: replicate_group (ranks {replicate_ranks}) is not the replicate dimension "
+            f"of the shard group (ranks {shard_ranks}) in a world of {world}: it must hold "
+            "this rank and one rank of every other shard group. Pass "
+            'mesh["replicate"] of the mesh whose mesh["shard"] you sharded with '
+            "(fastddp.fsdp.node_mesh())"
+        )

@@ -1,0 +1,99 @@
+"""Training runs of a small decoder under FSDP2 on a 2-D node mesh: native HSDP, or sharded
+inside the node with :func:`fastddp.fsdp.hybrid` across nodes. For the hybrid tests."""
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import fastddp.fsdp
+from fastddp.bench.models import Decoder
+
+NATIVE = "native"  # FSDP2's own HSDP: fully_shard on the whole 2-D mesh
+
+
+def build(
+    mesh,
+    mode: str,
+    *,
+    mp=None,
+    divide_factor=None,
+    force_sum=False,
+    reduce_scatter=None,
+    **settings,
+):
+    """A small Decoder, sharded for ``mode``; returns (model, optimizer, hybrid comm or None)."""
+    torch.manual_seed(0)
+    model = Decoder(vocab=61, width=32, heads=4, layers=2)
+    target = mesh if mode == NATIVE else mesh["shard"]
+    policy = mp or MixedPrecisionPolicy()
+    for block in model.blocks:
+        fully_shard(block, mesh=target, mp_policy=policy)
+    fully_shard(model, mesh=target, mp_policy=policy)
+    for module in (*model.blocks, model):  # these setters do not recurse
+        if divide_factor is not None:
+            module.set_gradient_divide_factor(divide_factor)
+        if force_sum:
+            module.set_force_sum_reduction_for_comms(True)
+    comm = None
+    if mode != NATIVE:
+        comm = fastddp.fsdp.hybrid(
+            model, mesh["replicate"], mode, reduce_scatter=reduce_scatter, **settings
+        )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, opt, comm
+
+
+def steps(model, opt, rank: int, first: int, count: int, *, accumulate=1, clip=None):
+    """Train steps ``first .. first + count - 1`` (each rank its own batches, fixed per step);
+    return the first step's sharded gradients and the losses."""
+    grads, losses = None, []
+    for step in range(first, first + count):
+        for micro in range(accumulate):
+            data = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+            tokens = torch.randint(0, 61, (4, 17), generator=data)
+            if accumulate > 1:
+                model.set_requires_gradient_sync(micro == accumulate - 1)
+            loss = Decoder.loss(model(tokens[:, :-1]), tokens[:, 1:])
+            loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if grads is None:
+            grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return grads, losses
+
+
+def params_of(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().to_local().float().clone() for n, p in model.named_parameters()}
+
+
+def same_across_nodes(mesh, tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether every node holds these shards bit for bit (the replicate group compares)."""
+    flat = torch.cat([t.flatten() for t in tensors.values()])
+    group = mesh["replicate"].get_group()
+    everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, flat, group=group)
+    return all(torch.equal(everyone[0], other) for other in everyone[1:])
+
+
+def save(path: str, model, opt, comm: Optional[object]) -> None:
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    if comm is not None:
+        state["fastddp"] = comm
+    dcp.save(state, checkpoint_id=path)
+
+
+def load(path: str, model, opt, comm: Optional[object]) -> None:
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    if comm is not None:
+        state["fastddp"] = comm
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -1,0 +1,151 @@
+"""fastddp.fsdp.hybrid and node_mesh on one host: 4 ranks made into 2 nodes of 2 ranks
+(``FASTDDP_NODE_ID``), Gloo. Hybrid against FSDP2's native HSDP on the same mesh, per codec and
+with the FSDP2 features users combine it with; checkpoint and resume with DCP; bad inputs."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import fastddp.fsdp
+from fastddp.hooks.topology import NODE_ENV
+
+from .._dist import run_ranks
+from . import _hybrid_worker as w
+
+pytestmark = pytest.mark.multiproc
+
+# Largest relative error (norm of the difference over the norm) of a first-step sharded gradient
+# against native HSDP's, about twice what was measured (bf16 0.004, int8 0.04, int4 0.9: one
+# step of int4 rounds most of a small gradient away; error feedback pays it back later). A
+# sum where an average belongs is off by 1.0 and fails every 16-bit and int8 case.
+GRAD_TOL = {"bf16-acc": 8e-3, "int8-ef": 8e-2, "int4-ef": 1.5}
+BF16 = torch.bfloat16
+
+CASES = [
+    ("bf16-acc", {}),
+    ("int8-ef", {}),
+    ("int4-ef", {}),
+    ("bf16-acc", {"reduce_scatter": BF16}),
+    ("bf16-acc", {"mp": MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)}),
+    ("int8-ef", {"mp": MixedPrecisionPolicy(reduce_dtype=BF16)}),
+    ("bf16-acc", {"divide_factor": 8.0, "force_sum": True}),  # Gloo has no PREMUL_SUM
+    ("int8-ef", {"accumulate": 2, "clip": 0.05}),
+]
+
+
+def _two_nodes(rank):
+    os.environ[NODE_ENV] = f"n{rank // 2}"
+    return fastddp.fsdp.node_mesh()
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _parity(rank, world):
+    mesh = _two_nodes(rank)
+    for mode, options in CASES:
+        train = {k: options[k] for k in ("accumulate", "clip") if k in options}
+        setup = {k: v for k, v in options.items() if k not in train}
+        native = {k: v for k, v in setup.items() if k != "reduce_scatter"}
+        model, opt, _ = w.build(mesh, w.NATIVE, **native)
+        ref_grads, _ = w.steps(model, opt, rank, 0, 3, **train)
+        model, opt, comm = w.build(mesh, mode, **setup)
+        grads, losses = w.steps(model, opt, rank, 0, 3, **train)
+        got = w.params_of(model)
+        where = f"{mode} {options}"
+        tol = GRAD_TOL[mode] * (2 if "reduce_scatter" in setup or "mp" in setup else 1)
+        worst = max(_rel(grads[n], ref_grads[n]) for n in ref_grads)
+        assert worst < tol, f"{where}: first-step gradient off native HSDP's by {worst:.3g}"
+        assert worst > 0, f"{where}: identical to native HSDP: nothing was compressed"
+        assert w.same_across_nodes(mesh, got), f"{where}: the nodes' parameters differ"
+        assert all(torch.isfinite(torch.tensor(losses))), where
+        stats = comm.stats()
+        assert stats["nodes"] == 2 and stats["ranks_per_node"] == 2, stats
+        # Every module with parameters reduced its shard across nodes once per synced step.
+        assert stats["calls"] == 3 * 3, stats
+        sent = stats["all_reduce"]["cross_node_bytes"]
+        assert 0 < sent < stats["all_reduce"]["fp32_ring_cross_node_bytes"], stats
+        assert (stats["reduce_scatter"] is not None) == ("reduce_scatter" in setup)
+
+
+def test_hybrid_matches_native_hsdp_on_a_two_by_two_mesh():
+    run_ranks(_parity, 4, timeout=300)
+
+
+def _resume(rank, world, path):
+    mesh = _two_nodes(rank)
+    model, opt, comm = w.build(mesh, "int8-ef")
+    w.steps(model, opt, rank, 0, 2)
+    w.save(path, model, opt, comm)
+    w.steps(model, opt, rank, 2, 2)
+    straight = w.params_of(model)
+
+    model, opt, comm = w.build(mesh, "int8-ef")
+    w.load(path, model, opt, comm)
+    w.steps(model, opt, rank, 2, 2)
+    resumed = w.params_of(model)
+    for name, value in straight.items():
+        assert torch.equal(resumed[name], value), f"{name}: the resumed run differs"
+
+    # Without its residuals the same resume is another run: the test sees what they carry.
+    model, opt, comm = w.build(mesh, "int8-ef")
+    w.load(path, model, opt, None)
+    w.steps(model, opt, rank, 2, 2)
+    assert any(not torch.equal(w.params_of(model)[n], v) for n, v in straight.items())
+
+    with pytest.raises(ValueError, match="saved by a job of another size"):
+        comm.load_state_dict({"rank9_of_16": b"x"})
+
+
+def test_dcp_save_and_resume_keeps_the_residuals_bit_for_bit(tmp_path):
+    run_ranks(_resume, 4, str(tmp_path / "ckpt"), timeout=240)
+
+
+def _mesh_and_errors(rank, world):
+    # Nodes are found from identities, not rank numbers: here even ranks share a node.
+    os.environ[NODE_ENV] = f"n{rank % 2}"
+    mesh = fastddp.fsdp.node_mesh()
+    assert mesh.mesh_dim_names == ("replicate", "shard")
+    assert mesh.mesh.tolist() == [[0, 2], [1, 3]]
+    assert dist.get_process_group_ranks(mesh["shard"].get_group()) == [rank % 2, rank % 2 + 2]
+    assert dist.get_process_group_ranks(mesh["replicate"].get_group()) == [
+        rank - rank % 2,
+        rank - rank % 2 + 1,
+    ]
+
+    os.environ[NODE_ENV] = {0: "a", 1: "a", 2: "b", 3: "c"}[rank]
+    with pytest.raises(ValueError, match="different numbers of ranks"):
+        fastddp.fsdp.node_mesh()
+
+    mesh = _two_nodes(rank)
+    model, _, _ = w.build(mesh, w.NATIVE)
+    with pytest.raises(ValueError, match="2-D mesh .native HSDP"):
+        fastddp.fsdp.hybrid(model, mesh["replicate"])
+    with pytest.raises(ValueError, match="no module in this model is sharded"):
+        fastddp.fsdp.hybrid(nn.Linear(4, 4), mesh["replicate"])
+    sharded = nn.Linear(8, 8)
+    fully_shard(sharded, mesh=mesh["shard"])
+    for wrong in (mesh["shard"], mesh["shard"].get_group(), dist.group.WORLD):
+        with pytest.raises(ValueError, match="not the replicate dimension"):
+            fastddp.fsdp.hybrid(sharded, wrong)
+    with pytest.raises(ValueError, match="2-D mesh; pass its replicate"):
+        fastddp.fsdp.hybrid(sharded, mesh)
+    with pytest.raises(TypeError, match="ProcessGroup or a 1-D DeviceMesh"):
+        fastddp.fsdp.hybrid(sharded, "replicate")
+    with pytest.raises(TypeError, match="expected an nn.Module"):
+        fastddp.fsdp.hybrid(object(), mesh["replicate"])
+    with pytest.raises(ValueError, match="error feedback"):
+        fastddp.fsdp.hybrid(sharded, mesh["replicate"], torch.int2)
+    with pytest.raises(ValueError, match="unknown fastddp preset"):
+        fastddp.fsdp.hybrid(sharded, mesh["replicate"], "int7")
+    with pytest.raises(TypeError, match="topology is not a setting"):
+        fastddp.fsdp.hybrid(sharded, mesh["replicate"], torch.int8, topology="flat")
+
+
+def test_node_mesh_and_bad_inputs():
+    run_ranks(_mesh_and_errors, 4, timeout=180)
