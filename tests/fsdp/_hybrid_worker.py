@@ -19,6 +19,7 @@ def build(
     mesh,
     mode: str,
     *,
+    width=32,
     mp=None,
     divide_factor=None,
     force_sum=False,
@@ -27,7 +28,7 @@ def build(
 ):
     """A small Decoder, sharded for ``mode``; returns (model, optimizer, hybrid comm or None)."""
     torch.manual_seed(0)
-    model = Decoder(vocab=61, width=32, heads=4, layers=2)
+    model = Decoder(vocab=61, width=width, heads=4, layers=2)
     target = mesh if mode == NATIVE else mesh["shard"]
     policy = mp or MixedPrecisionPolicy()
     for block in model.blocks:
