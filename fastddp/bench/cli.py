@@ -68,7 +68,7 @@ def _parser():
     _steps_options(d, steps=30, warmup=5)
     d.add_argument("--modes", nargs="+", default=ddp.MODES, choices=ddp.CHOICES)
     add_common_options(d)
-    f = command("fsdp", fsdp, "FSDP2 step time per reduce-scatter")
+    f = command("fsdp", fsdp, "FSDP2 step time per gradient reduction")
     _decoder_options(f, width=512, layers=8, batch=4)
     f.add_argument(
         "--param-dtype",
@@ -77,6 +77,7 @@ def _parser():
         help="MixedPrecisionPolicy.param_dtype (all-gathers and compute)",
     )
     _steps_options(f, steps=20, warmup=3)
+    f.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate (default 1e-3)")
     f.add_argument("--modes", nargs="+", default=fsdp.MODES, choices=fsdp.MODES)
     add_common_options(f)
     c = command(
@@ -212,7 +213,11 @@ def _ddp_cells(r):
 
 def _fsdp_cells(r):
     err = "-" if r["grad_rel_err"] is None else f"{r['grad_rel_err']:.2e}"
-    return [r["mode"], *_times(r), f"{r['rs_sent_bytes'] / 1e6:.1f} MB", err]
+    vs_hsdp = "-" if r["vs_hsdp"] is None else f"{r['vs_hsdp']:.2f}x"
+    link = r["link_bytes_per_step"]
+    link = "-" if link is None else f"{link / 1e6:.1f} MB"
+    cells = [r["mode"], *_times(r), vs_hsdp, f"{r['rs_sent_bytes'] / 1e6:.1f} MB", link, err]
+    return [*cells, f"{r['loss']:.4f}"]
 
 
 def _convergence_cells(r):
@@ -246,7 +251,8 @@ _STEP_TABLES = {
             f"FSDP2 step, decoder {_millions(rows)} (width {args.width}, {args.layers} blocks, "
             f"param dtype {args.param_dtype})"
         ),
-        ["mode", "p50 (ms)", "p90 (ms)", "vs fp32", "RS sent/step", "grad err"],
+        ["mode", "p50 (ms)", "p90 (ms)", "vs fp32", "vs hsdp", "sent/step", "link/step",
+         "grad err", "loss"],
         _fsdp_cells,
     ),
     "convergence": (

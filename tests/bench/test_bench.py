@@ -150,7 +150,18 @@ def test_fsdp_step_benchmark(tmp_path):
         "fastddp-bf16",
         "fastddp-fp16",
         "fastddp-int8",
+        "hsdp",
+        "hybrid-bf16",
+        "hybrid-bf16-acc",
+        "hybrid-int8-ef",
+        "hybrid-int4-ef",
     }
+    # On one node HSDP is plain sharding (its all-reduce spans one node), and hybrid adds
+    # nothing: the same gradients as fp32, bit for bit or in another summing order.
+    for mode in ("hsdp", *(m for m in rows if m.startswith("hybrid-"))):
+        assert rows[mode]["grad_rel_err"] < 1e-6, mode
+        assert rows[mode]["link_bytes_per_step"] is None, mode
+    assert rows["hsdp"]["vs_hsdp"] == 1
     assert rows["fp32"]["vs_fp32"] == 1 and rows["fp32"]["grad_rel_err"] is None
     assert rows["a2a-fp32"]["grad_rel_err"] < 1e-6  # an exact fp32 sum, another order
     # fastddp counts its own bytes: half of the fp32 all-to-all's (a bit more for the padding
@@ -162,7 +173,7 @@ def test_fsdp_step_benchmark(tmp_path):
         assert 0 < rows[mode]["grad_rel_err"] < 1e-2, mode
     for r in rows.values():
         assert 0 < r["p50_ms"] <= r["p90_ms"]
-    assert "RS sent/step" in res.stdout
+    assert "sent/step" in res.stdout and "vs hsdp" in res.stdout
 
 
 @pytest.mark.parametrize(
@@ -270,6 +281,24 @@ def test_ddp_over_two_nodes_of_two_ranks_flat_and_hierarchical(tmp_path):
     # Cross-node bytes per step, all ranks: fp32 ring > flat all-to-all > two-level.
     cross = [rows[m]["cross_node_bytes"] for m in rows]
     assert cross[0] > cross[1] > cross[2] > 0
+    assert "2 nodes x 2 ranks" in res.stdout
+
+
+@pytest.mark.netns
+def test_fsdp_over_two_nodes_of_two_ranks_native_and_hybrid(tmp_path):
+    out = tmp_path / "fsdp.json"
+    args = ["fsdp", "--link", "1gbit", "--nodes", "2", "--nproc-per-node", "2"]
+    args += ["--width", "64", "--layers", "2", "--heads", "4", "--seq", "16"]
+    args += ["--steps", "2", "--warmup", "1", "--json", str(out)]
+    res = _run([*args, "--modes", "fp32", "hsdp", "hybrid-bf16-acc", "hybrid-int8-ef"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    # What the link carried per step: sharding over both nodes all-gathers across the link;
+    # HSDP sends only its fp32 all-reduce, hybrid the same compressed.
+    link = {m: r["link_bytes_per_step"] for m, r in rows.items()}
+    assert link["fp32"] > link["hsdp"] > link["hybrid-bf16-acc"] > link["hybrid-int8-ef"] > 0
+    assert rows["hsdp"]["grad_rel_err"] < 1e-6
+    assert 0 < rows["hybrid-bf16-acc"]["grad_rel_err"] < 1e-2
     assert "2 nodes x 2 ranks" in res.stdout
 
 
