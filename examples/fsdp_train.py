@@ -1,7 +1,14 @@
-"""Train a small character-level decoder with FSDP2 and fastddp's compressed reduce-scatter.
+"""Train a small character-level decoder with FSDP2 and fastddp's compressed reductions.
 
     python -m fastddp.launch --standalone --nproc-per-node 2 examples/fsdp_train.py
     python -m fastddp.launch --standalone --nproc-per-node 2 examples/fsdp_train.py --wire int8
+
+On several nodes, ``--hybrid PRESET`` shards inside each node and all-reduces each shard across
+nodes as PRESET (``fastddp.fsdp.hybrid``; ``--wire`` then compresses the reduce-scatter inside
+the node), and ``--quantize-all-gather`` gathers the parameters as int8:
+
+    python -m fastddp.launch --nnodes 2 --nproc-per-node 4 ... examples/fsdp_train.py \
+        --hybrid int8-ef --wire none --quantize-all-gather
 
 The text is Python's own ``argparse`` module source (it ships with every Python), as
 printable-ASCII characters. Each rank reads its own windows of it; every rank prints nothing
@@ -39,18 +46,26 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hybrid", choices=list(fastddp.PRESETS), help="shard inside each node")
+    p.add_argument("--quantize-all-gather", action="store_true", help="int8 parameter gathers")
     args = p.parse_args()
 
     with fastddp.distributed_session() as env:
         torch.manual_seed(0)  # the same initial model on every rank
         model = Decoder(width=args.width, layers=args.layers).to(env.device)
         mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        mesh = fastddp.fsdp.node_mesh() if args.hybrid else None
+        over = mesh["shard"] if mesh is not None else None  # None: every rank
         for block in model.blocks:
-            fully_shard(block, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
-        comm = None
+            fully_shard(block, mesh=over, mp_policy=mp)
+        fully_shard(model, mesh=over, mp_policy=mp)
+        comm = across = gather = None
         if WIRES[args.wire] is not None:
             comm = fastddp.fsdp.compress_reduce_scatter(model, WIRES[args.wire])
+        if args.hybrid:
+            across = fastddp.fsdp.hybrid(model, mesh["replicate"], args.hybrid)
+        if args.quantize_all_gather:
+            gather = fastddp.fsdp.quantize_all_gather(model)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
         data = corpus()
@@ -71,6 +86,19 @@ def main() -> None:
                 s = comm.stats()
                 ratio = s["wire_bytes"] / s["fp32_wire_bytes"]
                 print(f"reduce-scatters: {s['calls']}, bytes sent vs fp32: {ratio:.3f}")
+            if across is not None:
+                s = across.stats()
+                ratio = s["all_reduce"]["cross_node_bytes"] / max(
+                    1, s["all_reduce"]["fp32_ring_cross_node_bytes"]
+                )
+                print(
+                    f"across {s['nodes']} nodes ({args.hybrid}): {s['calls']} shard all-reduces, "
+                    f"bytes to other nodes vs an fp32 ring: {ratio:.3f}"
+                )
+            if gather is not None:
+                s = gather.stats()
+                ratio = s["wire_bytes"] / s["bf16_wire_bytes"]
+                print(f"all-gathers: {s['calls']}, bytes sent vs bf16 parameters: {ratio:.3f}")
 
 
 if __name__ == "__main__":

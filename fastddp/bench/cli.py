@@ -216,7 +216,8 @@ def _fsdp_cells(r):
     vs_hsdp = "-" if r["vs_hsdp"] is None else f"{r['vs_hsdp']:.2f}x"
     link = r["link_bytes_per_step"]
     link = "-" if link is None else f"{link / 1e6:.1f} MB"
-    cells = [r["mode"], *_times(r), vs_hsdp, f"{r['rs_sent_bytes'] / 1e6:.1f} MB", link, err]
+    sent = [f"{r[k] / 1e6:.1f} MB" for k in ("rs_sent_bytes", "ag_sent_bytes")]
+    cells = [r["mode"], *_times(r), vs_hsdp, *sent, link, err]
     return [*cells, f"{r['loss']:.4f}"]
 
 
@@ -251,8 +252,8 @@ _STEP_TABLES = {
             f"FSDP2 step, decoder {_millions(rows)} (width {args.width}, {args.layers} blocks, "
             f"param dtype {args.param_dtype})"
         ),
-        ["mode", "p50 (ms)", "p90 (ms)", "vs fp32", "vs hsdp", "sent/step", "link/step",
-         "grad err", "loss"],
+        ["mode", "p50 (ms)", "p90 (ms)", "vs fp32", "vs hsdp", "sent/step", "gathers/step",
+         "link/step", "grad err", "loss"],
         _fsdp_cells,
     ),
     "convergence": (

@@ -10,12 +10,14 @@ fastddp's ``CompressedReduceScatter`` as ``fastddp-<preset>`` for each preset of
 Sharded inside each node (:func:`fastddp.fsdp.node_mesh`): ``hsdp`` (FSDP2's native HSDP, its
 cross-node all-reduce in fp32), and ``hybrid-<preset>`` (:func:`fastddp.fsdp.hybrid`, the
 cross-node all-reduce sent as ``bf16``, ``bf16-acc``, ``int8-ef`` or ``int4-ef``). On one
-node these equal plain sharding: run them over ``--link`` with ``--nodes``.
+node these equal plain sharding: run them over ``--link`` with ``--nodes``. ``<mode>+qag``
+all-gathers the parameters as int8 with block scales (:func:`fastddp.fsdp.quantize_all_gather`).
 
 Every block and the root are ``fully_shard``-ed; a step is forward, backward and an AdamW update
 on a batch of its own (p50/p90 of the slowest rank, after warm-up). ``sent/step`` is what one
 rank's gradient reductions send (``hsdp`` and ``hybrid-*``: inside the node and across):
-fastddp's own count, an estimate from the collectives' sizes for torch's. ``link/step`` is
+fastddp's own count, an estimate from the collectives' sizes for torch's; ``gathers/step``
+what its parameter all-gathers send (counted). ``link/step`` is
 what the nodes' ends of the link really sent per timed step (interface counters; over
 ``--link`` only): all-gathers, reductions and all. ``grad err`` is the relative L2 distance of
 the first step's gradients to those of ``fp32``; ``loss`` the mean training loss of
@@ -29,20 +31,38 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from fastddp.bench.common import FASTDDP_MODES, settings_of
 from fastddp.bench.convergence import corpus
 from fastddp.bench.models import Decoder
-from fastddp.fsdp import compress_reduce_scatter, hybrid, node_mesh
+from fastddp.fsdp import compress_reduce_scatter, hybrid, node_mesh, quantize_all_gather
 
 # The wire dtype of each fastddp mode whose preset sets nothing else.
 WIRES = {m: settings_of(m)["dtype"] for m in FASTDDP_MODES if settings_of(m).keys() == {"dtype"}}
 HSDP = "hsdp"
 # fastddp's hybrid sharding, by the preset of its cross-node all-reduce.
 HYBRID = {f"hybrid-{name}": name for name in ("bf16", "bf16-acc", "int8-ef", "int4-ef")}
+# These modes with the parameters all-gathered as int8 (fastddp.fsdp.quantize_all_gather).
+QAG = "+qag"
 MODES = ["fp32", "torch-bf16", "a2a-fp32", *WIRES, HSDP, *HYBRID]
+MODES += [m + QAG for m in ("fp32", HSDP, "hybrid-bf16-acc", "hybrid-int8-ef")]
 LOSS_STEPS = 5  # the loss column averages this many last steps
+
+
+class CountingAllGather(AllGather):
+    """FSDP2's own all-gather (one ``all_gather_into_tensor``), counting what this rank sends."""
+
+    def __init__(self) -> None:
+        self.wire_bytes = 0
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        world = dist.get_world_size(group)
+        self.wire_bytes += (world - 1) * input_tensor.numel() * input_tensor.element_size()
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group, async_op=async_op)
 
 
 class AllToAllReduceScatter(ReduceScatter):
@@ -70,6 +90,18 @@ class AllToAllReduceScatter(ReduceScatter):
 
 
 def _model(args, device, mode, mesh):
+    """The sharded model, its gradient comm (or None) and its all-gather comm."""
+    base = mode.removesuffix(QAG)
+    model, comm = _sharded(args, device, base, mesh)
+    if mode != base:
+        return model, comm, quantize_all_gather(model)
+    gather = CountingAllGather()
+    for m in (*model.blocks, model):
+        m.set_custom_all_gather(gather)
+    return model, comm, gather
+
+
+def _sharded(args, device, mode, mesh):
     torch.manual_seed(0)
     model = Decoder(width=args.width, heads=args.heads, layers=args.layers).to(device)
     param = torch.bfloat16 if args.param_dtype == "bf16" else None
@@ -125,8 +157,14 @@ def _sent_per_step(env, mode, comm, numel, mesh, total_steps) -> int:
     return reduce_scatter(per_node, 4) + across
 
 
+def _gathered(gather) -> int:
+    if isinstance(gather, CountingAllGather):
+        return gather.wire_bytes
+    return gather.stats()["wire_bytes"]
+
+
 def run_mode(env, args, mode, reference, data, mesh):
-    model, comm = _model(args, env.device, mode, mesh)
+    model, comm, gather = _model(args, env.device, mode, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     times, losses, first, link = [], [], None, None
     for step in range(args.warmup + args.steps):
@@ -160,7 +198,7 @@ def run_mode(env, args, mode, reference, data, mesh):
     loss = torch.stack(losses[-LOSS_STEPS:]).mean().double().cpu().reshape(1)
     dist.all_reduce(loss)
     numel = sum(p.numel() for p in model.parameters())
-    sent = _sent_per_step(env, mode, comm, numel, mesh, args.warmup + args.steps)
+    sent = _sent_per_step(env, mode.removesuffix(QAG), comm, numel, mesh, args.warmup + args.steps)
     err = None
     if reference is not None:
         err = ((first - reference).double().norm() / reference.double().norm()).item()
@@ -170,6 +208,7 @@ def run_mode(env, args, mode, reference, data, mesh):
         "p50_ms": _percentile(steps.tolist(), 0.5) * 1e3,
         "p90_ms": _percentile(steps.tolist(), 0.9) * 1e3,
         "rs_sent_bytes": sent,
+        "ag_sent_bytes": _gathered(gather) // (args.warmup + args.steps),
         "link_bytes_per_step": link,
         "grad_rel_err": err,
         "loss": loss.item() / env.world_size,
@@ -185,7 +224,7 @@ def run(env, args):
         modes.remove("fp32")
         modes.insert(0, "fp32")
     mesh = None
-    if any(m == HSDP or m in HYBRID for m in modes):
+    if any(m.removesuffix(QAG) == HSDP or m.removesuffix(QAG) in HYBRID for m in modes):
         mesh = node_mesh(env.device.type)
     data = corpus()
     for mode in modes:

@@ -37,3 +37,19 @@ def test_hybrid_on_two_nodes_of_two_ranks(tmp_path):
         assert 0 < row["grad_error"] < tol, (mode, report)
         assert row["same_across_nodes"], (mode, report)
         assert row["link_bytes"] < BYTES[mode] * native["link_bytes"], (mode, report)
+
+
+def test_the_example_trains_hybrid_with_quantized_gathers_on_two_nodes():
+    cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "2", "--nproc-per-node", "2"]
+    cmd += ["--rate", "1gbit", "--timeout", "150", "examples/fsdp_train.py", "--steps", "20"]
+    cmd += ["--width", "32", "--layers", "1", "--wire", "none", "--hybrid", "int8-ef"]
+    cmd += ["--quantize-all-gather"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = res.stdout
+    losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")]
+    assert len(losses) == 1 and losses[0] < 4.0, out  # from ln(96) = 4.56
+    across = next(line for line in out.splitlines() if line.startswith("across 2 nodes (int8-ef)"))
+    assert float(across.split()[-1]) < 0.3, out  # int8 and its scales against an fp32 ring
+    gathers = next(line for line in out.splitlines() if line.startswith("all-gathers:"))
+    assert float(gathers.split()[-1]) < 0.55, out
