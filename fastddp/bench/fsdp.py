@@ -37,6 +37,7 @@ from fastddp.bench.common import FASTDDP_MODES, settings_of
 from fastddp.bench.convergence import corpus
 from fastddp.bench.models import Decoder
 from fastddp.fsdp import compress_reduce_scatter, hybrid, node_mesh, quantize_all_gather
+from fastddp.fsdp.all_gather import all_gather_single
 
 # The wire dtype of each fastddp mode whose preset sets nothing else.
 WIRES = {m: settings_of(m)["dtype"] for m in FASTDDP_MODES if settings_of(m).keys() == {"dtype"}}
@@ -62,7 +63,7 @@ class CountingAllGather(AllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         world = dist.get_world_size(group)
         self.wire_bytes += (world - 1) * input_tensor.numel() * input_tensor.element_size()
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group, async_op=async_op)
+        return all_gather_single(output_tensor, input_tensor, group, async_op=async_op)
 
 
 class AllToAllReduceScatter(ReduceScatter):

@@ -27,6 +27,9 @@ except ImportError as error:  # pragma: no cover - depends on the installed torc
 
 __all__ = ["QuantizedAllGather", "quantize_all_gather"]
 
+# torch 2.13 renamed all_gather_into_tensor (now deprecated); older releases have only that.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 _WHERE = "QuantizedAllGather"
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -93,7 +96,7 @@ class QuantizedAllGather(AllGather):
         send = self._buffer("send", row, codec.wire_dtype, device)
         codec.encode(src, send.view(1, row), n)
         recv = self._buffer("recv", world * row, codec.wire_dtype, device)
-        dist.all_gather_into_tensor(recv, send, group=group)
+        all_gather_single(recv, send, group=group)
         dst = output_tensor.view(-1)
         wide = (
             dst

@@ -15,13 +15,13 @@ FSDP2 reads the shard as soon as the hook returns, so the hook finishes its redu
 it returns (on CUDA its work is ordered on FSDP2's all-reduce stream, which the hook runs in).
 """
 
-import io
 from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from fastddp.fsdp._checkpoint import pack, unpack
 from fastddp.fsdp.reduce_scatter import CompressedReduceScatter, FSDPModule, compress_reduce_scatter
 from fastddp.hooks import CompressState, _reduce
 
@@ -60,7 +60,6 @@ class HybridAllReduce:
         self._names = [name for name, _ in modules]
         self._numels: dict[int, int] = {}
         self._calls = 0
-        self._key = f"rank{dist.get_rank()}_of_{dist.get_world_size()}"
         for index, (_, module) in enumerate(modules):
             module.set_all_reduce_hook(self._hook_for(index, module))
 
@@ -119,28 +118,13 @@ class HybridAllReduce:
         }
 
     def state_dict(self) -> dict[str, bytes]:
-        """This rank's cross-node state (residuals, counters), serialised under its rank's key.
-
-        Each rank's residuals are its own; a key per rank keeps ``torch.distributed.checkpoint``
-        from keeping one rank's copy only, as it does for values saved under the same key.
-        """
-        buffer = io.BytesIO()
-        torch.save(self.state.state_dict(), buffer)
-        return {self._key: buffer.getvalue()}
+        """This rank's cross-node state (residuals, counters), serialised under a key naming
+        its rank (``rank<r>_of_<world>``): DCP keeps one copy of values saved under one key."""
+        return pack(self.state.state_dict())
 
     def load_state_dict(self, state_dict: dict[str, bytes]) -> None:
         """Restore what :meth:`state_dict` saved on this rank of a job of the same shape."""
-        blob = state_dict.get(self._key)
-        if not isinstance(blob, bytes) or not blob:
-            saved = sorted(k for k in state_dict if isinstance(k, str))
-            raise ValueError(
-                f"{_WHERE}: the checkpoint holds no cross-node state for {self._key} (it holds "
-                f"{saved[:4]}{'...' if len(saved) > 4 else ''}): it was saved by a job of "
-                "another size. Error-feedback residuals belong to the shards they were saved "
-                "with; resume on the same number of ranks, or leave this comm out of the state "
-                "you load (its residuals then start from zero)"
-            )
-        self.state.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
+        self.state.load_state_dict(unpack(state_dict, _WHERE))
 
 
 def hybrid(

@@ -8,16 +8,22 @@ the hooks' row layout), one all-to-all hands rank ``r`` the encoded chunk ``r`` 
 rank, and rank ``r`` sums those chunks in fp32 straight into its output. The only rounding is
 each rank's own encoding; the sum itself is never rounded to 16 bits, so the error does not
 grow with the number of ranks (a 16-bit ring rounds at every hop).
+
+With error feedback, what each rank's encoding dropped is kept and added to the next encoding
+of the same parameter group. FSDP2 does not tell a reduce-scatter which group it reduces, so
+:func:`compress_reduce_scatter` gives each module a door of its own to the shared comm, which
+names the module; the residual is as large as the group's unsharded gradient, on every rank.
 """
 
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from fastddp.codecs import CODECS, codec_for
+from fastddp.fsdp._checkpoint import pack, unpack
 
 try:  # FSDP2's comm interfaces (torch >= 2.9 have set_custom_reduce_scatter)
     from torch.distributed.fsdp import FSDPModule
@@ -66,15 +72,29 @@ class CompressedReduceScatter(ReduceScatter):
         >>> fastddp.fsdp.compress_reduce_scatter(model, dtype=torch.bfloat16)
     """
 
-    def __init__(self, dtype: torch.dtype = torch.bfloat16, *, block_size: Optional[int] = None):
+    def __init__(
+        self,
+        dtype: torch.dtype = torch.bfloat16,
+        *,
+        block_size: Optional[int] = None,
+        error_feedback: bool = False,
+    ):
         self.codec = codec_for(dtype, block_size, "CompressedReduceScatter")
-        if CODECS[dtype].feedback_required:
+        if not isinstance(error_feedback, bool):
+            raise TypeError(
+                f"CompressedReduceScatter: error_feedback must be True or False, got "
+                f"{error_feedback!r}"
+            )
+        if CODECS[dtype].feedback_required and not error_feedback:
             raise ValueError(
-                f"CompressedReduceScatter: dtype={dtype} trains only with error feedback, which "
-                "FSDP2's reduce-scatter does not keep; use torch.int4 or torch.int8"
+                f"CompressedReduceScatter: dtype={dtype} trains only with error feedback; pass "
+                "error_feedback=True"
             )
         self.dtype = dtype
         self.block_size = self.codec.block_size
+        self.error_feedback = error_feedback
+        self._residuals: dict[Any, torch.Tensor] = {}  # by parameter group (module index)
+        self.group_key: Any = None  # the group being reduced, set by its module's door
         self._buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
         self._counters = dict.fromkeys(
             ("calls", "allocations", "wire_bytes", "fp32_wire_bytes", "elements"), 0
@@ -82,7 +102,8 @@ class CompressedReduceScatter(ReduceScatter):
 
     def __repr__(self) -> str:
         block = f", block_size={self.block_size}" if self.block_size else ""
-        return f"CompressedReduceScatter(dtype={self.dtype}{block})"
+        feedback = ", error_feedback=True" if self.error_feedback else ""
+        return f"CompressedReduceScatter(dtype={self.dtype}{block}{feedback})"
 
     # FSDP2 allocates its input and output through the comm. They must be fresh tensors: FSDP2
     # keeps views of the output as the sharded gradients.
@@ -124,10 +145,11 @@ class CompressedReduceScatter(ReduceScatter):
         row = codec.row_elems(chunk)
         wire = (world * row, codec.wire_dtype, src.device)
         if codec.plain and src.dtype == codec.wire_dtype:
-            send = src  # already in the wire dtype; the scale comes after the sum
+            send = src  # already in the wire dtype, nothing rounded; the scale after the sum
         else:
             send = self._buffer("send", *wire)
-            codec.encode(self._fp32_source(src), send.view(world, row), chunk, pre)
+            residual = self._residual(src) if self.error_feedback else None
+            codec.encode(self._fp32_source(src), send.view(world, row), chunk, pre, None, residual)
         recv = self._buffer("recv", *wire)
         dist.all_to_all_single(recv, send, group=group)
         rows = recv.view(world, row)
@@ -186,6 +208,49 @@ class CompressedReduceScatter(ReduceScatter):
             return 1.0, scale
         return scale, 1.0
 
+    def _residual(self, src: torch.Tensor) -> torch.Tensor:
+        where = "CompressedReduceScatter"
+        if self.group_key is None:
+            raise ValueError(
+                f"{where}: error feedback keeps a residual per parameter group, and this call "
+                "does not say which group it reduces; install it with "
+                "fastddp.fsdp.compress_reduce_scatter(model, dtype, error_feedback=True)"
+            )
+        residual = self._residuals.get(self.group_key)
+        if residual is None:
+            residual = torch.zeros(src.numel(), dtype=torch.float32, device=src.device)
+        elif residual.numel() != src.numel():
+            raise ValueError(
+                f"{where}: parameter group {self.group_key} reduced {residual.numel()} elements "
+                f"before and {src.numel()} now: a parameter got no gradient in one of these "
+                "steps. Error feedback needs every parameter's gradient each step (or "
+                "requires_grad=False), or use error_feedback=False"
+            )
+        elif residual.device != src.device:  # loaded from a checkpoint, on the CPU
+            residual = residual.to(src.device)
+        self._residuals[self.group_key] = residual
+        return residual
+
+    def state_dict(self) -> dict[str, bytes]:
+        """This rank's residuals, serialised under a key naming its rank (a DCP ``Stateful``:
+        DCP keeps one copy of values saved under one key); empty without error feedback."""
+        if not self.error_feedback:
+            return {}
+        residuals = {k: r.detach().cpu().clone() for k, r in self._residuals.items()}
+        return pack({"codec": repr(self), "residuals": residuals})
+
+    def load_state_dict(self, state_dict: dict[str, bytes]) -> None:
+        """Restore this rank's residuals, saved by a comm of the same settings."""
+        if not self.error_feedback:
+            return
+        saved = unpack(state_dict, "CompressedReduceScatter")
+        if saved["codec"] != repr(self):
+            raise ValueError(
+                f"CompressedReduceScatter.load_state_dict: saved by {saved['codec']}, loaded "
+                f"into {self!r}; build the comm with the settings it was saved with"
+            )
+        self._residuals = dict(saved["residuals"])
+
     def _buffer(self, name: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
         # One flat buffer per name and device, grown to the largest request; callers view its
         # front. Calls run one after another on FSDP2's reduce-scatter stream, so reuse is safe.
@@ -205,16 +270,36 @@ class CompressedReduceScatter(ReduceScatter):
         return staged
 
 
+class _GroupDoor(ReduceScatter):
+    """One module's way into a shared :class:`CompressedReduceScatter`: it names the module's
+    parameter group for the call, so that error feedback finds the group's residual."""
+
+    def __init__(self, comm: CompressedReduceScatter, key: int) -> None:
+        self.comm, self.key = comm, key
+
+    def allocate(self, size, *, dtype, device) -> torch.Tensor:
+        return self.comm.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op=ReduceOp.SUM, async_op=False):
+        self.comm.group_key = self.key
+        try:
+            return self.comm(output_tensor, input_tensor, group, op, async_op)
+        finally:
+            self.comm.group_key = None
+
+
 def compress_reduce_scatter(
     module: torch.nn.Module,
     dtype: torch.dtype = torch.bfloat16,
     *,
     block_size: Optional[int] = None,
+    error_feedback: bool = False,
 ) -> CompressedReduceScatter:
     """Give every ``fully_shard``-ed module in ``module`` one :class:`CompressedReduceScatter`.
 
     Call it after ``fully_shard`` and before the first backward. Returns the comm, whose
-    :meth:`~CompressedReduceScatter.stats` count what it did.
+    :meth:`~CompressedReduceScatter.stats` count what it did; with ``error_feedback``, save it
+    with the model (``dcp.save({..., "fastddp": comm})``) to resume exactly.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"compress_reduce_scatter: expected an nn.Module, got {type(module)}")
@@ -224,7 +309,7 @@ def compress_reduce_scatter(
             "compress_reduce_scatter: no module in this model is sharded by FSDP2; call "
             "torch.distributed.fsdp.fully_shard on its layers and on the model first"
         )
-    comm = CompressedReduceScatter(dtype, block_size=block_size)
-    for m in sharded:
-        m.set_custom_reduce_scatter(comm)
+    comm = CompressedReduceScatter(dtype, block_size=block_size, error_feedback=error_feedback)
+    for index, m in enumerate(sharded):  # the same order on every rank
+        m.set_custom_reduce_scatter(_GroupDoor(comm, index))
     return comm

@@ -24,11 +24,12 @@ def build(
     divide_factor=None,
     force_sum=False,
     reduce_scatter=None,
+    device="cpu",
     **settings,
 ):
     """A small Decoder, sharded for ``mode``; returns (model, optimizer, hybrid comm or None)."""
     torch.manual_seed(0)
-    model = Decoder(vocab=61, width=width, heads=4, layers=2)
+    model = Decoder(vocab=61, width=width, heads=4, layers=2).to(device)
     target = mesh if mode == NATIVE else mesh["shard"]
     policy = mp or MixedPrecisionPolicy()
     for block in model.blocks:
@@ -55,7 +56,7 @@ def steps(model, opt, rank: int, first: int, count: int, *, accumulate=1, clip=N
     for step in range(first, first + count):
         for micro in range(accumulate):
             data = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
-            tokens = torch.randint(0, 61, (4, 17), generator=data)
+            tokens = torch.randint(0, 61, (4, 17), generator=data).to(model.head.weight.device)
             if accumulate > 1:
                 model.set_requires_gradient_sync(micro == accumulate - 1)
             loss = Decoder.loss(model(tokens[:, :-1]), tokens[:, 1:])
@@ -63,7 +64,7 @@ def steps(model, opt, rank: int, first: int, count: int, *, accumulate=1, clip=N
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         if grads is None:
-            grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+            grads = {n: p.grad.to_local().to("cpu", copy=True) for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -71,7 +72,10 @@ def steps(model, opt, rank: int, first: int, count: int, *, accumulate=1, clip=N
 
 
 def params_of(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().to_local().float().clone() for n, p in model.named_parameters()}
+    return {
+        n: p.detach().to_local().to("cpu", torch.float32, copy=True)
+        for n, p in model.named_parameters()
+    }
 
 
 def same_across_nodes(mesh, tensors: dict[str, torch.Tensor]) -> bool:

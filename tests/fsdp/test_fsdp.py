@@ -12,13 +12,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ReduceOp
+from torch.distributed.fsdp import fully_shard
 
 import fastddp.fsdp
 from fastddp import ops
+from fastddp.bench.models import Decoder
 from fastddp.fsdp import CompressedReduceScatter, compress_reduce_scatter
+from fastddp.fsdp.reduce_scatter import _GroupDoor
 
 from .._dist import run_ranks
-from . import _fsdp_worker
+from . import _fsdp_worker, _hybrid_worker
 
 WIRES = (torch.bfloat16, torch.float16, torch.int8, torch.int4)
 _BLOCKED = (torch.int8, torch.int4)
@@ -197,8 +200,11 @@ def test_bad_settings_are_refused():
         CompressedReduceScatter(torch.int8, block_size=0)
     with pytest.raises(TypeError, match="must be an int"):
         CompressedReduceScatter(torch.int8, block_size=2.0)
-    with pytest.raises(ValueError, match="FSDP2's reduce-scatter does not keep; use torch.int4"):
+    with pytest.raises(ValueError, match="trains only with error feedback; pass error_feedback"):
         CompressedReduceScatter(torch.int2)
+    with pytest.raises(TypeError, match="error_feedback must be True or False"):
+        CompressedReduceScatter(torch.int8, error_feedback=1)
+    assert "error_feedback=True" in repr(CompressedReduceScatter(torch.int2, error_feedback=True))
     with pytest.raises(ValueError, match="call torch.distributed.fsdp.fully_shard"):
         compress_reduce_scatter(nn.Linear(2, 2))
     with pytest.raises(TypeError, match="nn.Module"):
@@ -219,3 +225,67 @@ def test_example_trains_with_the_compressed_reduce_scatter():
     losses = [float(line.split()[-1]) for line in res.stdout.splitlines() if "loss" in line]
     assert len(losses) == 1 and losses[0] < 4.0  # from ln(96) = 4.56 at the start
     assert "reduce-scatters: 40, bytes sent vs fp32: 0.500" in res.stdout
+
+
+def _feedback(rank, world):
+    # The same gradient reduced K times: with error feedback the sum of the outputs stays
+    # within one rounding of K exact averages; without, the rounding adds up K times.
+    chunk, k = 1000, 20
+    x = torch.randn(world * chunk, generator=torch.Generator().manual_seed(rank))
+    inputs = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(inputs, x)
+    exact = k * torch.stack(inputs).double().mean(0)[rank * chunk : (rank + 1) * chunk]
+    errors = {}
+    for feedback in (False, True):
+        comm = CompressedReduceScatter(torch.int4, block_size=32, error_feedback=feedback)
+        door = _GroupDoor(comm, 0)
+        total = torch.zeros(chunk, dtype=torch.float64)
+        for _ in range(k):
+            out = torch.empty(chunk)
+            door(out, x.clone(), dist.group.WORLD, ReduceOp.AVG)
+            total += out
+        errors[feedback] = ((total - exact).norm() / exact.norm()).item()
+    assert errors[True] < 0.1 * errors[False], errors
+    comm = CompressedReduceScatter(torch.int8, error_feedback=True)
+    with pytest.raises(ValueError, match="does not say which group it reduces"):
+        comm(torch.empty(chunk), x.clone(), dist.group.WORLD, ReduceOp.AVG)
+    door = _GroupDoor(comm, 3)
+    door(torch.empty(chunk), x.clone(), dist.group.WORLD, ReduceOp.AVG)
+    with pytest.raises(ValueError, match="group 3 reduced 2000 elements before and 1000 now"):
+        door(torch.empty(chunk // 2), x[: world * chunk // 2].clone(), dist.group.WORLD)
+
+
+@pytest.mark.multiproc
+def test_error_feedback_keeps_the_sum_of_many_steps_exact():
+    run_ranks(_feedback, 2, timeout=120)
+
+
+def _flat_resume(rank, world, path):
+    def build():
+        torch.manual_seed(0)
+        model = Decoder(vocab=61, width=32, heads=4, layers=2)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        comm = compress_reduce_scatter(model, torch.int4, block_size=32, error_feedback=True)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm
+
+    model, opt, comm = build()
+    _hybrid_worker.steps(model, opt, rank, 0, 2)
+    _hybrid_worker.save(path, model, opt, comm)
+    _hybrid_worker.steps(model, opt, rank, 2, 2)
+    straight = _hybrid_worker.params_of(model)
+    model, opt, comm = build()
+    _hybrid_worker.load(path, model, opt, comm)
+    _hybrid_worker.steps(model, opt, rank, 2, 2)
+    for name, value in _hybrid_worker.params_of(model).items():
+        assert torch.equal(value, straight[name]), name
+    model, opt, _ = build()  # without the residuals: another run
+    _hybrid_worker.load(path, model, opt, None)
+    _hybrid_worker.steps(model, opt, rank, 2, 2)
+    assert any(not torch.equal(v, straight[n]) for n, v in _hybrid_worker.params_of(model).items())
+
+
+@pytest.mark.multiproc
+def test_flat_error_feedback_resumes_bit_for_bit_with_dcp(tmp_path):
+    run_ranks(_flat_resume, 2, str(tmp_path / "ckpt"), timeout=180)

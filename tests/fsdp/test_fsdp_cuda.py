@@ -1,18 +1,23 @@
 """fastddp.fsdp on CUDA tensors: called on a side stream (as FSDP2 calls it, on its
 reduce-scatter stream) by two ranks on Gloo sharing the GPU, inside FSDP2 on the GPU, and on
-NCCL with world size 1. Skipped without a GPU."""
+NCCL with world size 1; hybrid sharding on four ranks as two nodes. Skipped without a GPU."""
+
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+import fastddp.fsdp
 from fastddp.bench.fsdp import AllToAllReduceScatter
 from fastddp.fsdp import CompressedReduceScatter
+from fastddp.hooks.topology import NODE_ENV
 
 from .._dist import run_ranks
-from . import _fsdp_worker
+from . import _fsdp_worker, _hybrid_worker
 from .test_fsdp import _TOL, _expected, _relative
+from .test_hybrid import GRAD_TOL
 
 pytestmark = [
     pytest.mark.multiproc,
@@ -72,3 +77,22 @@ def _nccl_world_one(rank, world):
 
 def test_nccl_world_size_one_on_a_side_stream():
     run_ranks(_nccl_world_one, 1, timeout=240)
+
+
+def _hybrid_on_cuda(rank, world):
+    torch.cuda.set_device(0)
+    os.environ[NODE_ENV] = f"n{rank // 2}"
+    mesh = fastddp.fsdp.node_mesh("cuda")
+    model, opt, _ = _hybrid_worker.build(mesh, _hybrid_worker.NATIVE, device="cuda")
+    ref, _ = _hybrid_worker.steps(model, opt, rank, 0, 3)
+    for mode in ("bf16-acc", "int8-ef"):
+        model, opt, comm = _hybrid_worker.build(mesh, mode, device="cuda")
+        grads, _ = _hybrid_worker.steps(model, opt, rank, 0, 3)
+        worst = _relative(grads, ref)
+        assert 0 < worst < GRAD_TOL[mode], (mode, worst)
+        assert _hybrid_worker.same_across_nodes(mesh, _hybrid_worker.params_of(model)), mode
+        assert comm.stats()["calls"] == 9
+
+
+def test_hybrid_on_cuda_tensors_over_gloo():
+    run_ranks(_hybrid_on_cuda, 4, timeout=300)

@@ -1,5 +1,7 @@
-"""``examples/ddp_train.py``, the script users copy, runs as documented and learns."""
+"""``examples/ddp_train.py``, the script users copy, runs as documented and learns; so does
+``examples/gpt_train.py`` with ``dtype="auto"``."""
 
+import json
 import re
 import subprocess
 import sys
@@ -31,3 +33,17 @@ def test_the_copied_script_learns_as_plain_ddp_does():
         assert losses[-1] < losses[0] / 2, losses  # it learns
         # ... as well as plain DDP: same start, within 5 % at the end.
         assert losses[0] == plain[0] and abs(losses[-1] - plain[-1]) < 0.05 * plain[-1]
+
+
+def test_the_gpt_example_plans_with_auto(tmp_path):
+    out = tmp_path / "gpt.json"
+    cmd = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(ROOT / "examples" / "gpt_train.py"), "--preset", "auto", "--steps", "24"]
+    cmd += ["--width", "32", "--layers", "1", "--seq", "16", "--batch", "2", "--json", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert res.returncode == 0, res.stdout + res.stderr
+    summary = json.loads(out.read_text())
+    # The default four candidates plan at step 17; the summary names the one kept.
+    assert summary["chose"] in ("none", "bf16", "bf16-acc", "int8-ef"), summary
+    assert summary["median_step_ms"] > 0 and summary["final_loss"] < 4.6, summary  # ln 96
+    assert f"chose {summary['chose']}" in res.stdout
