@@ -24,6 +24,7 @@ def build(
     divide_factor=None,
     force_sum=False,
     reduce_scatter=None,
+    prefetch=False,
     device="cpu",
     **settings,
 ):
@@ -35,6 +36,11 @@ def build(
     for block in model.blocks:
         fully_shard(block, mesh=target, mp_policy=policy)
     fully_shard(model, mesh=target, mp_policy=policy)
+    if prefetch:  # explicit prefetching: each block gathers the next (the previous in backward)
+        blocks = list(model.blocks)
+        for here, after in zip(blocks, blocks[1:]):
+            here.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([here])
     for module in (*model.blocks, model):  # these setters do not recurse
         if divide_factor is not None:
             module.set_gradient_divide_factor(divide_factor)

@@ -1,6 +1,7 @@
 """fastddp.fsdp.hybrid and node_mesh on one host: 4 ranks made into 2 nodes of 2 ranks
 (``FASTDDP_NODE_ID``), Gloo. Hybrid against FSDP2's native HSDP on the same mesh, per codec and
-with the FSDP2 features users combine it with; checkpoint and resume with DCP; bad inputs."""
+with the FSDP2 features users combine it with (mixed precision, divide factors, gradient
+accumulation, clipping, explicit prefetching); checkpoint and resume with DCP; bad inputs."""
 
 import os
 
@@ -34,6 +35,7 @@ CASES = [
     ("int8-ef", {"mp": MixedPrecisionPolicy(reduce_dtype=BF16)}),
     ("bf16-acc", {"divide_factor": 8.0, "force_sum": True}),  # Gloo has no PREMUL_SUM
     ("int8-ef", {"accumulate": 2, "clip": 0.05}),
+    ("int8-ef", {"prefetch": True}),
 ]
 
 
