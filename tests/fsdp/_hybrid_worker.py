@@ -26,6 +26,7 @@ def build(
     reduce_scatter=None,
     prefetch=False,
     device="cpu",
+    replicate=None,
     **settings,
 ):
     """A small Decoder, sharded for ``mode``; returns (model, optimizer, hybrid comm or None)."""
@@ -49,7 +50,11 @@ def build(
     comm = None
     if mode != NATIVE:
         comm = fastddp.fsdp.hybrid(
-            model, mesh["replicate"], mode, reduce_scatter=reduce_scatter, **settings
+            model,
+            mesh["replicate"] if replicate is None else replicate,
+            mode,
+            reduce_scatter=reduce_scatter,
+            **settings,
         )
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return model, opt, comm
