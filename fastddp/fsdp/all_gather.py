@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from fastddp.codecs import codec_for
-from fastddp.fsdp.reduce_scatter import FSDPModule
+from fastddp.fsdp._buffers import Buffers
+from fastddp.fsdp.reduce_scatter import sharded_modules
 
 try:
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
@@ -48,7 +49,7 @@ class QuantizedAllGather(AllGather):
     def __init__(self, block_size: Optional[int] = None) -> None:
         self.codec = codec_for(torch.int8, block_size, _WHERE)
         self.block_size = self.codec.block_size
-        self._buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._buffers = Buffers()
         self._counters = dict.fromkeys(("calls", "elements", "wire_bytes", "bf16_wire_bytes"), 0)
 
     def __repr__(self) -> str:
@@ -92,16 +93,16 @@ class QuantizedAllGather(AllGather):
         device = input_tensor.device
         src = input_tensor.reshape(-1)
         if src.dtype != torch.float32:
-            src = self._buffer("stage", n, torch.float32, device).copy_(src)
-        send = self._buffer("send", row, codec.wire_dtype, device)
+            src = self._buffers.get("stage", n, torch.float32, device).copy_(src)
+        send = self._buffers.get("send", row, codec.wire_dtype, device)
         codec.encode(src, send.view(1, row), n)
-        recv = self._buffer("recv", world * row, codec.wire_dtype, device)
+        recv = self._buffers.get("recv", world * row, codec.wire_dtype, device)
         all_gather_single(recv, send, group=group)
         dst = output_tensor.view(-1)
         wide = (
             dst
             if dst.dtype == torch.float32
-            else self._buffer("wide", world * n, torch.float32, device)
+            else self._buffers.get("wide", world * n, torch.float32, device)
         )
         rows = recv.view(world, row)
         if n % self.block_size == 0:
@@ -117,15 +118,6 @@ class QuantizedAllGather(AllGather):
         self._counters["bf16_wire_bytes"] += (world - 1) * n * 2
         return None
 
-    def _buffer(self, name: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-        # Grown to the largest group; FSDP2 gathers one group at a time on one stream.
-        key = (name, torch.device(device))
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() < numel or buf.dtype != dtype:
-            buf = torch.empty(numel, dtype=dtype, device=device)
-            self._buffers[key] = buf
-        return buf[:numel]
-
 
 def quantize_all_gather(
     module: torch.nn.Module, *, block_size: Optional[int] = None
@@ -136,15 +128,7 @@ def quantize_all_gather(
     and with :func:`fastddp.fsdp.hybrid` (whose all-gathers stay inside the node). Returns the
     comm, whose :meth:`~QuantizedAllGather.stats` count what it sent.
     """
-    if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"quantize_all_gather: expected an nn.Module, got {type(module)}")
-    sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
-    if not sharded:
-        raise ValueError(
-            "quantize_all_gather: no module in this model is sharded by FSDP2; call "
-            "torch.distributed.fsdp.fully_shard on its layers and on the model first"
-        )
     comm = QuantizedAllGather(block_size)
-    for m in sharded:
+    for _, m in sharded_modules(module, "quantize_all_gather"):
         m.set_custom_all_gather(comm)
     return comm

@@ -22,7 +22,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from fastddp.fsdp._checkpoint import pack, unpack
-from fastddp.fsdp.reduce_scatter import CompressedReduceScatter, FSDPModule, compress_reduce_scatter
+from fastddp.fsdp.reduce_scatter import (
+    CompressedReduceScatter,
+    FSDPModule,
+    compress_reduce_scatter,
+    sharded_modules,
+)
 from fastddp.hooks import CompressState, _reduce
 
 __all__ = ["HybridAllReduce", "hybrid"]
@@ -169,15 +174,8 @@ def hybrid(
         >>> fully_shard(model, mesh=mesh["shard"])
         >>> comm = fastddp.fsdp.hybrid(model, mesh["replicate"], "int8-ef")
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"{_WHERE}: expected an nn.Module, got {type(model).__name__}")
+    modules = sharded_modules(model, _WHERE, 'fully_shard(layer, mesh=mesh["shard"])')
     group = _replicate_group(replicate_group)
-    modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
-    if not modules:
-        raise ValueError(
-            f"{_WHERE}: no module in this model is sharded by FSDP2; call fully_shard(layer, "
-            'mesh=mesh["shard"]) on its layers and on the model first'
-        )
     shard_ranks = _shard_ranks(modules)
     _check_groups(group, shard_ranks)
     for name in ("process_group", "topology", "delay"):

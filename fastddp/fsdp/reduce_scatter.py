@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from fastddp.codecs import CODECS, codec_for
+from fastddp.fsdp._buffers import Buffers
 from fastddp.fsdp._checkpoint import pack, unpack
 
 try:  # FSDP2's comm interfaces (torch >= 2.9 have set_custom_reduce_scatter)
@@ -95,10 +96,8 @@ class CompressedReduceScatter(ReduceScatter):
         self.error_feedback = error_feedback
         self._residuals: dict[Any, torch.Tensor] = {}  # by parameter group (module index)
         self.group_key: Any = None  # the group being reduced, set by its module's door
-        self._buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
-        self._counters = dict.fromkeys(
-            ("calls", "allocations", "wire_bytes", "fp32_wire_bytes", "elements"), 0
-        )
+        self._buffers = Buffers()
+        self._counters = dict.fromkeys(("calls", "wire_bytes", "fp32_wire_bytes", "elements"), 0)
 
     def __repr__(self) -> str:
         block = f", block_size={self.block_size}" if self.block_size else ""
@@ -124,7 +123,7 @@ class CompressedReduceScatter(ReduceScatter):
         all-to-all reduce-scatter of the same inputs sends; ``allocations``: wire and staging
         buffers allocated or grown (flat after the first step).
         """
-        return dict(self._counters)
+        return {**self._counters, "allocations": self._buffers.allocations}
 
     def __call__(
         self,
@@ -147,10 +146,10 @@ class CompressedReduceScatter(ReduceScatter):
         if codec.plain and src.dtype == codec.wire_dtype:
             send = src  # already in the wire dtype, nothing rounded; the scale after the sum
         else:
-            send = self._buffer("send", *wire)
+            send = self._buffers.get("send", *wire)
             residual = self._residual(src) if self.error_feedback else None
             codec.encode(self._fp32_source(src), send.view(world, row), chunk, pre, None, residual)
-        recv = self._buffer("recv", *wire)
+        recv = self._buffers.get("recv", *wire)
         dist.all_to_all_single(recv, send, group=group)
         rows = recv.view(world, row)
         if dst.dtype == torch.float32:
@@ -158,7 +157,7 @@ class CompressedReduceScatter(ReduceScatter):
         elif codec.plain and dst.dtype == codec.wire_dtype:
             codec.reduce(rows, dst, chunk, post)  # one rounding, of the fp32 sum
         else:
-            total = self._buffer("sum", chunk, torch.float32, src.device)
+            total = self._buffers.get("sum", chunk, torch.float32, src.device)
             codec.sum_into(rows, chunk, total, post)
             dst.copy_(total)
         self._counters["calls"] += 1
@@ -251,23 +250,28 @@ class CompressedReduceScatter(ReduceScatter):
             )
         self._residuals = dict(saved["residuals"])
 
-    def _buffer(self, name: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-        # One flat buffer per name and device, grown to the largest request; callers view its
-        # front. Calls run one after another on FSDP2's reduce-scatter stream, so reuse is safe.
-        key = (name, torch.device(device))
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() < numel or buf.dtype != dtype:
-            buf = torch.empty(numel, dtype=dtype, device=device)
-            self._buffers[key] = buf
-            self._counters["allocations"] += 1
-        return buf[:numel]
-
     def _fp32_source(self, src: torch.Tensor) -> torch.Tensor:
         if src.dtype == torch.float32:
             return src
-        staged = self._buffer("stage", src.numel(), torch.float32, src.device)
+        staged = self._buffers.get("stage", src.numel(), torch.float32, src.device)
         staged.copy_(src)
         return staged
+
+
+def sharded_modules(
+    model: torch.nn.Module, where: str, how: str = "torch.distributed.fsdp.fully_shard"
+) -> list[tuple[str, FSDPModule]]:
+    """``model``'s ``fully_shard``-ed modules with their names, in ``named_modules()`` order (the
+    same on every rank); raise if it is not a module or none is sharded."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{where}: expected an nn.Module, got {type(model).__name__}")
+    sharded = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not sharded:
+        raise ValueError(
+            f"{where}: no module in this model is sharded by FSDP2; call {how} on its layers "
+            "and on the model first"
+        )
+    return sharded
 
 
 class _GroupDoor(ReduceScatter):
@@ -301,15 +305,8 @@ def compress_reduce_scatter(
     :meth:`~CompressedReduceScatter.stats` count what it did; with ``error_feedback``, save it
     with the model (``dcp.save({..., "fastddp": comm})``) to resume exactly.
     """
-    if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"compress_reduce_scatter: expected an nn.Module, got {type(module)}")
-    sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
-    if not sharded:
-        raise ValueError(
-            "compress_reduce_scatter: no module in this model is sharded by FSDP2; call "
-            "torch.distributed.fsdp.fully_shard on its layers and on the model first"
-        )
+    sharded = sharded_modules(module, "compress_reduce_scatter")
     comm = CompressedReduceScatter(dtype, block_size=block_size, error_feedback=error_feedback)
-    for index, m in enumerate(sharded):  # the same order on every rank
+    for index, (_, m) in enumerate(sharded):  # the same order on every rank
         m.set_custom_reduce_scatter(_GroupDoor(comm, index))
     return comm
