@@ -150,6 +150,12 @@ def _mesh_and_errors(rank, world):
         fastddp.fsdp.hybrid(sharded, mesh["replicate"], torch.int2)
     with pytest.raises(ValueError, match="unknown fastddp preset"):
         fastddp.fsdp.hybrid(sharded, mesh["replicate"], "int7")
+    # With error feedback a shard must keep its size (a parameter without a gradient changes
+    # it): the second call raises on every rank, before its collective.
+    comm = fastddp.fsdp.hybrid(sharded, mesh["replicate"], "int8-ef")
+    comm._reduce_shard(0, sharded, torch.ones(40))
+    with pytest.raises(ValueError, match="had 40 elements and now has 32: a parameter got no"):
+        comm._reduce_shard(0, sharded, torch.ones(32))
     with pytest.raises(TypeError, match="topology is not a setting"):
         fastddp.fsdp.hybrid(sharded, mesh["replicate"], torch.int8, topology="flat")
 
