@@ -6,7 +6,8 @@ step, on one node (standalone, static and c10d rendezvous; plain ``init_process_
 network namespaces of 2 ranks each (a worker kill and a lost node started again). A case passes
 when the job finishes, resumed from its checkpoint after every fault, with exactly the
 parameters of an uninterrupted run. The standalone plain case, which plain torchrun fails about
-two runs in three, runs 5 times in a row. ``make stress-restart`` runs each case 50 times.
+two runs in three, runs 3 times in a row (once more as a case of its own). ``make
+stress-restart`` runs each case 50 times.
 """
 
 import os
@@ -63,7 +64,7 @@ def test_a_restarted_job_resumes_to_the_uninterrupted_result(case, want, tmp_pat
 
 
 @pytest.mark.parametrize("case", _params([Case("standalone", "plain", "kill")]))
-@pytest.mark.parametrize("repeat", range(5))
+@pytest.mark.parametrize("repeat", range(2))
 def test_standalone_plain_restart_every_time(case, repeat, want, tmp_path):
     _judge(run_case(case, "fastddp", want, tmp_path))
 

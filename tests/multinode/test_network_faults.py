@@ -133,8 +133,13 @@ def _same(a: list, b: list) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+# Lost packets are TCP's to resend, whatever the payload: one codec shows the result is exact
+# (int8, whose rows carry scales beside the codes); the outage tests below run bf16.
+_LOSSY_MODES = ["int8"]
+
+
 @pytest.mark.skipif(shutil.which("nft") is None, reason="packet loss needs nft (nftables)")
-@pytest.mark.parametrize("mode", ["bf16", "int8"])
+@pytest.mark.parametrize("mode", _LOSSY_MODES)
 def test_lossy_link_gives_the_clean_runs_parameters(mode, tmp_path, tmp_path_factory):
     codes, outs, drops, params = _run(tmp_path, mode, loss=1.0)
     assert codes == [0, 0], outs
@@ -198,7 +203,7 @@ def test_the_wire_delays_every_packet_and_drops_its_share():
 
 
 @_needs_tun
-@pytest.mark.parametrize("mode", ["bf16", "int8"])
+@pytest.mark.parametrize("mode", _LOSSY_MODES)
 def test_a_slow_lossy_link_gives_the_clean_runs_parameters(mode, tmp_path, tmp_path_factory):
     # 20 ms each way and 1 % of the packets dropped, on a userspace wire (no tc netem here).
     codes, outs, drops, params = _run(tmp_path, mode, wire=(20.0, 1.0))
