@@ -98,18 +98,20 @@ def same_across_nodes(mesh, tensors: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(everyone[0], other) for other in everyone[1:])
 
 
-def save(path: str, model, opt, comm: Optional[object]) -> None:
+def _checkpoint_state(model, opt, comm: Optional[object]) -> dict:
+    """What a checkpoint holds: model, optimizer and, given one, the comm (a DCP Stateful)."""
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
     if comm is not None:
         state["fastddp"] = comm
-    dcp.save(state, checkpoint_id=path)
+    return state
+
+
+def save(path: str, model, opt, comm: Optional[object]) -> None:
+    dcp.save(_checkpoint_state(model, opt, comm), checkpoint_id=path)
 
 
 def load(path: str, model, opt, comm: Optional[object]) -> None:
-    model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optim": optim_sd}
-    if comm is not None:
-        state["fastddp"] = comm
+    state = _checkpoint_state(model, opt, comm)
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
