@@ -1,42 +1,55 @@
-"""``CompressState(dtype="auto")``: the mode that makes the step shortest, chosen by measuring.
+"""``CompressState(dtype="auto")``: the plan that makes the step shortest, chosen by measuring.
 
 Each allowed mode is a candidate: ``"none"`` (PyTorch's fp32 all-reduce hook) or a preset of
 :data:`fastddp.PRESETS`, each a fixed :class:`~fastddp.CompressState` of its own. The plan is
-made by trial, on the job itself: after one warm-up step, each candidate reduces every bucket
-for :data:`TRIAL_STEPS` steps, and the step period (from one backward's first bucket to the
-next's: forward, backward, waiting and optimizer, all of it) of all but the first of those
-steps is its figure. The slowest rank's figures (one all-reduce) decide, identically on every
-rank: the fastest candidate, or the first in ``allow`` order within :data:`PREFER` of it, so that
-a mode compresses only when that pays measurably. With the default four candidates the plan is
-made at step 17.
+made by trial, on the job itself. After one warm-up step the candidates take turns, one step
+each, for :data:`TRIAL_ROUNDS` rounds; the first round is not measured (buffers are made then).
+Taking turns step by step puts every candidate under the same drifts of the machine's load. A
+step's figure is its period, from one backward's first bucket to the next's (forward,
+backward, waiting and optimizer, all of it). The slowest rank's medians (one all-reduce) decide,
+identically on every rank: the fastest candidate, or the first in ``allow`` order within
+:data:`PREFER` of it, so that a mode compresses only when that pays measurably.
+
+Then, per bucket (``planner.py``): the trial also recorded when each bucket reached the hook,
+the host time of each codec and the bytes each bucket sent, and a model of the backward pass
+fitted to those figures proposes a mode per bucket: accurate modes where the backward pass
+hides the transfer, fewer bytes where it does not. Rank 0's proposal is broadcast. If it differs
+from the uniform choice, it and the uniform choice take turns for :data:`VERIFY_ROUNDS` rounds,
+and it is kept only if it measures within :data:`PREFER` of the uniform choice. With the
+default four candidates the plan is made at step 17, or 21 when a mixed plan was tried. Mixed
+plans are proposed for CPU tensors only: on CUDA the host's clock does not see the kernels.
 
 Then every :data:`CHECK_EVERY` steps the median period is held against the planned figure
 (again the slowest rank's); off by more than :data:`MARGIN` at two checks in a row (a link
-that degrades, or recovers), the trial runs again. A candidate left behind owes its
-error-feedback residuals: the next buckets holding those parameters add them before they are
-reduced, so nothing error feedback kept is lost.
+that degrades, or recovers), the trial runs again. When a bucket's mode changes, the
+candidates left behind owe their error-feedback residuals: the next buckets holding those
+parameters add them before they are reduced, so nothing error feedback kept is lost.
 """
 
 import logging
 import statistics
 import time
 import zlib
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fastddp.hooks import planner
 from fastddp.hooks.hook import compress_hook
 from fastddp.hooks.presets import PRESETS
 from fastddp.hooks.state import CompressState
+from fastddp.hooks.topology import ring_bytes
 
-__all__ = ["AutoState", "DEFAULT_ALLOW", "NONE"]
+__all__ = ["AutoState", "DEFAULT_ALLOW", "MIXED", "NONE"]
 
 NONE = "none"
+MIXED = "mixed"  # the label of a plan with a mode per bucket
 DEFAULT_ALLOW = (NONE, "bf16", "bf16-acc", "int8-ef")
-TRIAL_STEPS = 4  # steps per candidate in a trial; the first is not measured
+TRIAL_ROUNDS = 4  # steps per candidate in a trial, taken in turns; the first round is not measured
+VERIFY_ROUNDS = 2  # turns of a proposed mixed plan and the uniform choice
 CHECK_EVERY = 10  # steps between checks of the planned step time
 MARGIN = 0.25  # relative change of the step time that, at two checks in a row, re-plans
 PREFER = 0.02  # a candidate earlier in ``allow`` within this of the fastest is chosen
@@ -44,6 +57,7 @@ PREFER = 0.02  # a candidate earlier in ``allow`` within this of the fastest is 
 logger = logging.getLogger("fastddp")
 # Settings of a fixed mode, which dtype="auto" takes only at their defaults.
 _FIXED_ONLY = ("accumulate_dtype", "error_feedback", "stochastic_rounding", "block_size", "delay")
+Assignment = Union[str, tuple[str, ...]]  # one mode for every bucket, or a mode per bucket
 
 
 def _checked_allow(allow) -> tuple[str, ...]:
@@ -65,6 +79,33 @@ def _checked_allow(allow) -> tuple[str, ...]:
     return names
 
 
+class _Step:
+    """What one step measured: per bucket, when it reached the hook and left it, its size and
+    the time the hook blocked on collectives; and when the last reduction ended."""
+
+    __slots__ = ("label", "kind", "began", "left", "numel", "waited", "done", "period", "held")
+
+    def __init__(self, label: str, kind: Optional[str]) -> None:
+        self.label, self.kind = label, kind  # kind: "trial", "verify" or None (not measured)
+        self.began: list[float] = []
+        self.left: list[float] = []
+        self.numel: list[int] = []
+        self.waited: list[float] = []
+        self.done = 0.0
+        self.period = 0.0  # to the next step's first bucket
+        self.held: dict[str, set[int]] = {}  # parameter keys each mode reduced
+
+    def finished(self, _future: torch.futures.Future) -> None:
+        self.done = max(self.done, time.perf_counter())
+
+    def figures(self) -> tuple[list[float], float, float]:
+        """Compute gaps before each bucket, host seconds per element, seconds to the end."""
+        gaps = [0.0] + [b - a for a, b in zip(self.left, self.began[1:])]
+        busy = sum(b - a for a, b in zip(self.began, self.left)) - sum(self.waited)
+        end = max(self.done, self.left[-1])
+        return gaps, max(busy, 0.0) / max(sum(self.numel), 1), end - self.began[0]
+
+
 class AutoState(CompressState):
     """:class:`~fastddp.CompressState` with ``dtype="auto"`` (see the module docstring).
 
@@ -80,18 +121,21 @@ class AutoState(CompressState):
     __slots__ = (
         "allow",
         "_states",
-        "_current",
+        "_using",
         "_task",
-        "_started",
         "_step",
         "_trial_start",
-        "_measured",
+        "_schedule",
+        "_record",
+        "_records",
         "_recent",
         "_strikes",
         "_plan",
+        "_proposal",
         "_owed",
         "_checked",
         "_steps_in",
+        "_held",
     )
 
     def __init__(
@@ -128,18 +172,30 @@ class AutoState(CompressState):
             for name in self.allow
             if name != NONE
         }
-        self._current = self.allow[0]
+        self._using: Assignment = self.allow[0]
         self._task = None
-        self._started: Optional[float] = None
-        self._step = -1
-        self._trial_start = 0
-        self._measured: dict[str, list[float]] = {name: [] for name in self.allow}
-        self._recent: list[float] = []
-        self._strikes = 0
         self._plan: Optional[dict[str, Any]] = None
         self._owed = WeakIdKeyDictionary()  # parameter -> residual its next reduction adds
         self._checked = False
-        self._steps_in = dict.fromkeys(self.allow, 0)  # steps each candidate reduced
+        self._steps_in = dict.fromkeys((*self.allow, MIXED), 0)  # steps each plan reduced
+        self._restart()
+
+    def _restart(self) -> None:
+        """Forget measurements: the next step starts a trial (or runs a loaded plan)."""
+        self._step, self._trial_start = -1, 0
+        self._schedule = self._trial_schedule()
+        self._record: Optional[_Step] = None
+        self._records: dict[str, list[_Step]] = {}
+        self._recent: list[float] = []
+        self._strikes = 0
+        self._proposal: Optional[tuple[str, ...]] = None
+        self._held: dict[str, set[int]] = {}  # parameter keys each mode reduced a step ago
+
+    def _trial_schedule(self) -> list[tuple[str, Optional[str]]]:
+        turns = [(self.allow[0], None)]  # the warm-up: DDP lays its buckets out again after it
+        for r in range(TRIAL_ROUNDS):
+            turns += [(name, "trial" if r else None) for name in self.allow]
+        return turns
 
     # -- the hook -------------------------------------------------------------------------
 
@@ -148,70 +204,251 @@ class AutoState(CompressState):
         if task == -1 or task != self._task:  # the first bucket of a backward pass
             self._task = task
             self._begin_step(bucket.buffer().device)
+        parameters = bucket.parameters()
+        keys = ()
+        for candidate in self._states.values():
+            # Every candidate names parameters alike (by first sight here), so that residuals
+            # saved by one plan find their parameters in a job resumed under another.
+            keys = candidate._table.keys_of(parameters)
+        numel = bucket.buffer().numel()
         if len(self._owed):
             self._repay(bucket)
-        if self._current == NONE:
-            return allreduce_hook(self.process_group, bucket)
-        return compress_hook(self._states[self._current], bucket)
+        mode = self._mode_of(bucket.index())
+        state = self._states.get(mode)
+        record = self._record
+        waited = 0.0 if state is None else state._pipeline.waited
+        began = time.perf_counter()
+        if state is None:
+            future = allreduce_hook(self.process_group, bucket)
+        else:
+            future = compress_hook(state, bucket)
+        record.left.append(time.perf_counter())
+        record.began.append(began)
+        record.numel.append(numel)
+        record.held.setdefault(mode, set()).update(k for k, _ in keys)
+        record.waited.append(0.0 if state is None else state._pipeline.waited - waited)
+        future.add_done_callback(record.finished)
+        return future
+
+    def _mode_of(self, index: int) -> str:
+        using = self._using
+        if isinstance(using, str):
+            return using
+        # A bucket the plan does not know (DDP laid its buckets out again): the uniform choice.
+        return using[index] if index < len(using) else self._plan["uniform"]
 
     def _begin_step(self, device: torch.device) -> None:
         now = time.perf_counter()
-        period = None if self._started is None else now - self._started
-        self._started = now
+        last = self._record
+        period = None if last is None or not last.began else now - last.began[0]
         self._step += 1
         if not self._checked:
             self._check_ranks(device)
+        if last is not None:
+            self._settle_moves(last)
+        label, kind = self._label_now(), None
         if self._plan is None or self._plan["trial"]:
-            self._trial(period, device)
+            if last is not None and last.kind is not None and period is not None:
+                last.period = period
+                self._records.setdefault(f"{last.kind}:{last.label}", []).append(last)
+            label, kind = self._trial(device)
         elif period is not None:
             self._recent.append(period)
             if len(self._recent) >= CHECK_EVERY:
                 self._check_plan(device)
-        self._steps_in[self._current] += 1
+            label = self._label_now()
+        self._record = _Step(label, kind)
+        self._steps_in[label] += 1
 
-    def _trial(self, period: Optional[float], device: torch.device) -> None:
-        k = self._step - self._trial_start  # 0: warm-up, then TRIAL_STEPS per candidate
-        if period is not None and k >= 2 and (k - 2) % TRIAL_STEPS != 0:
-            self._measured[self._current].append(period)  # the step before this one
-        block = (k - 1) // TRIAL_STEPS if k >= 1 else 0
-        if block < len(self.allow):
-            self._switch(self.allow[block])
-        else:
-            self._decide(device)
+    def _settle_moves(self, last: "_Step") -> None:
+        # DDP lays its buckets out again (after its first step, say): a parameter that left a
+        # mode's buckets left its residual in that mode, which no bucket of it will take up. It
+        # is repaid through the parameter's new bucket (a step late; nothing is lost).
+        for name, keys in self._held.items():
+            state = self._states.get(name)
+            if state is not None and state.error_feedback and keys - last.held.get(name, set()):
+                self._collect_owed(state)
+        self._held = last.held
+
+    def _label_now(self) -> str:
+        return self._using if isinstance(self._using, str) else MIXED
+
+    # -- the trial ------------------------------------------------------------------------
+
+    def _trial(self, device: torch.device) -> tuple[str, Optional[str]]:
+        k = self._step - self._trial_start
+        if k == len(self._schedule):
+            (self._decide if self._proposal is None else self._conclude)(device)
+        if self._plan is not None and not self._plan["trial"]:
+            return self._label_now(), None
+        label, kind = self._schedule[k]
+        self._use(self._proposal if label == MIXED else label)
+        return label, kind
+
+    def _periods(self, kind: str, label: str) -> list[float]:
+        return [r.period for r in self._records.get(f"{kind}:{label}", [])]
 
     def _decide(self, device: torch.device) -> None:
-        figures = torch.tensor(
-            [statistics.median(self._measured[n]) for n in self.allow],
-            dtype=torch.float64,
-            device=device,
-        )
+        """The uniform choice, then a mode per bucket proposed from the same trial."""
+        medians = [statistics.median(self._periods("trial", n)) for n in self.allow]
+        profile = self._profile(device)
+        n = 0 if profile is None else len(profile)
+        figures = torch.tensor([*medians, n, -n], dtype=torch.float64, device=device)
         dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.process_group)
-        seconds = dict(zip(self.allow, figures.tolist()))
+        values = figures.tolist()
+        seconds = dict(zip(self.allow, values[: len(self.allow)]))
+        if values[-2] != -values[-1] or n == 0:  # a rank without a model: no rank plans buckets
+            profile = None
+        else:  # the slowest rank's figures, on every rank
+            flat = torch.tensor(profile, dtype=torch.float64, device=device)
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.process_group)
+            profile = flat.tolist()
         fastest = min(seconds.values())
         choice = next(n for n in self.allow if seconds[n] <= fastest * (1 + PREFER))
         plans = 1 if self._plan is None else self._plan["plans"] + 1
         self._plan = {
             "mode": choice,
-            "trial": False,
+            "uniform": choice,
+            "trial": True,
             "step_ms": {n: s * 1e3 for n, s in seconds.items()},
             "made_at_step": self._step,
             "plans": plans,
+            "buckets": None,
+            "model": None,
         }
+        if profile is not None:
+            self._propose(profile, choice, device)
+        if self._proposal is None:
+            self._adopt(choice)
+        else:
+            self._schedule += [(MIXED, "verify"), (choice, "verify")] * VERIFY_ROUNDS
+
+    def _profile(self, device: torch.device) -> Optional[list[float]]:
+        """This rank's figures for the per-bucket model, flat, or None where it does not apply:
+        a single candidate, a single bucket, CUDA tensors, or a bucket layout that changed."""
+        if len(self.allow) < 2 or device.type != "cpu":
+            return None
+        if not any(s._verified for s in self._states.values()):
+            return None  # 16-bit buckets pass through: nothing to plan
+        runs = {n: self._records.get(f"trial:{n}", []) for n in self.allow}
+        sizes = {tuple(r.numel) for rs in runs.values() for r in rs}
+        if len(sizes) != 1:
+            return None
+        numel = list(next(iter(sizes)))
+        if len(numel) < 2:
+            return None
+        flat: list[float] = [float(len(numel)), *map(float, numel)]
+        for name in self.allow:
+            rows = [r.figures() for r in runs[name]]
+            gaps = [statistics.median(g[i] for g, _, _ in rows) for i in range(len(numel))]
+            cost = statistics.median(c for _, c, _ in rows)
+            reduce_s = statistics.median(e for _, _, e in rows)
+            flat += [*gaps, cost, reduce_s, *self._sent(name, numel)]
+        return flat
+
+    def _sent(self, name: str, numel: list[int]) -> list[float]:
+        """Bytes of each bucket on the slowest link: across nodes where there are several."""
+        states = [s for s in self._states.values() if s._verified]
+        topo = states[0]._topology
+        across = len(topo.nodes) > 1
+        if name == NONE:
+            if across:
+                return [float(topo.ring_cross_bytes(n, 4)) for n in numel]
+            return [float(ring_bytes(n, topo.world, 4)) for n in numel]
+        slots = dict(self._states[name]._table.by_index())
+        sent = []
+        for i, n in enumerate(numel):
+            slot = slots.get(i)
+            if slot is None or not slot.calls:
+                sent.append(float(ring_bytes(n, topo.world, 4)))
+                continue
+            total = slot.cross_node_bytes if across else slot.wire_bytes
+            sent.append(total / slot.calls)
+        return sent
+
+    def _propose(self, flat: list[float], uniform: str, device: torch.device) -> None:
+        n = int(flat[0])
+        numel = [int(v) for v in flat[1 : 1 + n]]
+        gaps, cost, reduce_s, sent = {}, {}, {}, {}
+        at = 1 + n
+        for name in self.allow:
+            gaps[name] = flat[at : at + n]
+            cost[name], reduce_s[name] = flat[at + n], flat[at + n + 1]
+            sent[name] = flat[at + n + 2 : at + 2 * n + 2]
+            at += 2 * n + 2
+        blocking = frozenset(self._states)  # compressed modes on CPU tensors: see pipeline.py
+        profile = planner.Profile(numel, gaps, cost, sent, reduce_s, blocking)
+        rates = planner.calibrate(profile)
+        plan = planner.search(profile, rates, [uniform] * n, self.allow)
+        # Rank 0 decides; every rank runs what it sent (all ranks issue the same collectives).
+        codes = torch.tensor([self.allow.index(m) for m in plan], dtype=torch.int64, device=device)
+        group = self.process_group
+        dist.broadcast(codes, 0 if group is None else dist.get_global_rank(group, 0), group=group)
+        plan = [self.allow[c] for c in codes.tolist()]
+        self._plan["model"] = {
+            "rate_MBps": {m: r / 1e6 for m, r in rates.items()},
+            "cost_ns_per_element": {m: c * 1e9 for m, c in cost.items()},
+            "reduce_ms": {m: s * 1e3 for m, s in reduce_s.items()},
+            "modelled_ms": {
+                uniform: planner.simulate(profile, [uniform] * n, rates) * 1e3,
+                MIXED: planner.simulate(profile, plan, rates) * 1e3,
+            },
+        }
+        self._plan["buckets"] = [
+            {"mode": m, "numel": numel[i], "gap_ms": gaps[m][i] * 1e3, "sent_bytes": sent[m][i]}
+            for i, m in enumerate(plan)
+        ]
+        if any(m != uniform for m in plan):
+            self._proposal = tuple(plan)
+
+    def _conclude(self, device: torch.device) -> None:
+        """Keep the proposed mixed plan if it measured within PREFER of the uniform choice."""
+        uniform = self._plan["uniform"]
+        means = torch.tensor(
+            [statistics.mean(self._periods("verify", label)) for label in (MIXED, uniform)],
+            dtype=torch.float64,
+            device=device,
+        )
+        dist.all_reduce(means, op=dist.ReduceOp.MAX, group=self.process_group)
+        mixed, alone = means.tolist()
+        self._plan["verify_ms"] = {MIXED: mixed * 1e3, uniform: alone * 1e3}
+        keep = mixed <= alone * (1 + PREFER)
+        self._adopt(MIXED if keep else uniform)
+
+    def _adopt(self, label: str) -> None:
+        plan = self._plan
+        plan["trial"] = False
+        plan["mode"] = label
+        if label != MIXED and plan["buckets"] is not None:
+            if any(b["mode"] != label for b in plan["buckets"]):
+                plan["proposed"] = [b["mode"] for b in plan["buckets"]]  # measured slower
+            for b in plan["buckets"]:
+                b["mode"] = label
+        plan["planned_ms"] = {**plan["step_ms"], **plan.get("verify_ms", {})}[label]
+        self._use(self._proposal if label == MIXED else label)
+        self._proposal = None
         self._recent, self._strikes = [], 0
-        self._switch(choice)
+        what = label
+        if label == MIXED:
+            counts = {m: self._using.count(m) for m in self.allow if m in self._using}
+            what = "a mode per bucket (" + ", ".join(f"{m} {c}" for m, c in counts.items()) + ")"
+        figures = {
+            **plan["step_ms"],
+            **{f"{n} again": s for n, s in plan.get("verify_ms", {}).items()},
+        }
         logger.info(
             "fastddp auto: plan %d at step %d: %s (step ms, slowest rank: %s)",
-            plans,
+            plan["plans"],
             self._step,
-            choice,
-            ", ".join(f"{n} {s * 1e3:.1f}" for n, s in seconds.items()),
+            what,
+            ", ".join(f"{n} {s:.1f}" for n, s in figures.items()),
         )
 
     def _check_plan(self, device: torch.device) -> None:
         now = torch.tensor([statistics.median(self._recent)], dtype=torch.float64, device=device)
         dist.all_reduce(now, op=dist.ReduceOp.MAX, group=self.process_group)
         self._recent = []
-        planned = self._plan["step_ms"][self._plan["mode"]] / 1e3
+        planned = self._plan["planned_ms"] / 1e3
         ratio = now.item() / planned
         self._plan["last_check_ratio"] = ratio
         self._strikes = self._strikes + 1 if abs(ratio - 1) > MARGIN else 0
@@ -222,15 +459,19 @@ class AutoState(CompressState):
                 planned * 1e3,
             )
             self._plan["trial"] = True
-            self._trial_start = self._step
-            self._measured = {name: [] for name in self.allow}
+            step = self._step
+            self._restart()
+            self._step = self._trial_start = step
+            self._use(self._schedule[0][0])
 
     def _check_ranks(self, device: torch.device) -> None:
         # Every rank must run the same trial: a rank with other candidates would issue other
         # collectives. Raise on every rank alike.
         self._checked = True
         mine = zlib.crc32(",".join(self.allow).encode())
-        rows = torch.tensor([mine, TRIAL_STEPS, CHECK_EVERY], dtype=torch.int64, device=device)
+        rows = torch.tensor(
+            [mine, TRIAL_ROUNDS, VERIFY_ROUNDS, CHECK_EVERY], dtype=torch.int64, device=device
+        )
         everyone = [torch.empty_like(rows) for _ in range(dist.get_world_size(self.process_group))]
         dist.all_gather(everyone, rows, group=self.process_group)
         differ = [r for r, row in enumerate(everyone) if not torch.equal(row, everyone[0])]
@@ -241,15 +482,20 @@ class AutoState(CompressState):
                 "rank the same allow list (and the same fastddp version)"
             )
 
-    # -- switching candidates ---------------------------------------------------------------
+    # -- switching modes ------------------------------------------------------------------
 
-    def _switch(self, name: str) -> None:
-        if name == self._current:
+    def _use(self, using: Assignment) -> None:
+        if using == self._using:
             return
-        old = self._states.get(self._current)
-        if old is not None and old.error_feedback and old._verified:
-            self._collect_owed(old)
-        self._current = name
+        for name in set(self._modes(self._using)):
+            old = self._states.get(name)
+            if old is not None and old.error_feedback and old._verified:
+                self._collect_owed(old)
+        self._using = using
+
+    @staticmethod
+    def _modes(using: Assignment) -> tuple[str, ...]:
+        return (using,) if isinstance(using, str) else using
 
     def _collect_owed(self, state: CompressState) -> None:
         """Take ``state``'s residuals out, by parameter, for the next buckets to add."""
@@ -276,6 +522,12 @@ class AutoState(CompressState):
             slot.residual.zero_()
             if slot.shard_residual is not None:
                 slot.shard_residual.zero_()
+        for key, owed in state._residuals.drain(rank).items():  # parked: loaded or moved
+            p = tensors.get(key)
+            if p is not None:
+                self._owed[p] = (
+                    self._owed[p] + owed.to(self._owed[p].device) if p in self._owed else owed
+                )
 
     def _repay(self, bucket: dist.GradBucket) -> None:
         # Residuals are in units of the average; the bucket is divided by the world size.
@@ -296,42 +548,50 @@ class AutoState(CompressState):
 
     @property
     def trial_steps(self) -> int:
-        """Steps before the first plan: a warm-up, then :data:`TRIAL_STEPS` per candidate."""
-        return 1 + TRIAL_STEPS * len(self.allow)
+        """Steps before the first plan at most: a warm-up, :data:`TRIAL_ROUNDS` per candidate
+        and, with several candidates, the turns of a proposed mixed plan."""
+        verify = 2 * VERIFY_ROUNDS if len(self.allow) > 1 else 0
+        return 1 + TRIAL_ROUNDS * len(self.allow) + verify
 
     def settings(self) -> dict[str, Any]:
         return {"dtype": "auto", "allow": list(self.allow), "topology": self.topology}
 
     def __repr__(self) -> str:
-        return f"CompressState(dtype=auto, allow={list(self.allow)}, mode={self._current})"
+        return f"CompressState(dtype=auto, allow={list(self.allow)}, mode={self._label_now()})"
 
     def flush(self) -> None:
         for state in self._states.values():
             state.flush()
 
     def stats(self) -> dict[str, Any]:
-        """Settings, ``mode`` (the candidate now in use), ``steps_in`` (steps per candidate),
-        ``plan`` (the chosen mode, each candidate's measured step in ms on the slowest rank, the
-        step it was made at, how many plans so far; one mode for every bucket) and each used
-        candidate's own ``stats()``."""
-        plan = (
-            None if self._plan is None else {**self._plan, "step_ms": dict(self._plan["step_ms"])}
-        )
+        """Settings, ``mode`` (the candidate now in use, or ``"mixed"``), ``steps_in`` (steps
+        per candidate and mixed plan), ``plan`` and each used candidate's own ``stats()``.
+
+        ``plan`` has ``mode`` (the chosen candidate, or ``"mixed"``), ``uniform`` (the best
+        single candidate), ``step_ms`` (each candidate's measured step on the slowest rank),
+        ``made_at_step``, ``plans`` (how many so far), ``planned_ms`` (the figure later steps
+        are held against) and, where a model was fitted, ``model`` (each candidate's fitted link
+        rate, host cost of its codec, measured and modelled reduction times) and ``buckets``
+        (per bucket of a mixed plan: its mode, size, the compute before it and its bytes on the
+        slowest link). ``verify_ms`` has the turns of a mixed plan against the uniform choice;
+        ``proposed`` a mixed plan that did not measure fast enough.
+        """
         return {
             **self.settings(),
-            "mode": self._current,
+            "mode": self._label_now(),
             "step": self._step,
             "steps_in": dict(self._steps_in),
-            "plan": plan,
+            "plan": _plain(self._plan),
             "candidates": {n: s.stats() for n, s in self._states.items() if s._verified},
         }
 
     def state_dict(self) -> dict[str, Any]:
         """The plan and every candidate's state dict; a resumed job keeps the plan."""
         self.flush()
+        done = self._plan is not None and not self._plan["trial"]
         return {
             "settings": self.settings(),
-            "plan": None if self._plan is None or self._plan["trial"] else dict(self._plan),
+            "plan": _plain(self._plan) if done else None,
             "candidates": {n: s.state_dict() for n, s in self._states.items()},
         }
 
@@ -342,14 +602,28 @@ class AutoState(CompressState):
                 f"CompressState.load_state_dict: saved settings {saved} do not match this "
                 f"state's {self.settings()}; build the state with the settings it was saved with"
             )
+        plan = state_dict.get("plan")
+        if plan is not None:
+            modes = (
+                [plan["mode"]] if plan["mode"] != MIXED else [b["mode"] for b in plan["buckets"]]
+            )
+            bad = [m for m in modes if m not in self.allow]
+            if bad:
+                raise ValueError(
+                    f"CompressState.load_state_dict: the saved plan uses {bad}, which allow "
+                    f"{list(self.allow)} does not hold; save and load with the same allow"
+                )
         for name, sd in state_dict["candidates"].items():
             self._states[name].load_state_dict(sd)
-        plan = state_dict.get("plan")
-        self._plan = None if plan is None else {**plan, "trial": False}
-        self._current = self.allow[0] if plan is None else plan["mode"]
-        self._step, self._trial_start, self._started = -1, 0, None
-        self._measured = {name: [] for name in self.allow}
-        self._recent, self._strikes = [], 0
+        self._owed = WeakIdKeyDictionary()
+        self._restart()
+        self._plan = None if plan is None else {**_plain(plan), "trial": False}
+        if plan is None:
+            self._using = self.allow[0]
+        elif plan["mode"] == MIXED:
+            self._using = tuple(b["mode"] for b in plan["buckets"])
+        else:
+            self._using = plan["mode"]
 
     def __getstate__(self) -> dict:
         return {"allow": self.allow, "seed": self.seed, "state_dict": self.state_dict()}
@@ -357,3 +631,17 @@ class AutoState(CompressState):
     def __setstate__(self, saved: dict) -> None:
         AutoState.__init__(self, allow=saved["allow"], seed=saved["seed"])
         self.load_state_dict(saved["state_dict"])
+
+
+def _plain(plan: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """A copy of ``plan`` that shares no dict or list with it."""
+    if plan is None:
+        return None
+    copy = {}
+    for key, value in plan.items():
+        if isinstance(value, dict):
+            value = _plain(value)
+        elif isinstance(value, list):
+            value = [dict(v) if isinstance(v, dict) else v for v in value]
+        copy[key] = value
+    return copy

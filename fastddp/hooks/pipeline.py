@@ -33,6 +33,7 @@ Rules, in one place:
 """
 
 import contextlib
+import time
 import warnings
 from collections import deque
 from typing import Callable, Optional
@@ -106,6 +107,7 @@ class Pipeline:
         "_graph_task",
         "_runtimes",
         "_submitted",
+        "waited",
     )
 
     def __init__(self) -> None:
@@ -116,6 +118,7 @@ class Pipeline:
         self._graph_task = -1
         self._runtimes: dict[tuple, Runtime] = {}
         self._submitted = 0
+        self.waited = 0.0  # seconds this thread blocked on collectives (``dtype="auto"`` reads it)
 
     def check(self) -> None:
         """Raise if an earlier reduction failed."""
@@ -223,7 +226,7 @@ class Pipeline:
             # A later stage reads what the previous collective wrote. On CUDA it runs on a
             # side stream that waits for that collective, so the compute stream never stalls.
             with runtime.side():
-                runtime.wait(job.work)
+                self._wait(runtime, job.work)
                 job.work = job.path.stage(job, job.stage)
         else:
             job.work = job.path.stage(job, 0)
@@ -234,6 +237,13 @@ class Pipeline:
             runtime.then(job.work, lambda fut, job=job: self._complete_async(job, fut))
         else:
             self._completing.append(job)
+
+    def _wait(self, runtime: Runtime, work: dist.Work) -> None:
+        began = time.perf_counter()
+        try:
+            runtime.wait(work)
+        finally:
+            self.waited += time.perf_counter() - began
 
     def _complete_async(self, job: Job, fut: torch.futures.Future) -> None:
         # Runs once the collective's output can be read (on CUDA, with the current stream
@@ -252,7 +262,7 @@ class Pipeline:
 
     def _complete(self, job: Job) -> None:
         try:
-            job.runtime.wait(job.work)  # re-raises a failed collective
+            self._wait(job.runtime, job.work)  # re-raises a failed collective
             job.path.finish(job)
         except Exception as e:
             job.result.set_exception(e)

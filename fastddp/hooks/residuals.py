@@ -179,6 +179,27 @@ class Residuals:
         self.moved |= other.moved
         self.replicated.update(other.replicated)
 
+    def drain(self, rank: int) -> dict[int, torch.Tensor]:
+        """Take out everything parked: per parameter key, this rank's parts summed into one
+        tensor of the parameter's size (stage-2 values held whole count on rank 0 only)."""
+        out: dict[int, torch.Tensor] = {}
+        for k in sorted(set(self.stage1) | set(self.stage2) | set(self.replicated)):
+            parts = [(0, self.stage1.get(k))] + list(self.stage2.get(k, ()))
+            if rank == 0:
+                parts.append((0, self.replicated.get(k)))
+            parts = [(o, t) for o, t in parts if t is not None]
+            if not parts:
+                continue
+            whole = torch.zeros(self.sizes[k], device=parts[0][1].device)
+            for offset, t in parts:
+                whole[offset : offset + t.numel()] += t.to(whole.device)
+            out[k] = whole
+        self.stage1.clear()
+        self.stage2.clear()
+        self.replicated.clear()
+        self.moved.clear()
+        return out
+
     def _check_sizes(self, params: tuple) -> None:
         for k, numel in params:
             saved = self.sizes.get(k)
