@@ -68,7 +68,10 @@ def main() -> None:
             if env.is_main and (step % 20 == 0 or step == args.steps):
                 print(f"step {step:4d}  loss {loss:.3f}", flush=True)
         timed = times[len(times) // 2 :]
-        chose = state.stats()["mode"] if args.preset == "auto" else None
+        chose = None
+        if args.preset == "auto":
+            plan = state.stats()["plan"]
+            chose = plan["summary"] if plan else "nothing yet (the trial needs more --steps)"
         if env.is_main:
             ms = statistics.median(timed) * 1e3
             choice = f", chose {chose}" if chose else ""

@@ -91,7 +91,7 @@ def _train(mode, args, rank, world):
         payload = numel * 4
     elif mode == AUTO:
         s = state.stats()
-        chosen = s["plan"]["mode"] if s["plan"] else "none (no plan yet: more --steps)"
+        chosen = s["plan"]["summary"] if s["plan"] else "none (no plan yet: more --steps)"
         label = f"{mode} ({chosen})"
         own = s["candidates"].get(chosen)
         payload = numel * 4 if own is None else own["payload_bytes"] // s["steps_in"][chosen]

@@ -124,12 +124,24 @@ def _powersgd_bytes(model, rank, min_rate=2):
 
 
 def _auto_bytes(stats, numel, topo):
-    """Payload and cross-node bytes per step of the mode ``auto`` planned, and its name."""
-    chosen = stats["plan"]["mode"]
+    """Payload and cross-node bytes per step of the plan ``auto`` made, and what it chose."""
+    plan = stats["plan"]
+    chosen = plan["mode"]
     if chosen == "none":
         return numel * 4, topo.ring_cross_bytes(numel, 4), chosen
-    own, steps = stats["candidates"][chosen], max(1, stats["steps_in"][chosen])
-    return own["payload_bytes"] // steps, own["cross_node_bytes"] // steps, chosen
+    if chosen != "mixed":
+        own, steps = stats["candidates"][chosen], max(1, stats["steps_in"][chosen])
+        return own["payload_bytes"] // steps, own["cross_node_bytes"] // steps, chosen
+    payload = cross = 0
+    for index, bucket in enumerate(plan["buckets"]):
+        n = bucket["numel"]
+        if bucket["mode"] == "none":
+            payload, cross = payload + n * 4, cross + topo.ring_cross_bytes(n, 4)
+            continue
+        own = stats["candidates"][bucket["mode"]]["buckets"][index]
+        payload += own["payload_bytes"] // own["calls"]
+        cross += own["cross_node_bytes"] // own["calls"]
+    return payload, cross, plan["summary"]
 
 
 def _percentile(values, q):
@@ -194,6 +206,8 @@ def run_mode(env, args, label, mode, topology, topo, pacer=None):
         "steps": args.steps,
         "chose": used if mode == AUTO else None,  # auto's plan
     }
+    if mode == AUTO:
+        result["plan"] = state.stats()["plan"]  # and the figures behind it
     return result
 
 

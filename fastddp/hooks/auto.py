@@ -428,10 +428,7 @@ class AutoState(CompressState):
         self._use(self._proposal if label == MIXED else label)
         self._proposal = None
         self._recent, self._strikes = [], 0
-        what = label
-        if label == MIXED:
-            counts = {m: self._using.count(m) for m in self.allow if m in self._using}
-            what = "a mode per bucket (" + ", ".join(f"{m} {c}" for m, c in counts.items()) + ")"
+        plan["summary"] = what = self._summary()
         figures = {
             **plan["step_ms"],
             **{f"{n} again": s for n, s in plan.get("verify_ms", {}).items()},
@@ -443,6 +440,13 @@ class AutoState(CompressState):
             what,
             ", ".join(f"{n} {s:.1f}" for n, s in figures.items()),
         )
+
+    def _summary(self) -> str:
+        """The mode in use, or the modes of a mixed plan with their numbers of buckets."""
+        if isinstance(self._using, str):
+            return self._using
+        counts = {m: self._using.count(m) for m in self.allow if m in self._using}
+        return "mixed (" + ", ".join(f"{m} x{c}" for m, c in counts.items()) + ")"
 
     def _check_plan(self, device: torch.device) -> None:
         now = torch.tensor([statistics.median(self._recent)], dtype=torch.float64, device=device)
@@ -567,8 +571,9 @@ class AutoState(CompressState):
         """Settings, ``mode`` (the candidate now in use, or ``"mixed"``), ``steps_in`` (steps
         per candidate and mixed plan), ``plan`` and each used candidate's own ``stats()``.
 
-        ``plan`` has ``mode`` (the chosen candidate, or ``"mixed"``), ``uniform`` (the best
-        single candidate), ``step_ms`` (each candidate's measured step on the slowest rank),
+        ``plan`` has ``mode`` (the chosen candidate, or ``"mixed"``), ``summary`` (the mode, or
+        the modes of a mixed plan with their numbers of buckets), ``uniform`` (the best single
+        candidate), ``step_ms`` (each candidate's measured step on the slowest rank),
         ``made_at_step``, ``plans`` (how many so far), ``planned_ms`` (the figure later steps
         are held against) and, where a model was fitted, ``model`` (each candidate's fitted link
         rate, host cost of its codec, measured and modelled reduction times) and ``buckets``
@@ -624,6 +629,8 @@ class AutoState(CompressState):
             self._using = tuple(b["mode"] for b in plan["buckets"])
         else:
             self._using = plan["mode"]
+        if self._plan is not None:
+            self._plan["summary"] = self._summary()
 
     def __getstate__(self) -> dict:
         return {"allow": self.allow, "seed": self.seed, "state_dict": self.state_dict()}

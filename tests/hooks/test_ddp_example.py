@@ -43,7 +43,8 @@ def test_the_gpt_example_plans_with_auto(tmp_path):
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
     assert res.returncode == 0, res.stdout + res.stderr
     summary = json.loads(out.read_text())
-    # The default four candidates plan at step 17; the summary names the one kept.
-    assert summary["chose"] in ("none", "bf16", "bf16-acc", "int8-ef"), summary
+    # The default four candidates plan by step 21; the summary names what was kept.
+    chose = summary["chose"]
+    assert chose in ("none", "bf16", "bf16-acc", "int8-ef") or chose.startswith("mixed ("), chose
     assert summary["median_step_ms"] > 0 and summary["final_loss"] < 4.6, summary  # ln 96
     assert f"chose {summary['chose']}" in res.stdout

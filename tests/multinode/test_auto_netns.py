@@ -2,7 +2,8 @@
 
 The job starts on a fast link and plans; the test then lowers both nodes' rate to 20 Mbit/s.
 The plan's step must drift from what was measured, and a new trial must choose int8 with
-error feedback, having measured fp32 far slower than before. Needs root; skipped otherwise.
+error feedback (for every bucket, or as the uniform choice a mixed plan was held against),
+having measured fp32 far slower than before. Needs root; skipped otherwise.
 """
 
 import json
@@ -38,5 +39,5 @@ def test_a_link_that_slows_down_is_planned_for_again(tmp_path):
     report = json.loads(out.read_text())
     first, last = report["plans"][0], report["plans"][-1]
     assert report["slowed_at"] is not None and last["made_at_step"] > report["slowed_at"], report
-    assert last["mode"] == "int8-ef", report
+    assert last["uniform"] == "int8-ef", report
     assert last["step_ms"]["none"] > 3 * first["step_ms"]["none"], report
