@@ -12,18 +12,21 @@ identically on every rank: the fastest candidate, or the first in ``allow`` orde
 
 Then, per bucket (``planner.py``): the trial also recorded when each bucket reached the hook,
 the host time of each codec and the bytes each bucket sent, and a model of the backward pass
-fitted to those figures proposes a mode per bucket: accurate modes where the backward pass
-hides the transfer, fewer bytes where it does not. Rank 0's proposal is broadcast. If it differs
-from the uniform choice, it and the uniform choice take turns for :data:`VERIFY_ROUNDS` rounds,
-and it is kept only if it measures within :data:`PREFER` of the uniform choice. With the
-default four candidates the plan is made at step 17, or 21 when a mixed plan was tried. Mixed
-plans are proposed for CPU tensors only: on CUDA the host's clock does not see the kernels.
+fitted to those figures proposes a mode per bucket: fewer bytes where the backward pass cannot
+hide the transfer, more accurate modes where it can. Rank 0's proposal is broadcast. It is
+tried only if the model makes the step shorter by :data:`MIX_GAIN` of the uniform choice's
+step, by taking turns with the uniform choice for :data:`VERIFY_ROUNDS` rounds, and kept only
+if it measures faster. With the default four candidates the plan is made at step 17, or 21
+when a mixed plan was tried. Mixed plans are proposed for CPU tensors only: on CUDA the host's
+clock does not see the kernels.
 
 Then every :data:`CHECK_EVERY` steps the median period is held against the planned figure
 (again the slowest rank's); off by more than :data:`MARGIN` at two checks in a row (a link
-that degrades, or recovers), the trial runs again. When a bucket's mode changes, the
-candidates left behind owe their error-feedback residuals: the next buckets holding those
-parameters add them before they are reduced, so nothing error feedback kept is lost.
+that degrades, or recovers), the trial runs again. During a trial each candidate keeps its
+error-feedback residuals in its own buckets until its next turn. At a new plan, the residuals of
+every bucket a candidate no longer reduces are owed: the next buckets holding those parameters
+add them before they are reduced, and so when DDP moves a parameter to a bucket of another
+mode. Nothing error feedback kept is lost.
 """
 
 import logging
@@ -53,6 +56,7 @@ VERIFY_ROUNDS = 2  # turns of a proposed mixed plan and the uniform choice
 CHECK_EVERY = 10  # steps between checks of the planned step time
 MARGIN = 0.25  # relative change of the step time that, at two checks in a row, re-plans
 PREFER = 0.02  # a candidate earlier in ``allow`` within this of the fastest is chosen
+MIX_GAIN = 0.05  # a mixed plan is tried if the model makes the step shorter by this much
 
 logger = logging.getLogger("fastddp")
 # Settings of a fixed mode, which dtype="auto" takes only at their defaults.
@@ -264,9 +268,12 @@ class AutoState(CompressState):
         # DDP lays its buckets out again (after its first step, say): a parameter that left a
         # mode's buckets left its residual in that mode, which no bucket of it will take up. It
         # is repaid through the parameter's new bucket (a step late; nothing is lost).
+        # (In a trial, where modes take turns, each keeps its residuals in its own buckets.)
         for name, keys in self._held.items():
             state = self._states.get(name)
-            if state is not None and state.error_feedback and keys - last.held.get(name, set()):
+            if state is None or not state.error_feedback or name not in last.held:
+                continue
+            if keys - last.held[name]:
                 self._collect_owed(state)
         self._held = last.held
 
@@ -317,7 +324,7 @@ class AutoState(CompressState):
             "model": None,
         }
         if profile is not None:
-            self._propose(profile, choice, device)
+            self._propose(profile, choice, seconds[choice], device)
         if self._proposal is None:
             self._adopt(choice)
         else:
@@ -366,7 +373,7 @@ class AutoState(CompressState):
             sent.append(total / slot.calls)
         return sent
 
-    def _propose(self, flat: list[float], uniform: str, device: torch.device) -> None:
+    def _propose(self, flat: list[float], uniform: str, step_s: float, device) -> None:
         n = int(flat[0])
         numel = [int(v) for v in flat[1 : 1 + n]]
         gaps, cost, reduce_s, sent = {}, {}, {}, {}
@@ -398,11 +405,14 @@ class AutoState(CompressState):
             {"mode": m, "numel": numel[i], "gap_ms": gaps[m][i] * 1e3, "sent_bytes": sent[m][i]}
             for i, m in enumerate(plan)
         ]
-        if any(m != uniform for m in plan):
+        gain = (
+            self._plan["model"]["modelled_ms"][uniform] - self._plan["model"]["modelled_ms"][MIXED]
+        )
+        if any(m != uniform for m in plan) and gain >= MIX_GAIN * step_s * 1e3:
             self._proposal = tuple(plan)
 
     def _conclude(self, device: torch.device) -> None:
-        """Keep the proposed mixed plan if it measured within PREFER of the uniform choice."""
+        """Keep the proposed mixed plan if it measured faster than the uniform choice."""
         uniform = self._plan["uniform"]
         means = torch.tensor(
             [statistics.mean(self._periods("verify", label)) for label in (MIXED, uniform)],
@@ -412,7 +422,7 @@ class AutoState(CompressState):
         dist.all_reduce(means, op=dist.ReduceOp.MAX, group=self.process_group)
         mixed, alone = means.tolist()
         self._plan["verify_ms"] = {MIXED: mixed * 1e3, uniform: alone * 1e3}
-        keep = mixed <= alone * (1 + PREFER)
+        keep = mixed < alone
         self._adopt(MIXED if keep else uniform)
 
     def _adopt(self, label: str) -> None:
@@ -426,6 +436,7 @@ class AutoState(CompressState):
                 b["mode"] = label
         plan["planned_ms"] = {**plan["step_ms"], **plan.get("verify_ms", {})}[label]
         self._use(self._proposal if label == MIXED else label)
+        self._settle_plan()
         self._proposal = None
         self._recent, self._strikes = [], 0
         plan["summary"] = what = self._summary()
@@ -489,25 +500,30 @@ class AutoState(CompressState):
     # -- switching modes ------------------------------------------------------------------
 
     def _use(self, using: Assignment) -> None:
-        if using == self._using:
-            return
-        for name in set(self._modes(self._using)):
-            old = self._states.get(name)
-            if old is not None and old.error_feedback and old._verified:
-                self._collect_owed(old)
+        # During a trial each candidate's residuals stay in its buckets until it runs again:
+        # moving them at every turn would cost the next candidate the copies.
         self._using = using
 
-    @staticmethod
-    def _modes(using: Assignment) -> tuple[str, ...]:
-        return (using,) if isinstance(using, str) else using
+    def _settle_plan(self) -> None:
+        """At a new plan: the residuals of every bucket a candidate no longer reduces are
+        taken out, for the bucket's next reduction to add."""
+        using = self._using
+        for name, state in self._states.items():
+            if not state.error_feedback or not state._verified or using == name:
+                continue  # (a candidate that reduces every bucket keeps its residuals)
+            mine = () if isinstance(using, str) else [i for i, m in enumerate(using) if m == name]
+            self._collect_owed(state, frozenset(mine))
 
-    def _collect_owed(self, state: CompressState) -> None:
-        """Take ``state``'s residuals out, by parameter, for the next buckets to add."""
+    def _collect_owed(self, state: CompressState, keep: frozenset = frozenset()) -> None:
+        """Take ``state``'s residuals out, by parameter, for the next buckets to add; the
+        buckets whose indices are in ``keep`` keep theirs."""
         state.flush()
         rank = dist.get_rank(self.process_group)
         tensors = {key: p for p, key in state._table.param_keys.items()}
         for slot in state._table.slots.values():
             if slot.residual is None or not slot.params:
+                continue
+            if slot.index in keep:
                 continue
             parts = state._residuals_of(slot, rank)
             owed = parts["residual"].clone()

@@ -104,23 +104,25 @@ def test_the_plan_is_made_by_trial_and_alike_on_every_rank():
 
 
 def _owed_residuals(rank, world):
-    # int8 with error feedback first, then plain fp32: what error feedback kept at the switch is
-    # added to the next reduction, so the sum of what was applied equals the sum of the true
-    # averages (fixed weights: each step's gradient is known).
+    # int8 with error feedback takes turns with plain fp32, which the plan then keeps (PREFER
+    # made large: the first candidate in allow order wins). What error feedback kept is added
+    # at the plan, so the sum of what was applied equals the sum of the true averages (fixed
+    # weights: each step's gradient is known). One bucket: no mixed plan is proposed.
+    auto.PREFER = 100.0
     base = _Net(depth=4)
-    model = DDP(copy.deepcopy(base), bucket_cap_mb=0.002)
-    state = fastddp.CompressState(dtype="auto", allow=["int8-ef", "none"])
+    model = DDP(copy.deepcopy(base), bucket_cap_mb=25)
+    state = fastddp.CompressState(dtype="auto", allow=["none", "int8-ef"])
     model.register_comm_hook(state, fastddp.compress_hook)
-    plain = DDP(copy.deepcopy(base), bucket_cap_mb=0.002)
-    # Steps: int8 (warm-up), int8, none, int8, none: the last one repays the int8 step before.
-    steps = 5
+    plain = DDP(copy.deepcopy(base), bucket_cap_mb=25)
+    steps = state.trial_steps + 1
     got, want = _train(model, steps, rank, opt=False), _train(plain, steps, rank, opt=False)
-    assert state.stats()["mode"] == "none"
-    at_switch = steps - 1
-    kept = (sum(want[:at_switch]) - sum(got[:at_switch])).abs().max().item()
+    plan = state.stats()["plan"]
+    assert plan["mode"] == "none" and plan["made_at_step"] == steps - 1 - 2 * auto.VERIFY_ROUNDS
+    at_plan = plan["made_at_step"]
+    kept = (sum(want[:at_plan]) - sum(got[:at_plan])).abs().max().item()
     assert kept > 1e-6, "int8 rounding left nothing in the residuals: the test shows nothing"
     gap = (sum(want) - sum(got)).abs().max().item()
-    assert gap < kept / 100, f"the residuals at the switch were lost: {gap:.3e} (kept {kept:.3e})"
+    assert gap < kept / 100, f"the residuals at the plan were lost: {gap:.3e} (kept {kept:.3e})"
 
 
 @pytest.mark.multiproc
@@ -167,6 +169,10 @@ def test_auto_is_refused_by_all_reduce_and_by_another_allow():
     saved = fastddp.CompressState(dtype="auto", allow=["none", "bf16"]).state_dict()
     with pytest.raises(ValueError, match="do not match this state's"):
         fastddp.CompressState(dtype="auto").load_state_dict(saved)
+    plan = {"mode": auto.MIXED, "buckets": [{"mode": "bf16"}, {"mode": "int4-ef"}]}
+    with pytest.raises(ValueError, match=r"the saved plan uses \['int4-ef'\], which allow"):
+        state = fastddp.CompressState(dtype="auto")
+        state.load_state_dict({"settings": state.settings(), "plan": plan, "candidates": {}})
     state = pickle.loads(pickle.dumps(fastddp.CompressState(dtype="auto", allow=["bf16"])))
     assert state.allow == ("bf16",) and "allow=['bf16']" in repr(state)
 
