@@ -16,8 +16,10 @@ fitted to those figures proposes a mode per bucket: fewer bytes where the backwa
 hide the transfer, more accurate modes where it can. Rank 0's proposal is broadcast. It is
 tried only if the model makes the step shorter by :data:`MIX_GAIN` of the uniform choice's
 step, by taking turns with the uniform choice for :data:`VERIFY_ROUNDS` rounds, and kept only
-if it measures faster. With the default four candidates the plan is made at step 17, or 21
-when a mixed plan was tried. Mixed plans are proposed for CPU tensors only: on CUDA the host's
+if the turns confirm the model: faster by half the modelled gain, and by :data:`PREFER` at
+least (where compute and transfers share the same cores, the model's overlap is not there).
+With the default four candidates the plan is made at step 17, or 23 when a mixed plan was
+tried. Mixed plans are proposed for CPU tensors only: on CUDA the host's
 clock does not see the kernels.
 
 Then every :data:`CHECK_EVERY` steps the median period is held against the planned figure
@@ -52,7 +54,7 @@ NONE = "none"
 MIXED = "mixed"  # the label of a plan with a mode per bucket
 DEFAULT_ALLOW = (NONE, "bf16", "bf16-acc", "int8-ef")
 TRIAL_ROUNDS = 4  # steps per candidate in a trial, taken in turns; the first round is not measured
-VERIFY_ROUNDS = 2  # turns of a proposed mixed plan and the uniform choice
+VERIFY_ROUNDS = 3  # turns of a proposed mixed plan and the uniform choice
 CHECK_EVERY = 10  # steps between checks of the planned step time
 MARGIN = 0.25  # relative change of the step time that, at two checks in a row, re-plans
 PREFER = 0.02  # a candidate earlier in ``allow`` within this of the fastest is chosen
@@ -412,7 +414,8 @@ class AutoState(CompressState):
             self._proposal = tuple(plan)
 
     def _conclude(self, device: torch.device) -> None:
-        """Keep the proposed mixed plan if it measured faster than the uniform choice."""
+        """Keep the proposed mixed plan if the turns confirm the model: faster than the uniform
+        choice by half the modelled gain, and by PREFER of its step at least."""
         uniform = self._plan["uniform"]
         means = torch.tensor(
             [statistics.mean(self._periods("verify", label)) for label in (MIXED, uniform)],
@@ -422,7 +425,9 @@ class AutoState(CompressState):
         dist.all_reduce(means, op=dist.ReduceOp.MAX, group=self.process_group)
         mixed, alone = means.tolist()
         self._plan["verify_ms"] = {MIXED: mixed * 1e3, uniform: alone * 1e3}
-        keep = mixed < alone
+        modelled = self._plan["model"]["modelled_ms"]
+        predicted = (modelled[uniform] - modelled[MIXED]) / 1e3
+        keep = alone - mixed >= max(PREFER * alone, predicted / 2)
         self._adopt(MIXED if keep else uniform)
 
     def _adopt(self, label: str) -> None:
