@@ -2,13 +2,16 @@
 
 Each allowed mode is a candidate: ``"none"`` (PyTorch's fp32 all-reduce hook) or a preset of
 :data:`fastddp.PRESETS`, each a fixed :class:`~fastddp.CompressState` of its own. The plan is
-made by trial, on the job itself. After one warm-up step the candidates take turns, one step
-each, for :data:`TRIAL_ROUNDS` rounds; the first round is not measured (buffers are made then).
-Taking turns step by step puts every candidate under the same drifts of the machine's load. A
-step's figure is its period, from one backward's first bucket to the next's (forward,
-backward, waiting and optimizer, all of it). The slowest rank's medians (one all-reduce) decide,
-identically on every rank: the fastest candidate, or the first in ``allow`` order within
-:data:`PREFER` of it, so that a mode compresses only when that pays measurably.
+made by trial, on the job itself. After one warm-up step and one unmeasured step of each
+candidate that makes buffers, the candidates take turns, one step each, for up to
+:data:`TRIAL_ROUNDS` - 1 measured rounds. Taking turns step by step puts every candidate under
+the same drifts of the machine's load. A step's figure is its period, from one backward's first
+bucket to the next's (forward, backward, waiting and optimizer, all of it). After each round the
+slowest rank's medians (one all-reduce) drop the candidates that cannot win, :data:`ELIMINATE`
+times slower than the fastest: on a slow link fp32 runs one measured step, not three. Then the
+medians decide, identically on every rank: the fastest candidate left, or the first in
+``allow`` order within :data:`PREFER` of it, so that a mode compresses only when that pays
+measurably.
 
 Then, per bucket (``planner.py``): the trial also recorded when each bucket reached the hook,
 the host time of each codec and the bytes each bucket sent, and a model of the backward pass
@@ -18,9 +21,9 @@ tried only if the model makes the step shorter by :data:`MIX_GAIN` of the unifor
 step, by taking turns with the uniform choice for :data:`VERIFY_ROUNDS` rounds, and kept only
 if the turns confirm the model: faster by half the modelled gain, and by :data:`PREFER` at
 least (where compute and transfers share the same cores, the model's overlap is not there).
-With the default four candidates the plan is made at step 17, or 23 when a mixed plan was
-tried. Mixed plans are proposed for CPU tensors only: on CUDA the host's
-clock does not see the kernels.
+With the default four candidates the plan is made by step 16 (at step 8 where one candidate is
+left after the first round), or 22 when a mixed plan was tried. Mixed plans are proposed for
+CPU tensors only: on CUDA the host's clock does not see the kernels.
 
 Then every :data:`CHECK_EVERY` steps the median period is held against the planned figure
 (again the slowest rank's); off by more than :data:`MARGIN` at two checks in a row (a link
@@ -53,21 +56,24 @@ __all__ = ["AutoState", "DEFAULT_ALLOW", "MIXED", "NONE"]
 NONE = "none"
 MIXED = "mixed"  # the label of a plan with a mode per bucket
 DEFAULT_ALLOW = (NONE, "bf16", "bf16-acc", "int8-ef")
-TRIAL_ROUNDS = 4  # steps per candidate in a trial, taken in turns; the first round is not measured
+TRIAL_ROUNDS = 4  # steps per candidate in a trial, taken in turns; the first is not measured
 VERIFY_ROUNDS = 3  # turns of a proposed mixed plan and the uniform choice
 CHECK_EVERY = 10  # steps between checks of the planned step time
 MARGIN = 0.25  # relative change of the step time that, at two checks in a row, re-plans
 PREFER = 0.02  # a candidate earlier in ``allow`` within this of the fastest is chosen
 MIX_GAIN = 0.05  # a mixed plan is tried if the model makes the step shorter by this much
+# After measured round r (1, 2), a candidate this much slower than the fastest is out: a step of
+# a shared machine can take twice another's, so one measured step must show more than that.
+ELIMINATE = (2.5, 1.5)
 
 logger = logging.getLogger("fastddp")
+_PATHS = ("flat", "hierarchical")  # the paths a candidate may name: "int8-ef:flat"
 # Settings of a fixed mode, which dtype="auto" takes only at their defaults.
 _FIXED_ONLY = ("accumulate_dtype", "error_feedback", "stochastic_rounding", "block_size", "delay")
 Assignment = Union[str, tuple[str, ...]]  # one mode for every bucket, or a mode per bucket
 
 
 def _checked_allow(allow) -> tuple[str, ...]:
-    choices = (NONE, *PRESETS)
     if allow is None:
         return DEFAULT_ALLOW
     if isinstance(allow, str) or not hasattr(allow, "__iter__"):
@@ -76,13 +82,28 @@ def _checked_allow(allow) -> tuple[str, ...]:
             "allow=['none', 'bf16', 'int8-ef']"
         )
     names = tuple(allow)
-    bad = [n for n in names if n not in choices]
+    bad = [n for n in names if not _known(n)]
     if bad or not names or len(set(names)) != len(names):
         why = f"unknown {bad}" if bad else "empty" if not names else "repeated names"
         raise ValueError(
-            f"CompressState: allow is {why}; name each candidate once, from {', '.join(choices)}"
+            f"CompressState: allow is {why}; name each candidate once, from "
+            f"{', '.join((NONE, *PRESETS))}, a preset with a path ('int8-ef:flat', "
+            f"'int8-ef:hierarchical') included"
         )
     return names
+
+
+def _known(name) -> bool:
+    if not isinstance(name, str):
+        return False
+    preset, _, path = name.partition(":")
+    return name == NONE or (preset in PRESETS and path in ("", *_PATHS))
+
+
+def _make(name: str, process_group, topology: str, seed: int) -> CompressState:
+    """The candidate ``name``: a preset, with the path after a colon if one is named."""
+    preset, _, path = name.partition(":")
+    return CompressState.from_preset(preset, process_group, topology=path or topology, seed=seed)
 
 
 class _Step:
@@ -119,8 +140,10 @@ class AutoState(CompressState):
         process_group (ProcessGroup, optional): the group; ``None`` is the default group.
         allow (list of str, optional): the candidates, most accurate first: ``"none"`` and
             names of :data:`fastddp.PRESETS` (default ``["none", "bf16", "bf16-acc",
-            "int8-ef"]``; int4 and int2 only when listed).
-        topology (str): as for a fixed mode, given to every candidate.
+            "int8-ef"]``; int4 and int2 only when listed). A preset may name its path:
+            ``"int8-ef:flat"`` and ``"int8-ef:hierarchical"`` are two candidates, so that the
+            plan chooses the path per bucket too.
+        topology (str): as for a fixed mode, given to every candidate that names no path.
         seed (int): as for a fixed mode.
     """
 
@@ -132,6 +155,7 @@ class AutoState(CompressState):
         "_step",
         "_trial_start",
         "_schedule",
+        "_rounds",
         "_record",
         "_records",
         "_recent",
@@ -174,9 +198,7 @@ class AutoState(CompressState):
         )
         self.delay = 0
         self._states = {
-            name: CompressState.from_preset(name, process_group, topology=topology, seed=seed)
-            for name in self.allow
-            if name != NONE
+            name: _make(name, process_group, topology, seed) for name in self.allow if name != NONE
         }
         self._using: Assignment = self.allow[0]
         self._task = None
@@ -199,9 +221,9 @@ class AutoState(CompressState):
 
     def _trial_schedule(self) -> list[tuple[str, Optional[str]]]:
         turns = [(self.allow[0], None)]  # the warm-up: DDP lays its buckets out again after it
-        for r in range(TRIAL_ROUNDS):
-            turns += [(name, "trial" if r else None) for name in self.allow]
-        return turns
+        turns += [(name, None) for name in self.allow if name != NONE]  # buffers are made
+        self._rounds = [list(self.allow)]
+        return turns + [(name, "trial") for name in self.allow]
 
     # -- the hook -------------------------------------------------------------------------
 
@@ -287,7 +309,7 @@ class AutoState(CompressState):
     def _trial(self, device: torch.device) -> tuple[str, Optional[str]]:
         k = self._step - self._trial_start
         if k == len(self._schedule):
-            (self._decide if self._proposal is None else self._conclude)(device)
+            (self._next_round if self._proposal is None else self._conclude)(device)
         if self._plan is not None and not self._plan["trial"]:
             return self._label_now(), None
         label, kind = self._schedule[k]
@@ -297,10 +319,27 @@ class AutoState(CompressState):
     def _periods(self, kind: str, label: str) -> list[float]:
         return [r.period for r in self._records.get(f"{kind}:{label}", [])]
 
-    def _decide(self, device: torch.device) -> None:
-        """The uniform choice, then a mode per bucket proposed from the same trial."""
+    def _next_round(self, device: torch.device) -> None:
+        """After a measured round: drop the candidates that cannot win, then another round of
+        the others, or the plan."""
         medians = [statistics.median(self._periods("trial", n)) for n in self.allow]
-        profile = self._profile(device)
+        figures = torch.tensor(medians, dtype=torch.float64, device=device)
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.process_group)
+        seconds = dict(zip(self.allow, figures.tolist()))
+        alive = self._rounds[-1]
+        fastest = min(seconds[n] for n in alive)
+        limit = ELIMINATE[min(len(self._rounds), len(ELIMINATE)) - 1]
+        alive = [n for n in alive if seconds[n] <= limit * fastest]
+        if len(self._rounds) < TRIAL_ROUNDS - 1 and len(alive) > 1:
+            self._rounds.append(alive)
+            self._schedule += [(name, "trial") for name in alive]
+        else:
+            self._decide(device, alive)
+
+    def _decide(self, device: torch.device, alive: list[str]) -> None:
+        """The uniform choice among ``alive``, then a mode per bucket proposed from the trial."""
+        medians = [statistics.median(self._periods("trial", n)) for n in self.allow]
+        profile = self._profile(device) if len(alive) > 1 else None
         n = 0 if profile is None else len(profile)
         figures = torch.tensor([*medians, n, -n], dtype=torch.float64, device=device)
         dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.process_group)
@@ -312,8 +351,8 @@ class AutoState(CompressState):
             flat = torch.tensor(profile, dtype=torch.float64, device=device)
             dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.process_group)
             profile = flat.tolist()
-        fastest = min(seconds.values())
-        choice = next(n for n in self.allow if seconds[n] <= fastest * (1 + PREFER))
+        fastest = min(seconds[n] for n in alive)
+        choice = next(n for n in alive if seconds[n] <= fastest * (1 + PREFER))
         plans = 1 if self._plan is None else self._plan["plans"] + 1
         self._plan = {
             "mode": choice,
@@ -324,9 +363,11 @@ class AutoState(CompressState):
             "plans": plans,
             "buckets": None,
             "model": None,
+            "rounds": [list(r) for r in self._rounds],  # the candidates of each measured round
+            "left": list(alive),  # and those left after the last
         }
         if profile is not None:
-            self._propose(profile, choice, seconds[choice], device)
+            self._propose(profile, choice, seconds[choice], alive, device)
         if self._proposal is None:
             self._adopt(choice)
         else:
@@ -375,7 +416,7 @@ class AutoState(CompressState):
             sent.append(total / slot.calls)
         return sent
 
-    def _propose(self, flat: list[float], uniform: str, step_s: float, device) -> None:
+    def _propose(self, flat: list[float], uniform: str, step_s: float, alive, device) -> None:
         n = int(flat[0])
         numel = [int(v) for v in flat[1 : 1 + n]]
         gaps, cost, reduce_s, sent = {}, {}, {}, {}
@@ -388,7 +429,7 @@ class AutoState(CompressState):
         blocking = frozenset(self._states)  # compressed modes on CPU tensors: see pipeline.py
         profile = planner.Profile(numel, gaps, cost, sent, reduce_s, blocking)
         rates = planner.calibrate(profile)
-        plan = planner.search(profile, rates, [uniform] * n, self.allow)
+        plan = planner.search(profile, rates, [uniform] * n, alive)
         # Rank 0 decides; every rank runs what it sent (all ranks issue the same collectives).
         codes = torch.tensor([self.allow.index(m) for m in plan], dtype=torch.int64, device=device)
         group = self.process_group
@@ -427,7 +468,7 @@ class AutoState(CompressState):
         self._plan["verify_ms"] = {MIXED: mixed * 1e3, uniform: alone * 1e3}
         modelled = self._plan["model"]["modelled_ms"]
         predicted = (modelled[uniform] - modelled[MIXED]) / 1e3
-        keep = alone - mixed >= max(PREFER * alone, predicted / 2)
+        keep = planner.confirms(mixed, alone, predicted, PREFER)
         self._adopt(MIXED if keep else uniform)
 
     def _adopt(self, label: str) -> None:
@@ -573,10 +614,12 @@ class AutoState(CompressState):
 
     @property
     def trial_steps(self) -> int:
-        """Steps before the first plan at most: a warm-up, :data:`TRIAL_ROUNDS` per candidate
-        and, with several candidates, the turns of a proposed mixed plan."""
+        """Steps before the first plan at most: a warm-up, a round of the candidates that make
+        buffers, :data:`TRIAL_ROUNDS` - 1 measured rounds and, with several candidates, the
+        turns of a proposed mixed plan."""
         verify = 2 * VERIFY_ROUNDS if len(self.allow) > 1 else 0
-        return 1 + TRIAL_ROUNDS * len(self.allow) + verify
+        made = sum(name != NONE for name in self.allow)
+        return 1 + made + (TRIAL_ROUNDS - 1) * len(self.allow) + verify
 
     def settings(self) -> dict[str, Any]:
         return {"dtype": "auto", "allow": list(self.allow), "topology": self.topology}

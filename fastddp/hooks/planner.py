@@ -25,7 +25,7 @@ it within a small slack of the shortest.
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Profile", "calibrate", "search", "simulate"]
+__all__ = ["Profile", "calibrate", "confirms", "search", "simulate"]
 
 _LOWEST_RATE = 1e4  # bytes per second: the calibration's bounds
 _HIGHEST_RATE = 1e13
@@ -147,3 +147,9 @@ def search(
     fastest = best
     improve(lambda took, accurate: accurate and took <= fastest * (1 + slack))
     return plan
+
+
+def confirms(mixed_s: float, uniform_s: float, predicted_s: float, least: float) -> bool:
+    """Whether measured steps of a mixed plan (``mixed_s``) and of the uniform plan confirm the
+    modelled gain ``predicted_s``: faster by half of it, and by ``least`` of the uniform step."""
+    return uniform_s - mixed_s >= max(least * uniform_s, predicted_s / 2)

@@ -63,31 +63,42 @@ def _plan_alike(rank, world):
     for _ in range(state.trial_steps + 3):
         _train(model, 1, rank, opt=False)
         modes.append(state.stats()["mode"])
-    # The trial: a warm-up step, then the candidates take turns in allow order.
+    # The trial: a warm-up step, a round of the candidates that make buffers, then measured
+    # rounds of turns in allow order, each of the candidates left in the race.
     allow = auto.DEFAULT_ALLOW
-    trial = [allow[0], *allow * auto.TRIAL_ROUNDS]
-    assert modes[: len(trial)] == trial, modes
     plan = state.stats()["plan"]
+    rounds = plan["rounds"]
+    assert rounds[0] == list(allow) and 1 <= len(rounds) <= auto.TRIAL_ROUNDS - 1
+    assert all(set(later) <= set(earlier) for earlier, later in zip(rounds, rounds[1:]))
+    trial = [allow[0], *[n for n in allow if n != "none"], *[n for r in rounds for n in r]]
+    assert modes[: len(trial)] == trial, modes
     assert set(plan["step_ms"]) == set(allow)
     assert all(ms > 0 for ms in plan["step_ms"].values())
-    fastest = min(plan["step_ms"].values())
+    left = plan["left"]
+    assert set(left) <= set(rounds[-1]) and plan["uniform"] in left
+    fastest = min(plan["step_ms"][n] for n in left)
     assert plan["step_ms"][plan["uniform"]] <= fastest * (1 + auto.PREFER)
-    # A model per bucket was fitted; a mixed proposal takes turns with the uniform choice.
-    buckets = [b["mode"] for b in plan["buckets"]]
-    numel = sum(p.numel() for p in model.parameters())
-    assert len(buckets) >= 2 and sum(b["numel"] for b in plan["buckets"]) == numel
-    assert set(plan["model"]["rate_MBps"]) == set(allow)
-    tried = plan.get("proposed", buckets if plan["mode"] == auto.MIXED else None)
-    turns = [] if tried is None else [auto.MIXED, plan["uniform"]] * auto.VERIFY_ROUNDS
-    assert modes[len(trial) : len(trial) + len(turns)] == turns, modes
+    # A model per bucket was fitted (where two candidates were left); a mixed proposal takes
+    # turns with the uniform choice.
+    buckets, turns = [plan["mode"]], []
+    if len(left) < 2:
+        assert plan["buckets"] is None
+    else:
+        buckets = [b["mode"] for b in plan["buckets"]]
+        numel = sum(p.numel() for p in model.parameters())
+        assert len(buckets) >= 2 and sum(b["numel"] for b in plan["buckets"]) == numel
+        assert set(plan["model"]["rate_MBps"]) == set(allow)
+        tried = plan.get("proposed", buckets if plan["mode"] == auto.MIXED else None)
+        turns = [] if tried is None else [auto.MIXED, plan["uniform"]] * auto.VERIFY_ROUNDS
+        assert modes[len(trial) : len(trial) + len(turns)] == turns, modes
+        if plan["mode"] != auto.MIXED:
+            assert buckets == [plan["mode"]] * len(buckets)
     assert plan["made_at_step"] == len(trial) + len(turns) and plan["plans"] == 1
     after = len(trial) + len(turns)
     assert modes[after:] == [plan["mode"]] * (len(modes) - after)
-    if plan["mode"] != auto.MIXED:
-        assert buckets == [plan["mode"]] * len(buckets)
     # Every rank made the same plan from the same (all-reduced) figures.
-    codes = [allow.index(m) for m in buckets]
-    mine = torch.tensor([*codes, *plan["step_ms"].values(), *plan["model"]["rate_MBps"].values()])
+    codes = [list(allow).index(m) if m in allow else -1 for m in buckets]
+    mine = torch.tensor([*codes, *plan["step_ms"].values()])
     everyone = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine)
     assert all(torch.equal(e, mine) for e in everyone)
@@ -105,10 +116,11 @@ def test_the_plan_is_made_by_trial_and_alike_on_every_rank():
 
 def _owed_residuals(rank, world):
     # int8 with error feedback takes turns with plain fp32, which the plan then keeps (PREFER
-    # made large: the first candidate in allow order wins). What error feedback kept is added
-    # at the plan, so the sum of what was applied equals the sum of the true averages (fixed
-    # weights: each step's gradient is known). One bucket: no mixed plan is proposed.
-    auto.PREFER = 100.0
+    # made large, and no candidate dropped: the first candidate in allow order wins). What
+    # error feedback kept is added at the plan, so the sum of what was applied equals the sum
+    # of the true averages (fixed weights: each step's gradient is known). One bucket: no
+    # mixed plan is proposed.
+    auto.PREFER, auto.ELIMINATE = 100.0, (1e9, 1e9)
     base = _Net(depth=4)
     model = DDP(copy.deepcopy(base), bucket_cap_mb=25)
     state = fastddp.CompressState(dtype="auto", allow=["none", "int8-ef"])
@@ -117,7 +129,7 @@ def _owed_residuals(rank, world):
     steps = state.trial_steps + 1
     got, want = _train(model, steps, rank, opt=False), _train(plain, steps, rank, opt=False)
     plan = state.stats()["plan"]
-    assert plan["mode"] == "none" and plan["made_at_step"] == steps - 1 - 2 * auto.VERIFY_ROUNDS
+    assert plan["mode"] == "none" and plan["made_at_step"] < steps, (plan, steps)
     at_plan = plan["made_at_step"]
     kept = (sum(want[:at_plan]) - sum(got[:at_plan])).abs().max().item()
     assert kept > 1e-6, "int8 rounding left nothing in the residuals: the test shows nothing"
@@ -153,6 +165,8 @@ def test_ranks_that_disagree_on_allow_fail_alike():
         (dict(allow=["bf16", "int9"]), ValueError, r"allow is unknown \['int9'\]"),
         (dict(allow=["bf16", "bf16"]), ValueError, "allow is repeated names"),
         (dict(allow="bf16"), TypeError, "allow must be a list of mode names"),
+        (dict(allow=["int8-ef:ring"]), ValueError, r"allow is unknown \['int8-ef:ring'\]"),
+        (dict(allow=["none:flat"]), ValueError, r"allow is unknown \['none:flat'\]"),
         (dict(error_feedback=True), ValueError, "error_feedback belongs to a fixed mode"),
         (dict(dtype="fast"), ValueError, "dtype must be a torch.dtype or 'auto'"),
         (dict(alow=["bf16"]), TypeError, "unexpected keyword argument 'alow'"),
@@ -298,3 +312,41 @@ def _moved_residuals(rank, world):
 @pytest.mark.multiproc
 def test_residuals_of_parameters_that_move_to_another_mode_are_repaid():
     run_ranks(_moved_residuals, 2)
+
+
+def _paths(rank, world):
+    # Two "nodes" of two ranks: a candidate that names its path takes it, bit for bit as the
+    # fixed mode with that topology, and the two paths are two candidates of one trial.
+    import os
+
+    os.environ["FASTDDP_NODE_ID"] = f"node-{rank // 2}"
+    base = _Net(depth=4)
+    fixed = DDP(copy.deepcopy(base), bucket_cap_mb=0.002)
+    fixed.register_comm_hook(
+        fastddp.CompressState.from_preset("int8-ef", topology="flat"), fastddp.compress_hook
+    )
+    one = DDP(copy.deepcopy(base), bucket_cap_mb=0.002)
+    one.register_comm_hook(
+        fastddp.CompressState(dtype="auto", allow=["int8-ef:flat"]), fastddp.compress_hook
+    )
+    for a, b in zip(_train(one, 4, rank), _train(fixed, 4, rank)):
+        assert torch.equal(a, b)
+    model = DDP(copy.deepcopy(base), bucket_cap_mb=0.002)
+    state = fastddp.CompressState(dtype="auto", allow=["int8-ef:flat", "int8-ef:hierarchical"])
+    model.register_comm_hook(state, fastddp.compress_hook)
+    _train(model, state.trial_steps + 1, rank, opt=False)
+    candidates = state.stats()["candidates"]
+    assert candidates["int8-ef:flat"]["topology_used"] == "flat"
+    assert candidates["int8-ef:hierarchical"]["topology_used"] == "hierarchical"
+    plan = state.stats()["plan"]
+    assert plan is not None and not plan["trial"]
+    modes = [plan["mode"]] if plan["buckets"] is None else [b["mode"] for b in plan["buckets"]]
+    codes = torch.tensor([state.allow.index(m) for m in modes])
+    everyone = [torch.empty_like(codes) for _ in range(world)]
+    dist.all_gather(everyone, codes)
+    assert all(torch.equal(e, codes) for e in everyone)
+
+
+@pytest.mark.multiproc
+def test_candidates_may_name_their_path():
+    run_ranks(_paths, 4)
