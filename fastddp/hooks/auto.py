@@ -642,8 +642,10 @@ class AutoState(CompressState):
         are held against) and, where a model was fitted, ``model`` (each candidate's fitted link
         rate, host cost of its codec, measured and modelled reduction times) and ``buckets``
         (per bucket of a mixed plan: its mode, size, the compute before it and its bytes on the
-        slowest link). ``verify_ms`` has the turns of a mixed plan against the uniform choice;
-        ``proposed`` a mixed plan that did not measure fast enough.
+        slowest link). ``rounds`` lists the candidates of each measured round and ``left`` those
+        left after the last. ``verify_ms`` has the turns of a mixed plan against the uniform
+        choice; ``proposed`` the model's mixed plan where it was not kept (its modelled gain
+        under :data:`MIX_GAIN`, or not confirmed by its turns).
         """
         return {
             **self.settings(),
