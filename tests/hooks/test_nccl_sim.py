@@ -35,7 +35,7 @@ MODES = list(PRESETS)
 # Planted defects: (function of Pipeline, text to find, replacement).
 MUTATIONS = {
     # A later stage that reads the previous collective's output without waiting for it.
-    "no-wait-before-later-stage": ("_step", "runtime.wait(job.work)\n", "pass\n"),
+    "no-wait-before-later-stage": ("_step", "self._wait(runtime, job.work)\n", "pass\n"),
     # Completion run at once instead of where the collective's output can be read.
     "complete-without-then": (
         "_step",
