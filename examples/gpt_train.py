@@ -8,7 +8,7 @@ Python's own ``argparse`` module source, as printable-ASCII characters, each ran
 own windows. ``--preset`` is one of ``fastddp.PRESETS``, ``auto`` (fastddp measures the modes
 on this job and keeps the fastest) or ``none`` (plain DDP). Rank 0 prints the loss, then the
 median step time over the last half of the steps (after ``auto`` has planned) and, with
-``auto``, what it chose; ``--json`` also writes them.
+``auto``, what it chose; ``--json`` also writes them, with ``auto``'s whole plan.
 """
 
 import argparse
@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--allow", nargs="+", help="auto's candidates (default: fastddp's)")
     p.add_argument("--json", help="rank 0 writes the summary here")
     args = p.parse_args()
 
@@ -46,9 +47,10 @@ def main() -> None:
         model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
         state = None
         if args.preset != "none":
-            state = fastddp.CompressState(dtype="auto") if args.preset == "auto" else (
-                fastddp.CompressState.from_preset(args.preset)
-            )  # fmt: skip
+            if args.preset == "auto":
+                state = fastddp.CompressState(dtype="auto", allow=args.allow)
+            else:
+                state = fastddp.CompressState.from_preset(args.preset)
             model.register_comm_hook(state, fastddp.compress_hook)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
@@ -68,7 +70,7 @@ def main() -> None:
             if env.is_main and (step % 20 == 0 or step == args.steps):
                 print(f"step {step:4d}  loss {loss:.3f}", flush=True)
         timed = times[len(times) // 2 :]
-        chose = None
+        chose = plan = None
         if args.preset == "auto":
             plan = state.stats()["plan"]
             chose = plan["summary"] if plan else "nothing yet (the trial needs more --steps)"
@@ -83,7 +85,9 @@ def main() -> None:
             if args.json:
                 with open(args.json, "w") as f:
                     summary = {"preset": args.preset, "world_size": env.world_size, "chose": chose}
-                    json.dump({**summary, "median_step_ms": ms, "final_loss": loss}, f)
+                    summary.update(median_step_ms=ms, final_loss=loss, plan=plan)
+                    summary["steps_ms"] = [t * 1e3 for t in times]
+                    json.dump(summary, f)
 
 
 if __name__ == "__main__":

@@ -359,6 +359,8 @@ class AutoState(CompressState):
             "uniform": choice,
             "trial": True,
             "step_ms": {n: s * 1e3 for n, s in seconds.items()},
+            # This rank's measured steps, per candidate, in the order they ran.
+            "trial_ms": {n: [p * 1e3 for p in self._periods("trial", n)] for n in self.allow},
             "made_at_step": self._step,
             "plans": plans,
             "buckets": None,
@@ -638,14 +640,15 @@ class AutoState(CompressState):
         ``plan`` has ``mode`` (the chosen candidate, or ``"mixed"``), ``summary`` (the mode, or
         the modes of a mixed plan with their numbers of buckets), ``uniform`` (the best single
         candidate), ``step_ms`` (each candidate's measured step on the slowest rank),
-        ``made_at_step``, ``plans`` (how many so far), ``planned_ms`` (the figure later steps
-        are held against) and, where a model was fitted, ``model`` (each candidate's fitted link
-        rate, host cost of its codec, measured and modelled reduction times) and ``buckets``
-        (per bucket of a mixed plan: its mode, size, the compute before it and its bytes on the
-        slowest link). ``rounds`` lists the candidates of each measured round and ``left`` those
-        left after the last. ``verify_ms`` has the turns of a mixed plan against the uniform
-        choice; ``proposed`` the model's mixed plan where it was not kept (its modelled gain
-        under :data:`MIX_GAIN`, or not confirmed by its turns).
+        ``trial_ms`` (this rank's measured steps of each candidate), ``made_at_step``, ``plans``
+        (how many so far), ``planned_ms`` (the figure later steps are held against) and, where a
+        model was fitted, ``model`` (each candidate's fitted link rate, host cost of its codec,
+        measured and modelled reduction times) and ``buckets`` (per bucket of a mixed plan: its
+        mode, size, the compute before it and its bytes on the slowest link). ``rounds`` lists
+        the candidates of each measured round and ``left`` those left after the last.
+        ``verify_ms`` has the turns of a mixed plan against the uniform choice; ``proposed`` the
+        model's mixed plan where it was not kept (its modelled gain under :data:`MIX_GAIN`, or
+        not confirmed by its turns).
         """
         return {
             **self.settings(),

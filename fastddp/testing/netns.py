@@ -26,6 +26,7 @@ from fastddp.testing.wire import MTU, Wire, open_tun
 __all__ = [
     "Node",
     "NetnsError",
+    "cores_per_rank",
     "drop",
     "dropped",
     "kill",
@@ -296,6 +297,17 @@ def spawn(
     return subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True, text=True)
 
 
+def cores_per_rank(nodes: int, nproc_per_node: str) -> int:
+    """This machine's cores over the ranks of ``nodes`` nodes (1 at least; 1 where
+    ``nproc_per_node`` is not a number, such as torchrun's ``auto``)."""
+    try:
+        ranks = nodes * int(nproc_per_node)
+    except ValueError:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(ranks, 1))
+
+
 def start(
     made: list[Node],
     nproc_per_node: str,
@@ -306,8 +318,15 @@ def start(
 ) -> list:
     """Start :func:`spawn` on every node, on a free port; the launchers, node 0's last.
 
-    ``rendezvous``: ``rdzv_id`` and ``launch_args``, as for :func:`spawn`.
+    ``rendezvous``: ``rdzv_id`` and ``launch_args``, as for :func:`spawn`. The nodes share
+    this machine's cores, so each rank is given its share of them as ``OMP_NUM_THREADS``
+    unless ``env`` sets it: otherwise every rank of a one-rank node would run as many torch
+    threads as the machine has cores (torchrun sets 1 only for several ranks of a node), and
+    the ranks' compute would slow down each other's.
     """
+    env = dict(os.environ if env is None else env)
+    if "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(cores_per_rank(len(made), nproc_per_node))
     port = _free_port()
     return [
         spawn(made, rank, nproc_per_node, argv, port, stdout=stdout, env=env, **rendezvous)

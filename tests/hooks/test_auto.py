@@ -4,6 +4,7 @@ left behind are repaid; bad settings are refused."""
 
 import copy
 import pickle
+import statistics
 
 import pytest
 import torch
@@ -74,6 +75,12 @@ def _plan_alike(rank, world):
     assert modes[: len(trial)] == trial, modes
     assert set(plan["step_ms"]) == set(allow)
     assert all(ms > 0 for ms in plan["step_ms"].values())
+    # This rank's steps: one per measured round a candidate ran in, its median under the
+    # slowest rank's.
+    ran = {n: sum(n in r for r in rounds) for n in allow}
+    assert {n: len(v) for n, v in plan["trial_ms"].items()} == ran
+    for n, v in plan["trial_ms"].items():
+        assert 0 < statistics.median(v) <= plan["step_ms"][n] + 1e-9
     left = plan["left"]
     assert set(left) <= set(rounds[-1]) and plan["uniform"] in left
     fastest = min(plan["step_ms"][n] for n in left)

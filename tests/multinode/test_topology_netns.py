@@ -92,13 +92,19 @@ def test_nodes_on_one_bridge_reach_each_other_and_are_removed():
     assert not any(name in left for name in names)
 
 
-def test_a_terminated_run_removes_its_namespaces_and_workers(tmp_path):
+def test_a_terminated_run_removes_its_namespaces_and_workers_and_ranks_share_cores(tmp_path):
     why = netns.unavailable_reason()
     if why:
         pytest.skip(why)
     marker = f"fastddp-sleeper-{tmp_path.name}"
     script = tmp_path / f"{marker}.py"
-    script.write_text("import time\ntime.sleep(300)\n")
+    threads = tmp_path / "threads"
+    script.write_text(
+        "import os, sys, time\n"
+        f"with open({str(threads)!r} + os.environ['RANK'], 'w') as f:\n"
+        "    f.write(os.environ.get('OMP_NUM_THREADS', 'unset'))\n"
+        "time.sleep(300)\n"
+    )
 
     def namespaces():
         out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -120,6 +126,11 @@ def test_a_terminated_run_removes_its_namespaces_and_workers(tmp_path):
         while len(sleepers()) < 2 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert len(namespaces() - before) == 3 and len(sleepers()) >= 2
+        # The two one-rank nodes share this machine's cores.
+        share = str(netns.cores_per_rank(2, "1"))
+        while len(list(tmp_path.glob("threads*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [(tmp_path / f"threads{r}").read_text() for r in (0, 1)] == [share] * 2
         run.terminate()
         run.wait(timeout=60)
         assert namespaces() - before == set()
