@@ -8,7 +8,8 @@ Python's own ``argparse`` module source, as printable-ASCII characters, each ran
 own windows. ``--preset`` is one of ``fastddp.PRESETS``, ``auto`` (fastddp measures the modes
 on this job and keeps the fastest) or ``none`` (plain DDP). Rank 0 prints the loss, then the
 median step time over the last half of the steps (after ``auto`` has planned) and, with
-``auto``, what it chose; ``--json`` also writes them, with ``auto``'s whole plan.
+``auto``, what it chose; ``--json`` also writes them, with ``auto``'s whole plan, every step's
+time and the median forward, backward and optimizer times.
 """
 
 import argparse
@@ -56,17 +57,21 @@ def main() -> None:
 
         data = corpus()
         gen = torch.Generator().manual_seed(1 + env.rank)  # each rank its own windows
-        times = []
+        times, phases = [], []  # per step: its time; forward, backward, optimizer (host clock)
         for step in range(1, args.steps + 1):
             start = time.perf_counter()
             at = torch.randint(0, len(data) - args.seq - 1, (args.batch, 1), generator=gen)
             windows = data[at + torch.arange(args.seq + 1)].to(env.device)
             loss = Decoder.loss(model(windows[:, :-1]), windows[:, 1:])
+            forward = time.perf_counter()
             opt.zero_grad()
             loss.backward()
+            backward = time.perf_counter()
             opt.step()
             loss = loss.item()  # waits for the step, on GPU too
-            times.append(time.perf_counter() - start)
+            end = time.perf_counter()
+            times.append(end - start)
+            phases.append((forward - start, backward - forward, end - backward))
             if env.is_main and (step % 20 == 0 or step == args.steps):
                 print(f"step {step:4d}  loss {loss:.3f}", flush=True)
         timed = times[len(times) // 2 :]
@@ -87,6 +92,13 @@ def main() -> None:
                     summary = {"preset": args.preset, "world_size": env.world_size, "chose": chose}
                     summary.update(median_step_ms=ms, final_loss=loss, plan=plan)
                     summary["steps_ms"] = [t * 1e3 for t in times]
+                    # Where the time goes, over the same steps (on GPU, forward and backward
+                    # are mostly launch time; the wait lands in the optimizer's share).
+                    late = phases[len(phases) // 2 :]
+                    summary["phase_ms"] = {
+                        name: statistics.median(p[i] for p in late) * 1e3
+                        for i, name in enumerate(("forward", "backward", "optimizer"))
+                    }
                     json.dump(summary, f)
 
 

@@ -48,3 +48,9 @@ def test_the_gpt_example_plans_with_auto(tmp_path):
     assert chose in ("none", "bf16", "bf16-acc", "int8-ef") or chose.startswith("mixed ("), chose
     assert summary["median_step_ms"] > 0 and summary["final_loss"] < 4.6, summary  # ln 96
     assert f"chose {summary['chose']}" in res.stdout
+    # The JSON keeps the plan with the trial's own steps, every step's time and the phases.
+    plan = summary["plan"]
+    assert plan["summary"] == chose and set(plan["trial_ms"]) == set(plan["step_ms"])
+    assert len(summary["steps_ms"]) == 24 and min(summary["steps_ms"]) > 0
+    assert set(summary["phase_ms"]) == {"forward", "backward", "optimizer"}
+    assert all(ms > 0 for ms in summary["phase_ms"].values()), summary["phase_ms"]
