@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -96,7 +97,7 @@ def test_a_terminated_run_removes_its_namespaces_and_workers_and_ranks_share_cor
     why = netns.unavailable_reason()
     if why:
         pytest.skip(why)
-    marker = f"fastddp-sleeper-{tmp_path.name}"
+    marker = f"fastddp-sleeper-{uuid.uuid4().hex[:12]}"  # no earlier run's sleeper matches
     script = tmp_path / f"{marker}.py"
     threads = tmp_path / "threads"
     script.write_text(
@@ -136,8 +137,12 @@ def test_a_terminated_run_removes_its_namespaces_and_workers_and_ranks_share_cor
         assert namespaces() - before == set()
         assert sleepers() == []
     finally:
-        if run.poll() is None:
-            run.kill()
+        if run.poll() is None:  # a failed check: still remove the namespaces (SIGTERM does)
+            run.terminate()
+            try:
+                run.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                run.kill()
 
 
 def test_three_nodes_of_two_ranks_find_their_nodes_and_reduce():
