@@ -37,7 +37,7 @@ def _as_worker(rounds: int) -> None:
     # Inside each rank: more measured rounds, and no candidate dropped, then the example.
     from fastddp.hooks import auto
 
-    auto.TRIAL_ROUNDS, auto.ELIMINATE = rounds + 1, (float("inf"),) * 2
+    auto.TRIAL_ROUNDS, auto.ELIMINATE, auto.RUNOFF_ROUNDS = rounds + 1, (float("inf"),) * 2, 0
     sys.argv = [str(GPT), *sys.argv[3:]]
     runpy.run_path(str(GPT), run_name="__main__")
 

@@ -8,10 +8,12 @@ candidate that makes buffers, the candidates take turns, one step each, for up t
 the same drifts of the machine's load. A step's figure is its period, from one backward's first
 bucket to the next's (forward, backward, waiting and optimizer, all of it). After each round the
 slowest rank's medians (one all-reduce) drop the candidates that cannot win, :data:`ELIMINATE`
-times slower than the fastest: on a slow link fp32 runs one measured step, not three. Then the
-medians decide, identically on every rank: the fastest candidate left, or the first in
-``allow`` order within :data:`PREFER` of it, so that a mode compresses only when that pays
-measurably.
+times slower than the fastest: on a slow link fp32 runs one measured step, not three. Where the
+two fastest left then lie within :data:`RUNOFF` of each other, they take
+:data:`RUNOFF_ROUNDS` more turns (one step varies by about 7 % on a shared machine, and two modes
+can lie closer than that). Then the medians decide, identically on every rank: the fastest
+candidate left, or the first in ``allow`` order within :data:`PREFER` of it, so that a mode
+compresses only when that pays measurably.
 
 Then, per bucket (``planner.py``): the trial also recorded when each bucket reached the hook,
 the host time of each codec and the bytes each bucket sent, and a model of the backward pass
@@ -22,8 +24,9 @@ step, by taking turns with the uniform choice for :data:`VERIFY_ROUNDS` rounds, 
 if the turns confirm the model: faster by half the modelled gain, and by :data:`PREFER` at
 least (where compute and transfers share the same cores, the model's overlap is not there).
 With the default four candidates the plan is made by step 16 (at step 8 where one candidate is
-left after the first round), or 22 when a mixed plan was tried. Mixed plans are proposed for
-CPU tensors only: on CUDA the host's clock does not see the kernels.
+left after the first round), 22 after a run-off, and 6 steps later when a mixed plan was tried.
+Mixed plans are proposed for CPU tensors only: on CUDA the host's clock does not see the
+kernels.
 
 Then every :data:`CHECK_EVERY` steps the median period is held against the planned figure
 (again the slowest rank's); off by more than :data:`MARGIN` at two checks in a row (a link
@@ -65,6 +68,10 @@ MIX_GAIN = 0.05  # a mixed plan is tried if the model makes the step shorter by 
 # After measured round r (1, 2), a candidate this much slower than the fastest is out: a step of
 # a shared machine can take twice another's, so one measured step must show more than that.
 ELIMINATE = (2.5, 1.5)
+# Two candidates left within RUNOFF of each other after the measured rounds take RUNOFF_ROUNDS
+# more turns, and all their steps decide: one step varies by about 7 % on a shared machine.
+RUNOFF = 0.10
+RUNOFF_ROUNDS = 3
 
 logger = logging.getLogger("fastddp")
 _PATHS = ("flat", "hierarchical")  # the paths a candidate may name: "int8-ef:flat"
@@ -156,6 +163,7 @@ class AutoState(CompressState):
         "_trial_start",
         "_schedule",
         "_rounds",
+        "_round_ms",
         "_record",
         "_records",
         "_recent",
@@ -223,6 +231,7 @@ class AutoState(CompressState):
         turns = [(self.allow[0], None)]  # the warm-up: DDP lays its buckets out again after it
         turns += [(name, None) for name in self.allow if name != NONE]  # buffers are made
         self._rounds = [list(self.allow)]
+        self._round_ms: list[dict[str, float]] = []  # the slowest rank's medians after each
         return turns + [(name, "trial") for name in self.allow]
 
     # -- the hook -------------------------------------------------------------------------
@@ -326,11 +335,20 @@ class AutoState(CompressState):
         figures = torch.tensor(medians, dtype=torch.float64, device=device)
         dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.process_group)
         seconds = dict(zip(self.allow, figures.tolist()))
-        alive = self._rounds[-1]
-        fastest = min(seconds[n] for n in alive)
-        limit = ELIMINATE[min(len(self._rounds), len(ELIMINATE)) - 1]
-        alive = [n for n in alive if seconds[n] <= limit * fastest]
-        if len(self._rounds) < TRIAL_ROUNDS - 1 and len(alive) > 1:
+        alive, measured = self._rounds[-1], len(self._rounds)
+        self._round_ms.append({n: seconds[n] * 1e3 for n in alive})
+        if measured <= TRIAL_ROUNDS - 1:
+            fastest = min(seconds[n] for n in alive)
+            limit = ELIMINATE[min(measured, len(ELIMINATE)) - 1]
+            alive = [n for n in alive if seconds[n] <= limit * fastest]
+        if measured == TRIAL_ROUNDS - 1 and len(alive) > 1 and RUNOFF_ROUNDS > 0:
+            # The run-off: the two fastest, if their medians lie within the trial's noise.
+            first, second = sorted(alive, key=lambda n: seconds[n])[:2]
+            if seconds[second] <= seconds[first] * (1 + RUNOFF):
+                alive = [n for n in alive if n in (first, second)]
+            else:
+                measured = TRIAL_ROUNDS - 1 + RUNOFF_ROUNDS
+        if measured < TRIAL_ROUNDS - 1 + RUNOFF_ROUNDS and len(alive) > 1:
             self._rounds.append(alive)
             self._schedule += [(name, "trial") for name in alive]
         else:
@@ -366,6 +384,7 @@ class AutoState(CompressState):
             "buckets": None,
             "model": None,
             "rounds": [list(r) for r in self._rounds],  # the candidates of each measured round
+            "round_ms": [dict(r) for r in self._round_ms],  # and what each left them at
             "left": list(alive),  # and those left after the last
         }
         if profile is not None:
@@ -617,11 +636,13 @@ class AutoState(CompressState):
     @property
     def trial_steps(self) -> int:
         """Steps before the first plan at most: a warm-up, a round of the candidates that make
-        buffers, :data:`TRIAL_ROUNDS` - 1 measured rounds and, with several candidates, the
-        turns of a proposed mixed plan."""
-        verify = 2 * VERIFY_ROUNDS if len(self.allow) > 1 else 0
+        buffers, :data:`TRIAL_ROUNDS` - 1 measured rounds and, with several candidates, a
+        run-off of two and the turns of a proposed mixed plan."""
+        several = len(self.allow) > 1
+        verify = 2 * VERIFY_ROUNDS if several else 0
+        runoff = 2 * RUNOFF_ROUNDS if several else 0
         made = sum(name != NONE for name in self.allow)
-        return 1 + made + (TRIAL_ROUNDS - 1) * len(self.allow) + verify
+        return 1 + made + (TRIAL_ROUNDS - 1) * len(self.allow) + runoff + verify
 
     def settings(self) -> dict[str, Any]:
         return {"dtype": "auto", "allow": list(self.allow), "topology": self.topology}
@@ -645,7 +666,8 @@ class AutoState(CompressState):
         model was fitted, ``model`` (each candidate's fitted link rate, host cost of its codec,
         measured and modelled reduction times) and ``buckets`` (per bucket of a mixed plan: its
         mode, size, the compute before it and its bytes on the slowest link). ``rounds`` lists
-        the candidates of each measured round and ``left`` those left after the last.
+        the candidates of each measured round (a run-off's last), ``round_ms`` the slowest
+        rank's medians after each, and ``left`` the candidates left after the last.
         ``verify_ms`` has the turns of a mixed plan against the uniform choice; ``proposed`` the
         model's mixed plan where it was not kept (its modelled gain under :data:`MIX_GAIN`, or
         not confirmed by its turns).

@@ -56,7 +56,26 @@ def test_one_candidate_is_that_mode_bit_for_bit(name):
     run_ranks(_one_candidate, 2, name)
 
 
-def _plan_alike(rank, world):
+def _next_rounds(round_ms: list[dict]) -> list[list[str]]:
+    """The candidates each measured round should leave, from the medians after it: those within
+    ELIMINATE of the fastest, then a run-off of the two fastest if they lie within RUNOFF."""
+    out = []
+    for i, ms in enumerate(round_ms):
+        alive = list(ms)
+        if i < auto.TRIAL_ROUNDS - 1:
+            limit = auto.ELIMINATE[min(i, len(auto.ELIMINATE) - 1)] * min(ms.values())
+            alive = [n for n in alive if ms[n] <= limit]
+        if i == auto.TRIAL_ROUNDS - 2 and len(alive) > 1:
+            first, second = sorted(alive, key=ms.get)[:2]
+            if ms[second] <= ms[first] * (1 + auto.RUNOFF):
+                alive = [n for n in alive if n in (first, second)]
+        out.append(alive)
+    return out
+
+
+def _plan_alike(rank, world, runoff):
+    if runoff:  # no candidate dropped, and a run-off of the two fastest, whatever their figures
+        auto.ELIMINATE, auto.RUNOFF = (float("inf"),) * 2, float("inf")
     model = DDP(_Net(depth=4), bucket_cap_mb=0.002)
     state = fastddp.CompressState(dtype="auto")
     model.register_comm_hook(state, fastddp.compress_hook)
@@ -69,8 +88,11 @@ def _plan_alike(rank, world):
     allow = auto.DEFAULT_ALLOW
     plan = state.stats()["plan"]
     rounds = plan["rounds"]
-    assert rounds[0] == list(allow) and 1 <= len(rounds) <= auto.TRIAL_ROUNDS - 1
-    assert all(set(later) <= set(earlier) for earlier, later in zip(rounds, rounds[1:]))
+    assert rounds[0] == list(allow) and 1 <= len(rounds) <= auto.TRIAL_ROUNDS - 1 + 3
+    assert [sorted(r) for r in plan["round_ms"]] == [sorted(r) for r in rounds]
+    assert _next_rounds(plan["round_ms"]) == rounds[1:] + [plan["left"]]
+    if runoff:
+        assert len(rounds) == auto.TRIAL_ROUNDS - 1 + auto.RUNOFF_ROUNDS, rounds
     trial = [allow[0], *[n for n in allow if n != "none"], *[n for r in rounds for n in r]]
     assert modes[: len(trial)] == trial, modes
     assert set(plan["step_ms"]) == set(allow)
@@ -82,7 +104,7 @@ def _plan_alike(rank, world):
     for n, v in plan["trial_ms"].items():
         assert 0 < statistics.median(v) <= plan["step_ms"][n] + 1e-9
     left = plan["left"]
-    assert set(left) <= set(rounds[-1]) and plan["uniform"] in left
+    assert plan["uniform"] in left
     fastest = min(plan["step_ms"][n] for n in left)
     assert plan["step_ms"][plan["uniform"]] <= fastest * (1 + auto.PREFER)
     # A model per bucket was fitted (where two candidates were left); a mixed proposal takes
@@ -117,8 +139,9 @@ def _plan_alike(rank, world):
 
 
 @pytest.mark.multiproc
-def test_the_plan_is_made_by_trial_and_alike_on_every_rank():
-    run_ranks(_plan_alike, 2)
+@pytest.mark.parametrize("runoff", [False, True], ids=["as-measured", "run-off"])
+def test_the_plan_is_made_by_trial_and_alike_on_every_rank(runoff):
+    run_ranks(_plan_alike, 2, runoff)
 
 
 def _owed_residuals(rank, world):
