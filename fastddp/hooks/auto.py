@@ -241,13 +241,7 @@ class AutoState(CompressState):
         if task == -1 or task != self._task:  # the first bucket of a backward pass
             self._task = task
             self._begin_step(bucket.buffer().device)
-        parameters = bucket.parameters()
-        keys = ()
-        for candidate in self._states.values():
-            # Every candidate names parameters alike (by first sight here), so that residuals
-            # saved by one plan find their parameters in a job resumed under another.
-            keys = candidate._table.keys_of(parameters)
-        numel = bucket.buffer().numel()
+        keys = self._keys_of(bucket.parameters())
         if len(self._owed):
             self._repay(bucket)
         mode = self._mode_of(bucket.index())
@@ -259,13 +253,29 @@ class AutoState(CompressState):
             future = allreduce_hook(self.process_group, bucket)
         else:
             future = compress_hook(state, bucket)
-        record.left.append(time.perf_counter())
         record.began.append(began)
-        record.numel.append(numel)
         record.held.setdefault(mode, set()).update(k for k, _ in keys)
-        record.waited.append(0.0 if state is None else state._pipeline.waited - waited)
-        future.add_done_callback(record.finished)
+        if record.kind is not None:  # a measured step: what the per-bucket model needs
+            record.left.append(time.perf_counter())
+            record.numel.append(bucket.buffer().numel())
+            record.waited.append(0.0 if state is None else state._pipeline.waited - waited)
+            future.add_done_callback(record.finished)
         return future
+
+    def _keys_of(self, parameters: list[torch.Tensor]) -> tuple:
+        # Every candidate names parameters alike (by first sight here), so that residuals
+        # saved by one plan find their parameters in a job resumed under another. The tables
+        # grow together, so the others need the parameters only when the first did not know
+        # them (the hook's own cost, every bucket of every step).
+        tables = [candidate._table for candidate in self._states.values()]
+        if not tables:
+            return ()
+        before = len(tables[0].param_keys)
+        keys = tables[0].keys_of(parameters)
+        if len(tables[0].param_keys) != before:
+            for table in tables[1:]:
+                table.keys_of(parameters)
+        return keys
 
     def _mode_of(self, index: int) -> str:
         using = self._using

@@ -117,8 +117,10 @@ def _plan_alike(rank, world, runoff):
         numel = sum(p.numel() for p in model.parameters())
         assert len(buckets) >= 2 and sum(b["numel"] for b in plan["buckets"]) == numel
         assert set(plan["model"]["rate_MBps"]) == set(allow)
-        tried = plan.get("proposed", buckets if plan["mode"] == auto.MIXED else None)
-        turns = [] if tried is None else [auto.MIXED, plan["uniform"]] * auto.VERIFY_ROUNDS
+        # (A proposal under MIX_GAIN is kept in "proposed" too, but takes no turns.)
+        if "verify_ms" in plan:
+            assert plan["mode"] == auto.MIXED or "proposed" in plan, plan
+            turns = [auto.MIXED, plan["uniform"]] * auto.VERIFY_ROUNDS
         assert modes[len(trial) : len(trial) + len(turns)] == turns, modes
         if plan["mode"] != auto.MIXED:
             assert buckets == [plan["mode"]] * len(buckets)
@@ -234,6 +236,38 @@ class _Chain(torch.nn.Module):
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return x
+
+
+class _Reversed(torch.nn.Module):
+    """Layers applied in the reverse of their order of registration: DDP's first bucket layout
+    (registration order, reversed) and its rebuilt one (gradients' ready order) differ."""
+
+    def __init__(self, width=24, depth=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in reversed(self.layers):
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _named_alike(rank, world):
+    # The warm-up step runs int8-ef on DDP's first layout, bf16 first runs on the rebuilt one:
+    # each would name the parameters in another order by itself.
+    model = DDP(_Reversed(), bucket_cap_mb=0.002)
+    state = fastddp.CompressState(dtype="auto", allow=["int8-ef", "bf16"])
+    model.register_comm_hook(state, fastddp.compress_hook)
+    _train(model, 4, rank, opt=False)
+    tables = [candidate._table.param_keys for candidate in state._states.values()]
+    names = [[table.get(p) for p in model.parameters()] for table in tables]
+    assert None not in names[0] and names[0] == names[1], names
+
+
+@pytest.mark.multiproc
+def test_every_candidate_names_parameters_alike():
+    run_ranks(_named_alike, 2)
 
 
 def _mixed_plan(rank, world):
