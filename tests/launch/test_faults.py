@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -98,11 +99,31 @@ def test_stopped_worker_is_named_instead_of_hanging(tmp_path):
     pid = _wait_for_step(progress, 1, 3, job)
     stopped_at = time.monotonic()
     os.kill(pid, signal.SIGSTOP)
+    lines, named = [], threading.Event()
+
+    def read() -> None:
+        for line in job.stdout:
+            lines.append(line)
+            if "has not answered for" in line:
+                named.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        rc, out = _finish(job, 120)
+        named.wait(timeout=100)
     finally:
+        # Once named, the stopped rank is killed: torchrun's SIGTERM would wait out its 30 s
+        # shutdown timeout on it (that teardown is torchrun's, not what is tested here).
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    try:
+        rc = job.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        raise AssertionError("the job did not end after its stopped rank was named") from None
+    reader.join(timeout=10)
+    out = "".join(lines)
+    assert named.is_set(), out
     assert rc != 0, out
     assert f"rank 1 (node 0, 127.0.0.1, pid {pid} on " in out, out
     assert "has not answered for" in out and "peer timeout 5 s" in out
