@@ -398,3 +398,18 @@ def test_the_rotation_benchmark_rotates_and_measures(tmp_path):
     assert rotation.main(["--steps", "0", "--json", str(tmp_path / "r.json")]) == 0
     errors = json.loads((tmp_path / "r.json").read_text())["rows"][0]["errors"]
     assert 0 < errors["int8/128/plain"] < errors["int4/128/plain"] < errors["int2/128/plain"] < 1
+
+
+def test_hook_overhead_times_each_hook_after_autos_plan(tmp_path):
+    out = tmp_path / "hook_overhead.json"
+    cmd = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["benchmarks/hook_overhead.py", "--rounds", "2", "--steps", "2", "--width", "64"]
+    cmd += ["--depth", "2", "--bucket-cap-mb", "0.01", "--json", str(out)]
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=root)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["world_size"] == 2
+    assert set(data["ms"]) == {"builtin", "allreduce_hook", "auto-none", "auto-4-none"}
+    assert all(ms > 0 for ms in data["ms"].values())
+    assert "auto-4-none" in res.stdout and "x" in res.stdout
