@@ -347,6 +347,7 @@ class AutoState(CompressState):
         seconds = dict(zip(self.allow, figures.tolist()))
         alive, measured = self._rounds[-1], len(self._rounds)
         self._round_ms.append({n: seconds[n] * 1e3 for n in alive})
+        last = TRIAL_ROUNDS - 1 + RUNOFF_ROUNDS  # the most measured rounds a trial has
         if measured <= TRIAL_ROUNDS - 1:
             fastest = min(seconds[n] for n in alive)
             limit = ELIMINATE[min(measured, len(ELIMINATE)) - 1]
@@ -357,8 +358,8 @@ class AutoState(CompressState):
             if seconds[second] <= seconds[first] * (1 + RUNOFF):
                 alive = [n for n in alive if n in (first, second)]
             else:
-                measured = TRIAL_ROUNDS - 1 + RUNOFF_ROUNDS
-        if measured < TRIAL_ROUNDS - 1 + RUNOFF_ROUNDS and len(alive) > 1:
+                last = measured  # no run-off: the trial ends here
+        if measured < last and len(alive) > 1:
             self._rounds.append(alive)
             self._schedule += [(name, "trial") for name in alive]
         else:
