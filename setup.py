@@ -27,6 +27,7 @@ def _want_cuda() -> bool:
 def _extension():
     with_cuda = _want_cuda()
     sources = [CSRC / "fastddp.cpp", *sorted((CSRC / "cpu").glob("*.cpp"))]
+    sources += sorted((CSRC / "ddp").glob("*.cpp"))
     if with_cuda:
         sources += sorted((CSRC / "cuda").glob("*.cu"))
     macros = [

@@ -57,7 +57,7 @@ def _rank(rank, world, args):
         if mode is not None:
             preset, overrides = mode
             state = fastddp.CompressState.from_preset(preset, **overrides)
-            model.register_comm_hook(state, fastddp.compress_hook)
+            fastddp.register_comm_hook(model, state)
         # Adam: its per-parameter normalisation gives small gradients full-size steps, so a
         # gradient that compression rounds to zero shows as a parameter that stops learning.
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)

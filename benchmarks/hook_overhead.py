@@ -1,11 +1,13 @@
 """What a Python comm hook costs against DDP's built-in fp32 all-reduce, in one job.
 
-Four DDP copies of ``python -m fastddp.bench ddp``'s MLP take turns, ``--steps`` steps each
+Five DDP copies of ``python -m fastddp.bench ddp``'s MLP take turns, ``--steps`` steps each
 for ``--rounds`` rounds (the order reversed every other round): DDP with no hook (its C++
 all-reduce), PyTorch's ``allreduce_hook``, ``CompressState(dtype="auto", allow=["none"])`` and
-``dtype="auto"`` with its four default candidates, its choice forced to ``"none"``. The last
-two show what ``auto`` adds to a step it runs uncompressed; the second, what any Python hook
-costs. Run it under a launcher, on one machine or on namespace nodes:
+``dtype="auto"`` with its four default candidates, its choice forced to ``"none"``, registered
+with ``model.register_comm_hook`` (in Python) and with ``fastddp.register_comm_hook``
+(``auto-4-cpp``: the steps of a plan of ``"none"`` in C++). ``allreduce_hook`` shows what any
+Python hook costs; the auto rows what ``auto`` adds to a step it runs uncompressed. Run it
+under a launcher, on one machine or on namespace nodes:
 
     python -m fastddp.launch --standalone --nproc-per-node 4 benchmarks/hook_overhead.py
     python -m fastddp.netns --nodes 2 --nproc-per-node 2 --rate 10gbit \\
@@ -27,7 +29,7 @@ import fastddp
 from fastddp.bench.models import mlp
 from fastddp.hooks import auto
 
-KINDS = ["builtin", "allreduce_hook", "auto-none", "auto-4-none"]
+KINDS = ["builtin", "allreduce_hook", "auto-none", "auto-4-none", "auto-4-cpp"]
 
 
 def _model(kind: str, width: int, depth: int, cap: float):
@@ -35,6 +37,8 @@ def _model(kind: str, width: int, depth: int, cap: float):
     state = None
     if kind == "allreduce_hook":
         model.register_comm_hook(None, allreduce_hook)
+    elif kind == "auto-4-cpp":  # "none" kept, its steps in C++
+        state = fastddp.register_comm_hook(model, fastddp.CompressState(dtype="auto"))
     elif kind != "builtin":
         state = fastddp.CompressState(dtype="auto", allow=["none"] if kind == "auto-none" else None)
         model.register_comm_hook(state, fastddp.compress_hook)
@@ -52,8 +56,10 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     with fastddp.distributed_session(backend="gloo", timeout=timedelta(seconds=300)) as env:
         torch.set_num_threads(1)
-        # "none" first in allow order, kept whatever the trial measures: its step inside auto.
+        # "none" first in allow order, kept whatever the trial measures: its step inside auto
+        # (no candidate dropped, no run-off of the two fastest).
         auto.PREFER, auto.ELIMINATE = float("inf"), (float("inf"),) * 2
+        auto.RUNOFF_ROUNDS = 0
         models = {k: _model(k, args.width, args.depth, args.bucket_cap_mb) for k in KINDS}
         gen = torch.Generator().manual_seed(env.rank)
         x = torch.randn(4, args.width, generator=gen)

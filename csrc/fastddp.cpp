@@ -59,9 +59,14 @@ TORCH_LIBRARY(fastddp, m) {
       "float scale) -> ()");
 }
 
+namespace fastddp::ddp {
+int add_switch_hook(PyObject* module);  // csrc/ddp/switch_hook.cpp
+}
+
 extern "C" {
-// An empty module whose import loads this library (and so the registrations above), plus
-// what it was built against so that fastddp/_extension.py can refuse a stale build.
+// A module whose import loads this library (and so the registrations above), plus what it was
+// built against so that fastddp/_extension.py can refuse a stale build, and the DDP comm hook
+// of fastddp.register_comm_hook (csrc/ddp).
 PyMODINIT_FUNC PyInit__C(void) {
   static PyModuleDef module = {
       PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr, nullptr, nullptr, nullptr, nullptr};
@@ -70,7 +75,8 @@ PyMODINIT_FUNC PyInit__C(void) {
     return nullptr;
   }
   if (PyModule_AddStringConstant(m, "torch_version", FASTDDP_TORCH_VERSION) < 0 ||
-      PyModule_AddIntConstant(m, "with_cuda", FASTDDP_WITH_CUDA) < 0) {
+      PyModule_AddIntConstant(m, "with_cuda", FASTDDP_WITH_CUDA) < 0 ||
+      fastddp::ddp::add_switch_hook(m) < 0) {
     Py_DECREF(m);
     return nullptr;
   }

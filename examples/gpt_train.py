@@ -52,7 +52,7 @@ def main() -> None:
                 state = fastddp.CompressState(dtype="auto", allow=args.allow)
             else:
                 state = fastddp.CompressState.from_preset(args.preset)
-            model.register_comm_hook(state, fastddp.compress_hook)
+            fastddp.register_comm_hook(model, state)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
         data = corpus()

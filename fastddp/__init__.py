@@ -2,9 +2,10 @@
 
 Importing fastddp needs neither the compiled ops nor CUDA: the launcher, cluster detection and
 rank setup work without them. The names that compute (:func:`compress_hook`,
-:class:`CompressState`, :func:`all_reduce`, :data:`PRESETS`, :mod:`fastddp.ops`) load the
-compiled ops (``torch.ops.fastddp``) when first used, and a missing or mismatched build raises
-:class:`ExtensionError` naming the rebuild command. CUDA is never initialised on import.
+:func:`register_comm_hook`, :class:`CompressState`, :func:`all_reduce`, :data:`PRESETS`,
+:mod:`fastddp.ops`) load the compiled ops (``torch.ops.fastddp``) when first used, and a missing
+or mismatched build raises :class:`ExtensionError` naming the rebuild command. CUDA is never
+initialised on import.
 """
 
 import importlib
@@ -28,6 +29,7 @@ _LAZY = {
     "PRESETS": ("fastddp.hooks", "PRESETS"),
     "CompressState": ("fastddp.hooks", "CompressState"),
     "compress_hook": ("fastddp.hooks", "compress_hook"),
+    "register_comm_hook": ("fastddp.hooks", "register_comm_hook"),
     "all_reduce": ("fastddp.reduce", "all_reduce"),
 }
 
@@ -44,6 +46,7 @@ __all__ = [
     "init_distributed",
     "is_main_process",
     "ops",
+    "register_comm_hook",
     "shutdown_distributed",
 ]
 

@@ -55,7 +55,7 @@ def _train(mode, args, rank, world):
     elif mode == AUTO:
         state = fastddp.CompressState(dtype="auto")
     if state is not None:
-        model.register_comm_hook(state, fastddp.compress_hook)
+        fastddp.register_comm_hook(model, state)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard, same per mode
     times, losses, deviation = [], [], 0.0

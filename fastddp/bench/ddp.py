@@ -85,11 +85,11 @@ def _register(model, mode, topology, args):
         model.register_comm_hook(state, powersgd.powerSGD_hook)
     elif mode == AUTO:
         state = fastddp.CompressState(dtype="auto", topology=topology)
-        model.register_comm_hook(state, fastddp.compress_hook)
+        fastddp.register_comm_hook(model, state)
         return state
     elif mode in FASTDDP_MODES or mode in DELAYED_MODES:
         state = fastddp_state(mode, topology=topology)
-        model.register_comm_hook(state, fastddp.compress_hook)
+        fastddp.register_comm_hook(model, state)
         return state
     return None
 

@@ -12,12 +12,14 @@ Each module has one job:
 - ``slots``: the persistent per-bucket buffers; ``residuals``: error-feedback residuals across
   bucket layouts and restarts; ``delay``: the gradients in waiting of ``delay=1``; ``state``:
   :class:`CompressState`; ``hook``: the hook itself; ``auto``: ``dtype="auto"``, which tries
-  fixed states on the job and keeps the fastest.
+  fixed states on the job and keeps the fastest; ``register``: :func:`register_comm_hook`, the
+  hook on a DDP model, with ``"auto"``'s fp32 plans run in C++.
 """
 
 from fastddp.hooks.hook import _reduce as _reduce  # the worker, for fastddp.all_reduce
 from fastddp.hooks.hook import compress_hook
 from fastddp.hooks.presets import PRESETS
+from fastddp.hooks.register import register_comm_hook
 from fastddp.hooks.state import DEFAULT_BLOCK_SIZE, CompressState
 
-__all__ = ["CompressState", "DEFAULT_BLOCK_SIZE", "PRESETS", "compress_hook"]
+__all__ = ["CompressState", "DEFAULT_BLOCK_SIZE", "PRESETS", "compress_hook", "register_comm_hook"]

@@ -35,6 +35,10 @@ error-feedback residuals in its own buckets until its next turn. At a new plan, 
 every bucket a candidate no longer reduces are owed: the next buckets holding those parameters
 add them before they are reduced, and so when DDP moves a parameter to a bucket of another
 mode. Nothing error feedback kept is lost.
+
+Registered with :func:`fastddp.register_comm_hook`, a plan of ``"none"`` hands the steps
+between two checks to a hook in C++ (``csrc/ddp/switch_hook.cpp``), which runs PyTorch's fp32
+all-reduce without Python and stamps when each step starts; the checks read those stamps.
 """
 
 import logging
@@ -174,6 +178,8 @@ class AutoState(CompressState):
         "_checked",
         "_steps_in",
         "_held",
+        "_switch",
+        "_native_seen",
     )
 
     def __init__(
@@ -214,6 +220,10 @@ class AutoState(CompressState):
         self._owed = WeakIdKeyDictionary()  # parameter -> residual its next reduction adds
         self._checked = False
         self._steps_in = dict.fromkeys((*self.allow, MIXED), 0)  # steps each plan reduced
+        # The C++ hook's control where fastddp.register_comm_hook registered this state: it
+        # runs the steps handed to it (fp32 plans) and stamps when every step starts.
+        self._switch = None
+        self._native_seen = 0  # steps it ran, as last counted here
         self._restart()
 
     def _restart(self) -> None:
@@ -226,6 +236,8 @@ class AutoState(CompressState):
         self._strikes = 0
         self._proposal: Optional[tuple[str, ...]] = None
         self._held: dict[str, set[int]] = {}  # parameter keys each mode reduced a step ago
+        if self._switch is not None:
+            self._switch.run_native(0)
 
     def _trial_schedule(self) -> list[tuple[str, Optional[str]]]:
         turns = [(self.allow[0], None)]  # the warm-up: DDP lays its buckets out again after it
@@ -288,6 +300,10 @@ class AutoState(CompressState):
         now = time.perf_counter()
         last = self._record
         period = None if last is None or not last.began else now - last.began[0]
+        periods = [] if period is None else [period]
+        if self._switch is not None:  # the steps run in C++ since the last one here count too
+            periods = self._switch.take_periods()
+            self._count_native()
         self._step += 1
         if not self._checked:
             self._check_ranks(device)
@@ -299,13 +315,33 @@ class AutoState(CompressState):
                 last.period = period
                 self._records.setdefault(f"{last.kind}:{last.label}", []).append(last)
             label, kind = self._trial(device)
-        elif period is not None:
-            self._recent.append(period)
+        elif periods:
+            self._recent += periods
             if len(self._recent) >= CHECK_EVERY:
                 self._check_plan(device)
             label = self._label_now()
         self._record = _Step(label, kind)
         self._steps_in[label] += 1
+        self._hand_over()
+
+    def _count_native(self) -> None:
+        native = 0 if self._switch is None else self._switch.native_total - self._native_seen
+        if native:  # (only ever under a plan of "none")
+            self._native_seen += native
+            self._step += native
+            self._steps_in[NONE] += native
+
+    def _hand_over(self) -> None:
+        # While the plan is fp32 throughout and nothing is owed, the C++ hook runs the steps up
+        # to the next check; the same number on every rank, so that every rank checks alike.
+        plan = self._plan
+        if self._switch is None or plan is None or plan["trial"] or self._using != NONE:
+            return
+        if len(self._owed) == 0 and CHECK_EVERY - len(self._recent) > 1:
+            self._switch.run_native(CHECK_EVERY - len(self._recent) - 1)
+            # Steps in C++ are faster than the trial's steps in Python (on a small model by
+            # more than MARGIN): the next check takes their figure as the planned one.
+            plan.setdefault("planned_ms_python", None)
 
     def _settle_moves(self, last: "_Step") -> None:
         # DDP lays its buckets out again (after its first step, say): a parameter that left a
@@ -544,6 +580,12 @@ class AutoState(CompressState):
         planned = self._plan["planned_ms"] / 1e3
         ratio = now.item() / planned
         self._plan["last_check_ratio"] = ratio
+        if "planned_ms_python" in self._plan and self._plan["planned_ms_python"] is None:
+            self._plan["planned_ms_python"], self._plan["planned_ms"] = (
+                planned * 1e3,
+                now.item() * 1e3,
+            )
+            return
         self._strikes = self._strikes + 1 if abs(ratio - 1) > MARGIN else 0
         if self._strikes >= 2:
             logger.info(
@@ -679,15 +721,21 @@ class AutoState(CompressState):
         mode, size, the compute before it and its bytes on the slowest link). ``rounds`` lists
         the candidates of each measured round (a run-off's last), ``round_ms`` the slowest
         rank's medians after each, and ``left`` the candidates left after the last.
+        ``native_steps`` counts the steps run in C++ (:func:`fastddp.register_comm_hook`); the
+        first check after they start takes their figure as ``planned_ms``, and keeps the
+        trial's in ``planned_ms_python``.
         ``verify_ms`` has the turns of a mixed plan against the uniform choice; ``proposed`` the
         model's mixed plan where it was not kept (its modelled gain under :data:`MIX_GAIN`, or
         not confirmed by its turns).
         """
+        self._count_native()
         return {
             **self.settings(),
             "mode": self._label_now(),
             "step": self._step,
             "steps_in": dict(self._steps_in),
+            # Steps the C++ hook ran (fastddp.register_comm_hook), of those under "none".
+            "native_steps": self._native_seen,
             "plan": _plain(self._plan),
             "candidates": {n: s.stats() for n, s in self._states.items() if s._verified},
         }

@@ -410,6 +410,7 @@ def test_hook_overhead_times_each_hook_after_autos_plan(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["world_size"] == 2
-    assert set(data["ms"]) == {"builtin", "allreduce_hook", "auto-none", "auto-4-none"}
+    kinds = {"builtin", "allreduce_hook", "auto-none", "auto-4-none", "auto-4-cpp"}
+    assert set(data["ms"]) == kinds
     assert all(ms > 0 for ms in data["ms"].values())
     assert "auto-4-none" in res.stdout and "x" in res.stdout

@@ -1,0 +1,171 @@
+// The DDP comm hook of CompressState(dtype="auto") registered by fastddp.register_comm_hook.
+//
+// Each step runs either the Python hook (fastddp.compress_hook with its state), or, for the
+// steps Python hands over, the fp32 all-reduce here: the bucket divided by the world size and
+// summed, as PyTorch's allreduce_hook does. While auto's plan is fp32 throughout, a Python hook
+// is pure overhead: the GIL taken per bucket on the autograd thread, and again on the
+// collective's thread to complete a Python future. Over a fast link between nodes with several
+// ranks each, that is 3-7 % of a step. Python keeps every decision: it runs one step in each
+// CHECK_EVERY, reads the step periods stamped here, and says how many steps come next.
+//
+// pybind11 is used here only to reach torch's Reducer and ProcessGroup objects from Python and
+// to hand Python the switch; the ops stay pybind-free (fastddp.cpp).
+#include <chrono>
+#include <mutex>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/csrc/distributed/c10d/python_comm_hook.h>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace fastddp::ddp {
+namespace {
+
+double now_seconds() {
+  // steady_clock is CLOCK_MONOTONIC on Linux, the clock of Python's time.perf_counter.
+  using seconds = std::chrono::duration<double>;
+  return std::chrono::duration_cast<seconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// What the hook and Python share. The hook reads it on the autograd thread without the GIL,
+// Python writes it with the GIL: a mutex, held only for a few assignments.
+class Switch {
+ public:
+  // Called at every bucket. The reducer launches a step's buckets in index order, so bucket 0
+  // starts a step: stamp it, and decide there whether the whole step runs natively.
+  bool step_is_native(size_t bucket_index) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (bucket_index == 0) {
+      starts_.push_back(now_seconds());
+      native_now_ = native_left_ > 0;
+      if (native_now_) {
+        --native_left_;
+        ++native_total_;
+      }
+    }
+    return native_now_;
+  }
+
+  void run_native(int64_t steps) {
+    TORCH_CHECK(steps >= 0, "run_native: steps must be >= 0, got ", steps);
+    std::lock_guard<std::mutex> lock(mu_);
+    native_left_ = steps;
+  }
+
+  // The periods between consecutive step starts since the last call; the last start is kept.
+  std::vector<double> take_periods() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<double> periods;
+    for (size_t i = 1; i < starts_.size(); ++i) {
+      periods.push_back(starts_[i] - starts_[i - 1]);
+    }
+    if (!starts_.empty()) {
+      starts_.erase(starts_.begin(), starts_.end() - 1);
+    }
+    return periods;
+  }
+
+  int64_t native_left() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return native_left_;
+  }
+
+  int64_t native_total() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return native_total_;
+  }
+
+ private:
+  std::mutex mu_;
+  int64_t native_left_ = 0;   // steps still to run here, set by Python
+  int64_t native_total_ = 0;  // steps run here so far
+  bool native_now_ = false;   // whether the current step runs here
+  std::vector<double> starts_;
+};
+
+class SwitchHook final : public c10d::CommHookInterface {
+ public:
+  SwitchHook(
+      c10::intrusive_ptr<c10d::ProcessGroup> group,
+      py::object state,
+      py::object hook,
+      std::shared_ptr<Switch> control)
+      : group_(std::move(group)),
+        python_(std::move(state), std::move(hook)),
+        control_(std::move(control)) {}
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    if (!control_->step_is_native(bucket.getIndex())) {
+      return python_.runHook(bucket);  // takes the GIL itself
+    }
+    at::Tensor& buffer = bucket.getBufferRef();
+    buffer.div_(group_->getSize());
+    std::vector<at::Tensor> tensors{buffer};
+    return group_->allreduce(tensors)->getFuture();
+  }
+
+  at::Tensor parseHookResult(const c10::IValue& result) override {
+    if (!result.isPyObject()) {
+      return result.toTensorVector()[0];  // the all-reduce's output list: the bucket itself
+    }
+    // The Python hook's tensor, or the output list of an all-reduce by a backend written in
+    // Python (its future holds a Python list).
+    py::gil_scoped_acquire gil;
+    py::object value = torch::jit::toPyObject(result);
+    if (py::isinstance<py::list>(value) || py::isinstance<py::tuple>(value)) {
+      value = value[py::int_(0)];
+    }
+    return value.cast<at::Tensor>();
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  c10d::PythonCommHook python_;
+  std::shared_ptr<Switch> control_;
+};
+
+std::shared_ptr<Switch> register_switch_hook(
+    const std::shared_ptr<c10d::Reducer>& reducer,
+    const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+    py::object state,
+    py::object hook) {
+  auto control = std::make_shared<Switch>();
+  // The reducer refuses a second hook ("can only be called once"), as for DDP's own.
+  reducer->register_comm_hook(
+      std::make_unique<SwitchHook>(group, std::move(state), std::move(hook), control));
+  return control;
+}
+
+}  // namespace
+
+// Add the switch hook's names to the _C module; returns -1 with a Python error set on failure.
+int add_switch_hook(PyObject* module) {
+  try {
+    auto m = py::reinterpret_borrow<py::module_>(module);
+    py::class_<Switch, std::shared_ptr<Switch>>(m, "SwitchHookControl")
+        .def("run_native", &Switch::run_native, py::arg("steps"))
+        .def("take_periods", &Switch::take_periods)
+        .def_property_readonly("native_left", &Switch::native_left)
+        .def_property_readonly("native_total", &Switch::native_total);
+    m.def(
+        "register_switch_hook",
+        &register_switch_hook,
+        py::arg("reducer"),
+        py::arg("process_group"),
+        py::arg("state"),
+        py::arg("hook"));
+    return 0;
+  } catch (py::error_already_set& e) {
+    e.restore();
+    return -1;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_ImportError, e.what());
+    return -1;
+  }
+}
+
+}  // namespace fastddp::ddp

@@ -1,0 +1,110 @@
+"""``fastddp.register_comm_hook``: auto's fp32 plans run in C++, bit for bit as in Python."""
+
+import copy
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fastddp
+from fastddp.hooks import auto
+
+from .._dist import run_ranks
+from .test_auto import _train
+from .test_hook_core import _Net
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _none_in_cpp(rank, world, steps):
+    # A step of this model varies from 1 to 10 ms here: no re-plan on noise (this process's
+    # setting; a test below re-plans on a real change).
+    auto.MARGIN = 100.0
+    base = _Net(depth=4)
+    python = DDP(copy.deepcopy(base), bucket_cap_mb=0.002)
+    python.register_comm_hook(None, allreduce_hook)
+    native = DDP(copy.deepcopy(base), bucket_cap_mb=0.002)
+    state = fastddp.register_comm_hook(native, fastddp.CompressState(dtype="auto", allow=["none"]))
+    want, got = _train(python, steps, rank), _train(native, steps, rank)
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"step {step}: {(a - b).abs().max().item():.3e}"
+    stats = state.stats()
+    plan = stats["plan"]
+    # Every step counted once, whichever side ran it.
+    assert stats["step"] == steps - 1 and stats["steps_in"]["none"] == steps, stats
+    # After the plan one step in CHECK_EVERY runs in Python, to check it; the others in C++.
+    assert plan["plans"] == 1, plan
+    after = steps - 1 - plan["made_at_step"]
+    assert stats["native_steps"] == after - after // auto.CHECK_EVERY, (after, stats)
+    # The checks read the periods the C++ hook stamped; the first one after the hand-over
+    # takes their figure as the planned one.
+    assert plan["last_check_ratio"] > 0 and plan["planned_ms_python"] is not None, plan
+
+
+@pytest.mark.multiproc
+def test_a_plan_of_none_runs_in_cpp_bit_for_bit():
+    run_ranks(_none_in_cpp, 2, 40)
+
+
+class _Slowed(_Net):
+    """From step ``slow_from`` on, every forward sleeps: the step time changes by far more
+    than auto's MARGIN."""
+
+    def __init__(self, slow_from):
+        super().__init__(depth=4)
+        self.slow_from, self.calls = slow_from, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls > self.slow_from:
+            time.sleep(0.05)
+        return super().forward(x)
+
+
+def _replan_in_cpp(rank, world, slow_from, steps):
+    model = DDP(_Slowed(slow_from), bucket_cap_mb=0.002)
+    state = fastddp.register_comm_hook(model, fastddp.CompressState(dtype="auto", allow=["none"]))
+    _train(model, steps, rank)
+    stats = state.stats()
+    plan = stats["plan"]
+    assert plan["plans"] >= 2, plan
+    assert plan["made_at_step"] > slow_from, plan  # the last plan came after the slowdown
+    assert stats["native_steps"] > 0 and stats["step"] == steps - 1, stats
+    mine = torch.tensor([plan["plans"], plan["made_at_step"]])
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    assert all(torch.equal(e, everyone[0]) for e in everyone), everyone
+
+
+@pytest.mark.multiproc
+def test_a_slower_step_re_plans_with_the_cpp_hook():
+    run_ranks(_replan_in_cpp, 2, 30, 75)
+
+
+def _registration(rank, world):
+    with pytest.raises(TypeError, match="must be a DistributedDataParallel"):
+        fastddp.register_comm_hook(_Net(), fastddp.CompressState(dtype="auto"))
+    model = DDP(_Net(), bucket_cap_mb=0.002)
+    with pytest.raises(TypeError, match="must be a fastddp.CompressState"):
+        fastddp.register_comm_hook(model, {"dtype": "auto"})
+    state = fastddp.register_comm_hook(model, fastddp.CompressState(dtype="auto"))
+    with pytest.raises(RuntimeError, match="can only be called once"):
+        fastddp.register_comm_hook(model, fastddp.CompressState(dtype="auto"))
+    with pytest.raises(RuntimeError, match="registered on another model"):
+        fastddp.register_comm_hook(DDP(_Net(), bucket_cap_mb=0.002), state)
+    # A fixed mode is DDP's own registration of compress_hook.
+    base = _Net()
+    fixed = DDP(copy.deepcopy(base), bucket_cap_mb=0.002)
+    fixed.register_comm_hook(fastddp.CompressState.from_preset("bf16"), fastddp.compress_hook)
+    through = DDP(copy.deepcopy(base), bucket_cap_mb=0.002)
+    fastddp.register_comm_hook(through, fastddp.CompressState.from_preset("bf16"))
+    for a, b in zip(_train(fixed, 4, rank), _train(through, 4, rank)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.multiproc
+def test_registration_refuses_what_it_cannot_take():
+    run_ranks(_registration, 2)
