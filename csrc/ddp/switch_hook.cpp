@@ -10,8 +10,11 @@
 //
 // pybind11 is used here only to reach torch's Reducer and ProcessGroup objects from Python and
 // to hand Python the switch; the ops stay pybind-free (fastddp.cpp).
+#include <algorithm>
 #include <chrono>
+#include <memory>
 #include <mutex>
+#include <tuple>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -20,6 +23,7 @@
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
+#include <pybind11/stl.h>
 
 namespace fastddp::ddp {
 namespace {
@@ -31,29 +35,70 @@ double now_seconds() {
       .count();
 }
 
+// What a measured step in C++ saw, per bucket, as auto's trial records a step in Python: when
+// the bucket reached the hook and left it, its size, and when its last reduction completed.
+struct StepRecord {
+  std::vector<double> began, left;
+  std::vector<int64_t> numel;
+  double done = 0.0;
+};
+
 // What the hook and Python share. The hook reads it on the autograd thread without the GIL,
 // Python writes it with the GIL: a mutex, held only for a few assignments.
 class Switch {
  public:
   // Called at every bucket. The reducer launches a step's buckets in index order, so bucket 0
-  // starts a step: stamp it, and decide there whether the whole step runs natively.
-  bool step_is_native(size_t bucket_index) {
+  // starts a step: stamp it, and decide there whether the whole step runs natively. Returns
+  // the step's record where it is measured, else null.
+  bool step_is_native(size_t bucket_index, std::shared_ptr<StepRecord>* record) {
     std::lock_guard<std::mutex> lock(mu_);
     if (bucket_index == 0) {
       starts_.push_back(now_seconds());
       native_now_ = native_left_ > 0;
+      current_.reset();
       if (native_now_) {
         --native_left_;
         ++native_total_;
+        if (measure_) {
+          current_ = std::make_shared<StepRecord>();
+          records_.push_back(current_);
+        }
       }
     }
+    *record = current_;
     return native_now_;
   }
 
-  void run_native(int64_t steps) {
+  static void finished(const std::shared_ptr<StepRecord>& record, std::mutex& mu) {
+    const double now = now_seconds();
+    std::lock_guard<std::mutex> lock(mu);
+    record->done = std::max(record->done, now);
+  }
+
+  std::mutex& mutex() {
+    return mu_;
+  }
+
+  // Run the next `steps` steps here; with `measure`, record each bucket of them.
+  void run_native(int64_t steps, bool measure) {
     TORCH_CHECK(steps >= 0, "run_native: steps must be >= 0, got ", steps);
     std::lock_guard<std::mutex> lock(mu_);
     native_left_ = steps;
+    measure_ = measure;
+  }
+
+  // The records of the measured steps run here since the last call, oldest first, each as
+  // (began, left, numel, done).
+  std::vector<std::tuple<std::vector<double>, std::vector<double>, std::vector<int64_t>, double>>
+  take_records() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::tuple<std::vector<double>, std::vector<double>, std::vector<int64_t>, double>>
+        out;
+    for (const auto& r : records_) {
+      out.emplace_back(r->began, r->left, r->numel, r->done);
+    }
+    records_.clear();
+    return out;
   }
 
   // The periods between consecutive step starts since the last call; the last start is kept.
@@ -79,12 +124,20 @@ class Switch {
     return native_total_;
   }
 
+  bool native_now() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return native_now_;
+  }
+
  private:
   std::mutex mu_;
   int64_t native_left_ = 0;   // steps still to run here, set by Python
   int64_t native_total_ = 0;  // steps run here so far
   bool native_now_ = false;   // whether the current step runs here
+  bool measure_ = false;      // whether the steps handed over are recorded
   std::vector<double> starts_;
+  std::shared_ptr<StepRecord> current_;  // the current step's record, if it is measured
+  std::vector<std::shared_ptr<StepRecord>> records_;
 };
 
 class SwitchHook final : public c10d::CommHookInterface {
@@ -99,13 +152,29 @@ class SwitchHook final : public c10d::CommHookInterface {
         control_(std::move(control)) {}
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
-    if (!control_->step_is_native(bucket.getIndex())) {
+    std::shared_ptr<StepRecord> record;
+    if (!control_->step_is_native(bucket.getIndex(), &record)) {
       return python_.runHook(bucket);  // takes the GIL itself
     }
+    const double began = now_seconds();
     at::Tensor& buffer = bucket.getBufferRef();
     buffer.div_(group_->getSize());
     std::vector<at::Tensor> tensors{buffer};
-    return group_->allreduce(tensors)->getFuture();
+    auto future = group_->allreduce(tensors)->getFuture();
+    if (record) {
+      const double left = now_seconds();
+      {
+        std::lock_guard<std::mutex> lock(control_->mutex());
+        record->began.push_back(began);
+        record->left.push_back(left);
+        record->numel.push_back(buffer.numel());
+      }
+      std::shared_ptr<Switch> control = control_;
+      future->addCallback([control, record](c10::ivalue::Future&) {
+        Switch::finished(record, control->mutex());
+      });
+    }
+    return future;
   }
 
   at::Tensor parseHookResult(const c10::IValue& result) override {
@@ -147,10 +216,12 @@ int add_switch_hook(PyObject* module) {
   try {
     auto m = py::reinterpret_borrow<py::module_>(module);
     py::class_<Switch, std::shared_ptr<Switch>>(m, "SwitchHookControl")
-        .def("run_native", &Switch::run_native, py::arg("steps"))
+        .def("run_native", &Switch::run_native, py::arg("steps"), py::arg("measure") = false)
         .def("take_periods", &Switch::take_periods)
+        .def("take_records", &Switch::take_records)
         .def_property_readonly("native_left", &Switch::native_left)
-        .def_property_readonly("native_total", &Switch::native_total);
+        .def_property_readonly("native_total", &Switch::native_total)
+        .def_property_readonly("native_now", &Switch::native_now);
     m.def(
         "register_switch_hook",
         &register_switch_hook,

@@ -36,9 +36,11 @@ every bucket a candidate no longer reduces are owed: the next buckets holding th
 add them before they are reduced, and so when DDP moves a parameter to a bucket of another
 mode. Nothing error feedback kept is lost.
 
-Registered with :func:`fastddp.register_comm_hook`, a plan of ``"none"`` hands the steps
-between two checks to a hook in C++ (``csrc/ddp/switch_hook.cpp``), which runs PyTorch's fp32
-all-reduce without Python and stamps when each step starts; the checks read those stamps.
+Registered with :func:`fastddp.register_comm_hook`, ``"none"`` runs in a hook in C++
+(``csrc/ddp/switch_hook.cpp``): PyTorch's fp32 all-reduce without Python. Its measured trial
+turns are handed over by the step before and recorded there (so a later round runs it last),
+and a plan of ``"none"`` hands over the steps between two checks; the C++ hook stamps when each
+step starts, and the checks read those stamps.
 """
 
 import logging
@@ -180,6 +182,7 @@ class AutoState(CompressState):
         "_held",
         "_switch",
         "_native_seen",
+        "_handed",
     )
 
     def __init__(
@@ -236,6 +239,7 @@ class AutoState(CompressState):
         self._strikes = 0
         self._proposal: Optional[tuple[str, ...]] = None
         self._held: dict[str, set[int]] = {}  # parameter keys each mode reduced a step ago
+        self._handed: list[tuple[str, Optional[str]]] = []  # trial turns handed to C++
         if self._switch is not None:
             self._switch.run_native(0)
 
@@ -301,8 +305,10 @@ class AutoState(CompressState):
         last = self._record
         period = None if last is None or not last.began else now - last.began[0]
         periods = [] if period is None else [period]
+        native: list[_Step] = []
         if self._switch is not None:  # the steps run in C++ since the last one here count too
-            periods = self._switch.take_periods()
+            periods = self._switch.take_periods()  # the last step's, then each C++ step's
+            native = self._native_records()
             self._count_native()
         self._step += 1
         if not self._checked:
@@ -311,9 +317,12 @@ class AutoState(CompressState):
             self._settle_moves(last)
         label, kind = self._label_now(), None
         if self._plan is None or self._plan["trial"]:
-            if last is not None and last.kind is not None and period is not None:
-                last.period = period
-                self._records.setdefault(f"{last.kind}:{last.label}", []).append(last)
+            finished = ([] if last is None else [last]) + native
+            n = min(len(finished), len(periods))  # (the first step has no period)
+            for record, seconds in zip(finished[len(finished) - n :], periods[len(periods) - n :]):
+                if record.kind is not None:
+                    record.period = seconds
+                    self._records.setdefault(f"{record.kind}:{record.label}", []).append(record)
             label, kind = self._trial(device)
         elif periods:
             self._recent += periods
@@ -324,6 +333,19 @@ class AutoState(CompressState):
         self._steps_in[label] += 1
         self._hand_over()
 
+    def _native_records(self) -> list["_Step"]:
+        """The measured trial turns the C++ hook ran since the last step here, as records."""
+        records = []
+        for (began, left, numel, done), (label, kind) in zip(
+            self._switch.take_records(), self._handed
+        ):
+            record = _Step(label, kind)
+            record.began, record.left, record.numel = began, left, numel
+            record.waited, record.done = [0.0] * len(numel), done
+            records.append(record)
+        self._handed = []
+        return records
+
     def _count_native(self) -> None:
         native = 0 if self._switch is None else self._switch.native_total - self._native_seen
         if native:  # (only ever under a plan of "none")
@@ -332,12 +354,23 @@ class AutoState(CompressState):
             self._steps_in[NONE] += native
 
     def _hand_over(self) -> None:
-        # While the plan is fp32 throughout and nothing is owed, the C++ hook runs the steps up
-        # to the next check; the same number on every rank, so that every rank checks alike.
+        # Steps of "none" run in C++ where nothing is owed, as alike on every rank as the
+        # trial and the checks: in a trial, the next step if it is a measured turn of "none"
+        # (recorded there as here, so that "none" is measured as it will run); under a plan of
+        # "none", the steps up to the next check.
         plan = self._plan
-        if self._switch is None or plan is None or plan["trial"] or self._using != NONE:
+        if self._switch is None or len(self._owed):
             return
-        if len(self._owed) == 0 and CHECK_EVERY - len(self._recent) > 1:
+        if plan is None or plan["trial"]:
+            k = self._step + 1 - self._trial_start
+            turn = self._schedule[k] if k < len(self._schedule) else None
+            if turn is not None and turn[0] == NONE and turn[1] is not None:
+                self._handed = [turn]
+                self._switch.run_native(1, measure=True)
+            return
+        if self._using != NONE:
+            return
+        if CHECK_EVERY - len(self._recent) > 1:
             self._switch.run_native(CHECK_EVERY - len(self._recent) - 1)
             # Steps in C++ are faster than the trial's steps in Python (on a small model by
             # more than MARGIN): the next check takes their figure as the planned one.
@@ -396,6 +429,10 @@ class AutoState(CompressState):
             else:
                 last = measured  # no run-off: the trial ends here
         if measured < last and len(alive) > 1:
+            if self._switch is not None and NONE in alive:
+                # Its turns run in C++, handed over by the step before, whose candidate must
+                # be known then: not the first of a round, which is decided at its first bucket.
+                alive = [n for n in alive if n != NONE] + [NONE]
             self._rounds.append(alive)
             self._schedule += [(name, "trial") for name in alive]
         else:
@@ -417,7 +454,7 @@ class AutoState(CompressState):
             dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.process_group)
             profile = flat.tolist()
         fastest = min(seconds[n] for n in alive)
-        choice = next(n for n in alive if seconds[n] <= fastest * (1 + PREFER))
+        choice = next(n for n in self.allow if n in alive and seconds[n] <= fastest * (1 + PREFER))
         plans = 1 if self._plan is None else self._plan["plans"] + 1
         self._plan = {
             "mode": choice,
@@ -604,8 +641,9 @@ class AutoState(CompressState):
         # collectives. Raise on every rank alike.
         self._checked = True
         mine = zlib.crc32(",".join(self.allow).encode())
+        cpp = int(self._switch is not None)  # the turns' order depends on it
         rows = torch.tensor(
-            [mine, TRIAL_ROUNDS, VERIFY_ROUNDS, CHECK_EVERY], dtype=torch.int64, device=device
+            [mine, TRIAL_ROUNDS, VERIFY_ROUNDS, CHECK_EVERY, cpp], dtype=torch.int64, device=device
         )
         everyone = [torch.empty_like(rows) for _ in range(dist.get_world_size(self.process_group))]
         dist.all_gather(everyone, rows, group=self.process_group)
@@ -613,8 +651,9 @@ class AutoState(CompressState):
         if differ:
             raise ValueError(
                 f"fastddp: ranks disagree on CompressState(dtype='auto', allow=...): ranks "
-                f"{differ} differ from rank 0 (this rank allows {list(self.allow)}); give every "
-                "rank the same allow list (and the same fastddp version)"
+                f"{differ} differ from rank 0 (this rank allows {list(self.allow)}, registered "
+                f"{'with' if cpp else 'without'} fastddp.register_comm_hook); give every rank the "
+                "same allow list, register every rank's hook alike (and the same fastddp version)"
             )
 
     # -- switching modes ------------------------------------------------------------------
@@ -729,9 +768,10 @@ class AutoState(CompressState):
         not confirmed by its turns).
         """
         self._count_native()
+        native_now = self._switch is not None and self._switch.native_now
         return {
             **self.settings(),
-            "mode": self._label_now(),
+            "mode": NONE if native_now else self._label_now(),
             "step": self._step,
             "steps_in": dict(self._steps_in),
             # Steps the C++ hook ran (fastddp.register_comm_hook), of those under "none".

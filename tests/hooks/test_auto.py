@@ -56,9 +56,10 @@ def test_one_candidate_is_that_mode_bit_for_bit(name):
     run_ranks(_one_candidate, 2, name)
 
 
-def _next_rounds(round_ms: list[dict]) -> list[list[str]]:
+def _next_rounds(round_ms: list[dict], none_last: bool = False) -> list[list[str]]:
     """The candidates each measured round should leave, from the medians after it: those within
-    ELIMINATE of the fastest, then a run-off of the two fastest if they lie within RUNOFF."""
+    ELIMINATE of the fastest, then a run-off of the two fastest if they lie within RUNOFF. With
+    ``none_last`` (fastddp.register_comm_hook) a later round runs "none" last."""
     out = []
     for i, ms in enumerate(round_ms):
         alive = list(ms)
@@ -70,15 +71,20 @@ def _next_rounds(round_ms: list[dict]) -> list[list[str]]:
             if ms[second] <= ms[first] * (1 + auto.RUNOFF):
                 alive = [n for n in alive if n in (first, second)]
         out.append(alive)
+    if none_last:  # (not the candidates left at the end: no round of theirs follows)
+        out[:-1] = [[n for n in a if n != "none"] + ["none"] * ("none" in a) for a in out[:-1]]
     return out
 
 
-def _plan_alike(rank, world, runoff):
+def _plan_alike(rank, world, runoff, cpp):
     if runoff:  # no candidate dropped, and a run-off of the two fastest, whatever their figures
         auto.ELIMINATE, auto.RUNOFF = (float("inf"),) * 2, float("inf")
     model = DDP(_Net(depth=4), bucket_cap_mb=0.002)
     state = fastddp.CompressState(dtype="auto")
-    model.register_comm_hook(state, fastddp.compress_hook)
+    if cpp:  # the turns of "none" in C++, measured there
+        fastddp.register_comm_hook(model, state)
+    else:
+        model.register_comm_hook(state, fastddp.compress_hook)
     modes = []
     for _ in range(state.trial_steps + 3):
         _train(model, 1, rank, opt=False)
@@ -90,7 +96,7 @@ def _plan_alike(rank, world, runoff):
     rounds = plan["rounds"]
     assert rounds[0] == list(allow) and 1 <= len(rounds) <= auto.TRIAL_ROUNDS - 1 + 3
     assert [sorted(r) for r in plan["round_ms"]] == [sorted(r) for r in rounds]
-    assert _next_rounds(plan["round_ms"]) == rounds[1:] + [plan["left"]]
+    assert _next_rounds(plan["round_ms"], cpp) == rounds[1:] + [plan["left"]]
     if runoff:
         assert len(rounds) == auto.TRIAL_ROUNDS - 1 + auto.RUNOFF_ROUNDS, rounds
     trial = [allow[0], *[n for n in allow if n != "none"], *[n for r in rounds for n in r]]
@@ -101,12 +107,18 @@ def _plan_alike(rank, world, runoff):
     # slowest rank's.
     ran = {n: sum(n in r for r in rounds) for n in allow}
     assert {n: len(v) for n, v in plan["trial_ms"].items()} == ran
+    assert state.stats()["native_steps"] >= (ran["none"] if cpp else 0) and (
+        cpp or state.stats()["native_steps"] == 0
+    )
     for n, v in plan["trial_ms"].items():
         assert 0 < statistics.median(v) <= plan["step_ms"][n] + 1e-9
     left = plan["left"]
     assert plan["uniform"] in left
     fastest = min(plan["step_ms"][n] for n in left)
     assert plan["step_ms"][plan["uniform"]] <= fastest * (1 + auto.PREFER)
+    # The first of allow within PREFER, whatever order the turns ran in.
+    close = [n for n in allow if n in left and plan["step_ms"][n] <= fastest * (1 + auto.PREFER)]
+    assert plan["uniform"] == close[0], plan
     # A model per bucket was fitted (where two candidates were left); a mixed proposal takes
     # turns with the uniform choice.
     buckets, turns = [plan["mode"]], []
@@ -124,7 +136,8 @@ def _plan_alike(rank, world, runoff):
         assert modes[len(trial) : len(trial) + len(turns)] == turns, modes
         if plan["mode"] != auto.MIXED:
             assert buckets == [plan["mode"]] * len(buckets)
-    assert plan["made_at_step"] == len(trial) + len(turns) and plan["plans"] == 1
+    # (made at the trial's last step; a proposal's turns follow)
+    assert plan["made_at_step"] == len(trial) and plan["plans"] == 1, (plan, modes)
     after = len(trial) + len(turns)
     assert modes[after:] == [plan["mode"]] * (len(modes) - after)
     # Every rank made the same plan from the same (all-reduced) figures.
@@ -141,9 +154,10 @@ def _plan_alike(rank, world, runoff):
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("cpp", [False, True], ids=["python", "register_comm_hook"])
 @pytest.mark.parametrize("runoff", [False, True], ids=["as-measured", "run-off"])
-def test_the_plan_is_made_by_trial_and_alike_on_every_rank(runoff):
-    run_ranks(_plan_alike, 2, runoff)
+def test_the_plan_is_made_by_trial_and_alike_on_every_rank(runoff, cpp):
+    run_ranks(_plan_alike, 2, runoff, cpp)
 
 
 def _owed_residuals(rank, world):

@@ -35,10 +35,11 @@ def _none_in_cpp(rank, world, steps):
     plan = stats["plan"]
     # Every step counted once, whichever side ran it.
     assert stats["step"] == steps - 1 and stats["steps_in"]["none"] == steps, stats
-    # After the plan one step in CHECK_EVERY runs in Python, to check it; the others in C++.
-    assert plan["plans"] == 1, plan
+    # The trial's measured turn ran in C++. After the plan one step in CHECK_EVERY runs in
+    # Python, to check it; the others in C++.
+    assert plan["plans"] == 1 and len(plan["trial_ms"]["none"]) == 1, plan
     after = steps - 1 - plan["made_at_step"]
-    assert stats["native_steps"] == after - after // auto.CHECK_EVERY, (after, stats)
+    assert stats["native_steps"] == 1 + after - after // auto.CHECK_EVERY, (after, stats)
     # The checks read the periods the C++ hook stamped; the first one after the hand-over
     # takes their figure as the planned one.
     assert plan["last_check_ratio"] > 0 and plan["planned_ms_python"] is not None, plan
@@ -108,3 +109,55 @@ def _registration(rank, world):
 @pytest.mark.multiproc
 def test_registration_refuses_what_it_cannot_take():
     run_ranks(_registration, 2)
+
+
+def _registered_unlike(rank, world):
+    model = DDP(_Net(), bucket_cap_mb=0.002)
+    state = fastddp.CompressState(dtype="auto")
+    if rank == 0:
+        fastddp.register_comm_hook(model, state)
+    else:
+        model.register_comm_hook(state, fastddp.compress_hook)
+    # The turns of "none" run in another order with the C++ hook: the ranks would issue other
+    # collectives. Every rank raises at its first step.
+    with pytest.raises(ValueError, match="register every rank's hook alike"):
+        _train(model, 1, rank)
+
+
+@pytest.mark.multiproc
+def test_ranks_registered_unlike_fail_alike():
+    run_ranks(_registered_unlike, 2)
+
+
+def _none_in_cpp_on_cuda(rank, world, backend, steps):
+    # The C++ steps on CUDA buckets: on NCCL (world size 1, its future complete when enqueued:
+    # the reducer orders the copy-out by the future's events) and on Gloo with CUDA tensors.
+    group = dist.new_group(list(range(world)), backend=backend)
+    auto.MARGIN = 100.0  # no re-plan on noise
+    torch.cuda.set_device(0)
+    base = _Net(depth=4).cuda()
+    plain = DDP(copy.deepcopy(base), bucket_cap_mb=0.002, process_group=group)
+    native = DDP(copy.deepcopy(base), bucket_cap_mb=0.002, process_group=group)
+    state = fastddp.CompressState(dtype="auto", allow=["none"], process_group=group)
+    fastddp.register_comm_hook(native, state)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(steps):
+        x = torch.randn(8, 24, generator=gen).cuda()
+        grads = []
+        for model in (plain, native):
+            model.zero_grad()
+            model(x).square().mean().backward()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        # DDP without a hook divides while copying into the bucket, the C++ hook after: the
+        # same division of the same values.
+        assert torch.equal(grads[1], grads[0]), f"step {step}"
+    assert state.stats()["native_steps"] > 0
+    dist.destroy_process_group(group)
+
+
+@pytest.mark.cuda
+@pytest.mark.multiproc
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend, world", [("nccl", 1), ("gloo", 2)])
+def test_a_plan_of_none_runs_in_cpp_on_cuda(backend, world):
+    run_ranks(_none_in_cpp_on_cuda, world, backend, 30)
