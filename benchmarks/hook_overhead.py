@@ -32,8 +32,8 @@ from fastddp.hooks import auto
 KINDS = ["builtin", "allreduce_hook", "auto-none", "auto-4-none", "auto-4-cpp"]
 
 
-def _model(kind: str, width: int, depth: int, cap: float):
-    model = DDP(mlp([width] * (depth + 1), seed=0), bucket_cap_mb=cap)
+def _model(kind: str, width: int, depth: int, cap: float, view: bool):
+    model = DDP(mlp([width] * (depth + 1), seed=0), bucket_cap_mb=cap, gradient_as_bucket_view=view)
     state = None
     if kind == "allreduce_hook":
         model.register_comm_hook(None, allreduce_hook)
@@ -52,6 +52,11 @@ def main(argv=None) -> None:
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--depth", type=int, default=6, help="6 layers of 1024: 6.3M parameters")
     p.add_argument("--bucket-cap-mb", type=float, default=4.0)
+    p.add_argument(
+        "--bucket-view",
+        action="store_true",
+        help="DDP(gradient_as_bucket_view=True): gradients live in the buckets, not copied in",
+    )
     p.add_argument("--json")
     args = p.parse_args(argv)
     with fastddp.distributed_session(backend="gloo", timeout=timedelta(seconds=300)) as env:
@@ -60,7 +65,10 @@ def main(argv=None) -> None:
         # (no candidate dropped, no run-off of the two fastest).
         auto.PREFER, auto.ELIMINATE = float("inf"), (float("inf"),) * 2
         auto.RUNOFF_ROUNDS = 0
-        models = {k: _model(k, args.width, args.depth, args.bucket_cap_mb) for k in KINDS}
+        models = {
+            k: _model(k, args.width, args.depth, args.bucket_cap_mb, args.bucket_view)
+            for k in KINDS
+        }
         gen = torch.Generator().manual_seed(env.rank)
         x = torch.randn(4, args.width, generator=gen)
 

@@ -372,9 +372,6 @@ class AutoState(CompressState):
             return
         if CHECK_EVERY - len(self._recent) > 1:
             self._switch.run_native(CHECK_EVERY - len(self._recent) - 1)
-            # Steps in C++ are faster than the trial's steps in Python (on a small model by
-            # more than MARGIN): the next check takes their figure as the planned one.
-            plan.setdefault("planned_ms_python", None)
 
     def _settle_moves(self, last: "_Step") -> None:
         # DDP lays its buckets out again (after its first step, say): a parameter that left a
@@ -617,12 +614,6 @@ class AutoState(CompressState):
         planned = self._plan["planned_ms"] / 1e3
         ratio = now.item() / planned
         self._plan["last_check_ratio"] = ratio
-        if "planned_ms_python" in self._plan and self._plan["planned_ms_python"] is None:
-            self._plan["planned_ms_python"], self._plan["planned_ms"] = (
-                planned * 1e3,
-                now.item() * 1e3,
-            )
-            return
         self._strikes = self._strikes + 1 if abs(ratio - 1) > MARGIN else 0
         if self._strikes >= 2:
             logger.info(
@@ -760,9 +751,7 @@ class AutoState(CompressState):
         mode, size, the compute before it and its bytes on the slowest link). ``rounds`` lists
         the candidates of each measured round (a run-off's last), ``round_ms`` the slowest
         rank's medians after each, and ``left`` the candidates left after the last.
-        ``native_steps`` counts the steps run in C++ (:func:`fastddp.register_comm_hook`); the
-        first check after they start takes their figure as ``planned_ms``, and keeps the
-        trial's in ``planned_ms_python``.
+        ``native_steps`` counts the steps run in C++ (:func:`fastddp.register_comm_hook`).
         ``verify_ms`` has the turns of a mixed plan against the uniform choice; ``proposed`` the
         model's mixed plan where it was not kept (its modelled gain under :data:`MIX_GAIN`, or
         not confirmed by its turns).
