@@ -348,7 +348,7 @@ class AutoState(CompressState):
 
     def _count_native(self) -> None:
         native = 0 if self._switch is None else self._switch.native_total - self._native_seen
-        if native:  # (only ever under a plan of "none")
+        if native:  # (only ever steps of "none": trial turns, or under a plan of "none")
             self._native_seen += native
             self._step += native
             self._steps_in[NONE] += native
