@@ -69,14 +69,19 @@ class Switch {
     return native_now_;
   }
 
-  static void finished(const std::shared_ptr<StepRecord>& record, std::mutex& mu) {
-    const double now = now_seconds();
-    std::lock_guard<std::mutex> lock(mu);
-    record->done = std::max(record->done, now);
+  // A bucket of a measured step: reached the hook at `began`, left it at `left`.
+  void add_bucket(StepRecord& record, double began, double left, int64_t numel) {
+    std::lock_guard<std::mutex> lock(mu_);
+    record.began.push_back(began);
+    record.left.push_back(left);
+    record.numel.push_back(numel);
   }
 
-  std::mutex& mutex() {
-    return mu_;
+  // A reduction of `record`'s step completed (on the collective's thread).
+  void finished(StepRecord& record) {
+    const double now = now_seconds();
+    std::lock_guard<std::mutex> lock(mu_);
+    record.done = std::max(record.done, now);
   }
 
   // Run the next `steps` steps here; with `measure`, record each bucket of them.
@@ -87,13 +92,13 @@ class Switch {
     measure_ = measure;
   }
 
-  // The records of the measured steps run here since the last call, oldest first, each as
-  // (began, left, numel, done).
-  std::vector<std::tuple<std::vector<double>, std::vector<double>, std::vector<int64_t>, double>>
-  take_records() {
+  // (began, left, numel, done) of one step, as Python reads it.
+  using Taken = std::tuple<std::vector<double>, std::vector<double>, std::vector<int64_t>, double>;
+
+  // The records of the measured steps run here since the last call, oldest first.
+  std::vector<Taken> take_records() {
     std::lock_guard<std::mutex> lock(mu_);
-    std::vector<std::tuple<std::vector<double>, std::vector<double>, std::vector<int64_t>, double>>
-        out;
+    std::vector<Taken> out;
     for (const auto& r : records_) {
       out.emplace_back(r->began, r->left, r->numel, r->done);
     }
@@ -112,11 +117,6 @@ class Switch {
       starts_.erase(starts_.begin(), starts_.end() - 1);
     }
     return periods;
-  }
-
-  int64_t native_left() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return native_left_;
   }
 
   int64_t native_total() {
@@ -162,17 +162,9 @@ class SwitchHook final : public c10d::CommHookInterface {
     std::vector<at::Tensor> tensors{buffer};
     auto future = group_->allreduce(tensors)->getFuture();
     if (record) {
-      const double left = now_seconds();
-      {
-        std::lock_guard<std::mutex> lock(control_->mutex());
-        record->began.push_back(began);
-        record->left.push_back(left);
-        record->numel.push_back(buffer.numel());
-      }
-      std::shared_ptr<Switch> control = control_;
-      future->addCallback([control, record](c10::ivalue::Future&) {
-        Switch::finished(record, control->mutex());
-      });
+      control_->add_bucket(*record, began, now_seconds(), buffer.numel());
+      future->addCallback(
+          [control = control_, record](c10::ivalue::Future&) { control->finished(*record); });
     }
     return future;
   }
@@ -219,7 +211,6 @@ int add_switch_hook(PyObject* module) {
         .def("run_native", &Switch::run_native, py::arg("steps"), py::arg("measure") = false)
         .def("take_periods", &Switch::take_periods)
         .def("take_records", &Switch::take_records)
-        .def_property_readonly("native_left", &Switch::native_left)
         .def_property_readonly("native_total", &Switch::native_total)
         .def_property_readonly("native_now", &Switch::native_now);
     m.def(
