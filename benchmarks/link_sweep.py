@@ -3,7 +3,10 @@
 Runs ``python -m fastddp.bench ddp`` once per rate, two nodes (network namespaces, as root)
 joined by links of that rate, plus once on loopback (two local ranks, no rate limit), and
 tabulates each method's step time relative to fp32 at the same rate. Every ratio comes from
-one run, so the methods at a rate share the machine's state.
+one run, so the methods at a rate share the machine's state. With ``--rounds N`` each mode runs
+in jobs of its own instead, N per mode, the modes taking turns (the order reversed every other
+round), and each mode's median job is kept: a drift of the machine then lands on every mode
+rather than on the one that ran during it.
 
     python benchmarks/link_sweep.py --json benchmarks/results/link_sweep.json \\
         --plot benchmarks/results/link_sweep.png
@@ -20,17 +23,18 @@ import tempfile
 from pathlib import Path
 
 from fastddp.bench import convergence, report
+from fastddp.bench.common import AUTO
 
 RATES = ["loopback", "10gbit", "1gbit", "100mbit"]
 # Every method of the time-to-target run, and the no-communication floor.
 MODES = [*convergence.MODES, "noop"]
 
 
-def _one(rate, args, tmp) -> dict:
+def _one(rate, modes, args, tmp) -> dict:
     out = Path(tmp) / f"{rate}.json"
     cmd = [sys.executable, "-m", "fastddp.bench", "ddp", "--model", "transformer"]
     cmd += ["--width", str(args.width), "--layers", str(args.layers), "--batch", str(args.batch)]
-    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--modes", *args.modes]
+    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--modes", *modes]
     cmd += ["--bucket-cap-mb", str(args.bucket_cap_mb), "--json", str(out)]
     if rate != "loopback":
         cmd += ["--link", rate]
@@ -38,6 +42,47 @@ def _one(rate, args, tmp) -> dict:
     if res.returncode != 0:
         raise SystemExit(f"link_sweep: {rate} failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
     return json.loads(out.read_text())
+
+
+def _rate(rate, args, tmp) -> dict:
+    """Each mode's row at ``rate``: from one job of every mode, or with ``--rounds`` from the
+    median of the mode's own jobs, the modes taking turns, the order reversed every round."""
+    if not args.rounds:
+        return {r["mode"]: r for r in _one(rate, args.modes, args, tmp)["rows"]}
+    jobs = {mode: [] for mode in args.modes}
+    for r in range(args.rounds):
+        for mode in args.modes if r % 2 == 0 else args.modes[::-1]:
+            jobs[mode] += _one(rate, [mode], args, tmp)["rows"]
+    rows = {}
+    for mode, runs in jobs.items():
+        # The median job (the lower middle one of an even number) speaks for the mode.
+        row = dict(sorted(runs, key=lambda j: j["p50_ms"])[(len(runs) - 1) // 2])
+        row["jobs_p50_ms"] = [j["p50_ms"] for j in runs]
+        if row.get("chose"):
+            row["jobs_chose"] = [j["chose"] for j in runs]
+        rows[mode] = row
+    floor = rows["noop"]["p50_ms"] if "noop" in rows else None
+    for row in rows.values():
+        row["vs_fp32"] = row["p50_ms"] / rows["fp32"]["p50_ms"]
+        row["exposed_comm"] = None if floor is None else (row["p50_ms"] - floor) / row["p50_ms"]
+    return rows
+
+
+def _against_best(table, rates, modes) -> dict:
+    """Per rate, auto's step over the best of fp32 and fastddp's fixed modes; print them."""
+    fixed = [m for m in modes if m == "fp32" or (m.startswith("fastddp-") and m != AUTO)]
+    if AUTO not in modes or not fixed:
+        return {}
+    out = {}
+    for rate in rates:
+        best = min(fixed, key=lambda m: table[rate][m]["p50_ms"])
+        out[rate] = {
+            "best": best,
+            "ratio": table[rate][AUTO]["p50_ms"] / table[rate][best]["p50_ms"],
+        }
+    print(f"{'auto / best fixed':<20}" + "".join(f"{out[r]['ratio']:>11.2f}x" for r in rates))
+    print(f"{'  (best fixed)':<20}" + "".join(f"{out[r]['best']:>12}" for r in rates))
+    return out
 
 
 def _crossover(table, rates) -> dict:
@@ -70,7 +115,14 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket size")
-    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per rate")
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per job")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="a job per mode and round, the modes taking turns, each mode's median job kept "
+        "(default 0: every mode in one job)",
+    )
     p.add_argument("--json")
     p.add_argument("--plot")
     args = p.parse_args(argv)
@@ -79,8 +131,7 @@ def main(argv=None) -> int:
     table = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rate in args.rates:
-            data = _one(rate, args, tmp)
-            table[rate] = {r["mode"]: r for r in data["rows"]}
+            table[rate] = _rate(rate, args, tmp)
             print(f"{rate}: done", flush=True)
     params = next(iter(next(iter(table.values())).values()))["params"]
     print(f"\nDDP step vs fp32, transformer of {params / 1e6:.1f}M parameters, 2 ranks")
@@ -95,11 +146,19 @@ def main(argv=None) -> int:
         f"{'fp32 p50 (ms)':<20}"
         + "".join(f"{table[r]['fp32']['p50_ms']:>12.0f}" for r in args.rates)
     )
+    against_best = _against_best(table, args.rates, args.modes)
     crossover = _crossover(table, args.rates)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"params": params, "rates": args.rates, "rows": table, "crossover": crossover},
+                {
+                    "params": params,
+                    "rates": args.rates,
+                    "rounds": args.rounds,
+                    "rows": table,
+                    "auto_vs_best_fixed": against_best,
+                    "crossover": crossover,
+                },
                 f,
                 indent=1,
             )

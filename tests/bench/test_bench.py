@@ -345,6 +345,21 @@ def test_link_sweep_on_loopback(tmp_path):
     assert f"fastddp's fastest {ours}" in stdout
 
 
+def test_link_sweep_in_rounds_keeps_each_modes_median_job(tmp_path):
+    args = ["--rates", "loopback", "--modes", "fp32", "fastddp-auto", "--rounds", "2"]
+    args += ["--width", "32", "--layers", "1", "--steps", "2", "--warmup", "2"]
+    data, stdout = _script("link_sweep", [*args, "--bucket-cap-mb", "0.01"], tmp_path)
+    rows = data["rows"]["loopback"]
+    for row in rows.values():  # two jobs each; of two, the faster one speaks for the mode
+        assert len(row["jobs_p50_ms"]) == 2 and row["p50_ms"] == min(row["jobs_p50_ms"])
+    assert len(rows["fastddp-auto"]["jobs_chose"]) == 2
+    assert rows["fastddp-auto"]["chose"] in rows["fastddp-auto"]["jobs_chose"]
+    ratio = rows["fastddp-auto"]["p50_ms"] / rows["fp32"]["p50_ms"]
+    assert rows["fastddp-auto"]["vs_fp32"] == ratio
+    assert data["auto_vs_best_fixed"]["loopback"] == {"best": "fp32", "ratio": ratio}
+    assert f"{ratio:.2f}x" in stdout.split("auto / best fixed")[1].splitlines()[0]
+
+
 def test_convergence_run_runs(tmp_path):
     data, stdout = _script("convergence", ["--steps", "30"], tmp_path)
     base = data["fp32"]
