@@ -13,7 +13,9 @@ two fastest left then lie within :data:`RUNOFF` of each other, they take
 :data:`RUNOFF_ROUNDS` more turns (one step varies by about 7 % on a shared machine, and two modes
 can lie closer than that). Then the medians decide, identically on every rank: the fastest
 candidate left, or the first in ``allow`` order within :data:`PREFER` of it, so that a mode
-compresses only when that pays measurably.
+compresses only when that pays measurably. ``"none"`` is ranked :data:`PLAIN_EDGE` faster than
+measured, in the run-off and the choice: compression must beat it by more than the trial's
+noise.
 
 Then, per bucket (``planner.py``): the trial also recorded when each bucket reached the hook,
 the host time of each codec and the bytes each bucket sent, and a model of the backward pass
@@ -70,6 +72,10 @@ VERIFY_ROUNDS = 3  # turns of a proposed mixed plan and the uniform choice
 CHECK_EVERY = 10  # steps between checks of the planned step time
 MARGIN = 0.25  # relative change of the step time that, at two checks in a row, re-plans
 PREFER = 0.02  # a candidate earlier in ``allow`` within this of the fastest is chosen
+# "none" is ranked as if this much faster: compression is chosen only where it measures faster
+# by more than a trial's noise (no compression is exact, and where modes lie that close, noise
+# picks the winner; the promise is never to be slower than no compression).
+PLAIN_EDGE = 0.05
 MIX_GAIN = 0.05  # a mixed plan is tried if the model makes the step shorter by this much
 # After measured round r (1, 2), a candidate this much slower than the fastest is out: a step of
 # a shared machine can take twice another's, so one measured step must show more than that.
@@ -410,9 +416,10 @@ class AutoState(CompressState):
         medians = [statistics.median(self._periods("trial", n)) for n in self.allow]
         figures = torch.tensor(medians, dtype=torch.float64, device=device)
         dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.process_group)
-        seconds = dict(zip(self.allow, figures.tolist()))
+        measured_s = dict(zip(self.allow, figures.tolist()))
         alive, measured = self._rounds[-1], len(self._rounds)
-        self._round_ms.append({n: seconds[n] * 1e3 for n in alive})
+        self._round_ms.append({n: measured_s[n] * 1e3 for n in alive})
+        seconds = _ranked(measured_s)
         last = TRIAL_ROUNDS - 1 + RUNOFF_ROUNDS  # the most measured rounds a trial has
         if measured <= TRIAL_ROUNDS - 1:
             fastest = min(seconds[n] for n in alive)
@@ -450,8 +457,9 @@ class AutoState(CompressState):
             flat = torch.tensor(profile, dtype=torch.float64, device=device)
             dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.process_group)
             profile = flat.tolist()
-        fastest = min(seconds[n] for n in alive)
-        choice = next(n for n in self.allow if n in alive and seconds[n] <= fastest * (1 + PREFER))
+        ranked = _ranked(seconds)
+        fastest = min(ranked[n] for n in alive)
+        choice = next(n for n in self.allow if n in alive and ranked[n] <= fastest * (1 + PREFER))
         plans = 1 if self._plan is None else self._plan["plans"] + 1
         self._plan = {
             "mode": choice,
@@ -817,6 +825,11 @@ class AutoState(CompressState):
     def __setstate__(self, saved: dict) -> None:
         AutoState.__init__(self, allow=saved["allow"], seed=saved["seed"])
         self.load_state_dict(saved["state_dict"])
+
+
+def _ranked(seconds: dict[str, float]) -> dict[str, float]:
+    """The figures the trial ranks candidates by: ``"none"``'s lowered by :data:`PLAIN_EDGE`."""
+    return {n: s / (1 + PLAIN_EDGE) if n == NONE else s for n, s in seconds.items()}
 
 
 def _plain(plan: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:

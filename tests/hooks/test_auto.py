@@ -56,13 +56,18 @@ def test_one_candidate_is_that_mode_bit_for_bit(name):
     run_ranks(_one_candidate, 2, name)
 
 
+def _as_ranked(ms: dict) -> dict:
+    return {n: s / (1 + auto.PLAIN_EDGE) if n == "none" else s for n, s in ms.items()}
+
+
 def _next_rounds(round_ms: list[dict], none_last: bool = False) -> list[list[str]]:
     """The candidates each measured round should leave, from the medians after it: those within
-    ELIMINATE of the fastest, then a run-off of the two fastest if they lie within RUNOFF. With
-    ``none_last`` (fastddp.register_comm_hook) a later round runs "none" last."""
+    ELIMINATE of the fastest, then a run-off of the two fastest if they lie within RUNOFF, "none"
+    ranked PLAIN_EDGE faster than measured. With ``none_last`` (fastddp.register_comm_hook) a
+    later round runs "none" last."""
     out = []
-    for i, ms in enumerate(round_ms):
-        alive = list(ms)
+    for i, measured in enumerate(round_ms):
+        alive, ms = list(measured), _as_ranked(measured)
         if i < auto.TRIAL_ROUNDS - 1:
             limit = auto.ELIMINATE[min(i, len(auto.ELIMINATE) - 1)] * min(ms.values())
             alive = [n for n in alive if ms[n] <= limit]
@@ -76,9 +81,11 @@ def _next_rounds(round_ms: list[dict], none_last: bool = False) -> list[list[str
     return out
 
 
-def _plan_alike(rank, world, runoff, cpp):
-    if runoff:  # no candidate dropped, and a run-off of the two fastest, whatever their figures
-        auto.ELIMINATE, auto.RUNOFF = (float("inf"),) * 2, float("inf")
+def _plan_alike(rank, world, trial, cpp):
+    if trial == "run-off":  # no candidate dropped, and a run-off of the two fastest, whatever
+        auto.ELIMINATE, auto.RUNOFF = (float("inf"),) * 2, float("inf")  # their figures
+    elif trial == "none-favoured":  # "none" ranked infinitely fast: it alone survives round 1
+        auto.PLAIN_EDGE = float("inf")
     # No re-plan: steps of a few ms vary twofold on a shared machine, enough for two checks in
     # a row to see a changed step and start another trial (re-plans have tests of their own).
     auto.MARGIN = float("inf")
@@ -100,8 +107,10 @@ def _plan_alike(rank, world, runoff, cpp):
     assert rounds[0] == list(allow) and 1 <= len(rounds) <= auto.TRIAL_ROUNDS - 1 + 3
     assert [sorted(r) for r in plan["round_ms"]] == [sorted(r) for r in rounds]
     assert _next_rounds(plan["round_ms"], cpp) == rounds[1:] + [plan["left"]]
-    if runoff:
+    if trial == "run-off":
         assert len(rounds) == auto.TRIAL_ROUNDS - 1 + auto.RUNOFF_ROUNDS, rounds
+    elif trial == "none-favoured":
+        assert len(rounds) == 1 and plan["left"] == ["none"] and plan["mode"] == "none", plan
     trial = [allow[0], *[n for n in allow if n != "none"], *[n for r in rounds for n in r]]
     assert modes[: len(trial)] == trial, modes
     assert set(plan["step_ms"]) == set(allow)
@@ -117,10 +126,10 @@ def _plan_alike(rank, world, runoff, cpp):
         assert 0 < statistics.median(v) <= plan["step_ms"][n] + 1e-9
     left = plan["left"]
     assert plan["uniform"] in left
-    fastest = min(plan["step_ms"][n] for n in left)
-    assert plan["step_ms"][plan["uniform"]] <= fastest * (1 + auto.PREFER)
+    ranked = _as_ranked(plan["step_ms"])
+    fastest = min(ranked[n] for n in left)
     # The first of allow within PREFER, whatever order the turns ran in.
-    close = [n for n in allow if n in left and plan["step_ms"][n] <= fastest * (1 + auto.PREFER)]
+    close = [n for n in allow if n in left and ranked[n] <= fastest * (1 + auto.PREFER)]
     assert plan["uniform"] == close[0], plan
     # A model per bucket was fitted (where two candidates were left); a mixed proposal takes
     # turns with the uniform choice.
@@ -159,9 +168,9 @@ def _plan_alike(rank, world, runoff, cpp):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("cpp", [False, True], ids=["python", "register_comm_hook"])
-@pytest.mark.parametrize("runoff", [False, True], ids=["as-measured", "run-off"])
-def test_the_plan_is_made_by_trial_and_alike_on_every_rank(runoff, cpp):
-    run_ranks(_plan_alike, 2, runoff, cpp)
+@pytest.mark.parametrize("trial", ["as-measured", "run-off", "none-favoured"])
+def test_the_plan_is_made_by_trial_and_alike_on_every_rank(trial, cpp):
+    run_ranks(_plan_alike, 2, trial, cpp)
 
 
 def _owed_residuals(rank, world):
