@@ -1,7 +1,8 @@
 """Where compression pays: DDP step time per method against plain fp32, per link rate.
 
-Runs ``python -m fastddp.bench ddp`` once per rate, two nodes (network namespaces, as root)
-joined by links of that rate, plus once on loopback (two local ranks, no rate limit), and
+Runs ``python -m fastddp.bench ddp`` once per rate, two nodes (network namespaces, as root) of
+``--nproc-per-node`` ranks joined by links of that rate, plus once on loopback (as many ranks on
+one machine, no rate limit), and
 tabulates each method's step time relative to fp32 at the same rate. Every ratio comes from
 one run, so the methods at a rate share the machine's state. With ``--rounds N`` each mode runs
 in jobs of its own instead, N per mode, the modes taking turns (the order reversed every other
@@ -37,7 +38,9 @@ def _one(rate, modes, args, tmp) -> dict:
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--modes", *modes]
     cmd += ["--bucket-cap-mb", str(args.bucket_cap_mb), "--json", str(out)]
     if rate != "loopback":
-        cmd += ["--link", rate]
+        cmd += ["--link", rate, "--nproc-per-node", str(args.nproc_per_node)]
+    else:  # the same ranks on one machine
+        cmd += ["--nproc", str(2 * args.nproc_per_node)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if res.returncode != 0:
         raise SystemExit(f"link_sweep: {rate} failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
@@ -81,7 +84,10 @@ def _against_best(table, rates, modes) -> dict:
             "ratio": table[rate][AUTO]["p50_ms"] / table[rate][best]["p50_ms"],
         }
     print(f"{'auto / best fixed':<20}" + "".join(f"{out[r]['ratio']:>11.2f}x" for r in rates))
-    print(f"{'  (best fixed)':<20}" + "".join(f"{out[r]['best']:>12}" for r in rates))
+    print(
+        f"{'  (best fixed)':<20}"
+        + "".join(f"{out[r]['best'].removeprefix('fastddp-'):>12}" for r in rates)
+    )
     return out
 
 
@@ -117,6 +123,9 @@ def main(argv=None) -> int:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket size")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per job")
     p.add_argument(
+        "--nproc-per-node", type=int, default=1, help="ranks on each of the two nodes (default 1)"
+    )
+    p.add_argument(
         "--rounds",
         type=int,
         default=0,
@@ -134,7 +143,9 @@ def main(argv=None) -> int:
             table[rate] = _rate(rate, args, tmp)
             print(f"{rate}: done", flush=True)
     params = next(iter(next(iter(table.values())).values()))["params"]
-    print(f"\nDDP step vs fp32, transformer of {params / 1e6:.1f}M parameters, 2 ranks")
+    n = args.nproc_per_node
+    shape = f"{2 * n} ranks" + (f", 2 nodes x {n} over links" if args.rates != ["loopback"] else "")
+    print(f"\nDDP step vs fp32, transformer of {params / 1e6:.1f}M parameters, {shape}")
     print(f"{'mode':<20}" + "".join(f"{r:>12}" for r in args.rates))
     for mode in args.modes:
         cells = [table[r][mode]["vs_fp32"] for r in args.rates]
@@ -155,6 +166,7 @@ def main(argv=None) -> int:
                     "params": params,
                     "rates": args.rates,
                     "rounds": args.rounds,
+                    "nproc_per_node": args.nproc_per_node,
                     "rows": table,
                     "auto_vs_best_fixed": against_best,
                     "crossover": crossover,
@@ -163,7 +175,7 @@ def main(argv=None) -> int:
                 indent=1,
             )
     if args.plot:
-        title = f"Where compression pays (transformer, {params / 1e6:.1f}M, 2 ranks)"
+        title = f"Where compression pays (transformer, {params / 1e6:.1f}M, {shape})"
         x, y = "link between the two nodes", "step time / fp32 step time"
         with report.figure(args.plot, title, x, y, legend_size=7) as ax:
             xs = range(len(args.rates))

@@ -347,6 +347,7 @@ def test_link_sweep_on_loopback(tmp_path):
 
 def test_link_sweep_in_rounds_keeps_each_modes_median_job(tmp_path):
     args = ["--rates", "loopback", "--modes", "fp32", "fastddp-auto", "--rounds", "2"]
+    args += ["--nproc-per-node", "2"]  # on loopback, 4 ranks
     args += ["--width", "32", "--layers", "1", "--steps", "2", "--warmup", "2"]
     data, stdout = _script("link_sweep", [*args, "--bucket-cap-mb", "0.01"], tmp_path)
     rows = data["rows"]["loopback"]
@@ -358,6 +359,7 @@ def test_link_sweep_in_rounds_keeps_each_modes_median_job(tmp_path):
     assert rows["fastddp-auto"]["vs_fp32"] == ratio
     assert data["auto_vs_best_fixed"]["loopback"] == {"best": "fp32", "ratio": ratio}
     assert f"{ratio:.2f}x" in stdout.split("auto / best fixed")[1].splitlines()[0]
+    assert "parameters, 4 ranks\n" in stdout
 
 
 def test_convergence_run_runs(tmp_path):
