@@ -4,8 +4,8 @@ Runs examples/gpt_train.py over two network-namespace nodes (as root): ``--jobs`
 whose trial measures every candidate of ``--allow`` for ``--rounds`` steps, dropping none, and
 ``--fixed`` jobs of each candidate alone. For each auto job it prints each candidate's trial
 steps and which candidate each estimator (median or minimum of the first 3 or of all steps,
-with auto's 2 % preference for the earlier candidate and 5 % edge for "none") would take, against the fixed jobs'
-median steps; the JSON keeps every trial step.
+with auto's 2 % preference for the earlier candidate and 5 % edge for "none") would take,
+against the fixed jobs' median steps; the JSON keeps every trial step.
 
     python benchmarks/trial_noise.py --rate 1gbit --allow bf16 int8-ef --jobs 8 --fixed 2 \\
         --json benchmarks/results/trial_noise_1gbit.json
