@@ -44,7 +44,10 @@ def _one(rate, modes, args, tmp) -> dict:
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if res.returncode != 0:
         raise SystemExit(f"link_sweep: {rate} failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
-    return json.loads(out.read_text())
+    data = json.loads(out.read_text())
+    for row in data["rows"]:  # the shape it ran in
+        row["world_size"], row["nodes"] = data["world_size"], data["nodes"]
+    return data
 
 
 def _rate(rate, args, tmp) -> dict:
