@@ -14,8 +14,8 @@ two fastest left then lie within :data:`RUNOFF` of each other, they take
 can lie closer than that). Then the medians decide, identically on every rank: the fastest
 candidate left, or the first in ``allow`` order within :data:`PREFER` of it, so that a mode
 compresses only when that pays measurably. ``"none"`` is ranked :data:`PLAIN_EDGE` faster than
-measured, in the run-off and the choice: compression must beat it by more than the trial's
-noise.
+measured, in the eliminations, the run-off and the choice: compression must beat it by more
+than the trial's noise.
 
 Then, per bucket (``planner.py``): the trial also recorded when each bucket reached the hook,
 the host time of each codec and the bytes each bucket sent, and a model of the backward pass
