@@ -140,6 +140,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if "fp32" not in args.modes:
         p.error("the ratios are against fp32: keep fp32 in --modes")
+    if args.rounds < 0 or args.nproc_per_node < 1:
+        p.error(
+            f"--rounds {args.rounds} / --nproc-per-node {args.nproc_per_node}: give --rounds 0 "
+            "(every mode in one job) or more, and at least one rank per node"
+        )
     table = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rate in args.rates:

@@ -363,6 +363,18 @@ def test_link_sweep_in_rounds_keeps_each_modes_median_job(tmp_path):
     assert "parameters, 4 ranks\n" in stdout
 
 
+@pytest.mark.parametrize("bad", [["--rounds", "-1"], ["--nproc-per-node", "0"]])
+def test_link_sweep_refuses_bad_rounds_and_ranks(bad):
+    res = subprocess.run(
+        [sys.executable, "benchmarks/link_sweep.py", "--modes", "fp32", *bad],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert res.returncode == 2 and "give --rounds 0 (every mode in one job) or more" in res.stderr
+
+
 def test_convergence_run_runs(tmp_path):
     data, stdout = _script("convergence", ["--steps", "30"], tmp_path)
     base = data["fp32"]
