@@ -8,9 +8,13 @@
 // ranks each, that is 3-7 % of a step. Python keeps every decision: it runs one step in each
 // CHECK_EVERY, reads the step periods stamped here, and says how many steps come next.
 //
+// CompletionStamp, below, stamps when a collective's future completes, for dtype="auto" to time
+// each level of the network in its trial (fastddp/hooks/links.py).
+//
 // pybind11 is used here only to reach torch's Reducer and ProcessGroup objects from Python and
 // to hand Python the switch; the ops stay pybind-free (fastddp.cpp).
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -189,6 +193,30 @@ class SwitchHook final : public c10d::CommHookInterface {
   std::shared_ptr<Switch> control_;
 };
 
+// When a collective's future completed, stamped on the thread that completes it, without the
+// GIL: a Python callback there would wait for the GIL, which the training thread holds while
+// it runs Python, and stamp late. dtype="auto" times each level's collectives with it.
+class CompletionStamp {
+ public:
+  void stamp() {
+    done_.store(now_seconds());
+  }
+  // perf_counter seconds at completion; 0 while the future is pending.
+  double done() const {
+    return done_.load();
+  }
+
+ private:
+  std::atomic<double> done_{0.0};
+};
+
+std::shared_ptr<CompletionStamp> stamp_completion(const py::object& future) {
+  auto wrapper = py::cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>(future);
+  auto stamp = std::make_shared<CompletionStamp>();
+  wrapper->fut->addCallback([stamp](c10::ivalue::Future&) { stamp->stamp(); });
+  return stamp;
+}
+
 std::shared_ptr<Switch> register_switch_hook(
     const std::shared_ptr<c10d::Reducer>& reducer,
     const c10::intrusive_ptr<c10d::ProcessGroup>& group,
@@ -213,6 +241,9 @@ int add_switch_hook(PyObject* module) {
         .def("take_records", &Switch::take_records)
         .def_property_readonly("native_total", &Switch::native_total)
         .def_property_readonly("native_now", &Switch::native_now);
+    py::class_<CompletionStamp, std::shared_ptr<CompletionStamp>>(m, "CompletionStamp")
+        .def_property_readonly("done", &CompletionStamp::done);
+    m.def("stamp_completion", &stamp_completion, py::arg("future"));
     m.def(
         "register_switch_hook",
         &register_switch_hook,

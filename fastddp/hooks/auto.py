@@ -30,6 +30,11 @@ left after the first round), 22 after a run-off, and 6 steps later when a mixed 
 Mixed plans are proposed for CPU tensors only: on CUDA the host's clock does not see the
 kernels.
 
+The trial also times each level of the network (``links.py``): every collective of a measured
+step, with its bytes, its level (inside a node, across nodes, or flat over both) and when it
+was issued and completed. ``stats()["plan"]["links"]`` has what each level gave, per node, and
+the INFO line says it.
+
 Then every :data:`CHECK_EVERY` steps the median period is held against the planned figure
 (again the slowest rank's); off by more than :data:`MARGIN` at two checks in a row (a link
 that degrades, or recovers), the trial runs again. During a trial each candidate keeps its
@@ -56,7 +61,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fastddp.hooks import planner
+from fastddp import _extension
+from fastddp.hooks import links, planner
 from fastddp.hooks.hook import compress_hook
 from fastddp.hooks.presets import PRESETS
 from fastddp.hooks.state import CompressState
@@ -129,7 +135,18 @@ class _Step:
     """What one step measured: per bucket, when it reached the hook and left it, its size and
     the time the hook blocked on collectives; and when the last reduction ended."""
 
-    __slots__ = ("label", "kind", "began", "left", "numel", "waited", "done", "period", "held")
+    __slots__ = (
+        "label",
+        "kind",
+        "began",
+        "left",
+        "numel",
+        "waited",
+        "done",
+        "period",
+        "held",
+        "collectives",
+    )
 
     def __init__(self, label: str, kind: Optional[str]) -> None:
         self.label, self.kind = label, kind  # kind: "trial", "verify" or None (not measured)
@@ -140,6 +157,7 @@ class _Step:
         self.done = 0.0
         self.period = 0.0  # to the next step's first bucket
         self.held: dict[str, set[int]] = {}  # parameter keys each mode reduced
+        self.collectives: list[tuple] = []  # (level, bytes, issued, stamp): see links.py
 
     def finished(self, _future: torch.futures.Future) -> None:
         self.done = max(self.done, time.perf_counter())
@@ -189,6 +207,8 @@ class AutoState(CompressState):
         "_switch",
         "_native_seen",
         "_handed",
+        "_stamp",
+        "_nodes",
     )
 
     def __init__(
@@ -233,6 +253,8 @@ class AutoState(CompressState):
         # runs the steps handed to it (fp32 plans) and stamps when every step starts.
         self._switch = None
         self._native_seen = 0  # steps it ran, as last counted here
+        self._stamp = None  # the extension's completion stamp, where levels are timed
+        self._nodes = 1
         self._restart()
 
     def _restart(self) -> None:
@@ -319,6 +341,7 @@ class AutoState(CompressState):
         self._step += 1
         if not self._checked:
             self._check_ranks(device)
+            self._stamp = _stamper(device, self.process_group)
         if last is not None:
             self._settle_moves(last)
         label, kind = self._label_now(), None
@@ -336,8 +359,21 @@ class AutoState(CompressState):
                 self._check_plan(device)
             label = self._label_now()
         self._record = _Step(label, kind)
+        on_issue = self._on_issue if kind == "trial" and self._stamp is not None else None
+        for state in self._states.values():
+            state._pipeline.on_issue = on_issue
         self._steps_in[label] += 1
         self._hand_over()
+
+    def _on_issue(self, job, stage: int) -> None:
+        # A collective of a measured trial step: its level, bytes and when it was issued; the
+        # extension stamps when it completes (links.py).
+        topo = job.topo
+        self._nodes = len(topo.nodes)
+        level = links.level_of(job.path.roles[stage], topo)
+        stamp = self._stamp(job.work.get_future())
+        sent = job.path.stage_bytes(job, stage)
+        self._record.collectives.append((level, sent, time.perf_counter(), stamp))
 
     def _native_records(self) -> list["_Step"]:
         """The measured trial turns the C++ hook ran since the last step here, as records."""
@@ -447,10 +483,22 @@ class AutoState(CompressState):
         medians = [statistics.median(self._periods("trial", n)) for n in self.allow]
         profile = self._profile(device) if len(alive) > 1 else None
         n = 0 if profile is None else len(profile)
-        figures = torch.tensor([*medians, n, -n], dtype=torch.float64, device=device)
+        timed = links.in_flight(
+            r.collectives for key, rs in self._records.items() if key[:6] == "trial:" for r in rs
+        )
+        # (The least of the ranks' times in flight, as the most of their negatives.)
+        busy = [-s for s in timed[1::3]]
+        figures = [*medians, *busy, self._nodes, n, -n]
+        figures = torch.tensor(figures, dtype=torch.float64, device=device)
         dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.process_group)
         values = figures.tolist()
         seconds = dict(zip(self.allow, values[: len(self.allow)]))
+        busy = [-s for s in values[len(self.allow) : len(self.allow) + len(busy)]]
+        sums = torch.tensor([*timed[0::3], *timed[2::3]], dtype=torch.float64, device=device)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.process_group)
+        world, nodes = dist.get_world_size(self.process_group), int(values[-3])
+        k, totals = len(links.LEVELS), sums.tolist()
+        measured_links = links.summary(totals[:k], busy, totals[k:], nodes, world)
         if values[-2] != -values[-1] or n == 0:  # a rank without a model: no rank plans buckets
             profile = None
         else:  # the slowest rank's figures, on every rank
@@ -475,6 +523,8 @@ class AutoState(CompressState):
             "rounds": [list(r) for r in self._rounds],  # the candidates of each measured round
             "round_ms": [dict(r) for r in self._round_ms],  # and what each left them at
             "left": list(alive),  # and those left after the last
+            # What each level of the network gave the trial's collectives (links.py).
+            "links": measured_links,
         }
         if profile is not None:
             self._propose(profile, choice, seconds[choice], alive, device)
@@ -600,12 +650,17 @@ class AutoState(CompressState):
             **plan["step_ms"],
             **{f"{n} again": s for n, s in plan.get("verify_ms", {}).items()},
         }
+        rates = plan.get("links") or {}
         logger.info(
-            "fastddp auto: plan %d at step %d: %s (step ms, slowest rank: %s)",
+            "fastddp auto: plan %d at step %d: %s (step ms, slowest rank: %s)%s",
             plan["plans"],
             self._step,
             what,
             ", ".join(f"{n} {s:.1f}" for n, s in figures.items()),
+            "; collectives' MB/s per node: "
+            + ", ".join(f"{level} {r['MBps']:.1f}" for level, r in rates.items())
+            if rates
+            else "",
         )
 
     def _summary(self) -> str:
@@ -759,6 +814,9 @@ class AutoState(CompressState):
         mode, size, the compute before it and its bytes on the slowest link). ``rounds`` lists
         the candidates of each measured round (a run-off's last), ``round_ms`` the slowest
         rank's medians after each, and ``left`` the candidates left after the last.
+        ``links`` has, per level of the network the trial's collectives used (``"intra"``,
+        ``"cross"``, ``"flat"``: ``links.py``), a node's ``MB`` and its rate while they were in
+        flight (``MBps``), ``busy_ms`` and the ``collectives`` per rank; CPU tensors on Gloo.
         ``native_steps`` counts the steps run in C++ (:func:`fastddp.register_comm_hook`).
         ``verify_ms`` has the turns of a mixed plan against the uniform choice; ``proposed`` the
         model's mixed plan where it was not kept (its modelled gain under :data:`MIX_GAIN`, or
@@ -825,6 +883,14 @@ class AutoState(CompressState):
     def __setstate__(self, saved: dict) -> None:
         AutoState.__init__(self, allow=saved["allow"], seed=saved["seed"])
         self.load_state_dict(saved["state_dict"])
+
+
+def _stamper(device: torch.device, group: Optional[dist.ProcessGroup]):
+    """The extension's completion stamp where the levels are timed (CPU tensors on Gloo:
+    see links.py), else None."""
+    if device.type != "cpu" or "gloo" not in str(dist.get_backend(group)):
+        return None
+    return _extension.load().stamp_completion
 
 
 def _ranked(seconds: dict[str, float]) -> dict[str, float]:

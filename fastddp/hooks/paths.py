@@ -68,6 +68,11 @@ class Path(ABC):
         """Of :meth:`sent_bytes`, the bytes that leave this rank's node."""
 
     @abstractmethod
+    def stage_bytes(self, job: Any, i: int) -> int:
+        """Bytes this rank sends in stage ``i``'s collective (``dtype="auto"`` times the levels
+        of the network with them)."""
+
+    @abstractmethod
     def stage(self, job: Any, i: int) -> dist.Work:
         """Do stage ``i``'s local work and issue its collective."""
 
@@ -103,6 +108,9 @@ class AllReducePath(Path):
 
     def cross_bytes(self, slot, topo):
         return topo.ring_cross_bytes(slot.wire.numel(), slot.codec.wire_dtype.itemsize)
+
+    def stage_bytes(self, job, i):
+        return self.sent_bytes(job.slot, job.topo)
 
     def issue(self, job, group) -> dist.Work:
         """Issue the first collective on the encoded wire buffer."""
@@ -153,6 +161,9 @@ class AllToAllPath(Path):
     def cross_bytes(self, slot, topo):
         away = sum(topo.crosses(topo.rank, r) for r in range(topo.world))
         return 2 * away * slot.row * slot.codec.wire_dtype.itemsize
+
+    def stage_bytes(self, job, i):
+        return self.sent_bytes(job.slot, job.topo) // 2  # a row to every other rank, twice
 
     def issue(self, job, group):
         slot = job.slot
@@ -217,13 +228,22 @@ class HierarchicalPath(Path):
         slot.gathered = torch.empty(per_node, wire, dtype=codec.wire_dtype, **on)
 
     def sent_bytes(self, slot, topo):
-        ranks = slot.gathered.shape[0]
-        wire = slot.wire.numel() * slot.codec.wire_dtype.itemsize
-        node = (ranks - 1) * (slot.node_shard * 4 + wire)
-        return node + self.cross_bytes(slot, topo)
+        return sum(self._bytes_of(slot, topo, i) for i in range(self.stages))
 
     def cross_bytes(self, slot, topo):
         return self.inner.group_bytes(slot, len(topo.nodes))
+
+    def stage_bytes(self, job, i):
+        return self._bytes_of(job.slot, job.topo, i)
+
+    def _bytes_of(self, slot: Slot, topo: Topology, i: int) -> int:
+        if i == 0:  # the other local ranks' node shards, in fp32 (the padding is not sent)
+            counts = self._counts(slot, topo)
+            return 4 * (sum(counts) - counts[topo.local_rank])
+        if i == self.stages - 1:  # this rank's wire to every other local rank
+            ranks = slot.gathered.shape[0]
+            return (ranks - 1) * slot.wire.numel() * slot.codec.wire_dtype.itemsize
+        return self.cross_bytes(slot, topo) // self.inner.stages
 
     def stage(self, job, i):
         slot, topo = job.slot, job.topo
@@ -283,6 +303,9 @@ class PassthroughPath(Path):
 
     def cross_bytes(self, slot, topo):
         return 0
+
+    def stage_bytes(self, job, i):
+        return ring_bytes(job.bucket.numel(), job.world, job.bucket.element_size())
 
     def stage(self, job, i):
         if job.average:

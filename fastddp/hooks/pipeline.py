@@ -108,6 +108,7 @@ class Pipeline:
         "_runtimes",
         "_submitted",
         "waited",
+        "on_issue",
     )
 
     def __init__(self) -> None:
@@ -119,6 +120,9 @@ class Pipeline:
         self._runtimes: dict[tuple, Runtime] = {}
         self._submitted = 0
         self.waited = 0.0  # seconds this thread blocked on collectives (``dtype="auto"`` reads it)
+        # Called as on_issue(job, stage) once a stage's collective is issued (``dtype="auto"``
+        # times the collectives of its measured steps).
+        self.on_issue: Optional[Callable[[Job, int], None]] = None
 
     def check(self) -> None:
         """Raise if an earlier reduction failed."""
@@ -230,6 +234,8 @@ class Pipeline:
                 job.work = job.path.stage(job, job.stage)
         else:
             job.work = job.path.stage(job, 0)
+        if self.on_issue is not None:
+            self.on_issue(job, job.stage)
         job.stage += 1
         if not job.started_all:
             self._pending.append(job)

@@ -3,6 +3,7 @@ on every rank; a mode per bucket reduces each bucket as that mode does; residual
 left behind are repaid; bad settings are refused."""
 
 import copy
+import os
 import pickle
 import statistics
 
@@ -13,7 +14,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
-from fastddp.hooks import auto
+from fastddp.hooks import auto, links
+from fastddp.hooks.topology import NODE_ENV
 
 from .._dist import run_ranks
 from .test_hook_core import _grads, _Net
@@ -131,6 +133,7 @@ def _plan_alike(rank, world, trial, cpp):
     # The first of allow within PREFER, whatever order the turns ran in.
     close = [n for n in allow if n in left and ranked[n] <= fastest * (1 + auto.PREFER)]
     assert plan["uniform"] == close[0], plan
+    _check_links(state, plan, world)
     # A model per bucket was fitted (where two candidates were left); a mixed proposal takes
     # turns with the uniform choice.
     buckets, turns = [plan["mode"]], []
@@ -164,6 +167,63 @@ def _plan_alike(rank, world, trial, cpp):
     again.load_state_dict(saved)
     resumed = again.stats()
     assert resumed["plan"] == plan and resumed["mode"] == plan["mode"], (resumed, plan)
+
+
+def _check_links(state, plan, world):
+    # What the network gave the trial's collectives (one node here: every level is "intra"):
+    # each fastddp candidate's bytes in each of its measured steps, from both ranks, in as
+    # many collectives as its buckets' stages, in flight for part of the steps' time.
+    timed = {n: len(ms) for n, ms in plan["trial_ms"].items() if n != "none"}
+    sent = stages = 0
+    for name, steps in timed.items():
+        candidate = state._states[name]
+        slots = [slot for _, slot in candidate._table.by_index()]
+        sent += steps * sum(s.path.sent_bytes(s, candidate._topology) for s in slots)
+        stages += steps * sum(s.path.stages for s in slots)
+    assert set(plan["links"]) == {"intra"}, plan["links"]
+    intra = plan["links"]["intra"]
+    assert intra["MB"] * 1e6 == pytest.approx(world * sent, rel=1e-9), (intra, sent)
+    assert intra["collectives"] == stages, (intra, stages)
+    steps_ms = sum(sum(ms) for n, ms in plan["trial_ms"].items() if n != "none")
+    assert 0 < intra["busy_ms"] < steps_ms, (intra, steps_ms)
+    assert intra["MBps"] == pytest.approx(intra["MB"] / intra["busy_ms"] * 1e3)
+
+
+def _levels_of_two_nodes(rank, world):
+    # Two "nodes" of two ranks (told apart by FASTDDP_NODE_ID): bf16 takes two levels, int8
+    # with error feedback the flat path over both. Each level's bytes are those its
+    # collectives carried: inside the node, across, and over every rank.
+    os.environ[NODE_ENV] = f"node-{rank // 2}"
+    auto.MARGIN = float("inf")
+    model = DDP(_Net(depth=4), bucket_cap_mb=0.002)
+    state = fastddp.CompressState(dtype="auto", allow=["bf16", "int8-ef:flat"])
+    model.register_comm_hook(state, fastddp.compress_hook)
+    _train(model, state.trial_steps, rank, opt=False)
+    plan = state.stats()["plan"]
+    assert plan is not None and not plan["trial"], plan
+    mine = dict.fromkeys(links.LEVELS, 0)
+    for name, ms in plan["trial_ms"].items():
+        candidate = state._states[name]
+        topo = candidate._topology
+        for _, slot in candidate._table.by_index():
+            sent, cross = slot.path.sent_bytes(slot, topo), slot.path.cross_bytes(slot, topo)
+            if name == "bf16":
+                assert slot.path.name == "hierarchical-allreduce"
+                mine["cross"] += len(ms) * cross
+                mine["intra"] += len(ms) * (sent - cross)
+            else:
+                assert slot.path.name == "alltoall"
+                mine["flat"] += len(ms) * sent
+    nodes = torch.tensor([float(mine[level]) for level in links.LEVELS], dtype=torch.float64)
+    dist.all_reduce(nodes)  # every rank's bytes; the figures are per node
+    assert set(plan["links"]) == set(links.LEVELS), plan["links"]
+    for level, want in zip(links.LEVELS, nodes.tolist()):
+        assert plan["links"][level]["MB"] * 1e6 == pytest.approx(want / 2, rel=1e-9), level
+
+
+@pytest.mark.multiproc
+def test_each_level_of_two_nodes_is_timed_apart():
+    run_ranks(_levels_of_two_nodes, 4)
 
 
 @pytest.mark.multiproc

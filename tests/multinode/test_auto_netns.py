@@ -3,7 +3,8 @@
 The job starts on a fast link and plans; the test then lowers both nodes' rate to 20 Mbit/s.
 The plan's step must drift from what was measured, and a new trial must choose int8 with
 error feedback (for every bucket, or as the uniform choice a mixed plan was held against),
-having measured fp32 far slower than before. Needs root; skipped otherwise.
+having measured fp32 far slower than before, and the rate across nodes far lower. Needs root;
+skipped otherwise.
 """
 
 import json
@@ -41,3 +42,9 @@ def test_a_link_that_slows_down_is_planned_for_again(tmp_path):
     assert report["slowed_at"] is not None and last["made_at_step"] > report["slowed_at"], report
     assert last["uniform"] == "int8-ef", report
     assert last["step_ms"]["none"] > 3 * first["step_ms"]["none"], report
+    # What the collectives measured of each level, int8's two-level path: the slowed link
+    # (2.5 MB/s; the token bucket's 512 KB burst lets part of a short transfer through at once)
+    # gives far less than the fast one, and far less than the node's own loopback.
+    fast, slow = first["links"], last["links"]
+    assert slow["cross"]["MBps"] < 10 and slow["cross"]["MBps"] < fast["cross"]["MBps"] / 5, report
+    assert slow["intra"]["MBps"] > 10 * slow["cross"]["MBps"], report

@@ -1,0 +1,83 @@
+"""The rate each level of the network gave ``dtype="auto"``'s collectives during its trial.
+
+In the trial's measured steps every collective a fastddp candidate issues is recorded with its
+level, the bytes this rank sends in it, when it was issued and when it completed. The
+completion is stamped by the extension on the thread that completes the collective's future,
+without Python's lock (a Python callback there would wait for the training thread to let go
+of it, and stamp late). Levels:
+
+- ``"intra"``: collectives among the ranks of one node (the two-level path's first and last
+  stages, or any collective when the job has one node);
+- ``"cross"``: collectives between nodes, one rank of each (the two-level path's middle stages,
+  or any collective when each node has one rank);
+- ``"flat"``: collectives over every rank of several nodes of several ranks (a flat path
+  there), whose bytes cross both levels.
+
+A level's rate is the bytes one node's ranks sent at that level over the time its collectives
+were in flight (the union of their intervals in each step). It is what the collectives achieved,
+not the link's nominal rate: it counts each collective's latency, Gloo's own work on the data,
+and the time a rank waits in a collective for the others to join. Of the ranks' times the least
+is taken, since the rank that issues a collective last waits least for the others. Timed for
+CPU tensors on Gloo, where a collective's future completes when the collective has (NCCL's
+completes when it is enqueued).
+"""
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+__all__ = ["LEVELS", "in_flight", "level_of", "summary"]
+
+LEVELS = ("intra", "cross", "flat")
+
+
+def level_of(role: str, topo: Any) -> str:
+    """The level of a collective on the process group of ``role`` (``"group"``, ``"intra"``
+    or ``"cross"``, as :class:`~fastddp.hooks.paths.Path` names them) under ``topo``."""
+    if role != "group":
+        return role
+    if len(topo.nodes) == 1:
+        return "intra"
+    return "cross" if topo.per_node == 1 else "flat"
+
+
+def in_flight(steps: Iterable[Sequence[tuple[str, int, float, Any]]]) -> list[float]:
+    """Per level of :data:`LEVELS`: bytes sent, seconds in flight and the number of completed
+    collectives, summed over ``steps`` (each a list of ``(level, bytes, issued, stamp)``, with
+    ``stamp.done`` the completion time, 0 while pending), as one flat list of three per level."""
+    out = [0.0] * (3 * len(LEVELS))
+    for collectives in steps:
+        for k, level in enumerate(LEVELS):
+            spans = sorted(
+                (issued, max(issued, stamp.done), sent)
+                for name, sent, issued, stamp in collectives
+                if name == level and stamp.done > 0
+            )
+            busy, end = 0.0, float("-inf")
+            for begin, done, _ in spans:
+                if done > end:
+                    busy += done - max(begin, end)
+                    end = done
+            out[3 * k] += sum(sent for _, _, sent in spans)
+            out[3 * k + 1] += busy
+            out[3 * k + 2] += len(spans)
+    return out
+
+
+def summary(
+    sent: Sequence[float], busy: Sequence[float], count: Sequence[float], nodes: int, world: int
+) -> dict[str, dict[str, float]]:
+    """Per level with timed collectives: ``MBps`` (a node's bytes per second in flight), ``MB``
+    (a node's bytes), ``busy_ms`` and ``collectives`` (per rank), from every rank's bytes and
+    counts summed and the least of the ranks' times in flight."""
+    out = {}
+    for level, total, seconds, n in zip(LEVELS, sent, busy, count):
+        if n <= 0 or seconds <= 0 or total <= 0:
+            continue
+        per_node = total / nodes
+        out[level] = {
+            "MBps": per_node / seconds / 1e6,
+            "MB": per_node / 1e6,
+            "busy_ms": seconds * 1e3,
+            "collectives": n / world,
+        }
+    return out
