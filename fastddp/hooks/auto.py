@@ -17,18 +17,17 @@ compresses only when that pays measurably. ``"none"`` is ranked :data:`PLAIN_EDG
 measured, in the eliminations, the run-off and the choice: compression must beat it by more
 than the trial's noise.
 
-Then, per bucket (``planner.py``): the trial also recorded when each bucket reached the hook,
-the host time of each codec and the bytes each bucket sent, and a model of the backward pass
-fitted to those figures proposes a mode per bucket: fewer bytes where the backward pass cannot
-hide the transfer, more accurate modes where it can. Rank 0's proposal is broadcast. It is
-tried only if the model makes the step shorter by :data:`MIX_GAIN` of the uniform choice's
-step, by taking turns with the uniform choice for :data:`VERIFY_ROUNDS` rounds, and kept only
-if the turns confirm the model: faster by half the modelled gain, and by :data:`PREFER` at
-least (where compute and transfers share the same cores, the model's overlap is not there).
-With the default four candidates the plan is made by step 16 (at step 8 where one candidate is
-left after the first round), 22 after a run-off, and 6 steps later when a mixed plan was tried.
-Mixed plans are proposed for CPU tensors only: on CUDA the host's clock does not see the
-kernels.
+Then, per bucket (``planner.py``): the trial also recorded (``measured.py``) when each bucket
+reached the hook, the host time of each codec and the bytes each bucket sent, and a model of the
+backward pass fitted to those figures proposes a mode per bucket: fewer bytes where the backward
+pass cannot hide the transfer, more accurate modes where it can. Rank 0's proposal is broadcast.
+It is tried only if the model makes the step shorter by :data:`MIX_GAIN` of the uniform choice's
+step, by taking turns with the uniform choice for :data:`VERIFY_ROUNDS` rounds, and kept only if
+the turns confirm the model: faster by half the modelled gain, and by :data:`PREFER` at least
+(where compute and transfers share the same cores, the model's overlap is not there). With the
+default four candidates the plan is made by step 16 (at step 8 where one candidate is left after
+the first round), 22 after a run-off, and 6 steps later when a mixed plan was tried. Mixed plans
+are proposed for CPU tensors only: on CUDA the host's clock does not see the kernels.
 
 The trial also times each level of the network (``links.py``): every collective of a measured
 step, with its bytes, its level (inside a node, across nodes, or flat over both) and when it
@@ -41,7 +40,7 @@ that degrades, or recovers), the trial runs again. During a trial each candidate
 error-feedback residuals in its own buckets until its next turn. At a new plan, the residuals of
 every bucket a candidate no longer reduces are owed: the next buckets holding those parameters
 add them before they are reduced, and so when DDP moves a parameter to a bucket of another
-mode. Nothing error feedback kept is lost.
+mode (``owed.py``). Nothing error feedback kept is lost.
 
 Registered with :func:`fastddp.register_comm_hook`, ``"none"`` runs in a hook in C++
 (``csrc/ddp/switch_hook.cpp``): PyTorch's fp32 all-reduce without Python. Its measured trial
@@ -59,14 +58,14 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
 from fastddp import _extension
-from fastddp.hooks import links, planner
+from fastddp.hooks import links, measured, planner
 from fastddp.hooks.hook import compress_hook
+from fastddp.hooks.measured import StepRecord
+from fastddp.hooks.owed import Owed
 from fastddp.hooks.presets import PRESETS
 from fastddp.hooks.state import CompressState
-from fastddp.hooks.topology import ring_bytes
 
 __all__ = ["AutoState", "DEFAULT_ALLOW", "MIXED", "NONE"]
 
@@ -129,45 +128,6 @@ def _make(name: str, process_group, topology: str, seed: int) -> CompressState:
     """The candidate ``name``: a preset, with the path after a colon if one is named."""
     preset, _, path = name.partition(":")
     return CompressState.from_preset(preset, process_group, topology=path or topology, seed=seed)
-
-
-class _Step:
-    """What one step measured: per bucket, when it reached the hook and left it, its size and
-    the time the hook blocked on collectives; and when the last reduction ended."""
-
-    __slots__ = (
-        "label",
-        "kind",
-        "began",
-        "left",
-        "numel",
-        "waited",
-        "done",
-        "period",
-        "held",
-        "collectives",
-    )
-
-    def __init__(self, label: str, kind: Optional[str]) -> None:
-        self.label, self.kind = label, kind  # kind: "trial", "verify" or None (not measured)
-        self.began: list[float] = []
-        self.left: list[float] = []
-        self.numel: list[int] = []
-        self.waited: list[float] = []
-        self.done = 0.0
-        self.period = 0.0  # to the next step's first bucket
-        self.held: dict[str, set[int]] = {}  # parameter keys each mode reduced
-        self.collectives: list[tuple] = []  # (level, bytes, issued, stamp): see links.py
-
-    def finished(self, _future: torch.futures.Future) -> None:
-        self.done = max(self.done, time.perf_counter())
-
-    def figures(self) -> tuple[list[float], float, float]:
-        """Compute gaps before each bucket, host seconds per element, seconds to the end."""
-        gaps = [0.0] + [b - a for a, b in zip(self.left, self.began[1:])]
-        busy = sum(b - a for a, b in zip(self.began, self.left)) - sum(self.waited)
-        end = max(self.done, self.left[-1])
-        return gaps, max(busy, 0.0) / max(sum(self.numel), 1), end - self.began[0]
 
 
 class AutoState(CompressState):
@@ -246,7 +206,7 @@ class AutoState(CompressState):
         self._using: Assignment = self.allow[0]
         self._task = None
         self._plan: Optional[dict[str, Any]] = None
-        self._owed = WeakIdKeyDictionary()  # parameter -> residual its next reduction adds
+        self._owed = Owed()  # residuals of buckets a candidate left (owed.py)
         self._checked = False
         self._steps_in = dict.fromkeys((*self.allow, MIXED), 0)  # steps each plan reduced
         # The C++ hook's control where fastddp.register_comm_hook registered this state: it
@@ -261,8 +221,8 @@ class AutoState(CompressState):
         """Forget measurements: the next step starts a trial (or runs a loaded plan)."""
         self._step, self._trial_start = -1, 0
         self._schedule = self._trial_schedule()
-        self._record: Optional[_Step] = None
-        self._records: dict[str, list[_Step]] = {}
+        self._record: Optional[StepRecord] = None
+        self._records: dict[str, list[StepRecord]] = {}
         self._recent: list[float] = []
         self._strikes = 0
         self._proposal: Optional[tuple[str, ...]] = None
@@ -287,7 +247,7 @@ class AutoState(CompressState):
             self._begin_step(bucket.buffer().device)
         keys = self._keys_of(bucket.parameters())
         if len(self._owed):
-            self._repay(bucket)
+            self._owed.repay(bucket, dist.get_world_size(self.process_group))
         mode = self._mode_of(bucket.index())
         state = self._states.get(mode)
         record = self._record
@@ -333,7 +293,7 @@ class AutoState(CompressState):
         last = self._record
         period = None if last is None or not last.began else now - last.began[0]
         periods = [] if period is None else [period]
-        native: list[_Step] = []
+        native: list[StepRecord] = []
         if self._switch is not None:  # the steps run in C++ since the last one here count too
             periods = self._switch.take_periods()  # the last step's, then each C++ step's
             native = self._native_records()
@@ -358,7 +318,7 @@ class AutoState(CompressState):
             if len(self._recent) >= CHECK_EVERY:
                 self._check_plan(device)
             label = self._label_now()
-        self._record = _Step(label, kind)
+        self._record = StepRecord(label, kind)
         on_issue = self._on_issue if kind == "trial" and self._stamp is not None else None
         for state in self._states.values():
             state._pipeline.on_issue = on_issue
@@ -375,13 +335,13 @@ class AutoState(CompressState):
         sent = job.path.stage_bytes(job, stage)
         self._record.collectives.append((level, sent, time.perf_counter(), stamp))
 
-    def _native_records(self) -> list["_Step"]:
+    def _native_records(self) -> list["StepRecord"]:
         """The measured trial turns the C++ hook ran since the last step here, as records."""
         records = []
         for (began, left, numel, done), (label, kind) in zip(
             self._switch.take_records(), self._handed
         ):
-            record = _Step(label, kind)
+            record = StepRecord(label, kind)
             record.began, record.left, record.numel = began, left, numel
             record.waited, record.done = [0.0] * len(numel), done
             records.append(record)
@@ -415,7 +375,7 @@ class AutoState(CompressState):
         if CHECK_EVERY - len(self._recent) > 1:
             self._switch.run_native(CHECK_EVERY - len(self._recent) - 1)
 
-    def _settle_moves(self, last: "_Step") -> None:
+    def _settle_moves(self, last: "StepRecord") -> None:
         # DDP lays its buckets out again (after its first step, say): a parameter that left a
         # mode's buckets left its residual in that mode, which no bucket of it will take up. It
         # is repaid through the parameter's new bucket (a step late; nothing is lost).
@@ -481,7 +441,10 @@ class AutoState(CompressState):
     def _decide(self, device: torch.device, alive: list[str]) -> None:
         """The uniform choice among ``alive``, then a mode per bucket proposed from the trial."""
         medians = [statistics.median(self._periods("trial", n)) for n in self.allow]
-        profile = self._profile(device) if len(alive) > 1 else None
+        profile = None
+        if len(alive) > 1 and len(self.allow) > 1 and device.type == "cpu":
+            runs = {n: self._records.get(f"trial:{n}", []) for n in self.allow}
+            profile = measured.profile(self.allow, self._states, runs)
         n = 0 if profile is None else len(profile)
         timed = links.in_flight(
             r.collectives for key, rs in self._records.items() if key[:6] == "trial:" for r in rs
@@ -532,49 +495,6 @@ class AutoState(CompressState):
             self._adopt(choice)
         else:
             self._schedule += [(MIXED, "verify"), (choice, "verify")] * VERIFY_ROUNDS
-
-    def _profile(self, device: torch.device) -> Optional[list[float]]:
-        """This rank's figures for the per-bucket model, flat, or None where it does not apply:
-        a single candidate, a single bucket, CUDA tensors, or a bucket layout that changed."""
-        if len(self.allow) < 2 or device.type != "cpu":
-            return None
-        if not any(s._verified for s in self._states.values()):
-            return None  # 16-bit buckets pass through: nothing to plan
-        runs = {n: self._records.get(f"trial:{n}", []) for n in self.allow}
-        sizes = {tuple(r.numel) for rs in runs.values() for r in rs}
-        if len(sizes) != 1:
-            return None
-        numel = list(next(iter(sizes)))
-        if len(numel) < 2:
-            return None
-        flat: list[float] = [float(len(numel)), *map(float, numel)]
-        for name in self.allow:
-            rows = [r.figures() for r in runs[name]]
-            gaps = [statistics.median(g[i] for g, _, _ in rows) for i in range(len(numel))]
-            cost = statistics.median(c for _, c, _ in rows)
-            reduce_s = statistics.median(e for _, _, e in rows)
-            flat += [*gaps, cost, reduce_s, *self._sent(name, numel)]
-        return flat
-
-    def _sent(self, name: str, numel: list[int]) -> list[float]:
-        """Bytes of each bucket on the slowest link: across nodes where there are several."""
-        states = [s for s in self._states.values() if s._verified]
-        topo = states[0]._topology
-        across = len(topo.nodes) > 1
-        if name == NONE:
-            if across:
-                return [float(topo.ring_cross_bytes(n, 4)) for n in numel]
-            return [float(ring_bytes(n, topo.world, 4)) for n in numel]
-        slots = dict(self._states[name]._table.by_index())
-        sent = []
-        for i, n in enumerate(numel):
-            slot = slots.get(i)
-            if slot is None or not slot.calls:
-                sent.append(float(ring_bytes(n, topo.world, 4)))
-                continue
-            total = slot.cross_node_bytes if across else slot.wire_bytes
-            sent.append(total / slot.calls)
-        return sent
 
     def _propose(self, flat: list[float], uniform: str, step_s: float, alive, device) -> None:
         n = int(flat[0])
@@ -728,50 +648,7 @@ class AutoState(CompressState):
             self._collect_owed(state, frozenset(mine))
 
     def _collect_owed(self, state: CompressState, keep: frozenset = frozenset()) -> None:
-        """Take ``state``'s residuals out, by parameter, for the next buckets to add; the
-        buckets whose indices are in ``keep`` keep theirs."""
-        state.flush()
-        rank = dist.get_rank(self.process_group)
-        tensors = {key: p for p, key in state._table.param_keys.items()}
-        for slot in state._table.slots.values():
-            if slot.residual is None or not slot.params:
-                continue
-            if slot.index in keep:
-                continue
-            parts = state._residuals_of(slot, rank)
-            owed = parts["residual"].clone()
-            shard = parts["shard_residual"]
-            if shard is not None:
-                lo = parts["shard_offset"]
-                n = max(0, min(shard.numel(), slot.numel - lo))
-                owed[lo : lo + n] += shard[:n]
-            offset = 0
-            for key, numel in slot.params:
-                p = tensors.get(key)
-                if p is not None:
-                    piece = owed[offset : offset + numel]
-                    self._owed[p] = self._owed[p] + piece if p in self._owed else piece
-                offset += numel
-            slot.residual.zero_()
-            if slot.shard_residual is not None:
-                slot.shard_residual.zero_()
-        for key, owed in state._residuals.drain(rank).items():  # parked: loaded or moved
-            p = tensors.get(key)
-            if p is not None:
-                self._owed[p] = (
-                    self._owed[p] + owed.to(self._owed[p].device) if p in self._owed else owed
-                )
-
-    def _repay(self, bucket: dist.GradBucket) -> None:
-        # Residuals are in units of the average; the bucket is divided by the world size.
-        world = dist.get_world_size(self.process_group)
-        buffer, offset = bucket.buffer(), 0
-        for p in bucket.parameters():
-            n = p.numel()
-            owed = self._owed.pop(p, None)
-            if owed is not None:
-                buffer[offset : offset + n].add_(owed.to(buffer.device), alpha=world)
-            offset += n
+        self._owed.collect(state, dist.get_rank(self.process_group), keep)
 
     # -- what CompressState offers ----------------------------------------------------------
 
@@ -865,7 +742,7 @@ class AutoState(CompressState):
                 )
         for name, sd in state_dict["candidates"].items():
             self._states[name].load_state_dict(sd)
-        self._owed = WeakIdKeyDictionary()
+        self._owed = Owed()
         self._restart()
         self._plan = None if plan is None else {**_plain(plan), "trial": False}
         if plan is None:

@@ -198,7 +198,7 @@ def _levels_of_two_nodes(rank, world):
     model = DDP(_Net(depth=4), bucket_cap_mb=0.002)
     state = fastddp.CompressState(dtype="auto", allow=["bf16", "int8-ef:flat"])
     model.register_comm_hook(state, fastddp.compress_hook)
-    _train(model, state.trial_steps, rank, opt=False)
+    _train(model, state.trial_steps + 1, rank, opt=False)  # (a plan is adopted at a step)
     plan = state.stats()["plan"]
     assert plan is not None and not plan["trial"], plan
     mine = dict.fromkeys(links.LEVELS, 0)
