@@ -194,13 +194,17 @@ def _levels_of_two_nodes(rank, world):
     # with error feedback the flat path over both. Each level's bytes are those its
     # collectives carried: inside the node, across, and over every rank.
     os.environ[NODE_ENV] = f"node-{rank // 2}"
-    auto.MARGIN = float("inf")
+    # No re-plan, no candidate dropped, no run-off, no mixed plan's turns: the plan is made
+    # after 3 measured rounds.
+    auto.MARGIN, auto.RUNOFF, auto.MIX_GAIN = float("inf"), -1.0, float("inf")
+    auto.ELIMINATE = (float("inf"),) * 2
     model = DDP(_Net(depth=4), bucket_cap_mb=0.002)
     state = fastddp.CompressState(dtype="auto", allow=["bf16", "int8-ef:flat"])
     model.register_comm_hook(state, fastddp.compress_hook)
-    _train(model, state.trial_steps + 1, rank, opt=False)  # (a plan is adopted at a step)
+    # A warm-up, a step of each to make buffers, the rounds, and the step that adopts the plan.
+    _train(model, 1 + 2 + (auto.TRIAL_ROUNDS - 1) * 2 + 1, rank, opt=False)
     plan = state.stats()["plan"]
-    assert plan is not None and not plan["trial"], plan
+    assert plan is not None and not plan["trial"] and len(plan["rounds"]) == 3, plan
     mine = dict.fromkeys(links.LEVELS, 0)
     for name, ms in plan["trial_ms"].items():
         candidate = state._states[name]
