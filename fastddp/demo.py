@@ -86,7 +86,7 @@ def _train(mode, args, rank, world):
     warm = times[min(first, len(times) - 1) :]
     step_ms = torch.tensor([statistics.median(warm) * 1e3])
     dist.all_reduce(step_ms, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-    label = mode
+    label, links = mode, {}
     if state is None:
         payload = numel * 4
     elif mode == AUTO:
@@ -95,6 +95,7 @@ def _train(mode, args, rank, world):
         label = f"{mode} ({chosen})"
         own = s["candidates"].get(chosen)
         payload = numel * 4 if own is None else own["payload_bytes"] // s["steps_in"][chosen]
+        links = s["plan"]["links"] if s["plan"] else {}
     else:
         s = state.stats()
         payload = s["payload_bytes"] // args.steps
@@ -107,7 +108,11 @@ def _train(mode, args, rank, world):
         "final_loss": final.item() / world,
         "max_dev": deviation if state is not None else 0.0,
         "params": numel,
+        "links": links,
     }
+
+
+_LEVELS = {"intra": "inside the node", "cross": "between nodes", "flat": "over every rank"}
 
 
 def _print_table(rows, args, world):
@@ -140,6 +145,13 @@ def _print_table(rows, args, world):
         for r in rows
     ]
     report.table(head, cols, cells)
+    for r in rows:
+        if r["links"]:
+            got = ", ".join(
+                f"{_LEVELS[level]} {v['MBps']:.0f} MB/s ({v['MBps'] * 8e-3:.2f} Gbit/s)"
+                for level, v in r["links"].items()
+            )
+            print(f"{r['mode']}: its trial's collectives got {got}")
     print(
         "payload: the all-reduce message; sent: payload x 2(n-1)/n, what a ring sends per rank.\n"
         "max grad dev: max |hook gradient - exact fp32 average| / max |exact|, same weights."
