@@ -350,7 +350,7 @@ def test_a_lost_node_not_coming_back_leaves_node_0_alone(power, tmp_path, tmp_pa
 def test_a_node_added_to_a_running_job_grows_it(tmp_path, tmp_path_factory):
     # Node 0 starts alone (--nnodes 1:2); node 1 joins after step 12. Node 0's agent restarts
     # its workers for the new member, and 4 ranks go on from the last 2-rank checkpoint.
-    argv = [str(EXAMPLE), "--steps", "60", "--ckpt-every", "10", "--mode", _EF_MODE]
+    argv = [str(EXAMPLE), "--steps", "40", "--ckpt-every", "10", "--mode", _EF_MODE]
     argv += ["--ckpt-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "params.pt")]
     argv += ["--progress", str(tmp_path / "progress"), "--step-seconds", "0.3"]
     launch, port = _elastic("grow", "1:2")
@@ -372,7 +372,7 @@ def test_a_node_added_to_a_running_job_grows_it(tmp_path, tmp_path_factory):
     # The reference: that 2-rank checkpoint resumed by a static 2 x 2 job.
     ckpt = tmp_path / "ckpt" / f"step-{step}"
     codes, outs, _, want = _run(
-        tmp_path_factory.mktemp("grown"), _EF_MODE, extra=["--steps", "60"], resume=ckpt
+        tmp_path_factory.mktemp("grown"), _EF_MODE, extra=["--steps", "40"], resume=ckpt
     )
     assert codes == [0, 0], outs
     assert f"rank 0: attempt 0, starting from step {step}" in outs[0], outs[0]
