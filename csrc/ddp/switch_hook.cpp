@@ -11,8 +11,8 @@
 // CompletionStamp, below, stamps when a collective's future completes, for dtype="auto" to time
 // each level of the network in its trial (fastddp/hooks/links.py).
 //
-// pybind11 is used here only to reach torch's Reducer and ProcessGroup objects from Python and
-// to hand Python the switch; the ops stay pybind-free (fastddp.cpp).
+// pybind11 is used here only to reach torch's Reducer, ProcessGroup and Future objects from
+// Python and to hand Python the switch and the stamps; the ops stay pybind-free (fastddp.cpp).
 #include <algorithm>
 #include <atomic>
 #include <chrono>

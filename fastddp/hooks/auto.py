@@ -446,9 +446,8 @@ class AutoState(CompressState):
             runs = {n: self._records.get(f"trial:{n}", []) for n in self.allow}
             profile = measured.profile(self.allow, self._states, runs)
         n = 0 if profile is None else len(profile)
-        timed = links.in_flight(
-            r.collectives for key, rs in self._records.items() if key[:6] == "trial:" for r in rs
-        )
+        trial = [rs for key, rs in self._records.items() if key.startswith("trial:")]
+        timed = links.in_flight(r.collectives for rs in trial for r in rs)
         # (The least of the ranks' times in flight, as the most of their negatives.)
         busy = [-s for s in timed[1::3]]
         figures = [*medians, *busy, self._nodes, n, -n]
