@@ -1,14 +1,17 @@
 """Call every fastddp op at several sizes and alignments, and check each against plain torch.
 
-Run under ``compute-sanitizer`` by ``benchmarks/gpu_check.py`` (memcheck, racecheck,
-synccheck, initcheck): sizes around the vector width and the block size, one long enough for
-three passes of every grid-stride loop, views that start off a 16-byte boundary, random data
-(never zeros), with and without the non-finite flag, error feedback and stochastic rounding.
-Every buffer is exactly as long as its op needs and a view ends where its allocation ends, so
-that memcheck (with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, which gives each tensor its own
-``cudaMalloc``) sees an access one element past the end. ``--device cpu`` runs the same calls
-on the CPU kernels (what the tests do where there is no GPU). Exits non-zero on the first wrong
-result.
+The ops: compress, decompress, sum_chunks, widen_sum, the int8 codes (quantize_int8,
+unpack_int8, dequantize_int8) and the packed 4- and 2-bit codes (quantize_packed,
+unpack_packed, dequantize_packed), flat and in rows that lie apart. Run under
+``compute-sanitizer`` by ``benchmarks/gpu_check.py`` (memcheck, racecheck, synccheck,
+initcheck): sizes around the vector width and the block size, one long enough for three passes
+of every grid-stride loop, views that start off a 16-byte boundary, random data (never zeros),
+with and without the non-finite flag, error feedback and stochastic rounding. Every buffer
+(except the rows apart) is exactly as long as its op needs and a view ends where its allocation
+ends, so that memcheck (with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, which gives each tensor its
+own ``cudaMalloc``) sees an access one element past the end. ``--device cpu`` runs the same
+calls on the CPU kernels (what the tests do where there is no GPU). Exits non-zero on the first
+wrong result.
 
     python benchmarks/gpu_ops_all.py [--device cuda]
 """
@@ -23,6 +26,7 @@ from fastddp import ops
 SIZES = (1, 7, 8, 127, 128, 129, 1000, 4099, 65537)
 OFFSETS = (0, 1, 3)  # elements: 4, 12 bytes off alignment for fp32
 BLOCK = 128
+PACKED = ((4, 32), (2, 128))  # (bits, block): both code widths, a small and a large block
 H100_SMS = 132
 
 
@@ -53,6 +57,65 @@ def _check(what, got, want, tol):
     bound = tol * (want.double().abs().max().item() if want.numel() else 0.0) + 1e-30
     if not err <= bound:
         raise AssertionError(f"{what}: off by {err:.3e} (bound {bound:.3e})")
+
+
+def _packed(src, n, off, bits, block, flag, device) -> int:
+    """quantize_packed, unpack_packed and dequantize_packed on ``n`` codes; the op calls made.
+
+    The packed bytes and the scales start ``off`` elements into their allocations too, so that
+    a kernel which assumes an aligned start is seen.
+    """
+    nbytes, blocks = -(-n * bits // 8), -(-n // block)
+    q = _empty(nbytes, off, torch.uint8, device)
+    scales = _empty(blocks, off, torch.float32, device)
+    residual = torch.zeros(n, device=device)
+    ops.quantize_packed(src, q, scales, bits, block, 1.0, flag, residual, 5)
+    whole = _empty(n, off, torch.float32, device)
+    ops.unpack_packed(q, scales, whole, bits, block)
+    # With error feedback, what was sent plus what is owed is the input.
+    _check(f"quantize+unpack packed{bits} n={n} off={off}", whole + residual, src, 1e-6)
+    summed = torch.empty(n, device=device)
+    rows, row_scales = torch.stack([q, q]), torch.stack([scales, scales])
+    ops.dequantize_packed(rows, row_scales, summed, bits, block, 0.5)
+    _check(f"dequantize_packed{bits} n={n}", summed, whole, 0)
+    ops.quantize_packed(src, q, scales, bits, block)  # to nearest, no residual
+    ops.unpack_packed(q, scales, whole, bits, block)
+    step = scales.repeat_interleave(block)[:n]
+    if not bool(((whole - src).abs() <= step * 0.5001).all()):
+        raise AssertionError(f"quantize_packed{bits} n={n} off={off}: off by more than a half step")
+    return 5
+
+
+def _rows_apart(device, flag) -> int:
+    """The int8 and packed codes written as rows of a wider buffer (one row per rank, scales
+    beside them): nothing may be written between the rows. The op calls made."""
+    world, shard, pad = 3, 4096, 16
+    src = _data(world * shard, 0, device, seed=17)
+    calls = 0
+    for bits, block in ((8, 128), *PACKED):
+        nbytes = shard * bits // 8
+        wire = torch.full((world, nbytes + pad), 99, dtype=torch.uint8, device=device)
+        scales = torch.full((world, shard // block + 1), 7.0, device=device)
+        values, row_scales = wire[:, :nbytes], scales[:, : shard // block]
+        back = torch.empty(world * shard, device=device)
+        summed = torch.empty(shard, device=device)
+        if bits == 8:
+            codes = values.view(torch.int8)
+            ops.quantize_int8(src, codes, row_scales, block, 1.0, flag)
+            ops.unpack_int8(codes, row_scales, back, block)
+            ops.dequantize_int8(codes, row_scales, summed, block)
+        else:
+            ops.quantize_packed(src, values, row_scales, bits, block, 1.0, flag)
+            ops.unpack_packed(values, row_scales, back, bits, block)
+            ops.dequantize_packed(values, row_scales, summed, bits, block)
+        if not (bool((wire[:, nbytes:] == 99).all()) and bool((scales[:, -1] == 7.0).all())):
+            raise AssertionError(f"{bits}-bit rows: written between the rows")
+        step = row_scales.reshape(-1).repeat_interleave(block)
+        if not bool(((back - src).abs() <= step * 0.5001).all()):
+            raise AssertionError(f"{bits}-bit rows: off by more than a half step")
+        _check(f"{bits}-bit rows summed", summed, back.view(world, shard).sum(0), 1e-6)
+        calls += 3
+    return calls
 
 
 def run(device: torch.device) -> int:
@@ -97,6 +160,9 @@ def run(device: torch.device) -> int:
         ops.dequantize_int8(torch.stack([q, q]), torch.stack([scales, scales]), summed, BLOCK)
         _check(f"dequantize_int8 n={n}", summed, 2 * whole, 1e-6)
         calls += 3
+        for bits, block in PACKED:
+            calls += _packed(src, n, off, bits, block, flag, device)
+    calls += _rows_apart(device, flag)
     # The non-finite flag: an inf must be reported by every op that can produce one.
     bad = _data(300, 0, device, seed=1)
     bad[123] = float("inf")
