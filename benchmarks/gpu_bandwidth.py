@@ -2,10 +2,12 @@
 
 For fp32 buckets of 1 MB, 25 MB, 100 MB and 1 GB (random data), every op is timed with CUDA
 events (median of several calls) and reported in GB/s counting the bytes it reads and writes;
-``ratio`` divides that by the copy's GB/s. Targets from 25 MB up: compress and decompress
->= 0.85, sum_chunks, quantize_int8 and dequantize_int8 >= 0.7. PyTorch's own
-``to(dtype).div_()`` + ``copy_`` (what its fp16 hook does) is timed next to compress +
-decompress. ``--device cpu`` runs the same on the CPU (perf_counter), for testing the script.
+``ratio`` divides that by the copy's GB/s. Target from 25 MB up: every op >= 0.85 of the
+copy. The ops: compress, decompress, sum_chunks, the int8 codes (quantize, dequantize, unpack)
+and the packed 4- and 2-bit codes (``quantize_packed4`` ... ``unpack_packed2``), with blocks of
+128. PyTorch's own ``to(dtype).div_()`` + ``copy_`` (what its fp16 hook does) is timed next to
+compress + decompress. ``--device cpu`` runs the same on the CPU (perf_counter), for testing
+the script.
 
     python benchmarks/gpu_bandwidth.py --json bw.json --markdown bw.md
 """
@@ -23,13 +25,21 @@ from fastddp import ops
 SIZES = {"1MB": 1 << 20, "25MB": 25 << 20, "100MB": 100 << 20, "1GB": 1 << 30}
 RANKS = 4  # rows summed by sum_chunks and dequantize_int8
 BLOCK = 128
-TARGETS = {
-    "compress": 0.85,
-    "decompress": 0.85,
-    "sum_chunks": 0.7,
-    "quantize_int8": 0.7,
-    "dequantize_int8": 0.7,
-}
+BITS = (4, 2)  # the packed codes
+OPS = (
+    "compress",
+    "decompress",
+    "sum_chunks",
+    "quantize_int8",
+    "dequantize_int8",
+    "unpack_int8",
+    *(
+        f"{op}{bits}"
+        for bits in BITS
+        for op in ("quantize_packed", "dequantize_packed", "unpack_packed")
+    ),
+)
+TARGETS = dict.fromkeys(OPS, 0.85)
 
 
 def _timer(device):
@@ -98,12 +108,14 @@ def _one_size(device, label, nbytes, timed, iters):
             RANKS * m + 4 * s_rows.numel() + 4 * m,
         ),
         "unpack_int8": (lambda: ops.unpack_int8(q, scales, dst, BLOCK), n + 4 * n),
+        **_packed_cases(src, dst, m, g, device),
         # read fp32, write bf16; div_ in place; read bf16, write fp32
         "torch to(bf16).div_ + copy_": (
             lambda: dst.copy_(src.to(torch.bfloat16).div_(RANKS)),
             (4 + 2) * n + (2 + 2) * n + (2 + 4) * n,
         ),
     }
+    assert set(OPS) <= set(cases), set(OPS) - set(cases)
     rows, copy_gbs = [], None
     for op, (fn, moved) in cases.items():
         for _ in range(2):
@@ -128,6 +140,36 @@ def _one_size(device, label, nbytes, timed, iters):
             }
         )
     return rows
+
+
+def _packed_cases(src, dst, m, g, device):
+    """``name -> (call, bytes moved)`` for the packed ops over the same buckets as int8."""
+    n, cases = src.numel(), {}
+    for bits in BITS:
+        nbytes, row_bytes = -(-n * bits // 8), -(-m * bits // 8)
+        q = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        scales = torch.empty(-(-n // BLOCK), device=device)
+        q_rows = torch.randint(0, 256, (RANKS, row_bytes), generator=g, device=device)
+        q_rows = q_rows.to(torch.uint8)
+        s_rows = torch.rand(RANKS, -(-m // BLOCK), generator=g, device=device)
+        summed = torch.empty(m, device=device)
+
+        def quantize(q=q, scales=scales, bits=bits):
+            ops.quantize_packed(src, q, scales, bits, BLOCK)
+
+        def dequantize(q_rows=q_rows, s_rows=s_rows, summed=summed, bits=bits):
+            ops.dequantize_packed(q_rows, s_rows, summed, bits, BLOCK)
+
+        def unpack(q=q, scales=scales, bits=bits):
+            ops.unpack_packed(q, scales, dst, bits, BLOCK)
+
+        cases[f"quantize_packed{bits}"] = (quantize, 4 * n + nbytes + 4 * scales.numel())
+        cases[f"dequantize_packed{bits}"] = (
+            dequantize,
+            RANKS * row_bytes + 4 * s_rows.numel() + 4 * m,
+        )
+        cases[f"unpack_packed{bits}"] = (unpack, nbytes + 4 * scales.numel() + 4 * n)
+    return cases
 
 
 def markdown(rows):
