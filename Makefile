@@ -65,9 +65,11 @@ test: build cuda-check
 		-p no:cacheprovider $(PYTEST_ARGS)
 
 # The GPU proof (benchmarks/gpu_check.py): where a GPU is present, builds against the installed
-# torch (no venv) and writes every result into $(OUT); elsewhere says so in one line and exits 0.
-# PART=1..4 runs one part of the plan, each within 540 s (for a machine lent 600 s a command);
-# without PART, every part in one go. `make gpu-check-plan` prints the plan and checks its times.
+# torch (no venv), runs the CUDA tests, the four compute-sanitizer tools, the bandwidth and the
+# step-cost tables in one command of at most 480 s, and writes summary.md, summary.json and
+# logs.tar.gz into $(OUT); elsewhere says so in one line and exits 0. PART=1..3 runs one part of
+# the plan, for a command cut short. `make gpu-check-plan` prints the plan and fails if it could
+# run past 480 s.
 GPU_PYTHON ?= python3
 OUT ?= gpu-check-out
 PART ?=

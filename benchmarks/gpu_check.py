@@ -1,41 +1,39 @@
-"""The GPU proof: build, CUDA tests, sanitizers, bandwidth, into one folder, in short commands.
+"""The GPU proof in one command: build, CUDA tests, sanitizers, bandwidth and step cost.
 
-A borrowed GPU machine runs one command for at most 600 s, so the check is a plan of parts,
-each one command that fits in 540 s (the rest is for starting up and copying results back)::
+A borrowed GPU machine gives a few minutes in all and at most 600 s a command, so everything
+runs in one command of at most 480 s (the rest is for starting the machine and copying the
+results back)::
 
-    make gpu-check OUT=$OUT PART=1   # build; CUDA tests
-    make gpu-check OUT=$OUT PART=2   # build; sanitizer memcheck, racecheck
-    make gpu-check OUT=$OUT PART=3   # build; sanitizer synccheck, initcheck
-    make gpu-check OUT=$OUT PART=4   # build; bandwidth
+    make gpu-check OUT=$OUT          # python3 benchmarks/gpu_check.py $OUT
+    make gpu-check-plan              # the plan, each phase's time limit; fails if over 480 s
 
-(``python benchmarks/gpu_check.py OUT --part N`` is the same; ``--steps build,cuda-tests``
-runs chosen steps.) ``python benchmarks/gpu_check.py --dry-run`` prints the plan, each
-command's steps and their time limits, and fails if a command could run past 540 s; it needs
-no GPU. Without ``PART`` every step runs in one command, for a machine with no such limit.
+The plan is a row of phases; the steps of a phase run at once, the phases one after another:
 
-The steps:
+1. ``build``: the extension against the installed torch (``pip install --no-build-isolation
+   --no-deps -e .``, ``FORCE_CUDA=1``, ``TORCH_CUDA_ARCH_LIST`` of the GPU present), once.
+2. At once, since neither is timed: ``cuda-tests`` (``gpu_cuda_tests.py``: every ``cuda``
+   test, one pytest process per file, files of spawned ranks split, all started together,
+   each with its own time limit) and ``sanitizer-<tool>`` for memcheck, racecheck, synccheck
+   and initcheck (``gpu_ops_all.py``, every op including the packed ones, under
+   ``compute-sanitizer --tool <tool>``, with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` so that each
+   tensor is its own allocation and an overrun past its end is seen).
+3. ``bandwidth`` alone: each op against a device-to-device copy (``gpu_bandwidth.py``).
+4. ``step-cost`` alone: a DDP step with each hook against plain DDP on NCCL at world size 1
+   (``gpu_step_cost.py``).
 
-- ``build``: the extension against the installed torch (``pip install --no-build-isolation
-  --no-deps -e .``, ``FORCE_CUDA=1``, ``TORCH_CUDA_ARCH_LIST`` of the GPU present). Every part
-  starts with it, so that a part also runs on a fresh machine; where an earlier part's build
-  is still there it is an incremental no-op.
-- ``cuda-tests``: ``pytest -m cuda``: every op against the reference and the CPU, bit for bit,
-  at awkward lengths and offsets and at lengths that take each grid-stride loop through three
-  passes, ``opcheck``, the non-finite flag, the GPU error paths, and the hook for every mode on
-  NCCL with world size 1 and on Gloo with CUDA tensors.
-- ``sanitizer-<tool>``: ``benchmarks/gpu_ops_all.py`` under ``compute-sanitizer --tool
-  <tool>`` for memcheck, racecheck, synccheck and initcheck, with
-  ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` so that every tensor is its own allocation and an
-  overrun past its end is seen, not hidden inside a cached block.
-- ``bandwidth``: each op against a device-to-device copy (``gpu_bandwidth.py``).
+``--part N`` (``make gpu-check PART=N``) runs one part of the plan, for when a command was cut
+short; ``--steps a,b`` runs chosen steps. Each starts with the build, so that it also runs on a
+fresh machine (where the build is still there it is an incremental no-op).
 
-Each step's verdict is written to ``summary.md`` / ``summary.json`` as soon as the step ends,
-and a step is marked ``running`` before it starts, so a command killed at its limit loses only
-that step; parts run into the same folder add to one summary. A verdict is ``pass``,
-``FAIL``, ``skipped: <tool> not found`` (a program the machine lacks) or ``refused:
-<reason>`` (a sanitizer that could not instrument the program, which is not an error found in
-it). Every step's log lies beside the summary, with the GPU, driver and torch/CUDA/NCCL
-versions. Exits 1 if a step of this command failed.
+The output folder holds three files: ``summary.md`` and ``summary.json`` (every step's verdict,
+time and detail, the machine's GPU, driver and torch/CUDA/NCCL versions, the bandwidth and
+step-cost tables) and ``logs.tar.gz`` (every step's log and output). Logs are written to a
+temporary folder and archived whenever a step ends, so a command killed at its limit loses only
+what was running; a step is marked ``running`` before it starts. Parts run into the same folder
+add to one summary and one archive. A verdict is ``pass``, ``FAIL``, ``skipped: <tool> not
+found`` (a program the machine lacks) or ``refused: <reason>`` (a sanitizer that could not
+instrument the program, which is not an error found in it). A missed bandwidth or step-cost
+target is reported in its table, not as a failure. Exits 1 if a step of this command failed.
 
 Without a GPU (``nvidia-smi`` finds none) it says so in one line and exits 0, building nothing.
 """
@@ -50,26 +48,42 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMAND_LIMIT = 540  # seconds a command may take: the borrowed machine's 600, less its overhead
-PROBES = 60  # seconds for nvidia-smi (10 + 10) and the torch version probe (40)
+COMMAND_LIMIT = 480  # seconds the whole command may take
+PROBES = 35  # nvidia-smi -L (5) and its driver query (5), the torch version probe (25)
+FINISH = 10  # the last summary and archive
+GRACE = 3  # seconds between asking a step to stop (SIGTERM) and killing it
+MAX_FILES = 8  # files the output folder may hold
+ARCHIVE = "logs.tar.gz"
 SANITIZERS = ("memcheck", "racecheck", "synccheck", "initcheck")
-# Each step's time limit in seconds.
+# Each step's time limit in seconds. Measured on an H100 (16 cores): the build 47-53 s; the
+# op sweep under memcheck 8 s and racecheck 39 s before the packed ops were added; bandwidth
+# 4 s; a two-rank hook test about 10 s, most of it the ranks' CUDA start-up.
 STEPS = {
-    "build": 200,
-    "cuda-tests": 280,
-    **{f"sanitizer-{tool}": 120 for tool in SANITIZERS},
-    "bandwidth": 120,
+    "build": 120,
+    "cuda-tests": 200,
+    **{f"sanitizer-{tool}": 200 for tool in SANITIZERS},
+    "bandwidth": 45,
+    "step-cost": 60,
 }
+# Steps in one phase run at once; the timed ones run alone.
+PHASES = (
+    ("build",),
+    ("cuda-tests", *(f"sanitizer-{tool}" for tool in SANITIZERS)),
+    ("bandwidth",),
+    ("step-cost",),
+)
 PARTS = (
     ("build", "cuda-tests"),
-    ("build", "sanitizer-memcheck", "sanitizer-racecheck"),
-    ("build", "sanitizer-synccheck", "sanitizer-initcheck"),
-    ("build", "bandwidth"),
+    ("build", *(f"sanitizer-{tool}" for tool in SANITIZERS)),
+    ("build", "bandwidth", "step-cost"),
 )
+TABLES = {"bandwidth": "Bandwidth", "step-cost": "Step cost"}  # step -> summary section
 STATUSES = ("pass", "FAIL", "skipped", "refused", "running")
 
 
@@ -78,7 +92,7 @@ def gpu_names() -> list[str]:
     if shutil.which("nvidia-smi") is None:
         return []
     try:
-        res = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+        res = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [line for line in res.stdout.splitlines() if line.startswith("GPU ")]
@@ -123,49 +137,99 @@ class Step:
         return cls(d["step"], d["status"], d["seconds"], d["detail"], d["log"])
 
 
-def _run(cmd, log_path: Path, limit: float, env) -> "int | None":
-    """Run ``cmd`` with its output streamed into ``log_path``; None if it ran past ``limit``.
+class Running:
+    """One step's command, started with its output streamed into ``logs/<name>.log``.
 
-    The command gets its own process group, killed whole at the limit (pytest's rank processes,
-    pip's compilers) and when this script is terminated, so nothing outlives its step.
+    The command gets its own process group: at its limit, or when this script is stopped, the
+    group is asked to stop (SIGTERM, which lets gpu_cuda_tests.py stop its own pytest
+    processes) and killed ``GRACE`` seconds later (pytest's rank processes, pip's compilers),
+    so nothing outlives its step.
     """
-    with log_path.open("w") as log:
-        log.write(f"$ {shlex.join(map(str, cmd))}\n")
-        log.flush()
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            return proc.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            log.write(f"\ntimed out after {limit:.0f} s\n")
-            return None
-        finally:
-            # Also after a normal exit: whatever the command left running goes with it.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+
+    def __init__(self, name, cmd, logs: Path, limit: float, env=None) -> None:
+        self.name, self.limit = name, limit
+        self.log = logs / f"{name}.log"
+        with self.log.open("w") as log:
+            log.write(f"$ {shlex.join(map(str, cmd))}\n")
+            log.flush()
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        self.started = time.monotonic()
+        self.rc: int | None = None
+        self.timed_out = False
+
+    def done(self) -> bool:
+        """Whether the command ended or ran past its limit (then it is stopped)."""
+        self.rc = self.proc.poll()
+        if self.rc is None and time.monotonic() - self.started < self.limit:
+            return False
+        if self.rc is None:
+            self.timed_out = True
+            with self.log.open("a") as log:
+                log.write(f"\ntimed out after {self.limit:.0f} s\n")
+        self.stop()
+        return True
+
+    def stop(self) -> None:
+        """Stop the command and whatever it left running (also after a normal exit)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM if self.proc.poll() is None else 0)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=GRACE)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def step(self, verdict=None) -> "Step":
+        text = self.log.read_text(errors="replace")
+        if self.timed_out:
+            status, detail = "FAIL", f"timed out after {self.limit:.0f} s"
+        elif verdict is not None:
+            status, detail = verdict(self.rc, text)
+        else:
+            status, detail = ("pass" if self.rc == 0 else "FAIL"), f"exit {self.rc}"
+        return Step(self.name, status, time.monotonic() - self.started, detail, self.log.name)
 
 
-def run_step(name, cmd, out: Path, limit: float, env=None, verdict=None) -> Step:
-    """Run ``cmd``, log to ``out/<name>.log``; ``verdict(rc, text)`` -> (status, detail).
-
-    A program that is not there gives ``skipped: <program> not found``, not a failure.
-    """
+def missing_program(cmd) -> "str | None":
     program = str(cmd[0])
     if shutil.which(program) is None and not Path(program).is_file():
-        return Step(name, "skipped", 0.0, f"skipped: {Path(program).name} not found", "")
-    log = out / f"{name}.log"
-    start = time.monotonic()
-    rc = _run(cmd, log, limit, env)
-    text = log.read_text(errors="replace")
-    if rc is None:
-        status, detail = "FAIL", f"timed out after {limit:.0f} s"
-    elif verdict is not None:
-        status, detail = verdict(rc, text)
-    else:
-        status, detail = ("pass" if rc == 0 else "FAIL"), f"exit {rc}"
-    return Step(name, status, time.monotonic() - start, detail, log.name)
+        return Path(program).name
+    return None
+
+
+def run_step(name, cmd, logs: Path, limit: float, env=None, verdict=None) -> Step:
+    """Run ``cmd`` to its end, log to ``logs/<name>.log``; ``verdict(rc, text)`` -> (status,
+    detail). A program that is not there gives ``skipped: <program> not found``."""
+    return run_phase({name: (cmd, env, verdict)}, logs, {name: limit}, lambda step: None)[0]
+
+
+def run_phase(todo: dict, logs: Path, limits: dict, record) -> list:
+    """Run the steps of ``todo`` (name -> (command, env, verdict)) at once, each within its
+    limit; ``record(step)`` as each is marked running and as each ends. Returns the steps."""
+    running, ended = [], []
+    try:
+        for name, (cmd, env, verdict) in todo.items():
+            missing = missing_program(cmd)
+            if missing is not None:
+                ended.append(Step(name, "skipped", 0.0, f"skipped: {missing} not found", ""))
+                record(ended[-1])
+                continue
+            limit = limits[name]
+            record(Step(name, "running", 0.0, f"started, limit {limit:.0f} s", f"{name}.log"))
+            running.append((Running(name, cmd, logs, limit, env), verdict))
+        while running:
+            time.sleep(0.2)
+            for item in list(running):
+                if item[0].done():
+                    running.remove(item)
+                    ended.append(item[0].step(item[1]))
+                    record(ended[-1])
+    finally:
+        for proc, _ in running:  # this script was stopped: so are its steps
+            proc.stop()
+    return ended
 
 
 def pytest_verdict(rc, text):
@@ -219,6 +283,28 @@ def sanitizer_verdict(rc, text):
     return "pass", detail
 
 
+def tests_verdict(rc, text):
+    """gpu_cuda_tests.py's last ``cuda-tests:`` line, and pass on exit 0."""
+    lines = [line for line in text.splitlines() if line.startswith("cuda-tests: ")]
+    detail = lines[-1].removeprefix("cuda-tests: ") if lines else f"exit {rc}"
+    return ("pass" if rc == 0 else "FAIL"), detail
+
+
+def table_verdict(path: Path, what: str):
+    """A verdict for a table step: pass on exit 0; the detail counts the targets met."""
+
+    def verdict(rc, text):
+        try:
+            rows = json.loads(path.read_text())["rows"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return "FAIL", f"exit {rc}, no table"
+        judged = [r for r in rows if r.get("meets_target") is not None]
+        met = sum(bool(r["meets_target"]) for r in judged)
+        return ("pass" if rc == 0 else "FAIL"), f"exit {rc}; {met} of {len(judged)} {what}"
+
+    return verdict
+
+
 def versions(python: str) -> dict:
     probe = (
         "import json, torch; p = torch.cuda.get_device_properties(0); "
@@ -229,14 +315,15 @@ def versions(python: str) -> dict:
         "'python': __import__('platform').python_version()}))"
     )
     try:
-        res = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=40)
+        res = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=25)
         info = json.loads(res.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as e:
         info = {"probe_error": f"{type(e).__name__}: {e}"[-500:]}
+    info["cpus"] = os.cpu_count()
     try:
         driver = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10,
+            capture_output=True, text=True, timeout=5,
         )  # fmt: skip
         info["driver"] = driver.stdout.strip().splitlines()[0]
     except (OSError, subprocess.TimeoutExpired, IndexError):
@@ -244,12 +331,23 @@ def versions(python: str) -> dict:
     return info
 
 
-def write_summary(out: Path, info: dict, steps: list, planned=()) -> bool:
-    """Write ``summary.md`` and ``summary.json``; return whether no step failed.
+def _failed_tests(logs: Path) -> list:
+    """The ``FAILED``/``ERROR`` lines gpu_cuda_tests.py printed, if it ran."""
+    try:
+        text = (logs / "cuda-tests.log").read_text(errors="replace")
+    except OSError:
+        return []
+    return [line for line in text.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+
+
+def write_summary(out: Path, info: dict, steps: list, planned=(), logs: "Path | None" = None):
+    """Write ``summary.md`` and ``summary.json`` into ``out``; return whether no step failed.
 
     ``planned`` names every step of the plan: while one has not run, or one is still marked
-    running (its command was killed), the verdict is INCOMPLETE, unless a step FAILED.
+    running (its command was killed), the verdict is INCOMPLETE, unless a step FAILED. The
+    tables and failed tests are read from ``logs`` (``out`` if not given).
     """
+    logs = out if logs is None else logs
     failed = [s for s in steps if s.status == "FAIL"]
     missing = [name for name in planned if name not in {s.name for s in steps}]
     unfinished = missing or any(s.status == "running" for s in steps)
@@ -265,21 +363,58 @@ def write_summary(out: Path, info: dict, steps: list, planned=()) -> bool:
         "| --- | --- | ---: | --- | --- |",
         *(f"| {s.name} | {s.status} | {s.seconds:.1f} | {s.detail} | {s.log} |" for s in steps),
         *(f"| {name} | not run | | | |" for name in missing),
+        "",
+        f"Logs: {ARCHIVE}.",
     ]
-    bandwidth = out / "bandwidth.md"
-    if bandwidth.exists():
-        lines += ["", "## Bandwidth", "", bandwidth.read_text()]
+    failures = _failed_tests(logs)
+    if failures:
+        lines += ["", "## Failed tests", "", *(f"- {f}" for f in failures)]
+    tables = {}
+    for step, title in TABLES.items():
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            md = (logs / f"{step}.md").read_text()
+            lines += ["", f"## {title}", "", md.rstrip("\n")]
+            tables[step] = json.loads((logs / f"{step}.json").read_text())["rows"]
     summary = {"passed": verdict == "PASSED", "verdict": verdict, **info,
-               "steps": [s.as_dict() for s in steps], "not_run": missing}  # fmt: skip
+               "steps": [s.as_dict() for s in steps], "not_run": missing,
+               "failed_tests": failures, "tables": tables}  # fmt: skip
     # Written whole to a temporary name and renamed: a kill mid-write leaves the last summary.
     for name, text in (
         ("summary.md", "\n".join(lines) + "\n"),
         ("summary.json", json.dumps(summary, indent=1)),
     ):
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text)
-        tmp.replace(out / name)
+        _replace(out / name, lambda tmp, text=text: tmp.write_text(text))
     return not failed
+
+
+def _replace(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    tmp.replace(path)
+
+
+def write_archive(logs: Path, out: Path) -> None:
+    """Every file under ``logs`` into ``out/logs.tar.gz``, under ``logs/``."""
+
+    def write(tmp):
+        with tarfile.open(tmp, "w:gz") as tar:
+            tar.add(logs, arcname="logs")
+
+    _replace(out / ARCHIVE, write)
+
+
+def open_logs(out: Path) -> Path:
+    """A fresh folder for the logs, holding those of an earlier command into ``out``."""
+    logs = Path(tempfile.mkdtemp(prefix="gpu-check-logs-"))
+    with contextlib.suppress(OSError, tarfile.TarError):
+        with tarfile.open(out / ARCHIVE) as tar:
+            tar.extractall(logs.parent / (logs.name + "-old"), filter="data")
+        old = logs.parent / (logs.name + "-old") / "logs"
+        if old.is_dir():
+            shutil.rmtree(logs)
+            old.rename(logs)
+        shutil.rmtree(logs.parent / (logs.name + "-old"), ignore_errors=True)
+    return logs
 
 
 def load_steps(out: Path) -> list:
@@ -290,61 +425,88 @@ def load_steps(out: Path) -> list:
         return []
 
 
-def plan(part=None, steps=None) -> list:
-    """The commands to run: ``(label, step names)`` for one part, chosen steps, or all."""
+def plan(part=None, steps=None) -> "tuple[str, list]":
+    """The command to run: its label and its phases (tuples of steps run at once)."""
     if steps:
         unknown = [s for s in steps if s not in STEPS]
         if unknown:
             raise SystemExit(f"gpu-check: unknown steps {unknown}; known: {', '.join(STEPS)}")
-        return [(f"--steps {','.join(steps)}", tuple(steps))]
-    if part is not None:
+        label, wanted = f"--steps {','.join(steps)}", set(steps)
+    elif part is not None:
         if not 1 <= part <= len(PARTS):
             raise SystemExit(f"gpu-check: PART must be 1 to {len(PARTS)}, not {part}")
-        return [(f"PART={part}", PARTS[part - 1])]
-    return [(f"PART={i}", p) for i, p in enumerate(PARTS, 1)]
+        label, wanted = f"PART={part}", set(PARTS[part - 1])
+    else:
+        label, wanted = "", set(STEPS)
+    phases = [tuple(s for s in phase if s in wanted) for phase in PHASES]
+    return label, [phase for phase in phases if phase]
 
 
-def command_seconds(steps) -> int:
-    """The most one command running ``steps`` can take."""
-    return PROBES + sum(STEPS[s] for s in steps)
+def command_seconds(phases) -> int:
+    """The most one command running ``phases`` can take."""
+    return PROBES + sum(max(STEPS[s] for s in phase) for phase in phases) + FINISH
 
 
-def print_plan(commands, out: str) -> int:
-    """Print each command with its steps' limits; 1 if one could run past ``COMMAND_LIMIT``."""
-    print(f"gpu-check plan: {len(commands)} command(s), each within {COMMAND_LIMIT} s "
-          f"(its steps' limits plus {PROBES} s of probes)")  # fmt: skip
-    over = []
-    for label, steps in commands:
-        total = command_seconds(steps)
-        if label.startswith("PART="):
-            command = f"make gpu-check OUT={out} {label}"
-        else:
-            command = f"python benchmarks/gpu_check.py {out} {label}"
-        print(f"{command}   # at most {total} s")
-        for s in steps:
-            print(f"  {s:<22} {STEPS[s]:>4} s")
-        if total > COMMAND_LIMIT:
-            over.append(f"{label} may take {total} s, over {COMMAND_LIMIT} s")
+def _command(label: str, out: str) -> str:
+    if label.startswith("--steps"):
+        return f"python3 benchmarks/gpu_check.py {out} {label}"
+    return f"make gpu-check OUT={out}" + (f" {label}" if label else "")
+
+
+def print_plan(label: str, phases, out: str, parts: bool = False) -> int:
+    """Print the command's phases with their limits (and, with ``parts``, each part's total);
+    1 if a command could run past ``COMMAND_LIMIT``."""
+    total = command_seconds(phases)
+    print(f"gpu-check plan: {_command(label, out)}   # at most {total} s of {COMMAND_LIMIT} s")
+    rows = [("probes (nvidia-smi, torch versions)", PROBES)]
+    for i, phase in enumerate(phases, 1):
+        if len(phase) == 1:
+            rows.append((f"phase {i}: {phase[0]}" + (" (alone)" if i > 1 else ""), STEPS[phase[0]]))
+            continue
+        rows.append((f"phase {i}: {len(phase)} steps at once", max(STEPS[s] for s in phase)))
+        rows += [(f"  {s}  ({STEPS[s]} s)", None) for s in phase]
+    rows += [("summary and archive", FINISH), ("total", total)]
+    for text, seconds in rows:
+        print(f"  {text:<44} {'' if seconds is None else f'{seconds:>4} s'}".rstrip())
+    over = [] if total <= COMMAND_LIMIT else [f"{label or 'the plan'} may take {total} s"]
+    if parts:
+        print("for a command cut short, one part at a time:")
+        for i in range(1, len(PARTS) + 1):
+            part_label, part_phases = plan(part=i)
+            seconds = command_seconds(part_phases)
+            steps = ", ".join(s for phase in part_phases for s in phase)
+            print(f"  {_command(part_label, out)}   # {steps}: at most {seconds} s")
+            if seconds > COMMAND_LIMIT:
+                over.append(f"{part_label} may take {seconds} s")
     for line in over:
-        print(f"gpu-check plan: {line}")
+        print(f"gpu-check plan: {line}, over {COMMAND_LIMIT} s")
     return 1 if over else 0
 
 
-def step_commands(python: str, out: Path, info: dict) -> dict:
-    """Each step's ``(command, env, verdict)``."""
+def step_commands(python: str, logs: Path, info: dict) -> dict:
+    """Each step's ``(command, env, verdict)``; outputs go into ``logs``."""
     build_env = dict(os.environ, FORCE_CUDA="1", TORCH_CUDA_ARCH_LIST=info.get("capability", "9.0"))
     pip = [python, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "-e", "."]
-    tests = [python, "-m", "pytest", "-m", "cuda", "tests", "-q", "-p", "no:cacheprovider"]
-    tests += ["--junitxml", str(out / "cuda-tests.xml")]
+    tests = [python, "benchmarks/gpu_cuda_tests.py", "--logs", str(logs / "cuda-tests")]
+    tests += ["--limit", str(STEPS["cuda-tests"] - 10), "tests"]
     # The caching allocator would hide an overrun inside one of its blocks.
     sanitizer_env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     sanitizer = find_tool("compute-sanitizer")
-    bandwidth = [python, "benchmarks/gpu_bandwidth.py", "--json", str(out / "bandwidth.json")]
-    bandwidth += ["--markdown", str(out / "bandwidth.md")]
+    bandwidth = [python, "benchmarks/gpu_bandwidth.py", "--json", str(logs / "bandwidth.json")]
+    bandwidth += ["--markdown", str(logs / "bandwidth.md")]
+    step_cost = [python, "benchmarks/gpu_step_cost.py", "--json", str(logs / "step-cost.json")]
+    # Its rounds stop in time for the process's start, NCCL's and the models' set-up.
+    step_cost += ["--markdown", str(logs / "step-cost.md")]
+    step_cost += ["--seconds", str(STEPS["step-cost"] - 25)]
     commands = {
         "build": (pip, build_env, None),
-        "cuda-tests": (tests, None, pytest_verdict),
-        "bandwidth": (bandwidth, None, None),
+        "cuda-tests": (tests, None, tests_verdict),
+        "bandwidth": (bandwidth, None, table_verdict(logs / "bandwidth.json", "targets met")),
+        "step-cost": (
+            step_cost,
+            None,
+            table_verdict(logs / "step-cost.json", "hooks within 1.03x of plain DDP"),
+        ),
     }
     for tool in SANITIZERS:
         cmd = [sanitizer, "--tool", tool, "--error-exitcode", "99"]
@@ -354,7 +516,7 @@ def step_commands(python: str, out: Path, info: dict) -> dict:
 
 
 def _terminate(signum, frame):
-    raise SystemExit(128 + signum)  # unwinds through _run, which kills the running step
+    raise SystemExit(128 + signum)  # unwinds through run_phase, which stops the running steps
 
 
 def main(argv=None) -> int:
@@ -365,46 +527,48 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the plan and check its times")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     steps = [s for s in (args.steps or "").split(",") if s]
-    commands = plan(args.part, steps)
+    label, phases = plan(args.part, steps)
     if args.dry_run:
-        return print_plan(commands, args.out)
+        return print_plan(label, phases, args.out, parts=not label)
     gpus = gpu_names()
     if not gpus:
         print("gpu-check: no GPU here (nvidia-smi lists none); nothing built or run")
         return 0
-    started = time.monotonic()
-    # A part must end within its command's limit; all parts in one command have no such limit.
-    deadline = started + COMMAND_LIMIT if (args.part or steps) else float("inf")
+    deadline = time.monotonic() + COMMAND_LIMIT - FINISH
     signal.signal(signal.SIGTERM, _terminate)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    logs = open_logs(out)
     python = sys.executable
     info = {"gpus": "; ".join(gpus), **versions(python)}
-    wanted = list(dict.fromkeys(s for _, part in commands for s in part))
-    planned = [s for part in PARTS for s in part]
+    planned = list(STEPS)
     recorded = {s.name: s for s in load_steps(out)}
-    order = list(dict.fromkeys([*planned, *recorded, *wanted]))
+    order = list(dict.fromkeys([*planned, *recorded]))
 
     def record(step: Step) -> None:
         recorded[step.name] = step
-        write_summary(out, info, [recorded[n] for n in order if n in recorded], planned)
+        write_summary(out, info, [recorded[n] for n in order if n in recorded], planned, logs)
+        write_archive(logs, out)
 
     failed = build_failed = False
-    todo = step_commands(python, out, info)
-    for name in wanted:
-        if build_failed:
-            record(Step(name, "skipped", 0.0, "skipped: the build failed", ""))
-            continue
-        limit = min(STEPS[name], deadline - time.monotonic())
-        if limit <= 0:
-            record(Step(name, "skipped", 0.0, "skipped: no time left in this command", ""))
-            continue
-        record(Step(name, "running", 0.0, f"started, limit {limit:.0f} s", f"{name}.log"))
-        cmd, env, verdict = todo[name]
-        step = run_step(name, cmd, out, limit, env, verdict)
-        failed |= step.status == "FAIL"
-        build_failed = name == "build" and step.status == "FAIL"
-        record(step)
+    todo = step_commands(python, logs, info)
+    try:
+        for phase in phases:
+            if build_failed:
+                for name in phase:
+                    record(Step(name, "skipped", 0.0, "skipped: the build failed", ""))
+                continue
+            left = deadline - time.monotonic()
+            for name in [n for n in phase if min(STEPS[n], left) <= 0]:
+                record(Step(name, "skipped", 0.0, "skipped: no time left in this command", ""))
+            limits = {n: min(STEPS[n], left) for n in phase if min(STEPS[n], left) > 0}
+            ended = run_phase({n: todo[n] for n in limits}, logs, limits, record)
+            failed |= any(s.status == "FAIL" for s in ended)
+            build_failed = any(s.name == "build" and s.status == "FAIL" for s in ended)
+    finally:
+        with contextlib.suppress(OSError):
+            write_archive(logs, out)
+        shutil.rmtree(logs, ignore_errors=True)
     print((out / "summary.md").read_text())
     return 1 if failed else 0
 

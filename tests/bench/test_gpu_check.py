@@ -1,6 +1,7 @@
-"""``make gpu-check``: safe without a GPU, and its parts (plan, op sweep, bandwidth, verdicts,
-summary) working on the CPU, so that the one GPU run it exists for finds nothing of its own
-broken. Steps here are small Python commands standing in for the build, tests and sanitizers."""
+"""``make gpu-check``: safe without a GPU, and its parts (plan, op sweep, bandwidth, step cost,
+the parallel CUDA test runner, verdicts, summary and archive) working on the CPU, so that the
+one GPU run it exists for finds nothing of its own broken. Steps here are small Python commands
+standing in for the build, tests and sanitizers."""
 
 import json
 import os
@@ -8,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -16,7 +18,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import gpu_bandwidth  # noqa: E402
 import gpu_check  # noqa: E402
+import gpu_cuda_tests  # noqa: E402
+
+import fastddp  # noqa: E402
+
+
+def _archived(out: Path) -> dict:
+    """``name -> text`` of every file in ``out/logs.tar.gz``, by its path under ``logs/``."""
+    with tarfile.open(out / gpu_check.ARCHIVE) as tar:
+        return {
+            m.name.removeprefix("logs/"): tar.extractfile(m).read().decode()
+            for m in tar.getmembers()
+            if m.isfile()
+        }
 
 
 @pytest.mark.skipif(bool(gpu_check.gpu_names()), reason="a GPU is present: the check would run")
@@ -56,16 +72,13 @@ def test_the_bandwidth_table_on_cpu(tmp_path):
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert {r["op"] for r in rows} >= {
+    assert [r["op"] for r in rows] == [
         "copy (d2d)",
-        "compress",
-        "decompress",
-        "sum_chunks",
-        "quantize_int8",
-        "dequantize_int8",
-        "unpack_int8",
+        *gpu_bandwidth.OPS,
         "torch to(bf16).div_ + copy_",
-    }
+    ]
+    assert {"quantize_packed4", "dequantize_packed2", "unpack_packed4"} <= set(gpu_bandwidth.OPS)
+    assert set(gpu_bandwidth.TARGETS) == set(gpu_bandwidth.OPS)
     copy = next(r for r in rows if r["op"] == "copy (d2d)")
     assert copy["ratio_to_copy"] == 1.0 and all(r["gbs"] > 0 for r in rows)
     assert "| 1MB | compress |" in md.read_text()
@@ -130,26 +143,65 @@ def test_a_missing_tool_is_skipped_not_failed(tmp_path):
     assert step.ok and not (tmp_path / "sanitizer-memcheck.log").exists()
 
 
-def test_the_plan_fits_each_command_in_540_s(capsys, monkeypatch):
+def test_the_plan_fits_one_command_of_480_s(capsys, monkeypatch):
     assert gpu_check.main(["--dry-run"]) == 0
     printed = capsys.readouterr().out
-    for i, steps in enumerate(gpu_check.PARTS, 1):
-        assert gpu_check.command_seconds(steps) <= gpu_check.COMMAND_LIMIT == 540
-        assert f"make gpu-check OUT=gpu-check-out PART={i}" in printed
-    # Every step has a part; every part builds first, so that it runs on a fresh machine too.
+    label, phases = gpu_check.plan()
+    assert gpu_check.command_seconds(phases) <= gpu_check.COMMAND_LIMIT == 480
+    assert re.search(r"make gpu-check OUT=gpu-check-out   # at most (\d+) s of 480 s", printed)
+    total = int(re.search(r"\n  total +(\d+) s\n", printed).group(1))
+    assert total == gpu_check.command_seconds(phases) <= 480
+    # Every step once: the build first, then the untimed steps at once, then each timed one
+    # alone, so that nothing disturbs a timing.
+    assert [s for phase in phases for s in phase] == list(gpu_check.STEPS)
+    assert phases[0] == ("build",)
+    sanitizers = {
+        f"sanitizer-{tool}" for tool in ("memcheck", "racecheck", "synccheck", "initcheck")
+    }
+    assert set(phases[1]) == {"cuda-tests", *sanitizers}
+    assert ("bandwidth",) in phases and ("step-cost",) in phases
+    assert "phase 2: 5 steps at once" in printed and "sanitizer-initcheck  (200 s)" in printed
+    # The parts, for a command cut short: each builds first, each fits, together every step.
+    for i, part in enumerate(gpu_check.PARTS, 1):
+        assert part[0] == "build"
+        assert gpu_check.command_seconds(gpu_check.plan(part=i)[1]) <= 480
+        assert f"make gpu-check OUT=gpu-check-out PART={i}   # " in printed
     assert {s for part in gpu_check.PARTS for s in part} == set(gpu_check.STEPS)
-    assert all(part[0] == "build" for part in gpu_check.PARTS)
-    assert re.search(r"\n  sanitizer-initcheck +120 s\n", printed)
     assert gpu_check.main(["--dry-run", "--steps", "build,bandwidth"]) == 0
-    # A plan that could run past the limit is refused.
-    monkeypatch.setitem(gpu_check.STEPS, "cuda-tests", 400)
-    assert gpu_check.main(["--dry-run", "--part", "1"]) == 1
-    assert "PART=1 may take 660 s, over 540 s" in capsys.readouterr().out
+    assert gpu_check.main(["--dry-run", "--part", "2"]) == 0
+    capsys.readouterr()
+    # A plan that could run past the limit is refused: the whole one and the part.
+    monkeypatch.setitem(gpu_check.STEPS, "sanitizer-racecheck", 300)
+    assert gpu_check.main(["--dry-run"]) == 1
+    printed = capsys.readouterr().out
+    assert "the plan may take 570 s, over 480 s" in printed
+    assert "PART=2 may take 465 s" not in printed  # 35 + 120 + 300 + 10 fits
+    monkeypatch.setitem(gpu_check.STEPS, "build", 200)
+    assert gpu_check.main(["--dry-run", "--part", "2"]) == 1
+    assert "PART=2 may take 545 s, over 480 s" in capsys.readouterr().out
+
+
+def test_make_gpu_check_plan_passes():
+    res = subprocess.run(
+        ["make", "-s", "gpu-check-plan", f"GPU_PYTHON={sys.executable}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "of 480 s" in res.stdout and "over 480 s" not in res.stdout
 
 
 def _fake_steps(commands):
     """Stand-ins for step_commands: step -> (command, env, verdict)."""
-    return lambda python, out, info: commands
+    return lambda python, logs, info: commands
+
+
+def _on_a_fake_gpu(monkeypatch, commands):
+    monkeypatch.setattr(gpu_check, "gpu_names", lambda: ["GPU 0: test"])
+    monkeypatch.setattr(gpu_check, "versions", lambda python: {"gpu": "test"})
+    monkeypatch.setattr(gpu_check, "step_commands", commands)
 
 
 def test_each_step_is_recorded_as_soon_as_it_ends(tmp_path, monkeypatch):
@@ -157,16 +209,14 @@ def test_each_step_is_recorded_as_soon_as_it_ends(tmp_path, monkeypatch):
     # The second step reads the summary while it runs: the first is recorded, itself running.
     probe = (
         "import json, sys; s = json.load(open(sys.argv[1])); "
-        "print({x['step']: x['status'] for x in s['steps']})"
+        "seen = {x['step']: x['status'] for x in s['steps']}; "
+        "print(seen['build'], seen['cuda-tests'])"
     )
     refuse = (
         "print('========= Error: Target application terminated before first instrumented API call')"
     )
-    monkeypatch.setattr(gpu_check, "gpu_names", lambda: ["GPU 0: test"])
-    monkeypatch.setattr(gpu_check, "versions", lambda python: {"gpu": "test"})
-    monkeypatch.setattr(
-        gpu_check,
-        "step_commands",
+    _on_a_fake_gpu(
+        monkeypatch,
         _fake_steps(
             {
                 "build": ([sys.executable, "-c", "print('built')"], None, None),
@@ -187,8 +237,9 @@ def test_each_step_is_recorded_as_soon_as_it_ends(tmp_path, monkeypatch):
     )
     steps = "build,cuda-tests,sanitizer-memcheck,sanitizer-racecheck"
     assert gpu_check.main([str(out), "--steps", steps]) == 0
-    seen = (out / "cuda-tests.log").read_text().splitlines()[-1]
-    assert seen == "{'build': 'pass', 'cuda-tests': 'running'}"
+    logs = _archived(out)
+    assert logs["cuda-tests.log"].splitlines()[-1] == "pass running"
+    assert logs["build.log"].endswith("built\n")
     summary = json.loads((out / "summary.json").read_text())
     assert {s["step"]: s["status"] for s in summary["steps"]} == {
         "build": "pass",
@@ -205,11 +256,114 @@ def test_each_step_is_recorded_as_soon_as_it_ends(tmp_path, monkeypatch):
     assert summary["verdict"] == "INCOMPLETE" and "bandwidth" in summary["not_run"]
     md = (out / "summary.md").read_text()
     assert md.startswith("# gpu-check: INCOMPLETE (1 skipped, 1 refused)")
-    # A later command into the same folder adds to the summary; its failure fails it.
+    # A later command into the same folder adds to the summary and to the archive; its
+    # failure fails it.
     assert gpu_check.main([str(out), "--steps", "bandwidth"]) == 1
     summary = json.loads((out / "summary.json").read_text())
     assert [s["step"] for s in summary["steps"]][:4] == steps.split(",")
     assert summary["steps"][-1]["status"] == "FAIL" and summary["verdict"] == "FAILED"
+    assert {"build.log", "cuda-tests.log", "bandwidth.log"} <= set(_archived(out))
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "summary.json", "summary.md"]
+
+
+# A step that notes when it started and ended, sleeping between, and writes what it is given.
+_TIMED = """
+import sys, time
+name, folder, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+start = time.time()
+time.sleep(seconds)
+open(f"{folder}/{name}.times", "w").write(f"{start} {time.time()}")
+for path, text in zip(sys.argv[4::2], sys.argv[5::2]):
+    open(path, "w").write(text)
+"""
+
+
+def _table(op_or_variant, ratio, meets):
+    return json.dumps({"rows": [{"op": op_or_variant, "ratio": ratio, "meets_target": meets}]})
+
+
+def test_the_whole_plan_in_one_command_untimed_steps_at_once(tmp_path, monkeypatch):
+    out, times = tmp_path / "out", tmp_path / "times"
+    times.mkdir()
+
+    def commands(python, logs, info):
+        def timed(name, seconds, *files):
+            cmd = [sys.executable, "-c", _TIMED, name, str(times), str(seconds), *files]
+            return (cmd, None, None)
+
+        steps = {name: timed(name, 1.0) for name in gpu_check.STEPS}
+        bandwidth = ["| 1MB | compress | 0.9 |\n", _table("compress", 0.9, True)]
+        steps["bandwidth"] = (
+            timed("bandwidth", 0.2, logs / "bandwidth.md", bandwidth[0])[0]
+            + [str(logs / "bandwidth.json"), bandwidth[1]],
+            None,
+            gpu_check.table_verdict(logs / "bandwidth.json", "targets met"),
+        )
+        cost = ["| fastddp bf16 | 1.2 | MISSED |\n", _table("fastddp bf16", 1.2, False)]
+        steps["step-cost"] = (
+            timed("step-cost", 0.2, logs / "step-cost.md", cost[0])[0]
+            + [str(logs / "step-cost.json"), cost[1]],
+            None,
+            gpu_check.table_verdict(logs / "step-cost.json", "hooks within 1.03x"),
+        )
+        (logs / "cuda-tests").mkdir()
+        (logs / "cuda-tests" / "01-test_x.log").write_text("1 passed in 0.1s\n")
+        return steps
+
+    _on_a_fake_gpu(monkeypatch, commands)
+    started = time.monotonic()
+    assert gpu_check.main([str(out)]) == 0
+    # Build (1 s), then the tests and the four sanitizers together (1 s), then 0.2 s twice.
+    assert time.monotonic() - started < 8
+    span = {
+        name: tuple(map(float, (times / f"{name}.times").read_text().split()))
+        for name in gpu_check.STEPS
+    }
+    phase2 = [span[n] for n in gpu_check.PHASES[1]]
+    assert max(s for s, _ in phase2) < min(e for _, e in phase2)  # all ran at once
+    assert span["build"][1] <= min(s for s, _ in phase2)
+    assert max(e for _, e in phase2) <= span["bandwidth"][0]  # the timings alone
+    assert span["bandwidth"][1] <= span["step-cost"][0]
+    # At most 8 files: the summary twice and one archive of every log and table.
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["logs.tar.gz", "summary.json", "summary.md"]
+    assert len(files) <= gpu_check.MAX_FILES
+    logs = _archived(out)
+    assert {f"{n}.log" for n in gpu_check.STEPS} <= set(logs)
+    assert {"cuda-tests/01-test_x.log", "bandwidth.json", "step-cost.md"} <= set(logs)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["verdict"] == "PASSED" and summary["not_run"] == []
+    details = {s["step"]: s["detail"] for s in summary["steps"]}
+    assert details["bandwidth"] == "exit 0; 1 of 1 targets met"
+    assert details["step-cost"] == "exit 0; 0 of 1 hooks within 1.03x"
+    assert summary["tables"]["step-cost"][0]["ratio"] == 1.2
+    md = (out / "summary.md").read_text()
+    assert "## Bandwidth\n\n| 1MB | compress | 0.9 |" in md
+    assert "## Step cost\n\n| fastddp bf16 | 1.2 | MISSED |" in md
+
+
+def test_a_step_past_its_limit_is_stopped_with_what_it_started(tmp_path):
+    # The step's own child (like pytest's ranks) goes with it.
+    child_pid = tmp_path / "child.pid"
+    script = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"open({str(child_pid)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+    )
+    step = gpu_check.run_step("slow", [sys.executable, "-c", script], tmp_path, limit=3)
+    assert (step.status, step.detail) == ("FAIL", "timed out after 3 s")
+    _gone(int(child_pid.read_text()))
+
+
+def _gone(pid, seconds=10):
+    deadline = time.monotonic() + seconds
+    while Path(f"/proc/{pid}").exists():
+        if "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text():
+            return
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"process {pid} outlived its step")
+        time.sleep(0.1)
 
 
 _DRIVER = """
@@ -219,7 +373,7 @@ import gpu_check
 gpu_check.gpu_names = lambda: ["GPU 0: test"]
 gpu_check.versions = lambda python: {{}}
 sleeper = "import os, time; open({pid!r}, 'w').write(str(os.getpid())); time.sleep(60)"
-gpu_check.step_commands = lambda python, out, info: {{
+gpu_check.step_commands = lambda python, logs, info: {{
     "build": ([sys.executable, "-c", "print('built')"], None, None),
     "cuda-tests": ([sys.executable, "-c", sleeper], None, None),
 }}
@@ -243,16 +397,8 @@ def test_a_killed_command_loses_only_its_running_step(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    # The step's process went with the command.
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{step_pid}").exists():
-        state = Path(f"/proc/{step_pid}/status").read_text()
-        if "\nState:\tZ" in state:
-            break
-        if time.monotonic() > deadline:
-            os.kill(step_pid, signal.SIGKILL)
-            raise AssertionError("the running step outlived its command")
-        time.sleep(0.1)
+    _gone(step_pid)  # the step's process went with the command
+    assert "built" in _archived(out)["build.log"]
     summary = json.loads((out / "summary.json").read_text())
     assert [(s["step"], s["status"]) for s in summary["steps"]] == [
         ("build", "pass"),
@@ -281,3 +427,136 @@ def test_make_gpu_check_part_without_a_gpu_says_so(tmp_path):
         timeout=60,
     )
     assert plan.returncode == 0 and "sanitizer-racecheck" in plan.stdout, plan.stderr
+
+
+_FAKE_TESTS = {
+    "pytest.ini": "[pytest]\nmarkers =\n    cuda: x\n    multiproc: y\n",
+    "test_ops_like.py": """
+import pytest
+pytestmark = pytest.mark.cuda
+@pytest.mark.parametrize("i", range(5))
+def test_value(i):
+    assert i != 3
+def test_skipped():
+    pytest.skip("no device")
+""",
+    "test_ranks_like.py": """
+import os, sys, time, pytest
+pytestmark = [pytest.mark.cuda, pytest.mark.multiproc]
+def test_one():
+    pass
+def test_two():
+    pass
+def test_hangs():
+    import subprocess
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    open(os.environ["HANG_PIDS"], "w").write(f"{os.getpid()} {child.pid}")
+    time.sleep(60)
+""",
+    "test_not_cuda.py": "def test_plain():\n    pass\n",
+}
+
+
+def _fake_test_tree(tmp_path) -> Path:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for name, text in _FAKE_TESTS.items():
+        (tree / name).write_text(text)
+    return tree
+
+
+def test_cuda_tests_are_split_by_file_and_multiproc_files_further():
+    items = [(f"/t/a.py::t{i}", "/t/a.py", False) for i in range(5)]
+    items += [(f"/t/b.py::r{i}", "/t/b.py", True) for i in range(7)]
+    shards = gpu_cuda_tests.split(items, tests_per_process=3, multiproc_per_process=3)
+    assert [len(s.tests) for s in shards] == [3, 3, 1, 3, 2]  # the longest expected first
+    assert [s.name for s in shards][:3] == ["01-b", "02-b", "03-b"]
+    assert sum((s.tests for s in shards), []) == [i[0] for i in items[5:]] + [
+        i[0] for i in items[:5]
+    ]
+
+
+def test_cuda_tests_run_at_once_each_within_its_limit(tmp_path):
+    tree, logs, pids = _fake_test_tree(tmp_path), tmp_path / "logs", tmp_path / "hang.pids"
+    cmd = [sys.executable, "benchmarks/gpu_cuda_tests.py", str(tree), "--logs", str(logs)]
+    cmd += ["--process-limit", "8", "--tests-per-process", "3", "--multiproc-per-process", "1"]
+    started = time.monotonic()
+    res = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, HANG_PIDS=str(pids)),
+    )  # fmt: skip
+    assert res.returncode == 1, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    assert "cuda-tests: 9 tests collected" in res.stdout and "5 processes" in res.stdout
+    last = lines[-1]
+    assert last.startswith("cuda-tests: 9 tests in 5 processes: ")
+    assert "6 passed" in last and "1 failed" in last and "1 skipped" in last
+    assert "did not finish: 03-test_ranks_like" in last  # test_hangs, cut at 8 s
+    assert any(line.startswith("FAILED ") and "test_value[3]" in line for line in lines)
+    assert time.monotonic() - started < 60  # not one after another, not to the end of a hang
+    # The hung process went, with what it started.
+    for pid in map(int, pids.read_text().split()):
+        _gone(pid)
+    names = sorted(p.name for p in logs.iterdir())
+    assert "03-test_ranks_like.log" in names and "01-test_ranks_like.xml" in names
+    assert gpu_check.tests_verdict(res.returncode, res.stdout) == ("FAIL", last[12:])
+
+
+def test_stopping_the_cuda_tests_stops_their_processes(tmp_path):
+    tree, pids = _fake_test_tree(tmp_path), tmp_path / "hang.pids"
+    cmd = [sys.executable, "benchmarks/gpu_cuda_tests.py", str(tree), "--logs"]
+    cmd += [str(tmp_path / "logs")]
+    step = gpu_check.Running(
+        "cuda-tests", cmd, tmp_path, 60, env=dict(os.environ, HANG_PIDS=str(pids))
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not pids.exists() or len(pids.read_text().split()) < 2:
+            assert time.monotonic() < deadline and step.proc.poll() is None
+            time.sleep(0.1)
+    finally:
+        step.stop()  # as gpu_check does at a step's limit or when it is stopped itself
+    for pid in map(int, pids.read_text().split()):
+        _gone(pid)
+
+
+def test_the_cuda_tests_plan_on_the_real_tests():
+    res = subprocess.run(
+        [sys.executable, "benchmarks/gpu_cuda_tests.py", "--dry-run", "--jobs", "16"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    shards = re.findall(r"^(\d+)-(\w+): (\d+) tests, about (\d+) s alone$", res.stdout, re.M)
+    files = {name for _, name, _, _ in shards}
+    assert {"test_hooks_cuda", "test_packed_ops", "test_ops", "test_accum_ops"} <= files
+    # The files of spawned ranks are cut into processes of a few tests each.
+    assert all(int(n) <= 3 for _, name, n, _ in shards if name == "test_hooks_cuda")
+    # No process expected to run longer than a third of the step's limit alone.
+    assert max(int(s) for *_, s in shards) <= gpu_check.STEPS["cuda-tests"] / 3
+
+
+def test_the_step_cost_table_on_cpu(tmp_path):
+    out, md = tmp_path / "step.json", tmp_path / "step.md"
+    cmd = [sys.executable, "benchmarks/gpu_step_cost.py", "--device", "cpu", "--steps", "1"]
+    cmd += ["--warmup", "1", "--min-rounds", "2", "--rounds", "2", "--json", str(out)]
+    cmd += ["--markdown", str(md)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = json.loads(out.read_text())["rows"]
+    got = [(r["variant"], r["registration"]) for r in rows]
+    assert got[:2] == [
+        ("plain DDP", "none"),
+        ("torch fp16_compress_hook", "ddp.register_comm_hook"),
+    ]
+    assert got[2:] == [
+        (f"fastddp {p}", how)
+        for p in fastddp.PRESETS
+        for how in ("ddp.register_comm_hook", "fastddp.register_comm_hook")
+    ]
+    assert rows[0]["ratio"] == 1.0 and rows[0]["meets_target"] is None
+    assert all(r["rounds"] == 2 and r["finite_grads"] and r["ms_per_step"] > 0 for r in rows)
+    assert all(r["target"] == 1.03 and isinstance(r["meets_target"], bool) for r in rows[1:])
+    assert "| fastddp int2-ef | fastddp.register_comm_hook |" in md.read_text()
