@@ -2,7 +2,11 @@
 
 The reference rounds v * (qmax / absmax) to nearest even, or up with probability equal to the
 dropped fraction (the same stateless random bits as the kernels), so the codes must match bit for
-bit. The CUDA kernels are checked against these CPU ops on the grid emulator (test_emu.py).
+bit. The CUDA kernels are checked against these CPU ops on the grid emulator (test_emu.py) and,
+where a GPU is present, on it: every op on CUDA against the same op on the CPU, bit for bit, at
+awkward lengths, a length that takes each grid-stride loop through three passes, views off
+alignment, rows apart and non-finite blocks. Those bodies also run CPU against CPU here, so a
+fault in a comparison shows without a GPU.
 """
 
 import pytest
@@ -10,10 +14,12 @@ import torch
 
 from fastddp import ops
 
+from ._grid import _CUDA, INT8_BLOCKS_OF_128, devices_and_lengths
 from .test_accum_ops import _grads, _unit, random_bits
 
 BITS = [4, 2]
 LENGTHS = [1, 2, 3, 31, 129, 1000, 65537]
+CPU = torch.device("cpu")
 
 
 def _qmax(bits):
@@ -186,3 +192,163 @@ def test_bad_inputs_raise_clear_errors(make, message):
     with pytest.raises(RuntimeError) as info:
         make()
     assert message in str(info.value)
+
+
+# The ops on a device against the same ops on the CPU, bit for bit. On the CPU itself these run
+# the CPU op twice: what they prove there is that the comparison works.
+
+
+def _same_bits(got: list, want: list) -> None:
+    """Equal tensors, bit for bit, except that any NaN matches any NaN (its payload may differ
+    between devices)."""
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        a, b = a.cpu(), b.cpu()
+        assert a.dtype == b.dtype and a.shape == b.shape, i
+        if a.is_floating_point():
+            nan = torch.isnan(a)
+            assert torch.equal(nan, torch.isnan(b)), f"tensor {i}: NaNs differ"
+            a, b = a[~nan].view(torch.int32), b[~nan].view(torch.int32)
+        differ = (a != b).nonzero()
+        assert differ.numel() == 0, f"tensor {i}: {differ.shape[0]} differ, first at {differ[0]}"
+
+
+def _quantized(x, bits, block, device, residual=None, seed=-1, offset=0):
+    """quantize_packed of ``x`` (scale 0.5) on ``device`` into buffers that start ``offset``
+    elements into their allocations, then unpack_packed (scale 2.0): every output, on the CPU.
+    """
+    n = x.numel()
+    nbytes, blocks = -(-n * bits // 8), -(-n // block)
+    src = torch.empty(n + offset, device=device)[offset:]
+    src.copy_(x)
+    q = torch.full((nbytes + offset,), 0xA5, dtype=torch.uint8, device=device)[offset:]
+    scales = torch.full((blocks + offset,), 7.0, device=device)[offset:]
+    flag = torch.full((1,), 5, dtype=torch.int32, device=device)
+    res = None if residual is None else residual.to(device, copy=True)
+    ops.quantize_packed(src, q, scales, bits, block, 0.5, flag, res, seed)
+    out = torch.full((n + offset,), 7.0, device=device)[offset:]
+    ops.unpack_packed(q, scales, out, bits, block, 2.0)
+    return [q, scales, flag, out] + ([] if res is None else [res])
+
+
+@pytest.mark.parametrize(
+    "device, n", devices_and_lengths(LENGTHS, INT8_BLOCKS_OF_128), indirect=["device"]
+)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("feedback, seed", [(False, -1), (True, -1), (True, 9)])
+def test_quantize_and_unpack_match_the_cpu_op(device, n, bits, feedback, seed):
+    x = _grads(n, seed=bits)
+    res = _grads(n, seed=5) * 1e-2 if feedback else None
+    for block in (32, 128):
+        got = _quantized(x, bits, block, device, res, seed)
+        _same_bits(got, _quantized(x, bits, block, CPU, res, seed))
+        assert got[2].item() == 0  # the flag: all finite
+
+
+@pytest.mark.parametrize("device, n", devices_and_lengths([4099], 1 << 20), indirect=["device"])
+@pytest.mark.parametrize("bits", BITS)
+def test_views_off_alignment_match_the_cpu_op(device, n, bits):
+    x, res = _grads(n, seed=3), _grads(n, seed=4) * 1e-2
+    for offset in (1, 3, 5):
+        got = _quantized(x, bits, 64, device, res, seed=2, offset=offset)
+        _same_bits(got, _quantized(x, bits, 64, CPU, res, seed=2, offset=offset))
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_nonfinite_blocks_match_the_cpu_op(device, bits):
+    # A NaN, an inf and a -inf, each in a block of its own, and a block of tiny values.
+    x = _grads(1000, seed=6)
+    x[40], x[300], x[301], x[700] = float("nan"), float("inf"), 1.0, float("-inf")
+    x[512:544] = 1e-38
+    res = _grads(1000, seed=7) * 1e-2
+    for seed in (-1, 4):
+        got = _quantized(x, bits, 32, device, res, seed)
+        _same_bits(got, _quantized(x, bits, 32, CPU, res, seed))
+        assert got[2].item() == 1 and got[3][32:64].isnan().all()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)], indirect=True)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize(
+    "chunks, m, block", [(1, 1, 32), (1, 1000, 32), (3, 1000, 32), (3, 1024, 32), (4, 65664, 128)]
+)
+def test_dequantize_and_unpack_of_any_bytes_match_the_cpu_op(device, bits, chunks, m, block):
+    # Every byte value, so every code (the quantiser never writes -8 or -2, but they decode),
+    # with random scales, one of them NaN.
+    g = torch.Generator().manual_seed(chunks * m + bits)
+    row_bytes = -(-m * bits // 8)
+    q = torch.randint(0, 256, (chunks, row_bytes), generator=g, dtype=torch.uint8)
+    scales = torch.rand(chunks, -(-m // block), generator=g) * 4
+    scales.view(-1)[-1] = float("nan")
+
+    def run(dev):
+        summed = torch.full((m,), 7.0, device=dev)
+        ops.dequantize_packed(q.to(dev), scales.to(dev), summed, bits, block, 0.25)
+        rows = torch.full((chunks * m,), 7.0, device=dev)
+        if m % block == 0 or chunks == 1:  # rows must hold whole blocks to be unpacked as one
+            ops.unpack_packed(q.to(dev), scales.to(dev), rows, bits, block, 0.25)
+        return [summed, rows]
+
+    _same_bits(run(device), run(CPU))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)], indirect=True)
+@pytest.mark.parametrize("bits", BITS)
+def test_rows_apart_match_the_cpu_op(device, bits):
+    # One row per rank, each followed by bytes of something else; the scales in rows too.
+    world, shard, block = 3, 4096, 32
+    nbytes = shard * bits // 8
+    x, res = _grads(world * shard, seed=8), _grads(world * shard, seed=9) * 1e-2
+
+    def run(dev):
+        wire = torch.full((world, nbytes + 8), 99, dtype=torch.uint8, device=dev)
+        scales = torch.full((world, shard // block + 2), 99.0, device=dev)
+        values, row_scales = wire[:, :nbytes], scales[:, : shard // block]
+        r = res.to(dev, copy=True)
+        ops.quantize_packed(x.to(dev), values, row_scales, bits, block, 1.0, None, r, 3)
+        summed = torch.empty(shard, device=dev)
+        ops.dequantize_packed(values, row_scales, summed, bits, block)
+        rows = torch.empty(world * shard, device=dev)
+        ops.unpack_packed(values, row_scales, rows, bits, block)
+        return [wire, scales, r, summed, rows]
+
+    got = run(device)
+    _same_bits(got, run(CPU))
+    assert (got[0][:, nbytes:] == 99).all() and (got[1][:, shard // block :] == 99).all()
+
+
+def test_opcheck_packed_ops(device):
+    x = _grads(300, device=device)
+    res = torch.zeros(300, device=device)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    for bits in BITS:
+        q = torch.empty(300 * bits // 8, dtype=torch.uint8, device=device)
+        scales = torch.empty(-(-300 // 32), device=device)
+        torch.library.opcheck(
+            torch.ops.fastddp.quantize_packed.default, (x, q, scales, bits, 32, 0.5, flag, res, 1)
+        )
+        ops.quantize_packed(x, q, scales, bits, 32)
+        out = torch.empty(300, device=device)
+        torch.library.opcheck(
+            torch.ops.fastddp.unpack_packed.default, (q, scales, out, bits, 32, 1.0)
+        )
+        rows, row_scales = torch.stack([q, q]), torch.stack([scales, scales])
+        torch.library.opcheck(
+            torch.ops.fastddp.dequantize_packed.default, (rows, row_scales, out, bits, 32, 0.5)
+        )
+
+
+def test_the_comparison_sees_one_bit_and_a_nan():
+    a = _grads(100)
+    _same_bits([a, a.to(torch.uint8)], [a.clone(), a.to(torch.uint8)])
+    b = a.clone()
+    b.view(torch.int32)[37] ^= 1
+    with pytest.raises(AssertionError, match="tensor 0: 1 differ"):
+        _same_bits([a], [b])
+    b = a.clone()
+    b[5] = float("nan")
+    with pytest.raises(AssertionError, match="NaNs differ"):
+        _same_bits([a], [b])
+    q = torch.arange(10, dtype=torch.uint8)
+    with pytest.raises(AssertionError, match="tensor 1: 1 differ"):
+        _same_bits([a, q], [a, q.clone().index_fill_(0, torch.tensor([3]), 0)])
