@@ -488,7 +488,9 @@ def step_commands(python: str, logs: Path, info: dict) -> dict:
     build_env = dict(os.environ, FORCE_CUDA="1", TORCH_CUDA_ARCH_LIST=info.get("capability", "9.0"))
     pip = [python, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "-e", "."]
     tests = [python, "benchmarks/gpu_cuda_tests.py", "--logs", str(logs / "cuda-tests")]
-    tests += ["--limit", str(STEPS["cuda-tests"] - 10), "tests"]
+    # Cores left for the sanitizers, which run beside the tests.
+    jobs = max(4, (os.cpu_count() or 8) - len(SANITIZERS))
+    tests += ["--limit", str(STEPS["cuda-tests"] - 10), "--jobs", str(jobs), "tests"]
     # The caching allocator would hide an overrun inside one of its blocks.
     sanitizer_env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     sanitizer = find_tool("compute-sanitizer")
