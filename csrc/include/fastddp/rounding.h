@@ -197,14 +197,26 @@ struct Mode {
   uint64_t seed;
 };
 
-// The value element i is rounded from: x * scale, plus its residual under error feedback.
-FASTDDP_HD float rounding_input(const Mode& mode, float x, float scale, int64_t i) {
+// The value an element is rounded from: x * scale, plus its residual under error feedback.
+FASTDDP_HD float rounding_input_of(const Mode& mode, float x, float scale, float residual) {
   const float v = mul(x, scale);
-  return mode.feedback ? add(v, mode.residual[i]) : v;
+  return mode.feedback ? add(v, residual) : v;
+}
+
+// The same for element i, its residual read here.
+FASTDDP_HD float rounding_input(const Mode& mode, float x, float scale, int64_t i) {
+  return rounding_input_of(mode, x, scale, mode.feedback ? mode.residual[i] : 0.0f);
 }
 
 FASTDDP_HD uint32_t random_for(const Mode& mode, int64_t i) {
   return mode.stochastic ? random_bits(mode.seed, static_cast<uint64_t>(i)) : 0u;
+}
+
+// The residual that rounding v to the wire value w leaves under error feedback: what the
+// rounding dropped, or `kept` (the residual before) where w is inf or NaN.
+FASTDDP_HD float residual_after(WireKind kind, float v, uint16_t w, float kept) {
+  const float dropped = sub(v, wire_to_float(kind, w));
+  return float_of(select(wire_nonfinite(kind, w), bits_of(kept), bits_of(dropped)));
 }
 
 // Rounds element i (v from rounding_input) into out[i]; under error feedback residual[i]
@@ -215,10 +227,14 @@ FASTDDP_HD bool round_element(WireKind kind, const Mode& mode, float v, uint16_t
   out[i] = w;
   const bool bad = wire_nonfinite(kind, w);
   if (mode.feedback) {
-    const float dropped = sub(v, wire_to_float(kind, w));
-    mode.residual[i] = float_of(select(bad, bits_of(mode.residual[i]), bits_of(dropped)));
+    mode.residual[i] = residual_after(kind, v, w, mode.residual[i]);
   }
   return bad;
+}
+
+// What quantising v to code q of a block with scale `step` dropped: the residual it leaves.
+FASTDDP_HD float quantize_dropped(float v, int8_t q, float step) {
+  return sub(v, mul(static_cast<float>(q), step));
 }
 
 // Quantises element i (v from rounding_input) of a block whose absmax is finite to a code in
@@ -227,7 +243,7 @@ FASTDDP_HD int8_t quantize_element(
     const Mode& mode, float v, float inverse, float step, int64_t i, float qmax = kInt8Max) {
   const int8_t q = quantize_code(v, inverse, qmax, mode.stochastic, random_for(mode, i));
   if (mode.feedback) {
-    mode.residual[i] = sub(v, mul(static_cast<float>(q), step));
+    mode.residual[i] = quantize_dropped(v, q, step);
   }
   return q;
 }
