@@ -31,6 +31,11 @@ inline int grid_for(int64_t work, int sms) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, int64_t{sms} * 8)));
 }
 
+// Threads for a vector kernel's `chunks` chunks of 4 elements, `per_lane` to a lane.
+inline int64_t lanes_for(int64_t chunks, int64_t per_lane) {
+  return (chunks + per_lane - 1) / per_lane;
+}
+
 // Zeroes the op's flag, if it has one (the kernels only ever set it, so it is zeroed even when
 // there is nothing to do), and says whether there is any work to launch.
 template <class Rt>
@@ -41,15 +46,37 @@ bool start(Rt& rt, int64_t work, int* flag = nullptr) {
   return work > 0;
 }
 
-// compress and decompress: one thread per 16-byte vector of 8 elements when both pointers allow
-// 16-byte accesses, else one per element; the kernel's instance for the wire format.
+// The head of a 16-bit op over n elements: the first element at which every pointer (null ones
+// aside) is 16-byte aligned, the start of the kernel's vector body; n when there is none.
+template <class T>
+bool aligned_at(int64_t i, const T* p) {
+  return p == nullptr || aligned16(p + i);
+}
+template <class... T>
+int64_t head_of(int64_t n, const T*... p) {
+  for (int64_t i = 0; i < 8 && i < n; ++i) {
+    if ((aligned_at(i, p) && ...)) {
+      return i;
+    }
+  }
+  return n;
+}
+
+// The head of a row sum over `chunks` rows of m wire values at src: all rows align at the same
+// element only when a row is whole 16-byte units long.
+template <class... T>
+int64_t row_head(int64_t chunks, int64_t m, const uint16_t* src, const T*... p) {
+  return chunks > 1 && m % 8 != 0 ? m : head_of(m, src, p...);
+}
+
+// compress and decompress: the instance for the wire format, after a scalar head.
 template <class Rt, class Kernel, class In, class Out, class... Flag>
 void launch_convert(
     Rt& rt, const ConvertArgs<In, Out>& a, Kernel fp16, Kernel bf16, Flag... flag) {
-  const bool vec = aligned16(a.src) && aligned16(a.dst);
-  const int grid = grid_for(vec ? a.n / kVec + 1 : a.n, rt.sms());
+  const int64_t head = head_of(a.n, a.src, a.dst);
+  const int grid = grid_for(std::max(head, lanes_for(a.n / kChunk, kUnroll)), rt.sms());
   const Kernel kernel = a.kind == WireKind::kBf16 ? bf16 : fp16;
-  rt.launch(kernel, grid, a.src, a.dst, a.n, a.scale, vec, flag...);
+  rt.launch(kernel, grid, a.src, a.dst, a.n, a.scale, head, flag...);
 }
 
 template <class Rt>
@@ -59,8 +86,10 @@ void run(Rt& rt, const CompressArgs& a) {
     return;
   }
   if (r.residual != nullptr || r.seed >= 0) {
-    rt.launch(compress_feedback_kernel, grid_for(a.n, rt.sms()), a.kind, a.src, a.dst,
-              r.residual, a.n, a.scale, r.seed, r.flag);
+    const int64_t head = head_of(a.n, a.src, a.dst, r.residual);
+    const int grid = grid_for(std::max(head, lanes_for(a.n / kChunk, kUnroll)), rt.sms());
+    rt.launch(compress_feedback_kernel, grid, a.kind, a.src, a.dst, r.residual, a.n, a.scale,
+              r.seed, head, r.flag);
     return;
   }
   launch_convert(rt, a, compress_kernel<WireKind::kFp16>, compress_kernel<WireKind::kBf16>,
@@ -77,31 +106,59 @@ void run(Rt& rt, const DecompressArgs& a) {
 template <class Rt>
 void run(Rt& rt, const SumChunksArgs& a) {
   const Rounding& r = a.rounding;
-  if (start(rt, a.m, r.flag)) {
-    rt.launch(sum_chunks_kernel, grid_for(a.m, rt.sms()), a.kind, a.src, a.chunks, a.m, a.dst,
-              r.residual, a.scale, r.seed, r.flag);
+  if (!start(rt, a.m, r.flag)) {
+    return;
   }
+  const int64_t head = row_head(a.chunks, a.m, a.src, a.dst, r.residual);
+  const int grid = grid_for(std::max(head, lanes_for(a.m / kChunk, kUnroll)), rt.sms());
+  rt.launch(sum_chunks_kernel, grid, a.kind, a.src, a.chunks, a.m, a.dst, r.residual, a.scale,
+            r.seed, head, r.flag);
 }
 
 template <class Rt>
 void run(Rt& rt, const WidenSumArgs& a) {
-  if (start(rt, a.m)) {
-    rt.launch(widen_sum_kernel, grid_for(a.m, rt.sms()), a.kind, a.src, a.chunks, a.m, a.dst,
-              a.scale);
+  if (!start(rt, a.m)) {
+    return;
   }
+  const int64_t head = row_head(a.chunks, a.m, a.src, a.dst);
+  const int grid = grid_for(std::max(head, lanes_for(a.m / kChunk, kUnroll)), rt.sms());
+  rt.launch(widen_sum_kernel, grid, a.kind, a.src, a.chunks, a.m, a.dst, a.scale, head);
 }
 
-// The instance of a packed kernel for 4 or 2 bits (int8 has kernels of its own).
+// The instance of a kernel for 8, 4 or 2 bits.
 template <class Kernel>
-Kernel for_bits(int bits, Kernel four, Kernel two) {
-  return bits == 4 ? four : two;
+Kernel for_bits(int bits, Kernel eight, Kernel four, Kernel two) {
+  return bits == 8 ? eight : bits == 4 ? four : two;
 }
 
-// quantize: one warp per block of elements, kThreads / 32 blocks per CUDA block.
+// Whether the vector kernels of the codes can take this layout: fp32 pointers 16-byte aligned,
+// blocks of whole chunks, and each row's codes aligned to a chunk's piece (bits / 2 bytes).
+inline bool codes_vectorise(const void* q, const Int8Rows& rows, int64_t block, int bits,
+                            const float* fp32, const float* residual = nullptr) {
+  const int64_t piece = bits / 2;
+  return aligned16(fp32) && (residual == nullptr || aligned16(residual)) && block % kChunk == 0 &&
+         reinterpret_cast<uintptr_t>(q) % piece == 0 &&
+         (rows.rows == 1 || (rows.q_stride % piece == 0 && rows.row_len % kChunk == 0));
+}
+
+// quantize: quantize_vec_kernel where the layout allows it and a block is a power of two of
+// chunks up to a warp's, or whole warps of chunks; else one warp per block of elements.
 template <class Rt>
 void run(Rt& rt, const QuantizeArgs& a) {
   const Rounding& r = a.rounding;
   if (!start(rt, a.n, r.flag)) {
+    return;
+  }
+  const int64_t per_block = a.block / kChunk;
+  const bool grouped = per_block <= 32 && 32 % std::max<int64_t>(per_block, 1) == 0;
+  if (codes_vectorise(a.dst, a.rows, a.block, a.bits, a.src, r.residual) &&
+      (grouped || per_block % 32 == 0)) {
+    const int64_t chunks = (a.n + kChunk - 1) / kChunk;
+    const int64_t span = std::max<int64_t>(per_block, 32);
+    const int grid = grid_for((chunks + span - 1) / span * 32, rt.sms());
+    rt.launch(for_bits(a.bits, quantize_vec_kernel<8>, quantize_vec_kernel<4>,
+                       quantize_vec_kernel<2>),
+              grid, a);
     return;
   }
   const int grid = grid_for(blocks_of(a.n, a.block) * 32, rt.sms());
@@ -110,7 +167,7 @@ void run(Rt& rt, const QuantizeArgs& a) {
               a.rows, a.scale, r.seed, r.flag);
     return;
   }
-  rt.launch(for_bits(a.bits, quantize_packed_kernel<4>, quantize_packed_kernel<2>), grid, a);
+  rt.launch(a.bits == 4 ? quantize_packed_kernel<4> : quantize_packed_kernel<2>, grid, a);
 }
 
 // f(codes) with the reader of s's codes: Int8Codes, or PackedCodes of 4 or 2 bits.
@@ -127,18 +184,30 @@ void with_codes(const Int8Source& s, F&& f) {
 
 template <class Rt>
 void run(Rt& rt, const DequantizeArgs& a) {
-  if (!start(rt, a.src.rows.row_len)) {
+  const int64_t m = a.src.rows.row_len;
+  if (!start(rt, m)) {
+    return;
+  }
+  if (codes_vectorise(a.src.q, a.src.rows, a.src.block, a.src.bits, a.dst)) {
+    rt.launch(for_bits(a.src.bits, dequantize_vec_kernel<8>, dequantize_vec_kernel<4>,
+                       dequantize_vec_kernel<2>),
+              grid_for(lanes_for(m, kChunk), rt.sms()), a.src, a.dst, a.scale);
     return;
   }
   with_codes(a.src, [&](auto codes) {
-    rt.launch(dequantize_kernel<decltype(codes)>, grid_for(a.src.rows.row_len, rt.sms()), codes,
-              a.dst, a.scale);
+    rt.launch(dequantize_kernel<decltype(codes)>, grid_for(m, rt.sms()), codes, a.dst, a.scale);
   });
 }
 
 template <class Rt>
 void run(Rt& rt, const UnpackArgs& a) {
   if (!start(rt, a.n)) {
+    return;
+  }
+  if (codes_vectorise(a.src.q, a.src.rows, a.src.block, a.src.bits, a.dst)) {
+    rt.launch(for_bits(a.src.bits, unpack_vec_kernel<8>, unpack_vec_kernel<4>,
+                       unpack_vec_kernel<2>),
+              grid_for(lanes_for(a.n, kChunk), rt.sms()), a.src, a.n, a.dst, a.scale);
     return;
   }
   with_codes(a.src, [&](auto codes) {

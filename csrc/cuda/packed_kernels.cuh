@@ -1,6 +1,8 @@
-// The CUDA kernels of the packed ops: int4 and int2 codes, 8 / bits to a byte, one fp32 scale
-// per block. The element math is fastddp/rounding.h's, as in the CPU loops (cpu/packed_loops.cpp):
-// the same bits on both. Compiled like kernels.cuh, by nvcc and by the grid emulator.
+// The scalar kernels of the packed ops: int4 and int2 codes, 8 / bits to a byte, one fp32 scale
+// per block, for the layouts that the vector kernels of kernels.cuh (quantize_vec_kernel,
+// dequantize_vec_kernel, unpack_vec_kernel, which take int8, int4 and int2) cannot take. The
+// element math is fastddp/rounding.h's, as in the CPU loops (cpu/packed_loops.cpp): the same
+// bits on both. Compiled like kernels.cuh, by nvcc and by the grid emulator.
 #pragma once
 
 #include "kernels.cuh"
