@@ -35,13 +35,17 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# The kernels of csrc/cuda/kernels.cuh, all of which promise parity with the CPU.
+# The kernels of csrc/cuda/kernels.cuh and packed_kernels.cuh, all of which promise parity
+# with the CPU.
 KERNELS = (
     "compress_kernel",
     "decompress_kernel",
     "compress_feedback_kernel",
     "sum_chunks_kernel",
     "widen_sum_kernel",
+    "quantize_vec_kernel",
+    "dequantize_vec_kernel",
+    "unpack_vec_kernel",
     "quantize_int8_kernel",
     "quantize_packed_kernel",
     "dequantize_kernel",
@@ -174,7 +178,8 @@ def demangle(name: str) -> str:
     """A kernel's short name with its template argument, from the mangled one.
 
     ``_ZN7fastddp7kernels15compress_kernelILNS_4math8WireKindE1EEEv...`` -> compress_kernel<kBf16>,
-    ``_ZN7fastddp7kernels15compress_kernelINS0_8WireBf16EEE...`` -> compress_kernel<WireBf16>.
+    ``_ZN7fastddp7kernels15compress_kernelINS0_8WireBf16EEE...`` -> compress_kernel<WireBf16>,
+    ``_ZN7fastddp7kernels19quantize_vec_kernelILi4EEEv...`` -> quantize_vec_kernel<4>.
     """
     m = re.match(r"_ZN7fastddp7kernels(\d+)", name)
     if not m:
@@ -184,7 +189,12 @@ def demangle(name: str) -> str:
     rest = name[start + len(short) :]
     arg = re.match(r"INS0_(\d+)", rest)  # a type of fastddp::kernels
     if arg:
-        short += f"<{rest[arg.end() : arg.end() + int(arg.group(1))]}>"
+        name = rest[arg.end() : arg.end() + int(arg.group(1))]
+        inner = re.match(r"ILi(\d+)E", rest[arg.end() + len(name) :])  # its int argument
+        short += f"<{name}<{inner.group(1)}>>" if inner else f"<{name}>"
+    bits = re.match(r"ILi(\d+)E", rest)  # an int template argument
+    if bits:
+        short += f"<{bits.group(1)}>"
     kind = re.match(r"ILNS_4math8WireKindE(\d+)E", rest)  # a math::WireKind value
     if kind:
         short += f"<{_WIRE_KINDS.get(kind.group(1), kind.group(1))}>"

@@ -142,6 +142,12 @@ def test_names_of_the_real_kernels_and_a_missing_one():
     assert ptx_check.demangle("_ZN7fastddp7kernels16widen_sum_kernelENS_4math8WireKindE") == (
         "widen_sum_kernel"
     )
+    assert ptx_check.demangle(
+        "_ZN7fastddp7kernels19quantize_vec_kernelILi4EEEvNS_12QuantizeArgsE"
+    ) == ("quantize_vec_kernel<4>")
+    assert ptx_check.demangle(
+        "_ZN7fastddp7kernels17dequantize_kernelINS0_11PackedCodesILi2EEEEEvT_Pff"
+    ) == ("dequantize_kernel<PackedCodes<2>>")
     report = {k: [] for k in ptx_check.KERNELS if k != "widen_sum_kernel"}
     assert ptx_check.missing_kernels(report) == ["widen_sum_kernel"]
 
