@@ -22,6 +22,8 @@ $(VENV)/.deps: $(BIN)/python pyproject.toml
 		pytest pytest-timeout pytest-benchmark ruff rich matplotlib
 	# The integration tests run fastddp's hook inside these frameworks.
 	$(BIN)/pip install -q lightning accelerate
+	# cuobjdump and nvdisasm, for the SASS check of make cuda-check (benchmarks/sass_check.py).
+	$(BIN)/pip install -q nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
 	touch $@
 
 setup: $(VENV)/.deps
@@ -34,7 +36,8 @@ demo: build
 
 # Compile and link the CUDA sources with nvcc for sm_80/sm_90 (no GPU needed), then check that
 # the library holds device code for both, leaves nothing of fastddp's own unresolved, and that
-# the kernels' PTX keeps bit parity with the CPU (benchmarks/ptx_check.py).
+# the kernels' PTX keeps bit parity with the CPU (benchmarks/ptx_check.py), and that every
+# vector kernel's sm_90 SASS loads and stores 128 bits in its loop (benchmarks/sass_check.py).
 # Without nvcc this is skipped with a message, unless REQUIRE_CUDA_CHECK=1 (as in CI).
 NVCC := $(shell command -v nvcc 2>/dev/null)
 cuda-check: setup
@@ -53,7 +56,10 @@ else
 	# Bit parity with the CPU: no FMA nvcc or ptxas could contract, no approximate math, in the
 	# PTX of every kernel, compiled with the flags of the build above.
 	$(BIN)/python benchmarks/ptx_check.py --build-dir build-cmake
-	@echo "CUDA sources compiled and linked for sm_80 and sm_90; their PTX keeps CPU parity"
+	# Memory in 16-byte accesses: a loop of each vector kernel holds LDG.E.128 and STG.E.128.
+	$(BIN)/python benchmarks/sass_check.py --build-dir build-cmake
+	@echo "CUDA sources compiled and linked for sm_80 and sm_90; their PTX keeps CPU parity;"
+	@echo "their sm_90 SASS moves memory 16 bytes at a time"
 endif
 
 # The emu tests run once, under AddressSanitizer (its runtime must be loaded first, hence a

@@ -1,0 +1,268 @@
+"""Check in the sm_90 SASS that fastddp's CUDA kernels move memory 16 bytes at a time.
+
+An op reaches memory speed on an H100 only if its loop moves memory in 128-bit accesses; 1-,
+2- or 4-byte accesses keep the load/store units busy long before the memory is. This reads
+the machine code nvcc made for sm_90 (``cuobjdump -sass``, which needs ``nvdisasm``; PyPI's
+``nvidia-cuda-cuobjdump`` and ``nvidia-cuda-nvdisasm`` provide both) and finds each kernel's
+loops: the code between a backward branch and its target. Every kernel of ``VECTOR`` must
+have a loop that holds a 128-bit global load (``LDG.E.128``) and a loop that holds a 128-bit
+global store (``STG.E.128``), in every instance. The kernels of ``EXEMPT`` are named with the
+reason they do without. A kernel in neither table fails the check, as does one of the
+tables that is missing from the SASS (renamed? update the table), so no kernel escapes it.
+Narrower accesses are listed for each kernel, for a reader to judge (scalar heads and tails,
+one fp32 scale per block).
+
+    python benchmarks/sass_check.py --build-dir build-cmake    # the sm_90 cubin of _C.so
+    python benchmarks/sass_check.py kernels.cubin listing.sass  # cubins or SASS listings
+
+It lives beside ``ptx_check.py``, which ``make cuda-check`` runs before it; it needs the
+cuobjdump and nvdisasm tools (from PATH, or the running Python's ``nvidia/cu*/bin``) but no
+GPU and no torch. Exits 1 when a kernel fails.
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# The vector kernels of csrc/cuda/kernels.cuh: each must load and store 128 bits in a loop.
+VECTOR = (
+    "compress_kernel",
+    "compress_feedback_kernel",
+    "decompress_kernel",
+    "sum_chunks_kernel",
+    "widen_sum_kernel",
+    "quantize_vec_kernel",
+    "dequantize_vec_kernel",
+    "unpack_vec_kernel",
+)
+
+# Kernels without 128-bit accesses, and why they need none.
+EXEMPT = {
+    "quantize_int8_kernel": "the scalar fallback of quantize_vec_kernel, for blocks that are "
+    "not 4 * 2^k <= 128 or a multiple of 128 elements, and fp32 pointers not 16-byte aligned",
+    "quantize_packed_kernel": "the scalar fallback of quantize_vec_kernel for int4/int2 "
+    "(as quantize_int8_kernel)",
+    "dequantize_kernel": "the scalar fallback of dequantize_vec_kernel, for blocks that are "
+    "not a multiple of 4 elements, dst not 16-byte aligned, or code rows not aligned to a "
+    "chunk's 4 codes",
+    "unpack_kernel": "the scalar fallback of unpack_vec_kernel (as dequantize_kernel)",
+}
+
+ARCH = "sm_90"
+
+_FUNCTION = re.compile(r"^\s*Function\s*:\s*(\S+)")
+_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-fA-F]+)\*/\s+(.*?)\s*;")
+_PREDICATE = re.compile(r"^@!?U?P[T\d]+\s+")
+_HEX = re.compile(r"\b0x([0-9a-fA-F]+)\b")
+
+
+@dataclass
+class Kernel:
+    """One function of a SASS listing: its instructions as (address, opcode, operands)."""
+
+    name: str
+    instructions: list = field(default_factory=list)
+
+    def loops(self) -> list[tuple[int, int]]:
+        """(first, last) address of each loop: a branch back to an address at or before it."""
+        found = []
+        for address, opcode, operands in self.instructions:
+            if opcode.split(".")[0] == "BRA":
+                targets = _HEX.findall(operands)
+                if targets and int(targets[-1], 16) <= address:
+                    found.append((int(targets[-1], 16), address))
+        return found
+
+    def accesses(self) -> list[tuple[int, str, bool]]:
+        """(address, opcode, inside a loop) of each global load and store."""
+        loops = self.loops()
+        return [
+            (address, opcode, any(lo <= address <= hi for lo, hi in loops))
+            for address, opcode, _ in self.instructions
+            if opcode.startswith(("LDG", "STG"))
+        ]
+
+
+def parse(sass: str) -> list[Kernel]:
+    """The functions of a ``cuobjdump -sass`` / ``nvdisasm`` listing."""
+    kernels: list[Kernel] = []
+    for line in sass.splitlines():
+        m = _FUNCTION.match(line)
+        if m:
+            kernels.append(Kernel(m.group(1)))
+            continue
+        m = _INSTRUCTION.match(line)
+        if m and kernels:
+            text = _PREDICATE.sub("", m.group(2).strip())
+            opcode, _, operands = text.partition(" ")
+            kernels[-1].instructions.append((int(m.group(1), 16), opcode, operands))
+    return kernels
+
+
+def width(opcode: str) -> int:
+    """Bits a global load or store moves per thread, from its opcode."""
+    parts = opcode.split(".")
+    for bits in ("128", "64"):
+        if bits in parts:
+            return int(bits)
+    if {"U16", "S16"} & set(parts):
+        return 16
+    if {"U8", "S8"} & set(parts):
+        return 8
+    return 32
+
+
+def short_name(mangled: str) -> str:
+    """``_ZN7fastddp7kernels15compress_kernelIL...`` -> ``compress_kernel``."""
+    m = re.match(r"_ZN7fastddp7kernels(\d+)", mangled)
+    if not m:
+        m = re.match(r"_Z\d*?N?(\d+)", mangled)  # a kernel outside the namespace (tests)
+        if not m:
+            return mangled
+    start = m.end()
+    return mangled[start : start + int(m.group(1))]
+
+
+def template_args(mangled: str, name: str) -> str:
+    """The template arguments of an instance, enough to tell instances apart."""
+    rest = mangled.split(name, 1)[-1]
+    ints = re.match(r"ILi(\d+)EE", rest)
+    if ints:
+        return f"<{ints.group(1)}>"
+    kind = re.match(r"ILNS_4math8WireKindE(\d)E", rest)
+    if kind:
+        return "<kBf16>" if kind.group(1) == "1" else "<kFp16>"
+    codes = re.match(r"INS0_(\d+)(\w+)", rest)  # a type of fastddp::kernels
+    if codes:
+        length = int(codes.group(1))
+        inner = re.match(r"ILi(\d+)E", codes.group(2)[length:])
+        return f"<{codes.group(2)[:length]}{f'<{inner.group(1)}>' if inner else ''}>"
+    return ""
+
+
+@dataclass
+class Verdict:
+    kernel: str  # the instance, e.g. quantize_vec_kernel<4>
+    ok: bool
+    lines: list
+
+
+def judge(kernel: Kernel, vector=VECTOR, exempt=None) -> Verdict:
+    """Whether one kernel meets its requirement, and the accesses that say so."""
+    exempt = EXEMPT if exempt is None else exempt
+    name = short_name(kernel.name)
+    label = name + template_args(kernel.name, name)
+    counts: dict[tuple[str, bool], int] = {}
+    for _, opcode, in_loop in kernel.accesses():
+        counts[(opcode, in_loop)] = counts.get((opcode, in_loop), 0) + 1
+
+    def listed(in_loop: bool, wide: bool) -> str:
+        items = [
+            f"{op} x{n}"
+            for (op, loop), n in sorted(counts.items())
+            if loop == in_loop and (width(op) == 128) == wide
+        ]
+        return ", ".join(items) or "none"
+
+    lines = [
+        f"128-bit in loops: {listed(True, True)}",
+        f"narrower in loops: {listed(True, False)}",
+    ]
+    wide_in_loop = {op.split(".")[0] for (op, loop) in counts if loop and width(op) == 128}
+    if name in exempt:
+        return Verdict(label, True, [f"exempt: {exempt[name]}"])
+    if name not in vector:
+        return Verdict(label, False, ["not in VECTOR or EXEMPT: say what it must do"])
+    missing = [op for op in ("LDG", "STG") if op not in wide_in_loop]
+    if missing:
+        lines.append(f"FAILED: no 128-bit {' or '.join(missing)} in any loop")
+    return Verdict(label, not missing, lines)
+
+
+def check(sass: str, vector=VECTOR, exempt=None) -> tuple[list[Verdict], list[str]]:
+    """Each kernel's verdict, and the kernels of the tables that the listing lacks."""
+    exempt = EXEMPT if exempt is None else exempt
+    kernels = parse(sass)
+    verdicts = [judge(k, vector, exempt) for k in kernels]
+    present = {short_name(k.name) for k in kernels}
+    missing = [k for k in (*vector, *exempt) if k not in present]
+    return verdicts, missing
+
+
+def tool(name: str) -> str:
+    """cuobjdump or nvdisasm: from PATH, else from the nvidia-cuda-* wheels of this Python."""
+    roots = [Path(sysconfig.get_paths()["purelib"]), *map(Path, sys.path)]
+    for root in roots:
+        for found in sorted(root.glob(f"nvidia/cu*/bin/{name}")):
+            return str(found)
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        if directory and (Path(directory) / name).exists():
+            return str(Path(directory) / name)
+    raise SystemExit(
+        f"sass_check: {name} not found; `pip install nvidia-cuda-cuobjdump "
+        "nvidia-cuda-nvdisasm` (make setup installs them)"
+    )
+
+
+def _run(cmd: list[str], cwd=None) -> str:
+    env = dict(os.environ)
+    env["PATH"] = str(Path(tool("nvdisasm")).parent) + os.pathsep + env.get("PATH", "")
+    res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
+    if res.returncode != 0:
+        raise SystemExit(f"sass_check: {' '.join(cmd)} failed:\n{res.stderr}")
+    return res.stdout
+
+
+def sass_of_cubin(cubin: Path) -> str:
+    return _run([tool("cuobjdump"), "-sass", str(cubin)])
+
+
+def sass_of_library(library: Path, work: Path, arch: str = ARCH) -> str:
+    """The SASS of the ``arch`` cubin embedded in a shared library."""
+    listing = _run([tool("cuobjdump"), "--list-elf", str(library)])
+    names = re.findall(rf"(\S+\.{arch}\.cubin)", listing)
+    if not names:
+        raise SystemExit(f"sass_check: no {arch} cubin in {library}:\n{listing}")
+    _run([tool("cuobjdump"), "-xelf", names[0], str(library.resolve())], cwd=work)
+    return sass_of_cubin(work / names[0])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("files", nargs="*", type=Path, help="cubins or SASS listings")
+    p.add_argument("--build-dir", type=Path, help="a CMake build: check its _C.so")
+    args = p.parse_args(argv)
+    if not args.files and args.build_dir is None:
+        p.error("give cubins, SASS listings or --build-dir")
+    bad = False
+    with tempfile.TemporaryDirectory() as tmp:
+        sources = []
+        if args.build_dir is not None:
+            library = args.build_dir / "_C.so"
+            sources.append((f"{library} ({ARCH})", sass_of_library(library, Path(tmp))))
+        for path in args.files:
+            text = sass_of_cubin(path) if path.suffix == ".cubin" else path.read_text()
+            sources.append((str(path), text))
+        for label, sass in sources:
+            verdicts, missing = check(sass)
+            print(f"{label}: {len(verdicts)} kernels")
+            for v in verdicts:
+                print(f"  {v.kernel}: {'ok' if v.ok else 'FAILED'}")
+                for line in v.lines:
+                    print(f"    {line}")
+                bad |= not v.ok
+            for name in missing:
+                print(f"  {name}: not in the SASS (renamed? update VECTOR or EXEMPT)")
+                bad = True
+    print("sass_check: " + ("FAILED" if bad else "every vector kernel loads and stores 128 bits"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

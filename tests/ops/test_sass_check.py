@@ -1,0 +1,188 @@
+"""benchmarks/sass_check.py: a planted 2-byte loop fails it, 16-byte loops pass it.
+
+Listings written here test the parser and the rules without any tool; where nvcc and
+cuobjdump are at hand, tiny kernels compiled for sm_90 and the decompress kernel of the real
+header with its vector loop planted away test them on nvcc's own machine code (a few seconds).
+``make cuda-check`` runs the checker on the whole build.
+"""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import sass_check  # noqa: E402
+
+
+def _listing(name, body):
+    return f"""
+	code for sm_90
+		Function : {name}
+	.headerflags	@"EF_CUDA_TEXMODE_UNIFIED EF_CUDA_64BIT_ADDRESS EF_CUDA_SM90"
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                   /* 0x00000a00ff017b82 */
+{body}
+        /*0200*/                   EXIT ;                                   /* 0x000000000000794d */
+        /*0210*/                   BRA 0x210;                               /* 0xfffffffc00fc7947 */
+"""
+
+
+# A loop from 0x0080 to 0x00f0 with the given load and store in it.
+def _loop(load, store):
+    return f"""        /*0080*/                   {load} R4, desc[UR4][R2.64] ;        /* 0x0 */
+        /*0090*/                   IADD3 R0, R0, 0x100, RZ ;                /* 0x0 */
+        /*00a0*/                   {store} desc[UR4][R6.64], R4 ;          /* 0x0 */
+        /*00f0*/              @!P0 BRA 0x80 ;                               /* 0x0 */"""
+
+
+WIDE = _loop("LDG.E.128.CONSTANT", "STG.E.128")
+TWO_BYTES = _loop("LDG.E.U16.CONSTANT", "STG.E.U16")
+WIDE_OUTSIDE_A_LOOP = (
+    """        /*0040*/                   LDG.E.128 R8, desc[UR4][R2.64] ;        /* 0x0 */
+        /*0050*/                   STG.E.128 desc[UR4][R6.64], R8 ;        /* 0x0 */
+"""
+    + TWO_BYTES
+)
+WIDE_LOAD_ONLY = _loop("LDG.E.128", "STG.E")
+
+KERNEL = "_ZN7fastddp7kernels17decompress_kernelILNS_4math8WireKindE1EEEvPKtPflfl"
+
+
+def _verdict(body, name=KERNEL):
+    verdicts, _ = sass_check.check(_listing(name, body), vector=("decompress_kernel",), exempt={})
+    assert len(verdicts) == 1
+    return verdicts[0]
+
+
+def test_a_loop_with_16_byte_loads_and_stores_passes():
+    v = _verdict(WIDE)
+    assert v.ok and v.kernel == "decompress_kernel<kBf16>", v.lines
+
+
+@pytest.mark.parametrize(
+    "body, missing",
+    [(TWO_BYTES, "LDG or STG"), (WIDE_OUTSIDE_A_LOOP, "LDG or STG"), (WIDE_LOAD_ONLY, "STG")],
+    ids=["2-byte loop", "16-byte accesses outside the loop", "16-byte loads only"],
+)
+def test_a_planted_narrow_loop_fails(body, missing):
+    v = _verdict(body)
+    assert not v.ok
+    assert f"no 128-bit {missing} in any loop" in v.lines[-1]
+
+
+def test_an_unknown_kernel_fails_and_a_missing_one_is_named():
+    listing = _listing("_ZN7fastddp7kernels10new_kernelEv", WIDE)
+    verdicts, missing = sass_check.check(listing)
+    assert [v.ok for v in verdicts] == [False] and "not in VECTOR or EXEMPT" in verdicts[0].lines[0]
+    assert set(missing) == set(sass_check.VECTOR) | set(sass_check.EXEMPT)
+
+
+def test_an_exempt_kernel_says_why():
+    verdicts, _ = sass_check.check(_listing("_ZN7fastddp7kernels13unpack_kernelEv", TWO_BYTES))
+    assert verdicts[0].ok and verdicts[0].lines[0].startswith("exempt: the scalar fallback")
+
+
+def test_widths():
+    assert [sass_check.width(op) for op in ("LDG.E.128.CONSTANT", "STG.E.64", "LDG.E",
+            "STG.E.U16", "LDG.E.S8")] == [128, 64, 32, 16, 8]  # fmt: skip
+
+
+def test_the_command_line_exits_non_zero_on_a_planted_loop(tmp_path, capsys):
+    good, bad = tmp_path / "good.sass", tmp_path / "bad.sass"
+    good.write_text(_listing(KERNEL, WIDE))
+    bad.write_text(_listing(KERNEL, TWO_BYTES))
+    # The tables' other kernels are missing from these listings: both fail on that, and the
+    # planted loop is reported as such.
+    assert sass_check.main([str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "decompress_kernel<kBf16>: FAILED" in out and "no 128-bit LDG or STG" in out
+
+
+# ---------------------------------------------------------------- nvcc's own machine code
+
+
+def _tools():
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc")
+    try:
+        sass_check.tool("cuobjdump"), sass_check.tool("nvdisasm")
+    except SystemExit as e:
+        pytest.skip(str(e))
+
+
+def _compile(tmp_path, source: str, includes=()) -> str:
+    cu = tmp_path / "k.cu"
+    cu.write_text(source)
+    cubin = tmp_path / "k.cubin"
+    flags = ["-std=c++20", "--expt-relaxed-constexpr", "-O3", "-arch=sm_90", "-cubin"]
+    cmd = ["nvcc", *flags, *[f"-I{i}" for i in includes], "-o", str(cubin), str(cu)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    return sass_check.sass_of_cubin(cubin)
+
+
+TINY = r"""
+#include <cstdint>
+extern "C" __global__ void copy_2_bytes(const uint16_t* __restrict__ s, uint16_t* __restrict__ d,
+                                        int64_t n) {
+  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    d[i] = s[i];
+  }
+}
+extern "C" __global__ void copy_16_bytes(const uint4* __restrict__ s, uint4* __restrict__ d,
+                                         int64_t n) {
+  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    d[i] = s[i];
+  }
+}
+"""
+
+
+def test_a_compiled_2_byte_loop_fails_and_a_16_byte_one_passes(tmp_path):
+    _tools()
+    sass = _compile(tmp_path, TINY)
+    verdicts, _ = sass_check.check(sass, vector=("copy_2_bytes", "copy_16_bytes"), exempt={})
+    ok = {v.kernel: v.ok for v in verdicts}
+    assert ok == {"copy_2_bytes": False, "copy_16_bytes": True}, verdicts
+
+
+# The real header's decompress, its vector body planted away behind a 2-byte loop.
+DECOMPRESS = r"""
+#include "launch.h"
+struct Rt {
+  int sms() const { return 132; }
+  void zero_flag(int*) const {}
+  template <class... P, class... A>
+  void launch(void (*kernel)(P...), int grid, A... args) const {
+    kernel<<<grid, fastddp::kernels::kThreads>>>(static_cast<P>(args)...);
+  }
+};
+void run(const fastddp::DecompressArgs& a) {
+  Rt rt;
+  fastddp::kernels::run(rt, a);
+}
+"""
+SCALAR_HEAD = (
+    "grid_stride_loop(0, head, [&](int64_t i) { dst[i] = from_wire<K>(src[i]) * scale; });"
+)
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["header", "planted-2-byte-loop"])
+def test_the_real_decompress_kernel(tmp_path, planted):
+    _tools()
+    csrc = tmp_path / "csrc"
+    shutil.copytree(ROOT / "csrc", csrc, ignore=shutil.ignore_patterns("cpu", "ddp", "emu"))
+    if planted:
+        header = csrc / "cuda" / "kernels.cuh"
+        text = header.read_text()
+        assert SCALAR_HEAD in text, "the decompress kernel changed: update SCALAR_HEAD"
+        header.write_text(text.replace(SCALAR_HEAD, SCALAR_HEAD.replace("head", "n") + "return;"))
+    sass = _compile(tmp_path, DECOMPRESS, [csrc / "include", csrc / "cuda"])
+    verdicts, _ = sass_check.check(sass)
+    verdicts = [v for v in verdicts if v.kernel.startswith("decompress_kernel")]
+    assert len(verdicts) == 2  # fp16 and bf16
+    assert all(v.ok != planted for v in verdicts), [(v.kernel, v.lines) for v in verdicts]
