@@ -2,7 +2,10 @@
 // (../cuda/kernels.cuh) as the CUDA backend, run on the CPU. A C interface over raw pointers,
 // loaded by fastddp/testing/emu.py, which passes CPU tensors that the real ops' checks have
 // accepted. Each function returns NULL, or what went wrong in the launch.
+#include <dlfcn.h>
+
 #include <cstring>
+#include <set>
 #include <string>
 #include <tuple>
 
@@ -11,6 +14,13 @@
 
 namespace fastddp::emu {
 namespace {
+
+// The symbols of the kernels launched since fastddp_emu_launched last read them, so that the
+// tests can tell which kernels their cases ran.
+std::set<std::string>& launched() {
+  static std::set<std::string> names;
+  return names;
+}
 
 struct EmuRuntime {
   std::string error;
@@ -29,6 +39,10 @@ struct EmuRuntime {
       void (*kernel)(P...);
       std::tuple<P...> args;
     } call{kernel, std::tuple<P...>(static_cast<P>(args)...)};
+    Dl_info info{};
+    if (dladdr(reinterpret_cast<void*>(kernel), &info) != 0 && info.dli_sname != nullptr) {
+      launched().insert(info.dli_sname);
+    }
     const std::string why = emu::launch(
         static_cast<unsigned>(grid), kernels::kThreads,
         [](void* p) {
@@ -73,6 +87,17 @@ extern "C" {
 
 void fastddp_emu_configure(int sms, uint64_t seed) {
   emu::configure(sms, seed);
+}
+
+// The (mangled) names of the kernels launched since the last call, one a line.
+const char* fastddp_emu_launched() {
+  static std::string names;
+  names.clear();
+  for (const std::string& name : emu::launched()) {
+    names += name + "\n";
+  }
+  emu::launched().clear();
+  return names.c_str();
 }
 
 const char* fastddp_emu_compress(int k, const float* in, uint16_t* out, int64_t n, float scale,

@@ -17,6 +17,7 @@ drawn from ``seed``.
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -29,7 +30,7 @@ __all__ = ["CSRC", "Emu", "EmuError", "asan_active", "build", "load"]
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 _SOURCES = ("emu/emu.cpp", "emu/ops.cpp")
-_HEADERS = ("emu/cuda_emu.h", "cuda/kernels.cuh", "cuda/launch.h",
+_HEADERS = ("emu/cuda_emu.h", "cuda/kernels.cuh", "cuda/packed_kernels.cuh", "cuda/launch.h",
             "include/fastddp/rounding.h", "include/fastddp/layout.h")  # fmt: skip
 
 
@@ -78,6 +79,18 @@ def load(path: Optional[Path] = None, *, sms: int = 2, seed: int = 0) -> "Emu":
     return emu
 
 
+def _kernel_name(symbol: str) -> str:
+    """A kernel's name and its bits, if it has some, from its symbol:
+    ``_ZN7fastddp7kernels19quantize_vec_kernelILi4EEEv...`` -> ``quantize_vec_kernel<4>``,
+    ``..._kernelINS0_11PackedCodesILi2EEEEEv...`` -> ``..._kernel<2>``."""
+    m = re.match(r"_ZN7fastddp7kernels(\d+)", symbol)
+    if not m:
+        return symbol
+    name = symbol[m.end() : m.end() + int(m.group(1))]
+    bits = re.match(r"I(?:NS0_\d+\w+?)?ILi(\d)E|ILi(\d)E", symbol[m.end() + len(name) :])
+    return f"{name}<{bits.group(1) or bits.group(2)}>" if bits else name
+
+
 def _kind(t: torch.Tensor) -> int:
     return 1 if t.dtype == torch.bfloat16 else 0
 
@@ -112,10 +125,16 @@ class Emu:
                      "unpack_packed"):  # fmt: skip
             getattr(lib, f"fastddp_emu_{name}").restype = ctypes.c_char_p
         lib.fastddp_emu_configure.argtypes = [ctypes.c_int, ctypes.c_uint64]
+        lib.fastddp_emu_launched.restype = ctypes.c_char_p
 
     def configure(self, sms: int, seed: int) -> None:
         """The device's SM count and the seed of the next launches' order."""
         self._lib.fastddp_emu_configure(sms, seed)
+
+    def launched(self) -> set[str]:
+        """The kernels launched since the last call, by name (``quantize_vec_kernel``)."""
+        names = self._lib.fastddp_emu_launched().decode().split()
+        return {_kernel_name(n) for n in names}
 
     def _call(self, name: str, *args) -> None:
         conv = [ctypes.c_float(a) if isinstance(a, float) else

@@ -21,7 +21,7 @@ import torch
 from fastddp import ops
 from fastddp.testing.emu import Emu, EmuError, load
 
-__all__ = ["CHECKS", "VEC", "run_all", "sizes"]
+__all__ = ["CHECKS", "KERNELS", "VEC", "run_all", "sizes"]
 
 VEC = 8  # elements per 16-byte wire access
 THREADS = 8 * 256  # an emulated device of 1 SM: 8 blocks of 256 threads
@@ -117,7 +117,7 @@ def check_decompress(emu: Emu, n: int, dtype, offset: bool) -> None:
     _same(f"decompress n={n} {dtype} offset={offset}", *outs)
 
 
-def check_sum_chunks(emu: Emu, m: int, dtype, chunks: int, variant: str) -> None:
+def check_sum_chunks(emu: Emu, m: int, dtype, chunks: int, variant: str, offset=False) -> None:
     """``variant``: plain, ef, sr or ef-sr; the wire rows summed in fp32 and rounded again."""
     src = _data(chunks * m, m).to(dtype).view(chunks, m)
     flag = torch.zeros(1, dtype=torch.int32)
@@ -125,30 +125,31 @@ def check_sum_chunks(emu: Emu, m: int, dtype, chunks: int, variant: str) -> None
     seed = 77 + m if "sr" in variant else -1
     outs = []
     for run in (ops.sum_chunks, emu.sum_chunks):
-        d, whole = _buffer(m, dtype, False)
-        r = residual.clone() if residual is not None else None
+        d, whole = _buffer(m, dtype, offset)
+        r = _twin(residual, offset)[0] if residual is not None else None
         f = flag.clone()
-        run(src.clone(), d, 0.25, f, r, seed)
+        run(_twin(src, offset)[0], d, 0.25, f, r, seed)
         outs.append((whole, r, f))
-    what = f"sum_chunks m={m} {dtype} chunks={chunks} {variant}"
+    what = f"sum_chunks m={m} {dtype} chunks={chunks} {variant} offset={offset}"
     _same(what, outs[0][0], outs[1][0])
     if residual is not None:
         _same(what + " residual", outs[0][1], outs[1][1])
     _same(what + " flag", outs[0][2], outs[1][2])
 
 
-def check_widen_sum(emu: Emu, m: int, dtype, chunks: int) -> None:
+def check_widen_sum(emu: Emu, m: int, dtype, chunks: int, offset=False) -> None:
     src = _data(chunks * m, m).to(dtype).view(chunks, m)
     outs = []
     for run in (ops.widen_sum, emu.widen_sum):
-        d, whole = _buffer(m, torch.float32, False)
-        run(src.clone(), d, 0.5)
+        d, whole = _buffer(m, torch.float32, offset)
+        run(_twin(src, offset)[0], d, 0.5)
         outs.append(whole)
-    _same(f"widen_sum m={m} {dtype} chunks={chunks}", *outs)
+    _same(f"widen_sum m={m} {dtype} chunks={chunks} offset={offset}", *outs)
 
 
-def _int8_layout(n: int, block: int, rows: int, spaced: bool):
-    """int8 and scales buffers for ``n`` values in ``rows`` rows (rows spaced apart or not)."""
+def _int8_layout(n: int, block: int, rows: int, spaced: bool, pad: int = 16):
+    """int8 and scales buffers for ``n`` values in ``rows`` rows (rows spaced apart by ``pad``
+    bytes or not: 16 keeps rows of whole 16-byte units aligned, 4 does not)."""
     m = -(-n // rows)
     if rows > 1:
         m = -(-m // block) * block  # whole blocks per row
@@ -157,7 +158,7 @@ def _int8_layout(n: int, block: int, rows: int, spaced: bool):
         q, qw = _buffer(m, torch.int8, False)
         s, sw = _buffer(nb, torch.float32, False)
         return q, s, qw, sw
-    pad = 16 if spaced else 0
+    pad = pad if spaced else 0
     qw = torch.full((rows * (m + pad) + 2 * _CANARY,), 93, dtype=torch.int8)
     sw = torch.full((rows * (nb + pad) + 2 * _CANARY,), 93.0)
     q = qw[_CANARY : _CANARY + rows * (m + pad)].view(rows, m + pad)[:, :m]
@@ -165,19 +166,22 @@ def _int8_layout(n: int, block: int, rows: int, spaced: bool):
     return q, s, qw, sw
 
 
-def check_quantize_int8(emu: Emu, n: int, block: int, variant: str, rows: int = 1) -> None:
-    """``variant``: plain, ef, sr or ef-sr; ``rows`` > 1 writes rows spaced apart."""
-    src = _data(n, n, special=False)
+def check_quantize_int8(
+    emu: Emu, n: int, block: int, variant: str, rows: int = 1, pad=16, offset=False, special=False
+) -> None:
+    """``variant``: plain, ef, sr or ef-sr; ``rows`` > 1 writes rows ``pad`` bytes apart;
+    ``offset`` shifts the fp32 tensors one element; ``special`` puts inf in a block."""
+    src = _data(n, n, special=special)
     residual = _data(n, n + 3) * 1e-3 if "ef" in variant else None
     seed = 99 + n if "sr" in variant else -1
     outs = []
     for run in (ops.quantize_int8, emu.quantize_int8):
-        q, s, qw, sw = _int8_layout(n, block, rows, spaced=True)
-        r = residual.clone() if residual is not None else None
+        q, s, qw, sw = _int8_layout(n, block, rows, spaced=True, pad=pad)
+        r = _twin(residual, offset)[0] if residual is not None else None
         f = torch.zeros(1, dtype=torch.int32)
-        run(src.clone(), q, s, block, 0.5, f, r, seed)
+        run(_twin(src, offset)[0], q, s, block, 0.5, f, r, seed)
         outs.append((qw, sw, r, f))
-    what = f"quantize_int8 n={n} block={block} {variant} rows={rows}"
+    what = f"quantize_int8 n={n} block={block} {variant} rows={rows} pad={pad} offset={offset}"
     _same(what + " values", outs[0][0], outs[1][0])
     _same(what + " scales", outs[0][1], outs[1][1])
     if residual is not None:
@@ -185,59 +189,63 @@ def check_quantize_int8(emu: Emu, n: int, block: int, variant: str, rows: int = 
     _same(what + " flag", outs[0][3], outs[1][3])
 
 
-def check_dequantize_int8(emu: Emu, m: int, block: int, chunks: int) -> None:
-    q, s, _, _ = _int8_layout(chunks * m, block, chunks, spaced=True)
+def check_dequantize_int8(emu: Emu, m: int, block: int, chunks: int, pad=16, offset=False) -> None:
+    q, s, _, _ = _int8_layout(chunks * m, block, chunks, spaced=True, pad=pad)
     gen = torch.Generator().manual_seed(m)
     q.copy_(torch.randint(-127, 128, q.shape, generator=gen, dtype=torch.int8))
     s.copy_(torch.rand(s.shape, generator=gen))
     outs = []
     for run in (ops.dequantize_int8, emu.dequantize_int8):
-        d, whole = _buffer(q.size(1), torch.float32, False)
+        d, whole = _buffer(q.size(1), torch.float32, offset)
         run(q, s, d, block, 0.5)
         outs.append(whole)
-    _same(f"dequantize_int8 m={m} block={block} chunks={chunks}", *outs)
+    _same(f"dequantize_int8 m={m} block={block} chunks={chunks} pad={pad} offset={offset}", *outs)
 
 
-def check_unpack_int8(emu: Emu, n: int, block: int, rows: int) -> None:
-    q, s, _, _ = _int8_layout(n, block, rows, spaced=True)
+def check_unpack_int8(emu: Emu, n: int, block: int, rows: int, pad=16, offset=False) -> None:
+    q, s, _, _ = _int8_layout(n, block, rows, spaced=True, pad=pad)
     gen = torch.Generator().manual_seed(n)
     q.copy_(torch.randint(-127, 128, q.shape, generator=gen, dtype=torch.int8))
     s.copy_(torch.rand(s.shape, generator=gen))
     n = min(n, q.numel())
     outs = []
     for run in (ops.unpack_int8, emu.unpack_int8):
-        d, whole = _buffer(n, torch.float32, False)
+        d, whole = _buffer(n, torch.float32, offset)
         run(q, s, d, block, 2.0)
         outs.append(whole)
-    _same(f"unpack_int8 n={n} block={block} rows={rows}", *outs)
+    _same(f"unpack_int8 n={n} block={block} rows={rows} pad={pad} offset={offset}", *outs)
 
 
-def _packed_layout(n: int, bits: int, block: int, rows: int):
-    """uint8 and scales buffers for ``n`` packed codes in ``rows`` rows spaced apart."""
+def _packed_layout(n: int, bits: int, block: int, rows: int, pad: int = 16):
+    """uint8 and scales buffers for ``n`` packed codes in ``rows`` rows ``pad`` bytes apart."""
     per = 8 // bits
     per_row = -(-n // rows)
     m = n if rows == 1 else -(-per_row // block) * block  # whole blocks per row
     nbytes, nb = -(-m // per), -(-m // block)
-    qw = torch.full((rows * (nbytes + 16) + 2 * _CANARY,), 93, dtype=torch.uint8)
+    qw = torch.full((rows * (nbytes + pad) + 2 * _CANARY,), 93, dtype=torch.uint8)
     sw = torch.full((rows * (nb + 16) + 2 * _CANARY,), 93.0)
-    q = qw[_CANARY : _CANARY + rows * (nbytes + 16)].view(rows, nbytes + 16)[:, :nbytes]
+    q = qw[_CANARY : _CANARY + rows * (nbytes + pad)].view(rows, nbytes + pad)[:, :nbytes]
     s = sw[_CANARY : _CANARY + rows * (nb + 16)].view(rows, nb + 16)[:, :nb]
     return (q[0], s[0], qw, sw) if rows == 1 else (q, s, qw, sw)
 
 
-def check_quantize_packed(emu: Emu, bits: int, n: int, block: int, variant: str, rows=1) -> None:
+def check_quantize_packed(
+    emu: Emu, bits: int, n: int, block: int, variant: str, rows=1, pad=16, offset=False,
+    special=False,
+) -> None:  # fmt: skip
     """quantize_packed as :func:`check_quantize_int8`, for ``bits`` 4 or 2."""
-    src = _data(n, n, special=False)
+    src = _data(n, n, special=special)
     residual = _data(n, n + 3) * 1e-3 if "ef" in variant else None
     seed = 99 + n if "sr" in variant else -1
     outs = []
     for run in (ops.quantize_packed, emu.quantize_packed):
-        q, s, qw, sw = _packed_layout(n, bits, block, rows)
-        r = residual.clone() if residual is not None else None
+        q, s, qw, sw = _packed_layout(n, bits, block, rows, pad)
+        r = _twin(residual, offset)[0] if residual is not None else None
         f = torch.zeros(1, dtype=torch.int32)
-        run(src.clone(), q, s, bits, block, 0.5, f, r, seed)
+        run(_twin(src, offset)[0], q, s, bits, block, 0.5, f, r, seed)
         outs.append((qw, sw, r, f))
-    what = f"quantize_packed bits={bits} n={n} block={block} {variant} rows={rows}"
+    what = (f"quantize_packed bits={bits} n={n} block={block} {variant} rows={rows} pad={pad} "
+            f"offset={offset}")  # fmt: skip
     for k, part in enumerate(("values", "scales", "residual", "flag")):
         if outs[0][k] is not None:
             _same(f"{what} {part}", outs[0][k], outs[1][k])
@@ -249,57 +257,95 @@ def _random_codes(q: torch.Tensor, s: torch.Tensor, seed: int) -> None:
     s.copy_(torch.rand(s.shape, generator=gen))
 
 
-def check_decode_packed(emu: Emu, op: str, bits: int, n: int, block: int, rows: int) -> None:
+def check_decode_packed(
+    emu: Emu, op: str, bits: int, n: int, block: int, rows: int, pad=16, offset=False
+) -> None:
     """``op``: ``dequantize`` sums ``rows`` rows of ``n`` codes each; ``unpack`` reads ``n``
     codes laid out in ``rows`` rows."""
     summing = op == "dequantize"
-    q, s, _, _ = _packed_layout(rows * n if summing else n, bits, block, rows)
+    q, s, _, _ = _packed_layout(rows * n if summing else n, bits, block, rows, pad)
     _random_codes(q, s, n)
     outs = []
     for run in (getattr(ops, f"{op}_packed"), getattr(emu, f"{op}_packed")):
-        d, whole = _buffer(n, torch.float32, False)
+        d, whole = _buffer(n, torch.float32, offset)
         run(q, s, d, bits, block, 0.5 if summing else 2.0)
         outs.append(whole)
-    _same(f"{op}_packed bits={bits} n={n} block={block} rows={rows}", *outs)
+    what = f"{op}_packed bits={bits} n={n} block={block} rows={rows} pad={pad} offset={offset}"
+    _same(what, *outs)
 
 
 WIRES = (torch.bfloat16, torch.float16)
+CHUNK = 4  # elements a lane takes at a time in the vector kernels of the codes
 
-# (name, function, argument tuples) for a quick sweep: every op and variant, a few sizes.
+
+def _codes_n(block: int, tail: int = 5) -> int:
+    """A length that takes 3 passes of the codes' vector kernels (a warp takes 128 elements,
+    or a block of more) and ends in a short block."""
+    return 3 * THREADS * CHUNK * max(1, block // 128) + tail
+
+
+# The layouts of the codes: (rows, pad, offset): one row; rows 16 bytes apart (aligned); rows
+# 4 bytes apart (the codecs' layout, rows not 16-byte aligned); fp32 one element into its
+# buffer (the scalar kernels).
+LAYOUTS = ((1, 16, False), (3, 16, False), (3, 4, False), (1, 16, True))
+
+# (name, function, argument tuples) for a quick sweep: every op and variant, a few sizes, every
+# vector kernel and every scalar one.
 CHECKS = [
     ("compress", check_compress,
      [(n, dt, v, off, True) for dt in WIRES for v in ("plain", "flag", "ef", "sr", "ef-sr")
-      for off in (False, True) for n in sizes(VEC if v in ("plain", "flag") else 1, (1, 9))]),
+      for off in (False, True) for n in sizes(VEC, (1, 9))]),
     ("decompress", check_decompress,
      [(n, dt, off) for dt in WIRES for off in (False, True) for n in sizes(VEC, (3, 15))]),
+    # m % 8 == 0: every row aligns at the same element (a vector body after a head); else the
+    # rows cannot align together (all scalar).
     ("sum_chunks", check_sum_chunks,
-     [(m, dt, c, v) for dt in WIRES for c in (1, 3) for v in ("plain", "ef", "sr")
-      for m in sizes(1, (5,))]),
-    ("widen_sum", check_widen_sum, [(m, dt, 3) for dt in WIRES for m in sizes(1, (7,))]),
+     [(m, dt, c, v, off) for dt in WIRES for c in (1, 3) for v in ("plain", "ef", "sr")
+      for m, off in ((sizes(VEC, (8,))[0], True), (sizes(VEC, (5,))[0], False))]),
+    ("widen_sum", check_widen_sum,
+     [(m, dt, 3, off) for dt in WIRES
+      for m, off in ((sizes(VEC, (8,))[0], True), (sizes(VEC, (7,))[0], False))]),
+    # Blocks of 32 (a quarter warp), 100 (the scalar kernel), 256 (a warp, 2 chunks a lane).
     ("quantize_int8", check_quantize_int8,
-     [(n, b, v, r) for b in (32, 100) for v in ("plain", "ef", "sr") for r in (1, 3)
-      for n in (3 * 64 * b + 5,)]),
-    ("dequantize_int8", check_dequantize_int8, [(m, b, 3) for b in (32, 100)
-                                               for m in (3 * THREADS + b,)]),
-    ("unpack_int8", check_unpack_int8, [(3 * THREADS + 7, b, r) for b in (32, 100)
-                                        for r in (1, 3)]),
+     [(_codes_n(b), b, v, r, pad, off) for b in (32, 100, 256) for v in ("plain", "ef", "sr")
+      for r, pad, off in LAYOUTS]),
+    ("dequantize_int8", check_dequantize_int8,
+     [(_codes_n(b, b), b, 3, pad, off) for b in (32, 100)
+      for pad, off in ((16, False), (4, False), (16, True))]),
+    ("unpack_int8", check_unpack_int8,
+     [(_codes_n(b, 7), b, r, pad, off) for b in (32, 100) for r, pad, off in LAYOUTS]),
+    # Blocks of 32 and 128 (vector kernels), 6 for int4 and 12 for int2 (scalar).
     ("quantize_packed", check_quantize_packed,
-     [(bits, n, b, v, r) for bits in (4, 2) for b in (32, 128) for v in ("plain", "ef", "sr")
-      for r in (1, 3) for n in (3 * 64 * b + 5,)]),
+     [(bits, _codes_n(b), b, v, r, pad, off) for bits in (4, 2) for b in (32, 128, 6 * (6 - bits))
+      for v in ("plain", "ef", "sr") for r, pad, off in LAYOUTS]),
     ("dequantize_packed", check_decode_packed,
-     [("dequantize", bits, 3 * THREADS + b, b, 3) for bits in (4, 2) for b in (32, 128)]),
+     [("dequantize", bits, _codes_n(b, b), b, 3, pad, off) for bits in (4, 2)
+      for b in (32, 128, 6 * (6 - bits)) for pad, off in ((16, False), (4, False), (16, True))]),
     ("unpack_packed", check_decode_packed,
-     [("unpack", bits, 3 * THREADS + 7, b, r) for bits in (4, 2) for b in (32, 128)
-      for r in (1, 3)]),
+     [("unpack", bits, _codes_n(b, 7), b, r, pad, off) for bits in (4, 2)
+      for b in (32, 128, 6 * (6 - bits)) for r, pad, off in LAYOUTS]),
 ]  # fmt: skip
 
+# Every kernel of csrc/cuda (by name and bits), which the checks of CHECKS must launch.
+KERNELS = frozenset(
+    ["compress_kernel", "compress_feedback_kernel", "decompress_kernel", "sum_chunks_kernel",
+     "widen_sum_kernel", "quantize_int8_kernel", "dequantize_kernel", "unpack_kernel"]
+    + [f"{k}<{bits}>" for k in ("quantize_vec_kernel", "dequantize_vec_kernel",
+                               "unpack_vec_kernel") for bits in (8, 4, 2)]
+    + [f"{k}<{bits}>" for k in ("quantize_packed_kernel", "dequantize_kernel", "unpack_kernel")
+       for bits in (4, 2)]
+)  # fmt: skip
 
-def run_all(emu: Emu, only: Optional[str] = None) -> None:
-    """Every check of :data:`CHECKS` (or those of one op); raises on the first failure."""
+
+def run_all(emu: Emu, only: Optional[str] = None) -> set[str]:
+    """Every check of :data:`CHECKS` (or those of one op); raises on the first failure.
+    Returns the kernels they launched."""
+    emu.launched()
     for name, check, cases in CHECKS:
         if only in (None, name):
             for args in cases:
                 check(emu, *args)
+    return emu.launched()
 
 
 def main(argv=None) -> int:
@@ -309,9 +355,12 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     try:
-        run_all(load(args.lib, sms=1, seed=args.seed), args.op)
+        launched = run_all(load(args.lib, sms=1, seed=args.seed), args.op)
     except (AssertionError, EmuError) as e:
         print(f"FAILED: {e}", file=sys.stderr)
+        return 1
+    if args.op is None and launched != KERNELS:
+        print(f"FAILED: kernels not run: {sorted(KERNELS - launched)}", file=sys.stderr)
         return 1
     print("all checks passed")
     return 0

@@ -1,11 +1,13 @@
 """The CUDA backend's launch code and kernels, run on the CPU by the grid emulator (csrc/emu).
 
 Every op, wire dtype, block size and error-feedback / stochastic-rounding variant gives exactly
-the CPU op's bits at sizes that take 3 passes of the grid-stride loops on an emulated 1-SM
-device, for every tail length from 0 to twice the vector width, and with tensors one element
-into their buffers (no 16-byte alignment). Then defects are planted, one at a time, in a copy
-of the kernel header and launch code: each must make the checks fail. ``make test`` runs this
-module a second time under AddressSanitizer.
+the CPU op's bits at sizes that take 3 passes of the kernels' loops on an emulated 1-SM
+device, for every tail length from 0 to twice the vector width, with tensors one element into
+their buffers (a scalar head before the 16-byte body, or the scalar kernels of the codes), and
+with rows of codes that are not 16-byte aligned; the cases launch every kernel, vector and
+scalar. Then defects are planted, one at a time, in a copy of the kernel header and launch
+code: each must make the checks fail. ``make test`` runs this module a second time under
+AddressSanitizer.
 """
 
 import shutil
@@ -18,8 +20,11 @@ import torch
 from fastddp.testing import emu as emulator
 from fastddp.testing.emu_cases import (
     CHECKS,
+    KERNELS,
     VEC,
+    _codes_n,
     check_compress,
+    check_decode_packed,
     check_decompress,
     check_quantize_int8,
     check_quantize_packed,
@@ -48,6 +53,19 @@ def emu():
 )  # fmt: skip
 def test_every_op_matches_the_cpu_op(emu, check, args):
     check(emu, *args)
+    _LAUNCHED.update(emu.launched())
+    _RAN.append(args)
+
+
+_LAUNCHED: set = set()
+_RAN: list = []
+
+
+def test_the_checks_run_every_kernel():
+    """Every vector kernel and every scalar one ran in the cases above (the whole sweep)."""
+    if len(_RAN) < sum(len(cases) for _, _, cases in CHECKS):
+        pytest.skip("needs every case of test_every_op_matches_the_cpu_op in this session")
+    assert _LAUNCHED == KERNELS, f"not run: {sorted(KERNELS - _LAUNCHED)}"
 
 
 @pytest.mark.parametrize("dtype", WIRES)
@@ -59,24 +77,26 @@ def test_every_tail_of_the_vectorised_paths(emu, dtype, offset):
 
 
 @pytest.mark.parametrize("variant", ["ef", "sr", "ef-sr"])
-def test_every_tail_of_the_scalar_paths(emu, variant):
-    for n in sizes(1):
+def test_every_tail_of_the_rounding_paths(emu, variant):
+    for n in sizes(VEC):
         check_compress(emu, n, torch.bfloat16, variant, offset=True, special=True)
-        check_sum_chunks(emu, n, torch.float16, 2, variant)
+        check_sum_chunks(emu, n, torch.float16, 2, variant, offset=True)
 
 
-@pytest.mark.parametrize("block", [1, 32, 64, 100, 256])
+@pytest.mark.parametrize("block", [1, 4, 8, 32, 48, 64, 100, 128, 256, 384])
 def test_int8_block_sizes(emu, block):
-    for n in (1, block - 1, 3 * 64 * block + 3):
+    # 4 * 2^k up to 128 and multiples of 128: the vector kernel; 1, 48, 100: the scalar one.
+    for n in (1, block - 1, block + 1, _codes_n(block, 3)):
         if n >= 1:
-            check_quantize_int8(emu, n, block, "ef-sr", rows=1)
+            check_quantize_int8(emu, n, block, "ef-sr", rows=1, special=True)
 
 
 @pytest.mark.parametrize("bits", [4, 2])
-@pytest.mark.parametrize("block", [32, 64, 256])
+@pytest.mark.parametrize("block", [4, 8, 12, 32, 64, 256, 512])
 def test_packed_block_sizes_and_short_last_bytes(emu, bits, block):
-    for n in (1, 2, 3, block - 1, block + 1, 3 * 64 * block + 3):
-        check_quantize_packed(emu, bits, n, block, "ef-sr", rows=1)
+    for n in (1, 2, 3, block - 1, block + 1, _codes_n(block, 3)):
+        check_quantize_packed(emu, bits, n, block, "ef-sr", rows=1, special=True)
+        check_decode_packed(emu, "unpack", bits, n, block, 1)
 
 
 def test_thread_and_block_order_do_not_change_the_bits():
@@ -98,29 +118,61 @@ def test_thread_and_block_order_do_not_change_the_bits():
 DEFECTS = [
     ("grid stride off by one block", "cuda/kernels.cuh",
      "const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;",
-     "const int64_t stride = static_cast<int64_t>(gridDim.x + 1) * blockDim.x;", "compress"),
+     "const int64_t stride = static_cast<int64_t>(gridDim.x + 1) * blockDim.x;", "unpack_int8"),
+    ("warp stride off by one warp", "cuda/kernels.cuh",
+     "first += warps * span) {", "first += (warps + 1) * span) {", "compress"),
     ("a warp-shuffle step dropped", "cuda/kernels.cuh",
      "for (int offset = 16; offset > 0; offset /= 2) {",
      "for (int offset = 16; offset > 1; offset /= 2) {", "quantize_int8"),
+    ("a shuffle step of a block's lanes dropped", "cuda/kernels.cuh",
+     "for (int offset = width / 2; offset > 0; offset /= 2) {",
+     "for (int offset = width / 2; offset > 1; offset /= 2) {", "quantize_int8"),
     ("a divergent shuffle", "cuda/kernels.cuh",
      "for (int offset = 16; offset > 0; offset /= 2) {",
      "for (int offset = 16; offset > 0 && lane < 16; offset /= 2) {", "quantize_int8"),
+    ("a shuffle skipped by lanes past the end", "cuda/kernels.cuh",
+     "const uint32_t odd_lo = __shfl_xor_sync(kAllLanes, lo, 1);",
+     "const uint32_t odd_lo = k.count > 0 ? __shfl_xor_sync(kAllLanes, lo, 1) : 0u;",
+     "compress"),
     ("loop bound < made <=", "cuda/kernels.cuh",
      "for (int64_t i = begin + thread_index(); i < end; i += stride) {",
-     "for (int64_t i = begin + thread_index(); i <= end; i += stride) {", "compress"),
+     "for (int64_t i = begin + thread_index(); i <= end; i += stride) {", "unpack_int8"),
+    ("a short chunk taken as whole", "cuda/kernels.cuh",
+     "const int count = left <= 0 ? 0 : (left >= kChunk ? kChunk : static_cast<int>(left));",
+     "const int count = left <= 0 ? 0 : kChunk;", "decompress"),
     ("__syncthreads_or replaced by the thread's own flag", "cuda/kernels.cuh",
      "if (flag != nullptr && __syncthreads_or(bad) && threadIdx.x == 0) {",
      "if (flag != nullptr && bad && threadIdx.x == 0) {", "compress"),
+    ("the residual of a rounded chunk not written", "cuda/kernels.cuh",
+     "    store_chunk(mode.residual, k, r);\n  }\n  store_wire(dst, k, w);",
+     "  }\n  store_wire(dst, k, w);", "sum_chunks"),
     ("the codes of a packed byte in reverse order", "cuda/packed_kernels.cuh",
      "byte |= pack_code(math::quantize_element(mode, v, inverse, step, i, qmax), kBits, j);",
      "byte |= pack_code(math::quantize_element(mode, v, inverse, step, i, qmax), kBits, "
      "kPer - 1 - j);", "quantize_packed"),
+    ("the codes of a chunk in reverse order", "cuda/kernels.cuh",
+     "piece |= pack_code(code, kBits, j);", "piece |= pack_code(code, kBits, kChunk - 1 - j);",
+     "quantize_packed"),
     ("the last byte of a packed row left out", "cuda/packed_kernels.cuh",
      "const int64_t end_byte = (hi - row_first + kPer - 1) / kPer;",
      "const int64_t end_byte = (hi - row_first) / kPer;", "quantize_packed"),
-    ("a vector load at an offset that is not a multiple of its width", "cuda/launch.h",
-     "const bool vec = aligned16(a.src) && aligned16(a.dst);", "const bool vec = true;",
+    ("the last short piece of codes left out", "cuda/kernels.cuh",
+     "  const int nbytes = (count * kBits + 7) / 8;\n  if (nbytes == P::kBytes) {\n    if "
+     "(P::kBytes == 4) {\n      *reinterpret_cast<uint32_t*>(at) = piece;",
+     "  const int nbytes = (count * kBits) / 8;\n  if (nbytes == P::kBytes) {\n    if "
+     "(P::kBytes == 4) {\n      *reinterpret_cast<uint32_t*>(at) = piece;", "quantize_packed"),
+    ("a group's 16 bytes read from the wrong lane's slot", "cuda/kernels.cuh",
+     "return (word >> (8 * (byte % 4))) & P::kMask;", "return word & P::kMask;",
+     "unpack_packed"),
+    ("a 16-byte code store without its alignment check", "cuda/kernels.cuh",
+     "whole = reinterpret_cast<uintptr_t>(code_byte<kBits>(rows, q, g0)) % 16 == 0;",
+     "whole = true;", "quantize_int8"),
+    ("a vector access at an offset that is not a multiple of its width", "cuda/launch.h",
+     "if ((aligned_at(i, p) && ...)) {", "if (((aligned_at(i, p) || true) && ...)) {",
      "compress"),
+    ("a vector kernel for unaligned fp32 codes' data", "cuda/launch.h",
+     "return aligned16(fp32) && (residual == nullptr",
+     "return fp32 != nullptr && (residual == nullptr", "unpack_int8"),
 ]  # fmt: skip
 
 
@@ -152,4 +204,6 @@ def test_a_planted_defect_fails_the_checks(tmp_path, name, rel, old, new, op):
     res = _sweep(tmp_path, op, (rel, old, new))
     if res is not None:
         assert res.returncode != 0, f"{name!r} survived the emulator checks:\n{res.stdout}"
-        print(f"{name}: {res.stderr.strip().splitlines()[-1][:300]}")
+        lines = res.stderr.strip().splitlines() or [""]
+        why = next((line for line in lines if "runtime error" in line), lines[-1])
+        print(f"{name}: {why[:300]}")
