@@ -9,11 +9,13 @@
 // narrower side of an op (16-bit wire values, int8/int4/int2 codes) is read 16 bytes at a time
 // by the group of lanes that share those bytes (each keeps its own piece), and written by the
 // group's first lane after the others' pieces reach it by warp shuffles: so every store covers
-// whole 32-byte sectors, and nothing is written twice. The 16-bit ops skip a scalar head to
-// the first element where all their pointers are 16-byte aligned; chunks at the end that are
-// not whole go element by element. Layouts a vector kernel cannot take (a block size that is
-// not a multiple of 4, pointers that never align) run the scalar kernels at the end of this
-// file (and packed_kernels.cuh).
+// whole 32-byte sectors, and nothing is written twice (where a row of codes is not 16-byte
+// aligned, each lane reads and writes its own piece, still one coalesced access a warp). The
+// 16-bit ops take elements one by one up to the first where all their pointers are 16-byte
+// aligned (a scalar head); chunks at the end that are not whole go element by element.
+// Layouts a vector kernel cannot take (a block that is not a multiple of 4 elements, fp32
+// pointers that are not 16-byte aligned) run the scalar kernels at the end of this file (and
+// in packed_kernels.cuh).
 #pragma once
 
 #include <cstdint>
