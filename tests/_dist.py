@@ -1,60 +1,50 @@
-"""Run a function on several real processes joined by a Gloo process group."""
+"""Run a function on several real processes joined by a Gloo process group.
 
-import faulthandler
-import gc
-import os
-import tempfile
-import time
+The ranks are pooled (:class:`fastddp.testing.spawn.RankPool`): one pool per world size, started
+at its first use and kept for the session; each call gets a fresh group and fastddp's state as
+a rank starts with it. Tests whose ranks must be processes of their own (CUDA initialised in
+them) are marked ``cuda`` and get a pool for their call alone (see ``conftest.py``).
+"""
+
+import atexit
 from datetime import timedelta
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from fastddp.testing.spawn import RankError, RankPool
 
-from fastddp.distributed import exit_after_shutdown
+__all__ = ["PG_TIMEOUT", "RankError", "close_pools", "pool", "run_ranks"]
 
 # Every collective gives up after this long, so a broken test fails instead of hanging.
 PG_TIMEOUT = timedelta(seconds=60)
 
-
-def _entry(rank, fn, world_size, init_method, args):
-    faulthandler.enable()  # a rank that aborts in C++ still shows where it was in Python
-    torch.set_num_threads(1)  # several ranks share two cores
-    dist.init_process_group(
-        "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=PG_TIMEOUT
-    )
-    try:
-        fn(rank, world_size, *args)
-        dist.barrier()
-    finally:
-        # Free DDP models (which hold the group) while the interpreter is whole, so that the
-        # group's threads are joined here rather than during interpreter shutdown.
-        gc.collect()
-        dist.destroy_process_group()
-        gc.collect()
-    # Errors raised above never get here; they reach the parent as usual.
-    exit_after_shutdown()
+_pools: dict[int, RankPool] = {}
+# Set by conftest.py for the duration of a test whose ranks must not be shared.
+own_processes = False
 
 
-def run_ranks(fn, world_size, *args, timeout=180.0):
-    """Call ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes.
+def pool(world_size: int) -> RankPool:
+    """The session's pool of ``world_size`` ranks."""
+    if world_size not in _pools:
+        _pools[world_size] = RankPool(world_size, timeout=PG_TIMEOUT)
+    return _pools[world_size]
 
-    A rank that raises fails the call with that rank's traceback; the others are terminated.
-    ``fn`` must be a module-level function (it is pickled by name).
+
+def run_ranks(fn, world_size, *args, timeout=180.0, nodes=None):
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results.
+
+    A rank that raises fails the call with that rank's traceback (:class:`RankError`), one that
+    hangs past ``timeout`` seconds with ``TimeoutError``; the pool's ranks are then replaced.
+    ``fn`` must be a module-level function (it is pickled by name). ``nodes``, per rank, sets
+    ``FASTDDP_NODE_ID`` for the call, to make several "nodes" of one machine.
     """
-    with tempfile.TemporaryDirectory() as tmp:
-        init = f"file://{os.path.join(tmp, 'store')}"
-        ctx = mp.start_processes(
-            _entry,
-            args=(fn, world_size, init, args),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
-        )
-        deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                raise TimeoutError(f"ranks did not finish within {timeout:.0f} s")
+    env = None if nodes is None else [{"FASTDDP_NODE_ID": f"node-{n}"} for n in nodes]
+    if own_processes:
+        with RankPool(world_size, timeout=PG_TIMEOUT) as own:
+            return own.run(fn, *args, timeout=timeout, env=env)
+    return pool(world_size).run(fn, *args, timeout=timeout, env=env)
+
+
+@atexit.register
+def close_pools():
+    for p in _pools.values():
+        p.close()
+    _pools.clear()

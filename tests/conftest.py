@@ -27,3 +27,19 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("netns"):
                 item.add_marker(pytest.mark.skip(reason=why))
+
+
+@pytest.fixture(autouse=True)
+def _ranks_of_their_own(request):
+    """CUDA tests spawn their ranks for themselves: CUDA initialised in a rank stays there."""
+    from . import _dist
+
+    _dist.own_processes = request.node.get_closest_marker("cuda") is not None
+    yield
+    _dist.own_processes = False
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from . import _dist
+
+    _dist.close_pools()

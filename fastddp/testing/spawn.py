@@ -1,15 +1,29 @@
-"""Spawn ranks on this machine, joined by a Gloo process group, and bring back their results.
+"""Run a function on ranks of this machine, joined by a Gloo process group, and bring back what
+each rank returned.
 
-What the benchmark scripts, ``python -m fastddp.bench`` and the demo share when no launcher
-started them: a file store in a temporary directory, one process per rank, and a clean exit
-that skips the interpreter's finalisation (see :func:`fastddp.distributed.exit_after_shutdown`).
+One mechanism for the tests, the benchmark scripts, ``python -m fastddp.bench`` and the demo: a
+:class:`RankPool` keeps one process per rank alive and runs each call in a fresh process group,
+under a key prefix of its own on one TCP store held by the caller; :func:`spawn_ranks` is a pool
+used for one call. Between calls a rank puts back what a call may have changed: the environment
+(each call gets the caller's), the working directory, torch's seed, default dtype and threads,
+the warning filters, and the attributes of fastddp's modules and classes (a hook's default state,
+a method patched to plant a defect). A rank that raises, dies or outlives the call's timeout
+fails that call; every rank of the pool is then replaced before the next call.
 """
 
+import faulthandler
+import gc
 import os
 import pickle
-import tempfile
+import signal
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Callable
+from multiprocessing import connection
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -17,7 +31,219 @@ import torch.multiprocessing as mp
 
 from fastddp.distributed import exit_after_shutdown
 
-__all__ = ["spawn_ranks"]
+__all__ = ["RankError", "RankPool", "spawn_ranks"]
+
+# How long a pool's processes may take to start (import torch, connect to the store).
+START_TIMEOUT = 120.0
+# After one rank fails, how long the others get to report before they are stopped: they are
+# usually blocked in a collective with the failed rank, which only the group's timeout ends.
+GRACE = 3.0
+# fastddp's modules whose attributes a rank puts back after each call.
+_RESTORED_PACKAGES = ("fastddp.hooks", "fastddp.fsdp")
+_RESTORED_MODULES = ("fastddp", "fastddp.codecs", "fastddp.reduce", "fastddp.testing.nccl_sim")
+
+
+class RankError(RuntimeError):
+    """A call failed on some rank: it raised, died or did not finish in time."""
+
+
+class RankPool:
+    """Processes for ``world_size`` ranks that run one function after another.
+
+    Each :meth:`run` joins the ranks in a new Gloo group whose collectives give up after
+    ``timeout``, calls the function on every rank, and destroys the group. The processes start
+    at the first call, each with ``threads`` torch threads (several ranks share the cores).
+
+    Args:
+        world_size: the number of ranks.
+        threads: torch threads per rank.
+        timeout: the process groups' timeout.
+
+    Example::
+
+        >>> with RankPool(2) as pool:
+        ...     pool.run(mean_rank)  # mean_rank as in spawn_ranks
+        ...     pool.run(mean_rank, timeout=30.0)
+        [0.5, 0.5]
+        [0.5, 0.5]
+    """
+
+    def __init__(
+        self, world_size: int, *, threads: int = 1, timeout: timedelta = timedelta(minutes=5)
+    ):
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        self.world_size = world_size
+        self.threads = threads
+        self.timeout = timeout
+        self._store: Optional[dist.TCPStore] = None
+        self._procs: list = []
+        self._conns: list = []
+        self._calls = 0
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def pids(self) -> list[int]:
+        """The ranks' process ids (empty before the first call and after a failed one)."""
+        return [p.pid for p in self._procs]
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: Optional[float] = None,
+        env: Optional[Sequence[dict[str, str]]] = None,
+    ) -> list[Any]:
+        """Call ``fn(rank, world_size, *args)`` on every rank; return the results in rank order.
+
+        Args:
+            fn: a module-level function (it is pickled by name).
+            args: picklable arguments, the same on every rank.
+            timeout: seconds the call may take, from when the ranks are up; ``None``: no limit
+                but the group's.
+            env: per rank, variables set on top of this process's environment for the call.
+
+        Returns:
+            What each rank's call returned; a result that does not pickle, or unpickle in this
+            process, comes back as a string that says so.
+
+        .. warning::
+            A rank that raises, dies or hangs raises :class:`RankError` (``TimeoutError`` for a
+            hang), with the traceback of the rank that failed first; all ranks are replaced.
+        """
+        if env is not None and len(env) != self.world_size:
+            raise ValueError(f"env has {len(env)} entries for {self.world_size} ranks")
+        payload = pickle.dumps((fn, args))
+        self._start()
+        self._calls += 1
+        done = False
+        try:
+            for rank, conn in enumerate(self._conns):
+                call_env = {**os.environ, **(env[rank] if env else {})}
+                conn.send_bytes(pickle.dumps(("run", self._calls, payload, call_env, os.getcwd())))
+            results = self._collect(fn, timeout)
+            done = True
+            return results
+        finally:
+            if not done:
+                self._stop(kill=True)
+
+    def close(self) -> None:
+        """Stop the ranks (a later :meth:`run` starts new ones)."""
+        self._stop(kill=False)
+        self._store = None
+
+    def _start(self) -> None:
+        if self._procs:
+            return
+        if self._store is None:
+            self._store = dist.TCPStore(
+                "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=self.timeout
+            )
+        ctx = mp.get_context("spawn")
+        for rank in range(self.world_size):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(
+                target=_serve,
+                args=(rank, self.world_size, theirs, self._store.port, self.threads, self.timeout),
+                name=f"fastddp-rank-{rank}",
+            )
+            proc.start()
+            theirs.close()
+            self._procs.append(proc)
+            self._conns.append(ours)
+        deadline = time.monotonic() + START_TIMEOUT
+        try:
+            for rank, conn in enumerate(self._conns):
+                left = deadline - time.monotonic()
+                if not conn.poll(max(left, 0.0)):
+                    raise RankError(f"rank {rank} did not start within {START_TIMEOUT:.0f} s")
+                conn.recv_bytes()
+        except BaseException:
+            self._stop(kill=True)
+            raise
+
+    def _collect(self, fn, timeout: Optional[float]) -> list[Any]:
+        n = self.world_size
+        results: list[Any] = [None] * n
+        failures: list[tuple[int, str]] = []  # in the order they came
+        pending = set(range(n))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        grace_end = None
+        while pending:
+            now = time.monotonic()
+            ends = [t for t in (deadline, grace_end) if t is not None]
+            if ends and now >= min(ends):
+                break
+            wait = min(ends) - now if ends else None
+            handles = {}
+            for rank in pending:
+                handles[self._conns[rank]] = rank
+                handles[self._procs[rank].sentinel] = rank
+            for ready in connection.wait(list(handles), wait):
+                rank = handles[ready]
+                if rank not in pending:
+                    continue
+                conn = self._conns[rank]
+                pending.discard(rank)
+                try:
+                    if ready is not conn and not conn.poll():
+                        raise EOFError
+                    kind, value = pickle.loads(conn.recv_bytes())
+                except EOFError:
+                    self._procs[rank].join(1.0)
+                    code = self._procs[rank].exitcode
+                    failures.append((rank, f"rank {rank} died (exit code {code})"))
+                    continue
+                if kind == "ok":
+                    results[rank] = _unpickled(value)
+                else:
+                    failures.append((rank, f"rank {rank} raised:\n{value}"))
+            if failures and grace_end is None:
+                grace_end = time.monotonic() + GRACE
+        if not pending and not failures:
+            return results
+        name = getattr(fn, "__qualname__", repr(fn))
+        if not failures:
+            self._dump_stacks(pending)
+            raise TimeoutError(
+                f"{name}: ranks {sorted(pending)} of {n} did not finish within {timeout:.0f} s "
+                "(their Python stacks are on stderr)"
+            )
+        first_rank, first = failures[0]
+        lines = [f"{name} failed on rank {first_rank}; {first}"]
+        lines += [f"then {text.splitlines()[0]}" for _, text in failures[1:]]
+        if pending:
+            lines.append(f"ranks {sorted(pending)} were stopped after rank {first_rank} failed")
+        raise RankError("\n".join(lines))
+
+    def _dump_stacks(self, ranks) -> None:
+        for rank in ranks:
+            if self._procs[rank].is_alive():
+                os.kill(self._procs[rank].pid, signal.SIGUSR1)
+        time.sleep(0.5)
+
+    def _stop(self, kill: bool) -> None:
+        for proc, conn in zip(self._procs, self._conns):
+            if kill:
+                proc.kill()
+            else:
+                try:
+                    conn.send_bytes(pickle.dumps(("stop",)))
+                except OSError:
+                    proc.kill()
+        for proc, conn in zip(self._procs, self._conns):
+            proc.join(5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            conn.close()
+        self._procs, self._conns = [], []
 
 
 def spawn_ranks(
@@ -32,7 +258,8 @@ def spawn_ranks(
 
     Each process sets ``threads`` torch threads (several ranks share the cores) and joins a
     Gloo group whose collectives give up after ``timeout``; the group is destroyed when ``fn``
-    returns, so whatever ``fn`` built (a DDP model holds the group) is freed before.
+    returns, so whatever ``fn`` built (a DDP model holds the group) is freed before. A
+    :class:`RankPool` used for one call.
 
     .. warning::
         ``fn`` must be a module-level function (it is pickled by name), and its results
@@ -47,34 +274,116 @@ def spawn_ranks(
         >>> spawn_ranks(mean_rank, 2)
         [0.5, 0.5]
     """
-    with tempfile.TemporaryDirectory() as tmp:
-        init = f"file://{os.path.join(tmp, 'store')}"
-        mp.start_processes(
-            _entry,
-            args=(fn, world_size, init, tmp, args, threads, timeout),
-            nprocs=world_size,
-            start_method="spawn",
-        )
-        results = []
-        for rank in range(world_size):
-            with open(_result_path(tmp, rank), "rb") as f:
-                results.append(pickle.load(f))
-        return results
+    with RankPool(world_size, threads=threads, timeout=timeout) as pool:
+        return pool.run(fn, *args)
 
 
-def _result_path(tmp: str, rank: int) -> str:
-    return os.path.join(tmp, f"result-{rank}.pkl")
-
-
-def _entry(rank, fn, world_size, init, tmp, args, threads, timeout):
-    torch.set_num_threads(threads)
-    dist.init_process_group(
-        "gloo", init_method=init, rank=rank, world_size=world_size, timeout=timeout
-    )
+def _unpickled(data: bytes) -> Any:
+    # A result that unpickles only on its rank (a DDP model wants its process group) comes
+    # back as a description.
     try:
-        result = fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
-    with open(_result_path(tmp, rank), "wb") as f:
-        pickle.dump(result, f)
+        return pickle.loads(data)
+    except Exception as e:
+        return f"<a result that does not unpickle here: {type(e).__name__}: {e}>"
+
+
+class _Baseline:
+    """What a rank puts back after each call: the state it had when it started."""
+
+    def __init__(self):
+        import importlib
+        import pkgutil
+
+        names = list(_RESTORED_MODULES)
+        for package in _RESTORED_PACKAGES:
+            module = importlib.import_module(package)
+            names += [package] + [
+                f"{package}.{m.name}" for m in pkgutil.iter_modules(module.__path__)
+            ]
+        self.modules = {}
+        self.classes = {}
+        for name in names:
+            module = importlib.import_module(name)
+            self.modules[module] = dict(vars(module))
+            for value in vars(module).values():
+                if isinstance(value, type) and value.__module__ == name:
+                    self.classes[value] = dict(vars(value))
+        self.cwd = os.getcwd()
+        self.seed = torch.initial_seed()
+        self.dtype = torch.get_default_dtype()
+        self.threads = torch.get_num_threads()
+        self.warnings = list(warnings.filters)
+
+    def restore(self) -> None:
+        for module, saved in self.modules.items():
+            now = vars(module)
+            for key, value in saved.items():
+                if now.get(key, _MISSING) is not value:
+                    setattr(module, key, value)
+        for cls, saved in self.classes.items():
+            for key in [k for k in vars(cls) if k not in saved]:
+                delattr(cls, key)
+            for key, value in saved.items():
+                if vars(cls).get(key, _MISSING) is not value:
+                    setattr(cls, key, value)
+        if "torch._dynamo" in sys.modules:
+            sys.modules["torch._dynamo"].reset()
+        os.chdir(self.cwd)
+        torch.manual_seed(self.seed)
+        torch.set_default_dtype(self.dtype)
+        torch.set_num_threads(self.threads)
+        warnings.filters[:] = self.warnings
+        warnings._filters_mutated()  # "once" and "default" warnings show again
+
+
+_MISSING = object()
+
+
+def _serve(rank, world_size, conn, port, threads, timeout):
+    faulthandler.enable()  # a rank that aborts in C++ still shows where it was in Python
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the pool asks a hung rank
+    torch.set_num_threads(threads)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    baseline = _Baseline()
+    conn.send_bytes(pickle.dumps(("ready", os.getpid())))
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except EOFError:  # the pool's process is gone
+            break
+        if message[0] == "stop":
+            break
+        _, call, payload, env, cwd = message
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        try:
+            dist.init_process_group(
+                "gloo",
+                store=dist.PrefixStore(f"call-{call}/", store),
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+            )
+            fn, args = pickle.loads(payload)
+            result = fn(rank, world_size, *args)
+            dist.barrier()
+            try:
+                reply = pickle.dumps(("ok", pickle.dumps(result)))
+            except Exception as e:
+                reply = pickle.dumps(("ok", pickle.dumps(f"<{type(result).__name__}: {e}>")))
+            del result
+        except BaseException:
+            # The pool replaces every rank after a failure: report it and leave at once, which
+            # also ends the other ranks' waits on this one.
+            conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+            exit_after_shutdown(1)
+        # Free what fn built (a DDP model holds the group) while the group still exists, so
+        # that its threads are joined here rather than at interpreter shutdown.
+        gc.collect()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
+        baseline.restore()
+        conn.send_bytes(reply)
     exit_after_shutdown()

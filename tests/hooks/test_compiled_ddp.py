@@ -3,6 +3,7 @@ DDP passes ``(grad, param)`` instead of a bucket: refused with the same clear er
 rank, instead of an AttributeError from deep inside a compiled graph or a hang."""
 
 import pytest
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -24,7 +25,11 @@ def _compiled_autograd():
 def _python_reducer(rank, world):
     import torch._dynamo
 
-    torch._dynamo.config.optimize_ddp = "python_reducer"
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
+        _refused_under_python_reducer(rank)
+
+
+def _refused_under_python_reducer(rank):
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)))
     model.register_comm_hook(fastddp.CompressState(), fastddp.compress_hook)
