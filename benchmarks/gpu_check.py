@@ -174,12 +174,7 @@ class Running:
 
     def stop(self) -> None:
         """Stop the command and whatever it left running (also after a normal exit)."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM if self.proc.poll() is None else 0)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=GRACE)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        stop_all([self])
 
     def step(self, verdict=None) -> "Step":
         text = self.log.read_text(errors="replace")
@@ -190,6 +185,21 @@ class Running:
         else:
             status, detail = ("pass" if self.rc == 0 else "FAIL"), f"exit {self.rc}"
         return Step(self.name, status, time.monotonic() - self.started, detail, self.log.name)
+
+
+def stop_all(commands) -> None:
+    """Ask every command's group to stop, give them ``GRACE`` seconds together, then kill
+    whatever is left of each group."""
+    for c in commands:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(c.proc.pid, signal.SIGTERM)
+    until = time.monotonic() + GRACE
+    for c in commands:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            c.proc.wait(timeout=max(0.0, until - time.monotonic()))
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(c.proc.pid, signal.SIGKILL)
+        c.proc.wait()
 
 
 def missing_program(cmd) -> "str | None":
@@ -227,8 +237,7 @@ def run_phase(todo: dict, logs: Path, limits: dict, record) -> list:
                     ended.append(item[0].step(item[1]))
                     record(ended[-1])
     finally:
-        for proc, _ in running:  # this script was stopped: so are its steps
-            proc.stop()
+        stop_all([proc for proc, _ in running])  # this script was stopped: so are its steps
     return ended
 
 
