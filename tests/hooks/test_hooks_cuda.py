@@ -121,9 +121,28 @@ def assert_same_on_every_rank(tensors: list) -> None:
         assert_same_bits([t], [first], f"rank {dist.get_rank()} against rank 0")
 
 
-def _cuda_against_cpu(rank, world, settings, side_stream, nodes=None):
+@contextlib.contextmanager
+def _on_node(rank, nodes):
+    """This rank's node name from ``nodes`` (none: the environment as it is), for the
+    duration only: ranks may serve later calls."""
+    before = os.environ.get(NODE_ENV)
     if nodes is not None:
         os.environ[NODE_ENV] = f"node-{nodes[rank]}"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(NODE_ENV, None)
+        else:
+            os.environ[NODE_ENV] = before
+
+
+def _cuda_against_cpu(rank, world, settings, side_stream, nodes=None):
+    with _on_node(rank, nodes):
+        _compare_cuda_with_cpu(rank, settings, side_stream)
+
+
+def _compare_cuda_with_cpu(rank, settings, side_stream):
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     want = hooked_grads(rank, CPU, settings)
@@ -181,9 +200,7 @@ def test_nccl_world_size_one_matches_gloo_on_the_cpu(mode):
 # What runs without a GPU: the comparison itself, the CPU path against the CPU path.
 
 
-def _cpu_against_cpu(rank, world, settings, nodes=None):
-    if nodes is not None:
-        os.environ[NODE_ENV] = f"node-{nodes[rank]}"
+def _cpu_against_cpu(rank, world, settings):
     first = hooked_grads(rank, CPU, settings)
     again = hooked_grads(rank, CPU, settings)
     assert_same_bits(again, first, "CPU against CPU")
