@@ -58,6 +58,8 @@ class RankPool:
         world_size: the number of ranks.
         threads: torch threads per rank.
         timeout: the process groups' timeout.
+        restore: put back after each call what a call may have changed (see the module's
+            docstring); a pool for one call can skip that (it costs a rank a second at start).
 
     Example::
 
@@ -69,13 +71,19 @@ class RankPool:
     """
 
     def __init__(
-        self, world_size: int, *, threads: int = 1, timeout: timedelta = timedelta(minutes=5)
+        self,
+        world_size: int,
+        *,
+        threads: int = 1,
+        timeout: timedelta = timedelta(minutes=5),
+        restore: bool = True,
     ):
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         self.world_size = world_size
         self.threads = threads
         self.timeout = timeout
+        self.restore = restore
         self._store: Optional[dist.TCPStore] = None
         self._procs: list = []
         self._conns: list = []
@@ -150,7 +158,15 @@ class RankPool:
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(
                 target=_serve,
-                args=(rank, self.world_size, theirs, self._store.port, self.threads, self.timeout),
+                args=(
+                    rank,
+                    self.world_size,
+                    theirs,
+                    self._store.port,
+                    self.threads,
+                    self.timeout,
+                    self.restore,
+                ),
                 name=f"fastddp-rank-{rank}",
             )
             proc.start()
@@ -274,7 +290,7 @@ def spawn_ranks(
         >>> spawn_ranks(mean_rank, 2)
         [0.5, 0.5]
     """
-    with RankPool(world_size, threads=threads, timeout=timeout) as pool:
+    with RankPool(world_size, threads=threads, timeout=timeout, restore=False) as pool:
         return pool.run(fn, *args)
 
 
@@ -339,12 +355,12 @@ class _Baseline:
 _MISSING = object()
 
 
-def _serve(rank, world_size, conn, port, threads, timeout):
+def _serve(rank, world_size, conn, port, threads, timeout, restore):
     faulthandler.enable()  # a rank that aborts in C++ still shows where it was in Python
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the pool asks a hung rank
     torch.set_num_threads(threads)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-    baseline = _Baseline()
+    baseline = _Baseline() if restore else None
     conn.send_bytes(pickle.dumps(("ready", os.getpid())))
     while True:
         try:
@@ -384,6 +400,7 @@ def _serve(rank, world_size, conn, port, threads, timeout):
         if dist.is_initialized():
             dist.destroy_process_group()
         gc.collect()
-        baseline.restore()
+        if baseline is not None:
+            baseline.restore()
         conn.send_bytes(reply)
     exit_after_shutdown()
