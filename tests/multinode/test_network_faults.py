@@ -30,6 +30,8 @@ from fastddp.testing import netns
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "resume.py"
 STEPS = ["--steps", "30", "--ckpt-every", "10"]
+# Over a lossy link a few steps are enough: every step's collectives lose packets (counted).
+LOSSY_STEPS = ["--steps", "8", "--ckpt-every", "10"]
 
 pytestmark = [
     pytest.mark.netns,
@@ -38,6 +40,30 @@ pytestmark = [
         bool(netns.unavailable_reason()), reason=netns.unavailable_reason() or "namespaces"
     ),
 ]
+
+
+@pytest.fixture(scope="module")
+def bed():
+    """Two nodes on a 1 Gbit/s bridge, for every job of this module that needs no other link."""
+    with netns.nodes(2, "1gbit") as made:
+        yield made
+
+
+@contextlib.contextmanager
+def _reset_after(made):
+    """Yield ``made``; then leave it as the next job needs it: no process left in a node, every
+    link up at its rate, no packet dropped."""
+    try:
+        yield made
+    finally:
+        for node in made:
+            netns.kill(node)
+            netns.set_link(node, up=True)
+            netns.set_rate(node, "1gbit")
+            subprocess.run(
+                ["ip", "netns", "exec", node.ns, "nft", "delete", "table", "inet", "fastddp_loss"],
+                capture_output=True, timeout=30,
+            )  # fmt: skip
 
 
 class _Launchers:
@@ -66,20 +92,21 @@ class _Launchers:
         return [proc.poll() for proc in self.procs]
 
 
-def _run(tmp: Path, mode: str, *, loss=0.0, wire=None, during=None, env=None, extra=(),
-         timeout=240, resume=None):  # fmt: skip
+def _run(tmp: Path, mode: str, bed, *, loss=0.0, wire=None, during=None, env=None, extra=(),
+         timeout=240, resume=None, steps=STEPS):  # fmt: skip
     """One run on 2 nodes x 2 ranks: (exit codes, outputs, drops, params), node 0's first.
 
-    ``loss``: % of packets dropped on the bridge (nftables); ``wire``: ``(delay_ms, loss %)``
-    of a wired pair instead of the bridge; ``resume``: a checkpoint to start from.
+    ``bed``: the module's nodes; ``loss``: % of packets dropped on the bridge (nftables);
+    ``wire``: ``(delay_ms, loss %)`` of a wired pair instead of the bridge; ``resume``: a
+    checkpoint to start from.
     """
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     if resume is not None:
         shutil.copytree(resume, tmp / "ckpt" / resume.name)
-    argv = [str(EXAMPLE), *STEPS, "--mode", mode, "--ckpt-dir", str(tmp / "ckpt")]
+    argv = [str(EXAMPLE), *steps, "--mode", mode, "--ckpt-dir", str(tmp / "ckpt")]
     argv += ["--out", str(tmp / "params.pt"), "--progress", str(tmp / "progress"), *extra]
-    link = netns.wired_pair(*wire) if wire else netns.nodes(2, "1gbit")
+    link = netns.wired_pair(*wire) if wire else _reset_after(bed)
     job = _Launchers()
     with link as made:
         made, line = made if wire else (made, None)
@@ -115,18 +142,19 @@ def _wait_for_step(progress: Path, step: int, proc, timeout=120.0, rank=2) -> No
     raise TimeoutError(f"rank {rank} did not reach step {step}")
 
 
-_CLEAN: dict[str, tuple[list, Path]] = {}
+_CLEAN: dict[tuple, tuple[list, Path]] = {}
 
 
-def _clean(mode: str, tmp_path_factory, ckpt: bool = False):
+def _clean(mode: str, tmp_path_factory, bed, ckpt: bool = False, steps=STEPS):
     """The clean-link run's parameters (and with ``ckpt`` its checkpoint directory), once per
-    mode for the whole module."""
-    if mode not in _CLEAN:
+    mode and length for the whole module."""
+    key = (mode, *steps)
+    if key not in _CLEAN:
         tmp = tmp_path_factory.mktemp(f"clean-{mode}")
-        codes, outs, _, params = _run(tmp, mode)
+        codes, outs, _, params = _run(tmp, mode, bed, steps=steps)
         assert codes == [0, 0] and params is not None, outs
-        _CLEAN[mode] = (params, tmp / "ckpt")
-    return _CLEAN[mode] if ckpt else _CLEAN[mode][0]
+        _CLEAN[key] = (params, tmp / "ckpt")
+    return _CLEAN[key] if ckpt else _CLEAN[key][0]
 
 
 def _same(a: list, b: list) -> bool:
@@ -140,11 +168,12 @@ _LOSSY_MODES = ["int8"]
 
 @pytest.mark.skipif(shutil.which("nft") is None, reason="packet loss needs nft (nftables)")
 @pytest.mark.parametrize("mode", _LOSSY_MODES)
-def test_lossy_link_gives_the_clean_runs_parameters(mode, tmp_path, tmp_path_factory):
-    codes, outs, drops, params = _run(tmp_path, mode, loss=1.0)
+def test_lossy_link_gives_the_clean_runs_parameters(mode, bed, tmp_path, tmp_path_factory):
+    codes, outs, drops, params = _run(tmp_path, mode, bed, loss=1.0, steps=LOSSY_STEPS)
     assert codes == [0, 0], outs
     assert sum(drops) > 0, "no packet was dropped: the test did not test loss"
-    assert _same(params, _clean(mode, tmp_path_factory)), "a lossy link changed the result"
+    clean = _clean(mode, tmp_path_factory, bed, steps=LOSSY_STEPS)
+    assert _same(params, clean), "a lossy link changed the result"
 
 
 _ECHO = """import socket, sys
@@ -204,15 +233,16 @@ def test_the_wire_delays_every_packet_and_drops_its_share():
 
 @_needs_tun
 @pytest.mark.parametrize("mode", _LOSSY_MODES)
-def test_a_slow_lossy_link_gives_the_clean_runs_parameters(mode, tmp_path, tmp_path_factory):
+def test_a_slow_lossy_link_gives_the_clean_runs_parameters(mode, bed, tmp_path, tmp_path_factory):
     # 20 ms each way and 1 % of the packets dropped, on a userspace wire (no tc netem here).
-    codes, outs, drops, params = _run(tmp_path, mode, wire=(20.0, 1.0))
+    codes, outs, drops, params = _run(tmp_path, mode, None, wire=(20.0, 1.0), steps=LOSSY_STEPS)
     assert codes == [0, 0], outs
     assert drops[0] > 0, "no packet was dropped: the test did not test loss"
-    assert _same(params, _clean(mode, tmp_path_factory)), "a slow lossy link changed the result"
+    clean = _clean(mode, tmp_path_factory, bed, steps=LOSSY_STEPS)
+    assert _same(params, clean), "a slow lossy link changed the result"
 
 
-def test_a_five_second_outage_is_ridden_out(tmp_path, tmp_path_factory):
+def test_a_five_second_outage_is_ridden_out(bed, tmp_path, tmp_path_factory):
     def outage(made, progress, procs):
         _wait_for_step(progress, 12, procs[0])
         netns.set_link(made[1], up=False)
@@ -220,13 +250,13 @@ def test_a_five_second_outage_is_ridden_out(tmp_path, tmp_path_factory):
         netns.set_link(made[1], up=True)
 
     extra = ["--step-seconds", "0.1"]
-    codes, outs, _, params = _run(tmp_path, "bf16", during=outage, extra=extra)
+    codes, outs, _, params = _run(tmp_path, "bf16", bed, during=outage, extra=extra)
     assert codes == [0, 0], outs
     assert "rank 0: done, 30 steps" in outs[0]
-    assert _same(params, _clean("bf16", tmp_path_factory)), "the outage changed the result"
+    assert _same(params, _clean("bf16", tmp_path_factory, bed)), "the outage changed the result"
 
 
-def test_a_lasting_outage_names_the_lost_node_within_the_peer_timeout(tmp_path):
+def test_a_lasting_outage_names_the_lost_node_within_the_peer_timeout(bed, tmp_path):
     took = {}
 
     def outage(made, progress, procs):
@@ -240,7 +270,7 @@ def test_a_lasting_outage_names_the_lost_node_within_the_peer_timeout(tmp_path):
 
     env = {**os.environ, "FASTDDP_PEER_TIMEOUT": "4"}
     extra = ["--step-seconds", "0.2", "--steps", "400"]
-    codes, outs, _, params = _run(tmp_path, "bf16", during=outage, env=env, extra=extra)
+    codes, outs, _, params = _run(tmp_path, "bf16", bed, during=outage, env=env, extra=extra)
     assert params is None and None not in codes and 0 not in codes, (codes, outs)
     # Node 0's ranks name node 1's (ranks 2 and 3, with node 1's address)...
     named = [line for line in outs[0].splitlines() if "has not answered for" in line]
@@ -265,10 +295,11 @@ def _elastic(rdzv_id: str, nnodes: str, env=None) -> tuple[dict, int]:
     """:func:`netns.spawn` options for torchrun's elastic rendezvous, and its port."""
     args = ["--nnodes", nnodes, "--max-restarts", "1", "--rdzv-conf", _RDZV]
     launch = {"rdzv_id": rdzv_id, "launch_args": args, "stdout": subprocess.PIPE, "env": env}
-    return launch, random.randint(20000, 60000)  # the namespaces are new: any port is free
+    # A port no earlier job of the module's nodes is likely to have left in TIME_WAIT.
+    return launch, random.randint(20000, 60000)
 
 
-def _lose_node_1(tmp: Path, mode: str, nnodes: str, rejoin: bool, power: bool = False):
+def _lose_node_1(tmp: Path, bed, mode: str, nnodes: str, rejoin: bool, power: bool = False):
     """2 nodes x 2 ranks, elastic; every process of node 1 SIGKILLed after step 15.
 
     With ``power``, node 1's link goes down first, as when a node loses power: no socket is
@@ -283,7 +314,7 @@ def _lose_node_1(tmp: Path, mode: str, nnodes: str, rejoin: bool, power: bool = 
     env = {**os.environ, "FASTDDP_PEER_TIMEOUT": "5"}
     launch, port = _elastic(f"lost-node-{nnodes}", nnodes, env=env)
     job = _Launchers()
-    with netns.nodes(2, "1gbit") as made:
+    with _reset_after(bed) as made:
         try:
             # Node 1 first: it waits for node 0's store and joins at once, well within the
             # last call, so that the first round has both nodes also with --nnodes 1:2.
@@ -304,23 +335,23 @@ def _lose_node_1(tmp: Path, mode: str, nnodes: str, rejoin: bool, power: bool = 
     return codes, job.outs, params
 
 
-def test_a_lost_node_started_again_rejoins_and_the_job_resumes(tmp_path, tmp_path_factory):
-    codes, outs, params = _lose_node_1(tmp_path, _EF_MODE, "2", rejoin=True)
+def test_a_lost_node_started_again_rejoins_and_the_job_resumes(bed, tmp_path, tmp_path_factory):
+    codes, outs, params = _lose_node_1(tmp_path, bed, _EF_MODE, "2", rejoin=True)
     assert codes[0] == 0 and codes[2] == 0 and codes[1] == -9, (codes, outs)
     # Node 0's ranks restart once (their peers vanished); node 1's come back as ranks 2, 3.
     assert "rank 0: attempt 1, starting from step 10" in outs[0], outs[0]
     assert "rank 2: attempt 0, starting from step 10" in outs[2], outs[2]
     assert "restarts: a fresh workers' store for every rendezvous round" in outs[0], outs[0]
-    assert _same(params, _clean(_EF_MODE, tmp_path_factory)), "resuming changed the result"
+    assert _same(params, _clean(_EF_MODE, tmp_path_factory, bed)), "resuming changed the result"
 
 
 _REFERENCE: dict[str, list] = {}
 
 
-def _clean_resumed_on_2_ranks(tmp_path_factory) -> list:
+def _clean_resumed_on_2_ranks(tmp_path_factory, bed) -> list:
     """The clean 4-rank run's checkpoint at step 10, resumed on 2 ranks: its parameters."""
     if "shrunk" not in _REFERENCE:
-        _, ckpt = _clean(_EF_MODE, tmp_path_factory, ckpt=True)
+        _, ckpt = _clean(_EF_MODE, tmp_path_factory, bed, ckpt=True)
         ref = tmp_path_factory.mktemp("reference")
         shutil.copytree(ckpt / "step-10", ref / "ckpt" / "step-10")
         argv = [str(EXAMPLE), *STEPS, "--mode", _EF_MODE, "--ckpt-dir", str(ref / "ckpt")]
@@ -335,8 +366,8 @@ def _clean_resumed_on_2_ranks(tmp_path_factory) -> list:
 
 
 @pytest.mark.parametrize("power", [False, True], ids=["killed", "power-lost"])
-def test_a_lost_node_not_coming_back_leaves_node_0_alone(power, tmp_path, tmp_path_factory):
-    codes, outs, params = _lose_node_1(tmp_path, _EF_MODE, "1:2", rejoin=False, power=power)
+def test_a_lost_node_not_coming_back_leaves_node_0_alone(power, bed, tmp_path, tmp_path_factory):
+    codes, outs, params = _lose_node_1(tmp_path, bed, _EF_MODE, "1:2", rejoin=False, power=power)
     assert codes == [0, -9], (codes, outs)
     if power:  # nothing closed node 1's sockets: the watchdog named its ranks
         named = [line for line in outs[0].splitlines() if "has not answered for" in line]
@@ -344,10 +375,11 @@ def test_a_lost_node_not_coming_back_leaves_node_0_alone(power, tmp_path, tmp_pa
     assert "rank 0: attempt 1, starting from step 10" in outs[0], outs[0]
     assert "step-10 was saved by 4 ranks and this job has 2: resharding" in outs[0], outs[0]
     # Equal to the clean 4-rank run's checkpoint at step 10 resumed on 2 ranks.
-    assert _same(params, _clean_resumed_on_2_ranks(tmp_path_factory)), "node 0 alone diverged"
+    shrunk = _clean_resumed_on_2_ranks(tmp_path_factory, bed)
+    assert _same(params, shrunk), "node 0 alone diverged"
 
 
-def test_a_node_added_to_a_running_job_grows_it(tmp_path, tmp_path_factory):
+def test_a_node_added_to_a_running_job_grows_it(bed, tmp_path, tmp_path_factory):
     # Node 0 starts alone (--nnodes 1:2); node 1 joins after step 12. Node 0's agent restarts
     # its workers for the new member, and 4 ranks go on from the last 2-rank checkpoint.
     argv = [str(EXAMPLE), "--steps", "40", "--ckpt-every", "10", "--mode", _EF_MODE]
@@ -355,7 +387,7 @@ def test_a_node_added_to_a_running_job_grows_it(tmp_path, tmp_path_factory):
     argv += ["--progress", str(tmp_path / "progress"), "--step-seconds", "0.3"]
     launch, port = _elastic("grow", "1:2")
     job = _Launchers()
-    with netns.nodes(2, "1gbit") as made:
+    with _reset_after(bed) as made:
         try:
             job.add(netns.spawn(made, 0, "2", argv, port, **launch))
             _wait_for_step(tmp_path / "progress", 12, job.procs[0], rank=0)
@@ -372,7 +404,7 @@ def test_a_node_added_to_a_running_job_grows_it(tmp_path, tmp_path_factory):
     # The reference: that 2-rank checkpoint resumed by a static 2 x 2 job.
     ckpt = tmp_path / "ckpt" / f"step-{step}"
     codes, outs, _, want = _run(
-        tmp_path_factory.mktemp("grown"), _EF_MODE, extra=["--steps", "40"], resume=ckpt
+        tmp_path_factory.mktemp("grown"), _EF_MODE, bed, extra=["--steps", "40"], resume=ckpt
     )
     assert codes == [0, 0], outs
     assert f"rank 0: attempt 0, starting from step {step}" in outs[0], outs[0]
