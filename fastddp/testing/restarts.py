@@ -146,13 +146,30 @@ def _wait_for_step(run: Path, step: int, procs, deadline: float) -> bool:
     return False
 
 
-def _execute(case: Case, launcher: str, run: Path, timeout: float, kills: bool = True):
+@contextlib.contextmanager
+def _nodes(case: Case, bed: Optional[list[netns.Node]]):
+    """The case's nodes: none for one node, else ``bed`` (emptied of processes after the run)
+    or namespaces of the run's own."""
+    if case.nodes == 1:
+        yield None
+    elif bed is None:
+        with netns.nodes(case.nodes, "1gbit") as made:
+            yield made
+    else:
+        try:
+            yield bed[: case.nodes]
+        finally:
+            for node in bed:
+                netns.kill(node)
+
+
+def _execute(case: Case, launcher: str, run: Path, timeout: float, kills: bool = True, bed=None):
     """Launch every node of ``case`` (node 0 last), apply the faults; exit codes or None."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # each launcher decides for itself
     log = run / "launch.log"
     deadline = time.monotonic() + timeout
-    with netns.nodes(case.nodes, "1gbit") if case.nodes > 1 else contextlib.nullcontext() as made:
+    with _nodes(case, bed) as made:
         addr = made[0].addr if made else "127.0.0.1"
         port = _free_port() if not made else 29400 + int(uuid.uuid4().int % 20000)
         run_id = f"restart-{uuid.uuid4().hex[:8]}"
@@ -184,23 +201,38 @@ def _execute(case: Case, launcher: str, run: Path, timeout: float, kills: bool =
             netns.stop(procs)  # launchers and their workers, on any node
 
 
-def reference(case: Case, workdir: Path) -> list[torch.Tensor]:
-    """The parameters of ``case``'s job run without faults (on the same nodes)."""
+def reference(
+    case: Case, workdir: Path, bed: Optional[list[netns.Node]] = None
+) -> list[torch.Tensor]:
+    """The parameters of ``case``'s job run without faults (on the same nodes).
+
+    ``bed``: namespaces to run a multi-node case in (as :func:`run_case`).
+    """
     run = Path(tempfile.mkdtemp(prefix="reference-", dir=workdir))
     clean = dataclasses.replace(case, fault="kill")
-    codes = _execute(clean, "fastddp", run, timeout=120, kills=False)
+    codes = _execute(clean, "fastddp", run, timeout=120, kills=False, bed=bed)
     if codes is None or any(codes) or not (run / "params.pt").exists():
         raise RuntimeError(f"the reference run failed: {(run / 'launch.log').read_text()}")
     return torch.load(run / "params.pt")
 
 
 def run_case(
-    case: Case, launcher: str, want: list[torch.Tensor], workdir: Path, timeout: float = 150.0
+    case: Case,
+    launcher: str,
+    want: list[torch.Tensor],
+    workdir: Path,
+    timeout: float = 150.0,
+    bed: Optional[list[netns.Node]] = None,
 ) -> Outcome:
-    """Run ``case`` once under ``launcher`` (``fastddp`` or ``torchrun``) and judge it."""
+    """Run ``case`` once under ``launcher`` (``fastddp`` or ``torchrun``) and judge it.
+
+    A multi-node case runs in ``bed`` (from :func:`fastddp.testing.netns.nodes`, at least
+    ``case.nodes`` of them, left without a process afterwards) where given, else in
+    namespaces made for this run.
+    """
     run = Path(tempfile.mkdtemp(prefix="restart-", dir=workdir))
     start = time.monotonic()
-    codes = _execute(case, launcher, run, timeout)
+    codes = _execute(case, launcher, run, timeout, bed=bed)
     took = time.monotonic() - start
     output = (run / "launch.log").read_text(errors="replace")
     attempts = (run / "attempts").read_text().split("\n") if (run / "attempts").exists() else []

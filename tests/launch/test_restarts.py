@@ -26,12 +26,26 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 _REFERENCES: dict[int, list] = {}
 
 
+@pytest.fixture(scope="module")
+def two_nodes():
+    """One pair of namespace nodes for every two-node run of the module."""
+    with netns.nodes(2, "1gbit") as made:
+        yield made
+
+
 @pytest.fixture
-def want(request, tmp_path_factory):
+def bed(request):
+    """The case's nodes: ``None`` on one node, else the module's two."""
+    case: Case = request.node.callspec.params["case"]
+    return request.getfixturevalue("two_nodes") if case.nodes > 1 else None
+
+
+@pytest.fixture
+def want(request, bed, tmp_path_factory):
     """The uninterrupted run's parameters for the case's number of nodes, once per session."""
     case: Case = request.node.callspec.params["case"]
     if case.nodes not in _REFERENCES:
-        _REFERENCES[case.nodes] = reference(case, tmp_path_factory.mktemp("reference"))
+        _REFERENCES[case.nodes] = reference(case, tmp_path_factory.mktemp("reference"), bed)
     return _REFERENCES[case.nodes]
 
 
@@ -59,14 +73,14 @@ def _judge(outcome) -> None:
 
 
 @pytest.mark.parametrize("case", _params(CASES))
-def test_a_restarted_job_resumes_to_the_uninterrupted_result(case, want, tmp_path):
-    _judge(run_case(case, "fastddp", want, tmp_path))
+def test_a_restarted_job_resumes_to_the_uninterrupted_result(case, want, bed, tmp_path):
+    _judge(run_case(case, "fastddp", want, tmp_path, bed=bed))
 
 
 @pytest.mark.parametrize("case", _params([Case("standalone", "plain", "kill")]))
 @pytest.mark.parametrize("repeat", range(2))
-def test_standalone_plain_restart_every_time(case, repeat, want, tmp_path):
-    _judge(run_case(case, "fastddp", want, tmp_path))
+def test_standalone_plain_restart_every_time(case, repeat, want, bed, tmp_path):
+    _judge(run_case(case, "fastddp", want, tmp_path, bed=bed))
 
 
 def test_a_round_that_cannot_form_ends_with_the_cause(tmp_path):
