@@ -2,13 +2,14 @@
 #   make demo   set up .venv, build, and run the compressed-vs-plain DDP demo (2 namespace nodes
 #               on a 1 Gbit/s link as root, else 2 local ranks)
 #   make test   set up .venv, build (also the nvcc compile of the CUDA sources), run the tests
+#   make test-fast   the single-process tests only, in under a minute (after a build)
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup build demo test cuda-check gpu-check gpu-check-plan bench stress-restart lint clean
+.PHONY: setup build demo test test-fast cuda-check gpu-check gpu-check-plan bench stress-restart lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -63,12 +64,18 @@ else
 endif
 
 # The emu tests run once, under AddressSanitizer (its runtime must be loaded first, hence a
-# second pytest with LD_PRELOAD); everything else in the first.
+# second pytest with LD_PRELOAD); everything else in the first. Multi-rank tests share pooled
+# rank processes (tests/_dist.py); pytest lists the slowest tests at the end.
 ASAN_RUNTIME = $(shell $${CXX:-g++} -print-file-name=libasan.so)
 test: build cuda-check
 	$(BIN)/python -m pytest -m "not emu" $(PYTEST_ARGS)
 	LD_PRELOAD=$(ASAN_RUNTIME) ASAN_OPTIONS=detect_leaks=0 $(BIN)/python -m pytest -m emu \
 		-p no:cacheprovider $(PYTEST_ARGS)
+
+# The single-process tests only (no ranks, launchers, namespaces or emulator), for a quick loop
+# after `make build`; one area alone: `.venv/bin/python -m pytest tests/hooks`.
+test-fast: setup
+	$(BIN)/python -m pytest -m "not multiproc and not netns and not emu" $(PYTEST_ARGS)
 
 # The GPU proof (benchmarks/gpu_check.py): where a GPU is present, builds against the installed
 # torch (no venv), runs the CUDA tests, the four compute-sanitizer tools, the bandwidth and the
