@@ -10,6 +10,10 @@ data the codec needs, so that one collective moves each row with its side data:
 - ``int8``: ``[int8 values, padded to 4 bytes | one fp32 absmax scale per block]``;
 - ``int4`` / ``int2``: the same with the codes packed two or four to a byte (a uint8 wire).
 
+Each step is written once, as the list of op calls it makes (``encode_calls`` and the like):
+the Python path runs the calls, and the DDP hook's native runner (``csrc/ddp/native_hook.cpp``)
+binds the same calls once per bucket and replays them without Python.
+
 Adding a codec is one class here, one entry in :data:`CODECS`, and its kernels in
 :mod:`fastddp.ops`; the users of codecs never look inside a row.
 """
@@ -18,22 +22,36 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from fastddp import ops
+from fastddp import ops  # noqa: F401  (loads the extension, which defines torch.ops.fastddp)
 
 __all__ = [
     "CODECS",
     "Blocks",
+    "Call",
     "Codec",
     "HalfCodec",
     "Int8Codec",
     "PackedCodec",
     "checked_block_size",
     "codec_for",
+    "run_calls",
 ]
+
+#: One op call: the op (an ``OpOverload``), its positional and its keyword arguments.
+Call = tuple[Any, tuple, dict]
+
+_OPS = torch.ops.fastddp
+
+
+def run_calls(calls: list[Call]) -> None:
+    """Make the op calls ``calls``, in order."""
+    for op, args, kwargs in calls:
+        op(*args, **kwargs)
+
 
 # Hook shards start at multiples of this many elements: 16-byte aligned for every wire dtype.
 _ALIGN = 16
@@ -81,22 +99,38 @@ class Codec(ABC):
         """Persistent work buffers for :meth:`reduce`."""
         return {}
 
-    @abstractmethod
     def encode(self, src, rows, shard, scale=1.0, flag=None, residual=None, seed=-1) -> None:
         """Write ``src * scale`` (+ ``residual``) into ``rows``, end to end."""
+        run_calls(self.encode_calls(src, rows, shard, scale, flag, residual, seed))
 
-    @abstractmethod
     def sum_into(self, rows, shard, dst, scale=1.0) -> None:
         """Sum the rows in fp32, times ``scale``, into the fp32 ``dst`` of ``shard`` values."""
+        run_calls(self.sum_calls(rows, shard, dst, scale))
 
-    @abstractmethod
     def reduce(self, rows, out, shard, scale=1.0, flag=None, residual=None, seed=-1, scratch=None):
         """Sum the rows in fp32, times ``scale``, and encode the sum, rounded once, into the
         row ``out``."""
+        run_calls(self.reduce_calls(rows, out, shard, scale, flag, residual, seed, scratch))
 
-    @abstractmethod
     def decode(self, rows, shard, dst) -> None:
         """Read ``dst.numel()`` values back from ``rows``, end to end, into the fp32 ``dst``."""
+        run_calls(self.decode_calls(rows, shard, dst))
+
+    @abstractmethod
+    def encode_calls(self, src, rows, shard, scale, flag, residual, seed) -> list[Call]:
+        """The calls of :meth:`encode`."""
+
+    @abstractmethod
+    def sum_calls(self, rows, shard, dst, scale) -> list[Call]:
+        """The calls of :meth:`sum_into`."""
+
+    @abstractmethod
+    def reduce_calls(self, rows, out, shard, scale, flag, residual, seed, scratch) -> list[Call]:
+        """The calls of :meth:`reduce`."""
+
+    @abstractmethod
+    def decode_calls(self, rows, shard, dst) -> list[Call]:
+        """The calls of :meth:`decode`."""
 
 
 class HalfCodec(Codec):
@@ -110,17 +144,19 @@ class HalfCodec(Codec):
         self.name = str(dtype).removeprefix("torch.")
         self.code = CODECS[dtype].code
 
-    def encode(self, src, rows, shard, scale=1.0, flag=None, residual=None, seed=-1) -> None:
-        ops.compress(src, rows.view(-1)[: src.numel()], scale, flag, residual, seed)
+    def encode_calls(self, src, rows, shard, scale, flag, residual, seed):
+        dst = rows.view(-1)[: src.numel()]
+        return [(_OPS.compress.default, (src, dst, scale, flag, residual, seed), {})]
 
-    def sum_into(self, rows, shard, dst, scale=1.0) -> None:
-        ops.widen_sum(rows.view(-1, shard), dst, scale)
+    def sum_calls(self, rows, shard, dst, scale):
+        return [(_OPS.widen_sum.default, (rows.view(-1, shard), dst, scale), {})]
 
-    def reduce(self, rows, out, shard, scale=1.0, flag=None, residual=None, seed=-1, scratch=None):
-        ops.sum_chunks(rows.view(-1, shard), out.view(-1), scale, flag, residual, seed)
+    def reduce_calls(self, rows, out, shard, scale, flag, residual, seed, scratch):
+        src = rows.view(-1, shard)
+        return [(_OPS.sum_chunks.default, (src, out.view(-1), scale, flag, residual, seed), {})]
 
-    def decode(self, rows, shard, dst) -> None:
-        ops.decompress(rows.view(-1)[: dst.numel()], dst, 1.0)
+    def decode_calls(self, rows, shard, dst):
+        return [(_OPS.decompress.default, (rows.view(-1)[: dst.numel()], dst, 1.0), {})]
 
 
 class Int8Codec(Codec):
@@ -149,32 +185,41 @@ class Int8Codec(Codec):
         rows = rows.view(-1, rows.shape[-1])
         return rows[:, :shard], rows[:, -(-shard // 4) * 4 :].view(torch.float32)
 
-    def encode(self, src, rows, shard, scale=1.0, flag=None, residual=None, seed=-1) -> None:
+    def encode_calls(self, src, rows, shard, scale, flag, residual, seed):
         values, scales = self._split(rows, shard)
-        block = self.block_size
+        op, block = _OPS.quantize_int8.default, self.block_size
         if shard % block == 0 or values.shape[0] == 1:
-            ops.quantize_int8(src, values, scales, block, scale, flag, residual, seed)
-            return
-        # A block may not straddle two rows: one call per row.
-        for r in range(values.shape[0]):
+            return [(op, (src, values, scales, block, scale, flag, residual, seed), {})]
+        calls = []
+        for piece, r in self._rows(src, shard, values.shape[0]):  # a block may not straddle rows
+            extra = None if residual is None else residual[piece]
+            args = (src[piece], values[r], scales[r], block, scale, flag, extra, seed)
+            calls.append((op, args, {}))
+        return calls
+
+    @staticmethod
+    def _rows(src, shard, rows):
+        # (slice of src, row) of each row that holds part of src.
+        for r in range(rows):
             piece = slice(r * shard, min((r + 1) * shard, src.numel()))
             if piece.start >= piece.stop:
                 break
-            extra = None if residual is None else residual[piece]
-            ops.quantize_int8(src[piece], values[r], scales[r], block, scale, flag, extra, seed)
+            yield piece, r
 
-    def sum_into(self, rows, shard, dst, scale=1.0) -> None:
+    def sum_calls(self, rows, shard, dst, scale):
         values, scales = self._split(rows, shard)
-        ops.dequantize_int8(values, scales, dst, self.block_size, scale)
+        return [(_OPS.dequantize_int8.default, (values, scales, dst, self.block_size, scale), {})]
 
-    def reduce(self, rows, out, shard, scale=1.0, flag=None, residual=None, seed=-1, scratch=None):
+    def reduce_calls(self, rows, out, shard, scale, flag, residual, seed, scratch):
         total = scratch["sum"] if scratch else torch.empty(shard, device=rows.device)
-        self.sum_into(rows, shard, total, scale)
-        self.encode(total, out.view(1, -1), shard, 1.0, flag, residual, seed)
+        return [
+            *self.sum_calls(rows, shard, total, scale),
+            *self.encode_calls(total, out.view(1, -1), shard, 1.0, flag, residual, seed),
+        ]
 
-    def decode(self, rows, shard, dst) -> None:
+    def decode_calls(self, rows, shard, dst):
         values, scales = self._split(rows, shard)
-        ops.unpack_int8(values, scales, dst, self.block_size)
+        return [(_OPS.unpack_int8.default, (values, scales, dst, self.block_size, 1.0), {})]
 
 
 class PackedCodec(Int8Codec):
@@ -200,28 +245,28 @@ class PackedCodec(Int8Codec):
         nbytes = self._bytes(shard)
         return rows[:, :nbytes], rows[:, -(-nbytes // 4) * 4 :].view(torch.float32)
 
-    def encode(self, src, rows, shard, scale=1.0, flag=None, residual=None, seed=-1) -> None:
+    def encode_calls(self, src, rows, shard, scale, flag, residual, seed):
         values, scales = self._split(rows, shard)
-        bits, block = self.bits, self.block_size
+        op, bits, block = _OPS.quantize_packed.default, self.bits, self.block_size
         if shard % block == 0 or values.shape[0] == 1:
-            ops.quantize_packed(src, values, scales, bits, block, scale, flag, residual, seed)
-            return
-        for r in range(values.shape[0]):  # a block may not straddle two rows
-            piece = slice(r * shard, min((r + 1) * shard, src.numel()))
-            if piece.start >= piece.stop:
-                break
+            return [(op, (src, values, scales, bits, block, scale, flag, residual, seed), {})]
+        calls = []
+        for piece, r in self._rows(src, shard, values.shape[0]):  # a block may not straddle rows
             n = piece.stop - piece.start
             extra = None if residual is None else residual[piece]
             q, sc = values[r, : self._bytes(n)], scales[r, : -(-n // block)]
-            ops.quantize_packed(src[piece], q, sc, bits, block, scale, flag, extra, seed)
+            calls.append((op, (src[piece], q, sc, bits, block, scale, flag, extra, seed), {}))
+        return calls
 
-    def sum_into(self, rows, shard, dst, scale=1.0) -> None:
+    def sum_calls(self, rows, shard, dst, scale):
         values, scales = self._split(rows, shard)
-        ops.dequantize_packed(values, scales, dst, self.bits, self.block_size, scale)
+        args = (values, scales, dst, self.bits, self.block_size, scale)
+        return [(_OPS.dequantize_packed.default, args, {})]
 
-    def decode(self, rows, shard, dst) -> None:
+    def decode_calls(self, rows, shard, dst):
         values, scales = self._split(rows, shard)
-        ops.unpack_packed(values, scales, dst, self.bits, self.block_size)
+        args = (values, scales, dst, self.bits, self.block_size, 1.0)
+        return [(_OPS.unpack_packed.default, args, {})]
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ def _reduce(
     average: bool = True,
     params: Optional[tuple] = None,
     parameters: Optional[list] = None,
+    plan: bool = False,
 ) -> torch.futures.Future:
     """Sum (``average``: average) ``buffer`` across the group in place; return a future of it.
 
@@ -44,8 +45,16 @@ def _reduce(
     ``pipeline.py``); the call with ``is_last=True`` completes everything pending.
     ``parameters`` (a DDP bucket's tensors) or ``params`` (``(key, numel)`` of the tensors
     packed in ``buffer``) let buffers and error-feedback residuals follow their tensors.
+    ``plan``: hand the bucket's plan to the state's native runner (``native.py``), which
+    reduces this buffer from its next call on.
     """
-    return _start(state, buffer, index, is_last, average, params, parameters)[0]
+    future, job = _start(state, buffer, index, is_last, average, params, parameters)
+    if plan and job is not None and job.slot is not None and job.runtime.native:
+        make = lambda seeds: Job(  # noqa: E731
+            job.path, job.slot, buffer, job.groups, job.world, average, seeds, job.topo
+        )
+        state._native.plan(job, make)
+    return future
 
 
 def _start(
@@ -171,11 +180,14 @@ def compress_hook(
         >>> model.register_comm_hook(state, fastddp.compress_hook)
     """
     if state is None:
-        global _default_state
-        if _default_state is None:
-            _default_state = CompressState()
-        state = _default_state
-    elif not isinstance(state, CompressState):
+        state = _default_state if _default_state is not None else _new_default_state()
+    runner = getattr(state, "_runner", None)
+    if runner is not None:
+        # The bucket's steady state, run by the extension (native.py); None: not planned.
+        future = runner.run(bucket)
+        if future is not None:
+            return future
+    if not isinstance(state, CompressState):
         raise TypeError(
             "fastddp.compress_hook: state must be a fastddp.CompressState or None, got "
             f"{type(state).__name__}; register it with "
@@ -198,5 +210,16 @@ def compress_hook(
     if state.delay:
         return _reduce_delayed(state, bucket)
     return _reduce(
-        state, bucket.buffer(), bucket.index(), bucket.is_last(), parameters=bucket.parameters()
+        state,
+        bucket.buffer(),
+        bucket.index(),
+        bucket.is_last(),
+        parameters=bucket.parameters(),
+        plan=getattr(state, "_native", None) is not None,
     )
+
+
+def _new_default_state() -> CompressState:
+    global _default_state
+    _default_state = CompressState()
+    return _default_state

@@ -1,7 +1,10 @@
 """Reduction paths: which collectives move a bucket, and which codec step runs between them.
 
 A path runs in *stages*. Stage ``i`` does local work and issues collective ``i``, returning its
-``Work``; :meth:`Path.finish` runs once the last collective is done. A path also allocates the
+``Work``; :meth:`Path.finish` runs once the last collective is done. Each is written once, as
+data: the op calls of the local work and the collective to issue (:meth:`Path.stage_calls`,
+:meth:`Path.finish_calls`), which the Python pipeline runs and the native runner
+(``native.py``) replays without Python. A path also allocates the
 buffers its stages use (:meth:`Path.allocate`) and says which stages draw stochastic-rounding
 seeds. When a stage runs, and how completion is awaited, is the pipeline's business
 (``pipeline.py``); what is encoded and how rows are summed is the codec's
@@ -14,7 +17,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from fastddp.codecs import Codec
+from fastddp.codecs import Call, Codec, run_calls
 from fastddp.hooks.slots import Slot
 from fastddp.hooks.topology import Topology, ring_bytes
 
@@ -25,11 +28,31 @@ __all__ = [
     "AllToAllPath",
     "HierarchicalPath",
     "PassthroughPath",
+    "Collective",
+    "issue",
     "path_for",
 ]
 
+#: A collective: ``(kind, group, out, in, out_splits, in_splits)``; kind is ``"allreduce"``
+#: (in place on ``out``), ``"alltoall"`` or ``"allgather"``.
+Collective = tuple[str, Any, torch.Tensor, Optional[torch.Tensor], Optional[list], Optional[list]]
+
+_add_ = torch.ops.aten.add_.Tensor
+_div_ = torch.ops.aten.div_.Scalar
+_sum_rows = torch.ops.aten.sum.IntList_out
+
 # torch 2.13 renamed all_gather_into_tensor (now deprecated); older releases have only that.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def issue(collective: Collective) -> dist.Work:
+    """Issue ``collective`` asynchronously."""
+    kind, group, out, inp, out_splits, in_splits = collective
+    if kind == "allreduce":
+        return dist.all_reduce(out, group=group, async_op=True)
+    if kind == "alltoall":
+        return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
+    return _all_gather_single(out, inp, group=group, async_op=True)
 
 
 class Path(ABC):
@@ -72,20 +95,32 @@ class Path(ABC):
         """Bytes this rank sends in stage ``i``'s collective (``dtype="auto"`` times the levels
         of the network with them)."""
 
-    @abstractmethod
     def stage(self, job: Any, i: int) -> dist.Work:
         """Do stage ``i``'s local work and issue its collective."""
+        calls, collective = self.stage_calls(job, i)
+        run_calls(calls)
+        return issue(collective)
 
-    @abstractmethod
     def finish(self, job: Any) -> None:
         """Write the result into the bucket, once the last collective is done."""
+        run_calls(self.finish_calls(job))
+
+    @abstractmethod
+    def stage_calls(self, job: Any, i: int) -> tuple[list[Call], Collective]:
+        """Stage ``i``'s local work (op calls) and its collective."""
+
+    @abstractmethod
+    def finish_calls(self, job: Any) -> list[Call]:
+        """The calls that write the result into the bucket."""
 
 
-def _encode(job: Any, src: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
+def _encode(job: Any, src: torch.Tensor, residual: Optional[torch.Tensor]) -> list[Call]:
     # The first step of every compressing path: ``src``, scaled, into the wire rows.
     slot = job.slot
-    slot.codec.encode(src, slot.wire, slot.per_row, job.scale, slot.flag, residual, job.seeds[0])
-    slot.nonfinite.add_(slot.flag)
+    calls = slot.codec.encode_calls(
+        src, slot.wire, slot.per_row, job.scale, slot.flag, residual, job.seeds[0]
+    )
+    return [*calls, (_add_, (slot.nonfinite, slot.flag), {})]
 
 
 class AllReducePath(Path):
@@ -112,16 +147,15 @@ class AllReducePath(Path):
     def stage_bytes(self, job, i):
         return self.sent_bytes(job.slot, job.topo)
 
-    def issue(self, job, group) -> dist.Work:
-        """Issue the first collective on the encoded wire buffer."""
-        return dist.all_reduce(job.slot.wire.view(-1), group=group, async_op=True)
+    def first(self, job, group) -> Collective:
+        """The first collective, on the encoded wire buffer."""
+        return ("allreduce", group, job.slot.wire.view(-1), None, None, None)
 
-    def stage(self, job, i):
-        _encode(job, job.bucket, job.slot.residual)
-        return self.issue(job, job.groups[0])
+    def stage_calls(self, job, i):
+        return _encode(job, job.bucket, job.slot.residual), self.first(job, job.groups[0])
 
-    def finish(self, job):
-        job.slot.codec.decode(job.slot.wire, job.slot.per_row, job.bucket)
+    def finish_calls(self, job):
+        return job.slot.codec.decode_calls(job.slot.wire, job.slot.per_row, job.bucket)
 
 
 class AllToAllPath(Path):
@@ -165,31 +199,28 @@ class AllToAllPath(Path):
     def stage_bytes(self, job, i):
         return self.sent_bytes(job.slot, job.topo) // 2  # a row to every other rank, twice
 
-    def issue(self, job, group):
+    def first(self, job, group) -> Collective:
         slot = job.slot
-        return dist.all_to_all_single(
-            slot.recv.view(-1), slot.wire.view(-1), group=group, async_op=True
-        )
+        return ("alltoall", group, slot.recv.view(-1), slot.wire.view(-1), None, None)
 
-    def stage(self, job, i):
+    def stage_calls(self, job, i):
         if i == 0:
-            _encode(job, job.bucket, job.slot.residual)
-            return self.issue(job, job.groups[0])
+            return _encode(job, job.bucket, job.slot.residual), self.first(job, job.groups[0])
         return self.gather(job, job.groups[1])
 
-    def finish(self, job):
-        job.slot.codec.decode(job.slot.wire, job.slot.per_row, job.bucket)
+    def finish_calls(self, job):
+        return job.slot.codec.decode_calls(job.slot.wire, job.slot.per_row, job.bucket)
 
     @staticmethod
-    def gather(job: Any, group) -> dist.Work:
+    def gather(job: Any, group) -> tuple[list[Call], Collective]:
         slot = job.slot
-        slot.codec.reduce(
+        calls = slot.codec.reduce_calls(
             slot.recv, slot.out, slot.shard, 1.0, slot.flag, slot.shard_residual, job.seeds[1],
             slot.scratch,
         )  # fmt: skip
-        slot.nonfinite.add_(slot.flag)
+        calls.append((_add_, (slot.nonfinite, slot.flag), {}))
         # The wire buffer is free again once the all-to-all is done: gather into it.
-        return _all_gather_single(slot.wire.view(-1), slot.out, group=group, async_op=True)
+        return calls, ("allgather", group, slot.wire.view(-1), slot.out, None, None)
 
 
 class HierarchicalPath(Path):
@@ -245,31 +276,31 @@ class HierarchicalPath(Path):
             return (ranks - 1) * slot.wire.numel() * slot.codec.wire_dtype.itemsize
         return self.cross_bytes(slot, topo) // self.inner.stages
 
-    def stage(self, job, i):
+    def stage_calls(self, job, i):
         slot, topo = job.slot, job.topo
         if i == 0:
-            return self._scatter(job)
+            return [], self._scatter(job)
         if i == 1:
             counts = self._counts(slot, topo)
             mine = counts[topo.local_rank]
             rows = slot.node_recv.view(-1)[: mine * len(counts)].view(len(counts), mine)
-            torch.sum(rows, dim=0, out=slot.node_sum[:mine])
+            total = (_sum_rows, (rows, [0]), {"out": slot.node_sum[:mine]})
             lo = topo.local_rank * slot.node_shard
             residual = slot.residual
             if residual is not None:
                 residual = residual[lo : lo + slot.node_shard]
-            _encode(job, slot.node_sum, residual)
-            return self.inner.issue(job, job.groups[1])
+            return [total, *_encode(job, slot.node_sum, residual)], self.inner.first(
+                job, job.groups[1]
+            )
         if i < self.stages - 1:
             return AllToAllPath.gather(job, job.groups[i])
-        return _all_gather_single(
-            slot.gathered.view(-1), slot.wire.view(-1), group=job.groups[i], async_op=True
-        )
+        gather = ("allgather", job.groups[i], slot.gathered.view(-1), slot.wire.view(-1))
+        return [], (*gather, None, None)
 
-    def finish(self, job):
+    def finish_calls(self, job):
         slot = job.slot
         rows = slot.gathered.view(-1, slot.wire.shape[-1])
-        slot.codec.decode(rows, slot.per_row, job.bucket)
+        return slot.codec.decode_calls(rows, slot.per_row, job.bucket)
 
     @staticmethod
     def _counts(slot: Slot, topo: Topology) -> list[int]:
@@ -277,18 +308,12 @@ class HierarchicalPath(Path):
         s = slot.node_shard
         return [min(s, max(0, slot.numel - k * s)) for k in range(topo.per_node)]
 
-    def _scatter(self, job) -> dist.Work:
+    def _scatter(self, job) -> Collective:
         slot, topo = job.slot, job.topo
         counts = self._counts(slot, topo)
         mine = counts[topo.local_rank]
-        return dist.all_to_all_single(
-            slot.node_recv.view(-1)[: mine * len(counts)],
-            job.bucket,
-            output_split_sizes=[mine] * len(counts),
-            input_split_sizes=counts,
-            group=job.groups[0],
-            async_op=True,
-        )
+        out = slot.node_recv.view(-1)[: mine * len(counts)]
+        return ("alltoall", job.groups[0], out, job.bucket, [mine] * len(counts), counts)
 
 
 class PassthroughPath(Path):
@@ -307,13 +332,12 @@ class PassthroughPath(Path):
     def stage_bytes(self, job, i):
         return ring_bytes(job.bucket.numel(), job.world, job.bucket.element_size())
 
-    def stage(self, job, i):
-        if job.average:
-            job.bucket.div_(job.world)
-        return dist.all_reduce(job.bucket, group=job.groups[0], async_op=True)
+    def stage_calls(self, job, i):
+        calls = [(_div_, (job.bucket, job.world), {})] if job.average else []
+        return calls, ("allreduce", job.groups[0], job.bucket, None, None, None)
 
-    def finish(self, job):
-        pass
+    def finish_calls(self, job):
+        return []
 
 
 PASSTHROUGH = PassthroughPath()

@@ -34,6 +34,12 @@ class Runtime:
     """
 
     asynchronous = False
+    # Whether the native runner (native.py) may run buckets of this runtime: its C++ waits
+    # (Work::wait before reading a collective's output, completion in a callback of its
+    # future) order work here as this runtime does.
+    native = False
+    # Whether a completion callback must call ``Work.wait()`` before it reads the output.
+    waits_in_then = False
 
     def side(self) -> AbstractContextManager:
         """Where a later stage runs: off the compute stream, where there is one."""
@@ -62,11 +68,14 @@ class Runtime:
 class CpuRuntime(Runtime):
     """Gloo on CPU tensors: the calling thread waits; there is no other stream."""
 
+    native = True
+
 
 class CudaRuntime(Runtime):
     """CUDA tensors: a side stream per device for later stages, completion by ``then``."""
 
     asynchronous = True
+    native = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

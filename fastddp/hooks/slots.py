@@ -51,6 +51,7 @@ class Slot:
         "wire_bytes",
         "cross_node_bytes",
         "job",
+        "plan",
     )
 
     def __init__(self, index: int, numel: int, device: torch.device, world: int) -> None:
@@ -85,6 +86,7 @@ class Slot:
         self.wire_bytes = 0
         self.cross_node_bytes = 0
         self.job = None  # the latest reduction of this bucket (pipeline.Job)
+        self.plan: Optional[tuple] = None  # (id, bucket buffer) of its native plan (native.py)
 
     @property
     def per_row(self) -> int:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from fastddp.codecs import CODECS, Codec, codec_for
-from fastddp.hooks import checkpoint, settings, stats
+from fastddp.hooks import checkpoint, native, settings, stats
 from fastddp.hooks.delay import Delayed
 from fastddp.hooks.paths import Path, path_for
 from fastddp.hooks.pipeline import Pipeline
@@ -102,6 +102,8 @@ class CompressState:
         "_topology",
         "_resolved",
         "_delayed",
+        "_native",
+        "_runner",
     )
 
     def __new__(cls, dtype: Any = torch.bfloat16, *args: Any, **kwargs: Any) -> "CompressState":
@@ -147,6 +149,10 @@ class CompressState:
         return cls(process_group=process_group, **{**preset(name), **overrides})
 
     def _reset(self) -> None:
+        if getattr(self, "_native", None) is not None:
+            self._native.sync(self)  # the old runner's reductions finish before all is dropped
+        self._native = native.make(self)  # runs the buckets' steady state (native.py)
+        self._runner = self._native.runner if self._native is not None else None
         self._table = SlotTable()
         self._verified = False
         self._pipeline = Pipeline()
@@ -193,7 +199,12 @@ class CompressState:
         hook that waits on this hook's future).
         """
         self._pipeline.check()
+        self._sync_native()
         self._pipeline.flush()
+
+    def _sync_native(self) -> None:
+        if self._native is not None:
+            self._native.sync(self)
 
     def stats(self) -> dict[str, Any]:
         """Return settings and counters since creation (or the last :meth:`load_state_dict`).
@@ -214,6 +225,7 @@ class CompressState:
         Reading ``nonfinite_events`` synchronises with the device, after the streams that
         reductions queued work on.
         """
+        self._sync_native()
         self._pipeline.synchronize()  # the side stream may still be adding to the flags
         return stats.report(self)
 
@@ -225,6 +237,7 @@ class CompressState:
         parameters they belong to, so that they find their parameters again when the resumed
         DDP lays its buckets out differently. Pending reductions are finished first.
         """
+        self._sync_native()
         return checkpoint.save(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -294,6 +307,9 @@ class CompressState:
         slot = self._table.slots.get(key)
         if slot is None:
             return
+        if self._native is not None:
+            self._native.sync(self)
+            self._native.drop(slot)
         self._pipeline.settle(slot.job)
         self._table.remove(key)
         slot.job = None  # the job points back at the slot: let the buffers go now, not at GC

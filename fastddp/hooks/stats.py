@@ -21,20 +21,23 @@ COUNTERS = (
 )
 
 
-def count(counters: dict[str, int], slot: Slot, codec: Codec, topo: Topology) -> None:
-    """Add one reduction of ``slot``'s bucket to its counters and the state's ``counters``."""
+def count(
+    counters: dict[str, int], slot: Slot, codec: Codec, topo: Topology, times: int = 1
+) -> None:
+    """Add ``times`` reductions of ``slot``'s bucket to its counters and the state's
+    ``counters``."""
     n = slot.numel
-    payload = codec.payload_bytes(n)
-    sent = slot.path.sent_bytes(slot, topo)
-    cross = slot.path.cross_bytes(slot, topo)
+    payload = times * codec.payload_bytes(n)
+    sent = times * slot.path.sent_bytes(slot, topo)
+    cross = times * slot.path.cross_bytes(slot, topo)
     slot.payload_bytes += payload
     slot.wire_bytes += sent
     slot.cross_node_bytes += cross
     counters["payload_bytes"] += payload
     counters["wire_bytes"] += sent
-    counters["fp32_wire_bytes"] += ring_bytes(n, topo.world, 4)
+    counters["fp32_wire_bytes"] += times * ring_bytes(n, topo.world, 4)
     counters["cross_node_bytes"] += cross
-    counters["fp32_ring_cross_node_bytes"] += topo.ring_cross_bytes(n, 4)
+    counters["fp32_ring_cross_node_bytes"] += times * topo.ring_cross_bytes(n, 4)
 
 
 def report(state: Any) -> dict[str, Any]:

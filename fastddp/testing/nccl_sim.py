@@ -32,7 +32,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import Work
+from torch.distributed.distributed_c10d import AllgatherOptions, Work
 
 from fastddp.hooks import runtime as runtimes
 
@@ -185,7 +185,7 @@ class SimNccl(dist.ProcessGroup):
         return self._issue("all_to_all_single", [input], [output], run)
 
     def all_gather_single(self, output, input, opts=None):
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or AllgatherOptions()
         return self._issue(
             "all_gather_single",
             [input],
@@ -206,7 +206,7 @@ class SimNccl(dist.ProcessGroup):
         return self.all_gather_single(output, input, opts)
 
     def allgather(self, output_lists, inputs, opts=None):
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or AllgatherOptions()
         flat = list(output_lists[0])
         n = len(flat)
 
@@ -242,6 +242,8 @@ class SimRuntime(runtimes.Runtime):
     """
 
     asynchronous = True
+    native = True  # the native runner waits on the work before reading, as NCCL needs
+    waits_in_then = True  # as then() below does
 
     def __init__(self, device: torch.device) -> None:
         self.dirty = False

@@ -5,8 +5,9 @@ its output is NaN until the pipeline waits for it, as a GPU stream would see it 
 Every mode x path (flat; two-level on 2 nodes x 2 ranks) x world size trains DDP with the
 hook on that backend and on plain Gloo from the same weights and data: the gradients of every
 step must be bit-identical, and after every backward the current stream must be ordered after
-the side stream. Then waits are deleted from the pipeline's source, one at a time, in the rank
-processes: each deletion must make the run differ.
+the side stream. From the third step on the buckets run in the native runner. Then waits are
+deleted from the pipeline's source, one at a time, in the rank processes, and planted defects of
+the same kind in the native runner: each must make the run differ.
 """
 
 import copy
@@ -21,6 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
+from fastddp.hooks import native
 from fastddp.hooks import pipeline as pipeline_module
 from fastddp.hooks.presets import PRESETS, preset
 from fastddp.hooks.topology import NODE_ENV
@@ -45,6 +47,8 @@ MUTATIONS = {
     # flush() that leaves host reads unordered after the side stream.
     "flush-without-synchronize": ("flush", "self.synchronize()\n", "pass\n"),
 }
+# The same defects in the native runner (csrc/ddp/native_hook.cpp), which runs from step 2 on.
+NATIVE_MUTATIONS = {"native-no-wait-before-later-stage": 1, "native-decode-at-once": 2}
 
 
 class _Net(nn.Module):
@@ -59,7 +63,7 @@ class _Net(nn.Module):
         return x
 
 
-def _train(base, group, settings, rank, steps=3):
+def _train(base, group, settings, rank, steps=4):
     """Gradients of each step and the states' runtimes' state after each backward."""
     model = DDP(copy.deepcopy(base), process_group=group, bucket_cap_mb=0.002)
     state = fastddp.CompressState(process_group=group, **settings)
@@ -93,8 +97,17 @@ def _sim_equals_gloo(rank, world, nodes, cases, mutation=None):
     nccl_sim.install()
     sim = dist.new_group(backend=nccl_sim.BACKEND)
     assert dist.get_backend(sim) == nccl_sim.BACKEND
-    if mutation is not None:
+    if mutation in NATIVE_MUTATIONS:
+        native._PLANTED_DEFECT = NATIVE_MUTATIONS[mutation]
+    elif mutation is not None:
         _mutate(mutation)
+    try:
+        _compare(rank, sim, cases, mutation)
+    finally:
+        native._PLANTED_DEFECT = 0
+
+
+def _compare(rank, sim, cases, mutation):
     torch.manual_seed(0)
     base = _Net()
     for mode, topology, *delay in cases:
@@ -147,7 +160,7 @@ def test_delayed_modes_on_two_nodes_of_two_ranks():
     run_ranks(_sim_equals_gloo, 4, 2, cases, timeout=280)
 
 
-@pytest.mark.parametrize("mutation", list(MUTATIONS))
+@pytest.mark.parametrize("mutation", [*MUTATIONS, *NATIVE_MUTATIONS])
 def test_a_deleted_wait_makes_the_run_differ(mutation):
     cases = [("bf16", "flat"), ("int8-ef", "flat"), ("bf16-acc-ef", "flat")]
     run_ranks(_sim_equals_gloo, 2, 1, cases, mutation, timeout=200)

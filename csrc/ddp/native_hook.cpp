@@ -1,0 +1,725 @@
+// The steady state of compress_hook's fixed modes, run without Python: fastddp.hooks.native.
+//
+// Python sets a bucket up (its slot, buffers, residuals, groups) and then hands this runner the
+// bucket's *plan*: per stage, the op calls that run before its collective (encode, fp32 row
+// sums, the non-finite count) and the collective itself, then the calls that decode the result
+// into the bucket. The calls are the ones the Python path runs (fastddp/hooks/paths.py builds
+// them for both), bound to the slot's persistent tensors, so both paths compute the same bits.
+// Per bucket, this runner then costs a map lookup, one dispatcher call per op and one
+// collective per stage: no Python frame, and, registered through fastddp.register_comm_hook,
+// not even the GIL.
+//
+// Ordering is the Python pipeline's (fastddp/hooks/pipeline.py): a path's first stage runs in
+// the call that submits the bucket; its later stages run at the next submission, newest job
+// first, after that bucket's first stage; everything pending runs at the bucket DDP marks
+// last, or at the end of the backward pass. A later stage waits for the collective before it:
+// Work::wait(), which on NCCL makes the current stream (a side stream) wait for it. The decode
+// runs in a callback of the last collective's future, whose streams wait for the collective's
+// CUDA events (NCCL completes its futures when the work is enqueued). A bucket whose buffer has
+// no plan is declined (Python runs it) after everything pending here is issued, so every rank
+// issues its collectives in the same order.
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/csrc/distributed/c10d/python_comm_hook.h>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/version.h>
+
+namespace fastddp::ddp {
+namespace {
+
+using Future = c10::ivalue::Future;
+
+// A tensor argument that views the bucket buffer the plan was made with: rebuilt on the
+// buffer of the call (the same tensor in steady state, so this is rare).
+struct BucketView {
+  size_t arg;
+  int64_t offset;
+  std::vector<int64_t> sizes, strides;
+};
+
+bool views_storage(const at::Tensor& t, const at::Tensor& buffer) {
+  return t.defined() && t.has_storage() && buffer.has_storage() &&
+      t.storage().is_alias_of(buffer.storage());
+}
+
+BucketView view_of(size_t arg, const at::Tensor& t, const at::Tensor& buffer) {
+  return {
+      arg,
+      t.storage_offset() - buffer.storage_offset(),
+      t.sizes().vec(),
+      t.strides().vec()};
+}
+
+at::Tensor rebuild(const BucketView& v, const at::Tensor& bucket) {
+  return bucket.as_strided(v.sizes, v.strides, bucket.storage_offset() + v.offset);
+}
+
+// One op call: its schema, its arguments bound but for views of the bucket.
+struct Call {
+  c10::OperatorHandle op;
+  std::vector<c10::IValue> args;
+  std::vector<BucketView> views;
+
+  void run(const at::Tensor& bucket, bool same_buffer) const {
+    std::vector<c10::IValue> stack = args;
+    if (!same_buffer) {
+      for (const auto& v : views) {
+        stack[v.arg] = rebuild(v, bucket);
+      }
+    }
+    op.callBoxed(stack);
+  }
+};
+
+enum class Kind { kAllReduce, kAllToAll, kAllGather };
+
+// A Python object that may be released on any thread (it takes the GIL to let go).
+std::shared_ptr<py::object> held(py::object obj) {
+  return std::shared_ptr<py::object>(new py::object(std::move(obj)), [](py::object* p) {
+    py::gil_scoped_acquire gil;
+    delete p;
+  });
+}
+
+// The Work a Python process group returned, with its Python object kept alive (torch's
+// trampoline looks its methods up on that object).
+class HeldWork final : public c10d::Work {
+ public:
+  explicit HeldWork(py::object work)
+      : work_(work.cast<c10::intrusive_ptr<c10d::Work>>()), python_(held(std::move(work))) {}
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    return work_->wait(timeout);
+  }
+
+  bool isCompleted() override {
+    return work_->isCompleted();
+  }
+
+  c10::intrusive_ptr<Future> getFuture() override {
+    return work_->getFuture();
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::shared_ptr<py::object> python_;
+};
+
+struct Collective {
+  Kind kind;
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  // A process group written in Python: torch's trampoline forwards allreduce and
+  // all_to_all_single to its methods, but not all_gather_single, which is called here.
+  std::shared_ptr<py::object> python_group;
+  at::Tensor out, in;  // all-reduce: out, in place
+  std::vector<int64_t> out_splits, in_splits;
+  std::vector<BucketView> views;  // arg 0: out, 1: in
+
+  c10::intrusive_ptr<c10d::Work> issue(const at::Tensor& bucket, bool same_buffer) const {
+    at::Tensor o = out, i = in;
+    if (!same_buffer) {
+      for (const auto& v : views) {
+        (v.arg == 0 ? o : i) = rebuild(v, bucket);
+      }
+    }
+    switch (kind) {
+      case Kind::kAllReduce: {
+        std::vector<at::Tensor> tensors{o};
+        return group->allreduce(tensors);
+      }
+      case Kind::kAllToAll: {
+        auto out_splits_ = out_splits;
+        auto in_splits_ = in_splits;
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+        return group->all_to_all_single(o, i, out_splits_, in_splits_);
+#else
+        return group->alltoall_base(o, i, out_splits_, in_splits_);
+#endif
+      }
+      case Kind::kAllGather:
+        if (python_group) {
+          py::gil_scoped_acquire gil;
+          py::object work = python_group->attr("all_gather_single")(o, i);
+          return c10::make_intrusive<HeldWork>(std::move(work));
+        }
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+        return group->all_gather_single(o, i);
+#else
+        return group->_allgather_base(o, i);
+#endif
+    }
+    TORCH_CHECK(false, "fastddp: unknown collective");
+  }
+};
+
+struct Stage {
+  std::vector<Call> calls;
+  Collective collective;
+};
+
+struct Job;
+
+// One bucket's plan, made by Python for its slot.
+struct Plan {
+  int64_t id = 0;      // Python's name for the slot
+  at::Tensor buffer;   // the bucket buffer it was made with; held, so its address stays unique
+  std::vector<Stage> stages;
+  std::vector<Call> finish;
+  bool wait_in_callback = false;  // call Work::wait() before the decode (see add())
+  int64_t runs = 0;    // reductions run here since Python last took the count
+  std::shared_ptr<Job> job;  // the latest reduction
+};
+
+struct Job {
+  std::shared_ptr<Plan> plan;
+  at::Tensor bucket;
+  bool same_buffer = true;
+  size_t stage = 0;  // the next stage to issue
+  int64_t order = 0;
+  c10::intrusive_ptr<c10d::Work> work;
+  c10::intrusive_ptr<Future> result;
+  c10::IValue value;  // what the result holds: the bucket (a Python object for Python hooks)
+};
+
+std::string describe(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+// A blocking wait that lets other Python threads run (the simulated NCCL needs them).
+void wait_work(const c10::intrusive_ptr<c10d::Work>& work) {
+  if (PyGILState_Check()) {
+    py::gil_scoped_release no_gil;
+    work->wait();
+  } else {
+    work->wait();
+  }
+}
+
+void wait_future(const c10::intrusive_ptr<Future>& fut) {
+  if (PyGILState_Check()) {
+    py::gil_scoped_release no_gil;
+    fut->wait();
+  } else {
+    fut->wait();
+  }
+}
+
+class Runner : public std::enable_shared_from_this<Runner> {
+ public:
+  // Add a plan for the bucket buffer `buffer`. `stages`: [(calls, collective)]; a call is
+  // (qualified name, overload, args, kwargs); a collective is (kind, group, out, in,
+  // out_splits, in_splits, the group if it is written in Python, else None). `finish`: the
+  // calls that decode into the bucket.
+  // `wait_in_callback`: the backend's future completes before the output can be read, and
+  // only Work::wait() makes it readable (the simulated NCCL of the tests; on Gloo, wait()
+  // inside the future's callback would wait for the callback itself).
+  void add(
+      int64_t id,
+      const at::Tensor& buffer,
+      const py::list& stages,
+      const py::list& finish,
+      bool wait_in_callback) {
+    auto plan = std::make_shared<Plan>();
+    plan->id = id;
+    plan->buffer = buffer;
+    plan->wait_in_callback = wait_in_callback;
+    for (const auto& s : stages) {
+      auto pair = s.cast<py::tuple>();
+      Stage stage;
+      stage.calls = calls_of(pair[0].cast<py::list>(), buffer);
+      stage.collective = collective_of(pair[1].cast<py::tuple>(), buffer);
+      plan->stages.push_back(std::move(stage));
+    }
+    TORCH_CHECK(!plan->stages.empty(), "fastddp: a plan needs at least one stage");
+    plan->finish = calls_of(finish, buffer);
+    std::lock_guard<std::mutex> lock(mu_);
+    plans_[buffer.unsafeGetTensorImpl()] = std::move(plan);
+  }
+
+  // Drop the plan of `buffer` (its slot was retired); returns its uncounted runs.
+  int64_t remove(const at::Tensor& buffer) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = plans_.find(buffer.unsafeGetTensorImpl());
+    if (it == plans_.end()) {
+      return 0;
+    }
+    int64_t runs = it->second->runs;
+    plans_.erase(it);
+    return runs;
+  }
+
+  // Python's slot ids with the runs since the last call.
+  std::vector<std::pair<int64_t, int64_t>> take_runs() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::pair<int64_t, int64_t>> out;
+    for (auto& [key, plan] : plans_) {
+      if (plan->runs > 0) {
+        out.emplace_back(plan->id, plan->runs);
+        plan->runs = 0;
+      }
+    }
+    return out;
+  }
+
+  size_t size() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return plans_.size();
+  }
+
+  // Reduce `bucket` by its plan and return the future of the result, or null if it has none
+  // (the caller runs it; whatever was pending here has been issued).
+  // `python_value`: the bucket buffer as a Python object, for a future that Python hooks
+  // return (PythonCommHook wants one); none: the future holds the tensor. Call it without
+  // the GIL: Gloo's worker threads may take the GIL while they hold the lock that issuing a
+  // collective takes.
+  c10::intrusive_ptr<Future> run(c10d::GradBucket& bucket, c10::IValue python_value) {
+    check();
+    at::Tensor& buffer = bucket.getBufferRef();
+    std::shared_ptr<Plan> plan;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = plans_.find(buffer.unsafeGetTensorImpl());
+      if (it != plans_.end()) {
+        plan = it->second;
+      }
+    }
+    if (!plan) {
+      guarded([&] { issue_pending(); });
+      return {};
+    }
+    std::vector<std::shared_ptr<Job>> earlier(pending_.begin(), pending_.end());
+    pending_.clear();
+    auto job = std::make_shared<Job>();
+    guarded([&] {
+      if (plan->job && plan->job->stage < plan->stages.size()) {
+        issue_pending();  // the previous reduction of this bucket never finished issuing
+        earlier.clear();
+      }
+      if (plan->job && !plan->job->result->completed()) {
+        wait_future(plan->job->result);
+      }
+      job->plan = plan;
+      job->bucket = buffer;
+      job->same_buffer = buffer.is_same(plan->buffer);
+      job->order = ++submitted_;
+      std::vector<c10::Device> devices;
+      if (buffer.is_cuda()) {
+        devices.push_back(buffer.device());
+      }
+      if (!python_value.isNone()) {
+        job->value = std::move(python_value);
+        job->result = c10::make_intrusive<Future>(c10::PyObjectType::get(), devices);
+      } else {
+        job->value = buffer;
+        job->result = c10::make_intrusive<Future>(c10::TensorType::get(), devices);
+      }
+      plan->job = job;
+      ++plan->runs;
+      step(job);
+      for (auto it = earlier.rbegin(); it != earlier.rend(); ++it) {
+        step(*it);  // newest first, as the Python pipeline steps them
+      }
+      earlier.clear();
+      if (bucket.isLast()) {
+        issue_pending();
+      } else if (!pending_.empty()) {
+        finish_by_end_of_backward();
+      }
+    }, &earlier);
+    return job->result;
+  }
+
+  // Issue everything pending and wait for every reduction started here.
+  void flush() {
+    check();
+    guarded([&] { issue_pending(); });
+    std::vector<c10::intrusive_ptr<Future>> results;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      results.swap(in_flight_);
+    }
+    for (auto& r : results) {
+      wait_future(r);
+    }
+    check();
+  }
+
+  // Tests plant these defects to prove that the simulated NCCL catches them.
+  static constexpr int kNoWaitBeforeLaterStage = 1;  // read a collective's output unwaited
+  static constexpr int kDecodeAtOnce = 2;  // decode when issued, not when the output is ready
+
+  void plant_defect(int defect) {
+    defect_ = defect;
+  }
+
+  bool busy() {
+    std::lock_guard<std::mutex> lock(mu_);
+    prune();
+    return !pending_.empty() || !in_flight_.empty();
+  }
+
+ private:
+  static std::vector<Call> calls_of(const py::list& calls, const at::Tensor& buffer) {
+    std::vector<Call> out;
+    for (const auto& c : calls) {
+      auto t = c.cast<py::tuple>();
+      auto name = t[0].cast<std::string>();
+      auto overload = t[1].cast<std::string>();
+      auto args = t[2].cast<py::tuple>();
+      auto kwargs = t[3].cast<py::dict>();
+      Call call{c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str()),
+                {}, {}};
+      const auto& schema = call.op.schema();
+      const auto& params = schema.arguments();
+      TORCH_CHECK(args.size() <= params.size(), "fastddp: too many arguments for ", name);
+      for (size_t i = 0; i < params.size(); ++i) {
+        const auto& p = params[i];
+        py::object value;
+        if (i < args.size()) {
+          value = args[i];
+        } else if (kwargs.contains(p.name().c_str())) {
+          value = kwargs[p.name().c_str()];
+        } else {
+          TORCH_CHECK(p.default_value().has_value(), "fastddp: ", name, " needs ", p.name());
+          call.args.push_back(*p.default_value());
+          continue;
+        }
+        c10::IValue iv = torch::jit::toIValue(value, p.type());
+        if (iv.isTensor() && views_storage(iv.toTensor(), buffer)) {
+          call.views.push_back(view_of(call.args.size(), iv.toTensor(), buffer));
+        }
+        call.args.push_back(std::move(iv));
+      }
+      out.push_back(std::move(call));
+    }
+    return out;
+  }
+
+  static Collective collective_of(const py::tuple& t, const at::Tensor& buffer) {
+    Collective c;
+    auto kind = t[0].cast<std::string>();
+    if (kind == "allreduce") {
+      c.kind = Kind::kAllReduce;
+    } else if (kind == "alltoall") {
+      c.kind = Kind::kAllToAll;
+    } else if (kind == "allgather") {
+      c.kind = Kind::kAllGather;
+    } else {
+      TORCH_CHECK(false, "fastddp: unknown collective ", kind);
+    }
+    c.group = t[1].cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+    c.out = t[2].cast<at::Tensor>();
+    c.in = t[3].is_none() ? c.out : t[3].cast<at::Tensor>();
+    if (!t[4].is_none()) {
+      c.out_splits = t[4].cast<std::vector<int64_t>>();
+    }
+    if (!t[5].is_none()) {
+      c.in_splits = t[5].cast<std::vector<int64_t>>();
+    }
+    if (!t[6].is_none()) {
+      c.python_group = held(t[6]);
+    }
+    if (views_storage(c.out, buffer)) {
+      c.views.push_back(view_of(0, c.out, buffer));
+    }
+    if (views_storage(c.in, buffer)) {
+      c.views.push_back(view_of(1, c.in, buffer));
+    }
+    return c;
+  }
+
+  void check() {
+    std::lock_guard<std::mutex> lock(mu_);
+    TORCH_CHECK(
+        failure_.empty(),
+        "fastddp: an earlier reduction failed on this rank (",
+        failure_,
+        "); the ranks' collectives no longer match, so this CompressState refuses further "
+        "work. Fix the cause and restart the job (a checkpointed state_dict() can be loaded "
+        "into a new state)");
+  }
+
+  // Run `fn`; on failure, fail every unfinished job (and those of `earlier`), then rethrow.
+  template <typename Fn>
+  void guarded(Fn&& fn, std::vector<std::shared_ptr<Job>>* earlier = nullptr) {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      if (earlier != nullptr) {
+        for (auto& job : *earlier) {
+          pending_.push_back(job);
+        }
+        earlier->clear();
+      }
+      fail(std::current_exception());
+      throw;
+    }
+  }
+
+  void fail(const std::exception_ptr& error) {
+    std::vector<std::shared_ptr<Job>> jobs(pending_.begin(), pending_.end());
+    pending_.clear();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (failure_.empty()) {
+        failure_ = describe(error);
+      }
+    }
+    for (auto& job : jobs) {
+      if (job->result && !job->result->completed()) {
+        job->result->setErrorIfNeeded(std::make_exception_ptr(
+            std::runtime_error("fastddp: reduction abandoned: " + describe(error))));
+      }
+    }
+  }
+
+  // Run `job`'s next stage: its calls, then its collective; complete it after the last.
+  void step(const std::shared_ptr<Job>& job) {
+    const Stage& stage = job->plan->stages[job->stage];
+    if (job->stage == 0) {
+      for (const auto& call : stage.calls) {
+        call.run(job->bucket, job->same_buffer);
+      }
+      job->work = stage.collective.issue(job->bucket, job->same_buffer);
+    } else {
+      // A later stage reads the previous collective's output; on CUDA it runs on a side
+      // stream that waits for that collective, so the compute stream never stalls.
+      c10::OptionalStreamGuard guard;
+      if (job->bucket.is_cuda()) {
+        guard.reset_stream(side_stream(job->bucket.device()));
+      }
+      if (defect_ != kNoWaitBeforeLaterStage) {
+        wait_work(job->work);
+      }
+      for (const auto& call : stage.calls) {
+        call.run(job->bucket, job->same_buffer);
+      }
+      job->work = stage.collective.issue(job->bucket, job->same_buffer);
+    }
+    ++job->stage;
+    if (job->stage < job->plan->stages.size()) {
+      pending_.push_back(job);
+      return;
+    }
+    complete_after(job);
+  }
+
+  // Decode into the bucket once the last collective's output can be read, then complete.
+  void complete_after(const std::shared_ptr<Job>& job) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      prune();
+      in_flight_.push_back(job->result);
+    }
+    auto work = job->work;
+    auto fut = work->getFuture();
+    if (defect_ == kDecodeAtOnce) {
+      for (const auto& call : job->plan->finish) {
+        call.run(job->bucket, job->same_buffer);
+      }
+      job->result->markCompleted(job->value);
+      return;
+    }
+    fut->addCallback([self = shared_from_this(), job, work](Future& done) {
+      try {
+        if (done.hasError()) {
+          std::rethrow_exception(done.exception_ptr());
+        }
+        // The callback's streams wait for the future's CUDA events, which is all NCCL needs.
+        if (job->plan->wait_in_callback) {
+          work->wait();
+        }
+        for (const auto& call : job->plan->finish) {
+          call.run(job->bucket, job->same_buffer);
+        }
+        std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages;
+        if (job->bucket.is_cuda()) {
+          storages.push_back(job->bucket.storage().getWeakStorageImpl());
+        }
+        job->result->markCompleted(job->value, std::move(storages));
+      } catch (const std::exception&) {
+        auto error = std::current_exception();
+        {
+          std::lock_guard<std::mutex> lock(self->mu_);
+          if (self->failure_.empty()) {
+            self->failure_ = describe(error);
+          }
+        }
+        job->result->setErrorIfNeeded(error);
+      }
+    });
+  }
+
+  void issue_pending() {
+    while (!pending_.empty()) {
+      std::vector<std::shared_ptr<Job>> jobs(pending_.begin(), pending_.end());
+      pending_.clear();
+      for (auto it = jobs.rbegin(); it != jobs.rend(); ++it) {
+        step(*it);
+      }
+    }
+  }
+
+  // If the bucket DDP marks last never reaches the hook, nothing else would issue the stages
+  // left: do it at the end of this backward pass (before DDP's own end-of-backward callback,
+  // which DDP queues only after the last bucket).
+  void finish_by_end_of_backward() {
+    const int task = torch::autograd::get_current_graph_task_id();
+    if (task == -1) {
+      issue_pending();  // not in a backward pass: nothing would come back for them
+      return;
+    }
+    if (task == graph_task_) {
+      return;
+    }
+    graph_task_ = task;
+    torch::autograd::Engine::get_default_engine().queue_callback([self = shared_from_this()] {
+      self->graph_task_ = -1;
+      bool failed;
+      {
+        std::lock_guard<std::mutex> lock(self->mu_);
+        failed = !self->failure_.empty();
+      }
+      if (!failed) {
+        self->guarded([&] { self->issue_pending(); });
+      }
+    });
+  }
+
+  c10::Stream side_stream(c10::Device device) {
+    if (!side_ || side_->device() != device) {
+      c10::impl::VirtualGuardImpl impl(device.type());
+      side_ = impl.getStreamFromGlobalPool(device);
+    }
+    return *side_;
+  }
+
+  void prune() {  // with mu_ held
+    std::vector<c10::intrusive_ptr<Future>> left;
+    for (auto& r : in_flight_) {
+      if (!r->completed()) {
+        left.push_back(r);
+      }
+    }
+    in_flight_.swap(left);
+  }
+
+  std::mutex mu_;  // plans_, in_flight_ and failure_: completion callbacks run on other threads
+  std::unordered_map<c10::TensorImpl*, std::shared_ptr<Plan>> plans_;
+  std::deque<std::shared_ptr<Job>> pending_;  // jobs with stages left, oldest first
+  std::vector<c10::intrusive_ptr<Future>> in_flight_;
+  std::string failure_;
+  int64_t submitted_ = 0;
+  int graph_task_ = -1;
+  std::optional<c10::Stream> side_;
+  int defect_ = 0;
+};
+
+// The hook fastddp.register_comm_hook registers for a fixed mode: the runner's plans without
+// the GIL, and Python's compress_hook for any bucket it declines.
+class NativeHook final : public c10d::CommHookInterface {
+ public:
+  NativeHook(std::shared_ptr<Runner> runner, py::object state, py::object hook)
+      : runner_(std::move(runner)), python_(std::move(state), std::move(hook)) {}
+
+  c10::intrusive_ptr<Future> runHook(c10d::GradBucket& bucket) override {
+    auto result = runner_->run(bucket, c10::IValue());
+    if (result) {
+      return result;
+    }
+    return python_.runHook(bucket);  // takes the GIL itself
+  }
+
+  at::Tensor parseHookResult(const c10::IValue& result) override {
+    if (result.isTensor()) {
+      return result.toTensor();
+    }
+    py::gil_scoped_acquire gil;
+    py::object value = torch::jit::toPyObject(result);
+    if (py::isinstance<py::list>(value) || py::isinstance<py::tuple>(value)) {
+      value = value[py::int_(0)];
+    }
+    return value.cast<at::Tensor>();
+  }
+
+ private:
+  std::shared_ptr<Runner> runner_;
+  c10d::PythonCommHook python_;
+};
+
+}  // namespace
+
+// Add the native runner's names to the _C module; returns -1 with a Python error set on failure.
+int add_native_hook(PyObject* module) {
+  try {
+    auto m = py::reinterpret_borrow<py::module_>(module);
+    py::class_<Runner, std::shared_ptr<Runner>>(m, "NativeRunner")
+        .def(py::init<>())
+        .def("add", &Runner::add, py::arg("id"), py::arg("buffer"), py::arg("stages"),
+             py::arg("finish"), py::arg("wait_in_callback"))
+        .def("remove", &Runner::remove, py::arg("buffer"))
+        .def("take_runs", &Runner::take_runs)
+        .def("flush", &Runner::flush, py::call_guard<py::gil_scoped_release>())
+        .def_property_readonly("busy", &Runner::busy)
+        .def("_plant_defect", &Runner::plant_defect, py::arg("defect"))
+        .def("__len__", &Runner::size)
+        .def(
+            "run",
+            [](Runner& self, const py::object& bucket) -> py::object {
+              // Anything but a GradBucket (compiled DDP passes pairs) is left to Python.
+              if (!py::isinstance<c10d::GradBucket>(bucket)) {
+                return py::none();
+              }
+              auto& grad_bucket = bucket.cast<c10d::GradBucket&>();
+              c10::IValue value = torch::jit::toIValue(
+                  py::cast(grad_bucket.getBufferRef()), c10::PyObjectType::get());
+              c10::intrusive_ptr<Future> result;
+              {
+                py::gil_scoped_release no_gil;
+                result = self.run(grad_bucket, std::move(value));
+              }
+              if (!result) {
+                return py::none();
+              }
+              return py::cast(std::make_shared<torch::jit::PythonFutureWrapper>(result));
+            },
+            py::arg("bucket"));
+    m.def(
+        "register_native_hook",
+        [](const std::shared_ptr<c10d::Reducer>& reducer, std::shared_ptr<Runner> runner,
+           py::object state, py::object hook) {
+          reducer->register_comm_hook(
+              std::make_unique<NativeHook>(std::move(runner), std::move(state), std::move(hook)));
+        },
+        py::arg("reducer"), py::arg("runner"), py::arg("state"), py::arg("hook"));
+    return 0;
+  } catch (py::error_already_set& e) {
+    e.restore();
+    return -1;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_ImportError, e.what());
+    return -1;
+  }
+}
+
+}  // namespace fastddp::ddp

@@ -1,0 +1,110 @@
+"""The native runner: a fixed mode's steady state, run by the extension without Python.
+
+Once :func:`~fastddp.compress_hook` has set a DDP bucket up in Python (its slot, buffers,
+residuals and groups), it hands the extension the bucket's *plan*: the op calls and the
+collective of each stage of its path, and the calls that decode the result, bound to the
+slot's persistent tensors (the very calls the Python path runs, from ``Path.stage_calls``).
+From the next step on, the bucket is reduced by ``csrc/ddp/native_hook.cpp`` alone, in the
+Python pipeline's order, with the same bits; Python runs only what has no plan: a new or
+rebuilt bucket (whose buffer differs), and whatever the runner declines. Settings whose every
+call differs are not planned: stochastic rounding (a seed per call), ``delay=1`` and
+``dtype="auto"``.
+
+Python reads the runner's work back at its own points (``stats()``, ``state_dict()``,
+``flush()``, and before a slot is retired): :meth:`Native.sync` first finishes every reduction
+started there and adds its runs to the counters.
+"""
+
+import os
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from fastddp import _extension
+from fastddp.codecs import Call
+from fastddp.hooks import stats
+from fastddp.hooks.paths import Collective
+
+__all__ = ["Native", "plannable"]
+
+# Tests plant a defect in every new runner here (1: a later stage reads the previous
+# collective's output without waiting; 2: the decode runs when the last collective is issued),
+# to prove that the simulated NCCL catches it.
+_PLANTED_DEFECT = 0
+
+
+def plannable(state: Any) -> bool:
+    """Whether ``state``'s buckets can run natively (their calls are the same every step;
+    ``FASTDDP_NATIVE=0`` turns the runner off)."""
+    if os.environ.get("FASTDDP_NATIVE", "1") == "0":
+        return False
+    return not state.stochastic_rounding and not state.delay
+
+
+def _calls(calls: list[Call]) -> list[tuple]:
+    # As the extension binds them: the op's schema name and overload, then the arguments.
+    return [(op._schema.name, op._schema.overload_name, args, kwargs) for op, args, kwargs in calls]
+
+
+def _collective(collective: Collective) -> tuple:
+    kind, group, *rest = collective
+    group = group if group is not None else dist.group.WORLD
+    # A process group written in Python (a subclass) is also handed over as itself.
+    python = group if type(group) is not dist.ProcessGroup else None
+    return (kind, group, *rest, python)
+
+
+class Native:
+    """A state's native runner and the slots it holds plans of."""
+
+    __slots__ = ("runner", "slots", "_ids")
+
+    def __init__(self) -> None:
+        self.runner = _extension.load().NativeRunner()
+        if _PLANTED_DEFECT:
+            self.runner._plant_defect(_PLANTED_DEFECT)
+        self.slots: dict[int, Any] = {}  # plan id -> slot
+        self._ids = 0
+
+    def plan(self, job: Any, make_job: Any) -> None:
+        """Hand the runner the plan of ``job``'s bucket, unless it has it already
+        (``make_job(seeds)`` makes a job of the same bucket, to read the calls from)."""
+        path, slot = job.path, job.slot
+        if slot.plan is not None:
+            if slot.plan[1] is job.bucket:
+                return
+            self.drop(slot)  # the same parameters in another buffer: plan that one
+        template = make_job((-1,) * len(path.seed_stages))
+        stages = []
+        for i in range(path.stages):
+            calls, collective = path.stage_calls(template, i)
+            stages.append((_calls(calls), _collective(collective)))
+        self._ids += 1
+        finish = _calls(path.finish_calls(template))
+        waits = job.runtime.waits_in_then
+        self.runner.add(self._ids, job.bucket, stages, finish, waits)
+        self.slots[self._ids] = slot
+        slot.plan = (self._ids, job.bucket)
+
+    def drop(self, slot: Any) -> None:
+        """Forget ``slot``'s plan (after :meth:`sync`, so its runs are counted)."""
+        if slot.plan is None:
+            return
+        plan_id, buffer = slot.plan
+        self.runner.remove(buffer)
+        self.slots.pop(plan_id, None)
+        slot.plan = None
+
+    def sync(self, state: Any) -> None:
+        """Finish every reduction the runner started and count them into ``state``."""
+        self.runner.flush()
+        for plan_id, runs in self.runner.take_runs():
+            slot = self.slots[plan_id]
+            slot.calls += runs
+            state._counters["calls"] += runs
+            stats.count(state._counters, slot, state.codec, state._topology, runs)
+
+
+def make(state: Any) -> Optional[Native]:
+    """A runner for ``state``, or None where its buckets cannot be planned."""
+    return Native() if plannable(state) else None

@@ -1,0 +1,137 @@
+"""The native runner (``fastddp/hooks/native.py``, ``csrc/ddp/native_hook.cpp``): a fixed
+mode's planned buckets reduced without Python, bit for bit as the Python path reduces them.
+
+Every preset, flat on 2 and 3 ranks and in two levels on 2 nodes x 2 ranks, registered both
+ways (``model.register_comm_hook(state, fastddp.compress_hook)`` and
+``fastddp.register_comm_hook``), trains against the same state with the runner off
+(``FASTDDP_NATIVE=0``'s setting): every step's gradients and the counters must be equal, and
+from the third step on no bucket may reach Python's path. The model's layers run in reverse
+registration order, so that DDP's rebuilt buckets all differ from its first ones and every plan
+is replaced once.
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fastddp
+from fastddp.hooks import hook as hook_module
+from fastddp.hooks import native
+from fastddp.hooks.presets import PRESETS
+from fastddp.hooks.topology import NODE_ENV
+
+from .._dist import run_ranks
+from .test_hook_core import _Net
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
+
+STEPS = 5
+
+
+def _train(model, state, steps, rank, reached=None):
+    gen = torch.Generator().manual_seed(10 + rank)
+    grads = []
+    for _ in range(steps):
+        if reached is not None:
+            reached.append(0)
+        model.zero_grad()
+        x = torch.randn(8, 24, generator=gen)
+        model(x).square().mean().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]).clone())
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+    return grads
+
+
+def _counting_python_path(reached):
+    # Count the buckets that reach Python's path (compress_hook's _reduce).
+    real = hook_module._reduce
+
+    def counted(*args, **kwargs):
+        reached[-1] += 1
+        return real(*args, **kwargs)
+
+    hook_module._reduce = counted
+    return real
+
+
+def _alike(rank, world, mode, register, nodes):
+    if nodes:
+        os.environ[NODE_ENV] = f"node{rank // (world // nodes)}"
+    base = _Net(depth=5)
+    results = []
+    for on in (False, True):
+        model = DDP(copy.deepcopy(base), bucket_cap_mb=0.002)
+        state = fastddp.CompressState.from_preset(mode)
+        if not on:
+            state._native = state._runner = None
+        if register:
+            fastddp.register_comm_hook(model, state)
+        else:
+            model.register_comm_hook(state, fastddp.compress_hook)
+        reached = []
+        real = _counting_python_path(reached)
+        try:
+            grads = _train(model, state, STEPS, rank, reached)
+        finally:
+            hook_module._reduce = real
+        stats = state.stats()
+        results.append((grads, stats, reached, state, state.state_dict()))
+    (want, plain, _, _, plain_saved), (got, stats, reached, state, saved) = results
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"step {step}: {(a - b).abs().max().item():.3e}"
+    for name in ("calls", "payload_bytes", "wire_bytes", "cross_node_bytes", "nonfinite_events"):
+        assert stats[name] == plain[name], (name, stats[name], plain[name])
+    # state_dict() sees the runner's last reductions: the same residuals.
+    for key, bucket in saved["buckets"].items():
+        for name in ("residual", "shard_residual"):
+            a, b = bucket[name], plain_saved["buckets"][key][name]
+            assert (a is None and b is None) or torch.equal(a, b), (key, name)
+    assert stats["topology_used"] == ("hierarchical" if nodes else "flat")
+    buckets = len(stats["buckets"])
+    assert buckets >= 3
+    # Steps 0 (one bucket) and 1 (the rebuilt ones) ran in Python; then none did.
+    assert reached[0] == 1 and reached[1] == buckets and reached[2:] == [0] * (STEPS - 2), reached
+    # One plan per live bucket: the first layout's plan went with its slot.
+    assert len(state._runner) == buckets
+
+
+@pytest.mark.parametrize("register", [False, True], ids=["python-hook", "registered"])
+@pytest.mark.parametrize("mode", list(PRESETS))
+def test_native_runs_bit_for_bit_as_python(mode, register):
+    run_ranks(_alike, 2, mode, register, 0)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "bf16-acc-ef", "int4-ef"])
+def test_native_runs_bit_for_bit_on_three_ranks(mode):
+    run_ranks(_alike, 3, mode, False, 0)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "bf16-acc-ef", "int8-ef"])
+def test_native_runs_bit_for_bit_in_two_levels(mode):
+    run_ranks(_alike, 4, mode, True, 2)
+
+
+def _unplanned(rank, world):
+    # Stochastic rounding and delay=1 draw something new at every call: no plans.
+    for settings in ({"stochastic_rounding": True}, {"delay": 1}):
+        state = fastddp.CompressState(**settings)
+        assert state._runner is None and not native.plannable(state)
+    os.environ["FASTDDP_NATIVE"] = "0"
+    try:
+        assert fastddp.CompressState()._runner is None
+    finally:
+        del os.environ["FASTDDP_NATIVE"]
+    model = DDP(_Net(depth=3), bucket_cap_mb=0.002)
+    state = fastddp.CompressState(stochastic_rounding=True)
+    model.register_comm_hook(state, fastddp.compress_hook)
+    _train(model, state, 3, rank)
+    assert state.stats()["calls"] > 0
+
+
+def test_settings_that_change_every_call_are_not_planned():
+    run_ranks(_unplanned, 2)
