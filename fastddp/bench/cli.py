@@ -1,4 +1,4 @@
-"""The command line of ``python -m fastddp.bench {allreduce,ddp,fsdp,convergence}``."""
+"""The command line of ``python -m fastddp.bench {allreduce,ddp,fsdp,convergence,hook-cost}``."""
 
 import argparse
 import os
@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from fastddp.bench import allreduce, convergence, ddp, fsdp, report
+from fastddp.bench import allreduce, convergence, ddp, fsdp, hook_cost, report
 from fastddp.bench.common import add_common_options, run_everywhere
 
 
@@ -94,6 +94,14 @@ def _parser():
     c.add_argument("--bucket-cap-mb", type=float, default=25.0, help="as for ddp")
     c.add_argument("--modes", nargs="+", default=convergence.MODES, choices=ddp.CHOICES)
     add_common_options(c)
+    h = command("hook-cost", hook_cost, "host time per bucket of each comm hook")
+    h.add_argument("--layers", type=int, default=64, help="layers, one bucket each (default 64)")
+    h.add_argument("--width", type=int, default=16, help="layer width (default 16)")
+    h.add_argument("--batch", type=int, default=4, help="batch per rank and step (default 4)")
+    h.add_argument("--steps", type=int, default=5, help="steps per mode and round (default 5)")
+    h.add_argument("--rounds", type=int, default=7, help="rounds of turns (default 7)")
+    h.add_argument("--modes", nargs="+", default=hook_cost.MODES, choices=hook_cost.CHOICES)
+    add_common_options(h, nproc=1)
     return p
 
 
@@ -105,7 +113,7 @@ def _check(p, args):
             p.error("--factor must be at least 2")
     for name in (
         "nproc", "threads", "nproc_per_node", "nodes", "width", "layers", "heads", "seq",
-        "steps", "eval_every", "val_batches", "batch",
+        "steps", "eval_every", "val_batches", "batch", "rounds",
     ):  # fmt: skip
         value = getattr(args, name, None)
         if value is not None and value < 1:
@@ -232,6 +240,12 @@ def _convergence_cells(r):
     ]
 
 
+def _hook_cost_cells(r):
+    per = "-" if r["per_bucket_us"] is None else f"{r['per_bucket_us']:.1f}"
+    vs = "-" if r["vs_torch_fp16"] is None else f"{r['vs_torch_fp16']:.2f}x"
+    return [r["mode"], f"{r['step_us']:.0f}", per, vs]
+
+
 def _millions(rows):
     return f"{rows[0]['params'] / 1e6:.1f}M parameters"
 
@@ -265,6 +279,15 @@ _STEP_TABLES = {
         ["mode", "steps to target", "time to target", "vs fp32", "final val loss", "sent/rank"],
         _convergence_cells,
     ),
+    "hook-cost": (
+        hook_cost.run,
+        lambda args, rows: (
+            f"Host time per bucket, {rows[0]['buckets']} buckets of Linear({args.width}, "
+            f"{args.width}), {args.rounds} rounds of {args.steps} steps"
+        ),
+        ["mode", "step (us)", "per bucket (us)", "vs torch-fp16"],
+        _hook_cost_cells,
+    ),
 }  # fmt: skip
 
 
@@ -275,7 +298,7 @@ def _step_job(env, args):
         return rows
     shape = f"{env.num_nodes} nodes x {env.world_size // env.num_nodes} ranks"
     title = f"{head(args, rows)}, {shape}, {env.backend}"
-    if args.what != "convergence":  # it runs to a target, after no warm-up
+    if args.what in ("ddp", "fsdp"):  # convergence runs to a target, hook-cost in rounds
         title += f", {args.steps} steps after {args.warmup} warm-up"
     report.table(title, columns, [cells(r) for r in rows])
     if args.json:  # what ran where, then the table's rows

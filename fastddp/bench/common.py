@@ -149,8 +149,10 @@ def human(nbytes):
     return str(nbytes)
 
 
-def add_common_options(p):
-    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn without a launcher")
+def add_common_options(p, nproc=2):
+    p.add_argument(
+        "--nproc", type=int, default=nproc, help=f"ranks to spawn without a launcher ({nproc})"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per spawned rank")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument(
