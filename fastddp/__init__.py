@@ -12,6 +12,7 @@ import importlib
 from typing import Any
 
 from fastddp._extension import ExtensionError, build_info
+from fastddp._version import __version__ as __version__
 from fastddp.cluster import ClusterError
 from fastddp.distributed import (
     DistEnv,
@@ -20,8 +21,6 @@ from fastddp.distributed import (
     is_main_process,
     shutdown_distributed,
 )
-
-__version__ = "0.1.0"
 
 # Public names whose modules load the compiled ops: imported on first use.
 _LAZY = {

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from fastddp._version import __version__
 from fastddp.cluster import ClusterError, process_settings
 from fastddp.launch.store import MARKER as ROUND_STORE_MARKER
 from fastddp.watchdog import PeerWatchdog
@@ -53,10 +54,8 @@ class DistEnv:
 
 def _settings_fingerprint() -> dict:
     """What must be equal on every rank: fastddp's and torch's versions, FASTDDP_* switches."""
-    import fastddp
-
     switches = {k: v for k, v in os.environ.items() if k.startswith("FASTDDP_")}
-    return {"fastddp": fastddp.__version__, "torch": torch.__version__, "env": switches}
+    return {"fastddp": __version__, "torch": torch.__version__, "env": switches}
 
 
 def _check_ranks(
