@@ -3,12 +3,11 @@
 A path runs in *stages*. Stage ``i`` does local work and issues collective ``i``, returning its
 ``Work``; :meth:`Path.finish` runs once the last collective is done. Each is written once, as
 data: the op calls of the local work and the collective to issue (:meth:`Path.stage_calls`,
-:meth:`Path.finish_calls`), which the Python pipeline runs and the native runner
-(``native.py``) replays without Python. A path also allocates the
-buffers its stages use (:meth:`Path.allocate`) and says which stages draw stochastic-rounding
-seeds. When a stage runs, and how completion is awaited, is the pipeline's business
-(``pipeline.py``); what is encoded and how rows are summed is the codec's
-(:mod:`fastddp.codecs`). Every path writes its result into the bucket.
+:meth:`Path.finish_calls`), which the Python pipeline runs and the native runner (``native.py``)
+replays without Python. A path also allocates the buffers its stages use (:meth:`Path.allocate`)
+and says which stages draw stochastic-rounding seeds. When a stage runs, and how completion is
+awaited, is the pipeline's business (``pipeline.py``); what is encoded and how rows are summed
+is the codec's (:mod:`fastddp.codecs`). Every path writes its result into the bucket.
 """
 
 from abc import ABC, abstractmethod
