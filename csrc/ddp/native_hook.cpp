@@ -180,6 +180,9 @@ struct Plan {
   std::vector<Stage> stages;
   std::vector<Call> finish;
   bool wait_in_callback = false;  // call Work::wait() before the decode (see add())
+  // `buffer` as a Python object, what futures returned to Python hold: made once, so that a
+  // reduction takes no Python reference (which only the GIL may drop, on any thread).
+  c10::IValue python_value;
   int64_t runs = 0;    // reductions run here since Python last took the count
   std::shared_ptr<Job> job;  // the latest reduction
 };
@@ -243,6 +246,7 @@ class Runner : public std::enable_shared_from_this<Runner> {
     plan->id = id;
     plan->buffer = buffer;
     plan->wait_in_callback = wait_in_callback;
+    plan->python_value = torch::jit::toIValue(py::cast(buffer), c10::PyObjectType::get());
     for (const auto& s : stages) {
       auto pair = s.cast<py::tuple>();
       Stage stage;
@@ -288,11 +292,10 @@ class Runner : public std::enable_shared_from_this<Runner> {
 
   // Reduce `bucket` by its plan and return the future of the result, or null if it has none
   // (the caller runs it; whatever was pending here has been issued).
-  // `python_value`: the bucket buffer as a Python object, for a future that Python hooks
-  // return (PythonCommHook wants one); none: the future holds the tensor. Call it without
-  // the GIL: Gloo's worker threads may take the GIL while they hold the lock that issuing a
-  // collective takes.
-  c10::intrusive_ptr<Future> run(c10d::GradBucket& bucket, c10::IValue python_value) {
+  // `python`: the future holds the bucket as a Python object, as futures that Python hooks
+  // return must (PythonCommHook wants one); else the tensor. Call it without the GIL: Gloo's
+  // worker threads may take the GIL while they hold the lock that issuing a collective takes.
+  c10::intrusive_ptr<Future> run(c10d::GradBucket& bucket, bool python) {
     check();
     at::Tensor& buffer = bucket.getBufferRef();
     std::shared_ptr<Plan> plan;
@@ -326,8 +329,13 @@ class Runner : public std::enable_shared_from_this<Runner> {
       if (buffer.is_cuda()) {
         devices.push_back(buffer.device());
       }
-      if (!python_value.isNone()) {
-        job->value = std::move(python_value);
+      if (python) {
+        if (job->same_buffer) {
+          job->value = plan->python_value;
+        } else {
+          py::gil_scoped_acquire gil;
+          job->value = torch::jit::toIValue(py::cast(buffer), c10::PyObjectType::get());
+        }
         job->result = c10::make_intrusive<Future>(c10::PyObjectType::get(), devices);
       } else {
         job->value = buffer;
@@ -643,7 +651,7 @@ class NativeHook final : public c10d::CommHookInterface {
       : runner_(std::move(runner)), python_(std::move(state), std::move(hook)) {}
 
   c10::intrusive_ptr<Future> runHook(c10d::GradBucket& bucket) override {
-    auto result = runner_->run(bucket, c10::IValue());
+    auto result = runner_->run(bucket, /*python=*/false);
     if (result) {
       return result;
     }
@@ -691,12 +699,10 @@ int add_native_hook(PyObject* module) {
                 return py::none();
               }
               auto& grad_bucket = bucket.cast<c10d::GradBucket&>();
-              c10::IValue value = torch::jit::toIValue(
-                  py::cast(grad_bucket.getBufferRef()), c10::PyObjectType::get());
               c10::intrusive_ptr<Future> result;
               {
                 py::gil_scoped_release no_gil;
-                result = self.run(grad_bucket, std::move(value));
+                result = self.run(grad_bucket, /*python=*/true);
               }
               if (!result) {
                 return py::none();
