@@ -13,9 +13,11 @@
 // the call that submits the bucket; its later stages run at the next submission, newest job
 // first, after that bucket's first stage; everything pending runs at the bucket DDP marks
 // last, or at the end of the backward pass. A later stage waits for the collective before it:
-// Work::wait(), which on NCCL makes the current stream (a side stream) wait for it. The decode
-// runs in a callback of the last collective's future, whose streams wait for the collective's
-// CUDA events (NCCL completes its futures when the work is enqueued). A bucket whose buffer has
+// Work::wait(), which on NCCL makes the current stream (a side stream) wait for it. On CUDA
+// the decode runs in a callback of the last collective's future, whose streams wait for the
+// collective's CUDA events (NCCL completes its futures when the work is enqueued); on the CPU,
+// on the thread that calls the hook, once the collective is done (at a later bucket, the last
+// one, or the end of the backward pass), so that nothing runs on Gloo's threads. A bucket whose buffer has
 // no plan is declined (Python runs it) after everything pending here is issued, so every rank
 // issues its collectives in the same order.
 #include <deque>
@@ -180,6 +182,7 @@ struct Plan {
   std::vector<Stage> stages;
   std::vector<Call> finish;
   bool wait_in_callback = false;  // call Work::wait() before the decode (see add())
+  bool on_caller = false;  // decode on the thread that calls the hook (see add())
   // `buffer` as a Python object, what futures returned to Python hold: made once, so that a
   // reduction takes no Python reference (which only the GIL may drop, on any thread).
   c10::IValue python_value;
@@ -235,17 +238,22 @@ class Runner : public std::enable_shared_from_this<Runner> {
   // calls that decode into the bucket.
   // `wait_in_callback`: the backend's future completes before the output can be read, and
   // only Work::wait() makes it readable (the simulated NCCL of the tests; on Gloo, wait()
-  // inside the future's callback would wait for the callback itself).
+  // inside the future's callback would wait for the callback itself). `on_caller`: decode on
+  // the thread that calls the hook, once the collective is done, rather than in a callback
+  // of its future (CPU tensors: then nothing of fastddp's, and nothing chained on its
+  // futures, runs on Gloo's threads, where it could be left running at interpreter exit).
   void add(
       int64_t id,
       const at::Tensor& buffer,
       const py::list& stages,
       const py::list& finish,
-      bool wait_in_callback) {
+      bool wait_in_callback,
+      bool on_caller) {
     auto plan = std::make_shared<Plan>();
     plan->id = id;
     plan->buffer = buffer;
     plan->wait_in_callback = wait_in_callback;
+    plan->on_caller = on_caller;
     plan->python_value = torch::jit::toIValue(py::cast(buffer), c10::PyObjectType::get());
     for (const auto& s : stages) {
       auto pair = s.cast<py::tuple>();
@@ -307,7 +315,12 @@ class Runner : public std::enable_shared_from_this<Runner> {
       }
     }
     if (!plan) {
-      guarded([&] { issue_pending(); });
+      guarded([&] {
+        issue_pending();
+        if (!completing_.empty()) {
+          finish_by_end_of_backward();
+        }
+      });
       return {};
     }
     std::vector<std::shared_ptr<Job>> earlier(pending_.begin(), pending_.end());
@@ -348,9 +361,10 @@ class Runner : public std::enable_shared_from_this<Runner> {
         step(*it);  // newest first, as the Python pipeline steps them
       }
       earlier.clear();
+      poll();
       if (bucket.isLast()) {
-        issue_pending();
-      } else if (!pending_.empty()) {
+        finish_all();
+      } else if (!pending_.empty() || !completing_.empty()) {
         finish_by_end_of_backward();
       }
     }, &earlier);
@@ -360,7 +374,7 @@ class Runner : public std::enable_shared_from_this<Runner> {
   // Issue everything pending and wait for every reduction started here.
   void flush() {
     check();
-    guarded([&] { issue_pending(); });
+    guarded([&] { finish_all(); });
     std::vector<c10::intrusive_ptr<Future>> results;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -486,7 +500,9 @@ class Runner : public std::enable_shared_from_this<Runner> {
 
   void fail(const std::exception_ptr& error) {
     std::vector<std::shared_ptr<Job>> jobs(pending_.begin(), pending_.end());
+    jobs.insert(jobs.end(), completing_.begin(), completing_.end());
     pending_.clear();
+    completing_.clear();
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (failure_.empty()) {
@@ -539,6 +555,10 @@ class Runner : public std::enable_shared_from_this<Runner> {
       prune();
       in_flight_.push_back(job->result);
     }
+    if (job->plan->on_caller && defect_ != kDecodeAtOnce) {
+      completing_.push_back(job);
+      return;
+    }
     auto work = job->work;
     auto fut = work->getFuture();
     if (defect_ == kDecodeAtOnce) {
@@ -578,6 +598,39 @@ class Runner : public std::enable_shared_from_this<Runner> {
     });
   }
 
+  // Decode a job whose last collective was issued on this thread, once it is done.
+  void complete(const std::shared_ptr<Job>& job) {
+    try {
+      wait_work(job->work);  // rethrows a failed collective
+      for (const auto& call : job->plan->finish) {
+        call.run(job->bucket, job->same_buffer);
+      }
+    } catch (const std::exception&) {
+      job->result->setErrorIfNeeded(std::current_exception());
+      throw;
+    }
+    job->result->markCompleted(job->value);
+  }
+
+  // Complete the jobs whose collectives are done, in order.
+  void poll() {
+    while (!completing_.empty() && completing_.front()->work->isCompleted()) {
+      auto job = completing_.front();
+      completing_.pop_front();
+      complete(job);
+    }
+  }
+
+  // Issue every pending stage and complete every job waiting on this thread.
+  void finish_all() {
+    issue_pending();
+    while (!completing_.empty()) {
+      auto job = completing_.front();
+      completing_.pop_front();
+      complete(job);
+    }
+  }
+
   void issue_pending() {
     while (!pending_.empty()) {
       std::vector<std::shared_ptr<Job>> jobs(pending_.begin(), pending_.end());
@@ -594,7 +647,7 @@ class Runner : public std::enable_shared_from_this<Runner> {
   void finish_by_end_of_backward() {
     const int task = torch::autograd::get_current_graph_task_id();
     if (task == -1) {
-      issue_pending();  // not in a backward pass: nothing would come back for them
+      finish_all();  // not in a backward pass: nothing would come back for them
       return;
     }
     if (task == graph_task_) {
@@ -609,7 +662,7 @@ class Runner : public std::enable_shared_from_this<Runner> {
         failed = !self->failure_.empty();
       }
       if (!failed) {
-        self->guarded([&] { self->issue_pending(); });
+        self->guarded([&] { self->finish_all(); });
       }
     });
   }
@@ -635,6 +688,7 @@ class Runner : public std::enable_shared_from_this<Runner> {
   std::mutex mu_;  // plans_, in_flight_ and failure_: completion callbacks run on other threads
   std::unordered_map<c10::TensorImpl*, std::shared_ptr<Plan>> plans_;
   std::deque<std::shared_ptr<Job>> pending_;  // jobs with stages left, oldest first
+  std::deque<std::shared_ptr<Job>> completing_;  // on_caller jobs whose last collective runs
   std::vector<c10::intrusive_ptr<Future>> in_flight_;
   std::string failure_;
   int64_t submitted_ = 0;
@@ -684,7 +738,7 @@ int add_native_hook(PyObject* module) {
     py::class_<Runner, std::shared_ptr<Runner>>(m, "NativeRunner")
         .def(py::init<>())
         .def("add", &Runner::add, py::arg("id"), py::arg("buffer"), py::arg("stages"),
-             py::arg("finish"), py::arg("wait_in_callback"))
+             py::arg("finish"), py::arg("wait_in_callback"), py::arg("on_caller"))
         .def("remove", &Runner::remove, py::arg("buffer"))
         .def("take_runs", &Runner::take_runs)
         .def("flush", &Runner::flush, py::call_guard<py::gil_scoped_release>())

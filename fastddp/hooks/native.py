@@ -81,8 +81,9 @@ class Native:
             stages.append((_calls(calls), _collective(collective)))
         self._ids += 1
         finish = _calls(path.finish_calls(template))
-        waits = job.runtime.waits_in_then
-        self.runner.add(self._ids, job.bucket, stages, finish, waits)
+        runtime = job.runtime
+        on_caller = not runtime.asynchronous  # as the pipeline completes its jobs
+        self.runner.add(self._ids, job.bucket, stages, finish, runtime.waits_in_then, on_caller)
         self.slots[self._ids] = slot
         slot.plan = (self._ids, job.bucket)
 
