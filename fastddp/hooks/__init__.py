@@ -11,9 +11,13 @@ Each module has one job:
 - ``pipeline``: when each stage runs and how result futures complete, on CPU and GPU;
 - ``slots``: the persistent per-bucket buffers; ``residuals``: error-feedback residuals across
   bucket layouts and restarts; ``delay``: the gradients in waiting of ``delay=1``; ``state``:
-  :class:`CompressState`; ``hook``: the hook itself; ``auto``: ``dtype="auto"``, which tries
-  fixed states on the job and keeps the fastest; ``register``: :func:`register_comm_hook`, the
-  hook on a DDP model, with ``"auto"``'s fp32 plans run in C++.
+  :class:`CompressState`; ``hook``: the hook itself; ``register``: :func:`register_comm_hook`,
+  the hook on a DDP model, with fixed modes' planned buckets and ``"auto"``'s fp32 plans in C++;
+- ``auto``: ``dtype="auto"``, which tries fixed states on the job and keeps the fastest, over
+  ``candidates`` (the modes it may choose), ``trial`` (their turns), ``measured`` (what a
+  measured step records), ``choice`` (the plan chosen), ``planner`` (the per-bucket model),
+  ``links`` (each level of the network timed), ``replan`` (when to plan again), ``owed``
+  (residuals a candidate left) and ``switch`` (the steps handed to C++).
 """
 
 from fastddp.hooks.hook import _reduce as _reduce  # the worker, for fastddp.all_reduce

@@ -22,10 +22,16 @@ CPU tensors on Gloo, where a collective's future completes when the collective h
 completes when it is enqueued).
 """
 
+import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Callable, Optional
 
-__all__ = ["LEVELS", "in_flight", "level_of", "summary"]
+import torch
+import torch.distributed as dist
+
+from fastddp import _extension
+
+__all__ = ["LEVELS", "in_flight", "issued", "level_of", "stamper", "summary"]
 
 LEVELS = ("intra", "cross", "flat")
 
@@ -38,6 +44,23 @@ def level_of(role: str, topo: Any) -> str:
     if len(topo.nodes) == 1:
         return "intra"
     return "cross" if topo.per_node == 1 else "flat"
+
+
+def stamper(device: torch.device, group: Optional[dist.ProcessGroup]) -> Optional[Callable]:
+    """The extension's completion stamp where the levels are timed (CPU tensors on Gloo), else
+    None."""
+    if device.type != "cpu" or "gloo" not in str(dist.get_backend(group)):
+        return None
+    return _extension.load().stamp_completion
+
+
+def issued(job: Any, stage: int, stamp: Callable) -> tuple[str, int, float, Any]:
+    """The collective ``job`` issued at ``stage``, as a measured step records it: its level,
+    the bytes this rank sends, when it was issued and ``stamp`` of its future."""
+    level = level_of(job.path.roles[stage], job.topo)
+    stamped = stamp(job.work.get_future())
+    sent = job.path.stage_bytes(job, stage)
+    return level, sent, time.perf_counter(), stamped
 
 
 def in_flight(steps: Iterable[Sequence[tuple[str, int, float, Any]]]) -> list[float]:

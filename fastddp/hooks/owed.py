@@ -4,7 +4,9 @@ Error feedback keeps, per bucket, what rounding left out, for that bucket's next
 add. When a plan gives a bucket to another candidate, or DDP moves a parameter to a bucket of
 another candidate, no reduction of the first would add it again. :class:`Owed` takes such
 residuals out of the candidate, by parameter, and adds each to the next bucket that holds its
-parameter, whatever candidate reduces that bucket: nothing error feedback kept is lost.
+parameter, whatever candidate reduces that bucket: nothing error feedback kept is lost. During a
+trial each candidate keeps its residuals in its own buckets until its next turn: moving them at
+every turn would cost the next candidate the copies.
 """
 
 import torch
@@ -68,3 +70,26 @@ class Owed:
     def _add(self, p: torch.Tensor, owed: torch.Tensor) -> None:
         before = self._by_param.get(p)
         self._by_param[p] = owed if before is None else before + owed.to(before.device)
+
+    def settle_plan(self, states: dict, using, group) -> None:
+        """At a new plan (``using``: a candidate, or one per bucket): take out the residuals of
+        every bucket a candidate of ``states`` no longer reduces, for its next reduction."""
+        for name, state in states.items():
+            if not state.error_feedback or not state._verified or using == name:
+                continue  # (a candidate that reduces every bucket keeps its residuals)
+            mine = () if isinstance(using, str) else [i for i, m in enumerate(using) if m == name]
+            self.collect(state, dist.get_rank(group), frozenset(mine))
+
+    def settle_moves(self, states: dict, before: dict, after: dict, group) -> None:
+        """Between two steps (``before`` and ``after``: the parameter keys each candidate
+        reduced in each): take out the residuals of candidates whose buckets lost parameters."""
+        # DDP lays its buckets out again (after its first step, say): a parameter that left a
+        # mode's buckets left its residual in that mode, which no bucket of it will take up. It
+        # is repaid through the parameter's new bucket (a step late; nothing is lost).
+        # (In a trial, where modes take turns, each keeps its residuals in its own buckets.)
+        for name, keys in before.items():
+            state = states.get(name)
+            if state is None or not state.error_feedback or name not in after:
+                continue
+            if keys - after[name]:
+                self.collect(state, dist.get_rank(group))

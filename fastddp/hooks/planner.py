@@ -1,9 +1,10 @@
 """The per-bucket planner of ``dtype="auto"``: a model of one backward pass, fitted to the trial.
 
-During the trial every candidate mode reduces every bucket for a few steps, and ``auto.py``
-records, per mode, the figures of :class:`Profile`: how long the backward pass computes before
-each bucket is ready, the host time the mode's codec spends per element, the bytes each bucket
-puts on the slowest link, and the time from the first bucket to the last reduction's end.
+During the trial every candidate mode reduces every bucket for a few steps, and ``measured.py``
+reads, per mode, the figures of :class:`Profile` off its steps: how long the backward pass
+computes before each bucket is ready, the host time the mode's codec spends per element, the
+bytes each bucket puts on the slowest link, and the time from the first bucket to the last
+reduction's end. ``choice.py`` proposes the plan this model finds.
 
 The model has two resources: the thread that runs the backward pass (and the hooks' encoding
 and decoding) and the link, which carries one bucket after the other. A bucket goes on the link

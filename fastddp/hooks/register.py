@@ -11,6 +11,7 @@ from fastddp import _extension
 from fastddp.hooks.auto import AutoState
 from fastddp.hooks.hook import compress_hook
 from fastddp.hooks.state import CompressState
+from fastddp.hooks.switch import Switch
 
 __all__ = ["register_comm_hook"]
 
@@ -70,7 +71,6 @@ def register_comm_hook(
         _extension.load().register_native_hook(model.reducer, runner, state, compress_hook)
         return state
     group = state.process_group if state.process_group is not None else dist.group.WORLD
-    state._switch = _extension.load().register_switch_hook(
-        model.reducer, group, state, compress_hook
-    )
+    control = _extension.load().register_switch_hook(model.reducer, group, state, compress_hook)
+    state._switch = Switch(control)
     return state

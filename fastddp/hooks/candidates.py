@@ -1,0 +1,117 @@
+"""The candidates of ``dtype="auto"``: their names, checked, and the fixed states that run them.
+
+A candidate is ``"none"`` (PyTorch's fp32 all-reduce hook) or a preset of
+:data:`fastddp.PRESETS`, optionally with its path after a colon (``"int8-ef:flat"``), each run by
+a fixed :class:`~fastddp.CompressState` of its own. A plan assigns one candidate to every bucket,
+or one per bucket (a *mixed* plan).
+"""
+
+from typing import Any, Optional, Union
+
+import torch
+
+from fastddp.hooks.presets import PRESETS
+from fastddp.hooks.state import CompressState
+
+__all__ = ["DEFAULT_ALLOW", "MIXED", "NONE", "Assignment", "checked_allow", "checked_fixed"]
+
+NONE = "none"
+MIXED = "mixed"  # the label of a plan with a mode per bucket
+DEFAULT_ALLOW = (NONE, "bf16", "bf16-acc", "int8-ef")
+Assignment = Union[str, tuple[str, ...]]  # one mode for every bucket, or a mode per bucket
+
+_PATHS = ("flat", "hierarchical")  # the paths a candidate may name: "int8-ef:flat"
+# Settings of a fixed mode, which dtype="auto" takes only at their defaults.
+_FIXED_ONLY = ("accumulate_dtype", "error_feedback", "stochastic_rounding", "block_size", "delay")
+
+
+def checked_allow(allow) -> tuple[str, ...]:
+    """``allow`` as a tuple of candidate names (:data:`DEFAULT_ALLOW` for ``None``), or raise."""
+    if allow is None:
+        return DEFAULT_ALLOW
+    if isinstance(allow, str) or not hasattr(allow, "__iter__"):
+        raise TypeError(
+            f"CompressState: allow must be a list of mode names, got {allow!r}; for example "
+            "allow=['none', 'bf16', 'int8-ef']"
+        )
+    names = tuple(allow)
+    bad = [n for n in names if not _known(n)]
+    if bad or not names or len(set(names)) != len(names):
+        why = f"unknown {bad}" if bad else "empty" if not names else "repeated names"
+        raise ValueError(
+            f"CompressState: allow is {why}; name each candidate once, from "
+            f"{', '.join((NONE, *PRESETS))}, a preset with a path ('int8-ef:flat', "
+            f"'int8-ef:hierarchical') included"
+        )
+    return names
+
+
+def checked_fixed(fixed: dict[str, Any]) -> None:
+    """Refuse the settings of a fixed mode given to ``dtype="auto"`` other than at defaults."""
+    for name in fixed:
+        if name not in _FIXED_ONLY:
+            raise TypeError(f"CompressState() got an unexpected keyword argument {name!r}")
+    given = [k for k, v in fixed.items() if v not in (None, False, 0)]
+    if given:
+        raise ValueError(
+            f"CompressState: with dtype='auto' the modes come from allow; {', '.join(given)} "
+            "belongs to a fixed mode (allow=['bf16-acc', 'int8-ef', ...] names presets)"
+        )
+
+
+def _known(name) -> bool:
+    if not isinstance(name, str):
+        return False
+    preset, _, path = name.partition(":")
+    return name == NONE or (preset in PRESETS and path in ("", *_PATHS))
+
+
+def make(allow: tuple[str, ...], process_group, topology: str, seed: int) -> dict:
+    """The fixed state of each candidate but ``"none"``: a preset, with the path after a colon
+    if one is named."""
+    states = {}
+    for name in allow:
+        if name != NONE:
+            preset, _, path = name.partition(":")
+            states[name] = CompressState.from_preset(
+                preset, process_group, topology=path or topology, seed=seed
+            )
+    return states
+
+
+def keys_of(states: dict[str, CompressState], parameters: list[torch.Tensor]) -> tuple:
+    """The ``(key, numel)`` of ``parameters``, named alike by every candidate."""
+    # Every candidate names parameters alike (by first sight here), so that residuals saved
+    # by one plan find their parameters in a job resumed under another. The tables grow
+    # together, so the others need the parameters only when the first did not know them (the
+    # hook's own cost, every bucket of every step).
+    tables = [candidate._table for candidate in states.values()]
+    if not tables:
+        return ()
+    before = len(tables[0].param_keys)
+    keys = tables[0].keys_of(parameters)
+    if len(tables[0].param_keys) != before:
+        for table in tables[1:]:
+            table.keys_of(parameters)
+    return keys
+
+
+def label(using: Assignment) -> str:
+    """The candidate of a uniform plan, or :data:`MIXED`."""
+    return using if isinstance(using, str) else MIXED
+
+
+def mode_of(using: Assignment, index: int, plan: Optional[dict]) -> str:
+    """The candidate that reduces bucket ``index`` under ``using`` (``plan``: the plan made)."""
+    if isinstance(using, str):
+        return using
+    # A bucket the plan does not know (DDP laid its buckets out again): the uniform choice.
+    return using[index] if index < len(using) else plan["uniform"]
+
+
+def summary(using: Assignment, allow: tuple[str, ...]) -> str:
+    """The mode in use, or the modes of a mixed plan with their numbers of buckets."""
+    if isinstance(using, str):
+        return using
+    counts = {m: using.count(m) for m in allow if m in using}
+    return "mixed (" + ", ".join(f"{m} x{c}" for m, c in counts.items()) + ")"

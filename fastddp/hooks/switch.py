@@ -1,0 +1,71 @@
+"""Steps of ``dtype="auto"`` handed to the C++ hook (``csrc/ddp/switch_hook.cpp``).
+
+Registered with :func:`fastddp.register_comm_hook`, ``"none"`` runs in a hook in C++: PyTorch's
+fp32 all-reduce without Python. Its measured trial turns are handed over by the step before and
+recorded there (so a later round runs it last), and a plan of ``"none"`` hands over the steps
+between two checks; the C++ hook stamps when each step starts, and the checks read those stamps.
+"""
+
+from typing import Any, Optional
+
+from fastddp.hooks.candidates import NONE
+from fastddp.hooks.measured import StepRecord
+
+__all__ = ["Switch"]
+
+
+class Switch:
+    """The C++ hook's control (``control``), and what this side knows of the steps it ran."""
+
+    __slots__ = ("control", "seen", "handed")
+
+    def __init__(self, control: Any) -> None:
+        self.control = control
+        self.seen = 0  # steps it ran, as last counted here
+        self.handed: list[tuple[str, Optional[str]]] = []  # trial turns handed to it
+
+    @property
+    def native_now(self) -> bool:
+        """Whether the step now running runs in C++."""
+        return self.control.native_now
+
+    def count(self) -> int:
+        """The steps it ran since the last count (all steps of ``"none"``)."""
+        new = self.control.native_total - self.seen
+        self.seen += new
+        return new
+
+    def periods(self) -> list[float]:
+        """The period of the last step run in Python, then of each step run in C++ since."""
+        return self.control.take_periods()
+
+    def records(self) -> list[StepRecord]:
+        """The measured trial turns it ran since the last step in Python, as records."""
+        records = []
+        for (began, left, numel, done), (label, kind) in zip(
+            self.control.take_records(), self.handed
+        ):
+            record = StepRecord(label, kind)
+            record.began, record.left, record.numel = began, left, numel
+            record.waited, record.done = [0.0] * len(numel), done
+            records.append(record)
+        self.handed = []
+        return records
+
+    def hand_turn(self, turn: Optional[tuple[str, Optional[str]]]) -> None:
+        """In a trial: hand it the next step if its ``turn`` is a measured turn of ``"none"``
+        (recorded there as here, so that ``"none"`` is measured as it will run)."""
+        if turn is not None and turn[0] == NONE and turn[1] is not None:
+            self.handed = [turn]
+            self.control.run_native(1, measure=True)
+
+    def hand_steps(self, to_check: int) -> None:
+        """Under a plan of ``"none"``: hand it the steps up to the next check, ``to_check``
+        steps away, whose last step runs in Python to make the check."""
+        if to_check > 1:
+            self.control.run_native(to_check - 1)
+
+    def stop(self) -> None:
+        """Take back every step handed over and not yet run."""
+        self.handed = []
+        self.control.run_native(0)
