@@ -12,10 +12,12 @@ is replaced once.
 
 import copy
 import os
+from collections import Counter
 
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import profile
 
 import fastddp
 from fastddp.hooks import hook as hook_module
@@ -135,3 +137,40 @@ def _unplanned(rank, world):
 
 def test_settings_that_change_every_call_are_not_planned():
     run_ranks(_unplanned, 2)
+
+
+# The ops and collectives of one reduction of a planned bucket, by preset: the encode (and,
+# summed in fp32, the sum and its re-encode), one non-finite count per encode, the decode.
+_OPS_PER_BUCKET = {
+    "bf16": {"fastddp::compress": 1, "c10d::allreduce_": 1, "fastddp::decompress": 1},
+    "int8-ef": {
+        "fastddp::quantize_int8": 2,
+        "c10d::alltoall_base_": 1,
+        "fastddp::dequantize_int8": 1,
+        "c10d::_allgather_base_": 1,
+        "fastddp::unpack_int8": 1,
+    },
+}
+
+
+def _ops_per_bucket(rank, world, mode):
+    model = DDP(_Net(depth=4), bucket_cap_mb=0.002)
+    state = fastddp.CompressState.from_preset(mode)
+    model.register_comm_hook(state, fastddp.compress_hook)
+    _train(model, state, 3, rank)
+    buckets = len(state._runner)
+    with profile() as prof:
+        _train(model, state, 2, rank)
+    seen = Counter(e.name for e in prof.events())
+    want = {name: 2 * buckets * n for name, n in _OPS_PER_BUCKET[mode].items()}
+    got = {name: seen[name] for name in want}
+    assert got == want, (got, want)
+    ours = {n for n in seen if n.startswith("fastddp::") or n.startswith("c10d::")}
+    assert ours == set(want), ours
+    # No host synchronisation: nothing reads a device value on the host (.item()).
+    assert seen["aten::_local_scalar_dense"] == 0 and seen["aten::item"] == 0, seen
+
+
+@pytest.mark.parametrize("mode", list(_OPS_PER_BUCKET))
+def test_a_planned_bucket_makes_only_its_plan_s_calls(mode):
+    run_ranks(_ops_per_bucket, 2, mode)
