@@ -106,6 +106,17 @@ def test_a_killed_rank_fails_its_call_alone_and_is_replaced():
     assert not {pid for _, pid in before} & {pid for _, pid in after}, "the ranks were not replaced"
 
 
+def test_a_rank_lost_between_calls_is_replaced_before_the_next():
+    pid = run_ranks(_sum_and_pid, 2)[1][1]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":  # dead, not yet reaped
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    after = run_ranks(_sum_and_pid, 2)
+    assert [s for s, _ in after] == [3.0, 3.0] and pid not in {p for _, p in after}
+
+
 def test_a_hung_rank_fails_its_call_within_the_timeout():
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 3 s"):

@@ -147,8 +147,9 @@ class RankPool:
         self._store = None
 
     def _start(self) -> None:
-        if self._procs:
+        if self._procs and all(p.is_alive() for p in self._procs):
             return
+        self._stop(kill=True)  # a rank that died between calls: start them all again
         if self._store is None:
             self._store = dist.TCPStore(
                 "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=self.timeout
@@ -233,7 +234,8 @@ class RankPool:
             )
         first_rank, first = failures[0]
         lines = [f"{name} failed on rank {first_rank}; {first}"]
-        lines += [f"then {text.splitlines()[0]}" for _, text in failures[1:]]
+        # The others' failures usually follow from the first: their last line is enough.
+        lines += [f"then {_summary(text)}" for _, text in failures[1:]]
         if pending:
             lines.append(f"ranks {sorted(pending)} were stopped after rank {first_rank} failed")
         raise RankError("\n".join(lines))
@@ -292,6 +294,11 @@ def spawn_ranks(
     """
     with RankPool(world_size, threads=threads, timeout=timeout, restore=False) as pool:
         return pool.run(fn, *args)
+
+
+def _summary(failure: str) -> str:
+    lines = [line for line in failure.splitlines() if line.strip()]
+    return lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
 
 
 def _unpickled(data: bytes) -> Any:
