@@ -20,6 +20,8 @@ Each module has one job:
   (residuals a candidate left) and ``switch`` (the steps handed to C++).
 """
 
+# auto.py makes CompressState(dtype="auto") an AutoState (it sets CompressState._named).
+from fastddp.hooks import auto as auto
 from fastddp.hooks.hook import _reduce as _reduce  # the worker, for fastddp.all_reduce
 from fastddp.hooks.hook import compress_hook
 from fastddp.hooks.presets import PRESETS

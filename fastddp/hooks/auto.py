@@ -340,3 +340,8 @@ class AutoState(CompressState):
     def __setstate__(self, saved: dict) -> None:
         AutoState.__init__(self, allow=saved["allow"], seed=saved["seed"])
         self.load_state_dict(saved["state_dict"])
+
+
+# A dtype given by name makes this class (CompressState.__new__); this module builds on
+# state.py, which therefore does not import it.
+CompressState._named = AutoState

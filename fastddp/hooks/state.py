@@ -5,7 +5,7 @@ parked residuals (``residuals.py``) and the pipeline (``pipeline.py``); the hook
 drives them. Statistics are in ``stats.py``, state dicts in ``checkpoint.py``.
 """
 
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 import torch.distributed as dist
@@ -106,11 +106,14 @@ class CompressState:
         "_runner",
     )
 
-    def __new__(cls, dtype: Any = torch.bfloat16, *args: Any, **kwargs: Any) -> "CompressState":
-        if cls is CompressState and isinstance(dtype, str):
-            from fastddp.hooks.auto import AutoState  # it builds on this class
+    # The class a dtype given by name makes (``"auto"``: AutoState). It builds on this class, so
+    # its module (auto.py) sets this: this module importing it would close an import circle.
+    # Importing fastddp.hooks imports auto.py, so it is set before any state is made.
+    _named: ClassVar[Optional[type]] = None
 
-            return object.__new__(AutoState)
+    def __new__(cls, dtype: Any = torch.bfloat16, *args: Any, **kwargs: Any) -> "CompressState":
+        if cls is CompressState and isinstance(dtype, str) and cls._named is not None:
+            return object.__new__(cls._named)
         return object.__new__(cls)
 
     def __init__(
