@@ -94,7 +94,9 @@ class Trial:
         dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)
         return dict(zip(self.allow, figures.tolist()))
 
-    def next_round(self, measured_s: dict[str, float], rules: Rules, none_last: bool):
+    def next_round(
+        self, measured_s: dict[str, float], rules: Rules, none_last: bool
+    ) -> Optional[list[str]]:
         """After a measured round, from the slowest rank's medians ``measured_s``: schedule
         another round of the candidates that can still win and return None, or return those
         left to choose from. ``none_last``: a later round runs ``"none"`` last."""
