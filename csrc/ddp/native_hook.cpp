@@ -761,7 +761,7 @@ int add_native_hook(PyObject* module) {
               if (!result) {
                 return py::none();
               }
-              return py::cast(std::make_shared<torch::jit::PythonFutureWrapper>(result));
+              return torch::jit::toPyObject(c10::IValue(std::move(result)));
             },
             py::arg("bucket"));
     m.def(
