@@ -11,25 +11,19 @@ a method patched to plant a defect). A rank that raises, dies or outlives the ca
 fails that call; every rank of the pool is then replaced before the next call.
 """
 
-import faulthandler
-import gc
 import os
 import pickle
 import signal
-import sys
 import time
-import traceback
-import warnings
 from collections.abc import Sequence
 from datetime import timedelta
 from multiprocessing import connection
 from typing import Any, Callable, Optional
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fastddp.distributed import exit_after_shutdown
+from fastddp.testing._rank import serve
 
 __all__ = ["RankError", "RankPool", "spawn_ranks"]
 
@@ -38,9 +32,6 @@ START_TIMEOUT = 120.0
 # After one rank fails, how long the others get to report before they are stopped: they are
 # usually blocked in a collective with the failed rank, which only the group's timeout ends.
 GRACE = 3.0
-# fastddp's modules whose attributes a rank puts back after each call.
-_RESTORED_PACKAGES = ("fastddp.hooks", "fastddp.fsdp")
-_RESTORED_MODULES = ("fastddp", "fastddp.codecs", "fastddp.reduce", "fastddp.testing.nccl_sim")
 
 
 class RankError(RuntimeError):
@@ -158,7 +149,7 @@ class RankPool:
         for rank in range(self.world_size):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(
-                target=_serve,
+                target=serve,
                 args=(
                     rank,
                     self.world_size,
@@ -308,106 +299,3 @@ def _unpickled(data: bytes) -> Any:
         return pickle.loads(data)
     except Exception as e:
         return f"<a result that does not unpickle here: {type(e).__name__}: {e}>"
-
-
-class _Baseline:
-    """What a rank puts back after each call: the state it had when it started."""
-
-    def __init__(self):
-        import importlib
-        import pkgutil
-
-        names = list(_RESTORED_MODULES)
-        for package in _RESTORED_PACKAGES:
-            module = importlib.import_module(package)
-            names += [package] + [
-                f"{package}.{m.name}" for m in pkgutil.iter_modules(module.__path__)
-            ]
-        self.modules = {}
-        self.classes = {}
-        for name in names:
-            module = importlib.import_module(name)
-            self.modules[module] = dict(vars(module))
-            for value in vars(module).values():
-                if isinstance(value, type) and value.__module__ == name:
-                    self.classes[value] = dict(vars(value))
-        self.cwd = os.getcwd()
-        self.seed = torch.initial_seed()
-        self.dtype = torch.get_default_dtype()
-        self.threads = torch.get_num_threads()
-        self.warnings = list(warnings.filters)
-
-    def restore(self) -> None:
-        for module, saved in self.modules.items():
-            now = vars(module)
-            for key, value in saved.items():
-                if now.get(key, _MISSING) is not value:
-                    setattr(module, key, value)
-        for cls, saved in self.classes.items():
-            for key in [k for k in vars(cls) if k not in saved]:
-                delattr(cls, key)
-            for key, value in saved.items():
-                if vars(cls).get(key, _MISSING) is not value:
-                    setattr(cls, key, value)
-        if "torch._dynamo" in sys.modules:
-            sys.modules["torch._dynamo"].reset()
-        os.chdir(self.cwd)
-        torch.manual_seed(self.seed)
-        torch.set_default_dtype(self.dtype)
-        torch.set_num_threads(self.threads)
-        warnings.filters[:] = self.warnings
-        warnings._filters_mutated()  # "once" and "default" warnings show again
-
-
-_MISSING = object()
-
-
-def _serve(rank, world_size, conn, port, threads, timeout, restore):
-    faulthandler.enable()  # a rank that aborts in C++ still shows where it was in Python
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the pool asks a hung rank
-    torch.set_num_threads(threads)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-    baseline = _Baseline() if restore else None
-    conn.send_bytes(pickle.dumps(("ready", os.getpid())))
-    while True:
-        try:
-            message = pickle.loads(conn.recv_bytes())
-        except EOFError:  # the pool's process is gone
-            break
-        if message[0] == "stop":
-            break
-        _, call, payload, env, cwd = message
-        os.environ.clear()
-        os.environ.update(env)
-        os.chdir(cwd)
-        try:
-            dist.init_process_group(
-                "gloo",
-                store=dist.PrefixStore(f"call-{call}/", store),
-                rank=rank,
-                world_size=world_size,
-                timeout=timeout,
-            )
-            fn, args = pickle.loads(payload)
-            result = fn(rank, world_size, *args)
-            dist.barrier()
-            try:
-                reply = pickle.dumps(("ok", pickle.dumps(result)))
-            except Exception as e:
-                reply = pickle.dumps(("ok", pickle.dumps(f"<{type(result).__name__}: {e}>")))
-            del result
-        except BaseException:
-            # The pool replaces every rank after a failure: report it and leave at once, which
-            # also ends the other ranks' waits on this one.
-            conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
-            exit_after_shutdown(1)
-        # Free what fn built (a DDP model holds the group) while the group still exists, so
-        # that its threads are joined here rather than at interpreter shutdown.
-        gc.collect()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        gc.collect()
-        if baseline is not None:
-            baseline.restore()
-        conn.send_bytes(reply)
-    exit_after_shutdown()
