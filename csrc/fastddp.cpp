@@ -60,8 +60,7 @@ TORCH_LIBRARY(fastddp, m) {
 }
 
 namespace fastddp::ddp {
-int add_switch_hook(PyObject* module);  // csrc/ddp/switch_hook.cpp
-int add_native_hook(PyObject* module);  // csrc/ddp/native_hook.cpp
+int add_ddp_hooks(PyObject* module);  // csrc/ddp/switch_hook.cpp
 }
 
 extern "C" {
@@ -77,7 +76,7 @@ PyMODINIT_FUNC PyInit__C(void) {
   }
   if (PyModule_AddStringConstant(m, "torch_version", FASTDDP_TORCH_VERSION) < 0 ||
       PyModule_AddIntConstant(m, "with_cuda", FASTDDP_WITH_CUDA) < 0 ||
-      fastddp::ddp::add_switch_hook(m) < 0 || fastddp::ddp::add_native_hook(m) < 0) {
+      fastddp::ddp::add_ddp_hooks(m) < 0) {
     Py_DECREF(m);
     return nullptr;
   }

@@ -731,55 +731,45 @@ class NativeHook final : public c10d::CommHookInterface {
 
 }  // namespace
 
-// Add the native runner's names to the _C module; returns -1 with a Python error set on failure.
-int add_native_hook(PyObject* module) {
-  try {
-    auto m = py::reinterpret_borrow<py::module_>(module);
-    py::class_<Runner, std::shared_ptr<Runner>>(m, "NativeRunner")
-        .def(py::init<>())
-        .def("add", &Runner::add, py::arg("id"), py::arg("buffer"), py::arg("stages"),
-             py::arg("finish"), py::arg("wait_in_callback"), py::arg("on_caller"))
-        .def("remove", &Runner::remove, py::arg("buffer"))
-        .def("take_runs", &Runner::take_runs)
-        .def("flush", &Runner::flush, py::call_guard<py::gil_scoped_release>())
-        .def_property_readonly("busy", &Runner::busy)
-        .def("_plant_defect", &Runner::plant_defect, py::arg("defect"))
-        .def("__len__", &Runner::size)
-        .def(
-            "run",
-            [](Runner& self, const py::object& bucket) -> py::object {
-              // Anything but a GradBucket (compiled DDP passes pairs) is left to Python.
-              if (!py::isinstance<c10d::GradBucket>(bucket)) {
-                return py::none();
-              }
-              auto& grad_bucket = bucket.cast<c10d::GradBucket&>();
-              c10::intrusive_ptr<Future> result;
-              {
-                py::gil_scoped_release no_gil;
-                result = self.run(grad_bucket, /*python=*/true);
-              }
-              if (!result) {
-                return py::none();
-              }
-              return torch::jit::toPyObject(c10::IValue(std::move(result)));
-            },
-            py::arg("bucket"));
-    m.def(
-        "register_native_hook",
-        [](const std::shared_ptr<c10d::Reducer>& reducer, std::shared_ptr<Runner> runner,
-           py::object state, py::object hook) {
-          reducer->register_comm_hook(
-              std::make_unique<NativeHook>(std::move(runner), std::move(state), std::move(hook)));
-        },
-        py::arg("reducer"), py::arg("runner"), py::arg("state"), py::arg("hook"));
-    return 0;
-  } catch (py::error_already_set& e) {
-    e.restore();
-    return -1;
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_ImportError, e.what());
-    return -1;
-  }
+// Add the native runner's names to the _C module (from add_ddp_hooks, switch_hook.cpp).
+void define_native_hook(py::module_& m) {
+  py::class_<Runner, std::shared_ptr<Runner>>(m, "NativeRunner")
+      .def(py::init<>())
+      .def("add", &Runner::add, py::arg("id"), py::arg("buffer"), py::arg("stages"),
+           py::arg("finish"), py::arg("wait_in_callback"), py::arg("on_caller"))
+      .def("remove", &Runner::remove, py::arg("buffer"))
+      .def("take_runs", &Runner::take_runs)
+      .def("flush", &Runner::flush, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("busy", &Runner::busy)
+      .def("_plant_defect", &Runner::plant_defect, py::arg("defect"))
+      .def("__len__", &Runner::size)
+      .def(
+          "run",
+          [](Runner& self, const py::object& bucket) -> py::object {
+            // Anything but a GradBucket (compiled DDP passes pairs) is left to Python.
+            if (!py::isinstance<c10d::GradBucket>(bucket)) {
+              return py::none();
+            }
+            auto& grad_bucket = bucket.cast<c10d::GradBucket&>();
+            c10::intrusive_ptr<Future> result;
+            {
+              py::gil_scoped_release no_gil;
+              result = self.run(grad_bucket, /*python=*/true);
+            }
+            if (!result) {
+              return py::none();
+            }
+            return torch::jit::toPyObject(c10::IValue(std::move(result)));
+          },
+          py::arg("bucket"));
+  m.def(
+      "register_native_hook",
+      [](const std::shared_ptr<c10d::Reducer>& reducer, std::shared_ptr<Runner> runner,
+         py::object state, py::object hook) {
+        reducer->register_comm_hook(
+            std::make_unique<NativeHook>(std::move(runner), std::move(state), std::move(hook)));
+      },
+      py::arg("reducer"), py::arg("runner"), py::arg("state"), py::arg("hook"));
 }
 
 }  // namespace fastddp::ddp

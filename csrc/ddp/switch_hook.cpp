@@ -231,10 +231,14 @@ std::shared_ptr<Switch> register_switch_hook(
 
 }  // namespace
 
-// Add the switch hook's names to the _C module; returns -1 with a Python error set on failure.
-int add_switch_hook(PyObject* module) {
+void define_native_hook(py::module_& m);  // native_hook.cpp
+
+// Add the DDP hooks' names (the switch hook's, the native runner's) to the _C module; returns
+// -1 with a Python error set on failure.
+int add_ddp_hooks(PyObject* module) {
   try {
     auto m = py::reinterpret_borrow<py::module_>(module);
+    define_native_hook(m);
     py::class_<Switch, std::shared_ptr<Switch>>(m, "SwitchHookControl")
         .def("run_native", &Switch::run_native, py::arg("steps"), py::arg("measure") = false)
         .def("take_periods", &Switch::take_periods)

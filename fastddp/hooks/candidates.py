@@ -10,6 +10,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from fastddp.hooks import native
 from fastddp.hooks.presets import PRESETS
 from fastddp.hooks.state import CompressState
 
@@ -76,6 +77,9 @@ def make(allow: tuple[str, ...], process_group, topology: str, seed: int) -> dic
             states[name] = CompressState.from_preset(
                 preset, process_group, topology=path or topology, seed=seed
             )
+            # The trial times each collective as the pipeline issues it (links.py), and plans
+            # hand buckets from one candidate to another: candidates stay on the Python path.
+            native.turn_off(states[name])
     return states
 
 

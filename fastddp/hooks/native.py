@@ -25,7 +25,7 @@ from fastddp.codecs import Call
 from fastddp.hooks import stats
 from fastddp.hooks.paths import Collective
 
-__all__ = ["Native", "plannable"]
+__all__ = ["Native", "plannable", "turn_off"]
 
 # Tests plant a defect in every new runner here (1: a later stage reads the previous
 # collective's output without waiting; 2: the decode runs when the last collective is issued),
@@ -104,6 +104,11 @@ class Native:
             slot.calls += runs
             state._counters["calls"] += runs
             stats.count(state._counters, slot, state.codec, state._topology, runs)
+
+
+def turn_off(state: Any) -> None:
+    """Run every bucket of ``state`` (not yet used) on the Python path."""
+    state._native = state._runner = None
 
 
 def make(state: Any) -> Optional[Native]:
