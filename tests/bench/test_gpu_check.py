@@ -35,6 +35,7 @@ def _archived(out: Path) -> dict:
         }
 
 
+@pytest.mark.multiproc  # runs the check in processes of its own
 @pytest.mark.skipif(bool(gpu_check.gpu_names()), reason="a GPU is present: the check would run")
 def test_make_gpu_check_without_a_gpu_says_so_and_builds_nothing(tmp_path):
     out = tmp_path / "out"
@@ -52,6 +53,7 @@ def test_make_gpu_check_without_a_gpu_says_so_and_builds_nothing(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.multiproc  # runs the check in processes of its own
 def test_the_op_sweep_runs_on_cpu():
     res = subprocess.run(
         [sys.executable, "benchmarks/gpu_ops_all.py", "--device", "cpu"],
@@ -64,6 +66,7 @@ def test_the_op_sweep_runs_on_cpu():
     assert "all results as expected" in res.stdout
 
 
+@pytest.mark.multiproc  # runs the check in processes of its own
 def test_the_bandwidth_table_on_cpu(tmp_path):
     out = tmp_path / "bw.json"
     md = tmp_path / "bw.md"
@@ -181,6 +184,7 @@ def test_the_plan_fits_one_command_of_480_s(capsys, monkeypatch):
     assert "PART=2 may take 545 s, over 480 s" in capsys.readouterr().out
 
 
+@pytest.mark.multiproc  # runs the check in processes of its own
 def test_make_gpu_check_plan_passes():
     res = subprocess.run(
         ["make", "-s", "gpu-check-plan", f"GPU_PYTHON={sys.executable}"],
@@ -342,6 +346,7 @@ def test_the_whole_plan_in_one_command_untimed_steps_at_once(tmp_path, monkeypat
     assert "## Step cost\n\n| fastddp bf16 | 1.2 | MISSED |" in md
 
 
+@pytest.mark.multiproc  # runs the check in processes of its own
 def test_a_step_past_its_limit_is_stopped_with_what_it_started(tmp_path):
     # The step's own child (like pytest's ranks) goes with it.
     child_pid = tmp_path / "child.pid"
@@ -381,6 +386,7 @@ sys.exit(gpu_check.main([{out!r}, "--steps", "build,cuda-tests"]))
 """
 
 
+@pytest.mark.multiproc  # runs the check in processes of its own
 def test_a_killed_command_loses_only_its_running_step(tmp_path):
     out, pid_file = tmp_path / "out", tmp_path / "step.pid"
     driver = _DRIVER.format(benchmarks=str(ROOT / "benchmarks"), pid=str(pid_file), out=str(out))
@@ -407,6 +413,7 @@ def test_a_killed_command_loses_only_its_running_step(tmp_path):
     assert summary["verdict"] == "INCOMPLETE"
 
 
+@pytest.mark.multiproc  # runs the check in processes of its own
 @pytest.mark.skipif(bool(gpu_check.gpu_names()), reason="a GPU is present: the check would run")
 def test_make_gpu_check_part_without_a_gpu_says_so(tmp_path):
     res = subprocess.run(
@@ -476,6 +483,7 @@ def test_cuda_tests_are_split_by_file_and_multiproc_files_further():
     ]
 
 
+@pytest.mark.multiproc  # runs the check in processes of its own
 def test_cuda_tests_run_at_once_each_within_its_limit(tmp_path):
     tree, logs, pids = _fake_test_tree(tmp_path), tmp_path / "logs", tmp_path / "hang.pids"
     cmd = [sys.executable, "benchmarks/gpu_cuda_tests.py", str(tree), "--logs", str(logs)]
@@ -502,6 +510,7 @@ def test_cuda_tests_run_at_once_each_within_its_limit(tmp_path):
     assert gpu_check.tests_verdict(res.returncode, res.stdout) == ("FAIL", last[12:])
 
 
+@pytest.mark.multiproc  # runs the check in processes of its own
 def test_stopping_the_cuda_tests_stops_their_processes(tmp_path):
     tree, pids = _fake_test_tree(tmp_path), tmp_path / "hang.pids"
     cmd = [sys.executable, "benchmarks/gpu_cuda_tests.py", str(tree), "--logs"]
@@ -520,6 +529,7 @@ def test_stopping_the_cuda_tests_stops_their_processes(tmp_path):
         _gone(pid)
 
 
+@pytest.mark.multiproc  # runs the check in processes of its own
 def test_the_cuda_tests_plan_on_the_real_tests():
     res = subprocess.run(
         [sys.executable, "benchmarks/gpu_cuda_tests.py", "--dry-run", "--jobs", "16"],
@@ -538,6 +548,7 @@ def test_the_cuda_tests_plan_on_the_real_tests():
     assert max(int(s) for *_, s in shards) <= gpu_check.STEPS["cuda-tests"] / 3
 
 
+@pytest.mark.multiproc  # runs the check in processes of its own
 def test_the_step_cost_table_on_cpu(tmp_path):
     out, md = tmp_path / "step.json", tmp_path / "step.md"
     cmd = [sys.executable, "benchmarks/gpu_step_cost.py", "--device", "cpu", "--steps", "1"]
