@@ -41,6 +41,9 @@
 #include <torch/version.h>
 
 namespace fastddp::ddp {
+
+at::Tensor hook_result(const c10::IValue& result);  // switch_hook.cpp
+
 namespace {
 
 using Future = c10::ivalue::Future;
@@ -713,15 +716,7 @@ class NativeHook final : public c10d::CommHookInterface {
   }
 
   at::Tensor parseHookResult(const c10::IValue& result) override {
-    if (result.isTensor()) {
-      return result.toTensor();
-    }
-    py::gil_scoped_acquire gil;
-    py::object value = torch::jit::toPyObject(result);
-    if (py::isinstance<py::list>(value) || py::isinstance<py::tuple>(value)) {
-      value = value[py::int_(0)];
-    }
-    return value.cast<at::Tensor>();
+    return hook_result(result);
   }
 
  private:

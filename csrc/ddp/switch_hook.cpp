@@ -30,6 +30,25 @@
 #include <pybind11/stl.h>
 
 namespace fastddp::ddp {
+
+// The tensor a hook's future holds: the tensor itself, the output list of an all-reduce (the
+// bucket), the Python hook's tensor, or the output list of an all-reduce by a backend written
+// in Python (its future holds a Python list).
+at::Tensor hook_result(const c10::IValue& result) {
+  if (result.isTensor()) {
+    return result.toTensor();
+  }
+  if (!result.isPyObject()) {
+    return result.toTensorVector()[0];
+  }
+  py::gil_scoped_acquire gil;
+  py::object value = torch::jit::toPyObject(result);
+  if (py::isinstance<py::list>(value) || py::isinstance<py::tuple>(value)) {
+    value = value[py::int_(0)];
+  }
+  return value.cast<at::Tensor>();
+}
+
 namespace {
 
 double now_seconds() {
@@ -174,17 +193,7 @@ class SwitchHook final : public c10d::CommHookInterface {
   }
 
   at::Tensor parseHookResult(const c10::IValue& result) override {
-    if (!result.isPyObject()) {
-      return result.toTensorVector()[0];  // the all-reduce's output list: the bucket itself
-    }
-    // The Python hook's tensor, or the output list of an all-reduce by a backend written in
-    // Python (its future holds a Python list).
-    py::gil_scoped_acquire gil;
-    py::object value = torch::jit::toPyObject(result);
-    if (py::isinstance<py::list>(value) || py::isinstance<py::tuple>(value)) {
-      value = value[py::int_(0)];
-    }
-    return value.cast<at::Tensor>();
+    return hook_result(result);
   }
 
  private:
