@@ -29,6 +29,13 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=why))
 
 
+@pytest.fixture(scope="module")
+def two_nodes():
+    """One pair of namespace nodes on a 1 Gbit/s bridge, for every two-node job of a module."""
+    with netns.nodes(2, "1gbit") as made:
+        yield made
+
+
 @pytest.fixture(autouse=True)
 def _ranks_of_their_own(request):
     """CUDA tests spawn their ranks for themselves: CUDA initialised in a rank stays there."""

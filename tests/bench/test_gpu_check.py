@@ -295,20 +295,21 @@ def test_the_whole_plan_in_one_command_untimed_steps_at_once(tmp_path, monkeypat
             cmd = [sys.executable, "-c", _TIMED, name, str(times), str(seconds), *files]
             return (cmd, None, None)
 
+        def table_step(name, row, table, verdict):
+            # A timed step that writes its table as markdown and JSON, judged by the JSON.
+            cmd = timed(name, 0.2, logs / f"{name}.md", row)[0]
+            cmd += [str(logs / f"{name}.json"), table]
+            return (cmd, None, gpu_check.table_verdict(logs / f"{name}.json", verdict))
+
         steps = {name: timed(name, 1.0) for name in gpu_check.STEPS}
-        bandwidth = ["| 1MB | compress | 0.9 |\n", _table("compress", 0.9, True)]
-        steps["bandwidth"] = (
-            timed("bandwidth", 0.2, logs / "bandwidth.md", bandwidth[0])[0]
-            + [str(logs / "bandwidth.json"), bandwidth[1]],
-            None,
-            gpu_check.table_verdict(logs / "bandwidth.json", "targets met"),
+        steps["bandwidth"] = table_step(
+            "bandwidth", "| 1MB | compress | 0.9 |\n", _table("compress", 0.9, True), "targets met"
         )
-        cost = ["| fastddp bf16 | 1.2 | MISSED |\n", _table("fastddp bf16", 1.2, False)]
-        steps["step-cost"] = (
-            timed("step-cost", 0.2, logs / "step-cost.md", cost[0])[0]
-            + [str(logs / "step-cost.json"), cost[1]],
-            None,
-            gpu_check.table_verdict(logs / "step-cost.json", "hooks within 1.03x"),
+        steps["step-cost"] = table_step(
+            "step-cost",
+            "| fastddp bf16 | 1.2 | MISSED |\n",
+            _table("fastddp bf16", 1.2, False),
+            "hooks within 1.03x",
         )
         (logs / "cuda-tests").mkdir()
         (logs / "cuda-tests" / "01-test_x.log").write_text("1 passed in 0.1s\n")

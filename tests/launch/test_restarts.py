@@ -26,13 +26,6 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 _REFERENCES: dict[int, list] = {}
 
 
-@pytest.fixture(scope="module")
-def two_nodes():
-    """One pair of namespace nodes for every two-node run of the module."""
-    with netns.nodes(2, "1gbit") as made:
-        yield made
-
-
 @pytest.fixture
 def bed(request):
     """The case's nodes: ``None`` on one node, else the module's two."""

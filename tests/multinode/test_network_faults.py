@@ -43,10 +43,9 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def bed():
-    """Two nodes on a 1 Gbit/s bridge, for every job of this module that needs no other link."""
-    with netns.nodes(2, "1gbit") as made:
-        yield made
+def bed(two_nodes):
+    """The module's two nodes (conftest.py), for every job that needs no other link."""
+    return two_nodes
 
 
 @contextlib.contextmanager
