@@ -24,21 +24,9 @@ from typing import NamedTuple, Optional
 from fastddp.testing.wire import MTU, Wire, open_tun
 
 __all__ = [
-    "Node",
-    "NetnsError",
-    "cores_per_rank",
-    "drop",
-    "dropped",
-    "kill",
-    "nodes",
-    "set_link",
-    "spawn",
-    "start",
-    "stop",
-    "two_nodes",
-    "unavailable_reason",
-    "wired_pair",
-]
+    "Node", "NetnsError", "cores_per_rank", "drop", "dropped", "kill", "nodes", "set_link",
+    "spawn", "start", "stop", "two_nodes", "unavailable_reason", "wired_pair",
+]  # fmt: skip
 
 
 class NetnsError(RuntimeError):
