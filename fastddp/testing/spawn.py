@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from datetime import timedelta
 from multiprocessing import connection
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
@@ -138,7 +139,7 @@ class RankPool:
         self._store = None
 
     def _start(self) -> None:
-        if self._procs and all(p.is_alive() for p in self._procs):
+        if self._procs and all(_running(p) for p in self._procs):
             return
         self._stop(kill=True)  # a rank that died between calls: start them all again
         if self._store is None:
@@ -203,7 +204,7 @@ class RankPool:
                     if ready is not conn and not conn.poll():
                         raise EOFError
                     kind, value = pickle.loads(conn.recv_bytes())
-                except EOFError:
+                except (EOFError, ConnectionResetError):
                     self._procs[rank].join(1.0)
                     code = self._procs[rank].exitcode
                     failures.append((rank, f"rank {rank} died (exit code {code})"))
@@ -253,6 +254,18 @@ class RankPool:
                 proc.join()
             conn.close()
         self._procs, self._conns = [], []
+
+
+def _running(proc) -> bool:
+    # A killed process whose threads are still being torn down is not waitable yet, so
+    # is_alive() says True; its thread-group leader is already a zombie.
+    if not proc.is_alive():
+        return False
+    try:
+        stat = Path(f"/proc/{proc.pid}/stat").read_text()
+    except OSError:
+        return True  # no procfs: is_alive() decides
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def spawn_ranks(
