@@ -25,7 +25,6 @@ It lives beside ``gpu_check.py`` because it is a check run from the Makefile, li
 tested with the other scripts; it needs nvcc but no GPU and no torch.
 """
 
-import argparse
 import json
 import re
 import shlex
@@ -34,6 +33,8 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import check_cli
 
 # The kernels of csrc/cuda/kernels.cuh and packed_kernels.cuh, all of which promise parity
 # with the CPU.
@@ -260,31 +261,22 @@ def ptx_from_build(build_dir: Path, work: Path) -> list[Path]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("ptx", nargs="*", type=Path, help="PTX files to check")
-    p.add_argument("--build-dir", type=Path, help="a CMake build: compile its ops.cu to PTX")
-    args = p.parse_args(argv)
-    if not args.ptx and args.build_dir is None:
-        p.error("give PTX files or --build-dir")
+    args = check_cli.parse(argv, __doc__, "PTX files", "a CMake build: compile its ops.cu to PTX")
     bad = False
     with tempfile.TemporaryDirectory() as tmp:
-        files = list(args.ptx)
+        files = list(args.files)
         if args.build_dir is not None:
             files += ptx_from_build(args.build_dir.resolve(), Path(tmp))
         for path in files:
             report = check(path.read_text())
-            print(f"{path.name}: {len(report)} kernels")
-            for kernel, found in report.items():
-                print(f"  {kernel}: {'clean' if not found else f'{len(found)} findings'}")
-                for f in found:
-                    print(f"    {f}")
-            bad |= any(report.values())
-            if args.build_dir is not None:
-                for kernel in missing_kernels(report):
-                    print(f"  {kernel}: not in the PTX (renamed? update KERNELS)")
-                    bad = True
-    print("ptx_check: " + ("FAILED" if bad else "no contracted FMA or approximate math"))
-    return 1 if bad else 0
+            kernels = [
+                (kernel, bool(found), f"{len(found)} findings" if found else "clean", found)
+                for kernel, found in report.items()
+            ]
+            missing = missing_kernels(report) if args.build_dir is not None else []
+            note = "not in the PTX (renamed? update KERNELS)"
+            bad |= check_cli.report(path.name, kernels, missing, note)
+    return check_cli.verdict("ptx_check", bad, "no contracted FMA or approximate math")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ cuobjdump and nvdisasm tools (from PATH, or the running Python's ``nvidia/cu*/bi
 GPU and no torch. Exits 1 when a kernel fails.
 """
 
-import argparse
 import os
 import re
 import subprocess
@@ -29,6 +28,8 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import check_cli
 
 # The vector kernels of csrc/cuda/kernels.cuh: each must load and store 128 bits in a loop.
 VECTOR = (
@@ -234,12 +235,9 @@ def sass_of_library(library: Path, work: Path, arch: str = ARCH) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("files", nargs="*", type=Path, help="cubins or SASS listings")
-    p.add_argument("--build-dir", type=Path, help="a CMake build: check its _C.so")
-    args = p.parse_args(argv)
-    if not args.files and args.build_dir is None:
-        p.error("give cubins, SASS listings or --build-dir")
+    args = check_cli.parse(
+        argv, __doc__, "cubins or SASS listings", "a CMake build: check its _C.so"
+    )
     bad = False
     with tempfile.TemporaryDirectory() as tmp:
         sources = []
@@ -251,17 +249,10 @@ def main(argv=None) -> int:
             sources.append((str(path), text))
         for label, sass in sources:
             verdicts, missing = check(sass)
-            print(f"{label}: {len(verdicts)} kernels")
-            for v in verdicts:
-                print(f"  {v.kernel}: {'ok' if v.ok else 'FAILED'}")
-                for line in v.lines:
-                    print(f"    {line}")
-                bad |= not v.ok
-            for name in missing:
-                print(f"  {name}: not in the SASS (renamed? update VECTOR or EXEMPT)")
-                bad = True
-    print("sass_check: " + ("FAILED" if bad else "every vector kernel loads and stores 128 bits"))
-    return 1 if bad else 0
+            kernels = [(v.kernel, not v.ok, "ok" if v.ok else "FAILED", v.lines) for v in verdicts]
+            note = "not in the SASS (renamed? update VECTOR or EXEMPT)"
+            bad |= check_cli.report(label, kernels, missing, note)
+    return check_cli.verdict("sass_check", bad, "every vector kernel loads and stores 128 bits")
 
 
 if __name__ == "__main__":
