@@ -30,6 +30,7 @@ _LAZY = {
     "compress_hook": ("fastddp.hooks", "compress_hook"),
     "register_comm_hook": ("fastddp.hooks", "register_comm_hook"),
     "all_reduce": ("fastddp.reduce", "all_reduce"),
+    "DiLoCo": ("fastddp.diloco", "DiLoCo"),
 }
 
 __all__ = [

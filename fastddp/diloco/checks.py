@@ -1,0 +1,175 @@
+"""The checks of :class:`~fastddp.DiLoCo`: one row per rank, one verdict on every rank.
+
+Each rank checks its own arguments and model and writes what it found into a row: the settings
+every rank must share, its node, the ranks of its model's DDP group and its problems. One
+``all_gather_object`` gives every rank every row, and :func:`verdict` reads the same rows the
+same way on every rank, so a bad argument on one rank raises the same error on all of them
+instead of leaving the others waiting in a collective. Nothing here writes to a DiLoCo.
+"""
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from fastddp.hooks.presets import PRESETS
+from fastddp.hooks.topology import Topology, node_hash
+
+__all__ = ["PARAM_DTYPES", "WHERE", "exchange", "local_problems", "settings_of", "verdict"]
+
+WHERE = "fastddp.DiLoCo"
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def local_problems(
+    model: Any, sync_every: Any, outer_lr: Any, outer_momentum: Any, compress: Any
+) -> list[str]:
+    """What is wrong with this rank's arguments, one sentence with its fix per problem."""
+    found = []
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        found.append(
+            f"sync_every must be an int >= 1 (inner steps per outer round), got {sync_every!r}"
+        )
+    if not _number(outer_lr) or not outer_lr > 0:
+        found.append(f"outer_lr must be a positive number (0.7 is DiLoCo's), got {outer_lr!r}")
+    if not _number(outer_momentum) or not 0 <= outer_momentum < 1:
+        found.append(f"outer_momentum must be in [0, 1) (0.9 is DiLoCo's), got {outer_momentum!r}")
+    if compress is not None and compress not in PRESETS:
+        found.append(
+            f"compress must be None (fp32 across nodes) or a preset name, one of "
+            f"{', '.join(PRESETS)}; got {compress!r}"
+        )
+    if not isinstance(model, nn.Module):
+        found.append(
+            f"model must be a torch.nn.Module (or DDP over it), got {type(model).__name__}"
+        )
+        return found
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        found.append("the model has no parameter that requires a gradient: nothing to train")
+    odd = sorted({str(p.dtype) for p in params if p.dtype not in PARAM_DTYPES})
+    if odd:
+        found.append(
+            f"parameters must be float32, bfloat16 or float16 (the outer step keeps fp32 "
+            f"copies), got {', '.join(odd)}"
+        )
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) > 1:
+        found.append(f"parameters must be on one device, found {', '.join(devices)}")
+    return found
+
+
+def settings_of(
+    model: Any, sync_every: Any, outer_lr: Any, outer_momentum: Any, nesterov: Any,
+    compress: Any, overlap: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """The settings every rank must share, in plain types (also saved in state dicts)."""
+    params = (
+        [p for p in model.parameters() if p.requires_grad] if isinstance(model, nn.Module) else []
+    )
+    return {
+        "sync_every": sync_every,
+        "outer_lr": outer_lr,
+        "outer_momentum": outer_momentum,
+        "nesterov": bool(nesterov),
+        "compress": compress,
+        "overlap": bool(overlap),
+        "parameters": len(params),
+        "numel": sum(p.numel() for p in params),
+    }
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _model_group(model: Any) -> Optional[list[int]]:
+    """The global ranks of the model's DDP group; None for a module without DDP."""
+    if not isinstance(model, DDP):
+        return None
+    return dist.get_process_group_ranks(model.process_group)
+
+
+def exchange(
+    model: Any, settings: dict[str, Any], problems: list[str], group: Optional[dist.ProcessGroup]
+) -> list[dict[str, Any]]:
+    """Every rank's row of ``group`` (a collective: every rank calls it)."""
+    mine = {
+        "settings": settings,
+        "node": node_hash(),
+        "model_group": _model_group(model),
+        "problems": problems,
+    }
+    rows: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(rows, mine, group=group)
+    return rows
+
+
+def verdict(rows: list[dict[str, Any]], rank: int, group: Optional[dist.ProcessGroup]) -> Topology:
+    """The nodes of ``group``, seen from ``rank``; the same ``ValueError`` on every rank if not.
+
+    Checked in order: each rank's own problems, settings that differ between ranks, nodes of
+    different sizes, and models not wrapped in DDP over exactly their node's ranks.
+    """
+    _raise_problems(rows)
+    _raise_disagreement(rows)
+    topo = Topology([row["node"] for row in rows], rank)
+    if not topo.even:
+        raise ValueError(
+            f"{WHERE}: each node's ranks share its outer step, one slice each, so every node "
+            f"needs the same number of ranks, but the group has {topo.describe()}. Launch the "
+            "same number of ranks per node (or give FASTDDP_NODE_ID where host names do not "
+            "tell the nodes apart)"
+        )
+    glob = dist.get_process_group_ranks(group or dist.group.WORLD)
+    wrong = []
+    for r, row in enumerate(rows):
+        node = sorted(glob[m] for m in topo.nodes[topo.node_of[r]])
+        have = row["model_group"]
+        if (have is None and len(node) > 1) or (have is not None and sorted(have) != node):
+            got = "a module without DDP" if have is None else f"DDP over ranks {sorted(have)}"
+            wrong.append(f"  rank {glob[r]}: {got}, its node has ranks {node}")
+    if wrong:
+        raise ValueError(
+            f"{WHERE}: the model must be DDP over its node's ranks only (inside the node every "
+            "step, across nodes every sync_every steps), but:\n" + "\n".join(wrong) + "\n"
+            "Wrap it as DDP(model, process_group=fastddp.DiLoCo.node_group()); a node of one "
+            "rank may pass the bare module"
+        )
+    return topo
+
+
+def _raise_problems(rows: list[dict[str, Any]]) -> None:
+    where: dict[str, list[int]] = {}
+    for r, row in enumerate(rows):
+        for problem in row["problems"]:
+            where.setdefault(problem, []).append(r)
+    if not where:
+        return
+    lines = [
+        f"  {p} ({'on every rank' if len(rs) == len(rows) else f'rank {_ranks(rs)}'})"
+        for p, rs in where.items()
+    ]
+    raise ValueError(f"{WHERE}: bad arguments:\n" + "\n".join(lines))
+
+
+def _raise_disagreement(rows: list[dict[str, Any]]) -> None:
+    first = rows[0]["settings"]
+    if all(row["settings"] == first for row in rows):
+        return
+    keys = [k for k in first if len({repr(row["settings"].get(k)) for row in rows}) > 1]
+    lines = [
+        f"  rank {r}: " + ", ".join(f"{k}={row['settings'].get(k)!r}" for k in keys)
+        for r, row in enumerate(rows)
+    ]
+    raise ValueError(
+        f"{WHERE}: ranks disagree on {', '.join(keys)}, so their outer rounds would not "
+        "match:\n" + "\n".join(lines) + "\nGive every rank the same DiLoCo arguments and the "
+        "same model"
+    )
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))

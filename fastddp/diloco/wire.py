@@ -1,0 +1,122 @@
+"""The slow link: a slice's average across nodes, now or in the background.
+
+:class:`CrossAverage` averages one slice over the ranks of equal local rank on every node: with
+a preset, through :func:`fastddp.all_reduce` and a :class:`~fastddp.CompressState` that keeps
+the codec's error-feedback residuals between rounds; with ``None``, in fp32 by
+``torch.distributed.all_reduce``. A group of one node sends nothing.
+
+:class:`Background` runs such an average on a thread of its own, so that the next inner steps
+train while the slow link carries it (``overlap=True``). That thread issues collectives only on
+the cross-node group, and the training thread none there while it runs, so the order of each
+group's collectives is the same on every rank. On CUDA the thread works on a stream of its own,
+which waits for the slice to be written, and the training stream waits for its result.
+"""
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from fastddp.hooks import CompressState
+from fastddp.hooks.topology import ring_bytes
+from fastddp.reduce import all_reduce
+
+__all__ = ["Background", "CrossAverage"]
+
+
+class CrossAverage:
+    """Average a slice across nodes, in place, with the settings of one preset (or fp32)."""
+
+    __slots__ = ("group", "nodes", "state", "_fp32_bytes")
+
+    def __init__(self, compress: Optional[str], group: dist.ProcessGroup, nodes: int) -> None:
+        self.group, self.nodes, self._fp32_bytes = group, nodes, 0
+        self.state: Optional[CompressState] = None
+        if compress is not None and nodes > 1:
+            # One rank per node in this group: nothing to split in two levels.
+            self.state = CompressState.from_preset(compress, group, topology="flat")
+
+    @property
+    def block(self) -> int:
+        """Elements per scale of the codec (1 for fp32 and 16-bit ones)."""
+        return (self.state.block_size or 1) if self.state is not None else 1
+
+    def __call__(self, flat: torch.Tensor) -> None:
+        if self.nodes == 1:
+            return  # the node's own pseudo-gradient is the average
+        if self.state is not None:
+            all_reduce(flat, state=self.state)
+            return
+        dist.all_reduce(flat, group=self.group)
+        flat.div_(self.nodes)
+        self._fp32_bytes += ring_bytes(flat.numel(), self.nodes, 4)
+
+    def sent(self) -> int:
+        """Bytes this rank sent to other nodes so far."""
+        if self.state is None:
+            return self._fp32_bytes
+        return int(self.state.stats()["cross_node_bytes"])
+
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        return None if self.state is None else self.state.state_dict()
+
+    def load_state_dict(self, saved: Optional[dict[str, Any]]) -> None:
+        if self.state is not None and saved is not None:
+            self.state.load_state_dict(saved)
+
+
+class Background:
+    """One job at a time on a thread of its own; :meth:`wait` hands its end to the caller."""
+
+    __slots__ = ("_pool", "_job", "_stream")
+
+    def __init__(self, device: torch.device) -> None:
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._job: Optional[Future] = None
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @property
+    def busy(self) -> bool:
+        return self._job is not None
+
+    def start(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the thread, after the work queued so far on the current stream."""
+        assert self._job is None, "wait() for the job in flight first"
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="fastddp-diloco")
+        ready = None
+        if self._stream is not None:
+            ready = torch.cuda.Event()
+            ready.record()
+        self._job = self._pool.submit(self._run, fn, ready)
+
+    def _run(self, fn: Callable[[], None], ready: Any) -> Any:
+        if self._stream is None:
+            fn()
+            return None
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            fn()
+            done = torch.cuda.Event()
+            done.record()
+        return done
+
+    def wait(self) -> None:
+        """Wait for the job in flight, if any (re-raising its error); order the current stream
+        after it."""
+        job, self._job = self._job, None
+        if job is None:
+            return
+        done = job.result()
+        if done is not None:
+            torch.cuda.current_stream().wait_event(done)
+
+    def close(self) -> None:
+        """Wait for the job in flight and let the thread go."""
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
