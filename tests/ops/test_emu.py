@@ -18,18 +18,14 @@ import pytest
 import torch
 
 from fastddp.testing import emu as emulator
-from fastddp.testing.emu_cases import (
-    CHECKS,
-    KERNELS,
-    VEC,
-    _codes_n,
+from fastddp.testing.emu_cases import CHECKS, KERNELS, VEC, _codes_n, sizes
+from fastddp.testing.emu_checks import (
     check_compress,
     check_decode_packed,
     check_decompress,
     check_quantize_int8,
     check_quantize_packed,
     check_sum_chunks,
-    sizes,
 )
 
 pytestmark = [
