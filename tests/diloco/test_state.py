@@ -1,0 +1,160 @@
+"""``fastddp.DiLoCo``'s checkpoints and errors.
+
+A job saved mid-round (model, inner optimizer and DiLoCo state dicts) and resumed in new objects
+continues bit for bit; bad arguments, ranks that disagree and a model not wrapped in DDP over
+its node raise the same ``ValueError`` on every rank, before any round.
+"""
+
+import io
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fastddp
+
+from .._dist import run_ranks
+from .test_rounds import flat, inner_step, net
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
+
+SETTINGS = {"sync_every": 2, "compress": "int8-ef", "outer_lr": 0.7, "outer_momentum": 0.9}
+
+
+def _build(seed_shift, overlap):
+    module = net()
+    if seed_shift:  # a fresh job's weights, which the checkpoint must replace
+        with torch.no_grad():
+            for p in module.parameters():
+                p.mul_(-0.5)
+    model = DDP(module, process_group=fastddp.DiLoCo.node_group())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+    return model, opt, fastddp.DiLoCo(model, overlap=overlap, **SETTINGS)
+
+
+def _resume(rank, world, overlap):
+    steps, cut = 9, 5  # rounds end at steps 2, 4, 6, 8: the cut is mid-round
+    model, opt, diloco = _build(False, overlap)
+    for step in range(steps):
+        inner_step(model, opt, rank, step)
+        diloco.step()
+    straight = flat(model)
+    diloco.close()
+
+    model, opt, diloco = _build(False, overlap)
+    for step in range(cut):
+        inner_step(model, opt, rank, step)
+        diloco.step()
+    buffer = io.BytesIO()
+    saved = {"model": model.state_dict(), "opt": opt.state_dict(), "diloco": diloco.state_dict()}
+    torch.save(saved, buffer)
+    diloco.close()
+    del model, opt, diloco
+
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    model, opt, diloco = _build(True, overlap)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    diloco.load_state_dict(saved["diloco"])
+    assert (diloco.round, diloco.inner_steps) == (2, cut)
+    for step in range(cut, steps):
+        inner_step(model, opt, rank, step)
+        diloco.step()
+    diloco.close()
+    assert diloco.round == 4
+    assert torch.equal(flat(model), straight), (flat(model) - straight).abs().max()
+    if overlap:
+        assert saved["diloco"]["pending"] is not None
+    assert saved["diloco"]["compress"]["buckets"][0]["residual"].abs().max() > 0
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_resume_mid_round_continues_bit_for_bit(overlap):
+    run_ranks(_resume, 4, overlap, nodes=[0, 0, 1, 1])
+
+
+def _refused(rank, world, cases):
+    """Each case's error text on this rank (None where nothing was raised)."""
+    seen = []
+    for case in cases:
+        module, kwargs = net(), dict(SETTINGS)
+        if case == "bare module on a node of two":
+            model = module
+        elif case == "DDP over every rank":
+            model = DDP(module)
+        else:
+            model = DDP(module, process_group=fastddp.DiLoCo.node_group())
+            name, where, value = case
+            if where in ("all", rank):
+                kwargs[name] = value
+        try:
+            fastddp.DiLoCo(model, **kwargs)
+            seen.append(None)
+        except ValueError as e:
+            seen.append(str(e))
+    return seen
+
+
+# (argument, on which rank, value), and what the error of every rank says
+BAD = [
+    (("sync_every", "all", 0), "sync_every must be an int >= 1 (inner steps per outer round), "
+     "got 0 (on every rank)"),
+    (("outer_lr", "all", 0.0), "outer_lr must be a positive number"),
+    (("outer_momentum", "all", 1.0), "outer_momentum must be in [0, 1)"),
+    (("compress", "all", "int9"), "compress must be None (fp32 across nodes) or a preset name"),
+    (("compress", "all", "auto"), "got 'auto'"),
+    (("outer_lr", 1, -1.0), "outer_lr must be a positive number (0.7 is DiLoCo's), got -1.0 "
+     "(rank 1)"),
+    (("sync_every", 3, 5), "ranks disagree on sync_every"),
+    (("compress", 0, "int4-ef"), "ranks disagree on compress"),
+]  # fmt: skip
+
+
+def test_bad_settings_fail_alike_on_every_rank():
+    cases = [case for case, _ in BAD]
+    out = run_ranks(_refused, 4, cases, nodes=[0, 0, 1, 1])
+    for k, (_, expected) in enumerate(BAD):
+        texts = {rank_seen[k] for rank_seen in out}
+        assert len(texts) == 1, texts  # the same error on every rank
+        text = texts.pop()
+        assert text is not None and expected in text, (expected, text)
+        assert text.startswith("fastddp.DiLoCo: ")
+    assert "rank 0: compress='int4-ef'" in out[0][7] and "rank 1: compress='int8-ef'" in out[0][7]
+
+
+def test_a_model_not_in_ddp_over_its_node_fails_alike_on_every_rank():
+    out = run_ranks(_refused, 2, ["bare module on a node of two"], nodes=[0, 0])
+    assert (
+        out[0] == out[1] and "rank 0: a module without DDP, its node has ranks [0, 1]" in out[0][0]
+    )
+    assert "DDP(model, process_group=fastddp.DiLoCo.node_group())" in out[0][0]
+    out = run_ranks(_refused, 2, ["DDP over every rank"], nodes=[0, 1])
+    assert out[0] == out[1] and "rank 1: DDP over ranks [0, 1], its node has ranks [1]" in out[0][0]
+
+
+def _uneven(rank, world):
+    try:
+        fastddp.DiLoCo(net(), sync_every=2)
+    except ValueError as e:
+        return str(e)
+
+
+def test_nodes_of_different_sizes_fail_alike_on_every_rank():
+    out = run_ranks(_uneven, 4, nodes=[0, 0, 0, 1])
+    assert len(set(out)) == 1 and "node 0: ranks [0, 1, 2], node 1: ranks [3]" in out[0]
+
+
+def _mismatched_load(rank, world):
+    model, _, diloco = _build(False, False)
+    saved = diloco.state_dict()
+    other = fastddp.DiLoCo(model, sync_every=3, compress="int8-ef")
+    with pytest.raises(ValueError, match="sync_every: saved 2, here 3"):
+        other.load_state_dict(saved)
+    saved["layout"]["ranks_per_node"] = 4
+    with pytest.raises(ValueError, match="ranks_per_node: saved 4, here 2"):
+        diloco.load_state_dict(saved)
+
+
+def test_a_state_dict_of_other_settings_or_layout_is_refused():
+    run_ranks(_mismatched_load, 4, nodes=[0, 0, 1, 1])
