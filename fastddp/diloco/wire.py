@@ -95,7 +95,8 @@ class Background:
         if self._stream is None:
             fn()
             return None
-        with torch.cuda.stream(self._stream):
+        # A new thread starts on device 0 and its default stream: name both.
+        with torch.cuda.device(self._stream.device), torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
             fn()
             done = torch.cuda.Event()
