@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from fastddp.hooks import lifecycle
 from fastddp.hooks.reshard import holds_residuals, parked
 from fastddp.hooks.settings import mismatch
 from fastddp.hooks.stats import COUNTERS
@@ -30,7 +31,7 @@ def save(state: Any) -> dict[str, Any]:
     world = dist.get_world_size(group) if dist.is_initialized() else None
     buckets: dict[int, dict[str, Any]] = {}
     for position, (_, slot) in enumerate(state._table.by_index()):
-        parts = state._residuals_of(slot, rank)
+        parts = lifecycle.residuals_of(state, slot, rank)
         buckets[position] = {
             "index": slot.index,
             "numel": slot.numel,

@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from fastddp.hooks import handshake, stats
+from fastddp.hooks import handshake, lifecycle, stats
 from fastddp.hooks.paths import PASSTHROUGH
 from fastddp.hooks.pipeline import Job, warn_stale
 from fastddp.hooks.state import CompressState
@@ -98,7 +98,7 @@ def _start(
     holder = []
 
     def start() -> Optional[Job]:
-        slot = state._slot_for(key, signature, index, buffer, parameters, params, world)
+        slot = lifecycle.slot_for(state, key, signature, index, buffer, parameters, params, world)
         pipeline.settle(slot.job)
         slot.calls += 1
         stats.count(state._counters, slot, state.codec, state._topology)
@@ -108,7 +108,7 @@ def _start(
             holder.append(done)
             return None
         path = slot.path
-        seeds = tuple(state._seed(rank, index, stage) for stage in path.seed_stages)
+        seeds = tuple(lifecycle.seed(state, rank, index, stage) for stage in path.seed_stages)
         groups = state._topology.groups_for(path.roles)
         job = Job(path, slot, buffer, groups, world, average, seeds, state._topology)
         slot.job = job

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fastddp.hooks import lifecycle
+
 __all__ = ["Owed"]
 
 
@@ -35,7 +37,7 @@ class Owed:
         for slot in state._table.slots.values():
             if slot.residual is None or not slot.params or slot.index in keep:
                 continue
-            parts = state._residuals_of(slot, rank)
+            parts = lifecycle.residuals_of(state, slot, rank)
             owed = parts["residual"].clone()
             shard = parts["shard_residual"]
             if shard is not None:

@@ -18,7 +18,7 @@ from fastddp.hooks.pipeline import Pipeline
 from fastddp.hooks.presets import preset
 from fastddp.hooks.reshard import reshard
 from fastddp.hooks.residuals import Residuals
-from fastddp.hooks.slots import Slot, SlotTable
+from fastddp.hooks.slots import SlotTable
 from fastddp.hooks.topology import Topology
 
 __all__ = ["CompressState", "DEFAULT_BLOCK_SIZE"]
@@ -277,73 +277,3 @@ class CompressState:
             >>> state.load_state_dict(CompressState.reshard(saved, world_size)[rank])
         """
         return reshard(state_dicts, world_size)
-
-    # -- slots ----------------------------------------------------------------------------
-
-    def _slot_for(self, key, signature, index, buffer, parameters, params, world) -> Slot:
-        table = self._table
-        slot = table.reusable(key, signature, index)
-        if slot is not None:
-            return slot
-        if parameters:
-            params = table.keys_of(parameters)
-            key, signature = table.identify(index, buffer, parameters, None)
-        rank = dist.get_rank(self.process_group)
-        # Retire every slot holding one of these parameters (DDP rebuilt its buckets), and the
-        # slot of this key: their residuals wait, by parameter, for the new slot.
-        for old_key in table.holders(key, params):
-            self._retire(old_key, rank)
-        slot = Slot(index, buffer.numel(), buffer.device, world)
-        slot.params, slot.signature = params, signature
-        events = slot.resume(table.saved.pop(index, None))
-        slot.path = self._path()
-        slot.path.allocate(slot, self.codec, self._topology)
-        slot.give_buffers(self.codec, self.error_feedback, events, self._topology.per_node)
-        self._counters["allocations"] += 1
-        table.add(key, slot)
-        if self.error_feedback:
-            two_level = self._topology if slot.node_shard else None
-            self._residuals.take(slot, rank, self.process_group, two_level)
-        return slot
-
-    def _retire(self, key, rank: int) -> None:
-        slot = self._table.slots.get(key)
-        if slot is None:
-            return
-        if self._native is not None:
-            self._native.sync(self)
-            self._native.drop(slot)
-        self._pipeline.settle(slot.job)
-        self._table.remove(key)
-        slot.job = None  # the job points back at the slot: let the buffers go now, not at GC
-        slot.free_buffers()  # first: the residuals are copied out next
-        parts = self._residuals_of(slot, rank)
-        slot.residual = slot.shard_residual = None
-        self._residuals.park(
-            slot.params,
-            parts["residual"],
-            parts["shard_residual"],
-            parts["shard_offset"],
-            with_shards=parts["shard_residual"] is not None,
-            copy=True,
-        )
-
-    def _residuals_of(self, slot: Slot, rank: Optional[int]) -> dict[str, Any]:
-        """A slot's residuals as saved and parked, the shard's at its offset in the bucket."""
-        shard = slot.shard_residual
-        offset = 0
-        if shard is not None and slot.node_shard:
-            topo = self._topology
-            offset = topo.local_rank * slot.node_shard + topo.cross_rank * slot.shard
-        elif shard is not None and rank is not None:
-            offset = rank * shard.numel()
-        residual = None if slot.residual is None else slot.residual[: slot.numel]
-        return {"residual": residual, "shard_residual": shard, "shard_offset": offset}
-
-    def _seed(self, rank: int, index: int, stage: int) -> int:
-        if not self.stochastic_rounding:
-            return -1
-        # Hashes of int tuples are the same in every process; each rank, bucket call and stage
-        # draws its own numbers, reproducibly (and again after a restart: the count is saved).
-        calls = self._counters["calls"]
-        return hash((self.seed, rank, index, calls, stage)) & ((1 << 63) - 1)
