@@ -63,14 +63,13 @@ else
 	@echo "their sm_90 SASS moves memory 16 bytes at a time"
 endif
 
-# The emu tests run once, under AddressSanitizer (its runtime must be loaded first, hence a
-# second pytest with LD_PRELOAD); everything else in the first. Multi-rank tests share pooled
-# rank processes (tests/_dist.py); pytest lists the slowest tests at the end.
-ASAN_RUNTIME = $(shell $${CXX:-g++} -print-file-name=libasan.so)
+# Three concurrent pytest streams (tests/streams.py): the launcher and namespace tests, which
+# mostly wait (start-ups, links, timeouts); the rest; and the emu tests, once, under
+# AddressSanitizer (its runtime preloaded). Each stream's output is printed whole as it ends,
+# with pytest's list of its slowest tests. Multi-rank tests share pooled rank processes
+# (tests/_dist.py).
 test: build cuda-check
-	$(BIN)/python -m pytest -m "not emu" $(PYTEST_ARGS)
-	LD_PRELOAD=$(ASAN_RUNTIME) ASAN_OPTIONS=detect_leaks=0 $(BIN)/python -m pytest -m emu \
-		-p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python tests/streams.py $(if $(PYTEST_ARGS),-- $(PYTEST_ARGS))
 
 # The single-process tests only (no ranks, launchers, namespaces or emulator), for a quick loop
 # after `make build`; one area alone: `.venv/bin/python -m pytest tests/hooks`.

@@ -84,6 +84,7 @@ def test_the_helper_sees_a_store_listening_everywhere():
 
 
 @pytest.mark.multiproc
+@pytest.mark.launcher
 def test_standalone_listens_on_loopback_only(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)

@@ -1,0 +1,93 @@
+"""Run the test suite as concurrent pytest streams, one per kind of test, and report them all.
+
+    python tests/streams.py [--only NAME ...] [-- PYTEST_ARGS ...]
+
+Most of the suite's time is spent waiting: on a launcher's start and restart, a namespace
+link's rate, a peer timeout, a rank's import of torch. The emulator's tests (under
+AddressSanitizer, whose runtime must be preloaded, so a pytest of their own) are the opposite:
+one busy core for minutes. Run one after the other, each leaves a core idle; run side by side
+they fill both. Each stream is a pytest session with its own ``--basetemp`` and log; the logs
+are printed whole, in stream order, as the streams end, and the command fails when any stream
+does. The markers partition the tests, so every test runs exactly once.
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _asan_env() -> dict:
+    cxx = os.environ.get("CXX", "g++")
+    runtime = subprocess.run(
+        [cxx, "-print-file-name=libasan.so"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    return {"LD_PRELOAD": runtime, "ASAN_OPTIONS": "detect_leaks=0"}
+
+
+# name -> (marker expression, extra pytest options, environment)
+STREAMS = {
+    "nodes": ("not emu and (netns or launcher)", [], None),
+    "ranks": ("not emu and not netns and not launcher", [], None),
+    "emu": ("emu", ["-p", "no:cacheprovider"], _asan_env),
+}
+
+
+def _start(name: str, pytest_args: list[str], logs: Path) -> tuple[subprocess.Popen, Path]:
+    marks, extra, env_of = STREAMS[name]
+    env = {**os.environ, **(env_of() if env_of else {})}
+    base = logs / f"tmp-{name}"
+    cmd = [sys.executable, "-m", "pytest", "-m", marks, *extra, f"--basetemp={base}"]
+    log = logs / f"{name}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [*cmd, *pytest_args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    return proc, log
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", nargs="+", choices=list(STREAMS), help="run these streams alone")
+    p.add_argument("pytest_args", nargs="*", help="passed to every stream's pytest (after --)")
+    args = p.parse_args(argv)
+    names = args.only or list(STREAMS)
+    logs = Path(tempfile.mkdtemp(prefix="fastddp-tests-"))
+    start = time.monotonic()
+    running = {name: _start(name, args.pytest_args, logs) for name in names}
+    results = {}
+    try:
+        while running:
+            for name, (proc, log) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                took = time.monotonic() - start
+                results[name] = (proc.returncode, took)
+                del running[name]
+                print(f"\n===== stream {name}: {STREAMS[name][0]!r} =====", flush=True)
+                sys.stdout.write(log.read_text(errors="replace"))
+                print(f"===== stream {name}: exit {proc.returncode} after {took:.0f} s =====")
+                sys.stdout.flush()
+            time.sleep(0.5)
+    finally:
+        for proc, _ in running.values():
+            proc.kill()
+    print("\nstreams:", ", ".join(f"{n} exit {rc} in {t:.0f} s" for n, (rc, t) in results.items()))
+    print(f"all streams: {time.monotonic() - start:.0f} s")
+    # pytest's 5: no test collected, as when PYTEST_ARGS name tests of other streams only.
+    failed = [n for n, (rc, _) in results.items() if rc not in (0, 5)]
+    if failed:
+        print(f"failed streams: {', '.join(failed)} (their output is above)")
+        return 1
+    shutil.rmtree(logs, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
