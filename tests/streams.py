@@ -65,10 +65,13 @@ def main(argv=None) -> int:
     try:
         while running:
             for name, (proc, log) in list(running.items()):
-                if proc.poll() is None:
+                # wait4: the exit status and the CPU time of the stream and all it spawned
+                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                if pid == 0:
                     continue
-                took = time.monotonic() - start
-                results[name] = (proc.returncode, took)
+                proc.returncode = os.waitstatus_to_exitcode(status)
+                took, cpu = time.monotonic() - start, usage.ru_utime + usage.ru_stime
+                results[name] = (proc.returncode, took, cpu)
                 del running[name]
                 print(f"\n===== stream {name}: {STREAMS[name][0]!r} =====", flush=True)
                 sys.stdout.write(log.read_text(errors="replace"))
@@ -78,10 +81,17 @@ def main(argv=None) -> int:
     finally:
         for proc, _ in running.values():
             proc.kill()
-    print("\nstreams:", ", ".join(f"{n} exit {rc} in {t:.0f} s" for n, (rc, t) in results.items()))
-    print(f"all streams: {time.monotonic() - start:.0f} s")
+    wall = time.monotonic() - start
+    print("\nstreams:", "; ".join(
+        f"{n} exit {rc} in {t:.0f} s, {cpu:.0f} CPU s" for n, (rc, t, cpu) in results.items()
+    ))  # fmt: skip
+    cpu = sum(r[2] for r in results.values())
+    cores = os.cpu_count() or 1
+    busy = f"{cpu / wall:.2f} of {cores} cores busy on average"
+    floor = f"with every core busy the same work would take {cpu / cores:.0f} s"
+    print(f"all streams: {wall:.0f} s, {cpu:.0f} CPU s ({busy}; {floor})")
     # pytest's 5: no test collected, as when PYTEST_ARGS name tests of other streams only.
-    failed = [n for n, (rc, _) in results.items() if rc not in (0, 5)]
+    failed = [n for n, (rc, _, _) in results.items() if rc not in (0, 5)]
     if failed:
         print(f"failed streams: {', '.join(failed)} (their output is above)")
         return 1
