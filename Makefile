@@ -63,11 +63,11 @@ else
 	@echo "their sm_90 SASS moves memory 16 bytes at a time"
 endif
 
-# Three concurrent pytest streams (tests/streams.py): the launcher and namespace tests, which
-# mostly wait (start-ups, links, timeouts); the rest; and the emu tests, once, under
-# AddressSanitizer (its runtime preloaded). Each stream's output is printed whole as it ends,
-# with pytest's list of its slowest tests. Multi-rank tests share pooled rank processes
-# (tests/_dist.py).
+# Four concurrent pytest streams (tests/streams.py): the multi-node jobs on namespaces and the
+# launcher's jobs, which mostly wait (start-ups, links, timeouts); the rest; and the emu tests,
+# once, under AddressSanitizer (its runtime preloaded). Each stream's output is printed whole as
+# it ends, with pytest's list of its slowest tests, then each stream's time and CPU time.
+# Multi-rank tests share pooled rank processes (tests/_dist.py).
 test: build cuda-check
 	$(BIN)/python tests/streams.py $(if $(PYTEST_ARGS),-- $(PYTEST_ARGS))
 

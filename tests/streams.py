@@ -2,13 +2,15 @@
 
     python tests/streams.py [--only NAME ...] [-- PYTEST_ARGS ...]
 
-Most of the suite's time is spent waiting: on a launcher's start and restart, a namespace
-link's rate, a peer timeout, a rank's import of torch. The emulator's tests (under
-AddressSanitizer, whose runtime must be preloaded, so a pytest of their own) are the opposite:
-one busy core for minutes. Run one after the other, each leaves a core idle; run side by side
-they fill both. Each stream is a pytest session with its own ``--basetemp`` and log; the logs
-are printed whole, in stream order, as the streams end, and the command fails when any stream
-does. The markers partition the tests, so every test runs exactly once.
+Much of the suite's time is spent waiting: on launchers starting and restarting jobs, on a
+namespace link's rate, on peer timeouts. The emulator's tests (under AddressSanitizer, whose
+runtime must be preloaded, so a pytest of their own) are the opposite: one busy core for
+minutes. Run one after the other, each leaves a core idle. So four streams run side by side:
+the multi-node jobs on namespaces (``netns``), the launcher's jobs on this machine
+(``launcher``), everything else (pooled ranks and single-process tests), and the emulator's.
+Each stream is a pytest session with its own ``--basetemp`` and log, printed whole when the
+stream ends; the command fails when any stream does. The markers split the tests, so every
+test runs in exactly one stream (``tests/test_streams.py`` checks it).
 """
 
 import argparse
@@ -33,7 +35,8 @@ def _asan_env() -> dict:
 
 # name -> (marker expression, extra pytest options, environment)
 STREAMS = {
-    "nodes": ("not emu and (netns or launcher)", [], None),
+    "nodes": ("not emu and netns", [], None),
+    "launcher": ("not emu and not netns and launcher", [], None),
     "ranks": ("not emu and not netns and not launcher", [], None),
     "emu": ("emu", ["-p", "no:cacheprovider"], _asan_env),
 }
