@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from fastddp.bench import allreduce, convergence, ddp, fsdp, hook_cost, report
+from fastddp.bench import allreduce, convergence, ddp, fsdp, hook_cost, peers, report
 from fastddp.bench.common import add_common_options, run_everywhere
 
 
@@ -92,7 +92,18 @@ def _parser():
     c.add_argument("--max-factor", type=float, default=2.0, help="give up after this x --steps")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--bucket-cap-mb", type=float, default=25.0, help="as for ddp")
-    c.add_argument("--modes", nargs="+", default=convergence.MODES, choices=ddp.CHOICES)
+    modes = f"the ddp benchmark's modes, or {', '.join(peers.PATTERNS)}"
+    c.add_argument(
+        "--modes", nargs="+", default=convergence.MODES, type=peers.mode_name, help=modes
+    )
+    c.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer lr (default 0.7)")
+    c.add_argument("--outer-momentum", type=float, default=0.9, help="its momentum (default 0.9)")
+    nodes = "split the spawned ranks into N nodes by FASTDDP_NODE_ID (not with --link)"
+    c.add_argument("--pretend-nodes", type=int, default=0, metavar="N", help=nodes)
+    fp32 = "fp32's loss curve from this earlier run (same model, steps, seed); here time only "
+    fp32 += "--fp32-probe fp32 steps: fp32's time to target is its steps x that step time"
+    c.add_argument("--fp32-from", metavar="JSON", help=fp32)
+    c.add_argument("--fp32-probe", type=int, default=10, help="fp32 steps timed with --fp32-from")
     add_common_options(c)
     h = command("hook-cost", hook_cost, "host time per bucket of each comm hook")
     h.add_argument("--layers", type=int, default=64, help="layers, one bucket each (default 64)")
@@ -118,6 +129,11 @@ def _check(p, args):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.what == "convergence":
+        if args.pretend_nodes and (args.link or args.nproc % args.pretend_nodes):
+            p.error("--pretend-nodes splits the spawned --nproc ranks evenly (not with --link)")
+        if args.fp32_probe < 2:
+            p.error("--fp32-probe must be at least 2")
     if args.nodes is not None and not args.link and "RANK" not in os.environ:
         p.error("--nodes needs --link (the nodes are network namespaces)")
     transformer = (

@@ -9,12 +9,20 @@ the same weights and sees the same batches in the same order (drawn from (seed, 
 Each other method then trains until its validation loss (checked every ``--eval-every``
 steps, on the same fixed batches) is at or below the target, or ``--max-factor`` times
 ``--steps`` steps have passed. Wall time counts training only, not the validation passes;
-bytes are what one rank's gradient reductions sent.
+bytes are what one rank's gradient reductions sent, and of that what crossed nodes (the mean
+over the ranks).
+
+Besides the DDP benchmark's per-step modes, the periodic ones of :mod:`fastddp.bench.peers`:
+DiLoCo (``diloco-<preset>-H<n>``, outer ``--outer-lr`` and ``--outer-momentum``) and PyTorch's
+post-local SGD (``postlocal-H<n>``); their wall time includes the rounds, and their checks fall
+right after a round. ``--pretend-nodes`` splits spawned ranks into nodes. ``--fp32-from`` takes
+fp32's curve from an earlier run and times a few fp32 steps on this link instead.
 """
 
 import argparse
 import inspect
 import json
+import os
 import time
 import typing
 
@@ -22,8 +30,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fastddp.bench import common, ddp
+from fastddp.bench import common, ddp, peers
 from fastddp.bench.models import Decoder
+from fastddp.hooks.topology import Topology, node_hash
 
 MODES = [
     "fp32",
@@ -59,61 +68,133 @@ def _val_loss(model, val_batches, device, group=None) -> float:
     return mean.item() / dist.get_world_size()
 
 
-def run_mode(env, args, mode, data, val_batches, target, pacer=None):
+def _warmup(args) -> int:
+    # PowerSGD's and post-local SGD's warm-up (plain all-reduce first): a tenth of the fp32
+    # run, as PyTorch advises.
+    return max(2, args.steps // 10)
+
+
+def run_mode(env, args, mode, data, val_batches, target, pacer=None, topo=None):
     torch.manual_seed(args.seed)
     module = Decoder(width=args.width, heads=args.heads, layers=args.layers).to(env.device)
-    model = DDP(module, bucket_cap_mb=ddp.bucket_cap_mb(args, mode, module, env.device))
-    # PowerSGD's warm-up (plain all-reduce first): a tenth of the fp32 run, as PyTorch advises.
-    hook_args = argparse.Namespace(warmup=max(2, args.steps // 10))
-    state = ddp._register(model, mode, "auto", hook_args)
+    numel = sum(p.numel() for p in module.parameters())
+    topo = topo or _topology(env)
+    state = periodic = None
+    if peers.parse(mode) is not None:
+        periodic = peers.Periodic(module, mode, args, _warmup(args), topo)
+        model = periodic.model
+        every = periodic.eval_interval(args.eval_every)
+    else:
+        model = DDP(module, bucket_cap_mb=ddp.bucket_cap_mb(args, mode, module, env.device))
+        state = ddp._register(model, mode, "auto", argparse.Namespace(warmup=_warmup(args)))
+        every = args.eval_every
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     limit = args.steps if target is None else int(args.steps * args.max_factor)
-    trained, curve, reached = 0.0, [], None
+    if periodic is not None:  # end on a round, so that the last check sees shared parameters
+        limit = -(-limit // every) * every
+    trained, rounds_s, curve, reached = 0.0, 0.0, [], None
     for step in range(1, limit + 1):
         batch = _batch(data, args, step, env.rank, args.seed * 100_003).to(env.device)
         dist.barrier(group=pacer)
         start = time.perf_counter()
         Decoder.loss(model(batch[:, :-1]), batch[:, 1:]).backward()
         opt.step()
+        if periodic is not None:  # before zero_grad: the averager skips parameters without grad
+            inner = time.perf_counter()
+            periodic.after_step()  # DiLoCo's outer round, post-local SGD's average
+            rounds_s += time.perf_counter() - inner
         opt.zero_grad()
         if env.device.type == "cuda":
             torch.cuda.synchronize()
         trained += time.perf_counter() - start
-        if step % args.eval_every == 0 or step == limit:
+        if step % every == 0 or step == limit:
             loss = _val_loss(model, val_batches, env.device, pacer)
             curve.append((step, trained, loss))
             if target is not None and loss <= target:
                 reached = (step, trained)
                 break
-    slowest = torch.tensor([trained], dtype=torch.float64)
+    slowest = torch.tensor([trained, rounds_s], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    numel = sum(p.numel() for p in model.parameters())
     steps_done = curve[-1][0]
-    if mode == common.AUTO:  # what every candidate sent, fp32 steps included
-        stats = state.stats()
-        sent = sum(c["payload_bytes"] for c in stats["candidates"].values())
-        per_step = (sent + stats["steps_in"].get("none", 0) * numel * 4) / steps_done
-    elif state is not None:
-        per_step = state.stats()["payload_bytes"] / steps_done
-    elif mode in ddp.POWERSGD_RANKS:
-        per_step = ddp._powersgd_bytes(model, ddp.POWERSGD_RANKS[mode])
-    else:
-        per_step = numel * (2 if mode == "torch-fp16" else 4)
+    sent, cross = _bytes(mode, model, state, periodic, topo, numel, steps_done, args)
+    mean_cross = torch.tensor([cross], dtype=torch.float64)
+    dist.all_reduce(mean_cross)
+    if periodic is not None:
+        periodic.close()
     return {
         "mode": mode,
         "params": numel,
         "steps": steps_done,
-        "seconds": slowest.item(),
+        "seconds": slowest[0].item(),
+        "rounds_seconds": slowest[1].item() if periodic is not None else None,
         "reached": reached is not None,
         "steps_to_target": reached[0] if reached else None,
         "seconds_to_target": reached[1] if reached else None,
         "final_val_loss": curve[-1][2],
-        "sent_mb": per_step * steps_done / 1e6,
+        "sent_mb": sent / 1e6,
+        # what one rank sent to other nodes, the mean over the ranks
+        "cross_node_mb": mean_cross.item() / dist.get_world_size() / 1e6,
+        "eval_every": every,
         "curve": curve,
     }
 
 
+def _topology(env) -> Topology:
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, node_hash())
+    return Topology(everyone, env.rank)
+
+
+def _bytes(mode, model, state, periodic, topo, numel, steps, args):
+    """What this rank's reductions sent over ``steps`` steps, and what of it crossed nodes
+    (fastddp's and DiLoCo's own counts; for the others what a ring in rank order sends)."""
+    ring = topo.ring_cross_bytes
+    if periodic is not None:
+        return periodic.payload_bytes(numel), periodic.cross_node_bytes()
+    if mode == common.AUTO:  # what every candidate sent, fp32 steps included
+        stats = state.stats()
+        fp32_steps = stats["steps_in"].get("none", 0)
+        sent = sum(c["payload_bytes"] for c in stats["candidates"].values())
+        cross = sum(c["cross_node_bytes"] for c in stats["candidates"].values())
+        return sent + fp32_steps * numel * 4, cross + fp32_steps * ring(numel, 4)
+    if state is not None:
+        stats = state.stats()
+        return stats["payload_bytes"], stats["cross_node_bytes"]
+    if mode in ddp.POWERSGD_RANKS:  # fp32 in its warm-up, P and Q after
+        warm = min(steps, max(2, _warmup(args)))
+        payload = ddp._powersgd_bytes(model, ddp.POWERSGD_RANKS[mode])
+        sent = warm * numel * 4 + (steps - warm) * payload
+        return sent, warm * ring(numel, 4) + (steps - warm) * ring(payload // 4, 4)
+    size = 2 if mode == "torch-fp16" else 4
+    return steps * numel * size, steps * ring(numel, size)
+
+
+def _probe_fp32(env, args, data, val_batches, pacer):
+    """fp32's row from an earlier run's JSON (its curve and target do not depend on the link),
+    with its time here: ``--fp32-probe`` steps timed on this link, the mean step after the
+    first times the earlier run's steps."""
+    with open(args.fp32_from) as f:
+        row = next(r for r in json.load(f)["rows"] if r["mode"] == "fp32")
+    probe = argparse.Namespace(**{**vars(args), "steps": args.fp32_probe, "eval_every": 10**9})
+    timed = run_mode(env, probe, "fp32", data, val_batches[:1], None, pacer)
+    per_step = timed["seconds"] / timed["steps"]
+    scale = lambda n: n * per_step  # noqa: E731
+    row = {**row, "curve": [(s, scale(s), loss) for s, _, loss in row["curve"]]}
+    row.update(
+        seconds=scale(row["steps"]),
+        seconds_to_target=scale(row["steps_to_target"]),
+        fp32_estimated={"from": args.fp32_from, "probe_steps": timed["steps"],
+                        "seconds_per_step": per_step, "cross_node_mb_per_step":
+                        timed["cross_node_mb"] / timed["steps"]},
+    )  # fmt: skip
+    row["cross_node_mb"] = row["fp32_estimated"]["cross_node_mb_per_step"] * row["steps"]
+    return row
+
+
 def run(env, args):
+    if getattr(args, "pretend_nodes", 0):  # split this machine's ranks into nodes
+        node = env.rank * args.pretend_nodes // env.world_size
+        os.environ["FASTDDP_NODE_ID"] = f"pretend-node-{node}"
     data = corpus()
     split = len(data) * 9 // 10
     train, val = data[:split], data[split:]
@@ -121,8 +202,12 @@ def run(env, args):
     modes = ["fp32"] + [m for m in args.modes if m != "fp32"]
     rows, target = [], None
     pacer = common.pacing_group()
+    topo = _topology(env)
     for mode in modes:
-        row = run_mode(env, args, mode, train, val_batches, target, pacer)
+        if mode == "fp32" and getattr(args, "fp32_from", None):
+            row = _probe_fp32(env, args, train, val_batches, pacer)
+        else:
+            row = run_mode(env, args, mode, train, val_batches, target, pacer, topo)
         if mode == "fp32":
             # fp32 itself is timed to the same target: its first check at or below it.
             target = row["final_val_loss"] * (1 + args.slack)
@@ -133,7 +218,17 @@ def run(env, args):
         if env.rank == 0:
             print(f"{mode}: {'reached' if row['reached'] else 'missed'} in {row['steps']} steps",
                   flush=True)  # fmt: skip
-    base = rows[0]["seconds_to_target"]
+    fp32 = rows[0]
     for r in rows:
-        r["vs_fp32"] = r["seconds_to_target"] / base if r["reached"] else None
+        r["loss_vs_fp32"] = r["final_val_loss"] / fp32["final_val_loss"] - 1
+        for key, base in (("vs_fp32", "fp32"), ("vs_powersgd", "powersgd-r4"),
+                          ("vs_postlocal", "postlocal-H")):  # fmt: skip
+            # the first row of that method that reached the target (postlocal-H<n>: any n)
+            ref = next((b for b in rows if _is(b["mode"], base) and b["reached"]), None)
+            ok = ref is not None and r["reached"]
+            r[key] = r["seconds_to_target"] / ref["seconds_to_target"] if ok else None
     return rows
+
+
+def _is(mode: str, base: str) -> bool:
+    return mode.startswith(base) if base.endswith("-H") else mode == base
