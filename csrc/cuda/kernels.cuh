@@ -232,6 +232,25 @@ __device__ __forceinline__ void store_wire(uint16_t* p, const Chunk& k, const ui
   }
 }
 
+// The vector loop of the 16-bit ops over elements [head, n): chunks of 4, kUnroll a lane. The
+// lane loads all its chunks, load(chunk, values), before it finishes any, finish(chunk,
+// values), so that its 16-byte loads are in flight together. T: the type of the values loaded
+// (float, or uint16_t wire values). Every lane of the warp calls finish.
+template <class T, class Load, class Finish>
+__device__ __forceinline__ void unrolled_chunks(int64_t head, int64_t n, Load load, Finish finish) {
+  warp_loop((n - head + kChunk - 1) / kChunk, 32 * kUnroll, [&](int64_t first) {
+    Chunk k[kUnroll];
+    T x[kUnroll][kChunk];
+    for (int u = 0; u < kUnroll; ++u) {
+      k[u] = chunk_at(head, n, first + 32 * u + lane_index());
+      load(k[u], x[u]);
+    }
+    for (int u = 0; u < kUnroll; ++u) {
+      finish(k[u], x[u]);
+    }
+  });
+}
+
 // compress to nearest: n fp32 values times scale to wire format K. Elements [0, head) go one by
 // one (all of them when the pointers never align); from head on, chunks of 4, kUnroll a lane.
 template <WireKind K>
@@ -248,22 +267,16 @@ __global__ void compress_kernel(
     dst[i] = w;
     bad |= math::wire_nonfinite(K, w);
   });
-  warp_loop((n - head + kChunk - 1) / kChunk, 32 * kUnroll, [&](int64_t first) {
-    Chunk k[kUnroll];
-    float x[kUnroll][kChunk];
-    for (int u = 0; u < kUnroll; ++u) {
-      k[u] = chunk_at(head, n, first + 32 * u + lane_index());
-      load_chunk(src, k[u], x[u]);
-    }
-    for (int u = 0; u < kUnroll; ++u) {
-      uint16_t w[kChunk];
-      for (int j = 0; j < kChunk; ++j) {
-        w[j] = to_wire<K>(x[u][j] * scale);
-        bad |= j < k[u].count && math::wire_nonfinite(K, w[j]);
-      }
-      store_wire(dst, k[u], w);
-    }
-  });
+  unrolled_chunks<float>(
+      head, n, [&](const Chunk& k, float (&x)[kChunk]) { load_chunk(src, k, x); },
+      [&](const Chunk& k, const float (&x)[kChunk]) {
+        uint16_t w[kChunk];
+        for (int j = 0; j < kChunk; ++j) {
+          w[j] = to_wire<K>(x[j] * scale);
+          bad |= j < k.count && math::wire_nonfinite(K, w[j]);
+        }
+        store_wire(dst, k, w);
+      });
   raise_flag(bad, found_nonfinite);
 }
 
@@ -275,21 +288,15 @@ __global__ void decompress_kernel(
     float scale,
     int64_t head) {
   grid_stride_loop(0, head, [&](int64_t i) { dst[i] = from_wire<K>(src[i]) * scale; });
-  warp_loop((n - head + kChunk - 1) / kChunk, 32 * kUnroll, [&](int64_t first) {
-    Chunk k[kUnroll];
-    uint16_t w[kUnroll][kChunk];
-    for (int u = 0; u < kUnroll; ++u) {
-      k[u] = chunk_at(head, n, first + 32 * u + lane_index());
-      load_wire(src, k[u], w[u]);
-    }
-    for (int u = 0; u < kUnroll; ++u) {
-      float x[kChunk];
-      for (int j = 0; j < kChunk; ++j) {
-        x[j] = from_wire<K>(w[u][j]) * scale;
-      }
-      store_chunk(dst, k[u], x);
-    }
-  });
+  unrolled_chunks<uint16_t>(
+      head, n, [&](const Chunk& k, uint16_t (&w)[kChunk]) { load_wire(src, k, w); },
+      [&](const Chunk& k, const uint16_t (&w)[kChunk]) {
+        float x[kChunk];
+        for (int j = 0; j < kChunk; ++j) {
+          x[j] = from_wire<K>(w[j]) * scale;
+        }
+        store_chunk(dst, k, x);
+      });
 }
 
 // The rounding of compress (with error feedback or stochastic rounding) and of sum_chunks: the
@@ -318,6 +325,23 @@ __device__ __forceinline__ bool round_chunk(
   return bad;
 }
 
+// The rounding ops (compress with error feedback or stochastic rounding, and sum_chunks): the n
+// elements' values, input(i) (before scale and residual), rounded into dst in wire format kind.
+// Elements [0, head) go one by one; from head on, chunks whose fp32 values load(chunk, x) gives.
+template <class Input, class Load>
+__device__ __forceinline__ void round_all(
+    WireKind kind, math::Mode mode, int64_t n, float scale, int64_t head, uint16_t* dst, int* flag,
+    Input input, Load load) {
+  bool bad = false;
+  grid_stride_loop(0, head, [&](int64_t i) {
+    bad |= math::round_element(kind, mode, math::rounding_input(mode, input(i), scale, i), dst, i);
+  });
+  unrolled_chunks<float>(head, n, load, [&](const Chunk& k, const float (&x)[kChunk]) {
+    bad |= round_chunk(kind, mode, k, x, scale, dst);
+  });
+  raise_flag(bad, flag);
+}
+
 __global__ void compress_feedback_kernel(
     WireKind kind,
     const float* __restrict__ src,
@@ -328,23 +352,10 @@ __global__ void compress_feedback_kernel(
     int64_t seed,
     int64_t head,
     int* __restrict__ flag) {
-  const math::Mode mode = mode_of(residual, seed);
-  bool bad = false;
-  grid_stride_loop(0, head, [&](int64_t i) {
-    bad |= math::round_element(kind, mode, math::rounding_input(mode, src[i], scale, i), dst, i);
-  });
-  warp_loop((n - head + kChunk - 1) / kChunk, 32 * kUnroll, [&](int64_t first) {
-    Chunk k[kUnroll];
-    float x[kUnroll][kChunk];
-    for (int u = 0; u < kUnroll; ++u) {
-      k[u] = chunk_at(head, n, first + 32 * u + lane_index());
-      load_chunk(src, k[u], x[u]);
-    }
-    for (int u = 0; u < kUnroll; ++u) {
-      bad |= round_chunk(kind, mode, k[u], x[u], scale, dst);
-    }
-  });
-  raise_flag(bad, flag);
+  round_all(
+      kind, mode_of(residual, seed), n, scale, head, dst, flag,
+      [&](int64_t i) { return src[i]; },
+      [&](const Chunk& k, float (&x)[kChunk]) { load_chunk(src, k, x); });
 }
 
 // Element i of the P rows of length m, summed in fp32 in order p = 0..P-1.
@@ -387,21 +398,10 @@ __global__ void sum_chunks_kernel(
     int64_t seed,
     int64_t head,
     int* __restrict__ flag) {
-  const math::Mode mode = mode_of(residual, seed);
-  bool bad = false;
-  grid_stride_loop(0, head, [&](int64_t i) {
-    const float v = math::rounding_input(mode, sum_rows(kind, src, chunks, m, i), scale, i);
-    bad |= math::round_element(kind, mode, v, dst, i);
-  });
-  warp_loop((m - head + kChunk - 1) / kChunk, 32 * kUnroll, [&](int64_t first) {
-    for (int u = 0; u < kUnroll; ++u) {
-      const Chunk k = chunk_at(head, m, first + 32 * u + lane_index());
-      float acc[kChunk];
-      sum_chunk(kind, src, chunks, m, k, acc);
-      bad |= round_chunk(kind, mode, k, acc, scale, dst);
-    }
-  });
-  raise_flag(bad, flag);
+  round_all(
+      kind, mode_of(residual, seed), m, scale, head, dst, flag,
+      [&](int64_t i) { return sum_rows(kind, src, chunks, m, i); },
+      [&](const Chunk& k, float (&acc)[kChunk]) { sum_chunk(kind, src, chunks, m, k, acc); });
 }
 
 __global__ void widen_sum_kernel(
@@ -415,17 +415,16 @@ __global__ void widen_sum_kernel(
   grid_stride_loop(0, head, [&](int64_t i) {
     dst[i] = math::mul(sum_rows(kind, src, chunks, m, i), scale);
   });
-  warp_loop((m - head + kChunk - 1) / kChunk, 32 * kUnroll, [&](int64_t first) {
-    for (int u = 0; u < kUnroll; ++u) {
-      const Chunk k = chunk_at(head, m, first + 32 * u + lane_index());
-      float acc[kChunk];
-      sum_chunk(kind, src, chunks, m, k, acc);
-      for (int j = 0; j < kChunk; ++j) {
-        acc[j] = math::mul(acc[j], scale);
-      }
-      store_chunk(dst, k, acc);
-    }
-  });
+  unrolled_chunks<float>(
+      head, m,
+      [&](const Chunk& k, float (&acc)[kChunk]) { sum_chunk(kind, src, chunks, m, k, acc); },
+      [&](const Chunk& k, const float (&acc)[kChunk]) {
+        float x[kChunk];
+        for (int j = 0; j < kChunk; ++j) {
+          x[j] = math::mul(acc[j], scale);
+        }
+        store_chunk(dst, k, x);
+      });
 }
 
 // ------------------------------------------------------------------ int8 / int4 / int2 codes
