@@ -5,14 +5,8 @@ import ast
 from pathlib import Path
 from typing import Optional
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[1] / "fastddp"
 MAX_LINES = 350
-
-# Modules over MAX_LINES for now, each with its reason; a module listed here that fits fails
-# the test, so the list only shrinks.
-TOO_LONG: dict[str, str] = {}
 
 
 def _modules() -> dict[str, Path]:
@@ -141,19 +135,11 @@ def test_no_import_circle():
     assert not circles, "import circles in fastddp:\n" + "\n".join(circles)
 
 
-@pytest.mark.parametrize("name", sorted(TOO_LONG))
-def test_exceptions_are_still_needed(name):
-    path = PACKAGE.parent / name
-    assert path.exists(), f"{name} is gone: take it off TOO_LONG"
-    lines = len(path.read_text().splitlines())
-    assert lines > MAX_LINES, f"{name} has {lines} lines now: take it off TOO_LONG"
-
-
 def test_no_module_over_the_limit():
     long = {}
     for path in _modules().values():
         name = path.relative_to(PACKAGE.parent).as_posix()
         lines = len(path.read_text().splitlines())
-        if lines > MAX_LINES and name not in TOO_LONG:
+        if lines > MAX_LINES:
             long[name] = lines
     assert not long, f"modules over {MAX_LINES} lines (split them by concern): {long}"
