@@ -1,0 +1,69 @@
+"""python -m fastddp.bench convergence: DiLoCo's and post-local SGD's modes run on four spawned
+ranks split into two nodes (``--pretend-nodes 2``), and a bad mode name is refused."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fastddp.bench import peers
+
+pytestmark = pytest.mark.multiproc
+
+BENCH = [sys.executable, "-m", "fastddp.bench", "convergence"]
+SMALL = ["--width", "16", "--layers", "1", "--heads", "2", "--seq", "8", "--batch", "2"]
+
+
+def _run(args, timeout=200):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run([*BENCH, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(240)
+def test_diloco_and_post_local_sgd_rows(tmp_path):
+    out = tmp_path / "conv.json"
+    modes = ["fp32", "diloco-int8-ef-H4", "postlocal-H4"]
+    args = ["--nproc", "4", "--pretend-nodes", "2", *SMALL, "--steps", "8", "--eval-every", "4"]
+    res = _run([*args, "--max-factor", "1", "--modes", *modes, "--json", str(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == set(modes)
+    for mode, r in rows.items():
+        for key in ("seconds", "final_val_loss", "sent_mb", "cross_node_mb", "loss_vs_fp32"):
+            assert math.isfinite(r[key]) and r[key] >= (0 if key != "loss_vs_fp32" else -1), mode
+        # Checks land after the rounds (steps 4 and 8), where the nodes share their parameters.
+        assert [c[0] for c in r["curve"]] == [4, 8][: len(r["curve"])], mode
+        assert r["cross_node_mb"] > 0 and r["target"] == rows["fp32"]["target"], mode
+        assert r["reached"] == (r["final_val_loss"] <= r["target"]), mode
+    for mode in ("diloco-int8-ef-H4", "postlocal-H4"):
+        assert rows[mode]["rounds_seconds"] is not None
+    # One int8 round sends about a quarter of what one fp32 all-reduce of the model does.
+    steps = rows["diloco-int8-ef-H4"]["steps"]
+    fp32_step = rows["fp32"]["cross_node_mb"] / rows["fp32"]["steps"]
+    assert rows["diloco-int8-ef-H4"]["cross_node_mb"] < fp32_step * steps / 4 * 0.5
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "mode, says",
+    [
+        ("diloco-int9-H20", "no preset 'int9'"),
+        ("diloco-int8-ef", "is not of the form diloco-<preset>-H<n>"),
+        ("postlocal-H1", "H must be at least 2"),
+        ("localsgd-H20", "unknown mode 'localsgd-H20'"),
+    ],
+)
+def test_bad_mode_is_refused(mode, says):
+    res = _run(["--modes", "fp32", mode], timeout=50)
+    assert res.returncode == 2 and says in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_postlocal_averages_on_multiples_of_h():
+    # PeriodicModelAverager averages when (step - warmup) % H == 0, counting from 0.
+    for warmup, every in ((15, 20), (2, 4), (19, 20), (20, 20)):
+        w = peers.postlocal_warmup(warmup, every)
+        assert w >= warmup and (w + 1) % every == 0 and w - every < warmup
