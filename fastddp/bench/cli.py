@@ -93,9 +93,8 @@ def _parser():
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--bucket-cap-mb", type=float, default=25.0, help="as for ddp")
     modes = f"the ddp benchmark's modes, or {', '.join(peers.PATTERNS)}"
-    c.add_argument(
-        "--modes", nargs="+", default=convergence.MODES, type=peers.mode_name, help=modes
-    )
+    c.add_argument("--modes", nargs="+", default=convergence.MODES, type=peers.mode_name,
+                   choices=peers.Choices(ddp.CHOICES), metavar="MODE", help=modes)  # fmt: skip
     c.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer lr (default 0.7)")
     c.add_argument("--outer-momentum", type=float, default=0.9, help="its momentum (default 0.9)")
     nodes = "split the spawned ranks into N nodes by FASTDDP_NODE_ID (not with --link)"

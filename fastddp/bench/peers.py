@@ -71,6 +71,16 @@ def mode_name(text: str) -> str:
     )
 
 
+class Choices(list):
+    """``--modes``'s choices: the DDP benchmark's modes as a list, and any periodic mode."""
+
+    def __contains__(self, mode) -> bool:
+        try:
+            return list.__contains__(self, mode) or parse(mode) is not None
+        except ValueError:
+            return False
+
+
 def postlocal_warmup(warmup: int, every: int) -> int:
     """The smallest W >= ``warmup`` with W + 1 a multiple of ``every``: the averager (called
     after each step) then averages at the steps that are multiples of ``every``."""
