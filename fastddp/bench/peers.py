@@ -131,8 +131,9 @@ class Periodic:
         self.averager = PeriodicModelAverager(period=self.every, warmup_steps=self.warmup)
 
     def after_step(self) -> bool:
-        """Run the method's part after an optimizer step; returns whether the ranks now share
-        their parameters (after a round)."""
+        """Run the method's part after an optimizer step, before ``zero_grad`` (the averager
+        skips parameters without a gradient); returns whether the ranks now share their
+        parameters (after a round)."""
         self.steps += 1
         if self.diloco is not None:
             synced = self.diloco.step()
