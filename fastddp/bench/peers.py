@@ -27,15 +27,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fastddp
 from fastddp.bench import ddp
 
-_DILOCO = re.compile(r"diloco-(?P<preset>[a-z0-9-]+)-H(?P<every>[0-9]+)")
+_DILOCO = re.compile(r"diloco-(?P<preset>[a-z0-9-]+)-H(?P<every>[0-9]+)(?P<overlap>-overlap)?")
 _POSTLOCAL = re.compile(r"postlocal-H(?P<every>[0-9]+)")
 #: The shapes of the periodic modes' names, for help texts and errors.
-PATTERNS = ["diloco-<preset>-H<n>", "diloco-fp32-H<n>", "postlocal-H<n>"]
+PATTERNS = ["diloco-<preset>-H<n>[-overlap]", "diloco-fp32-H<n>[-overlap]", "postlocal-H<n>"]
 
 
-def parse(mode: str) -> Optional[tuple[str, Optional[str], int]]:
-    """``(method, preset, H)`` of a periodic mode (``preset`` None for fp32 or post-local
-    SGD), or None for a per-step mode. Raises ``ValueError`` for a malformed periodic name."""
+def parse(mode: str) -> Optional[tuple[str, Optional[str], int, bool]]:
+    """``(method, preset, H, overlap)`` of a periodic mode (``preset`` None for fp32 or
+    post-local SGD; ``overlap``: DiLoCo's ``overlap=True``), or None for a per-step mode.
+    Raises ``ValueError`` for a malformed periodic name."""
     found = _DILOCO.fullmatch(mode)
     if found:
         preset, every = found["preset"], int(found["every"])
@@ -43,11 +44,11 @@ def parse(mode: str) -> Optional[tuple[str, Optional[str], int]]:
             known = ", ".join(["fp32", *fastddp.PRESETS])
             raise ValueError(f"mode {mode!r}: no preset {preset!r} (one of {known})")
         _check_every(mode, every)
-        return "diloco", None if preset == "fp32" else preset, every
+        return "diloco", None if preset == "fp32" else preset, every, bool(found["overlap"])
     found = _POSTLOCAL.fullmatch(mode)
     if found:
         _check_every(mode, int(found["every"]))
-        return "postlocal", None, int(found["every"])
+        return "postlocal", None, int(found["every"]), False
     if mode.startswith(("diloco", "postlocal")):
         raise ValueError(f"mode {mode!r} is not of the form {' or '.join(PATTERNS)}")
     return None
@@ -105,7 +106,7 @@ class Periodic:
                  "_ring")  # fmt: skip
 
     def __init__(self, module, mode, args, warmup, topo):
-        self.method, preset, self.every = parse(mode)
+        self.method, preset, self.every, overlap = parse(mode)
         self.steps = self.rounds = 0
         node = fastddp.DiLoCo.node_group()  # a collective; the same group object every time
         numel = sum(p.numel() for p in module.parameters())
@@ -120,6 +121,7 @@ class Periodic:
                 outer_lr=args.outer_lr,
                 outer_momentum=args.outer_momentum,
                 compress=preset,
+                overlap=overlap,
             )
             return
         self.warmup = postlocal_warmup(warmup, self.every)

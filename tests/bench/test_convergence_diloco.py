@@ -25,7 +25,7 @@ def _run(args, timeout=200):
 @pytest.mark.timeout(240)
 def test_diloco_and_post_local_sgd_rows(tmp_path):
     out = tmp_path / "conv.json"
-    modes = ["fp32", "diloco-int8-ef-H4", "postlocal-H4"]
+    modes = ["fp32", "diloco-int8-ef-H4", "diloco-int8-ef-H4-overlap", "postlocal-H4"]
     args = ["--nproc", "4", "--pretend-nodes", "2", *SMALL, "--steps", "8", "--eval-every", "4"]
     res = _run([*args, "--max-factor", "1", "--modes", *modes, "--json", str(out)])
     assert res.returncode == 0, res.stderr[-3000:]
@@ -38,7 +38,7 @@ def test_diloco_and_post_local_sgd_rows(tmp_path):
         assert [c[0] for c in r["curve"]] == [4, 8][: len(r["curve"])], mode
         assert r["cross_node_mb"] > 0 and r["target"] == rows["fp32"]["target"], mode
         assert r["reached"] == (r["final_val_loss"] <= r["target"]), mode
-    for mode in ("diloco-int8-ef-H4", "postlocal-H4"):
+    for mode in ("diloco-int8-ef-H4", "diloco-int8-ef-H4-overlap", "postlocal-H4"):
         assert rows[mode]["rounds_seconds"] is not None
     # One int8 round sends about a quarter of what one fp32 all-reduce of the model does.
     steps = rows["diloco-int8-ef-H4"]["steps"]
@@ -69,3 +69,11 @@ def test_postlocal_averages_on_multiples_of_h():
     for warmup, every in ((15, 20), (2, 4), (19, 20), (20, 20)):
         w = peers.postlocal_warmup(warmup, every)
         assert w >= warmup and (w + 1) % every == 0 and w - every < warmup
+
+
+def test_periodic_mode_names():
+    assert peers.parse("diloco-int8-ef-H20") == ("diloco", "int8-ef", 20, False)
+    assert peers.parse("diloco-int4-ef-H40-overlap") == ("diloco", "int4-ef", 40, True)
+    assert peers.parse("diloco-fp32-H10-overlap") == ("diloco", None, 10, True)
+    assert peers.parse("postlocal-H20") == ("postlocal", None, 20, False)
+    assert peers.parse("fastddp-int8") is None
