@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fastddp
-from fastddp.bench import allreduce
+from fastddp.bench import allreduce, cli
 from fastddp.bench import fsdp as fsdp_bench
 from fastddp.hooks import auto
 from fastddp.testing import netns
@@ -25,6 +25,13 @@ BENCH = [sys.executable, "-m", "fastddp.bench"]
 def _run(args, timeout=240):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     return subprocess.run([*BENCH, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _refused(args, capsys) -> int:
+    """The exit status of ``python -m fastddp.bench args``, run here, which must exit early."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(args)
+    return exit_.value.code
 
 
 def test_allreduce_sweep_columns_json_and_plot(tmp_path):
@@ -189,15 +196,15 @@ def test_fsdp_step_benchmark(tmp_path):
         (["ddp", "--model", "transformer", "--width", "30"], "must be a multiple of --heads 8"),
     ],
 )
-def test_bad_options(args, message):
-    res = _run(args, timeout=60)
-    assert res.returncode == 2 and message in res.stderr
+def test_bad_options(args, message, capsys):
+    # Refused by the command line's checks, before any rank starts: run in this process.
+    assert _refused(args, capsys) == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
-def test_cuda_without_a_gpu_is_refused():
-    res = _run(["allreduce", "--device", "cuda"], timeout=60)
-    assert res.returncode == 2 and "--device cuda, but no CUDA device is visible" in res.stderr
+def test_cuda_without_a_gpu_is_refused(capsys):
+    assert _refused(["allreduce", "--device", "cuda"], capsys) == 2
+    assert "--device cuda, but no CUDA device is visible" in capsys.readouterr().err
 
 
 def test_demo_refuses_bad_options():
@@ -372,15 +379,11 @@ def test_link_sweep_in_rounds_keeps_each_modes_median_job(tmp_path):
 
 
 @pytest.mark.parametrize("bad", [["--rounds", "-1"], ["--nproc-per-node", "0"]])
-def test_link_sweep_refuses_bad_rounds_and_ranks(bad):
-    res = subprocess.run(
-        [sys.executable, "benchmarks/link_sweep.py", "--modes", "fp32", *bad],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert res.returncode == 2 and "give --rounds 0 (every mode in one job) or more" in res.stderr
+def test_link_sweep_refuses_bad_rounds_and_ranks(bad, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _module("link_sweep").main(["--modes", "fp32", *bad])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "give --rounds 0 (every mode in one job) or more" in err
 
 
 def test_convergence_run_runs(tmp_path):
