@@ -1,5 +1,6 @@
 """``DiLoCo``: DDP inside the node every step, an outer step across nodes every ``sync_every``."""
 
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -48,7 +49,8 @@ class DiLoCo:
         group (ProcessGroup, optional): the ranks that train together; ``None`` is every rank.
         overlap (bool): average round ``r``'s pseudo-gradient on a thread of its own while the
             next inner steps train, and apply it at the end of round ``r + 1`` (the outer
-            update is one round late; the first round applies none).
+            update is one round late; the first round applies none). Measured, this trains
+            worse than ``False`` (it warns so): keep the default.
 
     Raises:
         ValueError: on every rank alike, for a bad argument on any rank, settings that differ
@@ -88,6 +90,15 @@ class DiLoCo:
         rows = checks.exchange(model, self.settings, problems, group)
         topo = checks.verdict(rows, dist.get_rank(group), group)
         topo.make_groups(group, hierarchical=True)
+        if overlap:
+            warnings.warn(
+                "fastddp.DiLoCo(overlap=True) applies each round's outer step one round late: "
+                "measured, that diverged with outer momentum 0.9 and trained slower than "
+                "overlap=False even without momentum (benchmarks/results/diloco.md, "
+                "'overlap=True'). Use overlap=False",
+                UserWarning,
+                stacklevel=2,
+            )
         self.model = model
         self.sync_every, self.overlap, self.compress = sync_every, bool(overlap), compress
         self.round = 0  # outer rounds done
