@@ -1,0 +1,32 @@
+"""DiLoCo under ``fastddp.launch --max-restarts``: a rank killed mid-round, the job restarted
+from the last round's checkpoint, ends bit for bit where an uninterrupted job does."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.launcher, pytest.mark.timeout(300)]
+
+WORKER = Path(__file__).with_name("_restart_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _job(run: Path, *extra: str) -> list[torch.Tensor]:
+    run.mkdir()
+    cmd = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "4"]
+    cmd += ["--max-restarts", "1", str(WORKER), "--dir", str(run), *extra]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return torch.load(run / "params.pt")
+
+
+def test_a_rank_killed_mid_round_resumes_to_the_uninterrupted_result(tmp_path):
+    want = _job(tmp_path / "clean")
+    # Step 13 is mid-round (rounds end at 4, 8, 12, 16, ...): the restart resumes from step 12.
+    got = _job(tmp_path / "killed", "--kill", "13:3")
+    attempts = (tmp_path / "killed" / "attempts").read_text().splitlines()
+    assert attempts == ["attempt 0 from 0", "attempt 1 from 12"], attempts
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
