@@ -29,11 +29,12 @@ def test_the_streams_run_every_test_exactly_once():
 @pytest.mark.timeout(120)
 def test_a_failing_stream_fails_the_command_and_shows_its_output(tmp_path):
     tests = tmp_path / "test_some.py"
-    tests.write_text("def test_good():\n    pass\n\ndef test_bad():\n    assert 1 == 2\n")
+    bad = "def test_bad():\n    raise AssertionError('the planted failure')\n"
+    tests.write_text("def test_good():\n    pass\n\n" + bad)
     run = [sys.executable, str(RUNNER), "--only", "ranks", "emu", "--", str(tests), "-q"]
     res = subprocess.run(run, capture_output=True, text=True, timeout=100)
     assert res.returncode == 1, res.stdout + res.stderr
-    assert "test_bad" in res.stdout and "assert 1 == 2" in res.stdout, res.stdout
+    assert "test_bad" in res.stdout and "the planted failure" in res.stdout, res.stdout
     assert "failed streams: ranks" in res.stdout, res.stdout
     # The emu stream found nothing to run in this file: not a failure.
     tests.write_text("def test_good():\n    pass\n")
