@@ -1,6 +1,6 @@
 """Run a function on several real processes joined by a Gloo process group.
 
-The ranks are pooled (:class:`fastddp.testing.spawn.RankPool`): one pool per world size, started
+The ranks are pooled (:class:`fastddp.testing.pool.RankPool`): one pool per world size, started
 at its first use and kept for the session; each call gets a fresh group and fastddp's state as
 a rank starts with it. Tests whose ranks must be processes of their own (CUDA initialised in
 them) are marked ``cuda`` and get a pool for their call alone (see ``conftest.py``).
@@ -9,7 +9,7 @@ them) are marked ``cuda`` and get a pool for their call alone (see ``conftest.py
 import atexit
 from datetime import timedelta
 
-from fastddp.testing.spawn import RankError, RankPool
+from fastddp.testing.pool import RankError, RankPool
 
 __all__ = ["PG_TIMEOUT", "RankError", "close_pools", "pool", "run_ranks"]
 

@@ -1,4 +1,4 @@
-"""What a rank of a :class:`fastddp.testing.spawn.RankPool` runs: calls, one after another, each
+"""What a rank of a :class:`fastddp.testing.pool.RankPool` runs: calls, one after another, each
 in a fresh process group, and between them the state the rank started with put back."""
 
 import faulthandler

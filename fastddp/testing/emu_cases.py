@@ -6,10 +6,12 @@ vector width. :data:`CHECKS` runs the checks of :mod:`fastddp.testing.emu_checks
 sizes and on every layout of rows, and launches every kernel of :data:`KERNELS`.
 
 ``python -m fastddp.testing.emu_cases --lib PATH`` runs a quick sweep of every check against
-one library and exits 1 on the first failure (the mutation tests run it on defective builds).
+one library and exits 1 on the first failure (the mutation tests run it on defective builds,
+through :func:`run_logged` in a process forked from one that has imported torch already).
 """
 
 import argparse
+import os
 import sys
 from typing import Optional
 
@@ -129,6 +131,15 @@ def main(argv=None) -> int:
         return 1
     print("all checks passed")
     return 0
+
+
+def run_logged(lib: str, op: str, log: str) -> None:
+    """:func:`main` on ``lib``'s ``op`` checks with everything it writes, the sanitizers'
+    reports too, sent to the file ``log``; the process exits with main's status."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.exit(main(["--lib", lib, "--op", op]))
 
 
 if __name__ == "__main__":

@@ -1,271 +1,26 @@
 """Run a function on ranks of this machine, joined by a Gloo process group, and bring back what
 each rank returned.
 
-One mechanism for the tests, the benchmark scripts, ``python -m fastddp.bench`` and the demo: a
-:class:`RankPool` keeps one process per rank alive and runs each call in a fresh process group,
-under a key prefix of its own on one TCP store held by the caller; :func:`spawn_ranks` is a pool
-used for one call. Between calls a rank puts back what a call may have changed: the environment
-(each call gets the caller's), the working directory, torch's seed, default dtype and threads,
-the warning filters, and the attributes of fastddp's modules and classes (a hook's default state,
-a method patched to plant a defect). A rank that raises, dies or outlives the call's timeout
-fails that call; every rank of the pool is then replaced before the next call.
+One mechanism for the tests, the benchmark scripts, ``python -m fastddp.bench`` and the demo:
+:func:`spawn_ranks` runs one call on processes of its own (a :class:`RankPool` used once); the
+tests keep pools for the session (``tests/_dist.py``).
+
+Within :func:`pooled`, :func:`spawn_ranks` runs its calls on pools given to it instead: the
+test suite runs the benchmarks' command lines in its own process on its pooled ranks, as a
+rank process costs 3 CPU-s to start and a benchmark's smoke run a fraction of that.
 """
 
-import os
-import pickle
-import signal
-import time
-from collections.abc import Sequence
+import contextlib
+import io
+import sys
 from datetime import timedelta
-from multiprocessing import connection
-from pathlib import Path
 from typing import Any, Callable, Optional
 
-import torch.distributed as dist
-import torch.multiprocessing as mp
+import torch
 
-from fastddp.testing._rank import serve
+from fastddp.testing.pool import RankError, RankPool
 
-__all__ = ["RankError", "RankPool", "spawn_ranks"]
-
-# How long a pool's processes may take to start (import torch, connect to the store).
-START_TIMEOUT = 120.0
-# After one rank fails, how long the others get to report before they are stopped: they are
-# usually blocked in a collective with the failed rank, which only the group's timeout ends.
-GRACE = 3.0
-
-
-class RankError(RuntimeError):
-    """A call failed on some rank: it raised, died or did not finish in time."""
-
-
-class RankPool:
-    """Processes for ``world_size`` ranks that run one function after another.
-
-    Each :meth:`run` joins the ranks in a new Gloo group whose collectives give up after
-    ``timeout``, calls the function on every rank, and destroys the group. The processes start
-    at the first call, each with ``threads`` torch threads (several ranks share the cores).
-
-    Args:
-        world_size: the number of ranks.
-        threads: torch threads per rank.
-        timeout: the process groups' timeout.
-        restore: put back after each call what a call may have changed (see the module's
-            docstring); a pool for one call can skip that (it costs a rank a second at start).
-
-    Example::
-
-        >>> with RankPool(2) as pool:
-        ...     pool.run(mean_rank)  # mean_rank as in spawn_ranks
-        ...     pool.run(mean_rank, timeout=30.0)
-        [0.5, 0.5]
-        [0.5, 0.5]
-    """
-
-    def __init__(
-        self,
-        world_size: int,
-        *,
-        threads: int = 1,
-        timeout: timedelta = timedelta(minutes=5),
-        restore: bool = True,
-    ):
-        if world_size < 1:
-            raise ValueError(f"world_size must be at least 1, got {world_size}")
-        self.world_size = world_size
-        self.threads = threads
-        self.timeout = timeout
-        self.restore = restore
-        self._store: Optional[dist.TCPStore] = None
-        self._procs: list = []
-        self._conns: list = []
-        self._calls = 0
-
-    def __enter__(self) -> "RankPool":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    @property
-    def pids(self) -> list[int]:
-        """The ranks' process ids (empty before the first call and after a failed one)."""
-        return [p.pid for p in self._procs]
-
-    def run(
-        self,
-        fn: Callable[..., Any],
-        *args: Any,
-        timeout: Optional[float] = None,
-        env: Optional[Sequence[dict[str, str]]] = None,
-    ) -> list[Any]:
-        """Call ``fn(rank, world_size, *args)`` on every rank; return the results in rank order.
-
-        Args:
-            fn: a module-level function (it is pickled by name).
-            args: picklable arguments, the same on every rank.
-            timeout: seconds the call may take, from when the ranks are up; ``None``: no limit
-                but the group's.
-            env: per rank, variables set on top of this process's environment for the call.
-
-        Returns:
-            What each rank's call returned; a result that does not pickle, or unpickle in this
-            process, comes back as a string that says so.
-
-        .. warning::
-            A rank that raises, dies or hangs raises :class:`RankError` (``TimeoutError`` for a
-            hang), with the traceback of the rank that failed first; all ranks are replaced.
-        """
-        if env is not None and len(env) != self.world_size:
-            raise ValueError(f"env has {len(env)} entries for {self.world_size} ranks")
-        payload = pickle.dumps((fn, args))
-        self._start()
-        self._calls += 1
-        done = False
-        try:
-            for rank, conn in enumerate(self._conns):
-                call_env = {**os.environ, **(env[rank] if env else {})}
-                conn.send_bytes(pickle.dumps(("run", self._calls, payload, call_env, os.getcwd())))
-            results = self._collect(fn, timeout)
-            done = True
-            return results
-        finally:
-            if not done:
-                self._stop(kill=True)
-
-    def close(self) -> None:
-        """Stop the ranks (a later :meth:`run` starts new ones)."""
-        self._stop(kill=False)
-        self._store = None
-
-    def _start(self) -> None:
-        if self._procs and all(_running(p) for p in self._procs):
-            return
-        self._stop(kill=True)  # a rank that died between calls: start them all again
-        if self._store is None:
-            self._store = dist.TCPStore(
-                "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=self.timeout
-            )
-        ctx = mp.get_context("spawn")
-        for rank in range(self.world_size):
-            ours, theirs = ctx.Pipe()
-            proc = ctx.Process(
-                target=serve,
-                args=(
-                    rank,
-                    self.world_size,
-                    theirs,
-                    self._store.port,
-                    self.threads,
-                    self.timeout,
-                    self.restore,
-                ),
-                name=f"fastddp-rank-{rank}",
-            )
-            proc.start()
-            theirs.close()
-            self._procs.append(proc)
-            self._conns.append(ours)
-        deadline = time.monotonic() + START_TIMEOUT
-        try:
-            for rank, conn in enumerate(self._conns):
-                left = deadline - time.monotonic()
-                if not conn.poll(max(left, 0.0)):
-                    raise RankError(f"rank {rank} did not start within {START_TIMEOUT:.0f} s")
-                conn.recv_bytes()
-        except BaseException:
-            self._stop(kill=True)
-            raise
-
-    def _collect(self, fn, timeout: Optional[float]) -> list[Any]:
-        n = self.world_size
-        results: list[Any] = [None] * n
-        failures: list[tuple[int, str]] = []  # in the order they came
-        pending = set(range(n))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        grace_end = None
-        while pending:
-            now = time.monotonic()
-            ends = [t for t in (deadline, grace_end) if t is not None]
-            if ends and now >= min(ends):
-                break
-            wait = min(ends) - now if ends else None
-            handles = {}
-            for rank in pending:
-                handles[self._conns[rank]] = rank
-                handles[self._procs[rank].sentinel] = rank
-            for ready in connection.wait(list(handles), wait):
-                rank = handles[ready]
-                if rank not in pending:
-                    continue
-                conn = self._conns[rank]
-                pending.discard(rank)
-                try:
-                    if ready is not conn and not conn.poll():
-                        raise EOFError
-                    kind, value = pickle.loads(conn.recv_bytes())
-                except (EOFError, ConnectionResetError):
-                    self._procs[rank].join(1.0)
-                    code = self._procs[rank].exitcode
-                    failures.append((rank, f"rank {rank} died (exit code {code})"))
-                    continue
-                if kind == "ok":
-                    results[rank] = _unpickled(value)
-                else:
-                    failures.append((rank, f"rank {rank} raised:\n{value}"))
-            if failures and grace_end is None:
-                grace_end = time.monotonic() + GRACE
-        if not pending and not failures:
-            return results
-        name = getattr(fn, "__qualname__", repr(fn))
-        if not failures:
-            self._dump_stacks(pending)
-            raise TimeoutError(
-                f"{name}: ranks {sorted(pending)} of {n} did not finish within {timeout:.0f} s "
-                "(their Python stacks are on stderr)"
-            )
-        first_rank, first = failures[0]
-        lines = [f"{name} failed on rank {first_rank}; {first}"]
-        # The others' failures usually follow from the first: their last line is enough.
-        lines += [f"then {_summary(text)}" for _, text in failures[1:]]
-        if pending:
-            lines.append(f"ranks {sorted(pending)} were stopped after rank {first_rank} failed")
-        raise RankError("\n".join(lines))
-
-    def _dump_stacks(self, ranks) -> None:
-        for rank in ranks:
-            if self._procs[rank].is_alive():
-                os.kill(self._procs[rank].pid, signal.SIGUSR1)
-        time.sleep(0.5)
-
-    def _stop(self, kill: bool) -> None:
-        for proc, conn in zip(self._procs, self._conns):
-            if kill:
-                proc.kill()
-            else:
-                try:
-                    conn.send_bytes(pickle.dumps(("stop",)))
-                except OSError:
-                    proc.kill()
-        for proc, conn in zip(self._procs, self._conns):
-            proc.join(5.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-            conn.close()
-        self._procs, self._conns = [], []
-
-
-def _running(proc) -> bool:
-    # A killed process whose threads are still being torn down is not waitable yet, so
-    # is_alive() says True; its thread-group leader is already a zombie.
-    if not proc.is_alive():
-        return False
-    try:
-        stat = Path(f"/proc/{proc.pid}/stat").read_text()
-    except OSError:
-        return True  # no procfs: is_alive() decides
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+__all__ = ["RankError", "RankPool", "pooled", "spawn_ranks"]
 
 
 def spawn_ranks(
@@ -296,19 +51,41 @@ def spawn_ranks(
         >>> spawn_ranks(mean_rank, 2)
         [0.5, 0.5]
     """
+    if _pool_of is not None:
+        replies = _pool_of(world_size).run(_pooled_call, threads, fn, *args)
+        for _, out, err in replies:  # what each rank printed, here as from processes of its own
+            sys.stdout.write(out)
+            sys.stderr.write(err)
+        return [result for result, _, _ in replies]
     with RankPool(world_size, threads=threads, timeout=timeout, restore=False) as pool:
         return pool.run(fn, *args)
 
 
-def _summary(failure: str) -> str:
-    lines = [line for line in failure.splitlines() if line.strip()]
-    return lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+# Set by pooled(): the pool of each world size that spawn_ranks uses instead of its own.
+_pool_of: Optional[Callable[[int], RankPool]] = None
 
 
-def _unpickled(data: bytes) -> Any:
-    # A result that unpickles only on its rank (a DDP model wants its process group) comes
-    # back as a description.
+@contextlib.contextmanager
+def pooled(pool_of: Callable[[int], RankPool]):
+    """Within this block, :func:`spawn_ranks` calls ``pool_of(world_size).run`` instead of
+    starting processes of its own, and prints here what each rank printed; the pool's group
+    timeout then applies."""
+    global _pool_of
+    previous, _pool_of = _pool_of, pool_of
     try:
-        return pickle.loads(data)
-    except Exception as e:
-        return f"<a result that does not unpickle here: {type(e).__name__}: {e}>"
+        yield
+    finally:
+        _pool_of = previous
+
+
+def _pooled_call(rank: int, world_size: int, threads: int, fn, *args):
+    """``fn``'s result and what it printed, on a pooled rank set up as spawn_ranks' own."""
+    torch.set_num_threads(threads)  # the pool puts its own back after the call
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            result = fn(rank, world_size, *args)
+    except BaseException:
+        sys.stderr.write(err.getvalue())  # shown with the rank's traceback
+        raise
+    return result, out.getvalue(), err.getvalue()

@@ -15,7 +15,9 @@ import fastddp
 from fastddp.bench import allreduce, cli
 from fastddp.bench import fsdp as fsdp_bench
 from fastddp.hooks import auto
-from fastddp.testing import netns
+from fastddp.testing import netns, spawn
+
+from .._dist import pool
 
 pytestmark = pytest.mark.multiproc
 
@@ -25,6 +27,17 @@ BENCH = [sys.executable, "-m", "fastddp.bench"]
 def _run(args, timeout=240):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     return subprocess.run([*BENCH, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _here(args, capsys) -> subprocess.CompletedProcess:
+    """``python -m fastddp.bench args``, run in this process with its ranks on the session's
+    pooled ranks (test_allreduce_sweep_columns_json_and_plot runs the command itself)."""
+    with spawn.pooled(pool):
+        code = cli.main(args)
+    out = capsys.readouterr()
+    sys.stdout.write(out.out)  # shown when the test fails
+    sys.stderr.write(out.err)
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
 
 
 def _refused(args, capsys) -> int:
@@ -88,9 +101,11 @@ def test_allreduce_sweep_columns_json_and_plot(tmp_path):
         assert png.stat().st_size > 10_000
 
 
-def test_ddp_step_benchmark(tmp_path):
+def test_ddp_step_benchmark(tmp_path, capsys):
     out = tmp_path / "ddp.json"
-    res = _run(["ddp", "--params", "200000", "--steps", "3", "--warmup", "1", "--json", str(out)])
+    res = _here(
+        ["ddp", "--params", "200000", "--steps", "3", "--warmup", "1", "--json", str(out)], capsys
+    )
     assert res.returncode == 0, res.stderr
     rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"fp32", "torch-fp16", "fastddp-bf16", "fastddp-fp16", "noop"}
@@ -101,12 +116,12 @@ def test_ddp_step_benchmark(tmp_path):
     assert "exposed comm" in res.stdout
 
 
-def test_ddp_peers_on_the_transformer(tmp_path):
+def test_ddp_peers_on_the_transformer(tmp_path, capsys):
     out = tmp_path / "ddp.json"
     small = ["--model", "transformer", "--width", "32", "--layers", "2", "--heads", "4"]
     modes = ["fp32", "powersgd-r1", "powersgd-r4", "fastddp-int8-ef", "fastddp-int8-ef-delay"]
     args = ["ddp", *small, "--seq", "16", "--steps", "2", "--warmup", "2", "--modes", *modes]
-    res = _run([*args, "--json", str(out)])
+    res = _here([*args, "--json", str(out)], capsys)
     assert res.returncode == 0, res.stderr[-3000:]
     data = json.loads(out.read_text())
     rows = {r["mode"]: r for r in data["rows"]}
@@ -122,12 +137,12 @@ def test_ddp_peers_on_the_transformer(tmp_path):
     assert "transformer of 0." in res.stdout
 
 
-def test_time_to_target(tmp_path):
+def test_time_to_target(tmp_path, capsys):
     out = tmp_path / "conv.json"
     small = ["--width", "32", "--layers", "1", "--heads", "4", "--seq", "16", "--batch", "4"]
     modes = ["fp32", "fastddp-bf16", "powersgd-r1"]
     args = ["convergence", *small, "--steps", "20", "--eval-every", "5", "--modes", *modes]
-    res = _run([*args, "--json", str(out)])
+    res = _here([*args, "--json", str(out)], capsys)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == set(modes)
@@ -146,13 +161,13 @@ def test_time_to_target(tmp_path):
     assert "time to target" in res.stdout
 
 
-def test_fsdp_step_benchmark(tmp_path):
+def test_fsdp_step_benchmark(tmp_path, capsys):
     out = tmp_path / "fsdp.json"
     small = ["--width", "32", "--layers", "2", "--heads", "4", "--seq", "16"]
     modes = ["fp32", "torch-bf16", "a2a-fp32", "fastddp-bf16", "fastddp-fp16", "fastddp-int8"]
     modes += ["hsdp", "hybrid-bf16-acc", "hybrid-int8-ef", "fp32+qag", "hybrid-int8-ef+qag"]
     args = ["fsdp", *small, "--steps", "2", "--warmup", "1", "--json", str(out)]
-    res = _run([*args, "--modes", *modes])
+    res = _here([*args, "--modes", *modes], capsys)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == set(modes)

@@ -1,25 +1,20 @@
-"""python -m fastddp.bench convergence: DiLoCo's and post-local SGD's modes run on four spawned
-ranks split into two nodes (``--pretend-nodes 2``), and a bad mode name is refused."""
+"""python -m fastddp.bench convergence: DiLoCo's and post-local SGD's modes run on four ranks
+split into two nodes (``--pretend-nodes 2``), and a bad mode name is refused. The command runs
+in this process, its ranks on the session's pooled ranks."""
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
 from fastddp.bench import cli, peers
+from fastddp.testing import spawn
+
+from .._dist import pool
 
 pytestmark = pytest.mark.multiproc
 
-BENCH = [sys.executable, "-m", "fastddp.bench", "convergence"]
 SMALL = ["--width", "16", "--layers", "1", "--heads", "2", "--seq", "8", "--batch", "2"]
-
-
-def _run(args, timeout=200):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.run([*BENCH, *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.timeout(240)
@@ -27,8 +22,10 @@ def test_diloco_and_post_local_sgd_rows(tmp_path):
     out = tmp_path / "conv.json"
     modes = ["fp32", "diloco-int8-ef-H4", "diloco-int8-ef-H4-overlap", "postlocal-H4"]
     args = ["--nproc", "4", "--pretend-nodes", "2", *SMALL, "--steps", "8", "--eval-every", "4"]
-    res = _run([*args, "--max-factor", "1", "--modes", *modes, "--json", str(out)])
-    assert res.returncode == 0, res.stderr[-3000:]
+    with spawn.pooled(pool):
+        code = cli.main(["convergence", *args, "--max-factor", "1", "--modes", *modes,
+                         "--json", str(out)])  # fmt: skip
+    assert code == 0
     rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == set(modes)
     for mode, r in rows.items():
