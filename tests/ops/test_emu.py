@@ -11,6 +11,7 @@ AddressSanitizer.
 """
 
 import multiprocessing
+import multiprocessing.forkserver
 import shutil
 import subprocess
 
@@ -176,6 +177,16 @@ DEFECTS = [
 # has imported torch once: under AddressSanitizer a fresh interpreter costs 3 CPU-s to start.
 _FORKS = multiprocessing.get_context("forkserver")
 _FORKS.set_forkserver_preload(["fastddp.testing.emu_cases"])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _reap_the_fork_server():
+    yield
+    # Stopped and waited for here, the server (and the sweeps it reaped) count in this
+    # process's children's CPU time, which tests/streams.py reports.
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    if server is not None and hasattr(server, "_stop"):
+        server._stop()
 
 
 def _sweep(tmp_path, op, edit=None):
