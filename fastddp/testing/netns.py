@@ -236,10 +236,14 @@ def dropped(node: Node) -> int:
     return int(words[words.index("packets") + 1])
 
 
-def set_rate(node: Node, rate: str) -> None:
-    """Change the rate at which ``node`` sends (its link's tc tbf), while a job runs."""
+def set_rate(node: Node, rate: str, burst: str = "512kb") -> None:
+    """Change the rate at which ``node`` sends (its link's tc tbf), while a job runs.
+
+    ``burst``: what the token bucket lets through at once after a pause. A transfer smaller
+    than that is not slowed at all, so a test that measures a slow rate sets it lower.
+    """
     tbf = ["tc", "qdisc", "change", "dev", node.dev, "root", "tbf", "rate", rate]
-    tbf += ["burst", "512kb", "latency", "100ms"]
+    tbf += ["burst", burst, "latency", "100ms"]
     cmd = ["ip", "netns", "exec", node.ns, *tbf]
     subprocess.run(cmd, check=True, capture_output=True, timeout=30)
 

@@ -31,7 +31,9 @@ def test_a_link_that_slows_down_is_planned_for_again(tmp_path):
                 assert all(p.poll() is None for p in procs), "a launcher exited before a plan"
                 time.sleep(0.2)
             for node in made:
-                netns.set_rate(node, "20mbit")
+                # A 32 KB burst: int8's 0.27 MB a step across nodes must feel the rate, however
+                # long the bucket had to fill since the last step (512 KB let it all through).
+                netns.set_rate(node, "20mbit", burst="32kb")
             slowed.touch()
             codes = [p.wait(timeout=200) for p in procs]
         finally:
@@ -43,8 +45,7 @@ def test_a_link_that_slows_down_is_planned_for_again(tmp_path):
     assert last["uniform"] == "int8-ef", report
     assert last["step_ms"]["none"] > 3 * first["step_ms"]["none"], report
     # What the collectives measured of each level, int8's two-level path: the slowed link
-    # (2.5 MB/s; the token bucket's 512 KB burst lets part of a short transfer through at once)
-    # gives far less than the fast one, and far less than the node's own loopback.
+    # (2.5 MB/s) gives far less than the fast one, and far less than the node's own loopback.
     fast, slow = first["links"], last["links"]
     assert slow["cross"]["MBps"] < 10 and slow["cross"]["MBps"] < fast["cross"]["MBps"] / 5, report
     assert slow["intra"]["MBps"] > 10 * slow["cross"]["MBps"], report
