@@ -38,6 +38,7 @@ from fastddp.bench.convergence import corpus
 from fastddp.bench.models import Decoder
 from fastddp.fsdp import compress_reduce_scatter, hybrid, node_mesh, quantize_all_gather
 from fastddp.fsdp.all_gather import all_gather_single
+from fastddp.fsdp.reduce_scatter import premul_factor
 
 # The wire dtype of each fastddp mode whose preset sets nothing else.
 WIRES = {m: settings_of(m)["dtype"] for m in FASTDDP_MODES if settings_of(m).keys() == {"dtype"}}
@@ -86,7 +87,7 @@ class AllToAllReduceScatter(ReduceScatter):
         if kind == dist.ReduceOp.AVG:
             output_tensor.div_(world)
         elif kind == dist.ReduceOp.PREMUL_SUM:
-            output_tensor.mul_(op.factor)
+            output_tensor.mul_(premul_factor(op))
         return None
 
 

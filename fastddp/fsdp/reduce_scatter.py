@@ -34,9 +34,18 @@ except ImportError as error:  # pragma: no cover - depends on the installed torc
         f"fastddp.fsdp needs FSDP2's custom reduce-scatter (torch >= 2.9): {error}"
     ) from error
 
-__all__ = ["CompressedReduceScatter", "compress_reduce_scatter"]
+__all__ = ["CompressedReduceScatter", "compress_reduce_scatter", "premul_factor"]
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def premul_factor(op: ReduceOp) -> float:
+    """The factor of a ``PREMUL_SUM`` op as FSDP2 makes it: ``ReduceOp.PREMUL_SUM(f)``, or
+    ``torch.distributed._make_nccl_premul_sum(f)`` in torch 2.11.
+
+    Its state is ``(op, factor)`` in both; torch 2.11's op has no ``factor`` attribute.
+    """
+    return float(op.__getstate__()[1])
 
 
 class CompressedReduceScatter(ReduceScatter):
@@ -195,7 +204,7 @@ class CompressedReduceScatter(ReduceScatter):
         elif kind == ReduceOp.AVG:
             scale = 1.0 / world
         elif kind == ReduceOp.PREMUL_SUM:
-            scale = float(op.factor)
+            scale = premul_factor(op)
         else:
             raise ValueError(
                 f"{where}: op must be SUM, AVG or PREMUL_SUM (what FSDP2 uses for gradients), "

@@ -202,8 +202,16 @@ class SimNccl(dist.ProcessGroup):
             lambda i, o: self._gloo._reduce_scatter_base(o[0], i[0], opts),
         )
 
+    # The names torch 2.11's collectives call (its all_to_all_single, all_gather_into_tensor and
+    # reduce_scatter_tensor); later releases call the ones above.
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
+
     def _allgather_base(self, output, input, opts=None):
         return self.all_gather_single(output, input, opts)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        return self.reduce_scatter_single(output, input, opts)
 
     def allgather(self, output_lists, inputs, opts=None):
         opts = opts or AllgatherOptions()

@@ -58,9 +58,16 @@ def _expected(inputs, rank, chunk, wire, in_dtype, scale, block):
     return acc.to(in_dtype)
 
 
+def _premul(factor):
+    """PREMUL_SUM(factor), made as the installed torch's FSDP2 makes it."""
+    if callable(ReduceOp.PREMUL_SUM):
+        return ReduceOp.PREMUL_SUM(factor)
+    return dist._make_nccl_premul_sum(factor)  # torch 2.11
+
+
 def _direct(rank, world):
     gen = torch.Generator().manual_seed(rank)
-    ops_ = [(ReduceOp.SUM, 1.0), (ReduceOp.AVG, 1.0 / world), (ReduceOp.PREMUL_SUM(0.3), 0.3)]
+    ops_ = [(ReduceOp.SUM, 1.0), (ReduceOp.AVG, 1.0 / world), (_premul(0.3), 0.3)]
     for wire in WIRES:
         comm = CompressedReduceScatter(wire, block_size=64 if wire in _BLOCKED else None)
         # 128 = two int8 blocks (one quantize call for all ranks); 1000 and 7 are not.
