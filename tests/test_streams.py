@@ -2,6 +2,7 @@
 that fails fails the command."""
 
 import itertools
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +42,23 @@ def test_a_failing_stream_fails_the_command_and_shows_its_output(tmp_path):
     res = subprocess.run(run, capture_output=True, text=True, timeout=100)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "ranks exit 0" in res.stdout and "emu exit 5" in res.stdout, res.stdout
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_streams_run_niced_and_an_also_command_counts_as_a_stream(tmp_path):
+    # Niceness adds to the caller's: this test may itself run in a niced stream.
+    ranks, also = (min(19, os.nice(0) + n) for n in (streams.NICE["ranks"], streams.ALSO_NICE))
+    tests = tmp_path / "test_nice.py"
+    tests.write_text(f"import os\n\ndef test_nice():\n    assert os.nice(0) == {ranks}\n")
+    command = f"{sys.executable} -c 'import os; print(\"the command at\", os.nice(0))'; exit 5"
+    run = [sys.executable, str(RUNNER), "--only", "ranks", "--also", "planted", command]
+    res = subprocess.run(
+        [*run, "--", str(tests), "-q"], capture_output=True, text=True, timeout=100
+    )
+    assert "ranks exit 0" in res.stdout, res.stdout + res.stderr
+    # Exit 5 is pytest's "nothing collected", which passes a stream, but fails a command.
+    assert res.returncode == 1 and "failed streams: planted" in res.stdout, res.stdout
+    assert f"the command at {also}" in res.stdout, res.stdout
+    res = subprocess.run([*run, "--also", "nodes", "true"], capture_output=True, text=True)
+    assert res.returncode == 2 and "give each command a name of its own" in res.stderr, res.stderr
