@@ -116,7 +116,13 @@ def _run(tmp: Path, mode: str, bed, *, loss=0.0, wire=None, during=None, env=Non
             for proc in netns.start(made, "2", argv, stdout=subprocess.PIPE, env=env)[::-1]:
                 job.add(proc)
             if during is not None:
-                during(made, tmp / "progress", job.procs)
+                try:
+                    during(made, tmp / "progress", job.procs)
+                except AssertionError as e:  # say why the job was not where the fault needed it
+                    netns.stop(job.procs)
+                    job.wait(30)
+                    tails = "\n".join(f"node {k}:\n{out[-3000:]}" for k, out in enumerate(job.outs))
+                    raise AssertionError(f"{e}\n{tails}") from None
             codes = job.wait(timeout)
             drops = [netns.dropped(node) for node in made] if loss else []
             drops += [line.dropped] if line is not None else []
