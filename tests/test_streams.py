@@ -15,6 +15,11 @@ from tests import streams
 RUNNER = Path(streams.__file__)
 
 
+def _env(tmp_path: Path) -> dict:
+    # A failed run keeps its logs' folder for the reader: here, in the test's own folder.
+    return {**os.environ, "TMPDIR": str(tmp_path)}
+
+
 def test_the_streams_run_every_test_exactly_once():
     # Whatever markers a test has, exactly one stream's expression selects it.
     names = ["emu", "netns", "launcher", "multiproc", "cuda", "nccl_sim"]
@@ -33,13 +38,13 @@ def test_a_failing_stream_fails_the_command_and_shows_its_output(tmp_path):
     bad = "def test_bad():\n    raise AssertionError('the planted failure')\n"
     tests.write_text("def test_good():\n    pass\n\n" + bad)
     run = [sys.executable, str(RUNNER), "--only", "ranks", "emu", "--", str(tests), "-q"]
-    res = subprocess.run(run, capture_output=True, text=True, timeout=100)
+    res = subprocess.run(run, capture_output=True, text=True, timeout=100, env=_env(tmp_path))
     assert res.returncode == 1, res.stdout + res.stderr
     assert "test_bad" in res.stdout and "the planted failure" in res.stdout, res.stdout
     assert "failed streams: ranks" in res.stdout, res.stdout
     # The emu stream found nothing to run in this file: not a failure.
     tests.write_text("def test_good():\n    pass\n")
-    res = subprocess.run(run, capture_output=True, text=True, timeout=100)
+    res = subprocess.run(run, capture_output=True, text=True, timeout=100, env=_env(tmp_path))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "ranks exit 0" in res.stdout and "emu exit 5" in res.stdout, res.stdout
 
@@ -54,11 +59,15 @@ def test_streams_run_niced_and_an_also_command_counts_as_a_stream(tmp_path):
     command = f"{sys.executable} -c 'import os; print(\"the command at\", os.nice(0))'; exit 5"
     run = [sys.executable, str(RUNNER), "--only", "ranks", "--also", "planted", command]
     res = subprocess.run(
-        [*run, "--", str(tests), "-q"], capture_output=True, text=True, timeout=100
+        [*run, "--also", "nodes", "true"], capture_output=True, text=True, env=_env(tmp_path)
     )
+    assert res.returncode == 2 and "give each command a name of its own" in res.stderr, res.stderr
+    assert not list(tmp_path.glob("fastddp-tests-*")), "a refused command started streams"
+    res = subprocess.run(
+        [*run, "--", str(tests), "-q"], capture_output=True, text=True, timeout=100,
+        env=_env(tmp_path),
+    )  # fmt: skip
     assert "ranks exit 0" in res.stdout, res.stdout + res.stderr
     # Exit 5 is pytest's "nothing collected", which passes a stream, but fails a command.
     assert res.returncode == 1 and "failed streams: planted" in res.stdout, res.stdout
     assert f"the command at {also}" in res.stdout, res.stdout
-    res = subprocess.run([*run, "--also", "nodes", "true"], capture_output=True, text=True)
-    assert res.returncode == 2 and "give each command a name of its own" in res.stderr, res.stderr
