@@ -31,8 +31,9 @@ LAUNCHERS = {
     "fastddp": [sys.executable, "-m", "fastddp.launch"],
     "torchrun": [sys.executable, "-m", "torch.distributed.run"],
 }
-# Dead members of a c10d rendezvous are dropped after 3 missed 1 s heartbeats (default 5 x 30 s).
-_RDZV_CONF = "join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3"
+# Dead members of a c10d rendezvous are dropped after 6 missed 1 s heartbeats (default 5 x 30 s):
+# a lost node is noticed in seconds, and a live launcher starved of CPU for 3 s is not dropped.
+_RDZV_CONF = "join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=6"
 STEPS = 12
 
 
@@ -221,7 +222,7 @@ def run_case(
     launcher: str,
     want: list[torch.Tensor],
     workdir: Path,
-    timeout: float = 150.0,
+    timeout: float = 240.0,
     bed: Optional[list[netns.Node]] = None,
 ) -> Outcome:
     """Run ``case`` once under ``launcher`` (``fastddp`` or ``torchrun``) and judge it.

@@ -21,7 +21,7 @@ import pytest
 from fastddp.testing import netns
 from fastddp.testing.restarts import CASES, Case, reference, run_case
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.launcher, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.launcher, pytest.mark.timeout(360)]
 
 _REFERENCES: dict[int, list] = {}
 
