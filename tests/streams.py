@@ -13,10 +13,12 @@ stream ends; the command fails when any stream does. The markers split the tests
 test runs in exactly one stream (``tests/test_streams.py`` checks it).
 
 The suite is CPU-bound on a small machine, so the streams are niced by how much of their time
-is a wall-clock wait: the namespace and launcher jobs, which wait on links, timeouts and the
-start-up of other processes and set the suite's length, run first; the pooled ranks and the
-emulator, which only compute, fill the cores' idle moments. ``--also NAME COMMAND`` runs a
-shell command (``make test``: the CUDA compile check) as one more stream, niced the most.
+is a wall-clock wait: the namespace and launcher streams, which wait on links, timeouts and
+start-ups and set the suite's length, first; the pooled ranks and the emulator, which only
+compute, after them. ``--also NAME COMMAND`` runs a shell command (``make test``: the CUDA
+compile check) as one more stream, niced the most. Niceness orders the processes of this
+session only: launchers and workers start sessions of their own, which Linux's autogroup
+scheduling shares the cores with as equals, whatever their niceness.
 """
 
 import argparse
