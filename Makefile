@@ -67,8 +67,8 @@ endif
 # Four concurrent pytest streams (tests/streams.py): the multi-node jobs on namespaces and the
 # launcher's jobs, which mostly wait (start-ups, links, timeouts); the rest; and the emu tests,
 # once, under AddressSanitizer (its runtime preloaded). The CUDA compile check runs beside them
-# as a fifth stream, at the lowest priority: its compilers fill the moments the tests leave a
-# core idle, and it fails the command as a stream would. Each stream's output is printed whole
+# as a fifth stream, at the lowest priority, rather than holding the tests back for its one-core
+# tail; it fails the command as a stream would. Each stream's output is printed whole
 # as it ends, with pytest's list of its slowest tests, then each stream's time and CPU time.
 # Multi-rank tests share pooled rank processes (tests/_dist.py).
 test: build
