@@ -74,12 +74,20 @@ def _maybe_die(run: Path, kills: list[tuple[int, int]], step: int, rank: int) ->
 
 def main(argv=None) -> None:
     args = _args(argv)
-    kills = _kills(args.kill)
+    _kills(args.kill)  # a bad --kill ends every rank before the group waits for its peers
     timeout = timedelta(seconds=args.timeout)
     if args.init == "plain":
         dist.init_process_group(args.backend, timeout=timeout)
     else:
         fastddp.init_distributed(backend=args.backend, timeout=timeout)
+    train(args)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace) -> None:
+    """The job, on the default process group (made by :func:`main`, or by the caller)."""
+    kills = _kills(args.kill)
     rank = dist.get_rank()
     net = _model()
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
@@ -110,8 +118,6 @@ def main(argv=None) -> None:
         time.sleep(args.step_seconds)
     if rank == 0:
         torch.save([p.detach() for p in net.parameters()], args.dir / "params.pt")
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 
 from fastddp.testing import netns
 
-__all__ = ["CASES", "Case", "Outcome", "reference", "run_case"]
+__all__ = ["CASES", "Case", "Outcome", "reference", "run_case", "worker_args"]
 
 LAUNCHERS = {
     "fastddp": [sys.executable, "-m", "fastddp.launch"],
@@ -119,7 +119,8 @@ def _launch_args(case: Case, node: int, addr: str, port: int, run_id: str) -> li
             "--rdzv-id", run_id, "--rdzv-conf", _RDZV_CONF]  # fmt: skip
 
 
-def _worker_args(case: Case, run: Path, kills: bool = True) -> list[str]:
+def worker_args(case: Case, run: Path, kills: bool = True) -> list[str]:
+    """``-m fastddp.testing.restart_worker`` and its arguments for ``case``, run in ``run``."""
     argv = ["-m", "fastddp.testing.restart_worker", "--dir", str(run), "--init", case.init]
     argv += ["--steps", str(STEPS)]
     if case.fault == "node-loss":
@@ -178,7 +179,7 @@ def _execute(case: Case, launcher: str, run: Path, timeout: float, kills: bool =
         def start(node: int) -> subprocess.Popen:
             cmd = LAUNCHERS[launcher] + _launch_args(case, node, addr, port, run_id)
             ns = made[node].ns if made else None
-            return _spawn(cmd + _worker_args(case, run, kills), ns, log, env)
+            return _spawn(cmd + worker_args(case, run, kills), ns, log, env)
 
         procs = [start(node) for node in reversed(range(case.nodes))][::-1]
         try:

@@ -2,14 +2,15 @@
 
 Each case of :data:`fastddp.testing.restarts.CASES` runs once: a tiny job that checkpoints every
 step, on one node (standalone, static and c10d rendezvous; plain ``init_process_group`` and
-``fastddp.init_distributed``; a worker killed once, or again in the restarted attempt) and on two
-network namespaces of 2 ranks each (a worker kill and a lost node started again). A case passes
-when the job finishes, resumed from its checkpoint after every fault, with exactly the
-parameters of an uninterrupted run. The standalone plain case, which plain torchrun fails about
-two runs in three, runs 3 times in a row (once more as a case of its own). ``make
-stress-restart`` runs each case 50 times.
+``fastddp.init_distributed``; a worker killed once, or again in the restarted attempt) and on
+two network namespaces of 2 ranks each (a worker kill and a lost node started again). A case
+passes when the job finishes, resumed from its checkpoint after every fault, with exactly the
+parameters of an uninterrupted run (on pooled ranks, ``tests/_references.py``). The standalone
+plain case, which plain torchrun fails about two runs in three, runs 3 times in a row (once more
+as a case of its own). ``make stress-restart`` runs each case 50 times.
 """
 
+import dataclasses
 import os
 import signal
 import socket
@@ -19,7 +20,9 @@ import sys
 import pytest
 
 from fastddp.testing import netns
-from fastddp.testing.restarts import CASES, Case, reference, run_case
+from fastddp.testing.restarts import CASES, Case, run_case, worker_args
+
+from .._references import restart_job
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.launcher, pytest.mark.timeout(360)]
 
@@ -34,11 +37,14 @@ def bed(request):
 
 
 @pytest.fixture
-def want(request, bed, tmp_path_factory):
-    """The uninterrupted run's parameters for the case's number of nodes, once per session."""
+def want(request, tmp_path_factory):
+    """The uninterrupted job's parameters for the case's number of nodes, once per session, on
+    pooled ranks (``tests/_references.py``; ``make stress-restart`` launches it instead)."""
     case: Case = request.node.callspec.params["case"]
     if case.nodes not in _REFERENCES:
-        _REFERENCES[case.nodes] = reference(case, tmp_path_factory.mktemp("reference"), bed)
+        run = tmp_path_factory.mktemp("reference")
+        args = worker_args(dataclasses.replace(case, fault="kill"), run, kills=False)
+        _REFERENCES[case.nodes] = restart_job(args, 2 * case.nodes, nodes=case.nodes)
     return _REFERENCES[case.nodes]
 
 

@@ -7,7 +7,8 @@ names the ranks of the unreachable node, within the peer timeout). Under torchru
 rendezvous, every process of node 1 is killed mid-run: started again, it rejoins and the job
 resumes from the last checkpoint; not started again, with ``--nnodes 1:2``, node 0 goes on
 alone from that checkpoint, with the hook state regrouped for 2 ranks. The math never depends
-on timing, so every finished run must end with exactly the parameters of its reference run.
+on timing, so every finished run must end with exactly the parameters of its reference run:
+the same training without the fault, on pooled ranks (``tests/_references.py``).
 Skipped where namespaces cannot be made (not root).
 """
 
@@ -26,6 +27,8 @@ import pytest
 import torch
 
 from fastddp.testing import netns
+
+from .._references import resume_example
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "resume.py"
@@ -92,17 +95,14 @@ class _Launchers:
 
 
 def _run(tmp: Path, mode: str, bed, *, loss=0.0, wire=None, during=None, env=None, extra=(),
-         timeout=240, resume=None, steps=STEPS):  # fmt: skip
+         timeout=240, steps=STEPS):  # fmt: skip
     """One run on 2 nodes x 2 ranks: (exit codes, outputs, drops, params), node 0's first.
 
     ``bed``: the module's nodes; ``loss``: % of packets dropped on the bridge (nftables);
-    ``wire``: ``(delay_ms, loss %)`` of a wired pair instead of the bridge; ``resume``: a
-    checkpoint to start from.
+    ``wire``: ``(delay_ms, loss %)`` of a wired pair instead of the bridge.
     """
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    if resume is not None:
-        shutil.copytree(resume, tmp / "ckpt" / resume.name)
     argv = [str(EXAMPLE), *steps, "--mode", mode, "--ckpt-dir", str(tmp / "ckpt")]
     argv += ["--out", str(tmp / "params.pt"), "--progress", str(tmp / "progress"), *extra]
     link = netns.wired_pair(*wire) if wire else _reset_after(bed)
@@ -150,15 +150,15 @@ def _wait_for_step(progress: Path, step: int, proc, timeout=180.0, rank=2) -> No
 _CLEAN: dict[tuple, tuple[list, Path]] = {}
 
 
-def _clean(mode: str, tmp_path_factory, bed, ckpt: bool = False, steps=STEPS):
-    """The clean-link run's parameters (and with ``ckpt`` its checkpoint directory), once per
-    mode and length for the whole module."""
+def _clean(mode: str, tmp_path_factory, ckpt: bool = False, steps=STEPS):
+    """The run's parameters without faults (and with ``ckpt`` its checkpoint directory), once
+    per mode and length for the whole module: 2 pretend nodes of 2 pooled ranks."""
     key = (mode, *steps)
     if key not in _CLEAN:
         tmp = tmp_path_factory.mktemp(f"clean-{mode}")
-        codes, outs, _, params = _run(tmp, mode, bed, steps=steps)
-        assert codes == [0, 0] and params is not None, _said(codes, outs)
-        _CLEAN[key] = (params, tmp / "ckpt")
+        argv = [*steps, "--mode", mode, "--ckpt-dir", str(tmp / "ckpt")]
+        resume_example([*argv, "--out", str(tmp / "params.pt")], 4, nodes=2)
+        _CLEAN[key] = (torch.load(tmp / "params.pt"), tmp / "ckpt")
     return _CLEAN[key] if ckpt else _CLEAN[key][0]
 
 
@@ -184,7 +184,7 @@ def test_lossy_link_gives_the_clean_runs_parameters(mode, bed, tmp_path, tmp_pat
     codes, outs, drops, params = _run(tmp_path, mode, bed, loss=1.0, steps=LOSSY_STEPS)
     assert codes == [0, 0], _said(codes, outs)
     assert sum(drops) > 0, "no packet was dropped: the test did not test loss"
-    clean = _clean(mode, tmp_path_factory, bed, steps=LOSSY_STEPS)
+    clean = _clean(mode, tmp_path_factory, steps=LOSSY_STEPS)
     assert _same(params, clean), "a lossy link changed the result"
 
 
@@ -250,7 +250,7 @@ def test_a_slow_lossy_link_gives_the_clean_runs_parameters(mode, bed, tmp_path, 
     codes, outs, drops, params = _run(tmp_path, mode, None, wire=(20.0, 1.0), steps=LOSSY_STEPS)
     assert codes == [0, 0], _said(codes, outs)
     assert drops[0] > 0, "no packet was dropped: the test did not test loss"
-    clean = _clean(mode, tmp_path_factory, bed, steps=LOSSY_STEPS)
+    clean = _clean(mode, tmp_path_factory, steps=LOSSY_STEPS)
     assert _same(params, clean), "a slow lossy link changed the result"
 
 
@@ -265,7 +265,7 @@ def test_a_five_second_outage_is_ridden_out(bed, tmp_path, tmp_path_factory):
     codes, outs, _, params = _run(tmp_path, "bf16", bed, during=outage, extra=extra)
     assert codes == [0, 0], _said(codes, outs)
     assert "rank 0: done, 30 steps" in outs[0]
-    assert _same(params, _clean("bf16", tmp_path_factory, bed)), "the outage changed the result"
+    assert _same(params, _clean("bf16", tmp_path_factory)), "the outage changed the result"
 
 
 def test_a_lasting_outage_names_the_lost_node_within_the_peer_timeout(bed, tmp_path):
@@ -358,25 +358,21 @@ def test_a_lost_node_started_again_rejoins_and_the_job_resumes(bed, tmp_path, tm
     assert "rank 0: attempt 1, starting from step 10" in outs[0], outs[0]
     assert "rank 2: attempt 0, starting from step 10" in outs[2], outs[2]
     assert "restarts: a fresh workers' store for every rendezvous round" in outs[0], outs[0]
-    assert _same(params, _clean(_EF_MODE, tmp_path_factory, bed)), "resuming changed the result"
+    assert _same(params, _clean(_EF_MODE, tmp_path_factory)), "resuming changed the result"
 
 
 _REFERENCE: dict[str, list] = {}
 
 
-def _clean_resumed_on_2_ranks(tmp_path_factory, bed) -> list:
+def _clean_resumed_on_2_ranks(tmp_path_factory) -> list:
     """The clean 4-rank run's checkpoint at step 10, resumed on 2 ranks: its parameters."""
     if "shrunk" not in _REFERENCE:
-        _, ckpt = _clean(_EF_MODE, tmp_path_factory, bed, ckpt=True)
+        _, ckpt = _clean(_EF_MODE, tmp_path_factory, ckpt=True)
         ref = tmp_path_factory.mktemp("reference")
         shutil.copytree(ckpt / "step-10", ref / "ckpt" / "step-10")
-        argv = [str(EXAMPLE), *STEPS, "--mode", _EF_MODE, "--ckpt-dir", str(ref / "ckpt")]
-        cmd = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]
-        res = subprocess.run(
-            [*cmd, *argv, "--out", str(ref / "params.pt")],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        assert res.returncode == 0, res.stdout + res.stderr
+        argv = [*STEPS, "--mode", _EF_MODE, "--ckpt-dir", str(ref / "ckpt")]
+        said = resume_example([*argv, "--out", str(ref / "params.pt")], 2)
+        assert "step-10 was saved by 4 ranks and this job has 2" in said, said
         _REFERENCE["shrunk"] = torch.load(ref / "params.pt")
     return _REFERENCE["shrunk"]
 
@@ -391,7 +387,7 @@ def test_a_lost_node_not_coming_back_leaves_node_0_alone(power, bed, tmp_path, t
     assert "rank 0: attempt 1, starting from step 10" in outs[0], outs[0]
     assert "step-10 was saved by 4 ranks and this job has 2: resharding" in outs[0], outs[0]
     # Equal to the clean 4-rank run's checkpoint at step 10 resumed on 2 ranks.
-    shrunk = _clean_resumed_on_2_ranks(tmp_path_factory, bed)
+    shrunk = _clean_resumed_on_2_ranks(tmp_path_factory)
     assert _same(params, shrunk), "node 0 alone diverged"
 
 
@@ -417,11 +413,11 @@ def test_a_node_added_to_a_running_job_grows_it(bed, tmp_path, tmp_path_factory)
     step = int(found.group(1))
     print(f"node 1 joined; 4 ranks resumed from step {step}")
     assert f"rank 2: attempt 0, starting from step {step}" in job.outs[1], job.outs[1]
-    # The reference: that 2-rank checkpoint resumed by a static 2 x 2 job.
-    ckpt = tmp_path / "ckpt" / f"step-{step}"
-    codes, outs, _, want = _run(
-        tmp_path_factory.mktemp("grown"), _EF_MODE, bed, extra=["--steps", "40"], resume=ckpt
-    )
-    assert codes == [0, 0], _said(codes, outs)
-    assert f"rank 0: attempt 0, starting from step {step}" in outs[0], outs[0]
+    # The reference: that 2-rank checkpoint resumed by 2 nodes of 2 ranks without faults.
+    ref = tmp_path_factory.mktemp("grown")
+    shutil.copytree(tmp_path / "ckpt" / f"step-{step}", ref / "ckpt" / f"step-{step}")
+    argv = ["--steps", "40", "--mode", _EF_MODE, "--ckpt-dir", str(ref / "ckpt")]
+    said = resume_example([*argv, "--out", str(ref / "params.pt")], 4, nodes=2)
+    assert f"rank 0: attempt 0, starting from step {step}" in said, said
+    want = torch.load(ref / "params.pt")
     assert _same(torch.load(tmp_path / "params.pt"), want), "the grown job diverged"
