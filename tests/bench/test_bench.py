@@ -330,21 +330,23 @@ def test_fsdp_over_two_nodes_of_two_ranks_native_and_hybrid(tmp_path):
     assert "2 nodes x 2 ranks" in res.stdout
 
 
-def _script(name, args, tmp_path):
+def _script(name, args, tmp_path, capsys):
+    """``python benchmarks/<name>.py args --json F``, run here with the ranks it spawns on the
+    session's pooled ranks (as :func:`_here`): F's data and what it printed."""
     out = tmp_path / f"{name}.json"
-    res = subprocess.run(
-        [sys.executable, f"benchmarks/{name}.py", *args, "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(out.read_text()), res.stdout
+    # By its package name, which the pooled ranks import too (the repository is on sys.path).
+    module = importlib.import_module(f"benchmarks.{name}")
+    with spawn.pooled(pool):
+        code = module.main([*args, "--json", str(out)])
+    said = capsys.readouterr()
+    sys.stdout.write(said.out)  # shown when the test fails
+    sys.stderr.write(said.err)
+    assert code in (None, 0) or not isinstance(code, int), f"exit {code}: {said.err[-3000:]}"
+    return json.loads(out.read_text()), said.out
 
 
-def test_accuracy_study_runs_and_shows_fp32_accumulation(tmp_path):
-    data, stdout = _script("accuracy", ["--worlds", "4", "--trials", "1"], tmp_path)
+def test_accuracy_study_runs_and_shows_fp32_accumulation(tmp_path, capsys):
+    data, stdout = _script("accuracy", ["--worlds", "4", "--trials", "1"], tmp_path, capsys)
     errs = data["rel_err"]["4"]
     assert errs["bf16-acc"] < errs["bf16"]
     assert errs["fp16-acc"] < errs["fp16"]
@@ -356,10 +358,10 @@ def test_accuracy_study_runs_and_shows_fp32_accumulation(tmp_path):
     assert "4 ranks" in stdout
 
 
-def test_link_sweep_on_loopback(tmp_path):
+def test_link_sweep_on_loopback(tmp_path, capsys):
     args = ["--rates", "loopback", "--modes", "fp32", "fastddp-bf16", "powersgd-r1", "fastddp-auto"]
     args += ["--width", "32", "--layers", "1", "--steps", "2", "--warmup", "2"]
-    data, stdout = _script("link_sweep", [*args, "--bucket-cap-mb", "0.01"], tmp_path)
+    data, stdout = _script("link_sweep", [*args, "--bucket-cap-mb", "0.01"], tmp_path, capsys)
     rows = data["rows"]["loopback"]
     assert set(rows) == {"fp32", "fastddp-bf16", "powersgd-r1", "fastddp-auto"}
     assert all(r["world_size"] == 2 and r["nodes"] == 1 for r in rows.values())
@@ -381,11 +383,11 @@ def test_link_sweep_on_loopback(tmp_path):
     assert f"{ratio:.2f}x" in stdout.split("auto / best fixed")[1].splitlines()[0]
 
 
-def test_link_sweep_in_rounds_keeps_each_modes_median_job(tmp_path):
+def test_link_sweep_in_rounds_keeps_each_modes_median_job(tmp_path, capsys):
     args = ["--rates", "loopback", "--modes", "fp32", "--rounds", "2"]
     args += ["--nproc-per-node", "2"]  # on loopback, 4 ranks
     args += ["--width", "32", "--layers", "1", "--steps", "2", "--warmup", "2"]
-    data, stdout = _script("link_sweep", [*args, "--bucket-cap-mb", "0.01"], tmp_path)
+    data, stdout = _script("link_sweep", [*args, "--bucket-cap-mb", "0.01"], tmp_path, capsys)
     row = data["rows"]["loopback"]["fp32"]
     # Two jobs; of two, the faster one speaks for the mode.
     assert len(row["jobs_p50_ms"]) == 2 and row["p50_ms"] == min(row["jobs_p50_ms"])
@@ -401,8 +403,8 @@ def test_link_sweep_refuses_bad_rounds_and_ranks(bad, capsys):
     assert exit_.value.code == 2 and "give --rounds 0 (every mode in one job) or more" in err
 
 
-def test_convergence_run_runs(tmp_path):
-    data, stdout = _script("convergence", ["--steps", "30"], tmp_path)
+def test_convergence_run_runs(tmp_path, capsys):
+    data, stdout = _script("convergence", ["--steps", "30"], tmp_path, capsys)
     base = data["fp32"]
     assert len(base["losses"]) == 30 and base["losses"][-1] < base["first"]
     for name in ("bf16", "int8", "int8-ef"):
@@ -410,9 +412,9 @@ def test_convergence_run_runs(tmp_path):
     assert "vs fp32" in stdout
 
 
-def test_soak_sees_no_growth_and_would_see_it(tmp_path):
+def test_soak_sees_no_growth_and_would_see_it(tmp_path, capsys):
     args = ["--steps", "200", "--every", "100", "--width", "128"]
-    data, stdout = _script("soak", args, tmp_path)
+    data, stdout = _script("soak", args, tmp_path, capsys)
     assert "no growth after step 100 on any rank" in stdout
     for results in data["ranks"]:
         assert set(results) == {*fastddp.PRESETS, "int8-ef+sr"}
