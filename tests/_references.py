@@ -56,7 +56,8 @@ def resume_example(argv: list[str], world_size: int, nodes: int = 1) -> str:
 
 
 def _restart_rank(rank: int, world_size: int, argv: list[str]) -> None:
-    restart_worker.train(restart_worker._args(argv))
+    with contextlib.redirect_stdout(io.StringIO()):  # its timed lines are for launched runs
+        restart_worker.train(restart_worker._args(argv))
 
 
 def restart_job(worker_args: list[str], world_size: int, nodes: int = 1) -> list[torch.Tensor]:

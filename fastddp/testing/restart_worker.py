@@ -72,9 +72,17 @@ def _maybe_die(run: Path, kills: list[tuple[int, int]], step: int, rank: int) ->
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _say(what: str) -> None:
+    """One timed line, so that a slow run's log shows where its time went."""
+    now = time.time()
+    stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
+    print(f"restart_worker {stamp} {what}", flush=True)
+
+
 def main(argv=None) -> None:
     args = _args(argv)
     _kills(args.kill)  # a bad --kill ends every rank before the group waits for its peers
+    _say(f"rank {os.environ.get('RANK', '?')}: started, joining the group")
     timeout = timedelta(seconds=args.timeout)
     if args.init == "plain":
         dist.init_process_group(args.backend, timeout=timeout)
@@ -100,8 +108,9 @@ def train(args: argparse.Namespace) -> None:
         start = saved["step"]
     model = DDP(net)
     model.register_comm_hook(fastddp.CompressState(), fastddp.compress_hook)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    _say(f"rank {rank}: attempt {attempt}, from step {start}")
     if rank == 0:
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         with open(args.dir / "attempts", "a") as f:
             f.write(f"attempt {attempt} resumed-from {start}\n")
     for step in range(start, args.steps):
@@ -118,6 +127,7 @@ def train(args: argparse.Namespace) -> None:
         time.sleep(args.step_seconds)
     if rank == 0:
         torch.save([p.detach() for p in net.parameters()], args.dir / "params.pt")
+    _say(f"rank {rank}: done, {args.steps} steps")
 
 
 if __name__ == "__main__":

@@ -12,10 +12,12 @@ as a case of its own). ``make stress-restart`` runs each case 50 times.
 
 import dataclasses
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -27,6 +29,9 @@ from .._references import restart_job
 pytestmark = [pytest.mark.multiproc, pytest.mark.launcher, pytest.mark.timeout(360)]
 
 _REFERENCES: dict[int, list] = {}
+# The lines with times: torch's log (``W1127 08:25:55.455000 5944 ...``) and the workers'.
+_TIMED = re.compile(r"^([DIWEF]\d{4} |restart_worker )\d\d:\d\d:\d\d")
+_BANNER = re.compile(r"\] *(\**|Setting OMP_NUM_THREADS.*)$")  # torchrun's OMP notice
 
 
 @pytest.fixture
@@ -67,19 +72,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _judge(outcome) -> None:
+# run_case's limit on a cell, and half of it: a cell that passes slower than that is reported.
+_LIMIT = 240.0
+_SLOW = _LIMIT / 2
+
+
+def _judge(outcome, case: Case) -> None:
     assert outcome.status == "finished", f"{outcome.detail}\n{outcome.output[-4000:]}"
+    if outcome.seconds > _SLOW:
+        # A passing cell keeps no output. The timed lines tell a starved machine (evenly slow)
+        # from a wait that ran out (one long gap).
+        lines = outcome.output.splitlines()
+        timed = [line[:200] for line in lines if _TIMED.match(line) and not _BANNER.search(line)]
+        warnings.warn(
+            f"{case.name} passed in {outcome.seconds:.0f} s of {_LIMIT:.0f}; its timed lines:\n"
+            + "\n".join(timed[-40:]),
+            stacklevel=2,
+        )
 
 
 @pytest.mark.parametrize("case", _params(CASES))
 def test_a_restarted_job_resumes_to_the_uninterrupted_result(case, want, bed, tmp_path):
-    _judge(run_case(case, "fastddp", want, tmp_path, bed=bed))
+    _judge(run_case(case, "fastddp", want, tmp_path, timeout=_LIMIT, bed=bed), case)
 
 
 @pytest.mark.parametrize("case", _params([Case("standalone", "plain", "kill")]))
 @pytest.mark.parametrize("repeat", range(2))
 def test_standalone_plain_restart_every_time(case, repeat, want, bed, tmp_path):
-    _judge(run_case(case, "fastddp", want, tmp_path, bed=bed))
+    _judge(run_case(case, "fastddp", want, tmp_path, timeout=_LIMIT, bed=bed), case)
 
 
 def test_a_round_that_cannot_form_ends_with_the_cause(tmp_path):
