@@ -132,3 +132,6 @@ def train(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     main()
+    # A Gloo worker can abort in interpreter shutdown after a clean destroy (docs/launch.md):
+    # its agent would take that for a failure and start one attempt more.
+    fastddp.distributed.exit_after_shutdown()

@@ -244,7 +244,8 @@ def run_case(
     elif any(codes):
         outcome = Outcome("failed", f"exit codes {codes}", took, output)
     elif len(resumed) != case.resumes:
-        outcome = Outcome("wrong", f"attempts {attempts}: expected {case.resumes} resumes", took)
+        detail = f"attempts {attempts}: expected {case.resumes} resumes"
+        outcome = Outcome("wrong", detail, took, output)
     else:
         got = torch.load(run / "params.pt")
         same = len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
