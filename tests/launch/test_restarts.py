@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -31,7 +32,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.launcher, pytest.mark.timeout(3
 _REFERENCES: dict[int, list] = {}
 # The lines with times: torch's log (``W1127 08:25:55.455000 5944 ...``) and the workers'.
 _TIMED = re.compile(r"^([DIWEF]\d{4} |restart_worker )\d\d:\d\d:\d\d")
-_BANNER = re.compile(r"\] *(\**|Setting OMP_NUM_THREADS.*)$")  # torchrun's OMP notice
+_BANNER = re.compile(r"\] *\**$")  # the frame of torchrun's notice (its text, timed, stays)
 
 
 @pytest.fixture
@@ -84,9 +85,10 @@ def _judge(outcome, case: Case) -> None:
         # from a wait that ran out (one long gap).
         lines = outcome.output.splitlines()
         timed = [line[:200] for line in lines if _TIMED.match(line) and not _BANNER.search(line)]
+        began = time.strftime("%H:%M:%S", time.localtime(time.time() - outcome.seconds))
         warnings.warn(
-            f"{case.name} passed in {outcome.seconds:.0f} s of {_LIMIT:.0f}; its timed lines:\n"
-            + "\n".join(timed[-40:]),
+            f"{case.name} passed in {outcome.seconds:.0f} s of {_LIMIT:.0f}, from {began}; its"
+            " timed lines (torchrun's notice is its start):\n" + "\n".join(timed[-40:]),
             stacklevel=2,
         )
 
