@@ -29,11 +29,12 @@ def _run(args, timeout=240):
     return subprocess.run([*BENCH, *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _here(args, capsys) -> subprocess.CompletedProcess:
-    """``python -m fastddp.bench args``, run in this process with its ranks on the session's
-    pooled ranks (test_allreduce_sweep_columns_json_and_plot runs the command itself)."""
+def _here(args, capsys, main=cli.main) -> subprocess.CompletedProcess:
+    """``python -m fastddp.bench args`` (or another command's ``main``), run in this process
+    with its ranks on the session's pooled ranks (test_allreduce_sweep_columns_json_and_plot
+    runs the command itself)."""
     with spawn.pooled(pool):
-        code = cli.main(args)
+        code = main(args)
     out = capsys.readouterr()
     sys.stdout.write(out.out)  # shown when the test fails
     sys.stderr.write(out.err)
@@ -336,13 +337,10 @@ def _script(name, args, tmp_path, capsys):
     out = tmp_path / f"{name}.json"
     # By its package name, which the pooled ranks import too (the repository is on sys.path).
     module = importlib.import_module(f"benchmarks.{name}")
-    with spawn.pooled(pool):
-        code = module.main([*args, "--json", str(out)])
-    said = capsys.readouterr()
-    sys.stdout.write(said.out)  # shown when the test fails
-    sys.stderr.write(said.err)
-    assert code in (None, 0) or not isinstance(code, int), f"exit {code}: {said.err[-3000:]}"
-    return json.loads(out.read_text()), said.out
+    res = _here([*args, "--json", str(out)], capsys, main=module.main)
+    code = res.returncode
+    assert code in (None, 0) or not isinstance(code, int), f"exit {code}: {res.stderr[-3000:]}"
+    return json.loads(out.read_text()), res.stdout
 
 
 def test_accuracy_study_runs_and_shows_fp32_accumulation(tmp_path, capsys):
