@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.launcher, pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.multiproc,
+    pytest.mark.launcher,
+    pytest.mark.faults,
+    pytest.mark.timeout(300),
+]
 
 WORKER = Path(__file__).with_name("_restart_worker.py")
 ROOT = Path(__file__).resolve().parents[2]

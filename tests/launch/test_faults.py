@@ -61,6 +61,7 @@ def _finish(proc, timeout):
     return proc.returncode, out
 
 
+@pytest.mark.faults
 def test_killed_worker_restarts_and_resumes_to_the_same_parameters(tmp_path):
     steps = ["--steps", "24", "--ckpt-every", "5"]
     # The uninterrupted run, on pooled ranks (tests/_references.py).
@@ -89,6 +90,7 @@ def test_killed_worker_restarts_and_resumes_to_the_same_parameters(tmp_path):
         assert torch.equal(w, g), "the resumed run ended with other parameters"
 
 
+@pytest.mark.faults
 def test_stopped_worker_is_named_instead_of_hanging(tmp_path):
     progress = tmp_path / "progress"
     job = _launch(

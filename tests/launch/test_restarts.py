@@ -27,7 +27,12 @@ from fastddp.testing.restarts import CASES, Case, run_case, worker_args
 
 from .._references import restart_job
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.launcher, pytest.mark.timeout(360)]
+pytestmark = [
+    pytest.mark.multiproc,
+    pytest.mark.launcher,
+    pytest.mark.faults,
+    pytest.mark.timeout(360),
+]
 
 _REFERENCES: dict[int, list] = {}
 # The lines with times: torch's log (``W1127 08:25:55.455000 5944 ...``) and the workers'.

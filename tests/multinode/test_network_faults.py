@@ -38,6 +38,7 @@ LOSSY_STEPS = ["--steps", "8", "--ckpt-every", "10"]
 
 pytestmark = [
     pytest.mark.netns,
+    pytest.mark.faults,
     pytest.mark.multiproc,
     pytest.mark.skipif(
         bool(netns.unavailable_reason()), reason=netns.unavailable_reason() or "namespaces"
