@@ -12,20 +12,21 @@ plain ``*`` or ``+`` slipped into a kernel silently changes the last bit on the 
   fuse such a pair into an FMA (a rounding modifier such as ``.rn`` forbids it);
 - ``.approx`` math and ``div.full`` (approximate), and ``.ftz`` (the CPU keeps subnormals).
 
-The PTX comes from nvcc itself: the compile command of ``csrc/cuda/ops.cu`` in the CMake
-build's ``compile_commands.json``, with ``-ptx`` for each architecture it targets, so the
-flags are exactly those of the build (``make cuda-check`` runs it after the CMake build).
-PTX files can also be given directly. Exits 1 on any finding, or when a kernel of the header
-is missing from the PTX (renamed without updating ``KERNELS``).
+The PTX is the build's own: the CMake build embeds each architecture's PTX in ``_C.so``
+beside its cubin (``code=[compute_XX,sm_XX]``; a newer GPU compiles it at load), and
+``cuobjdump`` takes it out, so nothing is compiled again (``make cuda-check`` runs this after
+the CMake build). PTX files can also be given directly. Exits 1 on any finding, when a kernel
+of the header is missing from the PTX (renamed without updating ``KERNELS``), or when the
+library holds no PTX.
 
     python benchmarks/ptx_check.py --build-dir build-cmake
     python benchmarks/ptx_check.py kernels.ptx [more.ptx ...]
 
 It lives beside ``gpu_check.py`` because it is a check run from the Makefile, linted and
-tested with the other scripts; it needs nvcc but no GPU and no torch.
+tested with the other scripts; it needs cuobjdump (as ``sass_check.py`` finds it) but no GPU
+and no torch.
 """
 
-import json
 import re
 import shlex
 import subprocess
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import check_cli
+import sass_check
 
 # The kernels of csrc/cuda/kernels.cuh and packed_kernels.cuh, all of which promise parity
 # with the CPU.
@@ -230,34 +232,22 @@ def missing_kernels(report: dict[str, list[str]]) -> list[str]:
 
 
 def ptx_from_build(build_dir: Path, work: Path) -> list[Path]:
-    """Compile ``csrc/cuda/ops.cu`` to PTX with the CMake build's own flags, per architecture."""
-    commands = json.loads((build_dir / "compile_commands.json").read_text())
-    entry = next((e for e in commands if e["file"].endswith("ops.cu")), None)
-    if entry is None:
-        raise SystemExit(f"ptx_check: no ops.cu in {build_dir}/compile_commands.json")
-    args = entry.get("arguments") or shlex.split(entry["command"])
-    base, archs, skip = [], [], False
-    for arg in args:
-        if skip:
-            skip = False
-            continue
-        if arg in ("-o", "-c"):
-            skip = arg == "-o"
-            continue
-        gencode = re.match(r"--generate-code=arch=(compute_\d+a?)", arg)
-        if gencode:
-            archs.append(gencode.group(1))
-            continue
-        base.append(arg)
-    outputs = []
-    for arch in archs or ["compute_90"]:
-        out = work / f"ops.{arch}.ptx"
-        cmd = [*base, f"-arch={arch}", "-ptx", "-o", str(out)]
-        res = subprocess.run(cmd, cwd=entry["directory"], capture_output=True, text=True)
-        if res.returncode != 0:
-            raise SystemExit(f"ptx_check: nvcc -ptx failed:\n$ {shlex.join(cmd)}\n{res.stderr}")
-        outputs.append(out)
-    return outputs
+    """Take the PTX of every architecture out of the CMake build's ``_C.so``."""
+    library = (build_dir / "_C.so").resolve()
+    cuobjdump = sass_check.tool("cuobjdump")
+    res = subprocess.run([cuobjdump, "--list-ptx", str(library)], capture_output=True, text=True)
+    names = re.findall(r"(\S+\.ptx)$", res.stdout, re.MULTILINE)
+    if res.returncode != 0 or not names:
+        raise SystemExit(
+            f"ptx_check: no PTX in {library} (built with code=sm_XX only? the check needs "
+            f"code=[compute_XX,sm_XX]):\n{res.stdout}{res.stderr}"
+        )
+    for name in names:
+        cmd = [cuobjdump, "-xptx", name, str(library)]
+        out = subprocess.run(cmd, cwd=work, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise SystemExit(f"ptx_check: {shlex.join(cmd)} failed:\n{out.stderr}")
+    return [work / name for name in names]
 
 
 def main(argv=None) -> int:

@@ -2,6 +2,8 @@
 nothing in clean code, so the parser is tested without nvcc (``make cuda-check`` runs it on the
 real PTX)."""
 
+import importlib.util
+import shutil
 import sys
 from pathlib import Path
 
@@ -159,3 +161,10 @@ def test_the_command_line_exits_non_zero_on_any_finding(tmp_path, capsys, plante
     assert ptx_check.main([str(path)]) == code
     printed = capsys.readouterr().out
     assert ("clean" in printed) == (code == 0)
+
+
+def test_a_build_without_ptx_is_refused(tmp_path):
+    # The CPU build's library has no device code at all: nothing to check is a failure.
+    shutil.copy(importlib.util.find_spec("fastddp._C").origin, tmp_path / "_C.so")
+    with pytest.raises(SystemExit, match=r"no PTX in .*code=\[compute_XX,sm_XX\]"):
+        ptx_check.main(["--build-dir", str(tmp_path)])
