@@ -30,6 +30,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fastddp
 
 
+def _grow_at(spec: str) -> tuple[int, int]:
+    step, _, ranks = spec.partition(":")
+    if not (step.isdigit() and ranks.isdigit()):
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected STEP:RANKS, e.g. 20:4")
+    return int(step), int(ranks)
+
+
 def _args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ckpt-dir", required=True, type=Path)
@@ -40,6 +47,13 @@ def _args(argv=None):
     p.add_argument("--out", type=Path, help="rank 0 saves the final parameters here")
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step (demos)")
     p.add_argument("--progress", type=Path, help="each rank writes 'pid step' here per step")
+    p.add_argument(
+        "--grow-at",
+        type=_grow_at,
+        metavar="STEP:RANKS",
+        help="at STEP, wait until a node has joined and the job has RANKS ranks (its launcher "
+        "restarts the workers for the new member): elastic growth at a known step (tests)",
+    )
     # The default, bf16 summed in fp32 with error feedback, has residuals to checkpoint.
     p.add_argument(
         "--mode",
@@ -109,6 +123,8 @@ def train(env, args) -> None:
     sys.stdout.write(f"rank {env.rank}: attempt {restart}, starting from {where}\n")
     sys.stdout.flush()
     for step in range(start, args.steps):
+        if args.grow_at is not None and step == args.grow_at[0]:
+            _wait_to_grow(env, *args.grow_at)
         gen = torch.Generator().manual_seed((args.seed * 100_003 + step) * 1009 + env.rank)
         x = torch.randn(64, 32, generator=gen)
         y = torch.sin(x[:, :8] * 3) + x[:, 8:16] ** 2
@@ -122,9 +138,23 @@ def train(env, args) -> None:
             args.progress.with_suffix(f".rank{env.rank}").write_text(f"{os.getpid()} {step + 1}")
         time.sleep(args.step_seconds)
     if env.rank == 0:
-        print(f"rank 0: done, {args.steps} steps, final loss {loss.item():.5f}", flush=True)
+        # A job restarted after its last checkpoint (a node that joined as it ended) has no
+        # step left to run.
+        last = f"final loss {loss.item():.5f}" if start < args.steps else "none left to run"
+        print(f"rank 0: done, {args.steps} steps, {last}", flush=True)
         if args.out is not None:
             torch.save([p.detach() for p in model.parameters()], args.out)
+
+
+def _wait_to_grow(env, step: int, ranks: int, limit: float = 300.0) -> None:
+    """Hold the job at ``step`` until it has ``ranks`` ranks: a joining node makes the launcher
+    stop these workers and start the grown job, which passes."""
+    if env.world_size >= ranks:
+        return
+    if env.rank == 0:
+        print(f"rank 0: at step {step}, waiting for {ranks} ranks", flush=True)
+    time.sleep(limit)
+    raise SystemExit(f"--grow-at {step}:{ranks}: no node joined within {limit:.0f} s")
 
 
 def main(argv=None) -> None:

@@ -98,3 +98,6 @@ def test_the_resume_example_takes_every_preset():
     for name in PRESETS:
         assert resume._args(["--ckpt-dir", "x", "--mode", name]).mode == name
     assert resume._args(["--ckpt-dir", "x"]).mode == "bf16-acc-ef"
+    assert resume._args(["--ckpt-dir", "x", "--grow-at", "20:4"]).grow_at == (20, 4)
+    with pytest.raises(SystemExit):
+        resume._args(["--ckpt-dir", "x", "--grow-at", "20"])

@@ -1,4 +1,5 @@
-"""Faults: a worker killed mid-run (restart and resume), a worker stopped (named, not a hang)."""
+"""Faults: a worker killed mid-run (restart and resume), a worker stopped (named, not a hang),
+a restart with nothing left to run."""
 
 import contextlib
 import os
@@ -141,6 +142,17 @@ def test_bad_peer_timeout_is_refused(value, message, tmp_path):
                   extra_env={"FASTDDP_PEER_TIMEOUT": value})  # fmt: skip
     rc, out = _finish(job, 120)
     assert rc != 0 and message in out, out
+
+
+def test_a_job_restarted_after_its_last_checkpoint_ends_with_its_parameters(tmp_path):
+    # A node that joins as an elastic job ends restarts it from its final checkpoint: with no
+    # step left, the job must still end and save, not fail.
+    argv = ["--steps", "10", "--ckpt-every", "5", "--ckpt-dir", str(tmp_path / "ckpt")]
+    resume_example([*argv, "--out", str(tmp_path / "first.pt")], 2)
+    said = resume_example([*argv, "--out", str(tmp_path / "again.pt")], 2)
+    assert "starting from step 10" in said and "done, 10 steps, none left to run" in said, said
+    first, again = (torch.load(tmp_path / f"{name}.pt") for name in ("first", "again"))
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
 def test_plain_script_with_hand_set_variables_trains():

@@ -393,17 +393,18 @@ def test_a_lost_node_not_coming_back_leaves_node_0_alone(power, bed, tmp_path, t
 
 
 def test_a_node_added_to_a_running_job_grows_it(bed, tmp_path, tmp_path_factory):
-    # Node 0 starts alone (--nnodes 1:2); node 1 joins after step 12. Node 0's agent restarts
-    # its workers for the new member, and 4 ranks go on from the last 2-rank checkpoint.
+    # Node 0 starts alone (--nnodes 1:2) and holds at step 20 (its checkpoint saved) until the
+    # job grows; node 1 joins then. Node 0's agent restarts its workers for the new member, and
+    # 4 ranks go on from the 2-rank checkpoint: at step 20 however slowly node 1 starts.
     argv = [str(EXAMPLE), "--steps", "40", "--ckpt-every", "10", "--mode", _EF_MODE]
     argv += ["--ckpt-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "params.pt")]
-    argv += ["--progress", str(tmp_path / "progress"), "--step-seconds", "0.3"]
+    argv += ["--progress", str(tmp_path / "progress"), "--grow-at", "20:4"]
     launch, port = _elastic("grow", "1:2")
     job = _Launchers()
     with _reset_after(bed) as made:
         try:
             job.add(netns.spawn(made, 0, "2", argv, port, **launch))
-            _wait_for_step(tmp_path / "progress", 12, job.procs[0], rank=0)
+            _wait_for_step(tmp_path / "progress", 20, job.procs[0], rank=0)
             job.add(netns.spawn(made, 1, "2", argv, port, **launch))
             codes = job.wait(timeout=240)
         finally:
@@ -412,7 +413,7 @@ def test_a_node_added_to_a_running_job_grows_it(bed, tmp_path, tmp_path_factory)
     found = re.search(r"step-(\d+) was saved by 2 ranks and this job has 4", job.outs[0])
     assert found, job.outs[0]
     step = int(found.group(1))
-    print(f"node 1 joined; 4 ranks resumed from step {step}")
+    assert step == 20 and "rank 0: at step 20, waiting for 4 ranks" in job.outs[0], job.outs[0]
     assert f"rank 2: attempt 0, starting from step {step}" in job.outs[1], job.outs[1]
     # The reference: that 2-rank checkpoint resumed by 2 nodes of 2 ranks without faults.
     ref = tmp_path_factory.mktemp("grown")
