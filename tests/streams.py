@@ -5,10 +5,11 @@
 Much of the suite's time is spent waiting: on launchers starting and restarting jobs, on a
 namespace link's rate, on peer timeouts. The emulator's tests (under AddressSanitizer, whose
 runtime must be preloaded, so a pytest of their own) are the opposite: one busy core for
-minutes. Run one after the other, each leaves a core idle. So five streams run side by side:
-the multi-node jobs on namespaces (``netns``) in two, those that break a running job and wait
-on its recovery (``faults``) and the others, the launcher's jobs on this machine
-(``launcher``), everything else (pooled ranks and single-process tests), and the emulator's.
+minutes. Run one after the other, each leaves a core idle. So six streams run side by side:
+the multi-node jobs on namespaces (``netns``) and the launcher's jobs on this machine
+(``launcher``), each in two, the jobs that are broken on purpose and wait on their recovery
+(``faults``) and the others; everything else (pooled ranks and single-process tests); and the
+emulator's.
 Each stream is a pytest session with its own ``--basetemp`` and log, printed whole when the
 stream ends; the command fails when any stream does. The markers split the tests, so every
 test runs in exactly one stream (``tests/test_streams.py`` checks it).
@@ -46,12 +47,13 @@ def _asan_env() -> dict:
 STREAMS = {
     "nodes": ("not emu and netns and not faults", [], None),
     "node-faults": ("not emu and netns and faults", [], None),
-    "launcher": ("not emu and not netns and launcher", [], None),
+    "launcher": ("not emu and not netns and launcher and not faults", [], None),
+    "faults": ("not emu and not netns and launcher and faults", [], None),
     "ranks": ("not emu and not netns and not launcher", [], None),
     "emu": ("emu", ["-p", "no:cacheprovider"], _asan_env),
 }
 # The niceness each stream runs at (and what it spawns inherits); an --also command gets ALSO_NICE.
-NICE = {"nodes": 0, "node-faults": 0, "launcher": 0, "ranks": 4, "emu": 8}
+NICE = {"nodes": 0, "node-faults": 0, "launcher": 0, "faults": 0, "ranks": 4, "emu": 8}
 ALSO_NICE = 12
 
 
