@@ -271,13 +271,21 @@ def test_each_step_is_recorded_as_soon_as_it_ends(tmp_path, monkeypatch):
 
 
 # A step that notes when it started and ended, sleeping between, and writes what it is given.
+# A step: it marks its start, waits (up to 30 s) until the steps named in PEERS have started
+# too, which they can only do if they run at the same time, then sleeps SECONDS and records
+# its start, its end and whether it met them.
 _TIMED = """
-import sys, time
-name, folder, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+import os, sys, time
+name, folder, seconds, peers = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
 start = time.time()
+open(f"{folder}/{name}.started", "w").close()
+deadline = time.monotonic() + 30
+met = lambda: all(os.path.exists(f"{folder}/{p}.started") for p in peers.split(",") if p)
+while not met() and time.monotonic() < deadline:
+    time.sleep(0.02)
 time.sleep(seconds)
-open(f"{folder}/{name}.times", "w").write(f"{start} {time.time()}")
-for path, text in zip(sys.argv[4::2], sys.argv[5::2]):
+open(f"{folder}/{name}.times", "w").write(f"{start} {time.time()} {int(met())}")
+for path, text in zip(sys.argv[5::2], sys.argv[6::2]):
     open(path, "w").write(text)
 """
 
@@ -292,7 +300,8 @@ def test_the_whole_plan_in_one_command_untimed_steps_at_once(tmp_path, monkeypat
 
     def commands(python, logs, info):
         def timed(name, seconds, *files):
-            cmd = [sys.executable, "-c", _TIMED, name, str(times), str(seconds), *files]
+            peers = next(",".join(phase) for phase in gpu_check.PHASES if name in phase)
+            cmd = [sys.executable, "-c", _TIMED, name, str(times), str(seconds), peers, *files]
             return (cmd, None, None)
 
         def table_step(name, row, table, verdict):
@@ -301,7 +310,7 @@ def test_the_whole_plan_in_one_command_untimed_steps_at_once(tmp_path, monkeypat
             cmd += [str(logs / f"{name}.json"), table]
             return (cmd, None, gpu_check.table_verdict(logs / f"{name}.json", verdict))
 
-        steps = {name: timed(name, 1.0) for name in gpu_check.STEPS}
+        steps = {name: timed(name, 0.2) for name in gpu_check.STEPS}
         steps["bandwidth"] = table_step(
             "bandwidth", "| 1MB | compress | 0.9 |\n", _table("compress", 0.9, True), "targets met"
         )
@@ -318,16 +327,17 @@ def test_the_whole_plan_in_one_command_untimed_steps_at_once(tmp_path, monkeypat
     _on_a_fake_gpu(monkeypatch, commands)
     started = time.monotonic()
     assert gpu_check.main([str(out)]) == 0
-    # Build (1 s), then the tests and the four sanitizers together (1 s), then 0.2 s twice.
-    assert time.monotonic() - started < 8
+    # The build, then the tests and the four sanitizers together, then the timings one by one;
+    # nothing waited for a step's limit (the shortest is 45 s).
+    assert time.monotonic() - started < min(gpu_check.STEPS.values())
     span = {
         name: tuple(map(float, (times / f"{name}.times").read_text().split()))
         for name in gpu_check.STEPS
     }
     phase2 = [span[n] for n in gpu_check.PHASES[1]]
-    assert max(s for s, _ in phase2) < min(e for _, e in phase2)  # all ran at once
-    assert span["build"][1] <= min(s for s, _ in phase2)
-    assert max(e for _, e in phase2) <= span["bandwidth"][0]  # the timings alone
+    assert all(met for _, _, met in phase2)  # each saw every other start: all ran at once
+    assert span["build"][1] <= min(s for s, _, _ in phase2)
+    assert max(e for _, e, _ in phase2) <= span["bandwidth"][0]  # the timings alone
     assert span["bandwidth"][1] <= span["step-cost"][0]
     # At most 8 files: the summary twice and one archive of every log and table.
     files = sorted(p.name for p in out.iterdir())
