@@ -366,8 +366,11 @@ def test_a_step_past_its_limit_is_stopped_with_what_it_started(tmp_path):
         "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
         f"open({str(child_pid)!r}, 'w').write(str(p.pid)); time.sleep(60)"
     )
-    step = gpu_check.run_step("slow", [sys.executable, "-c", script], tmp_path, limit=3)
-    assert (step.status, step.detail) == ("FAIL", "timed out after 3 s")
+    # A limit the step outlives, with room to start its child first on a loaded machine (a
+    # 3 s limit once ran out before it had).
+    step = gpu_check.run_step("slow", [sys.executable, "-c", script], tmp_path, limit=10)
+    assert (step.status, step.detail) == ("FAIL", "timed out after 10 s")
+    assert child_pid.exists(), "the step was stopped before it started its child"
     _gone(int(child_pid.read_text()))
 
 
