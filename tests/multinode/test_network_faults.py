@@ -355,8 +355,11 @@ def _lose_node_1(tmp: Path, bed, mode: str, nnodes: str, rejoin: bool, power: bo
 def test_a_lost_node_started_again_rejoins_and_the_job_resumes(bed, tmp_path, tmp_path_factory):
     codes, outs, params = _lose_node_1(tmp_path, bed, _EF_MODE, "2", rejoin=True)
     assert codes[0] == 0 and codes[2] == 0 and codes[1] == -9, _said(codes, outs)
-    # Node 0's ranks restart once (their peers vanished); node 1's come back as ranks 2, 3.
-    assert "rank 0: attempt 1, starting from step 10" in outs[0], outs[0]
+    # Node 0's ranks start again from the checkpoint (their peers vanished); node 1's come back
+    # as ranks 2, 3. torchrun counts it as attempt 1 when node 0's agent sees its workers fail
+    # first, and as attempt 0 when it first sees node 1 waiting to rejoin (a membership change,
+    # which it does not count): which comes first depends on the machine's load.
+    assert re.search(r"rank 0: attempt [01], starting from step 10 ", outs[0]), outs[0]
     assert "rank 2: attempt 0, starting from step 10" in outs[2], outs[2]
     assert "restarts: a fresh workers' store for every rendezvous round" in outs[0], outs[0]
     assert _same(params, _clean(_EF_MODE, tmp_path_factory)), "resuming changed the result"
