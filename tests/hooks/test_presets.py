@@ -93,7 +93,7 @@ def _load(relative):
     return module
 
 
-def test_the_resume_example_takes_every_preset():
+def test_the_resume_example_takes_every_preset(capsys):
     resume = _load("examples/resume.py")
     for name in PRESETS:
         assert resume._args(["--ckpt-dir", "x", "--mode", name]).mode == name
@@ -101,3 +101,4 @@ def test_the_resume_example_takes_every_preset():
     assert resume._args(["--ckpt-dir", "x", "--grow-at", "20:4"]).grow_at == (20, 4)
     with pytest.raises(SystemExit):
         resume._args(["--ckpt-dir", "x", "--grow-at", "20"])
+    assert "--grow-at: '20': expected STEP:RANKS, e.g. 20:4" in capsys.readouterr().err
