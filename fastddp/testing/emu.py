@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["CSRC", "Emu", "EmuError", "asan_active", "build", "load"]
+__all__ = ["CSRC", "OPS", "Emu", "EmuError", "asan_active", "build", "load"]
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 # Each source with the headers it includes (under csrc): an object is rebuilt only when one of
@@ -37,6 +37,9 @@ _SOURCES = {
                     "cuda/launch.h", "include/fastddp/rounding.h", "include/fastddp/layout.h"),
 }  # fmt: skip
 _SHARED_CACHE = Path(tempfile.gettempdir()) / "fastddp-emu"
+# The ops of the library's C interface (``fastddp_emu_<op>`` in emu/ops.cpp).
+OPS = ("compress", "decompress", "sum_chunks", "widen_sum", "quantize_int8", "dequantize_int8",
+       "unpack_int8", "quantize_packed", "dequantize_packed", "unpack_packed")  # fmt: skip
 
 
 class EmuError(RuntimeError):
@@ -68,13 +71,18 @@ def build(
     sanitize: Optional[bool] = None,
     cache: Optional[Path] = None,
     debug: bool = True,
+    only: Optional[str] = None,
 ) -> Path:
     """Compile the emulator library from ``csrc`` (a copy, for mutation tests); its path.
 
     Objects are kept in a cache shared by every copy, keyed by the hash of their sources, so
     a copy pays only for the sources it changed; ``cache`` holds the library. ``debug=False``
-    leaves out the line tables (a third of the compile), for builds that only need to fail.
+    leaves out the line tables (a third of the compile), and ``only`` (an op's name, such as
+    ``"quantize_int8"``) builds that op alone (a half to a quarter of the compile), for builds
+    that only need to fail.
     """
+    if only is not None and only not in OPS:
+        raise ValueError(f"only={only!r}: not an op of the emulator; one of {', '.join(OPS)}")
     asan = asan_active() if sanitize is None else sanitize
     flags = ["-std=c++17", "-O1", "-fPIC", "-Wall", "-Wextra", "-Werror", "-DFASTDDP_EMU",
              "-fno-omit-frame-pointer", "-fsanitize=undefined",
@@ -83,6 +91,8 @@ def build(
         flags.append("-g")
     if asan:
         flags.append("-fsanitize=address")
+    if only is not None:
+        flags += ["-DFASTDDP_EMU_ONLY", f"-DFASTDDP_EMU_OP_{only}"]
     compiler = os.environ.get("CXX", "g++")
     _SHARED_CACHE.mkdir(parents=True, exist_ok=True)
     objects = []
@@ -153,12 +163,15 @@ class Emu:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
-        for name in ("compress", "decompress", "sum_chunks", "widen_sum", "quantize_int8",
-                     "dequantize_int8", "unpack_int8", "quantize_packed", "dequantize_packed",
-                     "unpack_packed"):  # fmt: skip
-            getattr(lib, f"fastddp_emu_{name}").restype = ctypes.c_char_p
+        for name in OPS:
+            if hasattr(lib, f"fastddp_emu_{name}"):  # a library built for one op has that one
+                getattr(lib, f"fastddp_emu_{name}").restype = ctypes.c_char_p
         lib.fastddp_emu_configure.argtypes = [ctypes.c_int, ctypes.c_uint64]
         lib.fastddp_emu_launched.restype = ctypes.c_char_p
+
+    def has(self, op: str) -> bool:
+        """Whether the library holds ``op`` (one built for another op alone does not)."""
+        return hasattr(self._lib, f"fastddp_emu_{op}")
 
     def configure(self, sms: int, seed: int) -> None:
         """The device's SM count and the seed of the next launches' order."""
@@ -173,7 +186,10 @@ class Emu:
         conv = [ctypes.c_float(a) if isinstance(a, float) else
                 ctypes.c_int64(a) if isinstance(a, int) and not isinstance(a, bool) else
                 ctypes.c_void_p(a) if a is None else a for a in args]  # fmt: skip
-        err = getattr(self._lib, f"fastddp_emu_{name}")(*conv)
+        fn = getattr(self._lib, f"fastddp_emu_{name}", None)
+        if fn is None:
+            raise EmuError(f"this emulator library has no {name}: it was built for another op")
+        err = fn(*conv)
         if err:
             raise EmuError(f"fastddp emulator, {name}: {err.decode()}")
 

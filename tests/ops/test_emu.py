@@ -20,6 +20,7 @@ import torch
 
 from fastddp.testing import emu as emulator
 from fastddp.testing.emu_cases import CHECKS, KERNELS, VEC, _codes_n, run_logged, sizes
+from fastddp.testing.emu_cases import main as run_all_main
 from fastddp.testing.emu_checks import (
     check_compress,
     check_decode_packed,
@@ -200,9 +201,9 @@ def _sweep(tmp_path, op, edit=None):
         text = path.read_text()
         assert old in text, f"the defect's target text is gone from {rel}: update DEFECTS"
         path.write_text(text.replace(old, new, 1))
-    # Without line tables: the copies only need to fail, and the unchanged one, built the same
-    # way, shows that they fail for their defect.
-    lib = emulator.build(csrc, cache=tmp_path / "lib", debug=False)
+    # Without line tables and with the swept op alone: the copies only need to fail, and the
+    # unchanged one, built the same way, shows that they fail for their defect.
+    lib = emulator.build(csrc, cache=tmp_path / "lib", debug=False, only=op)
     log = tmp_path / "sweep.log"
     proc = _FORKS.Process(target=run_logged, args=(str(lib), op, str(log)))
     proc.start()
@@ -220,11 +221,24 @@ def test_the_unchanged_copy_passes(tmp_path):
     assert res is not None and res.returncode == 0, res and res.stderr[-3000:]
 
 
+def test_a_library_for_one_op_holds_it_alone_and_a_sweep_of_another_says_so(tmp_path):
+    lib = emulator.build(cache=tmp_path, debug=False, only="decompress")
+    emu = emulator.load(lib, sms=1)
+    assert emu.has("decompress") and not emu.has("compress")
+    with pytest.raises(emulator.EmuError, match="has no compress"):
+        emu.compress(torch.ones(4), torch.empty(4, dtype=torch.bfloat16))
+    # Exit status 2, which the defects' sweeps must not end with: not a check that failed.
+    assert run_all_main(["--lib", str(lib), "--op", "compress"]) == 2
+    with pytest.raises(ValueError, match="not an op of the emulator"):
+        emulator.build(only="compres")
+
+
 @pytest.mark.parametrize("name, rel, old, new, op", DEFECTS, ids=[d[0] for d in DEFECTS])
 def test_a_planted_defect_fails_the_checks(tmp_path, name, rel, old, new, op):
     res = _sweep(tmp_path, op, (rel, old, new))
     if res is not None:
         assert res.returncode != 0, f"{name!r} survived the emulator checks:\n{res.stdout}"
+        assert res.returncode != 2, f"the sweep of {op} did not run:\n{res.stdout}"
         lines = res.stderr.strip().splitlines() or [""]
         why = next((line for line in lines if "runtime error" in line), lines[-1])
         print(f"{name}: {why[:300]}")
