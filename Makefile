@@ -48,7 +48,8 @@ ifeq ($(NVCC),)
 	@echo "nvcc not found: skipping the CUDA compile check"
 else
 	$(BIN)/cmake -S . -B build-cmake -G Ninja -DPython_EXECUTABLE=$(abspath $(BIN))/python \
-		-DCMAKE_MAKE_PROGRAM=$(abspath $(BIN))/ninja -DCMAKE_CUDA_COMPILER=$(realpath $(NVCC))
+		-DCMAKE_MAKE_PROGRAM=$(abspath $(BIN))/ninja -DCMAKE_CUDA_COMPILER=$(realpath $(NVCC)) \
+		-DFASTDDP_UNITY=ON
 	$(BIN)/cmake --build build-cmake
 	readelf -S build-cmake/_C.so | grep -q .nv_fatbin
 	# The cubins embedded for each architecture record the ptxas options they were made with.
