@@ -6,6 +6,7 @@ standing in for the build, tests and sanitizers."""
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -587,3 +588,28 @@ def test_the_step_cost_table_on_cpu(tmp_path):
     assert all(r["rounds"] == 2 and r["finite_grads"] and r["ms_per_step"] > 0 for r in rows)
     assert all(r["target"] == 1.03 and isinstance(r["meets_target"], bool) for r in rows[1:])
     assert "| fastddp int2-ef | fastddp.register_comm_hook |" in md.read_text()
+
+
+@pytest.mark.parametrize("filters", [True, False], ids=["with-filters", "python-3.11.2"])
+def test_an_earlier_archive_is_read_back_without_leaving_its_folder(tmp_path, monkeypatch, filters):
+    if not filters:  # as on Python before 3.11.4, which has no extraction filters
+        monkeypatch.delattr(tarfile, "data_filter", raising=False)
+    elif not hasattr(tarfile, "data_filter"):
+        pytest.skip("this Python has no extraction filters")
+    out, src = tmp_path / "out", tmp_path / "src"
+    (src / "logs").mkdir(parents=True)
+    (src / "logs" / "build.log").write_text("built\n")
+    (src / "escape").write_text("outside")
+    out.mkdir()
+    with tarfile.open(out / gpu_check.ARCHIVE, "w:gz") as tar:
+        tar.add(src / "logs", arcname="logs")
+        tar.add(src / "escape", arcname="logs/../../escape")
+        link = tarfile.TarInfo("logs/link")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tar.addfile(link)
+    logs = gpu_check.open_logs(out)
+    try:
+        assert (logs / "build.log").read_text() == "built\n"
+        assert not (logs / "link").exists() and not (logs.parent / "escape").exists()
+    finally:
+        shutil.rmtree(logs)
