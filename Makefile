@@ -92,16 +92,17 @@ test-fast: setup
 	$(BIN)/python -m pytest -m "not multiproc and not netns and not emu" $(PYTEST_ARGS)
 
 # The GPU machine's torch, here: the extension built with CUDA (sm_90) against torch 2.11.0+cu130
-# (the GPU image's; a 530 MB wheel from the package index), then the tests of the ranks stream
-# run on it (about 8 minutes, one more the first time). What a GPU session's first minutes would
-# find out (a header or an API that differs between torch releases), found without one. The
-# working tree is copied to $(COMPAT_DIR)/src; its venv is kept between runs. Not in `make test`.
+# (the GPU image's; a 530 MB wheel from the package index), then the tests of the ranks and
+# launcher streams run on it (torchrun's options and the examples under fastddp.launch too).
+# What a GPU session's first minutes would find out (a header or an API that differs between
+# torch releases), found without one. The working tree is copied to $(COMPAT_DIR)/src; its venv
+# is kept between runs. Not in `make test`.
 COMPAT_TORCH ?= torch==2.11.0
 COMPAT_DIR ?= build-compat
 # The toolkit of the nvcc on the PATH, which may be a wrapper script: the TOP it reports.
 COMPAT_CUDA_HOME ?= $(or $(CUDA_HOME),$(shell echo | $(NVCC) -dryrun -x cu -c - -o /dev/null 2>&1 \
 	| sed -n 's/^\#\$$ TOP=//p' | head -1))
-COMPAT_PYTEST ?= -m "not emu and not netns and not launcher" --deselect tests/hooks/test_integrations.py
+COMPAT_PYTEST ?= -m "not emu and not netns and not faults" --deselect tests/hooks/test_integrations.py
 $(COMPAT_DIR)/venv/.deps:
 	$(PYTHON) -m venv $(COMPAT_DIR)/venv
 	# torch 2.11 asks for setuptools < 82; pyproject.toml's license needs >= 77.

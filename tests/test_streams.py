@@ -1,6 +1,7 @@
 """``tests/streams.py``, the runner of ``make test``: its streams split the suite, and a stream
 that fails fails the command."""
 
+import ast
 import itertools
 import os
 import subprocess
@@ -71,3 +72,48 @@ def test_streams_run_niced_and_an_also_command_counts_as_a_stream(tmp_path):
     # Exit 5 is pytest's "nothing collected", which passes a stream, but fails a command.
     assert res.returncode == 1 and "failed streams: planted" in res.stdout, res.stdout
     assert f"the command at {also}" in res.stdout, res.stdout
+
+
+def _marks(node: ast.AST) -> set[str]:
+    """The ``pytest.mark.NAME`` names used anywhere in ``node``."""
+    return {
+        n.attr
+        for n in ast.walk(node)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
+        and n.value.attr == "mark"
+    }  # fmt: skip
+
+
+def _launches(node: ast.AST) -> bool:
+    """Whether ``node`` builds a command line ``..., "-m", "fastddp.launch"`` (or torchrun's)."""
+    for n in ast.walk(node):
+        if isinstance(n, (ast.List, ast.Tuple)):
+            words = [e.value if isinstance(e, ast.Constant) else None for e in n.elts]
+            if any(a == "-m" and b in ("fastddp.launch", "torch.distributed.run")
+                   for a, b in zip(words, words[1:])):  # fmt: skip
+                return True
+    return False
+
+
+def test_a_test_that_starts_a_launcher_is_marked_so():
+    # The launcher streams hold the jobs that start launchers; a test elsewhere would run them
+    # in the ranks stream, which ends last. By its own code or a helper of its module it calls.
+    root = RUNNER.parents[1]
+    unmarked = []
+    for path in sorted([*root.glob("tests/**/test_*.py"), *root.glob("benchmarks/test_*.py")]):
+        tree = ast.parse(path.read_text())
+        module = set().union(*(
+            _marks(n) for n in tree.body if isinstance(n, ast.Assign)
+            and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
+        ))  # fmt: skip
+        defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+        for name, fn in defs.items():
+            if not name.startswith("test_"):
+                continue
+            called = {n.func.id for n in ast.walk(fn) if isinstance(n, ast.Call)
+                      and isinstance(n.func, ast.Name) and n.func.id in defs}  # fmt: skip
+            marks = module | set().union(*(_marks(d) for d in fn.decorator_list))
+            launches = any(_launches(defs[f]) for f in {name, *called})
+            if launches and not marks & {"launcher", "netns"}:
+                unmarked.append(f"{path.relative_to(root)}::{name}")
+    assert not unmarked, f"start fastddp.launch or torchrun without the launcher marker: {unmarked}"

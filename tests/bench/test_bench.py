@@ -456,6 +456,7 @@ def test_the_rotation_benchmark_rotates_and_measures(tmp_path):
     assert 0 < errors["int8/128/plain"] < errors["int4/128/plain"] < errors["int2/128/plain"] < 1
 
 
+@pytest.mark.launcher
 def test_hook_overhead_times_each_hook_after_autos_plan(tmp_path):
     out = tmp_path / "hook_overhead.json"
     cmd = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]

@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.launcher, pytest.mark.timeout(180)]
 
 
 def test_the_example_learns_on_two_pretend_nodes():

@@ -220,6 +220,7 @@ def test_bad_settings_are_refused():
 
 
 @pytest.mark.multiproc
+@pytest.mark.launcher
 def test_example_trains_with_the_compressed_reduce_scatter():
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

@@ -53,6 +53,7 @@ def test_fastddp_strategy_refuses_hook_arguments():
 
 
 @pytest.mark.multiproc
+@pytest.mark.launcher
 def test_accelerate_prepared_model_runs_the_hook(tmp_path):
     pytest.importorskip("accelerate")
     launch = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]
