@@ -121,12 +121,12 @@ def main(argv=None) -> int:
     p.add_argument("--op", help="only this op's checks")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    emu = load(args.lib, sms=1, seed=args.seed)
-    names = {name for name, _, _ in CHECKS}
-    if args.op is not None and (args.op not in names or not emu.has(args.op)):
-        print(f"--op {args.op}: not an op of {sorted(names)} in this library", file=sys.stderr)
-        return 2  # not a failed check: the mutation tests tell the two apart
     try:
+        emu = load(args.lib, sms=1, seed=args.seed)
+        names = {name for name, _, _ in CHECKS}
+        if args.op is not None and (args.op not in names or not emu.has(args.op)):
+            print(f"--op {args.op}: not an op of {sorted(names)} in this library", file=sys.stderr)
+            return 2  # not a failed check: the mutation tests tell the two apart
         launched = run_all(emu, args.op)
     except (AssertionError, EmuError) as e:
         print(f"FAILED: {e}", file=sys.stderr)

@@ -221,7 +221,7 @@ def test_the_unchanged_copy_passes(tmp_path):
     assert res is not None and res.returncode == 0, res and res.stderr[-3000:]
 
 
-def test_a_library_for_one_op_holds_it_alone_and_a_sweep_of_another_says_so(tmp_path):
+def test_a_library_for_one_op_holds_it_alone_and_a_sweep_of_another_says_so(tmp_path, capsys):
     lib = emulator.build(cache=tmp_path, debug=False, only="decompress")
     emu = emulator.load(lib, sms=1)
     assert emu.has("decompress") and not emu.has("compress")
@@ -229,6 +229,8 @@ def test_a_library_for_one_op_holds_it_alone_and_a_sweep_of_another_says_so(tmp_
         emu.compress(torch.ones(4), torch.empty(4, dtype=torch.bfloat16))
     # Exit status 2, which the defects' sweeps must not end with: not a check that failed.
     assert run_all_main(["--lib", str(lib), "--op", "compress"]) == 2
+    assert "--op compress: not an op of" in capsys.readouterr().err
+    assert run_all_main(["--lib", str(lib), "--op", "compres"]) == 2
     with pytest.raises(ValueError, match="not an op of the emulator"):
         emulator.build(only="compres")
 
