@@ -14,6 +14,7 @@ __all__ = [
     "Setting",
     "expand_nodelist",
     "launcher_settings",
+    "peer_timeout_from_env",
     "process_settings",
     "slurm_port",
 ]
@@ -300,3 +301,25 @@ def process_settings(env: Mapping[str, str]) -> tuple[str, dict[str, Setting]]:
         "world_size": Setting(1, "single process"),
         "local_rank": Setting(0, "single process"),
     }
+
+
+def peer_timeout_from_env(env: Mapping[str, str], world: int) -> float:
+    """``FASTDDP_PEER_TIMEOUT`` in seconds (unset: 300 for up to 64 ranks, else 0, off).
+
+    ``python -m fastddp.launch`` checks it before it starts a worker.
+
+    Raises:
+        ClusterError: it is not a number, or is negative.
+    """
+    raw = env.get("FASTDDP_PEER_TIMEOUT", "")
+    if not raw:
+        return 300.0 if world <= 64 else 0.0
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ClusterError(
+            f"FASTDDP_PEER_TIMEOUT={raw!r} is not a number of seconds (0 turns it off)"
+        ) from None
+    if seconds < 0:
+        raise ClusterError(f"FASTDDP_PEER_TIMEOUT={raw!r} must be 0 (off) or positive")
+    return seconds

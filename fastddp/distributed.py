@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fastddp._version import __version__
-from fastddp.cluster import ClusterError, process_settings
+from fastddp.cluster import ClusterError, peer_timeout_from_env, process_settings
 from fastddp.launch.store import MARKER as ROUND_STORE_MARKER
 from fastddp.watchdog import PeerWatchdog
 
@@ -234,13 +234,7 @@ def init_distributed(
 
 def _peer_timeout(env, peer_timeout, world) -> float:
     if peer_timeout is None:
-        raw = env.get("FASTDDP_PEER_TIMEOUT", "")
-        try:
-            peer_timeout = float(raw) if raw else (300.0 if world <= 64 else 0.0)
-        except ValueError:
-            raise ClusterError(
-                f"FASTDDP_PEER_TIMEOUT={raw!r} is not a number of seconds (0 turns it off)"
-            ) from None
+        return peer_timeout_from_env(env, world)
     if peer_timeout < 0:
         raise ClusterError(f"peer_timeout must be 0 (off) or positive, got {peer_timeout}")
     return peer_timeout

@@ -1,10 +1,11 @@
 """The preflight: check a launch's configuration and network in seconds, before torchrun runs.
 
-What would otherwise surface as a hang fails here with the fix in the message: node rank vs
-nnodes, a loopback master for several nodes, the master's name, its port (bound on the master
-node, connected to from the others). :func:`preflight` decides; :func:`apply` puts its
-decisions (``--local-addr``, ``--rdzv-conf is_host=1``, ``GLOO_SOCKET_IFNAME``/
-``NCCL_SOCKET_IFNAME``) into the arguments and the environment, saying each one.
+What would otherwise surface as a hang fails here with the fix in the message: a bad
+``FASTDDP_PEER_TIMEOUT``, node rank vs nnodes, a loopback master for several nodes, the
+master's name, its port (bound on the master node, connected to from the others).
+:func:`preflight` decides; :func:`apply` puts its decisions (``--local-addr``, ``--rdzv-conf
+is_host=1``, ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``) into the arguments and the
+environment, saying each one.
 """
 
 import argparse
@@ -16,6 +17,7 @@ from typing import Optional
 
 from torch.distributed import run as torchrun
 
+from fastddp.cluster import ClusterError, peer_timeout_from_env
 from fastddp.launch import net
 from fastddp.launch.net import LaunchError
 
@@ -128,6 +130,12 @@ def preflight(args: argparse.Namespace, network: bool = True) -> tuple[dict, Dec
     Raises:
         LaunchError: the launch cannot work; the message says how to fix it.
     """
+    # The workers' own settings: a bad one stops every node here, not every worker after
+    # seconds of imports (the workers check again, for torchrun).
+    try:
+        peer_timeout_from_env(os.environ, world=1)
+    except ClusterError as e:
+        raise LaunchError(f"{e}; set it right or unset it (default 300 s)") from None
     _, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
     info = {"nnodes": args.nnodes}
     decisions = Decisions()

@@ -6,6 +6,7 @@ from fastddp.cluster import (
     ClusterError,
     expand_nodelist,
     launcher_settings,
+    peer_timeout_from_env,
     process_settings,
     slurm_port,
 )
@@ -148,3 +149,27 @@ def test_more_environment_errors():
     srun = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}
     with pytest.raises(ClusterError, match="srun task without SLURM_JOB_NODELIST or MASTER_ADDR"):
         process_settings(srun)
+
+
+@pytest.mark.parametrize(
+    "raw, world, want", [(None, 2, 300.0), (None, 65, 0.0), ("0", 2, 0.0), ("2.5", 65, 2.5)]
+)
+def test_peer_timeout_from_env(raw, world, want):
+    env = {} if raw is None else {"FASTDDP_PEER_TIMEOUT": raw}
+    assert peer_timeout_from_env(env, world) == want
+
+
+@pytest.mark.parametrize(
+    "raw, message", [("abc", "is not a number of seconds"), ("-1", "must be 0 \\(off\\)")]
+)
+def test_a_bad_peer_timeout_is_refused_by_the_worker_before_any_group(raw, message):
+    # What a worker under plain torchrun meets (fastddp.launch refuses it before starting one).
+    import torch.distributed as dist
+
+    import fastddp
+
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    env.update(MASTER_PORT="1", FASTDDP_PEER_TIMEOUT=raw)
+    with pytest.raises(ClusterError, match=f"FASTDDP_PEER_TIMEOUT='{raw}' {message}"):
+        fastddp.init_distributed(backend="gloo", environ=env)
+    assert not dist.is_initialized()

@@ -138,10 +138,12 @@ def test_stopped_worker_is_named_instead_of_hanging(tmp_path):
 @pytest.mark.parametrize("value, message", [("abc", "is not a number of seconds"),
                                             ("-1", "must be 0 (off) or positive")])  # fmt: skip
 def test_bad_peer_timeout_is_refused(value, message, tmp_path):
+    # By the launcher, on its configuration's exit status, before any worker has started.
     job = _launch(["--steps", "1", "--ckpt-dir", str(tmp_path)],
                   extra_env={"FASTDDP_PEER_TIMEOUT": value})  # fmt: skip
     rc, out = _finish(job, 120)
-    assert rc != 0 and message in out, out
+    assert rc == 2 and f"error: FASTDDP_PEER_TIMEOUT='{value}' {message}" in out, out
+    assert "worker command" not in out and not list(tmp_path.iterdir()), out
 
 
 def test_a_job_restarted_after_its_last_checkpoint_ends_with_its_parameters(tmp_path):
