@@ -1,0 +1,82 @@
+"""benchmarks/process_cpu.py: a command's CPU time by kind of process, from the kernel's process
+accounting, counting the command's own processes only."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import process_cpu
+
+
+def _record(pid, ppid, ticks, comm):
+    # ac_flag, ac_version 3, tty, exitcode, uid, gid, pid, ppid, btime, etime, utime, stime,
+    # mem, io, rw, minflt, majflt, swaps, comm (ticks < 8192 need no exponent in a comp_t)
+    return process_cpu._RECORD.pack(
+        0, 3, 0, 0, 0, 0, pid, ppid, 0, 0.0, ticks, 10, 0, 0, 0, 0, 0, 0, comm.encode()
+    )
+
+
+def test_records_are_read_and_the_commands_processes_sorted_by_kind():
+    py = sys.executable
+    cmdlines = {
+        10: (1, f"{py} -m pytest -m ranks"),
+        11: (10, f"{py} -m fastddp.launch --standalone --nproc-per-node 2 train.py"),
+        12: (11, f"{py} -u train.py --steps 3"),
+        13: (11, f"{py} -u train.py --steps 3"),
+        14: (10, f"{py} -B -c from multiprocessing.spawn import spawn_main; spawn_main()"),
+        20: (1, f"{py} -m fastddp.launch train.py"),  # another command's: not counted
+    }
+    # 15 forked by the pooled rank 14; 16 cc1plus under g++ 17 (no command lines logged);
+    # 21 the other command's worker.
+    records = [(12, 11, 190, "python"), (13, 11, 210, "python"), (11, 10, 140, "python")]
+    records += [(15, 14, 40, "python"), (14, 10, 290, "python"), (16, 17, 90, "cc1plus")]
+    records += [(17, 10, 0, "g++"), (10, 1, 490, "pt_main_thread"), (21, 20, 500, "python")]
+    records += [(20, 1, 500, "python")]
+    data = b"".join(_record(*r) for r in records)
+    read = process_cpu.read_accounting(data)
+    assert read[0] == (12, 11, 2.0, "python") and len(read) == len(records)
+    got = process_cpu.tally(read, cmdlines, root=10)
+    assert got == {
+        "pytest session": {"cpu_s": 5.0, "processes": 1},
+        "launched worker": {"cpu_s": 4.2, "processes": 2},
+        "pooled rank or fork server": {"cpu_s": 3.0, "processes": 1},
+        "launcher": {"cpu_s": 1.5, "processes": 1},
+        "compiler": {"cpu_s": 1.0, "processes": 1},
+        "pooled rank or fork server, forked": {"cpu_s": 0.5, "processes": 1},
+        "other: g++": {"cpu_s": 0.1, "processes": 1},
+    }
+    assert list(got)[0] == "pytest session"  # most CPU first
+    with pytest.raises(ValueError, match="accounting version 2, not 3"):
+        process_cpu.read_accounting(data[:1] + b"\x02" + data[2:])
+
+
+_BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
+
+
+@pytest.mark.multiproc
+@pytest.mark.skipif(os.geteuid() != 0, reason="process accounting needs root")
+@pytest.mark.skipif(bool(os.environ.get(process_cpu._NESTED)), reason="measured from outside")
+def test_a_command_is_measured_without_the_machines_other_processes():
+    # A process outside the command burns CPU and ends while it runs (the command waits until
+    # it is a zombie, its record written): it must not be counted.
+    outside = subprocess.Popen([sys.executable, "-c", _BURN.format(s=0.3)])
+    wait = (
+        f"while open('/proc/{outside.pid}/stat').read().split()[2] != 'Z':\n    time.sleep(0.01)\n"
+    )
+    burn = _BURN.format(s=0.3)
+    root = f"import subprocess, sys, time\n{wait}subprocess.run([sys.executable, '-c', {burn!r}])"
+    try:
+        code, rows = process_cpu.measure([sys.executable, "-c", root])
+    finally:
+        outside.wait(timeout=60)
+    assert code == 0
+    assert list(rows) == ["other Python"] and rows["other Python"]["processes"] == 2, rows
+    assert 0.3 <= rows["other Python"]["cpu_s"] < 0.6, rows
+    with pytest.raises(SystemExit, match="already on"):
+        os.environ[process_cpu._NESTED] = "1"
+        try:
+            process_cpu.measure([sys.executable, "-c", "pass"])
+        finally:
+            del os.environ[process_cpu._NESTED]
