@@ -9,6 +9,7 @@ cores: each rank gets its share as ``OMP_NUM_THREADS`` unless it is set. The tes
 """
 
 import argparse
+import gc
 import signal
 import sys
 
@@ -79,4 +80,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    gc.freeze()  # out of the last cycle collection at exit (see fastddp/launch/__main__.py)
+    sys.exit(code)

@@ -125,6 +125,20 @@ def test_help_without_the_compiled_extension():
     assert "--preflight-timeout" in res.stdout and "--max-restarts" in res.stdout
 
 
+def test_the_launcher_freezes_its_objects_before_it_exits():
+    # So that the interpreter's last cycle collection skips them (fastddp/launch/__main__.py).
+    code = (
+        "import atexit, gc, runpy, sys\n"
+        "atexit.register(lambda: print('frozen', gc.get_freeze_count()))\n"
+        "sys.argv[1:] = ['--dry-run', '--standalone', '--nproc-per-node', '2', 'train.py']\n"
+        "runpy.run_module('fastddp.launch', run_name='__main__', alter_sys=True)\n"
+    )
+    res = _python(code)
+    assert res.returncode == 0, res.stderr
+    frozen = int(res.stdout.split("frozen ")[-1])
+    assert frozen > 10_000, res.stdout  # torch's objects, not a handful
+
+
 def test_slurm_dry_run_on_both_nodes():
     slurm = {
         "SLURM_JOB_ID": "918273",
