@@ -103,3 +103,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    fastddp.distributed.exit_after_shutdown()

@@ -53,3 +53,4 @@ def main(out: str, slowed_marker: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    fastddp.distributed.exit_after_shutdown()  # as examples/resume.py

@@ -62,3 +62,4 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    fastddp.distributed.exit_after_shutdown()  # as examples/resume.py

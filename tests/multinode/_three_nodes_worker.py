@@ -37,3 +37,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    fastddp.distributed.exit_after_shutdown()  # as examples/resume.py

@@ -89,3 +89,4 @@ def main(out_path):
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    fastddp.distributed.exit_after_shutdown()  # as examples/resume.py
