@@ -38,9 +38,8 @@ except OSError:
 # struct acct_v3 (linux/acct.h): 64 bytes; times in comp_t (13-bit mantissa, base-8 exponent)
 # of AHZ = 100 ticks a second.
 _RECORD = struct.Struct("<BBH6If8H16s")
-_NESTED = (
-    "FASTDDP_PROCESS_CPU"  # set for the command: the accounting is the machine's, one at a time
-)
+# Set for the command: the accounting is the machine's, one measurement at a time.
+_NESTED = "FASTDDP_PROCESS_CPU"
 _COMPILERS = {"cc1plus", "cc1", "cicc", "cudafe++", "ptxas", "nvlink", "fatbinary", "as", "ld"}
 
 

@@ -135,7 +135,7 @@ def preflight(args: argparse.Namespace, network: bool = True) -> tuple[dict, Dec
     try:
         peer_timeout_from_env(os.environ, world=1)
     except ClusterError as e:
-        raise LaunchError(f"{e}; set it right or unset it (default 300 s)") from None
+        raise LaunchError(f"{e}; set it right or unset it (300 s up to 64 ranks)") from None
     _, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
     info = {"nnodes": args.nnodes}
     decisions = Decisions()
