@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Rough seconds a test takes on the GPU machine alone, to start the longest processes first.
-SECONDS_MULTIPROC, SECONDS_OTHER = 10.0, 0.3
+# Rough seconds a test takes on the 16-core GPU machine with 12 processes at once (an H100,
+# 2026-11-27: a two-rank test 28-34 s, an op test about 0.9 s), to start the longest first.
+SECONDS_MULTIPROC, SECONDS_OTHER = 30.0, 0.9
 _COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)")
 
 
@@ -80,8 +81,9 @@ def collect(paths, marker: str) -> list:
 
 
 def split(items, tests_per_process: int, multiproc_per_process: int) -> list:
-    """Shards: each file's tests in order, cut into processes of at most the given counts;
-    the longest expected first (they start first)."""
+    """Shards: each file's tests in order, cut into as few processes as the given counts allow,
+    of sizes within one of each other (34 tests by 3: 10 of 3, then 2 of 2; not 11 of 3 and a
+    lone one that starts last and finishes late); the longest expected first (they start first)."""
     by_file: dict = {}
     for node, file, multiproc in items:
         by_file.setdefault((file, multiproc), []).append(node)
@@ -89,8 +91,12 @@ def split(items, tests_per_process: int, multiproc_per_process: int) -> list:
     for (file, multiproc), nodes in by_file.items():
         size = multiproc_per_process if multiproc else tests_per_process
         each = SECONDS_MULTIPROC if multiproc else SECONDS_OTHER
-        for start in range(0, len(nodes), size):
-            chunk = nodes[start : start + size]
+        count = -(-len(nodes) // size)
+        base, extra = divmod(len(nodes), count)
+        start = 0
+        for k in range(count):
+            chunk = nodes[start : start + base + (k < extra)]
+            start += len(chunk)
             shards.append(Shard(0, file, chunk, multiproc, each * len(chunk)))
     shards.sort(key=lambda s: -s.expected)
     for i, s in enumerate(shards, 1):
@@ -237,7 +243,7 @@ def main(argv=None) -> int:
     )
     if args.dry_run:
         for s in shards:
-            print(f"{s.name}: {len(s.tests)} tests, about {s.expected:.0f} s alone")
+            print(f"{s.name}: {len(s.tests)} tests, about {s.expected:.0f} s beside the others")
         return 0
     if not shards:
         print(f"cuda-tests: no test selected by -m {args.marker}")

@@ -164,7 +164,7 @@ def test_the_plan_fits_one_command_of_480_s(capsys, monkeypatch):
     }
     assert set(phases[1]) == {"cuda-tests", *sanitizers}
     assert ("bandwidth",) in phases and ("step-cost",) in phases
-    assert "phase 2: 5 steps at once" in printed and "sanitizer-initcheck  (200 s)" in printed
+    assert "phase 2: 5 steps at once" in printed and "sanitizer-initcheck  (260 s)" in printed
     # The parts, for a command cut short: each builds first, each fits, together every step.
     for i, part in enumerate(gpu_check.PARTS, 1):
         assert part[0] == "build"
@@ -178,8 +178,8 @@ def test_the_plan_fits_one_command_of_480_s(capsys, monkeypatch):
     monkeypatch.setitem(gpu_check.STEPS, "sanitizer-racecheck", 300)
     assert gpu_check.main(["--dry-run"]) == 1
     printed = capsys.readouterr().out
-    assert "the plan may take 570 s, over 480 s" in printed
-    assert "PART=2 may take 465 s" not in printed  # 35 + 120 + 300 + 10 fits
+    assert "the plan may take 515 s, over 480 s" in printed
+    assert "PART=2 may take 435 s" not in printed  # 35 + 90 + 300 + 10 fits
     monkeypatch.setitem(gpu_check.STEPS, "build", 200)
     assert gpu_check.main(["--dry-run", "--part", "2"]) == 1
     assert "PART=2 may take 545 s, over 480 s" in capsys.readouterr().out
@@ -491,7 +491,9 @@ def test_cuda_tests_are_split_by_file_and_multiproc_files_further():
     items = [(f"/t/a.py::t{i}", "/t/a.py", False) for i in range(5)]
     items += [(f"/t/b.py::r{i}", "/t/b.py", True) for i in range(7)]
     shards = gpu_cuda_tests.split(items, tests_per_process=3, multiproc_per_process=3)
-    assert [len(s.tests) for s in shards] == [3, 3, 1, 3, 2]  # the longest expected first
+    # As few processes as the counts allow, evenly filled (7 by 3: 3, 2, 2, not 3, 3, 1),
+    # the longest expected first.
+    assert [len(s.tests) for s in shards] == [3, 2, 2, 3, 2]
     assert [s.name for s in shards][:3] == ["01-b", "02-b", "03-b"]
     assert sum((s.tests for s in shards), []) == [i[0] for i in items[5:]] + [
         i[0] for i in items[:5]
@@ -556,13 +558,14 @@ def test_the_cuda_tests_plan_on_the_real_tests():
         timeout=240,
     )
     assert res.returncode == 0, res.stdout + res.stderr
-    shards = re.findall(r"^(\d+)-(\w+): (\d+) tests, about (\d+) s alone$", res.stdout, re.M)
+    line = r"^(\d+)-(\w+): (\d+) tests, about (\d+) s beside the others$"
+    shards = re.findall(line, res.stdout, re.M)
     files = {name for _, name, _, _ in shards}
     assert {"test_hooks_cuda", "test_packed_ops", "test_ops", "test_accum_ops"} <= files
     # The files of spawned ranks are cut into processes of a few tests each.
     assert all(int(n) <= 3 for _, name, n, _ in shards if name == "test_hooks_cuda")
-    # No process expected to run longer than a third of the step's limit alone.
-    assert max(int(s) for *_, s in shards) <= gpu_check.STEPS["cuda-tests"] / 3
+    # No process expected to run longer than half the step's limit.
+    assert max(int(s) for *_, s in shards) <= gpu_check.STEPS["cuda-tests"] / 2
 
 
 @pytest.mark.multiproc  # runs the check in processes of its own

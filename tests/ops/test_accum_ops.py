@@ -11,7 +11,7 @@ import torch
 
 from fastddp import ops
 
-from ._grid import INT8_BLOCKS_OF_128, SCALAR, devices_and_lengths
+from ._grid import _CUDA, INT8_BLOCKS_OF_128, SCALAR, devices_and_lengths
 
 WIRE = [torch.float16, torch.bfloat16]
 LENGTHS = [0, 1, 7, 33, 1000, 65537]
@@ -208,7 +208,9 @@ def quantize_ref(v, block, r=None):
     bad = absmax_bits >= 0x7F800000
     absmax = absmax_bits.view(torch.float32)
     step = torch.where(bad, torch.full_like(absmax, float("nan")), absmax / 127.0)
-    inverse = 127.0 / absmax
+    # Not `127.0 / absmax`: torch computes a scalar over a tensor as a reciprocal times the
+    # scalar, which can be an ulp off the kernels' correctly rounded division.
+    inverse = torch.full_like(absmax, 127.0) / absmax
     # All-zero, non-finite and tiny blocks (127 / absmax overflows) quantise to zeros.
     zero = bad | (absmax_bits == 0) | torch.isinf(inverse)
     inverse = torch.where(zero, torch.zeros_like(absmax), inverse)
@@ -257,6 +259,20 @@ def test_quantize_int8_matches_reference(device, n, block, feedback, seed):
         # rounding to nearest, less than a step when rounding stochastically.
         bound = 0.5001 if seed < 0 else 1.0001
         assert (res.cpu().abs() <= want_step.repeat_interleave(block)[:n] * bound).all()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)], indirect=True)
+def test_quantize_int8_divides_once_and_rounds_half_to_even(device):
+    # 127 / 73.16361 is 1.7358356 correctly rounded, and -37.157898 times it is exactly -64.5,
+    # which rounds to -64; a reciprocal taken first is an ulp larger and gives -65. The
+    # reference must divide as the ops do (a length of 3.2 million found this on an H100).
+    v = torch.tensor([73.16361236572266, -37.15789794921875])
+    q = torch.empty(2, dtype=torch.int8, device=device)
+    scales = torch.empty(1, device=device)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    ops.quantize_int8((v * 2).to(device), q, scales, 2, 0.5, flag)
+    assert q.cpu().tolist() == [127, -64]
+    assert quantize_ref(v, 2)[0].tolist() == [127, -64]
 
 
 def test_quantize_int8_nonfinite_block_dequantises_to_nan():

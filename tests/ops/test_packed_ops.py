@@ -32,7 +32,9 @@ def _reference(v, bits, block, seed=-1):
     padded = torch.nn.functional.pad(v, (0, -n % block)).view(-1, block)
     absmax = padded.abs().amax(1)
     scales = absmax / qmax
-    inverse = torch.where(absmax > 0, qmax / absmax, torch.zeros_like(absmax))
+    # A division of two tensors, correctly rounded as the kernels' is (a scalar over a tensor
+    # is a reciprocal times the scalar in torch).
+    inverse = torch.where(absmax > 0, torch.full_like(absmax, qmax) / absmax, 0.0)
     x = (padded * inverse[:, None]).reshape(-1)[:n]
     if seed < 0:
         q = torch.round(x)  # half to even, as rint
