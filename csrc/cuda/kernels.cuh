@@ -37,6 +37,9 @@ using math::WireKind;
 
 constexpr int kChunk = 4;   // elements a lane takes at a time: 16 bytes of fp32
 constexpr int kUnroll = 2;  // chunks a lane of the 16-bit ops loads before it stores either
+constexpr int kRowsAtOnce = 4;  // rows whose loads a lane of a row sum issues before it adds
+constexpr int kCodeUnroll = 2;    // steps of 32 chunks a warp of quantize takes at once
+constexpr int kUnpackUnroll = 4;  // and of unpack, which loads a quarter of what it stores
 constexpr unsigned kAllLanes = 0xffffffffu;
 
 __device__ __forceinline__ int64_t thread_index() {
@@ -372,15 +375,21 @@ __device__ __forceinline__ float sum_rows(
 __device__ __forceinline__ void sum_chunk(
     WireKind kind, const uint16_t* __restrict__ src, int64_t chunks, int64_t m, const Chunk& k,
     float (&acc)[kChunk]) {
-  uint16_t w[kChunk];
-  load_wire(src, k, w);
-  for (int j = 0; j < kChunk; ++j) {
-    acc[j] = math::wire_to_float(kind, w[j]);
-  }
-  for (int64_t p = 1; p < chunks; ++p) {
-    load_wire(src + p * m, k, w);
-    for (int j = 0; j < kChunk; ++j) {
-      acc[j] = math::add(acc[j], math::wire_to_float(kind, w[j]));
+  for (int64_t p0 = 0; p0 < chunks; p0 += kRowsAtOnce) {
+    // kRowsAtOnce rows' loads first, in flight together; then their sums, in row order. Past
+    // the last row a lane loads the last row again (no branch before the loads) and adds
+    // nothing of it.
+    uint16_t w[kRowsAtOnce][kChunk];
+    for (int u = 0; u < kRowsAtOnce; ++u) {
+      load_wire(src + (p0 + u < chunks ? p0 + u : chunks - 1) * m, k, w[u]);
+    }
+    for (int u = 0; u < kRowsAtOnce; ++u) {
+      if (p0 + u < chunks) {
+        for (int j = 0; j < kChunk; ++j) {
+          const float x = math::wire_to_float(kind, w[u][j]);
+          acc[j] = p0 + u == 0 ? x : math::add(acc[j], x);
+        }
+      }
     }
   }
 }
@@ -438,6 +447,25 @@ struct Pieces {
   static constexpr uint32_t kMask = kBits == 8 ? 0xffffffffu : (1u << (4 * kBits)) - 1u;
 };
 
+// The layout of codes with its two divisors, set up once at the launch (Divider): every chunk
+// divides a flat element index by the row length (its row) and by the block length (its
+// scale).
+struct Codes {
+  Int8Rows rows;
+  Divider by_row;
+  Divider by_block;
+
+  static Codes of(const Int8Rows& rows, int64_t block) {
+    return {rows, Divider::of(rows.row_len), Divider::of(block)};
+  }
+
+  // The index of the scale of flat element e (the first of its block or not).
+  __device__ __forceinline__ int64_t scale_index(int64_t e) const {
+    const int64_t row = by_row.div(e);
+    return row * rows.s_stride + by_block.div(e - row * rows.row_len);
+  }
+};
+
 // Where the codes of chunk c (flat elements 4c ..) lie in `rows`, whose row r starts at byte
 // q + r * q_stride: the piece's address, and whether its group's 16 bytes are one aligned
 // access that holds only codes of elements below `limit`, in one row.
@@ -447,22 +475,32 @@ struct CodeSpot {
 };
 
 template <int kBits>
-__device__ __forceinline__ uint8_t* code_byte(const Int8Rows& rows, uint8_t* q, int64_t e) {
-  const int64_t row = e / rows.row_len;
-  return q + row * rows.q_stride + (e - row * rows.row_len) * kBits / 8;
+__device__ __forceinline__ uint8_t* code_byte(const Codes& codes, uint8_t* q, int64_t e) {
+  const int64_t row = codes.by_row.div(e);
+  return q + row * codes.rows.q_stride + (e - row * codes.rows.row_len) * kBits / 8;
 }
 
 template <int kBits>
 __device__ __forceinline__ CodeSpot code_spot(
-    const Int8Rows& rows, uint8_t* q, int64_t c, int64_t limit) {
+    const Codes& codes, uint8_t* q, int64_t c, int64_t limit) {
   using P = Pieces<kBits>;
   const int64_t g0 = (c & ~int64_t{P::kGroup - 1}) * kChunk;  // the group's first element
   const int64_t g1 = g0 + P::kGroup * kChunk - 1;              // and its last
-  bool whole = g1 < limit && g0 / rows.row_len == g1 / rows.row_len;
+  bool whole = g1 < limit && codes.by_row.div(g0) == codes.by_row.div(g1);
   if (whole) {
-    whole = reinterpret_cast<uintptr_t>(code_byte<kBits>(rows, q, g0)) % 16 == 0;
+    whole = reinterpret_cast<uintptr_t>(code_byte<kBits>(codes, q, g0)) % 16 == 0;
   }
-  return {code_byte<kBits>(rows, q, c * kChunk), whole};
+  return {code_byte<kBits>(codes, q, c * kChunk), whole};
+}
+
+// code_spot for one row of m codes at q, without dividing.
+template <int kBits>
+__device__ __forceinline__ CodeSpot row_spot(uint8_t* q, int64_t c, int64_t m) {
+  using P = Pieces<kBits>;
+  const int64_t g0 = (c & ~int64_t{P::kGroup - 1}) * kChunk;
+  const bool whole = g0 + P::kGroup * kChunk <= m &&
+                     reinterpret_cast<uintptr_t>(q + g0 * kBits / 8) % 16 == 0;
+  return {q + c * kChunk * kBits / 8, whole};
 }
 
 // The piece of the chunk whose codes start at `at` (count of them exist): the group's 16 bytes
@@ -569,15 +607,15 @@ __device__ __forceinline__ Chunk quantize_inputs(
 // the warp must call it.
 template <int kBits>
 __device__ __forceinline__ void quantize_chunk(
-    const QuantizeArgs& a, const math::Mode& mode, int64_t c, const float (&v)[kChunk],
-    float step, float inverse, bool block_bad) {
+    const QuantizeArgs& a, const Codes& codes, const math::Mode& mode, int64_t c,
+    const float (&v)[kChunk], float step, float inverse, bool block_bad) {
   const float qmax = code_max(kBits);
   const Chunk k = chunk_at(0, a.n, c);
   auto* q = reinterpret_cast<uint8_t*>(a.dst);
-  const CodeSpot spot = code_spot<kBits>(a.rows, q, c, a.n);
-  if (k.count > 0 && k.first % a.block == 0) {
-    const int64_t row = k.first / a.rows.row_len;
-    a.scales[row * a.rows.s_stride + (k.first - row * a.rows.row_len) / a.block] = step;
+  const CodeSpot spot = code_spot<kBits>(codes, q, c, a.n);
+  // The first chunk of a block (k.first % block == 0) stores its scale.
+  if (k.count > 0 && k.first - codes.by_block.div(k.first) * a.block == 0) {
+    a.scales[codes.scale_index(k.first)] = step;
   }
   // A block holding inf or NaN gets zeros (and a NaN scale); its residual is left alone.
   uint32_t piece = 0;
@@ -599,17 +637,46 @@ __device__ __forceinline__ void quantize_chunk(
 
 // quantize (int8, int4, int2): the lanes of a block share its absolute maximum by shuffles.
 // A block of up to 128 elements (block / 4 lanes, a power of two) takes part of a warp, so that
-// a warp quantises 128 elements at a time; a longer block (a multiple of 128) takes a warp,
-// each lane block / 128 chunks, which it reads again after the maximum is known.
+// a warp quantises 128 elements at a time, kCodeUnroll such runs a step, all loaded before any
+// is reduced; a longer block (a multiple of 128) takes a warp, each lane block / 128 chunks,
+// which it reads again after the maximum is known.
 template <int kBits>
-__global__ void quantize_vec_kernel(QuantizeArgs a) {
+__global__ void quantize_vec_kernel(QuantizeArgs a, Codes codes) {
   const math::Mode mode = a.rounding.mode();
   const float qmax = code_max(kBits);
   const int64_t per_block = a.block / kChunk;
-  const int64_t span = per_block > 32 ? per_block : 32;
-  const int width = per_block < 32 ? static_cast<int>(per_block) : 32;
+  const int64_t chunks = (a.n + kChunk - 1) / kChunk;
   bool bad = false;
-  warp_loop((a.n + kChunk - 1) / kChunk, span, [&](int64_t first) {
+  if (per_block <= 32) {
+    const int width = static_cast<int>(per_block);
+    warp_loop(chunks, 32 * kCodeUnroll, [&](int64_t first) {
+      float v[kCodeUnroll][kChunk];
+      uint32_t absmax[kCodeUnroll];
+      for (int u = 0; u < kCodeUnroll; ++u) {
+        quantize_inputs(a, mode, first + 32 * u + lane_index(), v[u]);
+        absmax[u] = 0;
+        for (int j = 0; j < kChunk; ++j) {
+          absmax[u] = math::abs_bits_max(absmax[u], v[u][j]);
+        }
+      }
+      for (int offset = width / 2; offset > 0; offset /= 2) {
+        for (int u = 0; u < kCodeUnroll; ++u) {
+          const uint32_t other = __shfl_xor_sync(kAllLanes, absmax[u], offset);
+          absmax[u] = other > absmax[u] ? other : absmax[u];
+        }
+      }
+      for (int u = 0; u < kCodeUnroll; ++u) {
+        const bool block_bad = math::block_nonfinite(absmax[u]);
+        bad |= block_bad;
+        quantize_chunk<kBits>(a, codes, mode, first + 32 * u + lane_index(), v[u],
+                              math::block_scale(absmax[u], qmax),
+                              math::block_inverse(absmax[u], qmax), block_bad);
+      }
+    });
+    raise_flag(bad, a.rounding.flag);
+    return;
+  }
+  warp_loop(chunks, per_block, [&](int64_t first) {
     const int64_t c = first + lane_index();
     float v[kChunk];
     uint32_t absmax = 0;
@@ -617,14 +684,14 @@ __global__ void quantize_vec_kernel(QuantizeArgs a) {
     for (int j = 0; j < kChunk; ++j) {
       absmax = math::abs_bits_max(absmax, v[j]);
     }
-    for (int64_t more = c + 32; more < first + span; more += 32) {
+    for (int64_t more = c + 32; more < first + per_block; more += 32) {
       float w[kChunk];
       quantize_inputs(a, mode, more, w);
       for (int j = 0; j < kChunk; ++j) {
         absmax = math::abs_bits_max(absmax, w[j]);
       }
     }
-    for (int offset = width / 2; offset > 0; offset /= 2) {
+    for (int offset = 32 / 2; offset > 0; offset /= 2) {  // a block takes the whole warp
       const uint32_t other = __shfl_xor_sync(kAllLanes, absmax, offset);
       absmax = other > absmax ? other : absmax;
     }
@@ -632,40 +699,50 @@ __global__ void quantize_vec_kernel(QuantizeArgs a) {
     const float inverse = math::block_inverse(absmax, qmax);
     const bool block_bad = math::block_nonfinite(absmax);
     bad |= block_bad;
-    quantize_chunk<kBits>(a, mode, c, v, step, inverse, block_bad);
-    for (int64_t more = c + 32; more < first + span; more += 32) {
+    quantize_chunk<kBits>(a, codes, mode, c, v, step, inverse, block_bad);
+    for (int64_t more = c + 32; more < first + per_block; more += 32) {
       float w[kChunk];
       quantize_inputs(a, mode, more, w);
-      quantize_chunk<kBits>(a, mode, more, w, step, inverse, block_bad);
+      quantize_chunk<kBits>(a, codes, mode, more, w, step, inverse, block_bad);
     }
   });
   raise_flag(bad, a.rounding.flag);
 }
 
-// unpack (int8, int4, int2): the flat sequence of n values the rows hold, dequantised.
+// unpack (int8, int4, int2): the flat sequence of n values the rows hold, dequantised; a lane
+// takes kUnpackUnroll chunks a step, their codes and scales all loaded before any is stored.
 template <int kBits>
-__global__ void unpack_vec_kernel(Int8Source s, int64_t n, float* __restrict__ dst, float scale) {
+__global__ void unpack_vec_kernel(
+    Int8Source s, Codes codes, int64_t n, float* __restrict__ dst, float scale) {
   auto* q = const_cast<uint8_t*>(reinterpret_cast<const uint8_t*>(s.q));
-  warp_loop((n + kChunk - 1) / kChunk, 32, [&](int64_t first) {
-    const Chunk k = chunk_at(0, n, first + lane_index());
-    if (k.count == 0) {
-      return;
+  warp_loop((n + kChunk - 1) / kChunk, 32 * kUnpackUnroll, [&](int64_t first) {
+    Chunk k[kUnpackUnroll];
+    uint32_t piece[kUnpackUnroll];
+    float step[kUnpackUnroll];
+    for (int u = 0; u < kUnpackUnroll; ++u) {
+      k[u] = chunk_at(0, n, first + 32 * u + lane_index());
+      piece[u] = 0;
+      step[u] = 0.0f;
+      if (k[u].count > 0) {
+        const CodeSpot spot = code_spot<kBits>(codes, q, k[u].index, n);
+        piece[u] = load_piece<kBits>(spot.at, k[u].index, k[u].count, spot.group_whole);
+        step[u] = s.scales[codes.scale_index(k[u].first)];
+      }
     }
-    const CodeSpot spot = code_spot<kBits>(s.rows, q, k.index, n);
-    const uint32_t piece = load_piece<kBits>(spot.at, k.index, k.count, spot.group_whole);
-    const int64_t row = k.first / s.rows.row_len;
-    const float step = s.scales[row * s.rows.s_stride + (k.first - row * s.rows.row_len) / s.block];
-    float x[kChunk];
-    for (int j = 0; j < kChunk; ++j) {
-      x[j] = math::mul(math::mul(piece_code<kBits>(piece, j), step), scale);
+    for (int u = 0; u < kUnpackUnroll; ++u) {
+      float x[kChunk];
+      for (int j = 0; j < kChunk; ++j) {
+        x[j] = math::mul(math::mul(piece_code<kBits>(piece[u], j), step[u]), scale);
+      }
+      store_chunk(dst, k[u], x);
     }
-    store_chunk(dst, k, x);
   });
 }
 
 // dequantize (int8, int4, int2): the rows dequantised and summed per column in row order.
 template <int kBits>
-__global__ void dequantize_vec_kernel(Int8Source s, float* __restrict__ dst, float scale) {
+__global__ void dequantize_vec_kernel(
+    Int8Source s, Codes codes, float* __restrict__ dst, float scale) {
   auto* q = const_cast<uint8_t*>(reinterpret_cast<const uint8_t*>(s.q));
   const int64_t m = s.rows.row_len;
   // Row p of the rows seen as one row of m codes at q + p * q_stride.
@@ -674,15 +751,26 @@ __global__ void dequantize_vec_kernel(Int8Source s, float* __restrict__ dst, flo
     if (k.count == 0) {
       return;
     }
+    const int64_t b = codes.by_block.div(k.first);  // the chunk's block, in every row
     float acc[kChunk];
-    for (int64_t p = 0; p < s.rows.rows; ++p) {
-      const Int8Rows row{1, m, 0, 0};
-      const CodeSpot spot = code_spot<kBits>(row, q + p * s.rows.q_stride, k.index, m);
-      const uint32_t piece = load_piece<kBits>(spot.at, k.index, k.count, spot.group_whole);
-      const float step = s.scales[p * s.rows.s_stride + k.first / s.block];
-      for (int j = 0; j < kChunk; ++j) {
-        const float term = math::mul(piece_code<kBits>(piece, j), step);
-        acc[j] = p == 0 ? term : math::add(acc[j], term);
+    for (int64_t p0 = 0; p0 < s.rows.rows; p0 += kRowsAtOnce) {
+      // kRowsAtOnce rows' loads first, in flight together; then their sums, in row order
+      // (past the last row, the last row is loaded again and not added, as in sum_chunk).
+      uint32_t piece[kRowsAtOnce];
+      float step[kRowsAtOnce];
+      for (int u = 0; u < kRowsAtOnce; ++u) {
+        const int64_t p = p0 + u < s.rows.rows ? p0 + u : s.rows.rows - 1;
+        const CodeSpot spot = row_spot<kBits>(q + p * s.rows.q_stride, k.index, m);
+        piece[u] = load_piece<kBits>(spot.at, k.index, k.count, spot.group_whole);
+        step[u] = s.scales[p * s.rows.s_stride + b];
+      }
+      for (int u = 0; u < kRowsAtOnce; ++u) {
+        if (p0 + u < s.rows.rows) {
+          for (int j = 0; j < kChunk; ++j) {
+            const float term = math::mul(piece_code<kBits>(piece[u], j), step[u]);
+            acc[j] = p0 + u == 0 ? term : math::add(acc[j], term);
+          }
+        }
       }
     }
     for (int j = 0; j < kChunk; ++j) {

@@ -154,11 +154,11 @@ void run(Rt& rt, const QuantizeArgs& a) {
   if (codes_vectorise(a.dst, a.rows, a.block, a.bits, a.src, r.residual) &&
       (grouped || per_block % 32 == 0)) {
     const int64_t chunks = (a.n + kChunk - 1) / kChunk;
-    const int64_t span = std::max<int64_t>(per_block, 32);
+    const int64_t span = per_block <= 32 ? 32 * kCodeUnroll : per_block;
     const int grid = grid_for((chunks + span - 1) / span * 32, rt.sms());
     rt.launch(for_bits(a.bits, quantize_vec_kernel<8>, quantize_vec_kernel<4>,
                        quantize_vec_kernel<2>),
-              grid, a);
+              grid, a, Codes::of(a.rows, a.block));
     return;
   }
   const int grid = grid_for(blocks_of(a.n, a.block) * 32, rt.sms());
@@ -191,7 +191,8 @@ void run(Rt& rt, const DequantizeArgs& a) {
   if (codes_vectorise(a.src.q, a.src.rows, a.src.block, a.src.bits, a.dst)) {
     rt.launch(for_bits(a.src.bits, dequantize_vec_kernel<8>, dequantize_vec_kernel<4>,
                        dequantize_vec_kernel<2>),
-              grid_for(lanes_for(m, kChunk), rt.sms()), a.src, a.dst, a.scale);
+              grid_for(lanes_for(m, kChunk), rt.sms()), a.src, Codes::of(a.src.rows, a.src.block),
+              a.dst, a.scale);
     return;
   }
   with_codes(a.src, [&](auto codes) {
@@ -207,7 +208,9 @@ void run(Rt& rt, const UnpackArgs& a) {
   if (codes_vectorise(a.src.q, a.src.rows, a.src.block, a.src.bits, a.dst)) {
     rt.launch(for_bits(a.src.bits, unpack_vec_kernel<8>, unpack_vec_kernel<4>,
                        unpack_vec_kernel<2>),
-              grid_for(lanes_for(a.n, kChunk), rt.sms()), a.src, a.n, a.dst, a.scale);
+              grid_for(lanes_for(a.n, kChunk * kUnpackUnroll), rt.sms()), a.src,
+              Codes::of(a.src.rows, a.src.block),
+              a.n, a.dst, a.scale);
     return;
   }
   with_codes(a.src, [&](auto codes) {

@@ -45,10 +45,11 @@ WIRES = (torch.bfloat16, torch.float16)
 CHUNK = 4  # elements a lane takes at a time in the vector kernels of the codes
 
 
-def _codes_n(block: int, tail: int = 5) -> int:
-    """A length that takes 3 passes of the codes' vector kernels (a warp takes 128 elements,
-    or a block of more) and ends in a short block."""
-    return 3 * THREADS * CHUNK * max(1, block // 128) + tail
+def _codes_n(block: int, tail: int = 5, unroll: int = 2) -> int:
+    """A length that takes 3 passes of the codes' vector kernels and ends in a short block: a
+    warp takes ``unroll`` runs of 128 elements a step (quantize 2, unpack 4, dequantize 1),
+    or a block of more."""
+    return 3 * THREADS * CHUNK * max(unroll, block // 128) + tail
 
 
 # The layouts of the codes: (rows, pad, offset): one row; rows 16 bytes apart (aligned); rows
@@ -77,19 +78,19 @@ CHECKS = [
      [(_codes_n(b), b, v, r, pad, off) for b in (32, 100, 256) for v in ("plain", "ef", "sr")
       for r, pad, off in LAYOUTS]),
     ("dequantize_int8", check_dequantize_int8,
-     [(_codes_n(b, b), b, 3, pad, off) for b in (32, 100)
+     [(_codes_n(b, b, 1), b, 3, pad, off) for b in (32, 100)
       for pad, off in ((16, False), (4, False), (16, True))]),
     ("unpack_int8", check_unpack_int8,
-     [(_codes_n(b, 7), b, r, pad, off) for b in (32, 100) for r, pad, off in LAYOUTS]),
+     [(_codes_n(b, 7, 4), b, r, pad, off) for b in (32, 100) for r, pad, off in LAYOUTS]),
     # Blocks of 32 and 128 (vector kernels), 6 for int4 and 12 for int2 (scalar).
     ("quantize_packed", check_quantize_packed,
      [(bits, _codes_n(b), b, v, r, pad, off) for bits in (4, 2) for b in (32, 128, 6 * (6 - bits))
       for v in ("plain", "ef", "sr") for r, pad, off in LAYOUTS]),
     ("dequantize_packed", check_decode_packed,
-     [("dequantize", bits, _codes_n(b, b), b, 3, pad, off) for bits in (4, 2)
+     [("dequantize", bits, _codes_n(b, b, 1), b, 3, pad, off) for bits in (4, 2)
       for b in (32, 128, 6 * (6 - bits)) for pad, off in ((16, False), (4, False), (16, True))]),
     ("unpack_packed", check_decode_packed,
-     [("unpack", bits, _codes_n(b, 7), b, r, pad, off) for bits in (4, 2)
+     [("unpack", bits, _codes_n(b, 7, 4), b, r, pad, off) for bits in (4, 2)
       for b in (32, 128, 6 * (6 - bits)) for r, pad, off in LAYOUTS]),
 ]  # fmt: skip
 

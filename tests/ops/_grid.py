@@ -4,8 +4,9 @@
 ``kThreads = 256`` threads, and every kernel strides over what one grid cannot cover. On an
 H100 (132 SMs) one pass is 132 * 8 * 256 = 270,336 threads: that many elements for the scalar
 loops, 8 times as many for the vectorised compress/decompress (``kVec = 8`` elements a
-thread), and 270,336 / 32 int8 blocks for quantize_int8 (a warp per block). Smaller tests never
-reach a second pass, where an indexing slip in the stride would hide.
+thread), and 8 times as many for quantize_int8 with blocks of up to 128 (a warp takes
+``kCodeUnroll = 2`` runs of 128 elements a step; unpack takes 4, so 1.5 passes there). Smaller
+tests never reach a second pass, where an indexing slip in the stride would hide.
 """
 
 import pytest
@@ -24,8 +25,9 @@ def grid_stride_length(elements_per_thread: int = 1, passes: int = 3) -> int:
 SCALAR = grid_stride_length()
 # 3 passes of 16-byte accesses in compress/decompress, 8 elements each.
 VECTORISED = grid_stride_length(8)
-# 3 passes of quantize_int8 over 128-element blocks: 32 threads a block, 4 elements a thread.
-INT8_BLOCKS_OF_128 = grid_stride_length(128 // 32)
+# 3 passes of quantize_int8 over 128-element blocks: 32 threads a block, 4 elements a thread,
+# 2 blocks a warp at a time.
+INT8_BLOCKS_OF_128 = grid_stride_length(2 * 128 // 32)
 
 _CUDA = [
     pytest.mark.cuda,

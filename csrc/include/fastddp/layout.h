@@ -22,6 +22,40 @@ struct Int8Rows {
   int64_t s_stride;
 };
 
+// n / d for a divisor fixed before a launch, for the kernels' index arithmetic: a GPU has no
+// integer divider, and a 64-bit division is a call of dozens of instructions. For n and d
+// below 2^32 it is a multiply, an add and a shift: Granlund and Montgomery's method, with
+// magic = floor(2^32 * (2^shift - d) / d) + 1 and shift = ceil(log2 d), exact for every such
+// n (tests/ops/test_divider.py checks it); otherwise the plain division.
+struct Divider {
+  int64_t d;
+  uint32_t magic;
+  uint32_t shift;  // kPlain: d is 0 or at least 2^32
+
+  static constexpr uint32_t kPlain = 64;
+
+  static FASTDDP_HD Divider of(int64_t d) {
+    if (d <= 0 || d >= (int64_t{1} << 32)) {
+      return {d, 0, kPlain};
+    }
+    const auto ud = static_cast<uint64_t>(d);
+    uint32_t shift = 0;
+    while ((uint64_t{1} << shift) < ud) {
+      ++shift;
+    }
+    const uint64_t magic = (uint64_t{1} << 32) * ((uint64_t{1} << shift) - ud) / ud + 1;
+    return {d, static_cast<uint32_t>(magic), shift};
+  }
+
+  FASTDDP_HD int64_t div(int64_t n) const {
+    const auto u = static_cast<uint64_t>(n);
+    if (shift != kPlain && (u >> 32) == 0) {
+      return static_cast<int64_t>((((u * magic) >> 32) + u) >> shift);
+    }
+    return n / d;
+  }
+};
+
 FASTDDP_HD int64_t blocks_of(int64_t n, int64_t block) {
   return (n + block - 1) / block;
 }
