@@ -174,12 +174,6 @@ DEFECTS = [
     ("a divider's magic number one too small", "include/fastddp/layout.h",
      "(uint64_t{1} << 32) * ((uint64_t{1} << shift) - ud) / ud + 1;",
      "(uint64_t{1} << 32) * ((uint64_t{1} << shift) - ud) / ud;", "unpack_int8"),
-    ("a row past the last added to a row sum", "cuda/kernels.cuh",
-     "acc[j] = p0 + u == 0 ? x : math::add(acc[j], x);\n        }\n      }",
-     "acc[j] = p0 + u == 0 ? x : math::add(acc[j], x);\n        }\n      } else {\n"
-     "        for (int j = 0; j < kChunk; ++j) {\n"
-     "          acc[j] = math::add(acc[j], math::wire_to_float(kind, w[u][j]));\n"
-     "        }\n      }", "sum_chunks"),
     ("a row of codes past the last added to a dequantised sum", "cuda/kernels.cuh",
      "        if (p0 + u < s.rows.rows) {\n          for (int j = 0; j < kChunk; ++j) {",
      "        if (true) {\n          for (int j = 0; j < kChunk; ++j) {", "dequantize_int8"),
