@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_bandwidth  # noqa: E402
 import gpu_check  # noqa: E402
 import gpu_cuda_tests  # noqa: E402
+import gpu_step_profile  # noqa: E402
 
 import fastddp  # noqa: E402
 
@@ -591,6 +592,30 @@ def test_the_step_cost_table_on_cpu(tmp_path):
     assert all(r["rounds"] == 2 and r["finite_grads"] and r["ms_per_step"] > 0 for r in rows)
     assert all(r["target"] == 1.03 and isinstance(r["meets_target"], bool) for r in rows[1:])
     assert "| fastddp int2-ef | fastddp.register_comm_hook |" in md.read_text()
+
+
+@pytest.mark.multiproc  # runs the profile in a process of its own
+def test_the_step_profile_on_cpu(tmp_path):
+    out = tmp_path / "profile.json"
+    cmd = [sys.executable, "benchmarks/gpu_step_profile.py", "--device", "cpu", "--steps", "2"]
+    cmd += ["--rounds", "1", "--json", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = json.loads(out.read_text())["models"]["cpu"]["rows"]
+    assert [(r["variant"], r["registration"]) for r in rows][:3] == [
+        ("plain DDP", "none"),
+        ("torch fp16_compress_hook", "ddp.register_comm_hook"),
+        ("fastddp bf16", "ddp.register_comm_hook"),
+    ]
+    assert rows[0]["ratio"] == 1.0 and rows[0]["host_over_plain"] == []
+    # No GPU: no kernels and no runtime calls; the hooks' own ops are what they add on the host.
+    assert all(r["kernels_per_step"] == 0 and r["gpu_busy_ms"] == 0 for r in rows)
+    assert set(rows[0]["runtime_calls_per_step"]) == set(gpu_step_profile.RUNTIME)
+    ops = {e["op"] for e in rows[2]["host_over_plain"]}
+    assert {"fastddp::compress", "fastddp::decompress"} <= ops, ops
+    ops = {e["op"] for e in rows[4]["host_over_plain"]}
+    assert "fastddp::quantize_int8" in ops, ops
+    assert "| fastddp int8-ef | fastddp.register_comm_hook |" in res.stdout
 
 
 @pytest.mark.parametrize("filters", [True, False], ids=["with-filters", "python-3.11.2"])
