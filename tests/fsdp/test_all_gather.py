@@ -86,8 +86,12 @@ def _in_fsdp(rank, world):
         err = ((grads - ref_grads).norm() / ref_grads.norm()).item()
         # Weights off by at most half an int8 step of their block move the gradients a little.
         assert 0 < err < 0.05, (param_dtype, err)
-        # Within one bf16 step of a loss near 4 (0.03): bf16 computes the loss itself.
-        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 0.05, (losses, ref_losses)
+        # fp32 weights: within 0.05 of a loss near 4. bf16 weights compute the loss in bf16
+        # (steps of 0.03 near 4), and the trajectories part by a step on some CPUs and by two
+        # on others (0.0625 at step 2 on an AMD Zen 3, AVX2 without AVX-512): torch's bf16
+        # kernels differ by instruction set.
+        tol = 0.05 if param_dtype is None else 0.07
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < tol, (losses, ref_losses)
         stats = comm.stats()
         # Forward and backward gather every group: 2 per step for the blocks (resharded after
         # forward), 1 for the root (kept unsharded for backward).
