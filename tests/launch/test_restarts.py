@@ -31,7 +31,7 @@ pytestmark = [
     pytest.mark.multiproc,
     pytest.mark.launcher,
     pytest.mark.faults,
-    pytest.mark.timeout(360),
+    pytest.mark.timeout(540),
 ]
 
 _REFERENCES: dict[int, list] = {}
@@ -79,7 +79,10 @@ def _free_port() -> int:
 
 
 # run_case's limit on a cell, and half of it: a cell that passes slower than that is reported.
-_LIMIT = 240.0
+# A hang guard: a cell takes about 20 s alone, but on a 2-core machine 2.7 times slower than
+# usual, under a full test run (load 25), one cell's ranks took 2 min 17 s to join their
+# group and the cell ran past 240 s.
+_LIMIT = 420.0
 _SLOW = _LIMIT / 2
 
 
