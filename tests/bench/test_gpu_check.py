@@ -611,10 +611,11 @@ def test_the_step_profile_on_cpu(tmp_path):
     # No GPU: no kernels and no runtime calls; the hooks' own ops are what they add on the host.
     assert all(r["kernels_per_step"] == 0 and r["gpu_busy_ms"] == 0 for r in rows)
     assert set(rows[0]["runtime_calls_per_step"]) == set(gpu_step_profile.RUNTIME)
-    ops = {e["op"] for e in rows[2]["host_over_plain"]}
-    assert {"fastddp::compress", "fastddp::decompress"} <= ops, ops
-    ops = {e["op"] for e in rows[4]["host_over_plain"]}
-    assert "fastddp::quantize_int8" in ops, ops
+    # The hooks' own ops, counted (their times rank among the noise of a loaded machine).
+    assert rows[0]["calls_over_plain"] == {}
+    assert {"fastddp::compress", "fastddp::decompress"} <= set(rows[2]["calls_over_plain"])
+    assert "fastddp::quantize_int8" in rows[4]["calls_over_plain"]
+    assert len(rows[2]["host_over_plain"]) == gpu_step_profile.TOP
     assert "| fastddp int8-ef | fastddp.register_comm_hook |" in res.stdout
 
 
