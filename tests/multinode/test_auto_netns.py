@@ -45,9 +45,10 @@ def test_a_link_that_slows_down_is_planned_for_again(tmp_path):
     assert last["uniform"] == "int8-ef", report
     assert last["step_ms"]["none"] > 3 * first["step_ms"]["none"], report
     # What the collectives measured of each level, int8's two-level path: the slowed link
-    # (2.5 MB/s) gives far less than the fast one, and less than the node's own loopback. The
-    # loopback between a node's ranks is CPU-bound: on a busy 2-core machine it measured
-    # 20.7 MB/s against the slowed link's 5.6, so its margin is a factor 2, not 10.
+    # (2.5 MB/s) gives less than the fast one, and less than the node's own loopback. Both of
+    # those are CPU-bound on a busy 2-core machine, so their margins are a factor 2, not 10:
+    # the loopback measured 20.7 MB/s against the slowed link's 5.6, and on a slower CPU the
+    # unslowed 10 Gbit/s link 16 MB/s against the slowed one's 3.65.
     fast, slow = first["links"], last["links"]
-    assert slow["cross"]["MBps"] < 10 and slow["cross"]["MBps"] < fast["cross"]["MBps"] / 5, report
+    assert slow["cross"]["MBps"] < 10 and slow["cross"]["MBps"] < fast["cross"]["MBps"] / 2, report
     assert slow["intra"]["MBps"] > 2 * slow["cross"]["MBps"], report
