@@ -3,7 +3,7 @@ import gc
 import pytest
 import torch
 
-from fastddp.testing import netns
+from fastddp.testing import netns, slack
 
 DEVICES = [
     "cpu",
@@ -23,12 +23,24 @@ def device(request):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip the tests of the network-namespace bed, with the reason, where it cannot be built."""
+    """Skip the tests of the network-namespace bed, with the reason, where it cannot be built;
+    scale every test's time limit to this machine's cores (``fastddp.testing.slack``)."""
     why = netns.unavailable_reason()
     if why:
         for item in items:
             if item.get_closest_marker("netns"):
                 item.add_marker(pytest.mark.skip(reason=why))
+    scale = slack.factor()
+    if scale > 1.0:
+        default = float(config.getini("timeout") or 0)
+        for item in items:
+            mark = item.get_closest_marker("timeout")
+            limit = default
+            if mark is not None:
+                limit = float(mark.args[0] if mark.args else mark.kwargs.get("timeout", default))
+            if limit > 0:
+                # Prepended, so that it is the item's closest timeout mark.
+                item.add_marker(pytest.mark.timeout(limit * scale), append=False)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ scheduling shares the cores with as equals, whatever their niceness.
 """
 
 import argparse
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -33,6 +34,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _slack():
+    """``fastddp/testing/slack.py`` by its path: the package's import would load torch here."""
+    spec = importlib.util.spec_from_file_location("slack", ROOT / "fastddp/testing/slack.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+slack = _slack()
 
 
 def _asan_env() -> dict:
@@ -86,6 +98,15 @@ def main(argv=None) -> int:
     if len(also) < len(args.also) or set(also) & set(STREAMS):
         p.error(f"--also: give each command a name of its own, none of {', '.join(STREAMS)}")
     logs = Path(tempfile.mkdtemp(prefix="fastddp-tests-"))
+    if slack.VAR not in os.environ:
+        # Measured before the streams start, on an idle machine: the cores' speed, not the load.
+        scale, took = slack.measure()
+        os.environ[slack.VAR] = f"{scale:.2f}"
+        ref = slack.REFERENCE_IMPORT_S
+        print(f"hang guards x {scale:.2f}: import torch took {took:.2f} CPU s here, {ref:g} where"
+              f" they were sized ({slack.VAR})", flush=True)  # fmt: skip
+    else:
+        print(f"hang guards x {slack.factor():.2f} ({slack.VAR} is yours)", flush=True)
     start = time.monotonic()
     running = {name: _start(name, args.pytest_args, logs) for name in names}
     for name, command in also.items():

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastddp.testing import slack
+
 pytestmark = [
     pytest.mark.multiproc,
     pytest.mark.launcher,
@@ -23,7 +25,7 @@ def _job(run: Path, *extra: str) -> list[torch.Tensor]:
     run.mkdir()
     cmd = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "4"]
     cmd += ["--max-restarts", "1", str(WORKER), "--dir", str(run), *extra]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(240))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return torch.load(run / "params.pt")
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastddp.testing import slack
+
 from .._references import resume_example
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.launcher]
@@ -38,7 +40,7 @@ def _launch(args, extra_env=None, launch_args=()):
 def _wait_for_step(progress: Path, rank: int, step: int, proc, timeout=120.0):
     """Return rank's pid once it has finished `step` steps."""
     path = progress.with_suffix(f".rank{rank}")
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + slack.guard(timeout)
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.stdout.read()
         try:
@@ -53,6 +55,7 @@ def _wait_for_step(progress: Path, rank: int, step: int, proc, timeout=120.0):
 
 
 def _finish(proc, timeout):
+    timeout = slack.guard(timeout)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

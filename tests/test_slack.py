@@ -1,0 +1,68 @@
+"""Hang guards scaled to the machine (``fastddp.testing.slack``): the factor and its errors, every
+test's pytest time limit scaled by ``conftest.py``, and ``tests/streams.py`` measuring the
+factor for its streams."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastddp.testing import slack
+
+ROOT = Path(__file__).resolve().parents[1]
+NESTED = ["own_limit_is_scaled", "without_a_limit_gets_the_default_scaled"]
+
+
+def test_a_guard_scales_by_the_variable(monkeypatch):
+    monkeypatch.delenv(slack.VAR, raising=False)
+    assert slack.factor() == 1.0 and slack.guard(120) == 120
+    monkeypatch.setenv(slack.VAR, "2.5")
+    assert slack.factor() == 2.5 and slack.guard(120) == 300
+
+
+@pytest.mark.parametrize("bad", ["0.5", "9", "fast", "nan", ""])
+def test_a_bad_factor_is_refused_with_the_fix(monkeypatch, bad):
+    monkeypatch.setenv(slack.VAR, bad)
+    with pytest.raises(ValueError, match=f"{slack.VAR}=.*give a number from 1 to 4.*or unset it"):
+        slack.factor()
+
+
+@pytest.mark.timeout(7)
+def test_a_tests_own_limit_is_scaled(request):
+    assert request.node.get_closest_marker("timeout").args[0] == pytest.approx(7 * slack.factor())
+
+
+def test_a_test_without_a_limit_gets_the_default_scaled(request, pytestconfig):
+    mark = request.node.get_closest_marker("timeout")
+    if slack.factor() == 1.0:
+        assert mark is None  # pytest-timeout's own default applies
+    else:
+        want = float(pytestconfig.getini("timeout")) * slack.factor()
+        assert mark.args[0] == pytest.approx(want)
+
+
+def _nested(env: dict, *runner: str) -> subprocess.CompletedProcess:
+    args = [str(ROOT / "tests" / "test_slack.py"), "-q", "-p", "no:cacheprovider"]
+    args += ["-k", " or ".join(NESTED)]
+    return subprocess.run(
+        [*runner, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
+    )
+
+
+@pytest.mark.multiproc
+def test_the_suite_scales_every_limit_and_streams_measure_the_factor(tmp_path):
+    # A pytest told that this machine is 2.5 times slower: the two tests above check their limits.
+    env = {**os.environ, slack.VAR: "2.5", "TMPDIR": str(tmp_path)}
+    res = _nested(env, sys.executable, "-m", "pytest")
+    assert res.returncode == 0 and "2 passed" in res.stdout, res.stdout + res.stderr
+    # streams.py without the variable measures the factor and hands it to its streams.
+    del env[slack.VAR]
+    res = _nested(env, sys.executable, str(ROOT / "tests" / "streams.py"), "--only", "ranks", "--")
+    assert res.returncode == 0 and "2 passed" in res.stdout, res.stdout + res.stderr
+    assert f"CPU s here, 1 where they were sized ({slack.VAR})" in res.stdout, res.stdout
+    # Given one, streams.py keeps it.
+    env[slack.VAR] = "1.5"
+    res = _nested(env, sys.executable, str(ROOT / "tests" / "streams.py"), "--only", "ranks", "--")
+    assert res.returncode == 0 and f"hang guards x 1.50 ({slack.VAR} is yours)" in res.stdout
