@@ -15,7 +15,7 @@ import fastddp
 from fastddp.bench import allreduce, cli
 from fastddp.bench import fsdp as fsdp_bench
 from fastddp.hooks import auto
-from fastddp.testing import netns, spawn
+from fastddp.testing import netns, slack, spawn
 
 from .._dist import pool
 
@@ -26,7 +26,10 @@ BENCH = [sys.executable, "-m", "fastddp.bench"]
 
 def _run(args, timeout=240):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.run([*BENCH, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    cmd = [*BENCH, *args]
+    return subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=slack.guard(timeout)
+    )
 
 
 def _here(args, capsys, main=cli.main) -> subprocess.CompletedProcess:
@@ -236,7 +239,7 @@ def test_demo_refuses_bad_options():
 def _demo(*args):
     small = ["--steps", "24", "--width", "64", "--batch", "16", "--probe-every", "25"]
     cmd = [sys.executable, "-m", "fastddp.demo", *small, *args]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=slack.guard(200))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     # Every mode has its row, and auto names what it planned (24 steps: one plan).
     for mode in ("fp32", "fastddp-bf16", "fastddp-bf16-acc", "fastddp-int8-ef"):
@@ -463,7 +466,7 @@ def test_hook_overhead_times_each_hook_after_autos_plan(tmp_path):
     cmd += ["benchmarks/hook_overhead.py", "--rounds", "2", "--steps", "2", "--width", "64"]
     cmd += ["--depth", "2", "--bucket-cap-mb", "0.01", "--json", str(out)]
     root = Path(__file__).resolve().parents[2]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=root)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=slack.guard(240), cwd=root)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["world_size"] == 2

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from fastddp.testing import slack
+
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.launcher, pytest.mark.timeout(180)]
@@ -16,7 +18,7 @@ def test_the_example_learns_on_two_pretend_nodes():
     cmd = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]
     cmd += [str(ROOT / "examples" / "diloco_train.py"), "--pretend-nodes", "2"]
     cmd += ["--steps", "40", "--sync-every", "10"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(150))
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
     assert "int8-ef: 2 node(s) x 1 rank(s), 4 rounds" in out, out

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from fastddp.testing import slack
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "ddp_train.py"
 
@@ -18,7 +20,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.launcher]
 def _train(preset: str) -> list[float]:
     cmd = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]
     cmd += [str(SCRIPT), "--preset", preset, "--steps", "41"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(150))
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
     assert f"{preset}: 2 ranks" in out and "weights identical on every rank" in out, out
@@ -40,7 +42,7 @@ def test_the_gpt_example_plans_with_auto(tmp_path):
     cmd = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]
     cmd += [str(ROOT / "examples" / "gpt_train.py"), "--preset", "auto", "--steps", "24"]
     cmd += ["--width", "32", "--layers", "1", "--seq", "16", "--batch", "2", "--json", str(out)]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(150))
     assert res.returncode == 0, res.stdout + res.stderr
     summary = json.loads(out.read_text())
     # The default four candidates plan by step 21; the summary names what was kept.

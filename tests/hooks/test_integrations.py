@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from fastddp.testing import slack
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "hooks" / "_frameworks.py"
 
@@ -15,7 +17,7 @@ SCRIPT = ROOT / "tests" / "hooks" / "_frameworks.py"
 def _run(cmd, tmp_path, timeout=240):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     res = subprocess.run(
-        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
+        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=slack.guard(timeout)
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fastddp.testing import netns
+from fastddp.testing import netns, slack
 
 pytestmark = [
     pytest.mark.netns,
@@ -32,7 +32,7 @@ def test_the_example_trains_two_nodes_of_two_ranks_over_a_slow_link():
     with netns.nodes(2, "30mbit") as made:
         procs = netns.start(made, "2", argv, stdout=subprocess.PIPE, env=None)
         try:
-            outs = [p.communicate(timeout=200)[0] for p in procs]
+            outs = [p.communicate(timeout=slack.guard(200))[0] for p in procs]
         finally:
             netns.stop(procs)
     node0 = outs[-1] if isinstance(outs[-1], str) else outs[-1].decode()

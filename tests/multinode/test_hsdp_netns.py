@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from fastddp.testing import slack
+
 pytestmark = [pytest.mark.netns, pytest.mark.multiproc, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +28,7 @@ def test_hybrid_on_two_nodes_of_two_ranks(tmp_path):
     out = tmp_path / "hsdp.json"
     cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "2", "--nproc-per-node", "2"]
     cmd += ["--rate", "1gbit", "--timeout", "200", "tests/multinode/_hsdp_worker.py", str(out)]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=260)
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(260))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["mesh"] == [[0, 1], [2, 3]], report
@@ -44,7 +46,7 @@ def test_the_example_trains_hybrid_with_quantized_gathers_on_two_nodes():
     cmd += ["--rate", "1gbit", "--timeout", "150", "examples/fsdp_train.py", "--steps", "20"]
     cmd += ["--width", "32", "--layers", "1", "--wire", "none", "--hybrid", "int8-ef"]
     cmd += ["--quantize-all-gather"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(200))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = res.stdout
     losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")]

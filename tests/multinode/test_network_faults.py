@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastddp.testing import netns
+from fastddp.testing import netns, slack
 
 from .._references import resume_example
 
@@ -124,7 +124,7 @@ def _run(tmp: Path, mode: str, bed, *, loss=0.0, wire=None, during=None, env=Non
                     job.wait(30)
                     said = _said([proc.poll() for proc in job.procs], job.outs)
                     raise AssertionError(f"{e}\n{said}") from None
-            codes = job.wait(timeout)
+            codes = job.wait(slack.guard(timeout))
             drops = [netns.dropped(node) for node in made] if loss else []
             drops += [line.dropped] if line is not None else []
         finally:
@@ -136,7 +136,7 @@ def _run(tmp: Path, mode: str, bed, *, loss=0.0, wire=None, during=None, env=Non
 def _wait_for_step(progress: Path, step: int, proc, timeout=180.0, rank=2) -> None:
     """Until ``rank`` (by default rank 2, on node 1) has finished ``step``."""
     path = progress.with_suffix(f".rank{rank}")
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + slack.guard(timeout)
     while time.monotonic() < deadline:
         assert proc.poll() is None, "the job ended before the fault"
         try:
@@ -345,7 +345,7 @@ def _lose_node_1(tmp: Path, bed, mode: str, nnodes: str, rejoin: bool, power: bo
             job.procs[1].wait(timeout=30)
             if rejoin:
                 job.add(netns.spawn(made, 1, "2", argv, port, **launch))
-            codes = job.wait(timeout=240)
+            codes = job.wait(timeout=slack.guard(240))
         finally:
             netns.stop(job.procs)
     params = torch.load(tmp / "params.pt") if (tmp / "params.pt").exists() else None
@@ -409,7 +409,7 @@ def test_a_node_added_to_a_running_job_grows_it(bed, tmp_path, tmp_path_factory)
             job.add(netns.spawn(made, 0, "2", argv, port, **launch))
             _wait_for_step(tmp_path / "progress", 20, job.procs[0], rank=0)
             job.add(netns.spawn(made, 1, "2", argv, port, **launch))
-            codes = job.wait(timeout=240)
+            codes = job.wait(timeout=slack.guard(240))
         finally:
             netns.stop(job.procs)
     assert codes == [0, 0], _said(codes, job.outs)

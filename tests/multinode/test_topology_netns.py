@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fastddp.testing import netns
+from fastddp.testing import netns, slack
 
 pytestmark = [pytest.mark.netns, pytest.mark.multiproc]
 
@@ -28,7 +28,7 @@ def test_two_nodes_of_two_ranks_over_a_real_link(tmp_path):
     out = tmp_path / "topology.json"
     cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "2", "--nproc-per-node", "2"]
     cmd += ["--rate", "1gbit", "--timeout", "150", "tests/multinode/_topology_worker.py", str(out)]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(200))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())
     assert (report["world"], report["nodes"]) == (4, 2)
@@ -151,7 +151,7 @@ def test_three_nodes_of_two_ranks_find_their_nodes_and_reduce():
         pytest.skip(why)
     cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "3", "--nproc-per-node", "2"]
     cmd += ["--rate", "1gbit", "--timeout", "150", "tests/multinode/_three_nodes_worker.py"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(200))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     for name in ("bf16", "bf16-acc", "int8"):
         assert f"{name}: hierarchical-" in res.stdout, res.stdout[-2000:]
