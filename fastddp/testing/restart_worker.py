@@ -88,6 +88,7 @@ def main(argv=None) -> None:
         dist.init_process_group(args.backend, timeout=timeout)
     else:
         fastddp.init_distributed(backend=args.backend, timeout=timeout)
+    _say(f"rank {dist.get_rank()}: in the group, building DDP")
     train(args)
     dist.barrier()
     dist.destroy_process_group()

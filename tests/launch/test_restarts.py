@@ -31,12 +31,12 @@ pytestmark = [
     pytest.mark.multiproc,
     pytest.mark.launcher,
     pytest.mark.faults,
-    pytest.mark.timeout(480),  # scaled to the machine by conftest.py
+    pytest.mark.timeout(540),  # scaled to the machine by conftest.py
 ]
 
 _REFERENCES: dict[int, list] = {}
 # The lines with times: torch's log (``W1127 08:25:55.455000 5944 ...``) and the workers'.
-_TIMED = re.compile(r"^([DIWEF]\d{4} |restart_worker )\d\d:\d\d:\d\d")
+_TIMED = re.compile(r"^([DIWEF]\d{4} |restart_worker )\d\d:\d\d:\d\d|^fastddp\.launch: ")
 _BANNER = re.compile(r"\] *\**$")  # the frame of torchrun's notice (its text, timed, stays)
 
 
@@ -85,7 +85,7 @@ def _free_port() -> int:
 # times, one after the other. On a 2-core machine whose `import torch` took 1.8 CPU s, one such
 # cell took 419 s, two of its attempts 2.5 minutes each to import torch and build DDP, and
 # another ran past 420 s the same way.
-_LIMIT = slack.guard(330.0)
+_LIMIT = slack.guard(400.0)
 _SLOW = _LIMIT / 2
 
 
@@ -93,13 +93,15 @@ def _judge(outcome, case: Case) -> None:
     assert outcome.status == "finished", f"{outcome.detail}\n{outcome.output[-4000:]}"
     if outcome.seconds > _SLOW:
         # A passing cell keeps no output. The timed lines tell a starved machine (evenly slow)
-        # from a wait that ran out (one long gap).
+        # from a wait that ran out (one long gap); the launcher's own lines say what it chose
+        # (the rendezvous port served here or joined, the stores).
         lines = outcome.output.splitlines()
         timed = [line[:200] for line in lines if _TIMED.match(line) and not _BANNER.search(line)]
         began = time.strftime("%H:%M:%S", time.localtime(time.time() - outcome.seconds))
         warnings.warn(
             f"{case.name} passed in {outcome.seconds:.0f} s of {_LIMIT:.0f}, from {began}; its"
-            " timed lines (torchrun's notice is its start):\n" + "\n".join(timed[-40:]),
+            " launcher's lines and timed lines (torchrun's notice is its start):\n"
+            + "\n".join(timed[-60:]),
             stacklevel=2,
         )
 
