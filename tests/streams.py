@@ -19,8 +19,11 @@ is a wall-clock wait: the namespace and launcher streams, which wait on links, t
 start-ups and set the suite's length, first; the pooled ranks and the emulator, which only
 compute, after them. ``--also NAME COMMAND`` runs a shell command (``make test``: the CUDA
 compile check) as one more stream, niced the most. Niceness orders the processes of this
-session only: launchers and workers start sessions of their own, which Linux's autogroup
-scheduling shares the cores with as equals, whatever their niceness.
+session only: launchers and workers start sessions of their own, each an autogroup of Linux's
+scheduler, against which this session's niceness does not count. Under a full run they can
+wait minutes for a core behind this session's processes, so the restart cells raise their own
+groups (``fastddp.testing.restarts``), and every wait on a launched job is a hang guard scaled
+to the machine's cores (``fastddp.testing.slack``; measured here before the streams start).
 """
 
 import argparse
