@@ -79,7 +79,8 @@ def measure(device, sizes, iters):
     return rows
 
 
-def _one_size(device, label, nbytes, timed, iters):
+def cases(device, nbytes):
+    """``op -> (call, bytes moved)`` over an fp32 bucket of ``nbytes``, the copy first."""
     n = nbytes // 4
     m = -(-n // RANKS)
     g = torch.Generator(device=device).manual_seed(0)
@@ -94,7 +95,7 @@ def _one_size(device, label, nbytes, timed, iters):
     s_rows = torch.rand(RANKS, -(-m // BLOCK), generator=g, device=device)
     summed = torch.empty(m, device=device)
     flag = torch.zeros(1, dtype=torch.int32, device=device)
-    cases = {
+    return {
         "copy (d2d)": (lambda: dst.copy_(src), 8 * n),
         "compress": (lambda: ops.compress(src, wire, 0.25, flag), 6 * n),
         "decompress": (lambda: ops.decompress(wire, dst, 1.0), 6 * n),
@@ -115,9 +116,13 @@ def _one_size(device, label, nbytes, timed, iters):
             (4 + 2) * n + (2 + 2) * n + (2 + 4) * n,
         ),
     }
-    assert set(OPS) <= set(cases), set(OPS) - set(cases)
+
+
+def _one_size(device, label, nbytes, timed, iters):
+    cases_ = cases(device, nbytes)
+    assert set(OPS) <= set(cases_), set(OPS) - set(cases_)
     rows, copy_gbs = [], None
-    for op, (fn, moved) in cases.items():
+    for op, (fn, moved) in cases_.items():
         for _ in range(2):
             fn()  # warm-up
         k = iters if nbytes < (256 << 20) else max(3, iters // 4)
