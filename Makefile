@@ -48,7 +48,8 @@ demo: build
 # Compile and link the CUDA sources with nvcc for sm_80/sm_90 (no GPU needed), then check that
 # the library holds device code for both, leaves nothing of fastddp's own unresolved, and that
 # the kernels' PTX keeps bit parity with the CPU (benchmarks/ptx_check.py), and that every
-# vector kernel's sm_90 SASS loads and stores 128 bits in its loop (benchmarks/sass_check.py).
+# vector kernel's sm_90 SASS loads and stores 128 bits in its loop, and no kernel touches local
+# memory (benchmarks/sass_check.py).
 # Without nvcc this is skipped with a message, unless REQUIRE_CUDA_CHECK=1 (as in CI).
 NVCC := $(shell command -v nvcc 2>/dev/null)
 cuda-check: setup
@@ -68,10 +69,11 @@ else
 	# Bit parity with the CPU: no FMA nvcc or ptxas could contract, no approximate math, in the
 	# PTX of every kernel, compiled with the flags of the build above.
 	$(BIN)/python benchmarks/ptx_check.py --build-dir build-cmake
-	# Memory in 16-byte accesses: a loop of each vector kernel holds LDG.E.128 and STG.E.128.
+	# Memory in 16-byte accesses: a loop of each vector kernel holds LDG.E.128 and STG.E.128;
+	# no LDL or STL anywhere.
 	$(BIN)/python benchmarks/sass_check.py --build-dir build-cmake
 	@echo "CUDA sources compiled and linked for sm_80 and sm_90; their PTX keeps CPU parity;"
-	@echo "their sm_90 SASS moves memory 16 bytes at a time"
+	@echo "their sm_90 SASS moves memory 16 bytes at a time and uses no local memory"
 endif
 
 # Six concurrent pytest streams (tests/streams.py): the multi-node jobs on namespaces and the

@@ -31,6 +31,14 @@
 #include "fastddp/layout.h"
 #include "fastddp/rounding.h"
 
+// Loops of a fixed count are unrolled whole: an array indexed by the counter of a loop nvcc
+// leaves rolled lives in local memory, a round trip to L1 for each of its values.
+#if defined(__CUDA_ARCH__)
+#define FASTDDP_UNROLL _Pragma("unroll")
+#else
+#define FASTDDP_UNROLL
+#endif
+
 namespace fastddp::kernels {
 
 using math::WireKind;
@@ -41,6 +49,7 @@ constexpr int kRowsAtOnce = 4;  // rows whose codes a lane of dequantize loads b
 constexpr int kCodeUnroll = 2;    // steps of 32 chunks a warp of quantize takes at once
 constexpr int kUnpackUnroll = 4;  // and of unpack, which loads a quarter of what it stores
 constexpr unsigned kAllLanes = 0xffffffffu;
+constexpr int kThreads = 256;  // a block's threads
 
 __device__ __forceinline__ int64_t thread_index() {
   return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -157,6 +166,7 @@ __device__ __forceinline__ void load_chunk(const float* p, const Chunk& k, float
     x[3] = v.w;
     return;
   }
+  FASTDDP_UNROLL
   for (int j = 0; j < kChunk; ++j) {
     x[j] = j < k.count ? p[k.first + j] : 0.0f;
   }
@@ -167,6 +177,7 @@ __device__ __forceinline__ void store_chunk(float* p, const Chunk& k, const floa
     store16(reinterpret_cast<float4*>(p + k.first), make_float4(x[0], x[1], x[2], x[3]));
     return;
   }
+  FASTDDP_UNROLL
   for (int j = 0; j < kChunk; ++j) {
     if (j < k.count) {
       p[k.first + j] = x[j];
@@ -204,6 +215,7 @@ __device__ __forceinline__ void load_wire(const uint16_t* p, const Chunk& k, uin
     w[3] = static_cast<uint16_t>(hi >> 16);
     return;
   }
+  FASTDDP_UNROLL
   for (int j = 0; j < kChunk; ++j) {
     w[j] = j < k.count ? p[k.first + j] : uint16_t{0};
   }
@@ -228,6 +240,7 @@ __device__ __forceinline__ void store_wire(uint16_t* p, const Chunk& k, const ui
     }
     return;
   }
+  FASTDDP_UNROLL
   for (int j = 0; j < kChunk; ++j) {
     if (j < k.count) {
       p[k.first + j] = w[j];
@@ -244,10 +257,12 @@ __device__ __forceinline__ void unrolled_chunks(int64_t head, int64_t n, Load lo
   warp_loop((n - head + kChunk - 1) / kChunk, 32 * kUnroll, [&](int64_t first) {
     Chunk k[kUnroll];
     T x[kUnroll][kChunk];
+    FASTDDP_UNROLL
     for (int u = 0; u < kUnroll; ++u) {
       k[u] = chunk_at(head, n, first + 32 * u + lane_index());
       load(k[u], x[u]);
     }
+    FASTDDP_UNROLL
     for (int u = 0; u < kUnroll; ++u) {
       finish(k[u], x[u]);
     }
@@ -274,6 +289,7 @@ __global__ void compress_kernel(
       head, n, [&](const Chunk& k, float (&x)[kChunk]) { load_chunk(src, k, x); },
       [&](const Chunk& k, const float (&x)[kChunk]) {
         uint16_t w[kChunk];
+        FASTDDP_UNROLL
         for (int j = 0; j < kChunk; ++j) {
           w[j] = to_wire<K>(x[j] * scale);
           bad |= j < k.count && math::wire_nonfinite(K, w[j]);
@@ -295,6 +311,7 @@ __global__ void decompress_kernel(
       head, n, [&](const Chunk& k, uint16_t (&w)[kChunk]) { load_wire(src, k, w); },
       [&](const Chunk& k, const uint16_t (&w)[kChunk]) {
         float x[kChunk];
+        FASTDDP_UNROLL
         for (int j = 0; j < kChunk; ++j) {
           x[j] = from_wire<K>(w[j]) * scale;
         }
@@ -314,6 +331,7 @@ __device__ __forceinline__ bool round_chunk(
   }
   bool bad = false;
   uint16_t w[kChunk];
+  FASTDDP_UNROLL
   for (int j = 0; j < kChunk; ++j) {
     const int64_t i = k.first + j;
     const float v = math::rounding_input_of(mode, x[j], scale, r[j]);
@@ -377,11 +395,13 @@ __device__ __forceinline__ void sum_chunk(
     float (&acc)[kChunk]) {
   uint16_t w[kChunk];
   load_wire(src, k, w);
+  FASTDDP_UNROLL
   for (int j = 0; j < kChunk; ++j) {
     acc[j] = math::wire_to_float(kind, w[j]);
   }
   for (int64_t p = 1; p < chunks; ++p) {
     load_wire(src + p * m, k, w);
+    FASTDDP_UNROLL
     for (int j = 0; j < kChunk; ++j) {
       acc[j] = math::add(acc[j], math::wire_to_float(kind, w[j]));
     }
@@ -423,6 +443,7 @@ __global__ void widen_sum_kernel(
       [&](const Chunk& k, float (&acc)[kChunk]) { sum_chunk(kind, src, chunks, m, k, acc); },
       [&](const Chunk& k, const float (&acc)[kChunk]) {
         float x[kChunk];
+        FASTDDP_UNROLL
         for (int j = 0; j < kChunk; ++j) {
           x[j] = math::mul(acc[j], scale);
         }
@@ -519,6 +540,7 @@ __device__ __forceinline__ uint32_t load_piece(const uint8_t* at, int64_t c, int
     return *at;
   }
   uint32_t piece = 0;
+  FASTDDP_UNROLL
   for (int b = 0; b < P::kBytes; ++b) {
     if (b < nbytes) {
       piece |= static_cast<uint32_t>(at[b]) << (8 * b);
@@ -537,6 +559,7 @@ __device__ __forceinline__ void store_piece(
   constexpr int kPieceBits = 4 * kBits;
   constexpr int kLanesPerWord = 32 / kPieceBits;
   uint32_t word = piece;
+  FASTDDP_UNROLL
   for (int bits = kPieceBits; bits < 32; bits *= 2) {
     // Lanes with bit (bits / kPieceBits) of their slot clear take their neighbour's half.
     word |= __shfl_xor_sync(kAllLanes, word, bits / kPieceBits) << bits;
@@ -565,6 +588,7 @@ __device__ __forceinline__ void store_piece(
     }
     return;
   }
+  FASTDDP_UNROLL
   for (int b = 0; b < P::kBytes; ++b) {
     if (b < nbytes) {
       at[b] = static_cast<uint8_t>(piece >> (8 * b));
@@ -590,6 +614,7 @@ __device__ __forceinline__ Chunk quantize_inputs(
   if (mode.feedback) {
     load_chunk<true>(mode.residual, k, r);
   }
+  FASTDDP_UNROLL
   for (int j = 0; j < kChunk; ++j) {
     v[j] = j < k.count ? math::rounding_input_of(mode, x[j], a.scale, r[j]) : 0.0f;
   }
@@ -614,6 +639,7 @@ __device__ __forceinline__ void quantize_chunk(
   // A block holding inf or NaN gets zeros (and a NaN scale); its residual is left alone.
   uint32_t piece = 0;
   float r[kChunk];
+  FASTDDP_UNROLL
   for (int j = 0; j < kChunk; ++j) {
     const int64_t i = k.first + j;
     int8_t code = 0;
@@ -634,8 +660,9 @@ __device__ __forceinline__ void quantize_chunk(
 // a warp quantises 128 elements at a time, kCodeUnroll such runs a step, all loaded before any
 // is reduced; a longer block (a multiple of 128) takes a warp, each lane block / 128 chunks,
 // which it reads again after the maximum is known.
+// At most 64 registers, so that 4 blocks fit on a multiprocessor (66 gave 3).
 template <int kBits>
-__global__ void quantize_vec_kernel(QuantizeArgs a, Codes codes) {
+__global__ void __launch_bounds__(kThreads, 4) quantize_vec_kernel(QuantizeArgs a, Codes codes) {
   const math::Mode mode = a.rounding.mode();
   const float qmax = code_max(kBits);
   const int64_t per_block = a.block / kChunk;
@@ -646,19 +673,23 @@ __global__ void quantize_vec_kernel(QuantizeArgs a, Codes codes) {
     warp_loop(chunks, 32 * kCodeUnroll, [&](int64_t first) {
       float v[kCodeUnroll][kChunk];
       uint32_t absmax[kCodeUnroll];
+      FASTDDP_UNROLL
       for (int u = 0; u < kCodeUnroll; ++u) {
         quantize_inputs(a, mode, first + 32 * u + lane_index(), v[u]);
         absmax[u] = 0;
+        FASTDDP_UNROLL
         for (int j = 0; j < kChunk; ++j) {
           absmax[u] = math::abs_bits_max(absmax[u], v[u][j]);
         }
       }
       for (int offset = width / 2; offset > 0; offset /= 2) {
+        FASTDDP_UNROLL
         for (int u = 0; u < kCodeUnroll; ++u) {
           const uint32_t other = __shfl_xor_sync(kAllLanes, absmax[u], offset);
           absmax[u] = other > absmax[u] ? other : absmax[u];
         }
       }
+      FASTDDP_UNROLL
       for (int u = 0; u < kCodeUnroll; ++u) {
         const bool block_bad = math::block_nonfinite(absmax[u]);
         bad |= block_bad;
@@ -675,16 +706,19 @@ __global__ void quantize_vec_kernel(QuantizeArgs a, Codes codes) {
     float v[kChunk];
     uint32_t absmax = 0;
     quantize_inputs(a, mode, c, v);
+    FASTDDP_UNROLL
     for (int j = 0; j < kChunk; ++j) {
       absmax = math::abs_bits_max(absmax, v[j]);
     }
     for (int64_t more = c + 32; more < first + per_block; more += 32) {
       float w[kChunk];
       quantize_inputs(a, mode, more, w);
+      FASTDDP_UNROLL
       for (int j = 0; j < kChunk; ++j) {
         absmax = math::abs_bits_max(absmax, w[j]);
       }
     }
+    FASTDDP_UNROLL
     for (int offset = 32 / 2; offset > 0; offset /= 2) {  // a block takes the whole warp
       const uint32_t other = __shfl_xor_sync(kAllLanes, absmax, offset);
       absmax = other > absmax ? other : absmax;
@@ -713,6 +747,7 @@ __global__ void unpack_vec_kernel(
     Chunk k[kUnpackUnroll];
     uint32_t piece[kUnpackUnroll];
     float step[kUnpackUnroll];
+    FASTDDP_UNROLL
     for (int u = 0; u < kUnpackUnroll; ++u) {
       k[u] = chunk_at(0, n, first + 32 * u + lane_index());
       piece[u] = 0;
@@ -723,8 +758,10 @@ __global__ void unpack_vec_kernel(
         step[u] = s.scales[codes.scale_index(k[u].first)];
       }
     }
+    FASTDDP_UNROLL
     for (int u = 0; u < kUnpackUnroll; ++u) {
       float x[kChunk];
+      FASTDDP_UNROLL
       for (int j = 0; j < kChunk; ++j) {
         x[j] = math::mul(math::mul(piece_code<kBits>(piece[u], j), step[u]), scale);
       }
@@ -754,14 +791,17 @@ __global__ void dequantize_vec_kernel(
       // copy at 1 GB against 0.37, so its rows go one by one.)
       uint32_t piece[kRowsAtOnce];
       float step[kRowsAtOnce];
+      FASTDDP_UNROLL
       for (int u = 0; u < kRowsAtOnce; ++u) {
         const int64_t p = p0 + u < s.rows.rows ? p0 + u : s.rows.rows - 1;
         const CodeSpot spot = row_spot<kBits>(q + p * s.rows.q_stride, k.index, m);
         piece[u] = load_piece<kBits>(spot.at, k.index, k.count, spot.group_whole);
         step[u] = s.scales[p * s.rows.s_stride + b];
       }
+      FASTDDP_UNROLL
       for (int u = 0; u < kRowsAtOnce; ++u) {
         if (p0 + u < s.rows.rows) {
+          FASTDDP_UNROLL
           for (int j = 0; j < kChunk; ++j) {
             const float term = math::mul(piece_code<kBits>(piece[u], j), step[u]);
             acc[j] = p0 + u == 0 ? term : math::add(acc[j], term);
@@ -769,6 +809,7 @@ __global__ void dequantize_vec_kernel(
         }
       }
     }
+    FASTDDP_UNROLL
     for (int j = 0; j < kChunk; ++j) {
       acc[j] = math::mul(acc[j], scale);
     }
@@ -787,6 +828,7 @@ __device__ __forceinline__ uint32_t warp_absmax(
   for (int64_t i = lo + lane; i < hi; i += 32) {
     absmax = math::abs_bits_max(absmax, math::rounding_input(mode, src[i], scale, i));
   }
+  FASTDDP_UNROLL
   for (int offset = 16; offset > 0; offset /= 2) {
     const uint32_t other = __shfl_xor_sync(0xffffffffu, absmax, offset);
     absmax = other > absmax ? other : absmax;

@@ -2,7 +2,7 @@
 // path, the flag, the kernel. Each `run` takes an op's raw arguments (fastddp/layout.h) and
 // `Rt`, the runtime that runs a launch:
 //
-//   int sms();                                 the device's multiprocessors
+//   int resident(kernel);                      blocks of kernel the device runs at once
 //   void zero_flag(int* flag);                 the flag to 0, in stream order
 //   void launch(kernel, int grid, args...);    kernel<<<grid, kThreads, 0, stream>>>(args...)
 //
@@ -19,16 +19,22 @@
 
 namespace fastddp::kernels {
 
-constexpr int kThreads = 256;
-
 inline bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
-// Enough blocks to fill the device a few times over; the kernels stride over the rest.
-inline int grid_for(int64_t work, int sms) {
+// A block for each kThreads of `work`, up to the blocks the device runs at once: the kernels
+// stride over the rest. One wave and no more, since a grid-stride block's work is its share of
+// the whole: a second, partial wave would leave the device part idle while it ran.
+inline int grid_for(int64_t work, int resident) {
   const int64_t wanted = (work + kThreads - 1) / kThreads;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, int64_t{sms} * 8)));
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, resident)));
+}
+
+// Launches kernel over `work` threads' worth of work.
+template <class Rt, class Kernel, class... A>
+void launch_over(Rt& rt, int64_t work, Kernel kernel, A... args) {
+  rt.launch(kernel, grid_for(work, rt.resident(kernel)), args...);
 }
 
 // Threads for a vector kernel's `chunks` chunks of 4 elements, `per_lane` to a lane.
@@ -74,9 +80,8 @@ template <class Rt, class Kernel, class In, class Out, class... Flag>
 void launch_convert(
     Rt& rt, const ConvertArgs<In, Out>& a, Kernel fp16, Kernel bf16, Flag... flag) {
   const int64_t head = head_of(a.n, a.src, a.dst);
-  const int grid = grid_for(std::max(head, lanes_for(a.n / kChunk, kUnroll)), rt.sms());
-  const Kernel kernel = a.kind == WireKind::kBf16 ? bf16 : fp16;
-  rt.launch(kernel, grid, a.src, a.dst, a.n, a.scale, head, flag...);
+  launch_over(rt, std::max(head, lanes_for(a.n / kChunk, kUnroll)),
+              a.kind == WireKind::kBf16 ? bf16 : fp16, a.src, a.dst, a.n, a.scale, head, flag...);
 }
 
 template <class Rt>
@@ -87,9 +92,8 @@ void run(Rt& rt, const CompressArgs& a) {
   }
   if (r.residual != nullptr || r.seed >= 0) {
     const int64_t head = head_of(a.n, a.src, a.dst, r.residual);
-    const int grid = grid_for(std::max(head, lanes_for(a.n / kChunk, kUnroll)), rt.sms());
-    rt.launch(compress_feedback_kernel, grid, a.kind, a.src, a.dst, r.residual, a.n, a.scale,
-              r.seed, head, r.flag);
+    launch_over(rt, std::max(head, lanes_for(a.n / kChunk, kUnroll)), compress_feedback_kernel,
+                a.kind, a.src, a.dst, r.residual, a.n, a.scale, r.seed, head, r.flag);
     return;
   }
   launch_convert(rt, a, compress_kernel<WireKind::kFp16>, compress_kernel<WireKind::kBf16>,
@@ -110,9 +114,8 @@ void run(Rt& rt, const SumChunksArgs& a) {
     return;
   }
   const int64_t head = row_head(a.chunks, a.m, a.src, a.dst, r.residual);
-  const int grid = grid_for(std::max(head, lanes_for(a.m / kChunk, kUnroll)), rt.sms());
-  rt.launch(sum_chunks_kernel, grid, a.kind, a.src, a.chunks, a.m, a.dst, r.residual, a.scale,
-            r.seed, head, r.flag);
+  launch_over(rt, std::max(head, lanes_for(a.m / kChunk, kUnroll)), sum_chunks_kernel, a.kind,
+              a.src, a.chunks, a.m, a.dst, r.residual, a.scale, r.seed, head, r.flag);
 }
 
 template <class Rt>
@@ -121,8 +124,8 @@ void run(Rt& rt, const WidenSumArgs& a) {
     return;
   }
   const int64_t head = row_head(a.chunks, a.m, a.src, a.dst);
-  const int grid = grid_for(std::max(head, lanes_for(a.m / kChunk, kUnroll)), rt.sms());
-  rt.launch(widen_sum_kernel, grid, a.kind, a.src, a.chunks, a.m, a.dst, a.scale, head);
+  launch_over(rt, std::max(head, lanes_for(a.m / kChunk, kUnroll)), widen_sum_kernel, a.kind,
+              a.src, a.chunks, a.m, a.dst, a.scale, head);
 }
 
 // The instance of a kernel for 8, 4 or 2 bits.
@@ -155,19 +158,19 @@ void run(Rt& rt, const QuantizeArgs& a) {
       (grouped || per_block % 32 == 0)) {
     const int64_t chunks = (a.n + kChunk - 1) / kChunk;
     const int64_t span = per_block <= 32 ? 32 * kCodeUnroll : per_block;
-    const int grid = grid_for((chunks + span - 1) / span * 32, rt.sms());
-    rt.launch(for_bits(a.bits, quantize_vec_kernel<8>, quantize_vec_kernel<4>,
-                       quantize_vec_kernel<2>),
-              grid, a, Codes::of(a.rows, a.block));
+    launch_over(rt, (chunks + span - 1) / span * 32,
+                for_bits(a.bits, quantize_vec_kernel<8>, quantize_vec_kernel<4>,
+                         quantize_vec_kernel<2>),
+                a, Codes::of(a.rows, a.block));
     return;
   }
-  const int grid = grid_for(blocks_of(a.n, a.block) * 32, rt.sms());
+  const int64_t warps = blocks_of(a.n, a.block) * 32;
   if (a.bits == 8) {
-    rt.launch(quantize_int8_kernel, grid, a.src, a.dst, a.scales, r.residual, a.n, a.block,
-              a.rows, a.scale, r.seed, r.flag);
+    launch_over(rt, warps, quantize_int8_kernel, a.src, a.dst, a.scales, r.residual, a.n,
+                a.block, a.rows, a.scale, r.seed, r.flag);
     return;
   }
-  rt.launch(a.bits == 4 ? quantize_packed_kernel<4> : quantize_packed_kernel<2>, grid, a);
+  launch_over(rt, warps, a.bits == 4 ? quantize_packed_kernel<4> : quantize_packed_kernel<2>, a);
 }
 
 // f(codes) with the reader of s's codes: Int8Codes, or PackedCodes of 4 or 2 bits.
@@ -189,14 +192,14 @@ void run(Rt& rt, const DequantizeArgs& a) {
     return;
   }
   if (codes_vectorise(a.src.q, a.src.rows, a.src.block, a.src.bits, a.dst)) {
-    rt.launch(for_bits(a.src.bits, dequantize_vec_kernel<8>, dequantize_vec_kernel<4>,
-                       dequantize_vec_kernel<2>),
-              grid_for(lanes_for(m, kChunk), rt.sms()), a.src, Codes::of(a.src.rows, a.src.block),
-              a.dst, a.scale);
+    launch_over(rt, lanes_for(m, kChunk),
+                for_bits(a.src.bits, dequantize_vec_kernel<8>, dequantize_vec_kernel<4>,
+                         dequantize_vec_kernel<2>),
+                a.src, Codes::of(a.src.rows, a.src.block), a.dst, a.scale);
     return;
   }
   with_codes(a.src, [&](auto codes) {
-    rt.launch(dequantize_kernel<decltype(codes)>, grid_for(m, rt.sms()), codes, a.dst, a.scale);
+    launch_over(rt, m, dequantize_kernel<decltype(codes)>, codes, a.dst, a.scale);
   });
 }
 
@@ -206,16 +209,14 @@ void run(Rt& rt, const UnpackArgs& a) {
     return;
   }
   if (codes_vectorise(a.src.q, a.src.rows, a.src.block, a.src.bits, a.dst)) {
-    rt.launch(for_bits(a.src.bits, unpack_vec_kernel<8>, unpack_vec_kernel<4>,
-                       unpack_vec_kernel<2>),
-              grid_for(lanes_for(a.n, kChunk * kUnpackUnroll), rt.sms()), a.src,
-              Codes::of(a.src.rows, a.src.block),
-              a.n, a.dst, a.scale);
+    launch_over(rt, lanes_for(a.n, kChunk * kUnpackUnroll),
+                for_bits(a.src.bits, unpack_vec_kernel<8>, unpack_vec_kernel<4>,
+                         unpack_vec_kernel<2>),
+                a.src, Codes::of(a.src.rows, a.src.block), a.n, a.dst, a.scale);
     return;
   }
   with_codes(a.src, [&](auto codes) {
-    rt.launch(unpack_kernel<decltype(codes)>, grid_for(a.n, rt.sms()), codes, a.n, a.dst,
-              a.scale);
+    launch_over(rt, a.n, unpack_kernel<decltype(codes)>, codes, a.n, a.dst, a.scale);
   });
 }
 

@@ -6,9 +6,11 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
-#include <array>
-#include <atomic>
+#include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "fastddp/ops.h"
 #include "launch.h"
@@ -21,17 +23,25 @@ struct CudaRuntime {
   int device;
   cudaStream_t stream;
 
-  int sms() const {
-    // Cached per device in atomics: ops may be called from several threads (DDP's autograd
-    // threads, a side stream's callbacks), and a query that races only repeats the same answer.
-    static std::array<std::atomic<int>, 64> cache{};
-    std::atomic<int>& cached = cache[static_cast<size_t>(device) % cache.size()];
-    int count = cached.load(std::memory_order_relaxed);
-    if (count == 0) {
-      C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-      cached.store(count, std::memory_order_relaxed);
+  // The blocks of `kernel` the device runs at once: its multiprocessors times the blocks of
+  // kThreads that fit on one (registers, shared memory). Cached per device and kernel: ops are
+  // called from several threads (DDP's autograd threads, a side stream's callbacks).
+  template <class Kernel>
+  int resident(Kernel kernel) const {
+    static std::mutex lock;
+    static std::map<std::pair<int, const void*>, int> cache;
+    const auto key = std::make_pair(device, reinterpret_cast<const void*>(kernel));
+    const std::lock_guard<std::mutex> held(lock);
+    auto it = cache.find(key);
+    if (it == cache.end()) {
+      int sms = 0;
+      int per_sm = 0;
+      C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      C10_CUDA_CHECK(
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kernels::kThreads, 0));
+      it = cache.emplace(key, sms * std::max(per_sm, 1)).first;
     }
-    return count;
+    return it->second;
   }
 
   void zero_flag(int* flag) const {

@@ -39,6 +39,7 @@ __global__ void quantize_packed_kernel(QuantizeArgs a) {
     const int64_t end_byte = (hi - row_first + kPer - 1) / kPer;
     for (int64_t k = (lo - row_first) / kPer + lane; k < end_byte; k += 32) {
       uint32_t byte = 0;
+      FASTDDP_UNROLL
       for (int j = 0; j < kPer; ++j) {
         const int64_t i = row_first + k * kPer + j;
         if (i < hi && !block_bad) {  // the last byte of the last block may be short

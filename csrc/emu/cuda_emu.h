@@ -21,6 +21,7 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __launch_bounds__(...)
 
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;

@@ -1,4 +1,4 @@
-"""benchmarks/sass_check.py: a planted 2-byte loop fails it, 16-byte loops pass it.
+"""benchmarks/sass_check.py: a planted 2-byte loop or local array fails it, 16-byte loops pass it.
 
 Listings written here test the parser and the rules without any tool; where nvcc and
 cuobjdump are at hand, tiny kernels compiled for sm_90 and the decompress kernel of the real
@@ -91,6 +91,26 @@ def test_widths():
             "STG.E.U16", "LDG.E.S8")] == [128, 64, 32, 16, 8]  # fmt: skip
 
 
+# A wide loop that also keeps an array in local memory.
+LOCAL = (
+    WIDE.replace("IADD3 R0, R0, 0x100, RZ ;", "STL [R1+0x4], R4 ;")
+    + "\n        /*0100*/                   LDL R5, [R1+0x4] ;                      /* 0x0 */"
+)
+
+
+def test_local_memory_fails_any_kernel_even_an_exempt_one():
+    v = _verdict(LOCAL)
+    assert not v.ok and any("local memory: LDL x1, STL x1" in line for line in v.lines), v
+    verdicts, _ = sass_check.check(
+        _listing(KERNEL, LOCAL), vector=(), exempt={"decompress_kernel": "a reason"}
+    )
+    assert [v.ok for v in verdicts] == [False], verdicts
+    verdicts, _ = sass_check.check(
+        _listing(KERNEL, TWO_BYTES), vector=(), exempt={"decompress_kernel": "a reason"}
+    )
+    assert [v.ok for v in verdicts] == [True], verdicts
+
+
 def test_the_command_line_exits_non_zero_on_a_planted_loop(tmp_path, capsys):
     good, bad = tmp_path / "good.sass", tmp_path / "bad.sass"
     good.write_text(_listing(KERNEL, WIDE))
@@ -150,11 +170,45 @@ def test_a_compiled_2_byte_loop_fails_and_a_16_byte_one_passes(tmp_path):
     assert ok == {"copy_2_bytes": False, "copy_16_bytes": True}, verdicts
 
 
+# 16-byte loops, one of them with an array indexed by the counter of a loop left rolled.
+LOCAL_ARRAY = r"""
+#include <cstdint>
+extern "C" __global__ void rolled(const float4* __restrict__ s, float4* __restrict__ d,
+                                  int64_t n, int k) {
+  float keep[8];
+  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const float4 v = s[i];
+#pragma unroll 1
+    for (int j = 0; j < 8; ++j) {
+      keep[j] = v.x * j;
+    }
+    d[i] = make_float4(keep[k & 7], v.y, v.z, v.w);
+  }
+}
+extern "C" __global__ void unrolled(const float4* __restrict__ s, float4* __restrict__ d,
+                                    int64_t n, int k) {
+  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const float4 v = s[i];
+    d[i] = make_float4(v.x * (k & 7), v.y, v.z, v.w);
+  }
+}
+"""
+
+
+def test_a_compiled_local_array_fails(tmp_path):
+    _tools()
+    sass = _compile(tmp_path, LOCAL_ARRAY)
+    verdicts, _ = sass_check.check(sass, vector=("rolled", "unrolled"), exempt={})
+    ok = {v.kernel: v.ok for v in verdicts}
+    assert ok == {"rolled": False, "unrolled": True}, [(v.kernel, v.lines) for v in verdicts]
+
+
 # The real header's decompress, its vector body planted away behind a 2-byte loop.
 DECOMPRESS = r"""
 #include "launch.h"
 struct Rt {
-  int sms() const { return 132; }
+  template <class K>
+  int resident(K) const { return 132 * 4; }
   void zero_flag(int*) const {}
   template <class... P, class... A>
   void launch(void (*kernel)(P...), int grid, A... args) const {
