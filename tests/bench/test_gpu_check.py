@@ -89,6 +89,18 @@ def test_the_bandwidth_table_on_cpu(tmp_path):
     assert "| 1MB | compress |" in md.read_text()
 
 
+@pytest.mark.multiproc  # runs the script in a process of its own
+def test_the_profile_driver_calls_each_op_on_cpu():
+    cmd = [sys.executable, "benchmarks/gpu_kernel_profile.py", "--device", "cpu", "--size", "1MB"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().endswith(", ".join(gpu_bandwidth.OPS))
+    bad = subprocess.run(
+        [*cmd, "--ops", "compress", "squash"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2 and "unknown ops ['squash']" in bad.stderr
+
+
 def test_verdicts_and_summary(tmp_path):
     assert gpu_check.sanitizer_verdict(0, "========= ERROR SUMMARY: 0 errors")[0] == "pass"
     bad = gpu_check.sanitizer_verdict(99, "========= ERROR SUMMARY: 3 errors")
