@@ -518,6 +518,38 @@ __device__ __forceinline__ CodeSpot row_spot(uint8_t* q, int64_t c, int64_t m) {
   return {q + c * kChunk * kBits / 8, whole};
 }
 
+// Where chunk c's codes and its block's scale lie, and whether it is its block's first chunk.
+// The lanes of a warp take a run of 32 consecutive chunks (c - lane ..); when the run's 128
+// elements lie below `limit` in one row, as they do but where a row ends inside it, their row
+// is worked out once for the run and each chunk's place from its offset in the row, with one
+// division (by the block); otherwise as code_spot and scale_index do, with seven.
+struct Place {
+  CodeSpot spot;
+  int64_t scale;
+  bool block_first;
+};
+
+template <int kBits>
+__device__ __forceinline__ Place place_of(const Codes& codes, uint8_t* q, int64_t c, int64_t limit) {
+  using P = Pieces<kBits>;
+  const int64_t e = c * kChunk;
+  const int64_t e0 = (c - lane_index()) * kChunk;
+  const int64_t row = codes.by_row.div(e0);
+  const int64_t start = row * codes.rows.row_len;
+  const int64_t block = codes.by_block.d;
+  if (e0 + 32 * kChunk <= limit && e0 + 32 * kChunk <= start + codes.rows.row_len) {
+    uint8_t* row_q = q + row * codes.rows.q_stride;
+    const int64_t offset = e - start;
+    // The group's first element, as code_spot takes it (groups align in c, not in the row).
+    const int64_t g0 = (c & ~int64_t{P::kGroup - 1}) * kChunk - start;
+    const int64_t b = codes.by_block.div(offset);
+    const bool whole = reinterpret_cast<uintptr_t>(row_q + g0 * kBits / 8) % 16 == 0;
+    return {{row_q + offset * kBits / 8, whole}, row * codes.rows.s_stride + b, offset == b * block};
+  }
+  return {code_spot<kBits>(codes, q, c, limit), codes.scale_index(e),
+          e - codes.by_block.div(e) * block == 0};
+}
+
 // The piece of the chunk whose codes start at `at` (count of them exist): the group's 16 bytes
 // in one access that all its lanes make, or the piece alone.
 template <int kBits>
@@ -631,10 +663,11 @@ __device__ __forceinline__ void quantize_chunk(
   const float qmax = code_max(kBits);
   const Chunk k = chunk_at(0, a.n, c);
   auto* q = reinterpret_cast<uint8_t*>(a.dst);
-  const CodeSpot spot = code_spot<kBits>(codes, q, c, a.n);
-  // The first chunk of a block (k.first % block == 0) stores its scale.
-  if (k.count > 0 && k.first - codes.by_block.div(k.first) * a.block == 0) {
-    a.scales[codes.scale_index(k.first)] = step;
+  const Place place = place_of<kBits>(codes, q, c, a.n);
+  const CodeSpot& spot = place.spot;
+  // The first chunk of a block stores its scale.
+  if (k.count > 0 && place.block_first) {
+    a.scales[place.scale] = step;
   }
   // A block holding inf or NaN gets zeros (and a NaN scale); its residual is left alone.
   uint32_t piece = 0;
@@ -753,9 +786,10 @@ __global__ void unpack_vec_kernel(
       piece[u] = 0;
       step[u] = 0.0f;
       if (k[u].count > 0) {
-        const CodeSpot spot = code_spot<kBits>(codes, q, k[u].index, n);
-        piece[u] = load_piece<kBits>(spot.at, k[u].index, k[u].count, spot.group_whole);
-        step[u] = s.scales[codes.scale_index(k[u].first)];
+        const Place place = place_of<kBits>(codes, q, k[u].index, n);
+        piece[u] = load_piece<kBits>(place.spot.at, k[u].index, k[u].count,
+                                     place.spot.group_whole);
+        step[u] = s.scales[place.scale];
       }
     }
     FASTDDP_UNROLL

@@ -114,6 +114,18 @@ def test_thread_and_block_order_do_not_change_the_bits():
 
 # (name, file under csrc, the text, what replaces it, the op whose checks must fail)
 DEFECTS = [
+    # place_of: the run of a warp's chunks taken as one row where a row ends inside it; a
+    # group's first element taken from the row's start, not from the chunk index; a block's
+    # scale at the wrong row's place.
+    ("a run across a row's end taken as one row", "cuda/kernels.cuh",
+     "e0 + 32 * kChunk <= start + codes.rows.row_len", "e0 < start + codes.rows.row_len",
+     "unpack_int8"),
+    ("a group of codes aligned to the row, not to the lanes", "cuda/kernels.cuh",
+     "(c & ~int64_t{P::kGroup - 1}) * kChunk - start",
+     "(e - start) & ~int64_t{P::kGroup * kChunk - 1}", "quantize_packed"),
+    ("a block's scale placed by the row's length, not its stride", "cuda/kernels.cuh",
+     "row * codes.rows.s_stride + b, offset", "row * (codes.rows.row_len / block) + b, offset",
+     "quantize_int8"),
     ("grid stride off by one block", "cuda/kernels.cuh",
      "const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;",
      "const int64_t stride = static_cast<int64_t>(gridDim.x + 1) * blockDim.x;", "unpack_int8"),
