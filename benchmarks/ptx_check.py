@@ -1,6 +1,6 @@
 """Check the PTX of fastddp's CUDA kernels for math that would break bit parity with the CPU.
 
-Every kernel in ``csrc/cuda/kernels.cuh`` promises the CPU's results bit for bit (README,
+Every kernel in ``csrc/cuda`` promises the CPU's results bit for bit (README,
 "Ops"): each fp32 multiply and add is rounded on its own, as the CPU loops built with
 ``-ffp-contract=off`` do. nvcc contracts ``a * b + c`` into one FMA unless the code says
 otherwise (the kernels call ``__fmul_rn``/``__fadd_rn`` through ``fastddp/rounding.h``), so a
@@ -38,8 +38,8 @@ from pathlib import Path
 import check_cli
 import sass_check
 
-# The kernels of csrc/cuda/kernels.cuh and packed_kernels.cuh, all of which promise parity
-# with the CPU.
+# The kernels of csrc/cuda (kernels.cuh, codes_kernels.cuh, packed_kernels.cuh), all of which
+# promise parity with the CPU.
 KERNELS = (
     "compress_kernel",
     "decompress_kernel",

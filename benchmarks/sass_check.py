@@ -33,7 +33,7 @@ from pathlib import Path
 
 import check_cli
 
-# The vector kernels of csrc/cuda/kernels.cuh: each must load and store 128 bits in a loop.
+# The vector kernels of csrc/cuda: each must load and store 128 bits in a loop.
 VECTOR = (
     "compress_kernel",
     "compress_feedback_kernel",

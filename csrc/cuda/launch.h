@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "codes_kernels.cuh"
 #include "kernels.cuh"
 #include "packed_kernels.cuh"
 

@@ -1,5 +1,5 @@
 // The CUDA backend of the fastddp ops: each op's entry (fastddp/ops.h) checks the tensors, and
-// this backend launches its kernel (launch.h, kernels.cuh) on torch's current stream.
+// this backend launches its kernel (launch.h, *kernels.cuh) on torch's current stream.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

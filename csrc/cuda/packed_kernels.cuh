@@ -1,11 +1,11 @@
 // The scalar kernels of the packed ops: int4 and int2 codes, 8 / bits to a byte, one fp32 scale
-// per block, for the layouts that the vector kernels of kernels.cuh (quantize_vec_kernel,
+// per block, for the layouts that the vector kernels of codes_kernels.cuh (quantize_vec_kernel,
 // dequantize_vec_kernel, unpack_vec_kernel, which take int8, int4 and int2) cannot take. The
 // element math is fastddp/rounding.h's, as in the CPU loops (cpu/packed_loops.cpp): the same
 // bits on both. Compiled like kernels.cuh, by nvcc and by the grid emulator.
 #pragma once
 
-#include "kernels.cuh"
+#include "codes_kernels.cuh"
 
 namespace fastddp::kernels {
 
@@ -53,7 +53,7 @@ __global__ void quantize_packed_kernel(QuantizeArgs a) {
   raise_flag(bad, a.rounding.flag);
 }
 
-// Reads packed codes as Int8Codes reads int8 ones (kernels.cuh's dequantize_kernel and
+// Reads packed codes as Int8Codes reads int8 ones (codes_kernels.cuh's dequantize_kernel and
 // unpack_kernel take either).
 template <int kBits>
 struct PackedCodes {

@@ -1,5 +1,5 @@
 // The fastddp ops on the CUDA grid emulator: the same launch code (../cuda/launch.h) and kernels
-// (../cuda/kernels.cuh) as the CUDA backend, run on the CPU. A C interface over raw pointers,
+// (../cuda/*.cuh) as the CUDA backend, run on the CPU. A C interface over raw pointers,
 // loaded by fastddp/testing/emu.py, which passes CPU tensors that the real ops' checks have
 // accepted. Each function returns NULL, or what went wrong in the launch.
 #include <dlfcn.h>

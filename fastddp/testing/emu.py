@@ -35,8 +35,9 @@ CSRC = Path(__file__).resolve().parents[2] / "csrc"
 # them changes, so a copy of csrc with a planted kernel defect recompiles ops.cpp alone.
 _SOURCES = {
     "emu/emu.cpp": ("emu/cuda_emu.h", "include/fastddp/rounding.h"),
-    "emu/ops.cpp": ("emu/cuda_emu.h", "cuda/kernels.cuh", "cuda/packed_kernels.cuh",
-                    "cuda/launch.h", "include/fastddp/rounding.h", "include/fastddp/layout.h"),
+    "emu/ops.cpp": ("emu/cuda_emu.h", "cuda/kernels.cuh", "cuda/codes_kernels.cuh",
+                    "cuda/packed_kernels.cuh", "cuda/launch.h", "include/fastddp/rounding.h",
+                    "include/fastddp/layout.h"),
 }  # fmt: skip
 _SHARED_CACHE = Path(tempfile.gettempdir()) / "fastddp-emu"
 # The ops of the library's C interface (``fastddp_emu_<op>`` in emu/ops.cpp).

@@ -1,0 +1,506 @@
+// The kernels of the integer codes (int8, int4, int2; one fp32 scale per block): quantize,
+// dequantize (a sum of rows) and unpack, each as a vector kernel and the scalar kernel for the
+// layouts it cannot take (the packed scalar quantize is in packed_kernels.cuh). The chunks,
+// 16-byte accesses and warp loops are kernels.cuh's; the element math is fastddp/rounding.h's,
+// as in the CPU loops. Compiled like kernels.cuh, by nvcc and by the grid emulator.
+#pragma once
+
+#include "kernels.cuh"
+
+namespace fastddp::kernels {
+
+// ------------------------------------------------------------------ int8 / int4 / int2 codes
+
+// A chunk's 4 codes of kBits bits are a piece of kBits / 2 bytes; kGroup = 32 / kBits lanes
+// hold the pieces of 16 consecutive bytes.
+template <int kBits>
+struct Pieces {
+  static constexpr int kBytes = kBits / 2;
+  static constexpr int kGroup = 32 / kBits;
+  static constexpr uint32_t kMask = kBits == 8 ? 0xffffffffu : (1u << (4 * kBits)) - 1u;
+};
+
+// The layout of codes with its two divisors, set up once at the launch (Divider): every chunk
+// divides a flat element index by the row length (its row) and by the block length (its
+// scale).
+struct Codes {
+  Int8Rows rows;
+  Divider by_row;
+  Divider by_block;
+
+  static Codes of(const Int8Rows& rows, int64_t block) {
+    return {rows, Divider::of(rows.row_len), Divider::of(block)};
+  }
+
+  // The index of the scale of flat element e (the first of its block or not).
+  __device__ __forceinline__ int64_t scale_index(int64_t e) const {
+    const int64_t row = by_row.div(e);
+    return row * rows.s_stride + by_block.div(e - row * rows.row_len);
+  }
+};
+
+// Where the codes of chunk c (flat elements 4c ..) lie in `rows`, whose row r starts at byte
+// q + r * q_stride: the piece's address, and whether its group's 16 bytes are one aligned
+// access that holds only codes of elements below `limit`, in one row.
+struct CodeSpot {
+  uint8_t* at;
+  bool group_whole;
+};
+
+template <int kBits>
+__device__ __forceinline__ uint8_t* code_byte(const Codes& codes, uint8_t* q, int64_t e) {
+  const int64_t row = codes.by_row.div(e);
+  return q + row * codes.rows.q_stride + (e - row * codes.rows.row_len) * kBits / 8;
+}
+
+template <int kBits>
+__device__ __forceinline__ CodeSpot code_spot(
+    const Codes& codes, uint8_t* q, int64_t c, int64_t limit) {
+  using P = Pieces<kBits>;
+  const int64_t g0 = (c & ~int64_t{P::kGroup - 1}) * kChunk;  // the group's first element
+  const int64_t g1 = g0 + P::kGroup * kChunk - 1;              // and its last
+  bool whole = g1 < limit && codes.by_row.div(g0) == codes.by_row.div(g1);
+  if (whole) {
+    whole = reinterpret_cast<uintptr_t>(code_byte<kBits>(codes, q, g0)) % 16 == 0;
+  }
+  return {code_byte<kBits>(codes, q, c * kChunk), whole};
+}
+
+// code_spot for one row of m codes at q, without dividing.
+template <int kBits>
+__device__ __forceinline__ CodeSpot row_spot(uint8_t* q, int64_t c, int64_t m) {
+  using P = Pieces<kBits>;
+  const int64_t g0 = (c & ~int64_t{P::kGroup - 1}) * kChunk;
+  const bool whole = g0 + P::kGroup * kChunk <= m &&
+                     reinterpret_cast<uintptr_t>(q + g0 * kBits / 8) % 16 == 0;
+  return {q + c * kChunk * kBits / 8, whole};
+}
+
+// Where chunk c's codes and its block's scale lie, and whether it is its block's first chunk.
+// The lanes of a warp take a run of 32 consecutive chunks (c - lane ..); when the run's 128
+// elements lie below `limit` in one row, as they do but where a row ends inside it, their row
+// is worked out once for the run and each chunk's place from its offset in the row, with one
+// division (by the block); otherwise as code_spot and scale_index do, with seven.
+struct Place {
+  CodeSpot spot;
+  int64_t scale;
+  bool block_first;
+};
+
+template <int kBits>
+__device__ __forceinline__ Place place_of(const Codes& codes, uint8_t* q, int64_t c, int64_t limit) {
+  using P = Pieces<kBits>;
+  const int64_t e = c * kChunk;
+  const int64_t e0 = (c - lane_index()) * kChunk;
+  const int64_t row = codes.by_row.div(e0);
+  const int64_t start = row * codes.rows.row_len;
+  const int64_t block = codes.by_block.d;
+  if (e0 + 32 * kChunk <= limit && e0 + 32 * kChunk <= start + codes.rows.row_len) {
+    uint8_t* row_q = q + row * codes.rows.q_stride;
+    const int64_t offset = e - start;
+    // The group's first element, as code_spot takes it (groups align in c, not in the row).
+    const int64_t g0 = (c & ~int64_t{P::kGroup - 1}) * kChunk - start;
+    const int64_t b = codes.by_block.div(offset);
+    const bool whole = reinterpret_cast<uintptr_t>(row_q + g0 * kBits / 8) % 16 == 0;
+    return {{row_q + offset * kBits / 8, whole}, row * codes.rows.s_stride + b, offset == b * block};
+  }
+  return {code_spot<kBits>(codes, q, c, limit), codes.scale_index(e),
+          e - codes.by_block.div(e) * block == 0};
+}
+
+// The piece of the chunk whose codes start at `at` (count of them exist): the group's 16 bytes
+// in one access that all its lanes make, or the piece alone.
+template <int kBits>
+__device__ __forceinline__ uint32_t load_piece(const uint8_t* at, int64_t c, int count, bool whole) {
+  using P = Pieces<kBits>;
+  if (whole) {
+    const int byte = static_cast<int>(c & (P::kGroup - 1)) * P::kBytes;
+    const uint4 v = load16(reinterpret_cast<const uint4*>(at - byte));
+    const uint32_t word = byte < 8 ? (byte < 4 ? v.x : v.y) : (byte < 12 ? v.z : v.w);
+    return (word >> (8 * (byte % 4))) & P::kMask;
+  }
+  const int nbytes = (count * kBits + 7) / 8;
+  if (nbytes == P::kBytes) {  // a whole piece, aligned to its size
+    if (P::kBytes == 4) {
+      return *reinterpret_cast<const uint32_t*>(at);
+    }
+    if (P::kBytes == 2) {
+      return *reinterpret_cast<const uint16_t*>(at);
+    }
+    return *at;
+  }
+  uint32_t piece = 0;
+  FASTDDP_UNROLL
+  for (int b = 0; b < P::kBytes; ++b) {
+    if (b < nbytes) {
+      piece |= static_cast<uint32_t>(at[b]) << (8 * b);
+    }
+  }
+  return piece;
+}
+
+// Stores the chunk's piece at `at`: the group's pieces gather by shuffles in its first lane,
+// which stores the 16 bytes in one access when `whole`; otherwise each lane stores its own
+// piece (count codes of it exist). Every lane of the warp must call it.
+template <int kBits>
+__device__ __forceinline__ void store_piece(
+    uint8_t* at, uint32_t piece, int64_t c, int count, bool whole) {
+  using P = Pieces<kBits>;
+  constexpr int kPieceBits = 4 * kBits;
+  constexpr int kLanesPerWord = 32 / kPieceBits;
+  uint32_t word = piece;
+  FASTDDP_UNROLL
+  for (int bits = kPieceBits; bits < 32; bits *= 2) {
+    // Lanes with bit (bits / kPieceBits) of their slot clear take their neighbour's half.
+    word |= __shfl_xor_sync(kAllLanes, word, bits / kPieceBits) << bits;
+  }
+  const int lane = lane_index();
+  const int lead = lane & ~(P::kGroup - 1);
+  uint4 v;
+  v.x = word;
+  v.y = __shfl_sync(kAllLanes, word, lead + kLanesPerWord);
+  v.z = __shfl_sync(kAllLanes, word, lead + 2 * kLanesPerWord);
+  v.w = __shfl_sync(kAllLanes, word, lead + 3 * kLanesPerWord);
+  if (whole) {
+    if ((c & (P::kGroup - 1)) == 0) {
+      store16(reinterpret_cast<uint4*>(at), v);
+    }
+    return;
+  }
+  const int nbytes = (count * kBits + 7) / 8;
+  if (nbytes == P::kBytes) {
+    if (P::kBytes == 4) {
+      *reinterpret_cast<uint32_t*>(at) = piece;
+    } else if (P::kBytes == 2) {
+      *reinterpret_cast<uint16_t*>(at) = static_cast<uint16_t>(piece);
+    } else {
+      *at = static_cast<uint8_t>(piece);
+    }
+    return;
+  }
+  FASTDDP_UNROLL
+  for (int b = 0; b < P::kBytes; ++b) {
+    if (b < nbytes) {
+      at[b] = static_cast<uint8_t>(piece >> (8 * b));
+    }
+  }
+}
+
+// Code j (0..3) of a piece, as a float.
+template <int kBits>
+__device__ __forceinline__ float piece_code(uint32_t piece, int j) {
+  constexpr int kPer = 8 / kBits;
+  const auto byte = static_cast<uint8_t>(piece >> (8 * (j / kPer)));
+  return static_cast<float>(unpack_code(byte, kBits, j % kPer));
+}
+
+// The rounding inputs of chunk c of a quantize: 4c .. 4c + 3, zeros past n.
+__device__ __forceinline__ Chunk quantize_inputs(
+    const QuantizeArgs& a, const math::Mode& mode, int64_t c, float (&v)[kChunk]) {
+  const Chunk k = chunk_at(0, a.n, c);
+  float x[kChunk];
+  float r[kChunk] = {0.0f, 0.0f, 0.0f, 0.0f};
+  load_chunk(a.src, k, x);
+  if (mode.feedback) {
+    load_chunk<true>(mode.residual, k, r);
+  }
+  FASTDDP_UNROLL
+  for (int j = 0; j < kChunk; ++j) {
+    v[j] = j < k.count ? math::rounding_input_of(mode, x[j], a.scale, r[j]) : 0.0f;
+  }
+  return k;
+}
+
+// Quantises chunk c (inputs v) of a block with the given scale: its codes, its residuals
+// (16 bytes at a time), and the block's scale if c is the block's first chunk. Every lane of
+// the warp must call it.
+template <int kBits>
+__device__ __forceinline__ void quantize_chunk(
+    const QuantizeArgs& a, const Codes& codes, const math::Mode& mode, int64_t c,
+    const float (&v)[kChunk], float step, float inverse, bool block_bad) {
+  const float qmax = code_max(kBits);
+  const Chunk k = chunk_at(0, a.n, c);
+  auto* q = reinterpret_cast<uint8_t*>(a.dst);
+  const Place place = place_of<kBits>(codes, q, c, a.n);
+  const CodeSpot& spot = place.spot;
+  // The first chunk of a block stores its scale.
+  if (k.count > 0 && place.block_first) {
+    a.scales[place.scale] = step;
+  }
+  // A block holding inf or NaN gets zeros (and a NaN scale); its residual is left alone.
+  uint32_t piece = 0;
+  float r[kChunk];
+  FASTDDP_UNROLL
+  for (int j = 0; j < kChunk; ++j) {
+    const int64_t i = k.first + j;
+    int8_t code = 0;
+    if (j < k.count && !block_bad) {
+      code = math::quantize_code(v[j], inverse, qmax, mode.stochastic, math::random_for(mode, i));
+    }
+    r[j] = math::quantize_dropped(v[j], code, step);
+    piece |= pack_code(code, kBits, j);
+  }
+  if (mode.feedback && !block_bad) {
+    store_chunk(mode.residual, k, r);
+  }
+  store_piece<kBits>(spot.at, piece, c, k.count, spot.group_whole);
+}
+
+// quantize (int8, int4, int2): the lanes of a block share its absolute maximum by shuffles.
+// A block of up to 128 elements (block / 4 lanes, a power of two) takes part of a warp, so that
+// a warp quantises 128 elements at a time, kCodeUnroll such runs a step, all loaded before any
+// is reduced; a longer block (a multiple of 128) takes a warp, each lane block / 128 chunks,
+// which it reads again after the maximum is known.
+// At most 64 registers, so that 4 blocks fit on a multiprocessor (66 gave 3).
+template <int kBits>
+__global__ void __launch_bounds__(kThreads, 4) quantize_vec_kernel(QuantizeArgs a, Codes codes) {
+  const math::Mode mode = a.rounding.mode();
+  const float qmax = code_max(kBits);
+  const int64_t per_block = a.block / kChunk;
+  const int64_t chunks = (a.n + kChunk - 1) / kChunk;
+  bool bad = false;
+  if (per_block <= 32) {
+    const int width = static_cast<int>(per_block);
+    warp_loop(chunks, 32 * kCodeUnroll, [&](int64_t first) {
+      float v[kCodeUnroll][kChunk];
+      uint32_t absmax[kCodeUnroll];
+      FASTDDP_UNROLL
+      for (int u = 0; u < kCodeUnroll; ++u) {
+        quantize_inputs(a, mode, first + 32 * u + lane_index(), v[u]);
+        absmax[u] = 0;
+        FASTDDP_UNROLL
+        for (int j = 0; j < kChunk; ++j) {
+          absmax[u] = math::abs_bits_max(absmax[u], v[u][j]);
+        }
+      }
+      for (int offset = width / 2; offset > 0; offset /= 2) {
+        FASTDDP_UNROLL
+        for (int u = 0; u < kCodeUnroll; ++u) {
+          const uint32_t other = __shfl_xor_sync(kAllLanes, absmax[u], offset);
+          absmax[u] = other > absmax[u] ? other : absmax[u];
+        }
+      }
+      FASTDDP_UNROLL
+      for (int u = 0; u < kCodeUnroll; ++u) {
+        const bool block_bad = math::block_nonfinite(absmax[u]);
+        bad |= block_bad;
+        quantize_chunk<kBits>(a, codes, mode, first + 32 * u + lane_index(), v[u],
+                              math::block_scale(absmax[u], qmax),
+                              math::block_inverse(absmax[u], qmax), block_bad);
+      }
+    });
+    raise_flag(bad, a.rounding.flag);
+    return;
+  }
+  warp_loop(chunks, per_block, [&](int64_t first) {
+    const int64_t c = first + lane_index();
+    float v[kChunk];
+    uint32_t absmax = 0;
+    quantize_inputs(a, mode, c, v);
+    FASTDDP_UNROLL
+    for (int j = 0; j < kChunk; ++j) {
+      absmax = math::abs_bits_max(absmax, v[j]);
+    }
+    for (int64_t more = c + 32; more < first + per_block; more += 32) {
+      float w[kChunk];
+      quantize_inputs(a, mode, more, w);
+      FASTDDP_UNROLL
+      for (int j = 0; j < kChunk; ++j) {
+        absmax = math::abs_bits_max(absmax, w[j]);
+      }
+    }
+    FASTDDP_UNROLL
+    for (int offset = 32 / 2; offset > 0; offset /= 2) {  // a block takes the whole warp
+      const uint32_t other = __shfl_xor_sync(kAllLanes, absmax, offset);
+      absmax = other > absmax ? other : absmax;
+    }
+    const float step = math::block_scale(absmax, qmax);
+    const float inverse = math::block_inverse(absmax, qmax);
+    const bool block_bad = math::block_nonfinite(absmax);
+    bad |= block_bad;
+    quantize_chunk<kBits>(a, codes, mode, c, v, step, inverse, block_bad);
+    for (int64_t more = c + 32; more < first + per_block; more += 32) {
+      float w[kChunk];
+      quantize_inputs(a, mode, more, w);
+      quantize_chunk<kBits>(a, codes, mode, more, w, step, inverse, block_bad);
+    }
+  });
+  raise_flag(bad, a.rounding.flag);
+}
+
+// unpack (int8, int4, int2): the flat sequence of n values the rows hold, dequantised; a lane
+// takes kUnpackUnroll chunks a step, their codes and scales all loaded before any is stored.
+template <int kBits>
+__global__ void unpack_vec_kernel(
+    Int8Source s, Codes codes, int64_t n, float* __restrict__ dst, float scale) {
+  auto* q = const_cast<uint8_t*>(reinterpret_cast<const uint8_t*>(s.q));
+  warp_loop((n + kChunk - 1) / kChunk, 32 * kUnpackUnroll, [&](int64_t first) {
+    Chunk k[kUnpackUnroll];
+    uint32_t piece[kUnpackUnroll];
+    float step[kUnpackUnroll];
+    FASTDDP_UNROLL
+    for (int u = 0; u < kUnpackUnroll; ++u) {
+      k[u] = chunk_at(0, n, first + 32 * u + lane_index());
+      piece[u] = 0;
+      step[u] = 0.0f;
+      if (k[u].count > 0) {
+        const Place place = place_of<kBits>(codes, q, k[u].index, n);
+        piece[u] = load_piece<kBits>(place.spot.at, k[u].index, k[u].count,
+                                     place.spot.group_whole);
+        step[u] = s.scales[place.scale];
+      }
+    }
+    FASTDDP_UNROLL
+    for (int u = 0; u < kUnpackUnroll; ++u) {
+      float x[kChunk];
+      FASTDDP_UNROLL
+      for (int j = 0; j < kChunk; ++j) {
+        x[j] = math::mul(math::mul(piece_code<kBits>(piece[u], j), step[u]), scale);
+      }
+      store_chunk(dst, k[u], x);
+    }
+  });
+}
+
+// dequantize (int8, int4, int2): the rows dequantised and summed per column in row order.
+template <int kBits>
+__global__ void dequantize_vec_kernel(
+    Int8Source s, Codes codes, float* __restrict__ dst, float scale) {
+  auto* q = const_cast<uint8_t*>(reinterpret_cast<const uint8_t*>(s.q));
+  const int64_t m = s.rows.row_len;
+  // Row p of the rows seen as one row of m codes at q + p * q_stride.
+  warp_loop((m + kChunk - 1) / kChunk, 32, [&](int64_t first) {
+    const Chunk k = chunk_at(0, m, first + lane_index());
+    if (k.count == 0) {
+      return;
+    }
+    const int64_t b = codes.by_block.div(k.first);  // the chunk's block, in every row
+    float acc[kChunk];
+    for (int64_t p0 = 0; p0 < s.rows.rows; p0 += kRowsAtOnce) {
+      // kRowsAtOnce rows' loads first, in flight together; then their sums, in row order.
+      // Past the last row a lane loads the last row again (no branch before the loads) and
+      // adds nothing of it. (The same batching made sum_chunks slower on the H100, 0.47 of a
+      // copy at 1 GB against 0.37, so its rows go one by one.)
+      uint32_t piece[kRowsAtOnce];
+      float step[kRowsAtOnce];
+      FASTDDP_UNROLL
+      for (int u = 0; u < kRowsAtOnce; ++u) {
+        const int64_t p = p0 + u < s.rows.rows ? p0 + u : s.rows.rows - 1;
+        const CodeSpot spot = row_spot<kBits>(q + p * s.rows.q_stride, k.index, m);
+        piece[u] = load_piece<kBits>(spot.at, k.index, k.count, spot.group_whole);
+        step[u] = s.scales[p * s.rows.s_stride + b];
+      }
+      FASTDDP_UNROLL
+      for (int u = 0; u < kRowsAtOnce; ++u) {
+        if (p0 + u < s.rows.rows) {
+          FASTDDP_UNROLL
+          for (int j = 0; j < kChunk; ++j) {
+            const float term = math::mul(piece_code<kBits>(piece[u], j), step[u]);
+            acc[j] = p0 + u == 0 ? term : math::add(acc[j], term);
+          }
+        }
+      }
+    }
+    FASTDDP_UNROLL
+    for (int j = 0; j < kChunk; ++j) {
+      acc[j] = math::mul(acc[j], scale);
+    }
+    store_chunk(dst, k, acc);
+  });
+}
+
+// ------------------------------------------------------------------ scalar kernels
+
+// The absolute maximum (as bits) of the rounding inputs of elements [lo, hi), for one warp: the
+// lanes stride over the range, then a butterfly of shuffles gives every lane the result.
+__device__ __forceinline__ uint32_t warp_absmax(
+    const math::Mode& mode, const float* __restrict__ src, float scale, int64_t lo, int64_t hi,
+    int lane) {
+  uint32_t absmax = 0;
+  for (int64_t i = lo + lane; i < hi; i += 32) {
+    absmax = math::abs_bits_max(absmax, math::rounding_input(mode, src[i], scale, i));
+  }
+  FASTDDP_UNROLL
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const uint32_t other = __shfl_xor_sync(0xffffffffu, absmax, offset);
+    absmax = other > absmax ? other : absmax;
+  }
+  return absmax;
+}
+
+// quantize_int8 for the layouts quantize_vec_kernel cannot take: one warp per int8 block;
+// every lane gets the block's absolute maximum (warp_absmax), then each lane quantises its
+// elements. Rows of q and scales may lie apart (see Int8Rows in layout.h); a block lies in one
+// row.
+__global__ void quantize_int8_kernel(
+    const float* __restrict__ src,
+    int8_t* __restrict__ q,
+    float* __restrict__ scales,
+    float* __restrict__ residual,
+    int64_t n,
+    int64_t block,
+    Int8Rows rows,
+    float scale,
+    int64_t seed,
+    int* __restrict__ flag) {
+  const math::Mode mode = mode_of(residual, seed);
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  const int64_t nblocks = blocks_of(n, block);
+  bool bad = false;
+  for (int64_t b = thread_index() / 32; b < nblocks; b += warps) {
+    const Int8Block blk = int8_block(rows, n, block, b, q, scales);
+    const uint32_t absmax = warp_absmax(mode, src, scale, blk.lo, blk.hi, lane);
+    const float step = math::block_scale(absmax);
+    const float inverse = math::block_inverse(absmax);
+    const bool block_bad = math::block_nonfinite(absmax);
+    if (lane == 0) {
+      blk.scales[b] = step;
+    }
+    bad |= block_bad;
+    // A block holding inf or NaN gets zeros (and a NaN scale); its residual is left alone.
+    for (int64_t i = blk.lo + lane; i < blk.hi; i += 32) {
+      const float v = math::rounding_input(mode, src[i], scale, i);
+      blk.q[i] = block_bad ? int8_t{0} : math::quantize_element(mode, v, inverse, step, i);
+    }
+  }
+  raise_flag(bad, flag);
+}
+
+// Reads int8 codes laid out as Int8Source says: code `col` of row `row`, times its block's
+// scale. PackedCodes (packed_kernels.cuh) reads int4 and int2 codes the same way.
+struct Int8Codes {
+  Int8Source src;
+
+  __device__ __forceinline__ float operator()(int64_t row, int64_t col) const {
+    const float code = static_cast<float>(src.q[row * src.rows.q_stride + col]);
+    return math::mul(code, src.scales[row * src.rows.s_stride + col / src.block]);
+  }
+};
+
+// dequantize for the layouts dequantize_vec_kernel cannot take: the rows.rows rows of
+// rows.row_len codes, dequantised and summed per column in row order.
+template <class Codes>
+__global__ void dequantize_kernel(Codes codes, float* __restrict__ dst, float scale) {
+  const Int8Rows& rows = codes.src.rows;
+  grid_stride_loop(0, rows.row_len, [&](int64_t i) {
+    float acc = codes(0, i);
+    for (int64_t p = 1; p < rows.rows; ++p) {
+      acc = math::add(acc, codes(p, i));
+    }
+    dst[i] = math::mul(acc, scale);
+  });
+}
+
+// unpack for the layouts unpack_vec_kernel cannot take: the flat sequence of n values the rows
+// hold, dequantised.
+template <class Codes>
+__global__ void unpack_kernel(Codes codes, int64_t n, float* __restrict__ dst, float scale) {
+  const int64_t row_len = codes.src.rows.row_len;
+  grid_stride_loop(0, n, [&](int64_t i) {
+    const int64_t row = i / row_len;
+    dst[i] = math::mul(codes(row, i - row * row_len), scale);
+  });
+}
+
+}  // namespace fastddp::kernels
