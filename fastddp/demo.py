@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
 from fastddp.bench import report
-from fastddp.bench.common import AUTO, FASTDDP_MODES, fastddp_state
+from fastddp.bench.common import AUTO, FASTDDP_MODES, auto_bytes, fastddp_state
 from fastddp.bench.models import mlp
 from fastddp.distributed import exit_after_shutdown
 from fastddp.testing import netns
@@ -91,11 +91,12 @@ def _train(mode, args, rank, world):
         payload = numel * 4
     elif mode == AUTO:
         s = state.stats()
-        chosen = s["plan"]["summary"] if s["plan"] else "none (no plan yet: more --steps)"
+        if s["plan"]:
+            payload, _, chosen = auto_bytes(s, numel)
+            links = s["plan"]["links"]
+        else:
+            payload, chosen = numel * 4, "none (no plan yet: more --steps)"
         label = f"{mode} ({chosen})"
-        own = s["candidates"].get(chosen)
-        payload = numel * 4 if own is None else own["payload_bytes"] // s["steps_in"][chosen]
-        links = s["plan"]["links"] if s["plan"] else {}
     else:
         s = state.stats()
         payload = s["payload_bytes"] // args.steps

@@ -36,6 +36,33 @@ def fastddp_state(mode: str, **overrides) -> fastddp.CompressState:
     return fastddp.CompressState(**{**settings_of(mode), **overrides})
 
 
+def auto_bytes(stats: dict, numel: int, ring_cross=lambda numel, itemsize: 0):
+    """Payload and cross-node bytes per step of the plan ``auto`` made, and what it chose.
+
+    ``stats``: ``CompressState(dtype="auto").stats()`` after its plan; ``numel``: the model's
+    gradient elements; ``ring_cross(numel, itemsize)``: the bytes a ring of fp32 sends across
+    nodes, for what the plan leaves uncompressed. A mixed plan's figures are the sum of its
+    buckets', each from the candidate that reduced it.
+    """
+    plan = stats["plan"]
+    chosen = plan["mode"]
+    if chosen == "none":
+        return numel * 4, ring_cross(numel, 4), chosen
+    if chosen != "mixed":
+        own, steps = stats["candidates"][chosen], max(1, stats["steps_in"][chosen])
+        return own["payload_bytes"] // steps, own["cross_node_bytes"] // steps, chosen
+    payload = cross = 0
+    for index, bucket in enumerate(plan["buckets"]):
+        n = bucket["numel"]
+        if bucket["mode"] == "none":
+            payload, cross = payload + n * 4, cross + ring_cross(n, 4)
+            continue
+        own = stats["candidates"][bucket["mode"]]["buckets"][index]
+        payload += own["payload_bytes"] // own["calls"]
+        cross += own["cross_node_bytes"] // own["calls"]
+    return payload, cross, plan["summary"]
+
+
 def pacing_group():
     """A group of its own for the benchmarks' per-step barrier: a barrier on the hooks' group
     would wait for reductions that ``delay=1`` leaves in flight into the next step."""

@@ -34,6 +34,7 @@ from fastddp.bench.common import (
     AUTO,
     DELAYED_MODES,
     FASTDDP_MODES,
+    auto_bytes,
     fastddp_runs,
     fastddp_state,
     pacing_group,
@@ -123,27 +124,6 @@ def _powersgd_bytes(model, rank, min_rate=2):
     return total
 
 
-def _auto_bytes(stats, numel, topo):
-    """Payload and cross-node bytes per step of the plan ``auto`` made, and what it chose."""
-    plan = stats["plan"]
-    chosen = plan["mode"]
-    if chosen == "none":
-        return numel * 4, topo.ring_cross_bytes(numel, 4), chosen
-    if chosen != "mixed":
-        own, steps = stats["candidates"][chosen], max(1, stats["steps_in"][chosen])
-        return own["payload_bytes"] // steps, own["cross_node_bytes"] // steps, chosen
-    payload = cross = 0
-    for index, bucket in enumerate(plan["buckets"]):
-        n = bucket["numel"]
-        if bucket["mode"] == "none":
-            payload, cross = payload + n * 4, cross + topo.ring_cross_bytes(n, 4)
-            continue
-        own = stats["candidates"][bucket["mode"]]["buckets"][index]
-        payload += own["payload_bytes"] // own["calls"]
-        cross += own["cross_node_bytes"] // own["calls"]
-    return payload, cross, plan["summary"]
-
-
 def _percentile(values, q):
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
@@ -176,7 +156,7 @@ def run_mode(env, args, label, mode, topology, topo, pacer=None):
     per_elem = {"fp32": 4, "torch-fp16": 2, "noop": 0}
     calls = max(1, warmup + args.steps)
     if mode == AUTO:
-        payload, cross, used = _auto_bytes(state.stats(), numel, topo)
+        payload, cross, used = auto_bytes(state.stats(), numel, topo.ring_cross_bytes)
     elif state is not None:
         stats = state.stats()
         assert stats["nonfinite_events"] == 0

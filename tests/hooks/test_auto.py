@@ -14,6 +14,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
+from fastddp.bench.common import auto_bytes
 from fastddp.hooks import auto, links
 from fastddp.hooks.topology import NODE_ENV
 
@@ -394,11 +395,16 @@ def _mixed_plan(rank, world):
     fixed = {
         "none": run((None, allreduce_hook))[1],
         "bf16": run((fastddp.CompressState.from_preset("bf16"), fastddp.compress_hook))[1],
-        "int8-ef": run((fastddp.CompressState.from_preset("int8-ef"), fastddp.compress_hook))[1],
     }
+    last, fixed["int8-ef"] = run(
+        (fastddp.CompressState.from_preset("int8-ef"), fastddp.compress_hook)
+    )
+    sizes = [0] * 3  # elements per bucket, from the second step on
+    for p in last.parameters():
+        sizes[max(owner[p])] += p.numel()
     owner.clear()
     allow = ["none", "bf16", "int8-ef"]
-    modes = ["none", "int8-ef", "bf16", "int8-ef"]
+    modes = ["none", "int8-ef", "bf16"]
     planned = {
         "mode": auto.MIXED,
         "uniform": "bf16",
@@ -406,7 +412,7 @@ def _mixed_plan(rank, world):
         "planned_ms": 1e9,
         "made_at_step": 0,
         "plans": 1,
-        "buckets": [{"mode": m} for m in modes],
+        "buckets": [{"mode": m, "numel": n} for m, n in zip(modes, sizes)],
     }
     state = fastddp.CompressState(dtype="auto", allow=allow)
     state.load_state_dict({"settings": state.settings(), "plan": planned, "candidates": {}})
@@ -421,6 +427,11 @@ def _mixed_plan(rank, world):
             a, b = got[step][offset : offset + p.numel()], want[step][offset : offset + p.numel()]
             assert torch.equal(a, b), f"bucket {index} ({modes[index]}) step {step}"
         offset += p.numel()
+    # The plan's bytes a step, as the benchmarks and the demo report them: each bucket's own.
+    payload, _, chose = auto_bytes(state.stats(), sum(sizes))
+    fp32, bf16, int8 = (sum(n for m, n in zip(modes, sizes) if m == k) for k in allow)
+    assert chose == "mixed (none x1, bf16 x1, int8-ef x1)", chose
+    assert fp32 * 4 + bf16 * 2 + int8 <= payload <= fp32 * 4 + bf16 * 2 + int8 * 1.1, payload
     again = pickle.loads(pickle.dumps(state))
     assert again.stats()["mode"] == auto.MIXED
     assert [b["mode"] for b in again.stats()["plan"]["buckets"]] == modes
