@@ -23,7 +23,7 @@ def _env(tmp_path: Path) -> dict:
 
 def test_the_streams_run_every_test_exactly_once():
     # Whatever markers a test has, exactly one stream's expression selects it.
-    names = ["emu", "netns", "faults", "launcher", "multiproc", "cuda", "nccl_sim"]
+    names = ["emu", "planted", "netns", "faults", "launcher", "multiproc", "cuda", "nccl_sim"]
     exprs = {name: Expression.compile(marks) for name, (marks, _, _) in streams.STREAMS.items()}
     for k in range(len(names) + 1):
         for marks in itertools.combinations(names, k):
@@ -58,7 +58,7 @@ def test_streams_run_niced_and_an_also_command_counts_as_a_stream(tmp_path):
     tests = tmp_path / "test_nice.py"
     tests.write_text(f"import os\n\ndef test_nice():\n    assert os.nice(0) == {ranks}\n")
     command = f"{sys.executable} -c 'import os; print(\"the command at\", os.nice(0))'; exit 5"
-    run = [sys.executable, str(RUNNER), "--only", "ranks", "--also", "planted", command]
+    run = [sys.executable, str(RUNNER), "--only", "ranks", "--also", "exit5", command]
     res = subprocess.run(
         [*run, "--also", "nodes", "true"], capture_output=True, text=True, env=_env(tmp_path)
     )
@@ -70,7 +70,7 @@ def test_streams_run_niced_and_an_also_command_counts_as_a_stream(tmp_path):
     )  # fmt: skip
     assert "ranks exit 0" in res.stdout, res.stdout + res.stderr
     # Exit 5 is pytest's "nothing collected", which passes a stream, but fails a command.
-    assert res.returncode == 1 and "failed streams: planted" in res.stdout, res.stdout
+    assert res.returncode == 1 and "failed streams: exit5" in res.stdout, res.stdout
     assert f"the command at {also}" in res.stdout, res.stdout
 
 

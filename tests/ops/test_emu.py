@@ -240,11 +240,13 @@ def _sweep(tmp_path, op, edit=None):
     return subprocess.CompletedProcess(proc.name, proc.exitcode, out, out)
 
 
+@pytest.mark.planted
 def test_the_unchanged_copy_passes(tmp_path):
     res = _sweep(tmp_path, "compress")
     assert res is not None and res.returncode == 0, res and res.stderr[-3000:]
 
 
+@pytest.mark.planted
 def test_a_library_for_one_op_holds_it_alone_and_a_sweep_of_another_says_so(tmp_path, capsys):
     lib = emulator.build(cache=tmp_path, debug=False, only="decompress")
     emu = emulator.load(lib, sms=1)
@@ -259,6 +261,7 @@ def test_a_library_for_one_op_holds_it_alone_and_a_sweep_of_another_says_so(tmp_
         emulator.build(only="compres")
 
 
+@pytest.mark.planted
 @pytest.mark.parametrize("name, rel, old, new, op", DEFECTS, ids=[d[0] for d in DEFECTS])
 def test_a_planted_defect_fails_the_checks(tmp_path, name, rel, old, new, op):
     res = _sweep(tmp_path, op, (rel, old, new))
