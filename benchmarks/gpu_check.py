@@ -308,9 +308,12 @@ def table_verdict(path: Path, what: str):
             rows = json.loads(path.read_text())["rows"]
         except (OSError, ValueError, KeyError, TypeError):
             return "FAIL", f"exit {rc}, no table"
-        judged = [r for r in rows if r.get("meets_target") is not None]
-        met = sum(bool(r["meets_target"]) for r in judged)
-        return ("pass" if rc == 0 else "FAIL"), f"exit {rc}; {met} of {len(judged)} {what}"
+        judged = [r for r in rows if r.get("target") is not None]
+        met = sum(r.get("meets_target") is True for r in judged)
+        # The step cost leaves a verdict undecided where its interval straddles the target.
+        open_ = sum(r.get("verdict") == "undecided" for r in judged)
+        tail = f", {open_} undecided" if open_ else ""
+        return ("pass" if rc == 0 else "FAIL"), f"exit {rc}; {met} of {len(judged)} {what}{tail}"
 
     return verdict
 

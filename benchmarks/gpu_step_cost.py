@@ -14,11 +14,20 @@ random tokens, under bf16 autocast on CUDA. The variants:
 
 Each variant is its own DDP model from the same initial weights, warmed up first (DDP rebuilds
 its buckets after the first step). Then the variants take turns: a round runs ``--steps``
-steps of each (the first variant of a round moves on by one every round), timed from one
-device synchronisation to the next. A variant's figure is the median over rounds of its mean
-ms per step, and its ratio that over plain DDP's; the target is a ratio of at most 1.03.
-Rounds go on until ``--seconds`` have passed (at least ``--min-rounds``, at most
-``--rounds``), so the run fits a time budget on any machine.
+steps of each hooked variant, with plain DDP's between every two and at both ends (the first
+hooked variant of a round moves on by one every round), each run timed from one device
+synchronisation to the next. A GPU's step time drifts by a third and more between runs
+seconds apart (clocks, the host), so a hooked variant is held against the plain runs beside
+it: its ratio in a round is its mean step over the mean of the two plain runs next to it, and
+its figure the median of those ratios over the rounds, with a distribution-free confidence
+interval of at least 95% where there are 6 rounds or more (order statistics of the ratios;
+the whole range below that, at the coverage it has). The target is a ratio of at most 1.03:
+``met`` where the interval's top is within it, ``missed`` where its bottom is above it, and
+``undecided`` where it straddles it or the rounds are too few for 95% (more ``--seconds``
+decide). The same figures of each
+plain run against the two beside it show the method's own noise. Rounds go on until
+``--seconds`` have passed (at least ``--min-rounds``, at most ``--rounds``), so the run fits a
+time budget on any machine.
 
     python benchmarks/gpu_step_cost.py --json step.json --markdown step.md
     python benchmarks/gpu_step_cost.py --device cpu --rounds 2    # Gloo, a tiny model
@@ -28,6 +37,7 @@ Exits 1 if a variant's gradients are not finite after its steps.
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -43,6 +53,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fastddp
 
 TARGET = 1.03  # a hook's step at most this times plain DDP's
+LEVEL = 0.95  # the least coverage of the interval that decides a verdict
 REGISTRATIONS = ("ddp.register_comm_hook", "fastddp.register_comm_hook")
 # Model and batch per device: a mid-size model that runs in seconds on a GPU, a tiny one here.
 SIZES = {
@@ -77,7 +88,8 @@ class Variant:
     model: DDP
     optimizer: torch.optim.Optimizer
     state: object = None
-    rounds: list = field(default_factory=list)  # mean seconds per step, one per round
+    rounds: list = field(default_factory=list)  # mean seconds per step, one per run
+    ratios: list = field(default_factory=list)  # against the plain runs beside it, per round
 
 
 def variant_names() -> list:
@@ -142,58 +154,117 @@ def measure(device, sizes, steps, warmup, min_rounds, max_rounds, seconds, log=p
         train_steps(v, batches[:warmup], device)
     _sync(device)
     log(f"step-cost: built and warmed up in {time.monotonic() - started:.1f} s")
+    plain, hooked = variants[0], variants[1:]
     rounds = 0
     while rounds < max_rounds and (rounds < min_rounds or time.monotonic() - started < seconds):
-        for i in range(len(variants)):
-            v = variants[(i + rounds) % len(variants)]
-            _sync(device)
-            start = time.perf_counter()
-            train_steps(v, batches, device)
-            _sync(device)
-            v.rounds.append((time.perf_counter() - start) / steps)
+        order = hooked[rounds % len(hooked) :] + hooked[: rounds % len(hooked)]
+        runs = [plain]
+        for v in order:
+            runs += [v, plain]
+        times = [_timed(v, batches, device) for v in runs]
+        for i in range(1, len(runs), 2):  # each hooked run against the plain runs beside it
+            runs[i].ratios.append(times[i] / ((times[i - 1] + times[i + 1]) / 2))
+        for i in range(2, len(runs) - 1, 2):  # each inner plain run against its neighbours
+            plain.ratios.append(times[i] / ((times[i - 2] + times[i + 2]) / 2))
         rounds += 1
     log(f"step-cost: {rounds} rounds of {steps} steps in {time.monotonic() - started:.1f} s")
-    plain = statistics.median(variants[0].rounds)
     rows = []
     for v in variants:
         ms = statistics.median(v.rounds) * 1e3
         finite = all(
             p.grad is None or bool(torch.isfinite(p.grad).all()) for p in v.model.parameters()
         )
-        hooked = v.registration != "none"
-        rows.append(
-            {
-                "variant": v.name,
-                "registration": v.registration,
-                "ms_per_step": ms,
-                "ms_min": min(v.rounds) * 1e3,
-                "ms_max": max(v.rounds) * 1e3,
-                "rounds": len(v.rounds),
-                "ratio": ms / (plain * 1e3),
-                "target": TARGET if hooked else None,
-                "meets_target": (ms / (plain * 1e3) <= TARGET) if hooked else None,
-                "finite_grads": finite,
-            }
-        )
+        row = {
+            "variant": v.name,
+            "registration": v.registration,
+            "ms_per_step": ms,
+            "ms_min": min(v.rounds) * 1e3,
+            "ms_max": max(v.rounds) * 1e3,
+            "rounds": rounds,
+            "finite_grads": finite,
+        }
+        if v is plain:
+            # The noise: a plain run against the plain runs beside it, where it is the same.
+            low, high, coverage = median_interval(v.ratios)
+            noise = {"median": statistics.median(v.ratios) if v.ratios else None}
+            noise.update(low=low, high=high, coverage=coverage, runs=len(v.ratios))
+            row.update(ratio=1.0, target=None, meets_target=None, verdict=None, noise=noise)
+        else:
+            low, high, coverage = median_interval(v.ratios)
+            verdict = "met" if high <= TARGET else "missed" if low > TARGET else "undecided"
+            if coverage < LEVEL:
+                verdict = "undecided"  # too few rounds for an interval at LEVEL
+            row.update(ratio=statistics.median(v.ratios), ratio_low=low, ratio_high=high)
+            row.update(coverage=coverage, target=TARGET, verdict=verdict)
+            row["meets_target"] = {"met": True, "missed": False}.get(verdict)
+        rows.append(row)
     return rows
+
+
+def _timed(v: Variant, batches, device) -> float:
+    """Mean seconds per step of ``batches`` on ``v``, from one device synchronisation to the
+    next; recorded in ``v.rounds`` too."""
+    _sync(device)
+    start = time.perf_counter()
+    train_steps(v, batches, device)
+    _sync(device)
+    took = (time.perf_counter() - start) / len(batches)
+    v.rounds.append(took)
+    return took
+
+
+def median_interval(values, level=LEVEL) -> tuple:
+    """``(low, high, coverage)``: a distribution-free confidence interval for the median of the
+    population ``values`` were drawn from, the widest order statistics k from each end whose
+    coverage is at least ``level``; with too few values for that, their whole range (k = 1) at
+    the coverage it has. ``(nan, nan, 0.0)`` for no values."""
+    n = len(values)
+    if n == 0:
+        return math.nan, math.nan, 0.0
+    ordered = sorted(values)
+
+    def coverage(k):  # P(x_(k) <= median <= x_(n-k+1)) = 1 - 2 P(Binomial(n, 1/2) < k)
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
+
+    k = 1
+    while k < (n + 1) // 2 and coverage(k + 1) >= level:
+        k += 1
+    return ordered[k - 1], ordered[n - k], coverage(k)
 
 
 def markdown(rows, steps) -> str:
     lines = [
-        f"| variant | registered with | ms/step (median) | min | max | vs plain DDP | "
-        f"<= {TARGET} |",
-        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+        "| variant | registered with | ms/step (median) | min | max | vs plain DDP beside it "
+        f"| interval | <= {TARGET} |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for r in rows:
-        verdict = "" if r["target"] is None else ("met" if r["meets_target"] else "MISSED")
+        verdict = r["verdict"] or ""
+        span = ""
+        if r["target"] is not None:
+            span = f"{r['ratio_low']:.3f}–{r['ratio_high']:.3f} ({r['coverage']:.0%})"
+            verdict = verdict.upper() if verdict == "missed" else verdict
         if not r["finite_grads"]:
             verdict += " (gradients not finite)"
         lines.append(
             f"| {r['variant']} | {r['registration']} | {r['ms_per_step']:.2f} | "
-            f"{r['ms_min']:.2f} | {r['ms_max']:.2f} | {r['ratio']:.3f} | {verdict.strip()} |"
+            f"{r['ms_min']:.2f} | {r['ms_max']:.2f} | {r['ratio']:.3f} | {span} | "
+            f"{verdict.strip()} |"
         )
     rounds = rows[0]["rounds"] if rows else 0
-    lines += ["", f"Median over {rounds} rounds of {steps} steps each, the variants in turn."]
+    lines += [
+        "",
+        f"{rounds} rounds of {steps} steps a run, plain DDP's runs between the hooked "
+        "variants'; a ratio is the median over rounds of a run against the plain runs beside "
+        "it, with the interval of that median (its coverage in brackets).",
+    ]
+    noise = rows[0].get("noise") if rows else None
+    if noise and noise["runs"]:
+        lines.append(
+            f"The method's noise: a plain run against the plain runs beside it, "
+            f"{noise['median']:.3f} ({noise['low']:.3f}–{noise['high']:.3f}, "
+            f"{noise['coverage']:.0%}) over {noise['runs']} runs."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -210,7 +281,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     for key in SIZES["cuda"]:
         p.add_argument(f"--{key}", type=int, help=f"default {SIZES['cuda'][key]} on cuda")
-    p.add_argument("--steps", type=int, default=10, help="steps per variant per round")
+    p.add_argument("--steps", type=int, default=5, help="steps per run")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
     p.add_argument("--min-rounds", type=int, default=3)
     p.add_argument("--rounds", type=int, default=50, help="at most this many rounds")

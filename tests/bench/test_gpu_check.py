@@ -4,6 +4,7 @@ one GPU run it exists for finds nothing of its own broken. Steps here are small 
 standing in for the build, tests and sanitizers."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -22,6 +23,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_bandwidth  # noqa: E402
 import gpu_check  # noqa: E402
 import gpu_cuda_tests  # noqa: E402
+import gpu_step_cost  # noqa: E402
 import gpu_step_profile  # noqa: E402
 
 import fastddp  # noqa: E402
@@ -305,7 +307,8 @@ for path, text in zip(sys.argv[5::2], sys.argv[6::2]):
 
 
 def _table(op_or_variant, ratio, meets):
-    return json.dumps({"rows": [{"op": op_or_variant, "ratio": ratio, "meets_target": meets}]})
+    row = {"op": op_or_variant, "ratio": ratio, "target": 1.0, "meets_target": meets}
+    return json.dumps({"rows": [row]})
 
 
 def test_the_whole_plan_in_one_command_untimed_steps_at_once(tmp_path, monkeypatch):
@@ -585,7 +588,7 @@ def test_the_cuda_tests_plan_on_the_real_tests():
 def test_the_step_cost_table_on_cpu(tmp_path):
     out, md = tmp_path / "step.json", tmp_path / "step.md"
     cmd = [sys.executable, "benchmarks/gpu_step_cost.py", "--device", "cpu", "--steps", "1"]
-    cmd += ["--warmup", "1", "--min-rounds", "2", "--rounds", "2", "--json", str(out)]
+    cmd += ["--warmup", "1", "--min-rounds", "6", "--rounds", "6", "--json", str(out)]
     cmd += ["--markdown", str(md)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -601,9 +604,29 @@ def test_the_step_cost_table_on_cpu(tmp_path):
         for how in ("ddp.register_comm_hook", "fastddp.register_comm_hook")
     ]
     assert rows[0]["ratio"] == 1.0 and rows[0]["meets_target"] is None
-    assert all(r["rounds"] == 2 and r["finite_grads"] and r["ms_per_step"] > 0 for r in rows)
-    assert all(r["target"] == 1.03 and isinstance(r["meets_target"], bool) for r in rows[1:])
+    assert all(r["rounds"] == 6 and r["finite_grads"] and r["ms_per_step"] > 0 for r in rows)
+    # Plain DDP's runs sit between the hooked ones: the inner ones measure the noise.
+    assert rows[0]["noise"]["runs"] == 6 * (len(rows) - 2)
+    assert rows[0]["noise"]["low"] <= rows[0]["noise"]["median"] <= rows[0]["noise"]["high"]
+    for r in rows[1:]:
+        # 6 rounds: the whole range of the ratios, at 1 - 2/64 coverage, decides.
+        assert r["target"] == 1.03 and r["coverage"] == 1 - 2 / 64
+        assert r["ratio_low"] <= r["ratio"] <= r["ratio_high"], r
+        want = "met" if r["ratio_high"] <= 1.03 else "missed" if r["ratio_low"] > 1.03 else None
+        assert r["verdict"] == (want or "undecided"), r
+        assert r["meets_target"] == {"met": True, "missed": False}.get(r["verdict"]), r
     assert "| fastddp int2-ef | fastddp.register_comm_hook |" in md.read_text()
+
+
+def test_the_interval_of_a_median_from_order_statistics():
+    low, high, coverage = gpu_step_cost.median_interval([5, 1, 4, 2, 3, 6])
+    assert (low, high, coverage) == (1, 6, 1 - 2 / 64)  # 6 values: the range, 96.9%
+    ten = [float(x) for x in range(10, 0, -1)]
+    # 10 values: the second from each end (97.9%); the third would cover 89%.
+    assert gpu_step_cost.median_interval(ten) == (2.0, 9.0, 1 - 2 * (1 + 10) / 1024)
+    assert gpu_step_cost.median_interval([1.0, 2.0, 3.0]) == (1.0, 3.0, 0.75)  # too few
+    low, high, coverage = gpu_step_cost.median_interval([])
+    assert math.isnan(low) and math.isnan(high) and coverage == 0.0
 
 
 @pytest.mark.multiproc  # runs the profile in a process of its own
