@@ -246,6 +246,17 @@ def _demo(*args):
         assert f" {mode} " in res.stdout, res.stdout
     chose = [f"fastddp-auto ({m})" for m in auto.DEFAULT_ALLOW] + ["fastddp-auto (mixed ("]
     assert any(c in res.stdout for c in chose), res.stdout
+    # The payload column: auto's is fp32's only where it planned to send fp32.
+    payload = {}
+    for line in res.stdout.splitlines():
+        cells = [c.strip() for c in re.split(r"[│|]", line)]
+        if len(cells) > 5 and cells[3].endswith("x"):
+            payload[cells[1].split(" (")[0]] = float(cells[4])
+    assert payload["fastddp-bf16"] < payload["fp32"], res.stdout
+    if "fastddp-auto (none)" in res.stdout:
+        assert payload["fastddp-auto"] == payload["fp32"], res.stdout
+    else:
+        assert payload["fastddp-auto"] < payload["fp32"], res.stdout
     return res.stdout
 
 
