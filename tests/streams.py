@@ -72,7 +72,8 @@ STREAMS = {
     "planted": ("emu and planted", ["-p", "no:cacheprovider"], _asan_env),
 }
 # The niceness each stream runs at (and what it spawns inherits); an --also command gets ALSO_NICE.
-NICE = {"nodes": 0, "node-faults": 0, "launcher": 0, "faults": 0, "ranks": 4, "emu": 8, "planted": 8}
+NICE = {"nodes": 0, "node-faults": 0, "launcher": 0, "faults": 0, "ranks": 4}
+NICE.update(emu=8, planted=8)
 ALSO_NICE = 12
 
 
