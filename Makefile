@@ -17,7 +17,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup build demo test test-fast cuda-check compat-check gpu-check gpu-check-plan bench \
+.PHONY: setup build demo test test-fast cuda-check compat-check gpu-check gpu-check-plan gpu-profile bench \
 	stress-restart lint clean
 
 $(BIN)/python:
@@ -138,6 +138,11 @@ gpu-check:
 
 gpu-check-plan:
 	@$(GPU_PYTHON) benchmarks/gpu_check.py $(OUT) $(if $(PART),--part $(PART)) --dry-run
+
+# Nsight Compute over every op's kernels (a command of its own, about 60 s on an H100): the
+# report, its details page and a table per kernel of what bounds it, into $(OUT).
+gpu-profile:
+	@$(GPU_PYTHON) benchmarks/gpu_profile.py $(OUT)
 
 bench: build
 	$(BIN)/python -m pytest benchmarks --benchmark-enable --benchmark-only \

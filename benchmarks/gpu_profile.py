@@ -1,0 +1,188 @@
+"""Nsight Compute over every op's kernels, in one table: ``make gpu-profile OUT=dir``.
+
+Runs ``ncu --set full`` over ``gpu_kernel_profile.py`` (one launch of each op's kernels at
+``--size``, clocks left as the GPU sets them), reads the report's details page back, and writes
+into ``OUT``: ``kernels.ncu-rep`` (the report), ``kernels.txt`` (its whole details page), and
+``profile.md`` and ``profile.json``, a row per kernel with what says where its time goes:
+
+- time, and DRAM throughput (% of the peak): a kernel at memory speed is near 90%;
+- issue slots busy (%): near 100%, the kernel is bound by its instructions, not memory;
+- executed warp instructions, per 256 fp32 elements of the bucket (``--size`` / 4);
+- registers per thread, the theoretical and achieved occupancy and the waves per SM;
+- local memory spills (requests; none expected: ``sass_check.py`` fails kernels with any).
+
+Without a GPU it says so in one line and exits 0. Without ``ncu`` (searched on ``PATH``, under
+``/opt/nvidia/nsight-compute`` and in the CUDA toolkit) it exits 2 and says where it looked.
+The command takes about 60 s on an H100 at the default 100 MB; ``--limit`` bounds it.
+
+    make gpu-profile OUT=$OUT                         # python3 benchmarks/gpu_profile.py $OUT
+    python3 benchmarks/gpu_profile.py out --parse kernels.txt   # the table of a details page
+"""
+
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import gpu_bandwidth
+
+HERE = Path(__file__).resolve().parent
+# A kernel's line: its name (and template arguments), parameters, grid and block.
+_KERNEL = re.compile(
+    r"^  (?:void )?(?P<name>[A-Za-z_][\w:]*(?:<[^>]*>)?)\(.*\) "
+    r"\((?P<grid>\d+), \d+, \d+\)x\((?P<block>\d+), \d+, \d+\), Context"
+)
+# A metric's line: its name, its unit (if any) and a number, columns two spaces apart or more.
+_METRIC = re.compile(
+    r"^    (?P<name>\S(?:.*?\S)?)\s{2,}(?:(?P<unit>\S+)\s{2,})?(?P<value>-?[\d,]*\.?\d+)$"
+)
+_TO_US = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6}
+# column -> (metric, unit) as ncu names them
+COLUMNS = {
+    "dram_pct": ("DRAM Throughput", "%"),
+    "issue_busy_pct": ("Issue Slots Busy", "%"),
+    "instructions": ("Executed Instructions", "inst"),
+    "registers": ("Registers Per Thread", "register/thread"),
+    "theoretical_occupancy_pct": ("Theoretical Occupancy", "%"),
+    "achieved_occupancy_pct": ("Achieved Occupancy", "%"),
+    "waves_per_sm": ("Waves Per SM", None),
+    "local_spills": ("Local Memory Spilling Requests", None),
+}
+
+
+def parse_details(text: str, elements: "int | None" = None) -> list:
+    """The rows of ``ncu --page details`` text, one per kernel launch, in order.
+
+    ``elements``: the fp32 elements of the bucket, for instructions per 256 of them.
+    A metric named twice in a kernel's sections (with one unit) keeps its first value.
+    """
+    kernels = []
+    for line in text.splitlines():
+        line = line.rstrip()
+        found = _KERNEL.match(line)
+        if found:
+            kernels.append({"kernel": found["name"], "grid": int(found["grid"]),
+                            "block": int(found["block"]), "_metrics": {}})  # fmt: skip
+            continue
+        metric = _METRIC.match(line)
+        if metric and kernels:
+            key = (metric["name"], metric["unit"])
+            value = float(metric["value"].replace(",", ""))
+            kernels[-1]["_metrics"].setdefault(key, value)
+    rows = []
+    for k in kernels:
+        metrics = k.pop("_metrics")
+        row = dict(k)
+        duration = [(u, v) for (n, u), v in metrics.items() if n == "Duration" and u in _TO_US]
+        row["duration_us"] = duration[0][1] * _TO_US[duration[0][0]] if duration else None
+        for column, key in COLUMNS.items():
+            row[column] = metrics.get(key)
+        per = row["instructions"]
+        row["instructions_per_256"] = per * 256 / elements if per and elements else None
+        rows.append(row)
+    return rows
+
+
+def markdown(rows, size: str) -> str:
+    def cell(value, fmt):
+        return "" if value is None else format(value, fmt)
+
+    lines = [
+        "| kernel | grid | us | DRAM % | issue busy % | warp instr / 256 elements | registers "
+        "| occupancy % (theory / achieved) | waves | spills |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        occupancy = (
+            f"{cell(r['theoretical_occupancy_pct'], '.0f')} / "
+            f"{cell(r['achieved_occupancy_pct'], '.1f')}"
+        )
+        lines.append(
+            f"| {r['kernel']} | {r['grid']} | {cell(r['duration_us'], '.1f')} | "
+            f"{cell(r['dram_pct'], '.1f')} | {cell(r['issue_busy_pct'], '.1f')} | "
+            f"{cell(r['instructions_per_256'], '.0f')} | {cell(r['registers'], '.0f')} | "
+            f"{occupancy} | {cell(r['waves_per_sm'], 'g')} | {cell(r['local_spills'], '.0f')} |"
+        )
+    lines += ["", f"One launch of each op at {size}, Nsight Compute's full set, clocks unlocked."]
+    return "\n".join(lines) + "\n"
+
+
+def find_ncu() -> "tuple[str | None, list]":
+    """``ncu``'s path (None if not found) and the places searched."""
+    places = ["PATH"]
+    found = shutil.which("ncu")
+    if found:
+        return found, places
+    candidates = sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))[::-1]
+    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home:
+            candidates.append(str(Path(home) / "bin" / "ncu"))
+    places += ["/opt/nvidia/nsight-compute/*/ncu", "$CUDA_HOME/bin", "/usr/local/cuda/bin"]
+    return next((c for c in candidates if os.access(c, os.X_OK)), None), places
+
+
+def _elements(size: str) -> int:
+    return gpu_bandwidth.SIZES[size] // 4
+
+
+def _write(out: Path, rows, size: str) -> str:
+    table = markdown(rows, size)
+    (out / "profile.md").write_text(table)
+    (out / "profile.json").write_text(json.dumps({"size": size, "rows": rows}, indent=1))
+    return table
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", help="folder for the report and the table")
+    p.add_argument("--size", default="100MB", choices=list(gpu_bandwidth.SIZES))
+    p.add_argument("--limit", type=float, default=240, help="seconds ncu may take")
+    p.add_argument("--parse", metavar="DETAILS", help="only tabulate this details page")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.parse:
+        rows = parse_details(Path(args.parse).read_text(errors="replace"), _elements(args.size))
+        print(_write(out, rows, args.size))
+        return 0 if rows else 1
+    import gpu_check  # after argparse: the test of --parse needs no GPU tools
+
+    if not gpu_check.gpu_names():
+        print("gpu-profile: no GPU here (nvidia-smi lists none); nothing profiled")
+        return 0
+    ncu, places = find_ncu()
+    if ncu is None:
+        print(f"gpu-profile: ncu (Nsight Compute) not found in {', '.join(places)}")
+        return 2
+    report = out / "kernels"
+    cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--set", "full"]
+    cmd += ["--import-source", "no", "-f", "-o", str(report), sys.executable]
+    cmd += [str(HERE / "gpu_kernel_profile.py"), "--size", args.size]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.limit)
+    except subprocess.TimeoutExpired:
+        print(f"gpu-profile: ncu ran past --limit {args.limit:g} s")
+        return 1
+    if res.returncode != 0:
+        print(f"gpu-profile: ncu exit {res.returncode}:\n{(res.stdout + res.stderr)[-3000:]}")
+        return 1
+    details = subprocess.run(
+        [ncu, "--import", f"{report}.ncu-rep", "--page", "details"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    (out / "kernels.txt").write_text(details.stdout)
+    rows = parse_details(details.stdout, _elements(args.size))
+    print(_write(out, rows, args.size))
+    if not rows:
+        print(f"gpu-profile: no kernel in ncu's details page (exit {details.returncode})")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
