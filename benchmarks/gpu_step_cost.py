@@ -24,10 +24,9 @@ interval of at least 95% where there are 6 rounds or more (order statistics of t
 the whole range below that, at the coverage it has). The target is a ratio of at most 1.03:
 ``met`` where the interval's top is within it, ``missed`` where its bottom is above it, and
 ``undecided`` where it straddles it or the rounds are too few for 95% (more ``--seconds``
-decide). The same figures of each
-plain run against the two beside it show the method's own noise. Rounds go on until
-``--seconds`` have passed (at least ``--min-rounds``, at most ``--rounds``), so the run fits a
-time budget on any machine.
+decide). The same figures of each plain run against the two beside it show the method's own
+noise. Rounds go on until ``--seconds`` have passed (at least ``--min-rounds``, at most
+``--rounds``), so the run fits a time budget on any machine.
 
     python benchmarks/gpu_step_cost.py --json step.json --markdown step.md
     python benchmarks/gpu_step_cost.py --device cpu --rounds 2    # Gloo, a tiny model
@@ -215,9 +214,9 @@ def _timed(v: Variant, batches, device) -> float:
 
 def median_interval(values, level=LEVEL) -> tuple:
     """``(low, high, coverage)``: a distribution-free confidence interval for the median of the
-    population ``values`` were drawn from, the widest order statistics k from each end whose
-    coverage is at least ``level``; with too few values for that, their whole range (k = 1) at
-    the coverage it has. ``(nan, nan, 0.0)`` for no values."""
+    population ``values`` were drawn from: the k-th smallest and k-th largest value, for the
+    largest k whose coverage is at least ``level``; with too few values for that, their whole
+    range (k = 1) at the coverage it has. ``(nan, nan, 0.0)`` for no values."""
     n = len(values)
     if n == 0:
         return math.nan, math.nan, 0.0
