@@ -618,6 +618,24 @@ def test_the_step_cost_table_on_cpu(tmp_path):
     assert "| fastddp int2-ef | fastddp.register_comm_hook |" in md.read_text()
 
 
+def test_a_table_step_counts_the_targets_met_and_the_undecided(tmp_path):
+    rows = [
+        {"variant": "plain DDP", "target": None, "meets_target": None, "verdict": None},
+        {"variant": "a", "target": 1.03, "meets_target": True, "verdict": "met"},
+        {"variant": "b", "target": 1.03, "meets_target": None, "verdict": "undecided"},
+        {"variant": "c", "target": 1.03, "meets_target": False, "verdict": "missed"},
+    ]
+    table = tmp_path / "step-cost.json"
+    table.write_text(json.dumps({"rows": rows}))
+    verdict = gpu_check.table_verdict(table, "hooks within 1.03x")
+    assert verdict(0, "") == ("pass", "exit 0; 1 of 3 hooks within 1.03x, 1 undecided")
+    assert verdict(1, "")[0] == "FAIL"
+    table.write_text(json.dumps({"rows": rows[:2]}))
+    assert verdict(0, "") == ("pass", "exit 0; 1 of 1 hooks within 1.03x")
+    missing = gpu_check.table_verdict(tmp_path / "none.json", "hooks within 1.03x")
+    assert missing(3, "") == ("FAIL", "exit 3, no table")
+
+
 def test_the_interval_of_a_median_from_order_statistics():
     low, high, coverage = gpu_step_cost.median_interval([5, 1, 4, 2, 3, 6])
     assert (low, high, coverage) == (1, 6, 1 - 2 / 64)  # 6 values: the range, 96.9%
