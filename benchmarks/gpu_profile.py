@@ -24,12 +24,12 @@ import glob
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import gpu_bandwidth
+import gpu_check
 
 HERE = Path(__file__).resolve().parent
 # A kernel's line: its name (and template arguments), parameters, grid and block.
@@ -112,18 +112,17 @@ def markdown(rows, size: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def find_ncu() -> "tuple[str | None, list]":
-    """``ncu``'s path (None if not found) and the places searched."""
-    places = ["PATH"]
-    found = shutil.which("ncu")
-    if found:
-        return found, places
-    candidates = sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))[::-1]
-    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if home:
-            candidates.append(str(Path(home) / "bin" / "ncu"))
-    places += ["/opt/nvidia/nsight-compute/*/ncu", "$CUDA_HOME/bin", "/usr/local/cuda/bin"]
-    return next((c for c in candidates if os.access(c, os.X_OK)), None), places
+# Where ncu is looked for, after PATH and the CUDA toolkit's bin (gpu_check.find_tool).
+NSIGHT = "/opt/nvidia/nsight-compute/*/ncu"
+
+
+def find_ncu() -> "str | None":
+    """``ncu``'s path: on PATH, in the CUDA toolkit, or the newest under ``NSIGHT``."""
+    tool = gpu_check.find_tool("ncu")
+    if os.path.isabs(tool):
+        return tool
+    found = sorted(glob.glob(NSIGHT))
+    return found[-1] if found and os.access(found[-1], os.X_OK) else None
 
 
 def _elements(size: str) -> int:
@@ -150,14 +149,13 @@ def main(argv=None) -> int:
         rows = parse_details(Path(args.parse).read_text(errors="replace"), _elements(args.size))
         print(_write(out, rows, args.size))
         return 0 if rows else 1
-    import gpu_check  # after argparse: the test of --parse needs no GPU tools
-
     if not gpu_check.gpu_names():
         print("gpu-profile: no GPU here (nvidia-smi lists none); nothing profiled")
         return 0
-    ncu, places = find_ncu()
+    ncu = find_ncu()
     if ncu is None:
-        print(f"gpu-profile: ncu (Nsight Compute) not found in {', '.join(places)}")
+        print(f"gpu-profile: ncu (Nsight Compute) not found on PATH, in $CUDA_HOME/bin, "
+              f"/usr/local/cuda/bin or {NSIGHT}")  # fmt: skip
         return 2
     report = out / "kernels"
     cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--set", "full"]
