@@ -1,10 +1,12 @@
 """Hang guards scaled to the machine (``fastddp.testing.slack``): the factor and its errors, every
-test's pytest time limit scaled by ``conftest.py``, and ``tests/streams.py`` measuring the
-factor for its streams."""
+test's pytest time limit scaled by ``conftest.py``, ``tests/streams.py`` measuring the factor for
+its streams, and the guard by CPU time of a process that only computes."""
 
+import multiprocessing
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -66,3 +68,46 @@ def test_the_suite_scales_every_limit_and_streams_measure_the_factor(tmp_path):
     env[slack.VAR] = "1.5"
     res = _nested(env, sys.executable, str(ROOT / "tests" / "streams.py"), "--only", "ranks", "--")
     assert res.returncode == 0 and f"hang guards x 1.50 ({slack.VAR} is yours)" in res.stdout
+
+
+def _exit_with(code):
+    os._exit(code)
+
+
+def _spin():
+    while True:
+        pass
+
+
+def _sleep():
+    time.sleep(600)
+
+
+def _started(target, *args):
+    proc = multiprocessing.get_context("fork").Process(target=target, args=args)
+    proc.start()
+    return proc
+
+
+@pytest.mark.timeout(60)
+def test_a_busy_guard_returns_the_exit_code_of_a_process_that_ends(monkeypatch):
+    monkeypatch.delenv(slack.VAR, raising=False)
+    assert slack.join_busy(_started(_exit_with, 3), cpu_s=30, idle_s=30) == 3
+
+
+@pytest.mark.timeout(60)
+def test_a_busy_guard_stops_a_loop_by_its_cpu_time(monkeypatch):
+    monkeypatch.delenv(slack.VAR, raising=False)
+    proc = _started(_spin)
+    assert slack.join_busy(proc, cpu_s=1, idle_s=30) is None
+    assert not proc.is_alive() and proc.exitcode == -9
+
+
+@pytest.mark.timeout(60)
+def test_a_busy_guard_stops_a_process_that_uses_no_cpu(monkeypatch):
+    monkeypatch.setenv(slack.VAR, "1.5")
+    start = time.monotonic()
+    proc = _started(_sleep)
+    assert slack.join_busy(proc, cpu_s=30, idle_s=1) is None
+    # Scaled: 1.5 s without a CPU tick, not 1.
+    assert not proc.is_alive() and time.monotonic() - start >= 1.5

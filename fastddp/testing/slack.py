@@ -9,13 +9,18 @@ here. :func:`guard` scales a guard by :func:`factor`, read from ``FASTDDP_TEST_S
 ``tests/conftest.py`` scales every test's pytest time limit by the same factor. A wait that is
 part of what a test checks (a peer timeout, an outage's length) is not a guard and is not
 scaled.
+
+A process that only computes is guarded by its own CPU time instead (:func:`join_busy`): run
+niced under a full machine it may wait minutes for a core, which a wall-clock guard takes for
+a hang.
 """
 
 import os
 import subprocess
 import sys
+import time
 
-__all__ = ["MAX", "REFERENCE_IMPORT_S", "VAR", "factor", "guard", "measure"]
+__all__ = ["MAX", "REFERENCE_IMPORT_S", "VAR", "factor", "guard", "join_busy", "measure"]
 
 VAR = "FASTDDP_TEST_SLACK"
 REFERENCE_IMPORT_S = 1.0  # CPU s of `import torch` on the machine the guards were sized on
@@ -53,3 +58,36 @@ def factor() -> float:
 def guard(seconds: float) -> float:
     """``seconds`` of a hang guard, scaled to this machine by :func:`factor`."""
     return seconds * factor()
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User and system CPU seconds of process ``pid`` so far (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def join_busy(proc, cpu_s: float, idle_s: float, poll: float = 0.5) -> int | None:
+    """Wait for ``proc`` (a started ``multiprocessing.Process``), guarded by its CPU time.
+
+    It is killed when it has used ``cpu_s`` CPU seconds (a loop that never ends), or when it
+    has used none for ``idle_s`` seconds (blocked for good); both are scaled by :func:`guard`.
+    Waiting for a core costs it nothing, so a niced process under a full machine is not cut
+    off. Returns its exit code, or None if it was killed.
+    """
+    cpu_limit, idle_limit = guard(cpu_s), guard(idle_s)
+    used, moved = 0.0, time.monotonic()
+    while True:
+        proc.join(poll)
+        if proc.exitcode is not None:
+            return proc.exitcode
+        now = _cpu_seconds(proc.pid)
+        if now is not None and now > used:
+            used, moved = now, time.monotonic()
+        if used > cpu_limit or time.monotonic() - moved > idle_limit:
+            proc.kill()
+            proc.join()
+            return None
