@@ -66,16 +66,6 @@ __device__ __forceinline__ CodeSpot code_spot(
   return {code_byte<kBits>(codes, q, c * kChunk), whole};
 }
 
-// code_spot for one row of m codes at q, without dividing.
-template <int kBits>
-__device__ __forceinline__ CodeSpot row_spot(uint8_t* q, int64_t c, int64_t m) {
-  using P = Pieces<kBits>;
-  const int64_t g0 = (c & ~int64_t{P::kGroup - 1}) * kChunk;
-  const bool whole = g0 + P::kGroup * kChunk <= m &&
-                     reinterpret_cast<uintptr_t>(q + g0 * kBits / 8) % 16 == 0;
-  return {q + c * kChunk * kBits / 8, whole};
-}
-
 // Where chunk c's codes and its block's scale lie, and whether it is its block's first chunk.
 // The lanes of a warp take a run of 32 consecutive chunks (c - lane ..); when the run's 128
 // elements lie below `limit` in one row, as they do but where a row ends inside it, their row
@@ -187,11 +177,12 @@ __device__ __forceinline__ void store_piece(
 }
 
 // Code j (0..3) of a piece, as a float.
+// Code j sits in bits [j * kBits, (j + 1) * kBits) of the piece (unpack_code's order, byte
+// after byte): shifted to the top of the word, then back with its sign, two shifts.
 template <int kBits>
 __device__ __forceinline__ float piece_code(uint32_t piece, int j) {
-  constexpr int kPer = 8 / kBits;
-  const auto byte = static_cast<uint8_t>(piece >> (8 * (j / kPer)));
-  return static_cast<float>(unpack_code(byte, kBits, j % kPer));
+  const auto top = static_cast<int32_t>(piece << (32 - kBits * (j + 1)));
+  return static_cast<float>(top >> (32 - kBits));
 }
 
 // The rounding inputs of chunk c of a quantize: 4c .. 4c + 3, zeros past n.
@@ -362,50 +353,120 @@ __global__ void unpack_vec_kernel(
   });
 }
 
-// dequantize (int8, int4, int2): the rows dequantised and summed per column in row order.
+// A step of dequantize where every chunk of the warp's kDequantUnroll runs of 32 is whole and
+// every row starts 16-byte aligned, so that a chunk's group of lanes holds 16 bytes of codes of
+// one row: no branch. The lane's piece lies at the same place in each of its groups (they are
+// 32 chunks apart), and a chunk's block is the same in every row; kDequantRows rows' codes and
+// scales are in flight together.
 template <int kBits>
-__global__ void dequantize_vec_kernel(
-    Int8Source s, Codes codes, float* __restrict__ dst, float scale) {
-  auto* q = const_cast<uint8_t*>(reinterpret_cast<const uint8_t*>(s.q));
-  const int64_t m = s.rows.row_len;
-  // Row p of the rows seen as one row of m codes at q + p * q_stride.
-  warp_loop((m + kChunk - 1) / kChunk, 32, [&](int64_t first) {
-    const Chunk k = chunk_at(0, m, first + lane_index());
-    if (k.count == 0) {
-      return;
-    }
-    const int64_t b = codes.by_block.div(k.first);  // the chunk's block, in every row
-    float acc[kChunk];
-    for (int64_t p0 = 0; p0 < s.rows.rows; p0 += kRowsAtOnce) {
-      // kRowsAtOnce rows' loads first, in flight together; then their sums, in row order.
-      // Past the last row a lane loads the last row again (no branch before the loads) and
-      // adds nothing of it. (The same batching made sum_chunks slower on the H100, 0.47 of a
-      // copy at 1 GB against 0.37, so its rows go one by one.)
-      uint32_t piece[kRowsAtOnce];
-      float step[kRowsAtOnce];
+__device__ __forceinline__ void dequantize_whole_step(
+    const Int8Source& s, const Codes& codes, int64_t first, float* __restrict__ dst, float scale) {
+  using P = Pieces<kBits>;
+  constexpr int kU = kDequantUnroll;
+  constexpr int kR = kDequantRows;
+  const int lane = lane_index();
+  const int byte = (lane & (P::kGroup - 1)) * P::kBytes;
+  // Where the lane's first group starts in a row; its u-th lies u * 16 * kBits bytes on.
+  const int64_t group0 = (first + (lane & ~(P::kGroup - 1))) * P::kBytes;
+  int64_t block[kU];
+  FASTDDP_UNROLL
+  for (int u = 0; u < kU; ++u) {
+    block[u] = codes.by_block.div((first + 32 * u + lane) * kChunk);
+  }
+  const auto* q = reinterpret_cast<const uint8_t*>(s.q) + group0;
+  const float* scales = s.scales;
+  const int64_t rows = s.rows.rows;
+  float acc[kU][kChunk];
+  for (int64_t p0 = 0; p0 < rows; p0 += kR) {
+    // Past the last row a lane loads the last row again (no branch before the loads) and adds
+    // nothing of it.
+    uint32_t piece[kR][kU];
+    float step[kR][kU];
+    FASTDDP_UNROLL
+    for (int r = 0; r < kR; ++r) {
+      const int64_t p = p0 + r < rows ? p0 + r : rows - 1;
+      const uint8_t* row_q = q + p * s.rows.q_stride;
+      const float* row_s = scales + p * s.rows.s_stride;
       FASTDDP_UNROLL
-      for (int u = 0; u < kRowsAtOnce; ++u) {
-        const int64_t p = p0 + u < s.rows.rows ? p0 + u : s.rows.rows - 1;
-        const CodeSpot spot = row_spot<kBits>(q + p * s.rows.q_stride, k.index, m);
-        piece[u] = load_piece<kBits>(spot.at, k.index, k.count, spot.group_whole);
-        step[u] = s.scales[p * s.rows.s_stride + b];
+      for (int u = 0; u < kU; ++u) {
+        const uint4 v = load16(reinterpret_cast<const uint4*>(row_q + u * 32 * P::kBytes));
+        const uint32_t w = byte < 8 ? (byte < 4 ? v.x : v.y) : (byte < 12 ? v.z : v.w);
+        piece[r][u] = (w >> (8 * (byte % 4))) & P::kMask;
+        step[r][u] = row_s[block[u]];
       }
-      FASTDDP_UNROLL
-      for (int u = 0; u < kRowsAtOnce; ++u) {
-        if (p0 + u < s.rows.rows) {
+    }
+    FASTDDP_UNROLL
+    for (int r = 0; r < kR; ++r) {
+      if (p0 + r < rows) {
+        FASTDDP_UNROLL
+        for (int u = 0; u < kU; ++u) {
           FASTDDP_UNROLL
           for (int j = 0; j < kChunk; ++j) {
-            const float term = math::mul(piece_code<kBits>(piece[u], j), step[u]);
-            acc[j] = p0 + u == 0 ? term : math::add(acc[j], term);
+            const float term = math::mul(piece_code<kBits>(piece[r][u], j), step[r][u]);
+            acc[u][j] = p0 + r == 0 ? term : math::add(acc[u][j], term);
           }
         }
       }
     }
+  }
+  FASTDDP_UNROLL
+  for (int u = 0; u < kU; ++u) {
+    const float4 x = make_float4(math::mul(acc[u][0], scale), math::mul(acc[u][1], scale),
+                                 math::mul(acc[u][2], scale), math::mul(acc[u][3], scale));
+    store16(reinterpret_cast<float4*>(dst + (first + 32 * u + lane) * kChunk), x);
+  }
+}
+
+// dequantize of one chunk c of the rows, seen each as one row of m codes, for any layout.
+template <int kBits>
+__device__ __forceinline__ void dequantize_chunk(
+    const Int8Source& s, const Codes& codes, int64_t c, float* __restrict__ dst, float scale) {
+  using P = Pieces<kBits>;
+  const int64_t m = s.rows.row_len;
+  const Chunk k = chunk_at(0, m, c);
+  if (k.count == 0) {
+    return;
+  }
+  const auto* q = reinterpret_cast<const uint8_t*>(s.q);
+  const int64_t b = codes.by_block.div(k.first);  // the chunk's block, in every row
+  const int64_t g0 = (c & ~int64_t{P::kGroup - 1}) * kChunk;  // its group's first element
+  const bool group_in = g0 + P::kGroup * kChunk <= m;
+  float acc[kChunk];
+  for (int64_t p = 0; p < s.rows.rows; ++p) {
+    const uint8_t* row_q = q + p * s.rows.q_stride;
+    const bool whole = group_in && reinterpret_cast<uintptr_t>(row_q) % 16 == 0;
+    const uint32_t piece = load_piece<kBits>(row_q + c * P::kBytes, c, k.count, whole);
+    const float step = s.scales[p * s.rows.s_stride + b];
     FASTDDP_UNROLL
     for (int j = 0; j < kChunk; ++j) {
-      acc[j] = math::mul(acc[j], scale);
+      const float term = math::mul(piece_code<kBits>(piece, j), step);
+      acc[j] = p == 0 ? term : math::add(acc[j], term);
     }
-    store_chunk(dst, k, acc);
+  }
+  FASTDDP_UNROLL
+  for (int j = 0; j < kChunk; ++j) {
+    acc[j] = math::mul(acc[j], scale);
+  }
+  store_chunk(dst, k, acc);
+}
+
+// dequantize (int8, int4, int2): the rows dequantised and summed per column in row order. A
+// warp takes kDequantUnroll runs of 32 chunks a step: where all of them are whole and the rows
+// start 16-byte aligned, dequantize_whole_step; otherwise (the last steps, other layouts) a
+// chunk at a time.
+template <int kBits>
+__global__ void dequantize_vec_kernel(
+    Int8Source s, Codes codes, float* __restrict__ dst, float scale) {
+  const int64_t m = s.rows.row_len;
+  const bool aligned = reinterpret_cast<uintptr_t>(s.q) % 16 == 0 && s.rows.q_stride % 16 == 0;
+  warp_loop((m + kChunk - 1) / kChunk, 32 * kDequantUnroll, [&](int64_t first) {
+    if (aligned && (first + 32 * kDequantUnroll) * kChunk <= m) {
+      dequantize_whole_step<kBits>(s, codes, first, dst, scale);
+      return;
+    }
+    for (int u = 0; u < kDequantUnroll; ++u) {
+      dequantize_chunk<kBits>(s, codes, first + 32 * u + lane_index(), dst, scale);
+    }
   });
 }
 

@@ -48,7 +48,8 @@ using math::WireKind;
 
 constexpr int kChunk = 4;   // elements a lane takes at a time: 16 bytes of fp32
 constexpr int kUnroll = 2;  // chunks a lane of the 16-bit ops loads before it stores either
-constexpr int kRowsAtOnce = 4;  // rows whose codes a lane of dequantize loads before it adds
+constexpr int kDequantUnroll = 4;  // chunks of each row a lane of dequantize takes a step
+constexpr int kDequantRows = 2;    // and rows whose codes of them it loads before it adds
 constexpr int kCodeUnroll = 2;    // steps of 32 chunks a warp of quantize takes at once
 constexpr int kUnpackUnroll = 4;  // and of unpack, which loads a quarter of what it stores
 constexpr unsigned kAllLanes = 0xffffffffu;

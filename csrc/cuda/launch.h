@@ -193,7 +193,7 @@ void run(Rt& rt, const DequantizeArgs& a) {
     return;
   }
   if (codes_vectorise(a.src.q, a.src.rows, a.src.block, a.src.bits, a.dst)) {
-    launch_over(rt, lanes_for(m, kChunk),
+    launch_over(rt, lanes_for(m, kChunk * kDequantUnroll),
                 for_bits(a.src.bits, dequantize_vec_kernel<8>, dequantize_vec_kernel<4>,
                          dequantize_vec_kernel<2>),
                 a.src, Codes::of(a.src.rows, a.src.block), a.dst, a.scale);

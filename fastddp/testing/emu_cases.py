@@ -47,7 +47,7 @@ CHUNK = 4  # elements a lane takes at a time in the vector kernels of the codes
 
 def _codes_n(block: int, tail: int = 5, unroll: int = 2) -> int:
     """A length that takes 3 passes of the codes' vector kernels and ends in a short block: a
-    warp takes ``unroll`` runs of 128 elements a step (quantize 2, unpack 4, dequantize 1),
+    warp takes ``unroll`` runs of 128 elements a step (quantize 2, unpack 4, dequantize 4),
     or a block of more."""
     return 3 * THREADS * CHUNK * max(unroll, block // 128) + tail
 
@@ -78,7 +78,7 @@ CHECKS = [
      [(_codes_n(b), b, v, r, pad, off) for b in (32, 100, 256) for v in ("plain", "ef", "sr")
       for r, pad, off in LAYOUTS]),
     ("dequantize_int8", check_dequantize_int8,
-     [(_codes_n(b, b, 1), b, 3, pad, off) for b in (32, 100)
+     [(_codes_n(b, b, 4), b, 3, pad, off) for b in (32, 100)
       for pad, off in ((16, False), (4, False), (16, True))]),
     ("unpack_int8", check_unpack_int8,
      [(_codes_n(b, 7, 4), b, r, pad, off) for b in (32, 100) for r, pad, off in LAYOUTS]),
@@ -90,7 +90,7 @@ CHECKS = [
       for v in ("plain", "ef", "sr") for r, pad, off in LAYOUTS]
      + [(2, _codes_n(32), 32, "plain", 3, 8, False)]),
     ("dequantize_packed", check_decode_packed,
-     [("dequantize", bits, _codes_n(b, b, 1), b, 3, pad, off) for bits in (4, 2)
+     [("dequantize", bits, _codes_n(b, b, 4), b, 3, pad, off) for bits in (4, 2)
       for b in (32, 128, 6 * (6 - bits)) for pad, off in ((16, False), (4, False), (16, True))]),
     ("unpack_packed", check_decode_packed,
      [("unpack", bits, _codes_n(b, 7, 4), b, r, pad, off) for bits in (4, 2)
