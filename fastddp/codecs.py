@@ -7,7 +7,8 @@ per destination rank (``P = 1`` when the collective sums the payload itself). Ro
 data the codec needs, so that one collective moves each row with its side data:
 
 - ``float16`` / ``bfloat16``: the 16-bit values, nothing else;
-- ``int8``: ``[int8 values, padded to 4 bytes | one fp32 absmax scale per block]``;
+- ``int8``: ``[int8 values | one fp32 absmax scale per block]``, each part and the row padded
+  to a multiple of 16 bytes (so that the rows of a gathered buffer start 16-byte aligned);
 - ``int4`` / ``int2``: the same with the codes packed two or four to a byte (a uint8 wire).
 
 Each step is written once, as the list of op calls it makes (``encode_calls`` and the like):
@@ -55,6 +56,10 @@ def run_calls(calls: list[Call]) -> None:
 
 # Hook shards start at multiples of this many elements: 16-byte aligned for every wire dtype.
 _ALIGN = 16
+
+
+def _round16(nbytes: int) -> int:
+    return -(-nbytes // 16) * 16
 
 
 @dataclass(frozen=True)
@@ -174,8 +179,15 @@ class Int8Codec(Codec):
     def align(self) -> int:
         return math.lcm(self.block_size, _ALIGN)
 
+    def _bytes(self, shard: int) -> int:
+        """Bytes of the codes of ``shard`` values."""
+        return shard
+
     def row_elems(self, shard: int) -> int:
-        return -(-shard // 4) * 4 + 4 * -(-shard // self.block_size)
+        # The codes, then the scales, each from a multiple of 16 bytes, and the row too: the
+        # rows of a gathered payload then start 16-byte aligned, as the GPU kernels' 16-byte
+        # accesses to a group of codes need.
+        return _round16(_round16(self._bytes(shard)) + 4 * -(-shard // self.block_size))
 
     def scratch(self, shard: int, device: torch.device) -> dict[str, torch.Tensor]:
         return {"sum": torch.empty(shard, device=device)}
@@ -183,7 +195,9 @@ class Int8Codec(Codec):
     def _split(self, rows: torch.Tensor, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Views of the values and the scales of every row; rows stay where they are.
         rows = rows.view(-1, rows.shape[-1])
-        return rows[:, :shard], rows[:, -(-shard // 4) * 4 :].view(torch.float32)
+        nbytes, at = self._bytes(shard), _round16(self._bytes(shard))
+        scales = rows[:, at : at + 4 * -(-shard // self.block_size)].view(torch.float32)
+        return rows[:, :nbytes], scales
 
     def encode_calls(self, src, rows, shard, scale, flag, residual, seed):
         values, scales = self._split(rows, shard)
@@ -236,14 +250,6 @@ class PackedCodec(Int8Codec):
 
     def _bytes(self, shard: int) -> int:
         return -(-shard * self.bits // 8)
-
-    def row_elems(self, shard: int) -> int:
-        return -(-self._bytes(shard) // 4) * 4 + 4 * -(-shard // self.block_size)
-
-    def _split(self, rows: torch.Tensor, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = rows.view(-1, rows.shape[-1])
-        nbytes = self._bytes(shard)
-        return rows[:, :nbytes], rows[:, -(-nbytes // 4) * 4 :].view(torch.float32)
 
     def encode_calls(self, src, rows, shard, scale, flag, residual, seed):
         values, scales = self._split(rows, shard)

@@ -40,9 +40,10 @@ def _direct(rank, world):
         assert all(torch.equal(e, out) for e in everyone)  # own rows decoded too
     stats = comm.stats()
     assert stats["calls"] == 3 and stats["elements"] == world * 1364
-    # One int8 code each and one fp32 scale per 64: (1000 + 64 + 300 + 20 + 64 + 4) bytes a
-    # rank, 0.532 of bf16's 2 bytes a parameter.
-    assert stats["wire_bytes"] == (world - 1) * 1452
+    # One int8 code each and one fp32 scale per 64, the codes and the row each padded to 16
+    # bytes: (1008 + 64) + (304 + 20 + 12) + (64 + 4 + 12) bytes a rank, 0.545 of bf16's 2
+    # bytes a parameter.
+    assert stats["wire_bytes"] == (world - 1) * 1488
     assert stats["bf16_wire_bytes"] == (world - 1) * 1364 * 2
     with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
         comm(torch.empty(8, dtype=torch.uint8), torch.empty(4, dtype=torch.uint8), dist.group.WORLD)
