@@ -319,13 +319,65 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_vec_kernel(QuantizeArgs 
   raise_flag(bad, a.rounding.flag);
 }
 
+// The piece of a lane from its group's 16 bytes v, at byte `byte` of them.
+template <int kBits>
+__device__ __forceinline__ uint32_t piece_of_group(const uint4& v, int byte) {
+  const uint32_t w = byte < 8 ? (byte < 4 ? v.x : v.y) : (byte < 12 ? v.z : v.w);
+  return (w >> (8 * (byte % 4))) & Pieces<kBits>::kMask;
+}
+
+// A step of unpack where the warp's kUnpackUnroll runs of 32 chunks are whole, lie in one row,
+// and its groups of codes start 16-byte aligned (at: the first group's bytes): no branch, and
+// one division a chunk (its block).
+template <int kBits>
+__device__ __forceinline__ void unpack_whole_step(
+    const Int8Source& s, const Codes& codes, const uint8_t* at, int64_t row, int64_t offset,
+    int64_t first, float* __restrict__ dst, float scale) {
+  using P = Pieces<kBits>;
+  constexpr int kU = kUnpackUnroll;
+  const int lane = lane_index();
+  const uint8_t* group = at + (lane & ~(P::kGroup - 1)) * P::kBytes;
+  const int byte = (lane & (P::kGroup - 1)) * P::kBytes;
+  const float* row_s = s.scales + row * s.rows.s_stride;
+  uint32_t piece[kU];
+  float step[kU];
+  FASTDDP_UNROLL
+  for (int u = 0; u < kU; ++u) {
+    piece[u] = piece_of_group<kBits>(
+        load16(reinterpret_cast<const uint4*>(group + u * 32 * P::kBytes)), byte);
+    step[u] = row_s[codes.by_block.div(offset + (32 * u + lane) * kChunk)];
+  }
+  FASTDDP_UNROLL
+  for (int u = 0; u < kU; ++u) {
+    float x[kChunk];
+    FASTDDP_UNROLL
+    for (int j = 0; j < kChunk; ++j) {
+      x[j] = math::mul(math::mul(piece_code<kBits>(piece[u], j), step[u]), scale);
+    }
+    store16(reinterpret_cast<float4*>(dst + (first + 32 * u + lane) * kChunk),
+            make_float4(x[0], x[1], x[2], x[3]));
+  }
+}
+
 // unpack (int8, int4, int2): the flat sequence of n values the rows hold, dequantised; a lane
-// takes kUnpackUnroll chunks a step, their codes and scales all loaded before any is stored.
+// takes kUnpackUnroll chunks a step, their codes and scales all loaded before any is stored:
+// unpack_whole_step where it can, otherwise each chunk placed by place_of.
 template <int kBits>
 __global__ void unpack_vec_kernel(
     Int8Source s, Codes codes, int64_t n, float* __restrict__ dst, float scale) {
   auto* q = const_cast<uint8_t*>(reinterpret_cast<const uint8_t*>(s.q));
   warp_loop((n + kChunk - 1) / kChunk, 32 * kUnpackUnroll, [&](int64_t first) {
+    const int64_t e0 = first * kChunk;
+    const int64_t e1 = (first + 32 * kUnpackUnroll) * kChunk;
+    if (e1 <= n) {  // the same for every lane, as is all of this
+      const int64_t row = codes.by_row.div(e0);
+      const int64_t offset = e0 - row * s.rows.row_len;
+      const uint8_t* at = q + row * s.rows.q_stride + offset * kBits / 8;
+      if (offset + (e1 - e0) <= s.rows.row_len && reinterpret_cast<uintptr_t>(at) % 16 == 0) {
+        unpack_whole_step<kBits>(s, codes, at, row, offset, first, dst, scale);
+        return;
+      }
+    }
     Chunk k[kUnpackUnroll];
     uint32_t piece[kUnpackUnroll];
     float step[kUnpackUnroll];
@@ -389,9 +441,8 @@ __device__ __forceinline__ void dequantize_whole_step(
       const float* row_s = scales + p * s.rows.s_stride;
       FASTDDP_UNROLL
       for (int u = 0; u < kU; ++u) {
-        const uint4 v = load16(reinterpret_cast<const uint4*>(row_q + u * 32 * P::kBytes));
-        const uint32_t w = byte < 8 ? (byte < 4 ? v.x : v.y) : (byte < 12 ? v.z : v.w);
-        piece[r][u] = (w >> (8 * (byte % 4))) & P::kMask;
+        piece[r][u] = piece_of_group<kBits>(
+            load16(reinterpret_cast<const uint4*>(row_q + u * 32 * P::kBytes)), byte);
         step[r][u] = row_s[block[u]];
       }
     }
