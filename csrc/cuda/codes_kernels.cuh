@@ -326,6 +326,16 @@ __device__ __forceinline__ uint32_t piece_of_group(const uint4& v, int byte) {
   return (w >> (8 * (byte % 4))) & Pieces<kBits>::kMask;
 }
 
+// unpack's values of a chunk: its codes times its block's scale `step`, times `scale`.
+template <int kBits>
+__device__ __forceinline__ void unpack_piece(
+    uint32_t piece, float step, float scale, float (&x)[kChunk]) {
+  FASTDDP_UNROLL
+  for (int j = 0; j < kChunk; ++j) {
+    x[j] = math::mul(math::mul(piece_code<kBits>(piece, j), step), scale);
+  }
+}
+
 // A step of unpack where the warp's kUnpackUnroll runs of 32 chunks are whole, lie in one row,
 // and its groups of codes start 16-byte aligned (at: the first group's bytes): no branch, and
 // one division a chunk (its block).
@@ -350,10 +360,7 @@ __device__ __forceinline__ void unpack_whole_step(
   FASTDDP_UNROLL
   for (int u = 0; u < kU; ++u) {
     float x[kChunk];
-    FASTDDP_UNROLL
-    for (int j = 0; j < kChunk; ++j) {
-      x[j] = math::mul(math::mul(piece_code<kBits>(piece[u], j), step[u]), scale);
-    }
+    unpack_piece<kBits>(piece[u], step[u], scale, x);
     store16(reinterpret_cast<float4*>(dst + (first + 32 * u + lane) * kChunk),
             make_float4(x[0], x[1], x[2], x[3]));
   }
@@ -396,10 +403,7 @@ __global__ void unpack_vec_kernel(
     FASTDDP_UNROLL
     for (int u = 0; u < kUnpackUnroll; ++u) {
       float x[kChunk];
-      FASTDDP_UNROLL
-      for (int j = 0; j < kChunk; ++j) {
-        x[j] = math::mul(math::mul(piece_code<kBits>(piece[u], j), step[u]), scale);
-      }
+      unpack_piece<kBits>(piece[u], step[u], scale, x);
       store_chunk(dst, k[u], x);
     }
   });
