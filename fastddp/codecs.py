@@ -195,7 +195,8 @@ class Int8Codec(Codec):
     def _split(self, rows: torch.Tensor, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Views of the values and the scales of every row; rows stay where they are.
         rows = rows.view(-1, rows.shape[-1])
-        nbytes, at = self._bytes(shard), _round16(self._bytes(shard))
+        nbytes = self._bytes(shard)
+        at = _round16(nbytes)
         scales = rows[:, at : at + 4 * -(-shard // self.block_size)].view(torch.float32)
         return rows[:, :nbytes], scales
 
