@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from _pytest.mark.expression import Expression
 
+from fastddp.testing import slack
 from tests import streams
 
 RUNNER = Path(streams.__file__)
@@ -39,13 +40,17 @@ def test_a_failing_stream_fails_the_command_and_shows_its_output(tmp_path):
     bad = "def test_bad():\n    raise AssertionError('the planted failure')\n"
     tests.write_text("def test_good():\n    pass\n\n" + bad)
     run = [sys.executable, str(RUNNER), "--only", "ranks", "emu", "--", str(tests), "-q"]
-    res = subprocess.run(run, capture_output=True, text=True, timeout=100, env=_env(tmp_path))
+    res = subprocess.run(
+        run, capture_output=True, text=True, timeout=slack.guard(100), env=_env(tmp_path)
+    )
     assert res.returncode == 1, res.stdout + res.stderr
     assert "test_bad" in res.stdout and "the planted failure" in res.stdout, res.stdout
     assert "failed streams: ranks" in res.stdout, res.stdout
     # The emu stream found nothing to run in this file: not a failure.
     tests.write_text("def test_good():\n    pass\n")
-    res = subprocess.run(run, capture_output=True, text=True, timeout=100, env=_env(tmp_path))
+    res = subprocess.run(
+        run, capture_output=True, text=True, timeout=slack.guard(100), env=_env(tmp_path)
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "ranks exit 0" in res.stdout and "emu exit 5" in res.stdout, res.stdout
 
@@ -65,7 +70,7 @@ def test_streams_run_niced_and_an_also_command_counts_as_a_stream(tmp_path):
     assert res.returncode == 2 and "give each command a name of its own" in res.stderr, res.stderr
     assert not list(tmp_path.glob("fastddp-tests-*")), "a refused command started streams"
     res = subprocess.run(
-        [*run, "--", str(tests), "-q"], capture_output=True, text=True, timeout=100,
+        [*run, "--", str(tests), "-q"], capture_output=True, text=True, timeout=slack.guard(100),
         env=_env(tmp_path),
     )  # fmt: skip
     assert "ranks exit 0" in res.stdout, res.stdout + res.stderr

@@ -13,6 +13,7 @@ import subprocess
 import pytest
 
 from fastddp.testing import emu as emulator
+from fastddp.testing import slack
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -77,7 +78,7 @@ def test_divider_matches_division(tmp_path):
     src.write_text(_PROGRAM)
     include = emulator.CSRC / "include"
     build = ["g++", "-std=c++17", "-O2", "-I", str(include), str(src), "-o", str(exe)]
-    subprocess.run(build, check=True, capture_output=True, timeout=100)
-    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=100)
+    subprocess.run(build, check=True, capture_output=True, timeout=slack.guard(100))
+    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=slack.guard(100))
     assert res.returncode == 0, res.stdout
     assert " 0 wrong" in res.stdout

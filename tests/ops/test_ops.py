@@ -9,6 +9,7 @@ import torch
 
 import fastddp
 from fastddp import ops
+from fastddp.testing import slack
 
 from ._grid import SCALAR, VECTORISED, devices_and_lengths
 
@@ -142,7 +143,7 @@ def test_other_cpu_loops_match_torch(switch):
     script = os.path.join(os.path.dirname(__file__), "_loop_check.py")
     env = dict(os.environ, **switch)
     res = subprocess.run(
-        [sys.executable, script], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, script], env=env, capture_output=True, text=True, timeout=slack.guard(120)
     )
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 
@@ -220,7 +221,9 @@ def test_import_does_not_initialise_cuda_and_records_build():
         "assert hasattr(torch.ops.fastddp, 'compress')\n"
         "assert not torch.cuda.is_initialized()\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=slack.guard(120)
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == torch.__version__
     assert fastddp.build_info()["with_cuda"] == (torch.version.cuda is not None)
@@ -236,7 +239,9 @@ def test_mismatched_build_names_the_rebuild_command():
         "sys.modules['fastddp._C'] = stale\n"
         "import fastddp.ops\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=slack.guard(120)
+    )
     assert res.returncode != 0
     assert "built against torch 1.0.0" in res.stderr
     assert "pip install --no-build-isolation -e ." in res.stderr
@@ -245,7 +250,9 @@ def test_mismatched_build_names_the_rebuild_command():
 def test_missing_build_names_the_rebuild_command():
     # A None entry in sys.modules makes `import fastddp._C` fail, as a missing build does.
     code = "import sys\nsys.modules['fastddp._C'] = None\nimport fastddp.ops\n"
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=slack.guard(120)
+    )
     assert res.returncode != 0
     assert "fastddp's compiled extension could not be loaded" in res.stderr
     assert "pip install --no-build-isolation -e ." in res.stderr
