@@ -130,7 +130,7 @@ def test_a_round_that_cannot_form_ends_with_the_cause(tmp_path):
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True, start_new_session=True))  # fmt: skip
     try:
-        outs = [p.communicate(timeout=120)[0] for p in procs]
+        outs = [p.communicate(timeout=slack.guard(120))[0] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:

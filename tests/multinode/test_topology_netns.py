@@ -170,7 +170,7 @@ def test_three_nodes_of_two_ranks_find_their_nodes_and_reduce():
 def test_netns_refuses_bad_options(args, message):
     # Refused before any namespace is made, so this needs no root.
     cmd = [sys.executable, "-m", "fastddp.netns", *args]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(60))
     assert res.returncode == 2 and message in res.stderr, res.stderr
 
 
