@@ -1,6 +1,7 @@
 """Hang guards scaled to the machine (``fastddp.testing.slack``): the factor and its errors, every
 test's pytest time limit scaled by ``conftest.py``, ``tests/streams.py`` measuring the factor for
-its streams, and the guard by CPU time of a process that only computes."""
+its streams, and the guard by CPU time of a process, or a command and its children, that only
+computes."""
 
 import multiprocessing
 import os
@@ -111,3 +112,39 @@ def test_a_busy_guard_stops_a_process_that_uses_no_cpu(monkeypatch):
     assert slack.join_busy(proc, cpu_s=30, idle_s=1) is None
     # Scaled: 1.5 s without a CPU tick, not 1.
     assert not proc.is_alive() and time.monotonic() - start >= 1.5
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has ended (a zombie not yet reaped by its new parent counts)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.timeout(60)
+def test_a_busy_guard_returns_the_exit_code_of_a_command(monkeypatch):
+    monkeypatch.delenv(slack.VAR, raising=False)
+    proc = subprocess.Popen(["sh", "-c", "exit 3"], start_new_session=True)
+    assert slack.join_busy(proc, cpu_s=30, idle_s=30) == 3
+
+
+@pytest.mark.timeout(60)
+def test_a_busy_guard_counts_the_cpu_of_a_commands_children_and_stops_them_all(monkeypatch):
+    # A shell that only waits while its child spins, as a compiler driver waits on cc1plus:
+    # the shell's own CPU never moves, so without its child's the 600 s idle limit would apply.
+    monkeypatch.delenv(slack.VAR, raising=False)
+    spin = f"{sys.executable} -c 'while True: pass' & echo $!; wait"
+    proc = subprocess.Popen(
+        ["sh", "-c", spin], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    child = int(proc.stdout.readline())
+    assert slack.join_busy(proc, cpu_s=1, idle_s=600) is None
+    assert proc.returncode == -9 and _gone(child)
+    proc.stdout.close()

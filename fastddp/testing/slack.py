@@ -10,12 +10,13 @@ here. :func:`guard` scales a guard by :func:`factor`, read from ``FASTDDP_TEST_S
 part of what a test checks (a peer timeout, an outage's length) is not a guard and is not
 scaled.
 
-A process that only computes is guarded by its own CPU time instead (:func:`join_busy`): run
-niced under a full machine it may wait minutes for a core, which a wall-clock guard takes for
-a hang.
+A process that only computes (an emulator sweep, a compiler) is guarded by its CPU time and its
+descendants' instead (:func:`join_busy`): run niced under a full machine it may wait minutes
+for a core, which a wall-clock guard takes for a hang.
 """
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -61,33 +62,54 @@ def guard(seconds: float) -> float:
 
 
 def _cpu_seconds(pid: int) -> float | None:
-    """User and system CPU seconds of process ``pid`` so far (None once it is gone)."""
+    """CPU seconds of process ``pid``, its reaped children and its live descendants so far
+    (None once it is gone): a compiler driver's work is done by the processes it starts."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = sum(int(t) for t in fields[11:15])  # utime, stime, cutime, cstime
+    return ticks / os.sysconf("SC_CLK_TCK") + sum(_cpu_seconds(c) or 0.0 for c in children)
+
+
+def _exit_code(proc, poll: float) -> int | None:
+    """Wait up to ``poll`` s for ``proc`` (a ``Popen`` or a ``multiprocessing.Process``)."""
+    if isinstance(proc, subprocess.Popen):
+        try:
+            return proc.wait(poll)
+        except subprocess.TimeoutExpired:
+            return None
+    proc.join(poll)
+    return proc.exitcode
 
 
 def join_busy(proc, cpu_s: float, idle_s: float, poll: float = 0.5) -> int | None:
-    """Wait for ``proc`` (a started ``multiprocessing.Process``), guarded by its CPU time.
+    """Wait for ``proc`` (a started ``subprocess.Popen`` or ``multiprocessing.Process``),
+    guarded by the CPU time of it and its descendants.
 
     It is killed when it has used ``cpu_s`` CPU seconds (a loop that never ends), or when it
     has used none for ``idle_s`` seconds (blocked for good); both are scaled by :func:`guard`.
     Waiting for a core costs it nothing, so a niced process under a full machine is not cut
-    off. Returns its exit code, or None if it was killed.
+    off. A ``Popen`` started with ``start_new_session=True`` is killed with its whole group.
+    Returns its exit code, or None if it was killed.
     """
     cpu_limit, idle_limit = guard(cpu_s), guard(idle_s)
     used, moved = 0.0, time.monotonic()
     while True:
-        proc.join(poll)
-        if proc.exitcode is not None:
-            return proc.exitcode
+        code = _exit_code(proc, poll)
+        if code is not None:
+            return code
         now = _cpu_seconds(proc.pid)
         if now is not None and now > used:
             used, moved = now, time.monotonic()
         if used > cpu_limit or time.monotonic() - moved > idle_limit:
-            proc.kill()
-            proc.join()
+            if isinstance(proc, subprocess.Popen) and os.getpgid(proc.pid) == proc.pid:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
+            while _exit_code(proc, poll) is None:
+                pass
             return None
