@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Optional
 
 __all__ = ["MAX", "REFERENCE_IMPORT_S", "VAR", "factor", "guard", "join_busy", "measure"]
 
@@ -61,7 +62,7 @@ def guard(seconds: float) -> float:
     return seconds * factor()
 
 
-def _cpu_seconds(pid: int) -> float | None:
+def _cpu_seconds(pid: int) -> Optional[float]:
     """CPU seconds of process ``pid``, its reaped children and its live descendants so far
     (None once it is gone): a compiler driver's work is done by the processes it starts."""
     try:
@@ -75,7 +76,7 @@ def _cpu_seconds(pid: int) -> float | None:
     return ticks / os.sysconf("SC_CLK_TCK") + sum(_cpu_seconds(c) or 0.0 for c in children)
 
 
-def _exit_code(proc, poll: float) -> int | None:
+def _exit_code(proc, poll: float) -> Optional[int]:
     """Wait up to ``poll`` s for ``proc`` (a ``Popen`` or a ``multiprocessing.Process``)."""
     if isinstance(proc, subprocess.Popen):
         try:
@@ -86,7 +87,7 @@ def _exit_code(proc, poll: float) -> int | None:
     return proc.exitcode
 
 
-def join_busy(proc, cpu_s: float, idle_s: float, poll: float = 0.5) -> int | None:
+def join_busy(proc, cpu_s: float, idle_s: float, poll: float = 0.5) -> Optional[int]:
     """Wait for ``proc`` (a started ``subprocess.Popen`` or ``multiprocessing.Process``),
     guarded by the CPU time of it and its descendants.
 
