@@ -6,7 +6,9 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
+from fastddp.codecs import CODECS
 from fastddp.hooks import CompressState, _reduce
+from fastddp.hooks.presets import PRESETS
 
 __all__ = ["all_reduce"]
 
@@ -63,6 +65,7 @@ def all_reduce(
     if not bucket_cap_mb > 0:
         raise ValueError(f"{where}: bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
     if state is None:
+        _check_dtype(dtype, where)
         state = CompressState(
             torch.bfloat16 if dtype is None else dtype,
             group,
@@ -154,3 +157,25 @@ def _bucketize(tensors: list[torch.Tensor], cap: int) -> list[list[int]]:
         buckets[-1].append(i)
         size += t.numel()
     return buckets
+
+
+def _check_dtype(dtype, where: str) -> None:
+    """The errors of a ``dtype`` that only a state can carry, in all_reduce's own terms."""
+    if dtype == "auto":
+        raise ValueError(
+            f"{where}: dtype='auto' plans by DDP's step time, which all_reduce has not got; "
+            "pass a wire dtype (torch.bfloat16, torch.float16, torch.int8, ...)"
+        )
+    if isinstance(dtype, str):
+        hint = f"; for preset {dtype!r}: state=CompressState.from_preset({dtype!r})"
+        raise TypeError(
+            f"{where}: dtype must be a torch.dtype, got {dtype!r}"
+            + (hint if dtype in PRESETS else "")
+        )
+    if isinstance(dtype, torch.dtype) and dtype in CODECS and CODECS[dtype].feedback_required:
+        name = str(dtype).removeprefix("torch.")
+        raise ValueError(
+            f"{where}: dtype={dtype} trains only with error feedback, which lives in a state "
+            f"kept across calls: pass state=CompressState.from_preset('{name}-ef') and the same "
+            "tensors every call"
+        )

@@ -23,11 +23,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from fastddp.hooks import candidates, choice, links, replan, trial
+from fastddp.hooks import candidates, checkpoint, choice, links, replan, trial
 from fastddp.hooks.candidates import DEFAULT_ALLOW, MIXED, NONE, Assignment
 from fastddp.hooks.hook import compress_hook
 from fastddp.hooks.measured import StepRecord
 from fastddp.hooks.owed import Owed
+from fastddp.hooks.presets import PRESETS
 from fastddp.hooks.state import CompressState
 from fastddp.hooks.switch import Switch
 from fastddp.hooks.trial import Rules, Trial
@@ -92,7 +93,12 @@ class AutoState(CompressState):
         **fixed: Any,
     ) -> None:
         if dtype != "auto":
-            raise ValueError(f"CompressState: dtype must be a torch.dtype or 'auto', got {dtype!r}")
+            hint = ""
+            if dtype in PRESETS:
+                hint = f"; {dtype!r} is a preset: CompressState.from_preset({dtype!r})"
+            raise ValueError(
+                f"CompressState: dtype must be a torch.dtype or 'auto', got {dtype!r}{hint}"
+            )
         candidates.checked_fixed(fixed)
         self.allow = candidates.checked_allow(allow)
         self.dtype, self.process_group, self.delay = "auto", process_group, 0
@@ -317,7 +323,7 @@ class AutoState(CompressState):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = state_dict.get("settings", {})
+        saved = checkpoint.checked(state_dict, ("settings", "candidates"))["settings"]
         if saved.get("dtype") != "auto" or saved.get("allow") != list(self.allow):
             raise ValueError(
                 f"CompressState.load_state_dict: saved settings {saved} do not match this "

@@ -16,7 +16,7 @@ from fastddp.hooks.reshard import holds_residuals, parked
 from fastddp.hooks.settings import mismatch
 from fastddp.hooks.stats import COUNTERS
 
-__all__ = ["STATE_VERSION", "load", "save"]
+__all__ = ["STATE_VERSION", "checked", "load", "save"]
 
 # Version of the state_dict() layout: 2 adds rank, world_size and per-rank parked pieces.
 STATE_VERSION = 2
@@ -52,8 +52,28 @@ def save(state: Any) -> dict[str, Any]:
     }
 
 
+def checked(state_dict: Any, keys: tuple[str, ...]) -> dict[str, Any]:
+    """``state_dict`` if it is a dict holding ``keys``; else what it looks like and the fix."""
+    where = "CompressState.load_state_dict"
+    if not isinstance(state_dict, dict):
+        raise TypeError(
+            f"{where}: expected the dict that CompressState.state_dict() returned, got "
+            f"{type(state_dict).__name__}"
+        )
+    missing = [k for k in keys if k not in state_dict]
+    if missing:
+        held = ", ".join(map(str, list(state_dict)[:6])) + (", ..." if len(state_dict) > 6 else "")
+        raise ValueError(
+            f"{where}: not a CompressState.state_dict() (no {', '.join(missing)}; its keys: "
+            f"{held or 'none'}); a model's or an optimizer's state dict goes to their own "
+            "load_state_dict, this one takes what state.state_dict() returned"
+        )
+    return state_dict
+
+
 def load(state: Any, state_dict: dict[str, Any]) -> None:
     """Restore counters and park residuals saved by :func:`save`; the settings must match."""
+    checked(state_dict, ("counters", "buckets"))  # "settings" is absent from version 1
     saved_settings = state_dict.get("settings", {"dtype": state_dict.get("dtype")})
     problem = mismatch(saved_settings, state.settings())
     if problem:

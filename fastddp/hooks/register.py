@@ -34,7 +34,8 @@ def register_comm_hook(
 
     Args:
         model (DistributedDataParallel): the wrapped model; one hook per model, as for DDP.
-        state (CompressState, optional): the state; ``None`` is bf16 on the default group.
+        state (CompressState, optional): the state, on the ranks the model's DDP reduces over
+            (its ``process_group``); ``None`` is bf16 on the default group.
 
     Returns:
         ``state``.
@@ -44,16 +45,24 @@ def register_comm_hook(
         >>> state = fastddp.CompressState(dtype="auto")
         >>> fastddp.register_comm_hook(ddp_model, state)
     """
+    where = "fastddp.register_comm_hook"
     if not isinstance(model, DistributedDataParallel):
+        fix = "wrap it first: DistributedDataParallel(model)"
+        if isinstance(getattr(model, "_orig_mod", None), DistributedDataParallel):
+            fix = "register on the DDP model before torch.compile, or pass model._orig_mod"
         raise TypeError(
-            f"fastddp.register_comm_hook: model must be a DistributedDataParallel, got "
-            f"{type(model).__name__}; wrap it first: DistributedDataParallel(model)"
+            f"{where}: model must be a DistributedDataParallel, got {type(model).__name__}; {fix}"
+        )
+    if isinstance(state, str):
+        raise TypeError(
+            f"{where}: state must be a fastddp.CompressState or None, got the string {state!r}; "
+            f"for a preset: fastddp.CompressState.from_preset({state!r})"
         )
     if state is not None and not isinstance(state, CompressState):
         raise TypeError(
-            f"fastddp.register_comm_hook: state must be a fastddp.CompressState or None, got "
-            f"{type(state).__name__}"
+            f"{where}: state must be a fastddp.CompressState or None, got {type(state).__name__}"
         )
+    _check_group(model, state, where)
     runner = getattr(state, "_runner", None)
     if not isinstance(state, AutoState) and runner is None:
         model.register_comm_hook(state, compress_hook)  # nothing to run natively
@@ -74,3 +83,35 @@ def register_comm_hook(
     control = _extension.load().register_switch_hook(model.reducer, group, state, compress_hook)
     state._switch = Switch(control)
     return state
+
+
+def _ranks(ranks: list[int]) -> str:
+    if ranks == list(range(ranks[0], ranks[0] + len(ranks))) and len(ranks) > 2:
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+    return f"ranks [{shown}]"
+
+
+def _check_group(model: DistributedDataParallel, state: Optional[CompressState], where: str):
+    """Refuses a state whose group is not the ranks the model's DDP reduces over: its hook
+    would average the gradients of other ranks (DDP inside a node under DiLoCo, a data-parallel
+    subgroup beside tensor or pipeline parallelism), or hang where the buckets differ."""
+    ours = None if state is None else state.process_group
+    theirs = model.process_group
+    if ours is theirs or (ours is None and theirs is dist.group.WORLD):
+        return
+    got = dist.get_process_group_ranks(dist.group.WORLD if ours is None else ours)
+    want = dist.get_process_group_ranks(theirs)
+    if got == want:
+        return
+    named = "the default group" if ours is None else "its process group"
+    fix = (
+        "fastddp.CompressState(process_group=model.process_group)"
+        if state is None
+        else "CompressState(..., process_group=model.process_group)"
+    )
+    raise ValueError(
+        f"{where}: the model's DDP reduces over {_ranks(want)}, but the state reduces over "
+        f"{named} ({_ranks(got)}): its hook would average other ranks' gradients. Build the "
+        f"state on the model's group: {fix}"
+    )

@@ -205,10 +205,12 @@ class Residuals:
             saved = self.sizes.get(k)
             if saved is not None and saved != numel and (k in self.stage1 or k in self.moved):
                 raise ValueError(
-                    f"fastddp: the error-feedback residual saved for parameter {k} has {saved} "
-                    f"elements, but that parameter now has {numel}; the checkpoint belongs to "
-                    "another model. Load it into the model it was saved with, or start without "
-                    "its hook state"
+                    f"fastddp: the error-feedback residual kept for parameter {k} has {saved} "
+                    f"elements, but that parameter now has {numel}; the residuals belong to "
+                    "other tensors: a checkpoint of another model, or all_reduce calls with "
+                    "other tensors. Load a checkpoint into the model it was saved with (or "
+                    "start without its hook state), and give each set of tensors a state of "
+                    "its own"
                 )
 
     def state(self) -> dict[str, Any]:

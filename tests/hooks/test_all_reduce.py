@@ -120,6 +120,18 @@ def _bad_input(rank, world):
             lambda: fastddp.all_reduce(torch.ones(3), dtype=torch.float64),
             "dtype must be torch.float16, torch.bfloat16, torch.int8, torch.int4 or torch.int2",
         ),
+        (
+            lambda: fastddp.all_reduce(torch.ones(3), dtype="auto"),
+            "dtype='auto' plans by DDP's step time, which all_reduce has not got",
+        ),
+        (
+            lambda: fastddp.all_reduce(torch.ones(3), dtype="int8-ef"),
+            "for preset 'int8-ef': state=CompressState.from_preset('int8-ef')",
+        ),
+        (
+            lambda: fastddp.all_reduce(torch.ones(3), dtype=torch.int2),
+            "pass state=CompressState.from_preset('int2-ef') and the same tensors every call",
+        ),
     ]
     group = dist.new_group([0, 1])
     cases += [

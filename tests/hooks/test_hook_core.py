@@ -320,7 +320,7 @@ def _wrong_checkpoints(rank, world):
     state = fastddp.CompressState(**settings)
     state.load_state_dict(mine)
     model.register_comm_hook(state, fastddp.compress_hook)
-    with pytest.raises(Exception, match="the checkpoint belongs to another model"):
+    with pytest.raises(Exception, match="belong to other tensors: a checkpoint of another model"):
         _step(model, gen, width=20)
 
 

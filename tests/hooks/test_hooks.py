@@ -341,6 +341,7 @@ BAD_STATES = [
     (dict(stochastic_rounding="yes"), TypeError, "stochastic_rounding must be True or False"),
     (dict(seed=None), TypeError, "seed must be an int"),
     (dict(topology="ring"), ValueError, "topology must be one of 'auto', 'flat', 'hierarchical'"),
+    (dict(dtype="int8-ef"), ValueError, r"is a preset: CompressState.from_preset\('int8-ef'\)"),
 ]
 
 
@@ -348,6 +349,18 @@ BAD_STATES = [
 def test_bad_state_settings(kwargs, error, message):
     with pytest.raises(error, match=message):
         fastddp.CompressState(**kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, "auto"])
+def test_a_state_dict_of_something_else_is_refused(dtype):
+    settings = {"dtype": dtype} if dtype == "auto" else {"dtype": dtype, "error_feedback": True}
+    state = fastddp.CompressState(**settings)
+    with pytest.raises(TypeError, match="expected the dict that CompressState.state_dict()"):
+        state.load_state_dict(None)
+    model = torch.nn.Linear(2, 2).state_dict()
+    with pytest.raises(ValueError, match=r"not a CompressState.state_dict\(\) \(no .*; its keys: "):
+        state.load_state_dict(model)
+    state.load_state_dict(fastddp.CompressState(**settings).state_dict())  # its own loads
 
 
 def test_state_validation_and_pickling():

@@ -88,8 +88,30 @@ def _registration(rank, world):
     with pytest.raises(TypeError, match="must be a DistributedDataParallel"):
         fastddp.register_comm_hook(_Net(), fastddp.CompressState(dtype="auto"))
     model = DDP(_Net(), bucket_cap_mb=0.002)
+    with pytest.raises(TypeError, match="register on the DDP model before torch.compile"):
+        fastddp.register_comm_hook(torch.compile(model), None)
     with pytest.raises(TypeError, match="must be a fastddp.CompressState"):
         fastddp.register_comm_hook(model, {"dtype": "auto"})
+    with pytest.raises(
+        TypeError, match=r"for a preset: fastddp.CompressState.from_preset\('bf16'\)"
+    ):
+        fastddp.register_comm_hook(model, "bf16")
+    # DDP over this rank alone (as inside a node under DiLoCo): a state on the default group
+    # would average every rank's gradients into it.
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    inside = DDP(_Net(), bucket_cap_mb=0.002, process_group=alone)
+    want = rf"DDP reduces over ranks \[{rank}\], but the state reduces over the default group"
+    for state in (None, fastddp.CompressState.from_preset("int8-ef")):
+        with pytest.raises(ValueError, match=want + r" \(ranks \[0, 1\]\)"):
+            fastddp.register_comm_hook(inside, state)
+    other = dist.new_group([0, 1])
+    with pytest.raises(ValueError, match="but the state reduces over its process group"):
+        fastddp.register_comm_hook(inside, fastddp.CompressState(process_group=other))
+    # The same ranks in another group object are the model's ranks.
+    fastddp.register_comm_hook(DDP(_Net()), fastddp.CompressState(process_group=other))
+    fastddp.register_comm_hook(
+        inside, fastddp.CompressState.from_preset("int8", process_group=alone)
+    )
     state = fastddp.register_comm_hook(model, fastddp.CompressState(dtype="auto"))
     with pytest.raises(RuntimeError, match="can only be called once"):
         fastddp.register_comm_hook(model, fastddp.CompressState(dtype="auto"))
