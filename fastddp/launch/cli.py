@@ -14,7 +14,7 @@ from typing import Optional
 from torch.distributed import run as torchrun
 
 from fastddp.cluster import ClusterError, launcher_settings
-from fastddp.launch import store
+from fastddp.launch import options, store
 from fastddp.launch.preflight import Decisions, LaunchError, apply, gpus_visible, preflight, say
 
 __all__ = ["build_parser", "main"]
@@ -47,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--preflight-timeout",
         type=float,
-        default=float(os.environ.get("FASTDDP_PREFLIGHT_TIMEOUT", "20")),
-        help="seconds a non-master node waits to reach the master's port (default: 20)",
+        default=None,
+        help="seconds a non-master node waits to reach the master's port (default: 20, or "
+        "$FASTDDP_PREFLIGHT_TIMEOUT)",
     )
     return parser
 
@@ -158,6 +159,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         _apply_cluster(parser, pre.cluster, argv)
         args = parser.parse_args(argv)  # now with the detected defaults
+        options.check(args)
         run_args = _normalise(args)
         info, decisions = ({}, Decisions())
         if not args.no_preflight:

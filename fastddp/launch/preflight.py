@@ -20,6 +20,7 @@ from torch.distributed import run as torchrun
 from fastddp.cluster import ClusterError, peer_timeout_from_env
 from fastddp.launch import net
 from fastddp.launch.net import LaunchError
+from fastddp.launch.options import endpoint
 
 __all__ = ["Decisions", "LaunchError", "apply", "preflight", "say"]
 
@@ -109,10 +110,7 @@ def _check_ranks(args: argparse.Namespace, static: bool, max_nodes: int) -> None
 def _master(args: argparse.Namespace) -> tuple[str, int]:
     """The rendezvous host and port: the endpoint's (port 29400 if none), else the master's."""
     if args.rdzv_endpoint and args.rdzv_endpoint != "localhost:0":
-        host, _, port_s = args.rdzv_endpoint.rpartition(":")
-        if not host:
-            host, port_s = args.rdzv_endpoint, "29400"
-        return host, int(port_s)
+        return endpoint(args.rdzv_endpoint)
     return args.master_addr, int(args.master_port)
 
 

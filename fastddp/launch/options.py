@@ -1,0 +1,82 @@
+"""The launcher's options checked before anything runs.
+
+torchrun takes some bad options with a traceback from deep inside (``--nnodes 2:1`` fails an
+assert, ``--rdzv-endpoint host:abc`` an ``int()``), and some without a word (``--nnodes 0``).
+:func:`check` refuses each with what to give instead, on every node alike, before the
+preflight or torchrun sees them.
+"""
+
+import argparse
+import os
+
+from torch.distributed import run as torchrun
+
+from fastddp.launch.net import LaunchError
+
+__all__ = ["DEFAULT_RDZV_PORT", "PREFLIGHT_TIMEOUT_VAR", "check", "endpoint"]
+
+DEFAULT_RDZV_PORT = 29400  # torchrun's, for an endpoint without a port
+PREFLIGHT_TIMEOUT_VAR = "FASTDDP_PREFLIGHT_TIMEOUT"
+_FORM = "write it as HOST[:PORT], an IPv6 address in brackets ([fd00::1]:29400)"
+
+
+def _port(text: str, what: str) -> int:
+    if not text.isdigit() or not 0 <= int(text) < 65536:  # 0: a free port, on one node
+        raise LaunchError(f"{what}: the port {text!r} must be a number from 0 to 65535")
+    return int(text)
+
+
+def endpoint(value: str) -> tuple[str, int]:
+    """``--rdzv-endpoint``'s host (an IPv6 address kept in brackets) and port."""
+    what = f"--rdzv-endpoint {value}"
+    if value.startswith("["):
+        host, closed, rest = value[1:].partition("]")
+        if not closed or not host or (rest and not rest.startswith(":")):
+            raise LaunchError(f"{what}: {_FORM}")
+        return f"[{host}]", _port(rest[1:], what) if rest else DEFAULT_RDZV_PORT
+    if value.count(":") > 1:
+        raise LaunchError(f"{what}: an IPv6 address goes in brackets; {_FORM}")
+    host, colon, port = value.partition(":")
+    if not host:
+        raise LaunchError(f"{what}: no host; {_FORM}")
+    return host, _port(port, what) if colon else DEFAULT_RDZV_PORT
+
+
+def check(args: argparse.Namespace) -> None:
+    """Refuse the options torchrun would fail on obscurely; fill in ``preflight_timeout``.
+
+    Raises:
+        LaunchError: an option cannot work; the message names it and what to give.
+    """
+    nnodes = str(args.nnodes)
+    parts = nnodes.split(":")
+    if len(parts) > 2 or not all(p.isdigit() for p in parts) or int(parts[0]) < 1:
+        raise LaunchError(f"--nnodes {nnodes}: give N or MIN:MAX, whole numbers of at least 1")
+    if int(parts[0]) > int(parts[-1]):
+        raise LaunchError(f"--nnodes {nnodes}: MIN is above MAX; give MIN:MAX with MIN <= MAX")
+    nproc = str(args.nproc_per_node)
+    try:
+        count = torchrun.determine_local_world_size(nproc)
+    except ValueError as e:
+        raise LaunchError(
+            f"--nproc-per-node {nproc}: {str(e).rstrip('.')}; give a number of processes, or auto, "
+            "cpu or gpu"
+        ) from None
+    if count < 1:
+        raise LaunchError(f"--nproc-per-node {nproc}: give at least 1 process per node")
+    if args.rdzv_endpoint:
+        endpoint(args.rdzv_endpoint)
+    if args.preflight_timeout is None:
+        raw = os.environ.get(PREFLIGHT_TIMEOUT_VAR, "20")
+        try:
+            args.preflight_timeout = float(raw)
+        except ValueError:
+            raise LaunchError(
+                f"{PREFLIGHT_TIMEOUT_VAR}={raw!r} is not a number of seconds; set it right or "
+                "unset it (20 s)"
+            ) from None
+    if not args.preflight_timeout > 0:
+        raise LaunchError(
+            f"the preflight timeout must be positive seconds, got {args.preflight_timeout} "
+            f"(--preflight-timeout or {PREFLIGHT_TIMEOUT_VAR})"
+        )

@@ -1,0 +1,68 @@
+"""``python -m fastddp.launch``'s options that torchrun would take with a traceback (or take in
+silence) are refused with the fix, before anything runs (``fastddp.launch.options``)."""
+
+import re
+
+import pytest
+
+from fastddp.launch import cli, options
+from fastddp.launch.net import LaunchError
+
+C10D = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nnodes", "abc"], "--nnodes abc: give N or MIN:MAX, whole numbers of at least 1"),
+        (["--nnodes", "0"], "--nnodes 0: give N or MIN:MAX, whole numbers of at least 1"),
+        (["--nnodes", "1:2:3"], "--nnodes 1:2:3: give N or MIN:MAX"),
+        (["--nnodes", "2:1"], "--nnodes 2:1: MIN is above MAX; give MIN:MAX with MIN <= MAX"),
+        (["--nproc-per-node", "0"], "--nproc-per-node 0: give at least 1 process per node"),
+        (["--nproc-per-node", "-2"], "--nproc-per-node -2: give at least 1 process per node"),
+        (["--nproc-per-node", "lots"], "--nproc-per-node lots: Unsupported nproc_per_node value"),
+        ([*C10D, "host1:abc"], "--rdzv-endpoint host1:abc: the port 'abc' must be a number"),
+        ([*C10D, "host1:70000"], "host1:70000: the port '70000' must be a number from 0 to 65535"),
+        ([*C10D, "::1"], "--rdzv-endpoint ::1: an IPv6 address goes in brackets"),
+        ([*C10D, "[::1"], "--rdzv-endpoint [::1: write it as HOST[:PORT]"),
+        ([*C10D, ":29400"], "--rdzv-endpoint :29400: no host"),
+        (["--preflight-timeout", "0"], "the preflight timeout must be positive seconds, got 0.0"),
+    ],
+)
+def test_a_bad_option_is_refused_with_the_fix(args, message, capsys, monkeypatch):
+    monkeypatch.delenv(options.PREFLIGHT_TIMEOUT_VAR, raising=False)
+    assert cli.main(["--dry-run", "--cluster", "none", *args, "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "fastddp.launch: error: " in err and message in err, err
+
+
+def test_a_bad_preflight_timeout_variable_is_refused_and_help_still_works(capsys, monkeypatch):
+    monkeypatch.setenv(options.PREFLIGHT_TIMEOUT_VAR, "abc")
+    cli.build_parser()  # --help builds it: the variable is read after parsing
+    assert cli.main(["--dry-run", "--cluster", "none", "--standalone", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "FASTDDP_PREFLIGHT_TIMEOUT='abc' is not a number of seconds" in err, err
+    monkeypatch.setenv(options.PREFLIGHT_TIMEOUT_VAR, "7.5")
+    args = cli.build_parser().parse_args(["--standalone", "train.py"])
+    options.check(args)
+    assert args.preflight_timeout == 7.5
+
+
+@pytest.mark.parametrize(
+    "value, want",
+    [
+        ("gpu07", ("gpu07", options.DEFAULT_RDZV_PORT)),
+        ("gpu07:1234", ("gpu07", 1234)),
+        ("10.0.0.1:0", ("10.0.0.1", 0)),
+        ("[fd00::1]", ("[fd00::1]", options.DEFAULT_RDZV_PORT)),
+        ("[fd00::1]:5", ("[fd00::1]", 5)),
+    ],
+)
+def test_an_endpoint_is_read_as_torchrun_reads_it(value, want):
+    assert options.endpoint(value) == want
+
+
+@pytest.mark.parametrize("value", ["[fd00::1]x", "[]:5", "host:", "host:-1"])
+def test_a_malformed_endpoint_is_refused(value):
+    with pytest.raises(LaunchError, match=re.escape(f"--rdzv-endpoint {value}: ")):
+        options.endpoint(value)
