@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from fastddp.codecs import CODECS
 from fastddp.hooks import CompressState, _reduce
-from fastddp.hooks.presets import PRESETS
+from fastddp.hooks.presets import named_preset
 
 __all__ = ["all_reduce"]
 
@@ -167,11 +167,8 @@ def _check_dtype(dtype, where: str) -> None:
             "pass a wire dtype (torch.bfloat16, torch.float16, torch.int8, ...)"
         )
     if isinstance(dtype, str):
-        hint = f"; for preset {dtype!r}: state=CompressState.from_preset({dtype!r})"
-        raise TypeError(
-            f"{where}: dtype must be a torch.dtype, got {dtype!r}"
-            + (hint if dtype in PRESETS else "")
-        )
+        hint = named_preset(dtype, "state=CompressState.from_preset")
+        raise TypeError(f"{where}: dtype must be a torch.dtype, got {dtype!r}{hint}")
     if isinstance(dtype, torch.dtype) and dtype in CODECS and CODECS[dtype].feedback_required:
         name = str(dtype).removeprefix("torch.")
         raise ValueError(

@@ -28,7 +28,7 @@ from fastddp.hooks.candidates import DEFAULT_ALLOW, MIXED, NONE, Assignment
 from fastddp.hooks.hook import compress_hook
 from fastddp.hooks.measured import StepRecord
 from fastddp.hooks.owed import Owed
-from fastddp.hooks.presets import PRESETS
+from fastddp.hooks.presets import named_preset
 from fastddp.hooks.state import CompressState
 from fastddp.hooks.switch import Switch
 from fastddp.hooks.trial import Rules, Trial
@@ -93,12 +93,8 @@ class AutoState(CompressState):
         **fixed: Any,
     ) -> None:
         if dtype != "auto":
-            hint = ""
-            if dtype in PRESETS:
-                hint = f"; {dtype!r} is a preset: CompressState.from_preset({dtype!r})"
-            raise ValueError(
-                f"CompressState: dtype must be a torch.dtype or 'auto', got {dtype!r}{hint}"
-            )
+            why = f"dtype must be a torch.dtype or 'auto', got {dtype!r}{named_preset(dtype)}"
+            raise ValueError(f"CompressState: {why}")
         candidates.checked_fixed(fixed)
         self.allow = candidates.checked_allow(allow)
         self.dtype, self.process_group, self.delay = "auto", process_group, 0

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PRESETS", "preset"]
+__all__ = ["PRESETS", "named_preset", "preset"]
 
 _ACC = {"accumulate_dtype": torch.float32}
 _EF = {"error_feedback": True}
@@ -39,3 +39,11 @@ def preset(name: str) -> dict[str, Any]:
     if name not in PRESETS:
         raise ValueError(f"unknown fastddp preset {name!r}; choose one of {', '.join(PRESETS)}")
     return dict(PRESETS[name])
+
+
+def named_preset(value: Any, where: str = "CompressState.from_preset") -> str:
+    """``"; 'int8-ef' is a preset: ...from_preset('int8-ef')"`` where ``value`` names a preset
+    (given where a dtype or a state goes), else ``""``: the end of an error's message."""
+    if isinstance(value, str) and value in PRESETS:
+        return f"; {value!r} is a preset: {where}({value!r})"
+    return ""

@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 from fastddp import _extension
 from fastddp.hooks.auto import AutoState
 from fastddp.hooks.hook import compress_hook
+from fastddp.hooks.presets import named_preset
 from fastddp.hooks.state import CompressState
 from fastddp.hooks.switch import Switch
 
@@ -53,14 +54,10 @@ def register_comm_hook(
         raise TypeError(
             f"{where}: model must be a DistributedDataParallel, got {type(model).__name__}; {fix}"
         )
-    if isinstance(state, str):
-        raise TypeError(
-            f"{where}: state must be a fastddp.CompressState or None, got the string {state!r}; "
-            f"for a preset: fastddp.CompressState.from_preset({state!r})"
-        )
     if state is not None and not isinstance(state, CompressState):
         raise TypeError(
-            f"{where}: state must be a fastddp.CompressState or None, got {type(state).__name__}"
+            f"{where}: state must be a fastddp.CompressState or None, got "
+            f"{type(state).__name__}{named_preset(state, 'fastddp.CompressState.from_preset')}"
         )
     _check_group(model, state, where)
     runner = getattr(state, "_runner", None)

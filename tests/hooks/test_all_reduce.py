@@ -126,7 +126,7 @@ def _bad_input(rank, world):
         ),
         (
             lambda: fastddp.all_reduce(torch.ones(3), dtype="int8-ef"),
-            "for preset 'int8-ef': state=CompressState.from_preset('int8-ef')",
+            "'int8-ef' is a preset: state=CompressState.from_preset('int8-ef')",
         ),
         (
             lambda: fastddp.all_reduce(torch.ones(3), dtype=torch.int2),

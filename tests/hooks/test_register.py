@@ -93,7 +93,7 @@ def _registration(rank, world):
     with pytest.raises(TypeError, match="must be a fastddp.CompressState"):
         fastddp.register_comm_hook(model, {"dtype": "auto"})
     with pytest.raises(
-        TypeError, match=r"for a preset: fastddp.CompressState.from_preset\('bf16'\)"
+        TypeError, match=r"got str; 'bf16' is a preset: fastddp.CompressState.from_preset\('bf16'\)"
     ):
         fastddp.register_comm_hook(model, "bf16")
     # DDP over this rank alone (as inside a node under DiLoCo): a state on the default group
