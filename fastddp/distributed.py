@@ -161,6 +161,11 @@ def init_distributed(
         raise ClusterError(f"rank {rank} is outside world size {world} ({settings['rank'].source})")
     peer_timeout = _peer_timeout(env, peer_timeout, world)
     use_cuda = torch.cuda.is_available() if backend is None else backend == "nccl"
+    if use_cuda and not torch.cuda.is_available():
+        raise ClusterError(
+            "fastddp.init_distributed: backend='nccl' needs a GPU, and torch sees none; pass "
+            "backend='gloo' for the CPU, or leave backend=None to choose by the device"
+        )
     if use_cuda:
         count = torch.cuda.device_count()
         if local_rank >= count:
@@ -235,8 +240,11 @@ def init_distributed(
 def _peer_timeout(env, peer_timeout, world) -> float:
     if peer_timeout is None:
         return peer_timeout_from_env(env, world)
-    if peer_timeout < 0:
-        raise ClusterError(f"peer_timeout must be 0 (off) or positive, got {peer_timeout}")
+    number = isinstance(peer_timeout, (int, float)) and not isinstance(peer_timeout, bool)
+    if not number or not peer_timeout >= 0:
+        raise ClusterError(
+            f"peer_timeout must be a number of seconds, 0 (off) or positive, got {peer_timeout!r}"
+        )
     return peer_timeout
 
 

@@ -1,6 +1,7 @@
 """Environment tables: Slurm node lists, cluster detection, per-process settings."""
 
 import pytest
+import torch
 
 from fastddp.cluster import (
     ClusterError,
@@ -172,4 +173,28 @@ def test_a_bad_peer_timeout_is_refused_by_the_worker_before_any_group(raw, messa
     env.update(MASTER_PORT="1", FASTDDP_PEER_TIMEOUT=raw)
     with pytest.raises(ClusterError, match=f"FASTDDP_PEER_TIMEOUT='{raw}' {message}"):
         fastddp.init_distributed(backend="gloo", environ=env)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"peer_timeout": "60"}, "peer_timeout must be a number of seconds, .* got '60'"),
+        ({"peer_timeout": -1.0}, "a number of seconds, 0 \\(off\\) or positive, got -1.0"),
+        pytest.param(
+            {"backend": "nccl"},
+            "backend='nccl' needs a GPU, and torch sees none; pass backend='gloo'",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="checks it without a GPU"),
+        ),
+    ],
+)
+def test_bad_init_arguments_are_refused_before_any_group(kwargs, message):
+    import torch.distributed as dist
+
+    import fastddp
+
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    env.update(MASTER_PORT="1")
+    with pytest.raises(ClusterError, match=message):
+        fastddp.init_distributed(**{"backend": "gloo", **kwargs}, environ=env)
     assert not dist.is_initialized()
