@@ -1,12 +1,11 @@
 """The command line of ``python -m fastddp.bench {allreduce,ddp,fsdp,convergence,hook-cost}``."""
 
 import argparse
-import os
 import sys
 
 import torch
 
-from fastddp.bench import allreduce, convergence, ddp, fsdp, hook_cost, peers, report
+from fastddp.bench import allreduce, convergence, ddp, fsdp, hook_cost, options, peers, report
 from fastddp.bench.common import add_common_options, run_everywhere
 
 
@@ -113,38 +112,6 @@ def _parser():
     h.add_argument("--modes", nargs="+", default=hook_cost.MODES, choices=hook_cost.CHOICES)
     add_common_options(h, nproc=1)
     return p
-
-
-def _check(p, args):
-    if args.what == "allreduce":
-        if "fp32" not in args.modes and args.plot:
-            p.error("--plot compares against fp32: keep fp32 in --modes")
-        if args.factor < 2:
-            p.error("--factor must be at least 2")
-    for name in (
-        "nproc", "threads", "nproc_per_node", "nodes", "width", "layers", "heads", "seq",
-        "steps", "eval_every", "val_batches", "batch", "rounds",
-    ):  # fmt: skip
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.what == "convergence":
-        if args.pretend_nodes and (args.link or args.nproc % args.pretend_nodes):
-            p.error("--pretend-nodes splits the spawned --nproc ranks evenly (not with --link)")
-        if args.fp32_probe < 2:
-            p.error("--fp32-probe must be at least 2")
-    if args.nodes is not None and not args.link and "RANK" not in os.environ:
-        p.error("--nodes needs --link (the nodes are network namespaces)")
-    transformer = (
-        args.what in ("fsdp", "convergence") or getattr(args, "model", "") == "transformer"
-    )
-    if transformer:
-        if (args.width or 512) % args.heads:
-            p.error(f"--width {args.width or 512} must be a multiple of --heads {args.heads}")
-        if args.seq > 1024:
-            p.error("--seq must be at most 1024 (the model's positions)")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda, but no CUDA device is visible")
 
 
 def _allreduce_job(env, args):
@@ -330,7 +297,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     p = _parser()
     args = p.parse_args(argv)
-    _check(p, args)
+    options.check(p, args)
     job = _JOBS[args.what]
     result = run_everywhere(job, args, argv)
     return result if isinstance(result, int) else 0

@@ -484,3 +484,18 @@ def test_hook_overhead_times_each_hook_after_autos_plan(tmp_path):
     assert set(data["ms"]) == kinds
     assert all(ms > 0 for ms in data["ms"].values())
     assert "auto-4-none" in res.stdout and "x" in res.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--min-size", "64X"], "--min-size 64X: give bytes, or a number with K, M or G"),
+        (["--max-size", "2"], "--max-size 2: give bytes, or a number with K, M or G"),
+        (["--min-size", "1M", "--max-size", "64K"], "--min-size 1M is above --max-size 64K"),
+        (["--json", "no/such/folder/x.json"], "--json no/such/folder/x.json: the folder"),
+        (["--plot", "no/such/folder/x.png"], "--plot no/such/folder/x.png: the folder"),
+    ],
+)
+def test_bad_sizes_and_unwritable_outputs_are_refused_before_the_sweep(args, message, capsys):
+    assert _refused(["allreduce", *args], capsys) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,68 @@
+"""``python -m fastddp.bench``'s options checked before any rank starts or any sweep runs, so
+that a typo or an output that cannot be written costs seconds, not a sweep."""
+
+import importlib.util
+import os
+
+import torch
+
+from fastddp.bench.common import parse_size
+
+__all__ = ["check"]
+
+
+def _check_outputs(p, args):
+    """Refuse outputs that could not be written, before the sweep rather than after it."""
+    for option in ("json", "plot"):
+        path = getattr(args, option, None)
+        if path:
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder):
+                p.error(f"--{option} {path}: the folder {folder} does not exist; make it first")
+    if getattr(args, "plot", None) and importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib (pip install matplotlib)")
+
+
+def check(p, args):
+    """Refuse bad options with ``p.error`` (exit 2) before any rank starts."""
+    _check_outputs(p, args)
+    if args.what == "allreduce":
+        if "fp32" not in args.modes and args.plot:
+            p.error("--plot compares against fp32: keep fp32 in --modes")
+        if args.factor < 2:
+            p.error("--factor must be at least 2")
+        for option in ("min_size", "max_size"):
+            try:
+                if parse_size(getattr(args, option)) < 4:
+                    raise ValueError
+            except ValueError:
+                p.error(
+                    f"--{option.replace('_', '-')} {getattr(args, option)}: give bytes, or a "
+                    "number with K, M or G (64K, 1.5M), of at least 4 bytes"
+                )
+        if parse_size(args.min_size) > parse_size(args.max_size):
+            p.error(f"--min-size {args.min_size} is above --max-size {args.max_size}")
+    for name in (
+        "nproc", "threads", "nproc_per_node", "nodes", "width", "layers", "heads", "seq",
+        "steps", "eval_every", "val_batches", "batch", "rounds",
+    ):  # fmt: skip
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.what == "convergence":
+        if args.pretend_nodes and (args.link or args.nproc % args.pretend_nodes):
+            p.error("--pretend-nodes splits the spawned --nproc ranks evenly (not with --link)")
+        if args.fp32_probe < 2:
+            p.error("--fp32-probe must be at least 2")
+    if args.nodes is not None and not args.link and "RANK" not in os.environ:
+        p.error("--nodes needs --link (the nodes are network namespaces)")
+    transformer = (
+        args.what in ("fsdp", "convergence") or getattr(args, "model", "") == "transformer"
+    )
+    if transformer:
+        if (args.width or 512) % args.heads:
+            p.error(f"--width {args.width or 512} must be a multiple of --heads {args.heads}")
+        if args.seq > 1024:
+            p.error("--seq must be at most 1024 (the model's positions)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but no CUDA device is visible")
