@@ -17,7 +17,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from fastddp.hooks.presets import PRESETS
 from fastddp.hooks.topology import Topology, node_hash
 
-__all__ = ["PARAM_DTYPES", "WHERE", "exchange", "local_problems", "settings_of", "verdict"]
+__all__ = [
+    "PARAM_DTYPES", "WHERE", "exchange", "gather", "load_problems", "local_problems",
+    "raise_problems", "settings_of", "verdict",
+]  # fmt: skip
 
 WHERE = "fastddp.DiLoCo"
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -102,8 +105,13 @@ def exchange(
         "model_group": _model_group(model),
         "problems": problems,
     }
+    return gather(mine, group)
+
+
+def gather(obj: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
+    """Every rank's ``obj`` of ``group``, in rank order (a collective: every rank calls it)."""
     rows: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(rows, mine, group=group)
+    dist.all_gather_object(rows, obj, group=group)
     return rows
 
 
@@ -142,17 +150,38 @@ def verdict(rows: list[dict[str, Any]], rank: int, group: Optional[dist.ProcessG
 
 
 def _raise_problems(rows: list[dict[str, Any]]) -> None:
+    raise_problems([row["problems"] for row in rows], f"{WHERE}: bad arguments")
+
+
+def raise_problems(per_rank: list[list[str]], header: str, fix: str = "") -> None:
+    """One ``ValueError`` naming each rank's problems (``per_rank``, as every rank sees them),
+    the same on every rank; nothing if there are none."""
     where: dict[str, list[int]] = {}
-    for r, row in enumerate(rows):
-        for problem in row["problems"]:
+    for r, problems in enumerate(per_rank):
+        for problem in problems:
             where.setdefault(problem, []).append(r)
     if not where:
         return
     lines = [
-        f"  {p} ({'on every rank' if len(rs) == len(rows) else f'rank {_ranks(rs)}'})"
+        f"  {p} ({'on every rank' if len(rs) == len(per_rank) else f'rank {_ranks(rs)}'})"
         for p, rs in where.items()
     ]
-    raise ValueError(f"{WHERE}: bad arguments:\n" + "\n".join(lines))
+    raise ValueError(f"{header}:\n" + "\n".join(lines) + (f"\n{fix}" if fix else ""))
+
+
+def load_problems(saved: Any, version: int, settings: dict, layout: dict) -> list[str]:
+    """What keeps ``saved`` from loading into this rank's DiLoCo (``settings``, ``layout``)."""
+    if not isinstance(saved, dict) or saved.get("version") != version:
+        got = saved.get("version") if isinstance(saved, dict) else type(saved).__name__
+        return [f"not a DiLoCo state dict of version {version} (got {got!r})"]
+    found = []
+    for name, mine in (("settings", settings), ("layout", layout)):
+        theirs = saved.get(name) or {}
+        diff = [f"{k}: saved {theirs.get(k)!r}, here {v!r}" for k, v in mine.items()
+                if theirs.get(k) != v]  # fmt: skip
+        if diff:
+            found.append(f"the saved {name} differ from this DiLoCo's ({', '.join(diff)})")
+    return found
 
 
 def _raise_disagreement(rows: list[dict[str, Any]]) -> None:

@@ -100,6 +100,7 @@ class DiLoCo:
                 stacklevel=2,
             )
         self.model = model
+        self._group = group
         self.sync_every, self.overlap, self.compress = sync_every, bool(overlap), compress
         self.round = 0  # outer rounds done
         self.inner_steps = 0  # step() calls
@@ -220,31 +221,22 @@ class DiLoCo:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` saved by this rank of a job of the same layout.
+        """Restore a :meth:`state_dict` saved by this rank of a job of the same layout; a
+        collective of the group, as construction is: call it on every rank.
 
         Load the model's and the inner optimizer's state too (after constructing this
         object, which sets the parameters to the first node's): mid-round, the model holds
         this node's own parameters, not the global ones.
         """
-        where = f"{checks.WHERE}.load_state_dict"
-        if state_dict.get("version") != STATE_VERSION:
-            raise ValueError(
-                f"{where}: not a DiLoCo state dict of version {STATE_VERSION} "
-                f"(version {state_dict.get('version')!r})"
-            )
-        for name, mine in (("settings", self.settings), ("layout", self._layout())):
-            saved = state_dict[name]
-            if saved != mine:
-                diff = ", ".join(
-                    f"{k}: saved {saved.get(k)!r}, here {mine.get(k)!r}"
-                    for k in mine
-                    if saved.get(k) != mine.get(k)
-                )
-                raise ValueError(
-                    f"{where}: the saved {name} differ from this DiLoCo's ({diff}). Load each "
-                    "rank's own state dict into a DiLoCo built with the same arguments, on "
-                    "the same number of nodes and ranks per node"
-                )
+        # Checked on every rank and shared, so that a state dict that fits some ranks only
+        # (rank 0's loaded everywhere) fails on all of them, not while the others go on.
+        problems = checks.load_problems(state_dict, STATE_VERSION, self.settings, self._layout())
+        checks.raise_problems(
+            checks.gather(problems, self._group),
+            f"{checks.WHERE}.load_state_dict: this state dict does not fit",
+            "Load each rank's own state dict into a DiLoCo built with the same arguments, on "
+            "the same number of nodes and ranks per node",
+        )
         self.wait()
         self.round, self.inner_steps = int(state_dict["round"]), int(state_dict["inner_steps"])
         self._global.copy_(state_dict["global"])

@@ -9,6 +9,7 @@ import io
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
@@ -154,6 +155,16 @@ def _mismatched_load(rank, world):
     saved["layout"]["ranks_per_node"] = 4
     with pytest.raises(ValueError, match="ranks_per_node: saved 4, here 2"):
         diloco.load_state_dict(saved)
+    # Rank 0's state dict loaded on every rank fits rank 0 only: every rank raises, rank 0
+    # too, naming the others (rank 0 going on alone would wait for them in its next round).
+    first = [diloco.state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(first, src=0)
+    with pytest.raises(ValueError, match="does not fit") as info:
+        diloco.load_state_dict(first[0])
+    assert "local_rank: saved 0, here 1)" in str(info.value) and "(rank 1, 3)" in str(info.value)
+    with pytest.raises(ValueError, match=r"version \d+ \(got 'NoneType'\) \(rank 2\)"):
+        diloco.load_state_dict(None if rank == 2 else diloco.state_dict())
+    diloco.load_state_dict(diloco.state_dict())  # and the group still works
 
 
 def test_a_state_dict_of_other_settings_or_layout_is_refused():
