@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from fastddp.codecs import CODECS
 from fastddp.fsdp._checkpoint import pack, unpack
 from fastddp.fsdp.reduce_scatter import (
     CompressedReduceScatter,
@@ -181,6 +182,13 @@ def hybrid(
     for name in ("process_group", "topology", "delay"):
         if name in settings:
             raise TypeError(f"{_WHERE}: {name} is not a setting here (the group is given)")
+    codec = CODECS.get(reduce_scatter) if isinstance(reduce_scatter, torch.dtype) else None
+    if codec is not None and codec.feedback_required:
+        raise ValueError(
+            f"{_WHERE}: reduce_scatter={reduce_scatter} trains only with error feedback, which "
+            "the reduce-scatter inside the node does not keep here; give it torch.int8 or a "
+            "16-bit dtype (the link inside a node is the fast one)"
+        )
     # The replicate group holds one rank per node: the flat path is the cross-node path.
     if isinstance(dtype, str):
         state = CompressState.from_preset(dtype, group, topology="flat", **settings)

@@ -150,6 +150,8 @@ def _mesh_and_errors(rank, world):
         fastddp.fsdp.hybrid(sharded, mesh["replicate"], torch.int2)
     with pytest.raises(ValueError, match="unknown fastddp preset"):
         fastddp.fsdp.hybrid(sharded, mesh["replicate"], "int7")
+    with pytest.raises(ValueError, match="reduce_scatter=torch.int2 trains only with error feed"):
+        fastddp.fsdp.hybrid(sharded, mesh["replicate"], "int8-ef", reduce_scatter=torch.int2)
     # With error feedback a shard must keep its size (a parameter without a gradient changes
     # it): the second call raises on every rank, before its collective.
     comm = fastddp.fsdp.hybrid(sharded, mesh["replicate"], "int8-ef")
