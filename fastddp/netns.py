@@ -11,7 +11,9 @@ cores: each rank gets its share as ``OMP_NUM_THREADS`` unless it is set. The tes
 import argparse
 import gc
 import signal
+import subprocess
 import sys
+import time
 
 from fastddp.testing.netns import *  # noqa: F403 - the documented fastddp.netns.* names
 from fastddp.testing.netns import NetnsError, drop, nodes, start, stop, wired_pair
@@ -47,6 +49,10 @@ def main(argv=None) -> int:
         p.error("give the script (or -m module) to run on every node")
     if args.nodes < 1:
         p.error("--nodes must be at least 1")
+    if args.nodes > 200:
+        p.error("--nodes must be at most 200 (the nodes share one /24)")
+    if not args.timeout > 0:
+        p.error("--timeout must be positive (seconds)")
     if not 0 <= args.loss <= 100:
         p.error("--loss must be between 0 and 100 (percent)")
     if args.delay < 0:
@@ -69,8 +75,13 @@ def main(argv=None) -> int:
                 for node in made:
                     drop(node, args.loss)
             procs = start(made, args.nproc_per_node, rest)
+            deadline = time.monotonic() + args.timeout  # for the job, not for each node
             try:
-                codes = [proc.wait(timeout=args.timeout) for proc in procs]
+                codes = [proc.wait(timeout=max(0.0, deadline - time.monotonic())) for proc in procs]
+            except subprocess.TimeoutExpired:
+                say = f"the job ran past --timeout {args.timeout:g} s; its nodes were stopped"
+                print(f"fastddp.netns: {say}", file=sys.stderr)
+                return 124  # as timeout(1)
             finally:
                 stop(procs)
     except NetnsError as e:

@@ -139,7 +139,13 @@ def wired_pair(
 def _tbf(ns: str, dev: str, rate: str) -> None:
     tbf = ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate]
     tbf += ["burst", "512kb", "latency", "100ms"]
-    subprocess.run(["ip", "netns", "exec", ns, *tbf], check=True, capture_output=True, timeout=30)
+    cmd = ["ip", "netns", "exec", ns, *tbf]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if res.returncode != 0:
+        raise NetnsError(
+            f"tc refused the rate {rate!r} ({res.stderr.strip() or 'exit ' + str(res.returncode)})"
+            "; give a rate as tc takes it: 100mbit, 1gbit, 12500kbps"
+        )
 
 
 @contextlib.contextmanager

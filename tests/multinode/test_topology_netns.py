@@ -93,6 +93,11 @@ def test_nodes_on_one_bridge_reach_each_other_and_are_removed():
     assert not any(name in left for name in names)
 
 
+def _namespaces() -> set:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line}
+
+
 def test_a_terminated_run_removes_its_namespaces_and_workers_and_ranks_share_cores(tmp_path):
     why = netns.unavailable_reason()
     if why:
@@ -107,15 +112,11 @@ def test_a_terminated_run_removes_its_namespaces_and_workers_and_ranks_share_cor
         "time.sleep(300)\n"
     )
 
-    def namespaces():
-        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        return {line.split()[0] for line in out.splitlines() if line}
-
     def sleepers():
         out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
         return out.split()
 
-    before = namespaces()
+    before = _namespaces()
     run = subprocess.Popen(
         [sys.executable, "-m", "fastddp.netns", "--nodes", "2", str(script)],
         cwd=ROOT,
@@ -126,7 +127,7 @@ def test_a_terminated_run_removes_its_namespaces_and_workers_and_ranks_share_cor
         deadline = time.monotonic() + 60
         while len(sleepers()) < 2 and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert len(namespaces() - before) == 3 and len(sleepers()) >= 2
+        assert len(_namespaces() - before) == 3 and len(sleepers()) >= 2
         # The two one-rank nodes share this machine's cores.
         share = str(netns.cores_per_rank(2, "1"))
         while len(list(tmp_path.glob("threads*"))) < 2 and time.monotonic() < deadline:
@@ -134,7 +135,7 @@ def test_a_terminated_run_removes_its_namespaces_and_workers_and_ranks_share_cor
         assert [(tmp_path / f"threads{r}").read_text() for r in (0, 1)] == [share] * 2
         run.terminate()
         run.wait(timeout=60)
-        assert namespaces() - before == set()
+        assert _namespaces() - before == set()
         assert sleepers() == []
     finally:
         if run.poll() is None:  # a failed check: still remove the namespaces (SIGTERM does)
@@ -161,6 +162,8 @@ def test_three_nodes_of_two_ranks_find_their_nodes_and_reduce():
     "args, message",
     [
         (["--nodes", "0", "script.py"], "--nodes must be at least 1"),
+        (["--nodes", "300", "script.py"], "--nodes must be at most 200"),
+        (["--timeout", "0", "script.py"], "--timeout must be positive (seconds)"),
         (["--nodes", "3"], "give the script (or -m module) to run on every node"),
         (["--delay", "-1", "script.py"], "--delay must be at least 0 (ms)"),
         (["--nodes", "3", "--delay", "20", "script.py"], "--delay joins exactly 2 nodes"),
@@ -185,3 +188,21 @@ def test_a_wired_pair_refuses_a_negative_delay_or_full_loss():
 def test_nodes_refuses_a_count_out_of_range():
     with pytest.raises(ValueError, match="between 1 and 200 nodes, got 0"), netns.nodes(0):
         pass
+
+
+def test_a_bad_rate_and_a_job_past_its_timeout_are_named_and_leave_nothing(tmp_path):
+    why = netns.unavailable_reason()
+    if why:
+        pytest.skip(why)
+    before = _namespaces()
+    cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "1"]
+    res = subprocess.run([*cmd, "--rate", "fast", "script.py"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=slack.guard(60))  # fmt: skip
+    assert res.returncode == 2 and "tc refused the rate 'fast'" in res.stderr, res.stderr
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\ntime.sleep(300)\n")
+    res = subprocess.run([*cmd, "--timeout", "3", str(script)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=slack.guard(90))  # fmt: skip
+    assert res.returncode == 124, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "the job ran past --timeout 3 s; its nodes were stopped" in res.stderr
+    assert _namespaces() == before
