@@ -1,5 +1,6 @@
 """``fastddp.all_reduce``: the hooks' compressed reduction for tensors outside DDP."""
 
+import zlib
 from collections.abc import Iterable
 from typing import Optional, Union
 
@@ -8,6 +9,7 @@ import torch.distributed as dist
 
 from fastddp.codecs import CODECS
 from fastddp.hooks import CompressState, _reduce
+from fastddp.hooks.hook import _verify
 from fastddp.hooks.presets import named_preset
 
 __all__ = ["all_reduce"]
@@ -34,7 +36,7 @@ def all_reduce(
     reduced where it lies, without a copy) and reduced like :func:`fastddp.compress_hook`'s
     buckets: by default as bf16 payloads summed in fp32, so that the error does not grow with
     the number of ranks. Every rank must call it with tensors of the same shapes, in the same
-    order.
+    order: the first call of a state (every call, without ``state``) checks it on every rank.
 
     Args:
         tensors (Tensor or list of Tensor): float32 tensors on one device, changed in place.
@@ -123,6 +125,12 @@ def all_reduce(
                 f"{where}: tensors[{i}] is on {t.device} but tensors[0] on "
                 f"{tensors[0].device}; reduce each device's tensors in a separate call"
             )
+    if tensors and not state._verified:
+        # The first call of a state checks that every rank passed the same tensors, in the
+        # handshake it makes anyway: other sizes would pair unlike buckets, or hang.
+        sizes = [t.numel() for t in tensors]
+        digest = zlib.crc32(",".join(map(str, sizes)).encode())
+        _verify(state, tensors[0].device, (len(sizes), sum(sizes), digest))
     buckets = _bucketize(tensors, int(bucket_cap_mb * 2**20) // 4)
     with torch.no_grad():
         pending = []

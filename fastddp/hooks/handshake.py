@@ -21,12 +21,19 @@ __all__ = ["PROTOCOL", "check", "exchange", "topology_of"]
 # 3: int8 rows carry their scales behind their values (one all-to-all, one all-gather).
 # 4: the settings row carries the topology setting and a node identity.
 # 5: and the delay setting.
-PROTOCOL = 5
+# 6: and the layout of an all_reduce call (zeros from the hook).
+PROTOCOL = 6
 _SHARED = 8  # the first columns of a row, which every rank must share
 
 
-def exchange(state: Any, device: torch.device) -> list[tuple[int, ...]]:
-    """All-gather every rank's row of the group of ``state`` (a collective: every rank calls it)."""
+def exchange(
+    state: Any, device: torch.device, layout: tuple[int, int, int] = (0, 0, 0)
+) -> list[tuple[int, ...]]:
+    """All-gather every rank's row of the group of ``state`` (a collective: every rank calls it).
+
+    ``layout``: what ``fastddp.all_reduce`` was given (tensors, elements, a digest of their
+    sizes), which every rank must share; DDP's buckets need no such check.
+    """
     s = state.settings()
     loaded = state._loaded_from or (-1, -1)
     mine = torch.tensor(
@@ -41,6 +48,7 @@ def exchange(state: Any, device: torch.device) -> list[tuple[int, ...]]:
             state.delay,
             *loaded,
             node_hash(),
+            *layout,
         ],
         dtype=torch.int64,
         device=device,
@@ -67,6 +75,18 @@ def check(rows: list[tuple[int, ...]]) -> None:
             "fastddp: ranks disagree on the compression settings, so their payloads cannot be "
             "combined:\n" + "\n".join(lines) + "\nGive every rank the same CompressState "
             "arguments (and the same fastddp version)."
+        )
+    if len({row[11:14] for row in rows}) > 1:
+        same = len({row[11:13] for row in rows}) == 1
+        lines = [
+            f"  rank {r}: {row[11]} tensor(s), {row[12]} elements" for r, row in enumerate(rows)
+        ]
+        raise ValueError(
+            "fastddp.all_reduce: ranks passed different tensors, so their buckets cannot be "
+            "combined:\n"
+            + "\n".join(lines)
+            + ("\n(as many, but of other shapes)" if same else "")
+            + "\nEvery rank must pass tensors of the same shapes, in the same order."
         )
     resized = sorted({row[9] for row in rows if row[8] != -1 and row[9] != world})
     if resized:

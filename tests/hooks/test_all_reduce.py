@@ -134,7 +134,22 @@ def _bad_input(rank, world):
         ),
     ]
     group = dist.new_group([0, 1])
+    # Tensors that differ between ranks: the first call's handshake says so on every rank.
+    sizes = [[3, 4], [4, 3]][rank]
     cases += [
+        (
+            lambda: fastddp.all_reduce(torch.ones(3 + rank)),
+            "ranks passed different tensors, so their buckets cannot be combined:\n"
+            "  rank 0: 1 tensor(s), 3 elements\n  rank 1: 1 tensor(s), 4 elements",
+        ),
+        (
+            lambda: fastddp.all_reduce([torch.ones(n) for n in sizes], dtype=torch.int8),
+            "(as many, but of other shapes)",
+        ),
+        (
+            lambda: fastddp.all_reduce([torch.ones(3)] * (1 + rank)),
+            "rank 1: 2 tensor(s), 6 elements",
+        ),
         (
             lambda: fastddp.all_reduce(torch.ones(3), group=group, state=fastddp.CompressState()),
             "group differs from state.process_group",
