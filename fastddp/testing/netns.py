@@ -137,15 +137,12 @@ def wired_pair(
 
 
 def _tbf(ns: str, dev: str, rate: str) -> None:
-    tbf = ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate]
-    tbf += ["burst", "512kb", "latency", "100ms"]
-    cmd = ["ip", "netns", "exec", ns, *tbf]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    tbf = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate"]
+    res = subprocess.run([*tbf, rate, "burst", "512kb", "latency", "100ms"], capture_output=True,
+                         text=True, timeout=30)  # fmt: skip
     if res.returncode != 0:
-        raise NetnsError(
-            f"tc refused the rate {rate!r} ({res.stderr.strip() or 'exit ' + str(res.returncode)})"
-            "; give a rate as tc takes it: 100mbit, 1gbit, 12500kbps"
-        )
+        why = f"tc refused the rate {rate!r} ({res.stderr.strip() or res.returncode})"
+        raise NetnsError(f"{why}; give a rate as tc takes it: 100mbit, 1gbit, 12500kbps")
 
 
 @contextlib.contextmanager
