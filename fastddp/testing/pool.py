@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fastddp.testing import slack
 from fastddp.testing._rank import serve
 
 __all__ = ["RankError", "RankPool"]
@@ -164,12 +165,13 @@ class RankPool:
             theirs.close()
             self._procs.append(proc)
             self._conns.append(ours)
-        deadline = time.monotonic() + START_TIMEOUT
+        limit = slack.guard(START_TIMEOUT)  # a hang guard: rank start-ups slow with the machine
+        deadline = time.monotonic() + limit
         try:
             for rank, conn in enumerate(self._conns):
                 left = deadline - time.monotonic()
                 if not conn.poll(max(left, 0.0)):
-                    raise RankError(f"rank {rank} did not start within {START_TIMEOUT:.0f} s")
+                    raise RankError(f"rank {rank} did not start within {limit:.0f} s")
                 conn.recv_bytes()
         except BaseException:
             self._stop(kill=True)

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from fastddp.testing import netns
+from fastddp.testing import netns, slack
 
 __all__ = ["CASES", "Case", "Outcome", "reference", "run_case", "worker_args"]
 
@@ -263,7 +263,7 @@ def reference(
     """
     run = Path(tempfile.mkdtemp(prefix="reference-", dir=workdir))
     clean = dataclasses.replace(case, fault="kill")
-    codes = _execute(clean, "fastddp", run, timeout=120, kills=False, bed=bed)
+    codes = _execute(clean, "fastddp", run, timeout=slack.guard(120), kills=False, bed=bed)
     if codes is None or any(codes) or not (run / "params.pt").exists():
         raise RuntimeError(f"the reference run failed: {(run / 'launch.log').read_text()}")
     return torch.load(run / "params.pt")

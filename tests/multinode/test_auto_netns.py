@@ -3,8 +3,8 @@
 The job starts on a fast link and plans; the test then lowers both nodes' rate to 20 Mbit/s.
 The plan's step must drift from what was measured, and a new trial must choose int8 with
 error feedback (for every bucket, or as the uniform choice a mixed plan was held against),
-having measured fp32 far slower than before, and the rate across nodes far lower. Needs root;
-skipped otherwise.
+having measured fp32 far slower than int8, and the rate across nodes far lower than before.
+Needs root; skipped otherwise.
 """
 
 import json
@@ -43,7 +43,10 @@ def test_a_link_that_slows_down_is_planned_for_again(tmp_path):
     first, last = report["plans"][0], report["plans"][-1]
     assert report["slowed_at"] is not None and last["made_at_step"] > report["slowed_at"], report
     assert last["uniform"] == "int8-ef", report
-    assert last["step_ms"]["none"] > 3 * first["step_ms"]["none"], report
+    # fp32 against int8 in the same trial, their turns interleaved: a load on the machine
+    # slows both alike. (Against the first plan's fp32 step it is not: under a full suite
+    # that trial once measured fp32 at 625 ms on the fast link, against 802 on the slow one.)
+    assert last["step_ms"]["none"] > 2 * last["step_ms"]["int8-ef"], report
     # What the collectives measured of each level, int8's two-level path: the slowed link
     # (2.5 MB/s) gives less than the fast one, and less than the node's own loopback. Both of
     # those are CPU-bound on a busy 2-core machine, so their margins are a factor 2, not 10:
