@@ -27,6 +27,7 @@ import gpu_step_cost  # noqa: E402
 import gpu_step_profile  # noqa: E402
 
 import fastddp  # noqa: E402
+from fastddp.testing import slack  # noqa: E402
 
 
 def _archived(out: Path) -> dict:
@@ -424,7 +425,7 @@ def test_a_killed_command_loses_only_its_running_step(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", driver])
     step_pid = None
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + slack.guard(60)
         while not pid_file.exists() or not pid_file.read_text():
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.1)
@@ -554,7 +555,7 @@ def test_stopping_the_cuda_tests_stops_their_processes(tmp_path):
         "cuda-tests", cmd, tmp_path, 60, env=dict(os.environ, HANG_PIDS=str(pids))
     )
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + slack.guard(60)
         while not pids.exists() or len(pids.read_text().split()) < 2:
             assert time.monotonic() < deadline and step.proc.poll() is None
             time.sleep(0.1)

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from fastddp.testing import slack
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = """
 import time, fastddp
@@ -96,13 +98,13 @@ def test_standalone_listens_on_loopback_only(tmp_path):
     )  # fmt: skip
     try:
         # Two store servers in the launcher and a Gloo listener per worker.
-        deadline, seen = time.monotonic() + 60, {}
+        deadline, seen = time.monotonic() + slack.guard(60), {}
         while time.monotonic() < deadline and proc.poll() is None:
             seen = _sockets_of(_tree(proc.pid))
             if sum(map(len, seen.values())) >= 4:
                 break
             time.sleep(0.2)
-        out, _ = proc.communicate(timeout=60)
+        out, _ = proc.communicate(timeout=slack.guard(60))
     finally:
         proc.kill()
     assert proc.returncode == 0, out

@@ -82,10 +82,12 @@ def test_nodes_on_one_bridge_reach_each_other_and_are_removed():
             for node in made[1:]:
                 call = ["ip", "netns", "exec", node.ns, sys.executable, "-c", _CALL]
                 res = subprocess.run(
-                    [*call, first.addr, port, node.addr], capture_output=True, timeout=30
+                    [*call, first.addr, port, node.addr],
+                    capture_output=True,
+                    timeout=slack.guard(30),
                 )
                 assert res.returncode == 0, res.stderr
-            assert server.wait(timeout=30) == 0
+            assert server.wait(timeout=slack.guard(30)) == 0
         finally:
             if server.poll() is None:
                 server.kill()
@@ -124,7 +126,7 @@ def test_a_terminated_run_removes_its_namespaces_and_workers_and_ranks_share_cor
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + slack.guard(60)
         while len(sleepers()) < 2 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert len(_namespaces() - before) == 3 and len(sleepers()) >= 2
@@ -134,14 +136,14 @@ def test_a_terminated_run_removes_its_namespaces_and_workers_and_ranks_share_cor
             time.sleep(0.2)
         assert [(tmp_path / f"threads{r}").read_text() for r in (0, 1)] == [share] * 2
         run.terminate()
-        run.wait(timeout=60)
+        run.wait(timeout=slack.guard(60))
         assert _namespaces() - before == set()
         assert sleepers() == []
     finally:
         if run.poll() is None:  # a failed check: still remove the namespaces (SIGTERM does)
             run.terminate()
             try:
-                run.wait(timeout=60)
+                run.wait(timeout=slack.guard(60))
             except subprocess.TimeoutExpired:
                 run.kill()
 
