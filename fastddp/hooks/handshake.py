@@ -1,11 +1,12 @@
 """The first reduction's handshake: every rank's settings and node, checked alike on every rank.
 
-One all-gather carries each rank's settings, the rank its loaded residuals were saved by, and
-its node identity. :func:`check` raises the same error on every rank when the ranks disagree, so
-that no rank waits in a collective that another rank left; the rows also give every rank the
-same :class:`~fastddp.hooks.topology.Topology`.
+One all-gather carries each rank's settings, the rank its loaded residuals were saved by and
+the tensors they are for, and its node identity. :func:`check` raises the same error on every
+rank when the ranks disagree, so that no rank waits in a collective that another rank left; the
+rows also give every rank the same :class:`~fastddp.hooks.topology.Topology`.
 """
 
+import zlib
 from typing import Any
 
 import torch
@@ -22,7 +23,8 @@ __all__ = ["PROTOCOL", "check", "exchange", "topology_of"]
 # 4: the settings row carries the topology setting and a node identity.
 # 5: and the delay setting.
 # 6: and the layout of an all_reduce call (zeros from the hook).
-PROTOCOL = 6
+# 7: and the tensors that loaded residuals are for.
+PROTOCOL = 7
 _SHARED = 8  # the first columns of a row, which every rank must share
 
 
@@ -49,6 +51,7 @@ def exchange(
             *loaded,
             node_hash(),
             *layout,
+            *_parked(state),
         ],
         dtype=torch.int64,
         device=device,
@@ -56,6 +59,18 @@ def exchange(
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(state.process_group))]
     dist.all_gather(everyone, mine, group=state.process_group)
     return [tuple(t.tolist()) for t in everyone]
+
+
+def _parked(state: Any) -> tuple[int, int, int]:
+    """Tensors, elements and a digest of the sizes that parked residuals are for (zeros if none).
+
+    Ranks of one model park the same sizes; a rank that loaded another model's state dict would
+    raise alone when its first bucket takes the residuals, while the others wait for it.
+    """
+    sizes = sorted(state._residuals.sizes.items())
+    if not sizes:
+        return (0, 0, 0)
+    return (len(sizes), sum(n for _, n in sizes), zlib.crc32(repr(sizes).encode()))
 
 
 def check(rows: list[tuple[int, ...]]) -> None:
@@ -87,6 +102,19 @@ def check(rows: list[tuple[int, ...]]) -> None:
             + "\n".join(lines)
             + ("\n(as many, but of other shapes)" if same else "")
             + "\nEvery rank must pass tensors of the same shapes, in the same order."
+        )
+    parked = {row[14:17] for row in rows if row[14]}
+    if len(parked) > 1:
+        lines = [
+            f"  rank {r}: residuals for {row[14]} tensor(s), {row[15]} elements"
+            if row[14]
+            else f"  rank {r}: none"
+            for r, row in enumerate(rows)
+        ]
+        raise ValueError(
+            "fastddp: CompressState.load_state_dict was given residuals for other tensors on "
+            "some ranks than on others:\n" + "\n".join(lines) + "\nLoad into each rank the "
+            "state dict that rank saved, of the same model (or start without them)."
         )
     resized = sorted({row[9] for row in rows if row[8] != -1 and row[9] != world})
     if resized:

@@ -315,6 +315,23 @@ def _wrong_checkpoints(rank, world):
         _step(model, gen)
     assert "rank 0 loaded the state dict of rank 1 of 2" in str(info.value)
 
+    # Another model's checkpoint on rank 1 alone: refused on every rank at the handshake, where
+    # rank 1 alone would raise when its first bucket takes the residuals, rank 0 left waiting.
+    model = _ddp(_Net(width=20))
+    state = fastddp.CompressState(**settings)
+    model.register_comm_hook(state, fastddp.compress_hook)
+    for _ in range(2):
+        _step(model, gen, width=20)
+    other = state.state_dict()
+    model = _ddp(_Net())
+    state = fastddp.CompressState(**settings)
+    state.load_state_dict(other if rank == 1 else mine)
+    model.register_comm_hook(state, fastddp.compress_hook)
+    with pytest.raises(Exception, match="residuals for other tensors on some ranks") as info:
+        _step(model, gen)
+    assert "rank 0: residuals for 8 tensor(s), 2400 elements" in str(info.value)
+    assert "rank 1: residuals for 8 tensor(s), 1680 elements" in str(info.value)
+
     # A checkpoint of a model with other parameter sizes: refused, not silently misapplied.
     model = _ddp(_Net(width=20))
     state = fastddp.CompressState(**settings)
