@@ -13,9 +13,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from fastddp import joining
 from fastddp._version import __version__
 from fastddp.cluster import ClusterError, peer_timeout_from_env, process_settings
-from fastddp.launch.store import MARKER as ROUND_STORE_MARKER
 from fastddp.watchdog import PeerWatchdog
 
 __all__ = [
@@ -114,8 +114,10 @@ def init_distributed(
     ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, under ``srun`` with one
     task per GPU, under ``mpirun`` (with ``MASTER_ADDR`` exported), and alone (world size 1).
     Picks ``cuda:LOCAL_RANK`` and NCCL when CUDA is available, else CPU and Gloo. Calling it
-    again returns the same description. After init, all ranks compare hosts, devices and
-    fastddp settings, and all raise the same error if two ranks share a GPU or disagree.
+    again returns the same description. Before init, all ranks raise the same error if one
+    cannot start (no GPU for its local rank) or they picked different backends; after init,
+    they compare hosts, devices and fastddp settings, and all raise if two ranks share a GPU or
+    disagree.
 
     Args:
         backend (str, optional): ``"nccl"``, ``"gloo"``, ... ; ``None`` picks as above.
@@ -161,52 +163,38 @@ def init_distributed(
         raise ClusterError(f"rank {rank} is outside world size {world} ({settings['rank'].source})")
     peer_timeout = _peer_timeout(env, peer_timeout, world)
     use_cuda = torch.cuda.is_available() if backend is None else backend == "nccl"
+    # Problems of this rank's node alone: raised on every rank (joining.agree), not here.
+    problem = None
     if use_cuda and not torch.cuda.is_available():
-        raise ClusterError(
-            "fastddp.init_distributed: backend='nccl' needs a GPU, and torch sees none; pass "
-            "backend='gloo' for the CPU, or leave backend=None to choose by the device"
+        problem = (
+            "backend='nccl' needs a GPU, and torch sees none; pass backend='gloo' for the CPU, "
+            "or leave backend=None to choose by the device"
         )
-    if use_cuda:
-        count = torch.cuda.device_count()
-        if local_rank >= count:
-            raise ClusterError(
-                f"local rank {local_rank} needs cuda:{local_rank} but {count} GPU(s) are visible; "
-                "start at most one process per GPU on each node"
-            )
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    elif use_cuda and local_rank >= torch.cuda.device_count():
+        problem = (
+            f"local rank {local_rank} needs cuda:{local_rank} but {torch.cuda.device_count()} "
+            f"GPU(s) are visible on {socket.gethostname()}; start at most one process per GPU "
+            "on each node"
+        )
     backend = backend or ("nccl" if use_cuda else "gloo")
     if launcher == "single":
+        if problem is not None:
+            raise ClusterError("fastddp.init_distributed: " + problem)
         addr, port = "127.0.0.1", _free_port()
         settings["master_addr"] = settings["master_port"] = None
+        kwargs = {"init_method": f"tcp://{addr}:{port}"}
+        attempt = ""
     else:
-        addr, port = settings["master_addr"].value, settings["master_port"].value
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
-    # A key space of this launch attempt in the store that ranks meet through.
-    attempt = f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', 0)}"
-    if launcher == "torchrun" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's agent already serves the store on MASTER_PORT: every rank is a client.
-        client = dist.TCPStore(
-            addr, int(port), is_master=False, timeout=timeout, wait_for_workers=False
-        )
-        if client.check([ROUND_STORE_MARKER]):
-            # fastddp.launch serves a fresh store per round: it holds this attempt's keys only,
-            # and the restart count may differ between nodes (a node started again counts
-            # from 0), so no prefix.
-            attempt = env.get("TORCHELASTIC_RUN_ID", "")
-            kwargs["store"] = client
-        else:
-            # Plain torchrun keeps one store across restarts (--max-restarts) and torch's env://
-            # adds no per-attempt prefix, so a restarted rank could read the previous attempt's
-            # Gloo addresses and connect to a dead process. A prefix per attempt avoids it on
-            # one node (the restart count is per node).
-            kwargs["store"] = dist.PrefixStore(f"fastddp/attempt/{attempt}/", client)
+        addr, port = settings["master_addr"].value, int(settings["master_port"].value)
+        store, attempt = joining.store_for(launcher, env, addr, port, rank, world, timeout)
+        joining.agree(store, rank, world, backend, problem)
+        kwargs = {"store": store}
+    if use_cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
     else:
-        kwargs["init_method"] = (
-            "env://" if launcher == "torchrun" else f"tcp://{_bracket(addr)}:{port}"
-        )
+        device = torch.device("cpu")
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
     try:
         known = settings.get("node_rank")
@@ -253,10 +241,6 @@ def _start_watchdog(attempt, peer_timeout, rank, world, addr, port, launcher) ->
     if peer_timeout == 0 or world == 1 or launcher == "single":
         return
     _watchdog = PeerWatchdog(addr, port, rank, world, peer_timeout, attempt).start()
-
-
-def _bracket(addr: str) -> str:
-    return f"[{addr}]" if ":" in addr else addr
 
 
 def _free_port() -> int:

@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from fastddp.testing import slack
 
@@ -341,6 +342,28 @@ def test_mismatched_settings_fail_on_every_rank():
     for rc, out in results:
         assert rc != 0
         assert "rank 1 runs with different fastddp settings than rank 0" in out, out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a rank that sees no GPU")
+def test_a_rank_that_cannot_start_fails_every_rank():
+    # Rank 1 asks for NCCL where torch sees no GPU, as on a node whose driver shows none. It
+    # cannot start; rank 0 must raise the same error, not wait in init_process_group for it
+    # (the group's timeout is 10 minutes, past this test's hang guard).
+    code = (
+        "import sys, fastddp\n"
+        "try:\n"
+        "    fastddp.init_distributed(backend=sys.argv[1])\n"
+        "except fastddp.ClusterError as e:\n"
+        "    print('refused:', e)\n"
+        "    raise SystemExit(3)\n"
+        "print('started')\n"
+    )
+    cmds = [[sys.executable, "-c", code, backend] for backend in ("gloo", "nccl")]
+    _, envs = _plain_env_ranks(2)
+    for rc, out in _run_all(cmds, timeout=120, envs=envs):
+        assert rc == 3, out
+        assert "1 of 2 rank(s) cannot start (1); rank 1: backend='nccl' needs a GPU" in out, out
+        assert "chose different backends (1 rank(s) gloo, 1 rank(s) nccl)" in out, out
 
 
 def test_init_distributed_single_process_is_idempotent():

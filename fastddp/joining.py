@@ -1,0 +1,95 @@
+"""Joining a job: the store ranks meet through, and a check that every rank can start.
+
+Some problems are one rank's or one node's alone: a local rank without its GPU (more tasks
+than GPUs on a node), a node whose driver shows no GPU (so it would pick Gloo where the
+others pick NCCL). A rank that raises there leaves the others waiting in
+``init_process_group`` until its timeout. So every rank first posts what it would start with
+to the store, waits for all, and all raise the same error if any rank cannot start.
+"""
+
+import contextlib
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+from fastddp.cluster import ClusterError
+from fastddp.launch.store import MARKER as ROUND_STORE_MARKER
+
+__all__ = ["agree", "store_for"]
+
+_KEY = "fastddp/join/"
+# How long rank 0, whose process serves the store, stays for the others to read a failure.
+_LINGER = timedelta(seconds=30)
+
+
+def store_for(
+    launcher: str,
+    env,
+    addr: str,
+    port: int,
+    rank: int,
+    world: int,
+    timeout: timedelta,
+) -> tuple[dist.Store, str]:
+    """The store of this launch attempt, and the attempt's name (for the peer watchdog)."""
+    attempt = f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+    if launcher == "torchrun" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent already serves the store on MASTER_PORT: every rank is a client.
+        client = dist.TCPStore(addr, port, is_master=False, timeout=timeout, wait_for_workers=False)
+        if client.check([ROUND_STORE_MARKER]):
+            # fastddp.launch serves a fresh store per round: it holds this attempt's keys only,
+            # and the restart count may differ between nodes (a node started again counts
+            # from 0), so no prefix.
+            return client, env.get("TORCHELASTIC_RUN_ID", "")
+        # Plain torchrun keeps one store across restarts (--max-restarts) and torch's env://
+        # adds no per-attempt prefix, so a restarted rank could read the previous attempt's
+        # Gloo addresses and connect to a dead process. A prefix per attempt avoids it on
+        # one node (the restart count is per node).
+        return dist.PrefixStore(f"fastddp/attempt/{attempt}/", client), attempt
+    # As torch's env:// and tcp:// make it: rank 0 serves, for this attempt alone.
+    store = dist.TCPStore(addr, port, world, rank == 0, timeout, multi_tenant=True)
+    return store, attempt
+
+
+def agree(store: dist.Store, rank: int, world: int, backend: str, problem: Optional[str]) -> None:
+    """Post this rank's backend and ``problem`` (None: it can start); wait for every rank.
+
+    Raises the same :class:`ClusterError` on every rank if any rank has a problem or the ranks
+    chose different backends. A collective over the store: every rank calls it once.
+    """
+    if store.add(f"{_KEY}backend/{backend}", 1) == 1:
+        store.append(f"{_KEY}backends", backend + "\n")
+    if problem is not None:
+        store.append(f"{_KEY}ranks", f"{rank} ")
+        store.compare_set(f"{_KEY}first", "", f"rank {rank}: {problem}")
+    if store.add(f"{_KEY}arrived", 1) == world:
+        store.set(f"{_KEY}all", "1")
+    store.wait([f"{_KEY}all"])
+    backends = store.get(f"{_KEY}backends").decode().split()
+    bad = store.get(f"{_KEY}ranks").decode().split() if store.check([f"{_KEY}ranks"]) else []
+    if not bad and len(backends) == 1:
+        return
+    lines = []
+    if bad:
+        shown = ", ".join(sorted(bad, key=int)[:16]) + (", ..." if len(bad) > 16 else "")
+        lines.append(
+            f"{len(bad)} of {world} rank(s) cannot start ({shown}); "
+            + store.get(f"{_KEY}first").decode()
+        )
+    if len(backends) > 1:
+        counts = ", ".join(
+            f"{store.add(f'{_KEY}backend/{b}', 0)} rank(s) {b}" for b in sorted(backends)
+        )
+        lines.append(
+            f"the ranks chose different backends ({counts}): a node where torch sees no GPU "
+            "picks gloo; check CUDA_VISIBLE_DEVICES and the driver on every node, or pass the "
+            "same backend= on every rank"
+        )
+    if store.add(f"{_KEY}read", 1) == world:
+        store.set(f"{_KEY}read-all", "1")
+    if rank == 0:
+        # This process may serve the store: stay until every rank has read why, or a while.
+        with contextlib.suppress(Exception):  # a rank gone meanwhile: raise anyway
+            store.wait([f"{_KEY}read-all"], _LINGER)
+    raise ClusterError("fastddp.init_distributed: " + "; ".join(lines))
