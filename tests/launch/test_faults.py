@@ -116,18 +116,18 @@ def test_stopped_worker_is_named_instead_of_hanging(tmp_path):
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        named.wait(timeout=100)
+        named.wait(timeout=slack.guard(100))
     finally:
         # Once named, the stopped rank is killed: torchrun's SIGTERM would wait out its 30 s
         # shutdown timeout on it (that teardown is torchrun's, not what is tested here).
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     try:
-        rc = job.wait(timeout=60)
+        rc = job.wait(timeout=slack.guard(60))
     except subprocess.TimeoutExpired:
         job.kill()
         raise AssertionError("the job did not end after its stopped rank was named") from None
-    reader.join(timeout=10)
+    reader.join(timeout=slack.guard(10))
     out = "".join(lines)
     assert named.is_set(), out
     assert rc != 0, out

@@ -65,7 +65,7 @@ def _reset_after(made):
             netns.set_rate(node, "1gbit")
             subprocess.run(
                 ["ip", "netns", "exec", node.ns, "nft", "delete", "table", "inet", "fastddp_loss"],
-                capture_output=True, timeout=30,
+                capture_output=True, timeout=slack.guard(30),
             )  # fmt: skip
 
 
@@ -121,7 +121,7 @@ def _run(tmp: Path, mode: str, bed, *, loss=0.0, wire=None, during=None, env=Non
                     during(made, tmp / "progress", job.procs)
                 except AssertionError as e:  # say why the job was not where the fault needed it
                     netns.stop(job.procs)
-                    job.wait(30)
+                    job.wait(slack.guard(30))
                     said = _said([proc.poll() for proc in job.procs], job.outs)
                     raise AssertionError(f"{e}\n{said}") from None
             codes = job.wait(slack.guard(timeout))
@@ -221,7 +221,7 @@ def test_the_wire_delays_every_packet_and_drops_its_share():
             for _ in range(100):  # until the server listens
                 ping = subprocess.run(
                     ["ip", "netns", "exec", a.ns, sys.executable, "-c", _PING, b.addr],
-                    capture_output=True, text=True, timeout=60,
+                    capture_output=True, text=True, timeout=slack.guard(60),
                 )  # fmt: skip
                 if ping.returncode == 0:
                     break
@@ -237,7 +237,8 @@ def test_the_wire_delays_every_packet_and_drops_its_share():
     with netns.wired_pair(delay_ms=0.0, loss=50.0) as ((a, b), wire):
         udp = "import socket, sys\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
         udp += "for _ in range(400): s.sendto(b'x', (sys.argv[1], 9))"
-        subprocess.run(["ip", "netns", "exec", a.ns, sys.executable, "-c", udp, b.addr], timeout=60)
+        send = ["ip", "netns", "exec", a.ns, sys.executable, "-c", udp, b.addr]
+        subprocess.run(send, timeout=slack.guard(60))
         time.sleep(0.5)
         # Half of 400 datagrams (200, one standard deviation 10) and of the few ICMP "port
         # unreachable" answers the kernel lets through (rate-limited to about 50).
@@ -342,7 +343,7 @@ def _lose_node_1(tmp: Path, bed, mode: str, nnodes: str, rejoin: bool, power: bo
             if power:
                 netns.set_link(made[1], up=False)
             assert netns.kill(made[1]) >= 3, "node 1 had fewer than a launcher and 2 workers"
-            job.procs[1].wait(timeout=30)
+            job.procs[1].wait(timeout=slack.guard(30))
             if rejoin:
                 job.add(netns.spawn(made, 1, "2", argv, port, **launch))
             codes = job.wait(timeout=slack.guard(240))
