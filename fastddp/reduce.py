@@ -52,7 +52,8 @@ def all_reduce(
             for :class:`CompressState`.
         state (CompressState, optional): a state to reuse across calls instead of the
             arguments above: it keeps buffers, counters and error-feedback residuals (create
-            it with ``error_feedback=True`` for that). Give it the same tensors each call.
+            it with ``error_feedback=True`` for that). Give it the same tensors each call;
+            tensors of other sizes are refused.
         bucket_cap_mb (float): largest bucket, in MiB of float32.
 
     Example::
@@ -125,12 +126,23 @@ def all_reduce(
                 f"{where}: tensors[{i}] is on {t.device} but tensors[0] on "
                 f"{tensors[0].device}; reduce each device's tensors in a separate call"
             )
+    sizes = tuple(t.numel() for t in tensors)
     if tensors and not state._verified:
         # The first call of a state checks that every rank passed the same tensors, in the
         # handshake it makes anyway: other sizes would pair unlike buckets, or hang.
-        sizes = [t.numel() for t in tensors]
         digest = zlib.crc32(",".join(map(str, sizes)).encode())
         _verify(state, tensors[0].device, (len(sizes), sum(sizes), digest))
+        state._layout = sizes
+    elif state._layout is not None and sizes != state._layout:
+        # Later calls are not checked across ranks (a collective each); a state reused for
+        # other tensors is refused here, alike on every rank that does the same.
+        raise ValueError(
+            f"{where}: this state was first given {len(state._layout)} tensor(s) of "
+            f"{sum(state._layout)} elements, and this call {len(sizes)} of {sum(sizes)}"
+            f"{' (as many, but of other sizes)' if len(sizes) == len(state._layout) else ''}: "
+            "its buffers and residuals belong to the first ones. Give each set of tensors a "
+            "CompressState of its own (or call all_reduce without state=)"
+        )
     buckets = _bucketize(tensors, int(bucket_cap_mb * 2**20) // 4)
     with torch.no_grad():
         pending = []

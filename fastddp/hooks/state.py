@@ -96,6 +96,7 @@ class CompressState:
         "_table",
         "_counters",
         "_verified",
+        "_layout",
         "_pipeline",
         "_residuals",
         "_loaded_from",
@@ -158,6 +159,7 @@ class CompressState:
         self._runner = self._native.runner if self._native is not None else None
         self._table = SlotTable()
         self._verified = False
+        self._layout: Optional[tuple[int, ...]] = None  # all_reduce's sizes at its handshake
         self._pipeline = Pipeline()
         self._residuals = Residuals()
         self._loaded_from: Optional[tuple[int, int]] = None

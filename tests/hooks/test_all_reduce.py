@@ -94,6 +94,20 @@ def _with_state(rank, world):
     err_once = ((y - mean).abs().max() / mean.abs().max()).item()
     assert err_ef < err_once / 5, (err_ef, err_once)
     assert state.stats()["calls"] == calls
+    # The state's residuals belong to x: other tensors are refused before any collective,
+    # alike on every rank, and the state still serves x.
+    two = [x.clone(), x.clone()]
+    for other, said in (
+        (two, "and this call 2 of 8192"),
+        (x[:4095].clone(), "and this call 1 of 4095"),
+    ):
+        with pytest.raises(ValueError, match="first given 1 tensor\\(s\\) of 4096 elements") as e:
+            fastddp.all_reduce(other, state=state)
+        assert said in str(e.value) and "a CompressState of its own" in str(e.value)
+    with pytest.raises(ValueError, match="as many, but of other sizes"):
+        fastddp.all_reduce(torch.ones(4097), state=state)
+    fastddp.all_reduce(x.clone(), state=state)
+    assert state.stats()["calls"] == calls + 1
 
 
 def test_all_reduce_with_error_feedback_state():
