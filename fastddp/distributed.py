@@ -16,6 +16,7 @@ import torch.distributed as dist
 from fastddp import joining
 from fastddp._version import __version__
 from fastddp.cluster import ClusterError, peer_timeout_from_env, process_settings
+from fastddp.hooks.topology import NODE_ENV
 from fastddp.watchdog import PeerWatchdog
 
 __all__ = [
@@ -52,9 +53,15 @@ class DistEnv:
         return self.rank == 0
 
 
+# FASTDDP_* variables that differ between nodes by design, or that only the launcher reads.
+_PER_NODE = (NODE_ENV, "FASTDDP_PREFLIGHT_TIMEOUT")
+
+
 def _settings_fingerprint() -> dict:
     """What must be equal on every rank: fastddp's and torch's versions, FASTDDP_* switches."""
-    switches = {k: v for k, v in os.environ.items() if k.startswith("FASTDDP_")}
+    switches = {
+        k: v for k, v in os.environ.items() if k.startswith("FASTDDP_") and k not in _PER_NODE
+    }
     return {"fastddp": __version__, "torch": torch.__version__, "env": switches}
 
 
@@ -64,12 +71,13 @@ def _check_ranks(
     """All-gather host, device and settings; raise the same error on every rank if they clash.
 
     Returns ``(local_world_size, node_rank, num_nodes)``. Nodes are the launcher's node ranks
-    where known (two network namespaces may share one host name), else host names.
+    where known (two network namespaces may share one host name), else ``FASTDDP_NODE_ID``
+    (as for the hooks' topology), else host names.
     """
     host = socket.gethostname()
     mine = {
         "host": host,
-        "node": f"node {node_rank}" if node_rank is not None else host,
+        "node": f"node {node_rank}" if node_rank is not None else os.environ.get(NODE_ENV, host),
         "device": str(device),
         "settings": _settings_fingerprint(),
     }

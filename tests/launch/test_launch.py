@@ -297,8 +297,13 @@ def _plain_env_ranks(world, **common):
 
 def test_init_distributed_from_hand_set_variables():
     cmds, envs = _plain_env_ranks(2)
+    # Each rank a node of its own by FASTDDP_NODE_ID, as containers that share a host name
+    # are told apart (docs/topology.md): a per-node variable, not a setting ranks must share.
+    for rank, env in enumerate(envs):
+        env["FASTDDP_NODE_ID"] = f"box{rank}"
     text = _ok(_run_all(cmds, envs=envs), 2)
     assert "launcher=env" in text
+    assert "node_rank=0 nodes=2" in text and "node_rank=1 nodes=2" in text, text
 
 
 def test_init_distributed_under_srun_and_mpirun_variables():
