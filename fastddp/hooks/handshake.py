@@ -103,7 +103,9 @@ def check(rows: list[tuple[int, ...]]) -> None:
             + ("\n(as many, but of other shapes)" if same else "")
             + "\nEvery rank must pass tensors of the same shapes, in the same order."
         )
-    parked = {row[14:17] for row in rows if row[14]}
+    # With error feedback, none is a layout too: a rank that loaded nothing would skip the
+    # collectives that move the others' residuals to the ranks that round their elements.
+    parked = {row[14:17] for row in rows if row[14] or row[3]}
     if len(parked) > 1:
         lines = [
             f"  rank {r}: residuals for {row[14]} tensor(s), {row[15]} elements"
@@ -113,8 +115,10 @@ def check(rows: list[tuple[int, ...]]) -> None:
         ]
         raise ValueError(
             "fastddp: CompressState.load_state_dict was given residuals for other tensors on "
-            "some ranks than on others:\n" + "\n".join(lines) + "\nLoad into each rank the "
-            "state dict that rank saved, of the same model (or start without them)."
+            "some ranks than on others (or on some ranks only):\n"
+            + "\n".join(lines)
+            + "\nLoad into each rank the state dict that rank saved, of the same model, on "
+            "every rank (or start without them)."
         )
     resized = sorted({row[9] for row in rows if row[8] != -1 and row[9] != world})
     if resized:

@@ -332,6 +332,17 @@ def _wrong_checkpoints(rank, world):
     assert "rank 0: residuals for 8 tensor(s), 2400 elements" in str(info.value)
     assert "rank 1: residuals for 8 tensor(s), 1680 elements" in str(info.value)
 
+    # A checkpoint loaded on rank 0 alone (rank 1's file missing, say): rank 0 would move its
+    # residuals in collectives that rank 1 skips. Refused on every rank.
+    model = _ddp(_Net())
+    state = fastddp.CompressState(**settings)
+    if rank == 0:
+        state.load_state_dict(mine)
+    model.register_comm_hook(state, fastddp.compress_hook)
+    with pytest.raises(Exception, match="residuals for other tensors on some ranks") as info:
+        _step(model, gen)
+    assert "rank 1: none" in str(info.value)
+
     # A checkpoint of a model with other parameter sizes: refused, not silently misapplied.
     model = _ddp(_Net(width=20))
     state = fastddp.CompressState(**settings)
