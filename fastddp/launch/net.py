@@ -9,7 +9,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 __all__ = [
     "LaunchError",
@@ -102,23 +102,50 @@ def check_port_free(addr: str, port: int) -> None:
             raise
 
 
-def probe(addr: str, port: int, local: str, iface: Optional[str], deadline: float) -> None:
+# How long a refused connection is waited for: the master's host answers, but node 0's
+# launcher may still be importing torch (a minute on a cold shared filesystem).
+NOT_STARTED_S = 300.0
+
+
+def probe(
+    addr: str,
+    port: int,
+    local: str,
+    iface: Optional[str],
+    deadline: float,
+    say: Optional[Callable[[str], None]] = None,
+    not_started: float = 0.0,
+) -> None:
     """Connect to the master's port until it answers or ``deadline`` seconds pass.
 
-    ``local`` and ``iface`` (this node's side of the route) only go into the error message.
+    A refused connection (the host is there, nothing listens yet) is waited for up to
+    ``not_started`` seconds if that is longer (:data:`NOT_STARTED_S` for a node waiting for
+    node 0), and ``say`` is told why once ``deadline`` has passed. ``local`` and ``iface``
+    (this node's side of the route) only go into the error message.
     """
     start = time.monotonic()
     last: Optional[OSError] = None
+    told = False
     while True:
-        left = deadline - (time.monotonic() - start)
+        elapsed = time.monotonic() - start
+        refused = isinstance(last, ConnectionRefusedError)
+        limit = max(deadline, not_started) if refused else deadline
+        left = limit - elapsed
         if left <= 0:
             break
+        if refused and elapsed >= deadline and not told and say is not None:
+            say(
+                f"waiting for the master {addr}:{port}: nothing listens there yet (connection "
+                f"refused for {elapsed:.0f} s); node 0 may still be starting, or the port is "
+                f"wrong. Waiting up to {limit:.0f} s in all"
+            )
+            told = True
         try:
             with socket.create_connection((addr, port), timeout=min(left, 3.0)):
                 return
         except OSError as e:
             last = e
-            time.sleep(min(0.5, max(0.0, deadline - (time.monotonic() - start))))
+            time.sleep(min(0.5, max(0.0, left)))
     if isinstance(last, ConnectionRefusedError):
         why = (
             "nothing listens there (connection refused): node 0 has not started, or the "
@@ -129,7 +156,7 @@ def probe(addr: str, port: int, local: str, iface: Optional[str], deadline: floa
     else:
         why = f"{last.strerror if last else 'unknown error'}"
     raise LaunchError(
-        f"cannot reach the master {addr}:{port} within {deadline:.0f} s from this node "
+        f"cannot reach the master {addr}:{port} within {limit:.0f} s from this node "
         f"(local address {local}, interface {iface or 'unknown'}): {why}. Check that node 0 runs "
         "the same command, that --master-addr/--master-port (or --rdzv-endpoint) are right, "
         "that this interface is on the master's network, and that no firewall blocks the "

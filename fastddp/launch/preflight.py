@@ -170,7 +170,7 @@ def preflight(args: argparse.Namespace, network: bool = True) -> tuple[dict, Dec
                 why = f"the endpoint {host} is an address of this node"
                 decisions.rdzv_conf = ("is_host=1", why)
     else:
-        net.probe(addr, port, local, iface, args.preflight_timeout)
+        net.probe(addr, port, local, iface, args.preflight_timeout, say, net.NOT_STARTED_S)
     info.update(
         master=f"{host}:{port}" + (f" ({addr})" if addr != host else ""),
         interface=iface or "unknown",

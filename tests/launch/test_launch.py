@@ -207,6 +207,9 @@ def test_standalone_two_ranks():
 
 
 def test_two_launchers_static_on_loopback():
+    # Node 1 starts first and finds nothing listening on the master's port: its preflight
+    # keeps waiting for node 0 past its own timeout (2 s here), says so, and the job runs once
+    # node 0 starts, which it does only after that line.
     port = _free_port()
     cmds = [
         [
@@ -221,11 +224,32 @@ def test_two_launchers_static_on_loopback():
             "127.0.0.1",
             "--master-port",
             str(port),
+            "--preflight-timeout",
+            "2",
             WORKER,
         ]
-        for r in (1, 0)
+        for r in (0, 1)
     ]
-    text = _ok(_run_all(cmds), 2)
+    merged = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    node1 = subprocess.Popen(cmds[1], env=_env(), **merged)
+    first, node0 = [], None
+    try:
+        deadline = time.monotonic() + slack.guard(60)
+        for line in node1.stdout:  # ends if node 1 exits
+            first.append(line)
+            if "waiting for the master 127.0.0.1" in line or time.monotonic() > deadline:
+                break
+        assert "nothing listens there yet (connection refused" in "".join(first), first
+        node0 = subprocess.Popen(cmds[0], env=_env(), **merged)
+        outs = [p.communicate(timeout=slack.guard(150))[0] for p in (node0, node1)]
+    finally:
+        for p in (node1, node0):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert (node0.returncode, node1.returncode) == (0, 0), outs
+    text = "".join(first) + "".join(outs)
+    assert text.count("worker ok") == 2, text
     assert "the master 127.0.0.1 is a loopback address" in text
     assert "node_rank=1 nodes=2" in text and "node_rank=0 nodes=2" in text
 
