@@ -102,7 +102,13 @@ def train(env, args) -> None:
     net = nn.Sequential(nn.Linear(32, 257), nn.GELU(), nn.Linear(257, 257), nn.GELU(),
                         nn.Linear(257, 8))  # fmt: skip
     opt_state, hook_state, start = None, None, 0
-    ckpt = latest_checkpoint(args.ckpt_dir) if args.resume == "latest" else None
+    ckpt = None
+    if args.resume == "latest":
+        # Rank 0 picks for everyone: a shared filesystem's cache may show some nodes an older
+        # listing, and ranks resuming from different steps would wait for one another.
+        chosen = [latest_checkpoint(args.ckpt_dir) if env.rank == 0 else None]
+        dist.broadcast_object_list(chosen, src=0)
+        ckpt = chosen[0]
     if ckpt is not None:
         saved = torch.load(ckpt / "train.pt")
         net.load_state_dict(saved["model"])

@@ -25,7 +25,7 @@ from ._dist import run_ranks
 ROOT = Path(__file__).resolve().parents[1]
 RESUME = ROOT / "examples" / "resume.py"
 
-__all__ = ["resume_example", "restart_job"]
+__all__ = ["resume_example", "resume_ranks", "restart_job"]
 
 
 def _nodes(world_size: int, nodes: int) -> Optional[list[int]]:
@@ -34,7 +34,9 @@ def _nodes(world_size: int, nodes: int) -> Optional[list[int]]:
 
 
 def _resume_rank(rank: int, world_size: int, argv: list[str]) -> str:
-    """``examples/resume.py``'s training on this rank; what it printed."""
+    """``examples/resume.py``'s training on this rank; what it printed. ``{rank}`` in an
+    argument is this rank's number."""
+    argv = [a.replace("{rank}", str(rank)) for a in argv]
     spec = importlib.util.spec_from_file_location("resume_example", RESUME)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
@@ -53,6 +55,11 @@ def resume_example(argv: list[str], world_size: int, nodes: int = 1) -> str:
     ``fastddp.launch`` would without faults; rank 0's output (with ``--out``, the parameters
     are in that file)."""
     return run_ranks(_resume_rank, world_size, argv, nodes=_nodes(world_size, nodes))[0]
+
+
+def resume_ranks(argv: list[str], world_size: int) -> list[str]:
+    """:func:`resume_example`, every rank's output."""
+    return run_ranks(_resume_rank, world_size, argv)
 
 
 def _restart_rank(rank: int, world_size: int, argv: list[str]) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from fastddp.testing import slack
 
-from .._references import resume_example
+from .._references import resume_example, resume_ranks
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.launcher]
 
@@ -158,6 +158,22 @@ def test_a_job_restarted_after_its_last_checkpoint_ends_with_its_parameters(tmp_
     assert "starting from step 10" in said and "done, 10 steps, none left to run" in said, said
     first, again = (torch.load(tmp_path / f"{name}.pt") for name in ("first", "again"))
     assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_every_rank_resumes_from_the_checkpoint_rank_0_sees(tmp_path):
+    # A shared filesystem's cache can show one node an older listing of the checkpoints. Here
+    # rank 1's view of the folder lacks step-10: ranks resuming from different steps would run
+    # different numbers of steps and wait for one another, so the example resumes every rank
+    # from rank 0's choice.
+    shared = tmp_path / "ckpt"
+    resume_example(["--steps", "10", "--ckpt-every", "5", "--ckpt-dir", str(shared)], 2)
+    (tmp_path / "view0").symlink_to(shared)
+    (tmp_path / "view1").mkdir()
+    (tmp_path / "view1" / "step-5").symlink_to(shared / "step-5")
+    argv = ["--steps", "10", "--ckpt-every", "5", "--ckpt-dir", str(tmp_path / "view{rank}")]
+    outs = resume_ranks(argv, 2)
+    for rank, out in enumerate(outs):
+        assert f"rank {rank}: attempt 0, starting from step 10 ({tmp_path / 'view0'}" in out, out
 
 
 def test_plain_script_with_hand_set_variables_trains():
