@@ -240,7 +240,9 @@ class CompressState:
         Residuals are per rank: save one state dict per rank, and load each into the same rank
         (a mismatch is refused at the first reduction, on every rank). They are stored with the
         parameters they belong to, so that they find their parameters again when the resumed
-        DDP lays its buckets out differently. Pending reductions are finished first.
+        DDP lays its buckets out differently. Pending reductions are finished first; with
+        ``delay=1`` that sends the last bucket's remaining stages, a collective: call it on
+        every rank, not under ``if rank == 0``.
         """
         self._sync_native()
         return checkpoint.save(self)
