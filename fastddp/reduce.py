@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from fastddp.codecs import CODECS
 from fastddp.hooks import CompressState, _reduce
+from fastddp.hooks.handshake import TENSOR_PROBLEMS
 from fastddp.hooks.hook import _verify
 from fastddp.hooks.presets import named_preset
 
@@ -113,36 +114,32 @@ def all_reduce(
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
     tensors = list(tensors)
-    for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{where}: tensors[{i}] is a {type(t).__name__}, not a Tensor")
-        if t.dtype != torch.float32:
-            raise TypeError(
-                f"{where}: tensors[{i}] is {t.dtype}; it compresses float32 tensors. Use "
-                "torch.distributed.all_reduce for other dtypes, or pass t.float() and copy back"
-            )
-        if t.device != tensors[0].device:
-            raise ValueError(
-                f"{where}: tensors[{i}] is on {t.device} but tensors[0] on "
-                f"{tensors[0].device}; reduce each device's tensors in a separate call"
-            )
-    sizes = tuple(t.numel() for t in tensors)
-    if tensors and not state._verified:
-        # The first call of a state checks that every rank passed the same tensors, in the
-        # handshake it makes anyway: other sizes would pair unlike buckets, or hang.
+    problem = _problem(tensors)
+    if not state._verified:
+        # The first call of a state checks that every rank passed the same tensors, and
+        # tensors it can reduce, in the handshake it makes anyway: a rank that raised alone
+        # (a None gradient on one rank) would leave the others waiting in it.
+        sizes = () if problem else tuple(t.numel() for t in tensors)
         digest = zlib.crc32(",".join(map(str, sizes)).encode())
-        _verify(state, tensors[0].device, (len(sizes), sum(sizes), digest))
+        layout = (len(sizes), sum(sizes), digest)
+        _verify(state, _device(tensors, state), layout, problem[:2] if problem else (0, 0))
         state._layout = sizes
-    elif state._layout is not None and sizes != state._layout:
-        # Later calls are not checked across ranks (a collective each); a state reused for
-        # other tensors is refused here, alike on every rank that does the same.
-        raise ValueError(
-            f"{where}: this state was first given {len(state._layout)} tensor(s) of "
-            f"{sum(state._layout)} elements, and this call {len(sizes)} of {sum(sizes)}"
-            f"{' (as many, but of other sizes)' if len(sizes) == len(state._layout) else ''}: "
-            "its buffers and residuals belong to the first ones. Give each set of tensors a "
-            "CompressState of its own (or call all_reduce without state=)"
-        )
+    elif problem:
+        # Later calls are not checked across ranks (a collective each): alike on every rank
+        # that passes the same.
+        raise (TypeError if problem[0] < 4 else ValueError)(f"{where}: {problem[2]}")
+    else:
+        sizes = tuple(t.numel() for t in tensors)
+        if state._layout is not None and sizes != state._layout:
+            raise ValueError(
+                f"{where}: this state was first given {len(state._layout)} tensor(s) of "
+                f"{sum(state._layout)} elements, and this call {len(sizes)} of {sum(sizes)}"
+                f"{' (as many, but of other sizes)' if len(sizes) == len(state._layout) else ''}"
+                ": its buffers and residuals belong to the first ones. Give each set of tensors "
+                "a CompressState of its own (or call all_reduce without state=)"
+            )
+    if not tensors:
+        return
     buckets = _bucketize(tensors, int(bucket_cap_mb * 2**20) // 4)
     with torch.no_grad():
         pending = []
@@ -177,6 +174,38 @@ def _bucketize(tensors: list[torch.Tensor], cap: int) -> list[list[int]]:
         buckets[-1].append(i)
         size += t.numel()
     return buckets
+
+
+def _problem(tensors: list) -> Optional[tuple[int, int, str]]:
+    """The first tensor all_reduce cannot take: ``(code, index, message)``, codes as in
+    :data:`fastddp.hooks.handshake.TENSOR_PROBLEMS`; None if there is none."""
+    for i, t in enumerate(tensors):
+        if t is None:
+            return 1, i, f"tensors[{i}] is None, {TENSOR_PROBLEMS[1]}"
+        if not isinstance(t, torch.Tensor):
+            return 2, i, f"tensors[{i}] is a {type(t).__name__}, not a Tensor"
+        if t.dtype != torch.float32:
+            return 3, i, f"tensors[{i}] is {t.dtype}; {TENSOR_PROBLEMS[3]}"
+        if t.device != tensors[0].device:
+            return (
+                4,
+                i,
+                (
+                    f"tensors[{i}] is on {t.device} but tensors[0] on {tensors[0].device}; "
+                    "reduce each device's tensors in a separate call"
+                ),
+            )
+    return None
+
+
+def _device(tensors: list, state: CompressState) -> torch.device:
+    """Where the handshake's row goes: the tensors' device, else the group's backend's."""
+    first = tensors[0] if tensors else None
+    if isinstance(first, torch.Tensor) and first.device.type in ("cpu", "cuda"):
+        return first.device
+    if dist.get_backend(state.process_group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _check_dtype(dtype, where: str) -> None:

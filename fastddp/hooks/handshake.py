@@ -15,7 +15,7 @@ import torch.distributed as dist
 from fastddp.codecs import CODECS
 from fastddp.hooks.topology import TOPOLOGIES, Topology, node_hash
 
-__all__ = ["PROTOCOL", "check", "exchange", "topology_of"]
+__all__ = ["PROTOCOL", "TENSOR_PROBLEMS", "check", "exchange", "topology_of"]
 
 # Bumped whenever the bytes exchanged between ranks change meaning; part of the settings check,
 # so that ranks running different fastddp versions refuse to mix.
@@ -23,18 +23,32 @@ __all__ = ["PROTOCOL", "check", "exchange", "topology_of"]
 # 4: the settings row carries the topology setting and a node identity.
 # 5: and the delay setting.
 # 6: and the layout of an all_reduce call (zeros from the hook).
-# 7: and the tensors that loaded residuals are for.
+# 7: and the tensors that loaded residuals are for, and what is wrong with all_reduce's tensors.
 PROTOCOL = 7
 _SHARED = 8  # the first columns of a row, which every rank must share
 
 
+# What a rank's all_reduce tensors can be wrong by (code: the rest of the sentence).
+TENSOR_PROBLEMS = {
+    1: "a parameter without a gradient on this rank? pass torch.zeros_like(p) in its place",
+    2: "not a Tensor",
+    3: "it compresses float32 tensors. Use torch.distributed.all_reduce for other dtypes, or "
+    "pass t.float() and copy back",
+    4: "on another device than tensors[0]: reduce each device's tensors in a separate call",
+}
+
+
 def exchange(
-    state: Any, device: torch.device, layout: tuple[int, int, int] = (0, 0, 0)
+    state: Any,
+    device: torch.device,
+    layout: tuple[int, int, int] = (0, 0, 0),
+    problem: tuple[int, int] = (0, 0),
 ) -> list[tuple[int, ...]]:
     """All-gather every rank's row of the group of ``state`` (a collective: every rank calls it).
 
     ``layout``: what ``fastddp.all_reduce`` was given (tensors, elements, a digest of their
-    sizes), which every rank must share; DDP's buckets need no such check.
+    sizes), which every rank must share; ``problem``: the code (:data:`TENSOR_PROBLEMS`, 0 for
+    none) and index of the first tensor it cannot take. DDP's buckets need neither check.
     """
     s = state.settings()
     loaded = state._loaded_from or (-1, -1)
@@ -52,6 +66,7 @@ def exchange(
             node_hash(),
             *layout,
             *_parked(state),
+            *problem,
         ],
         dtype=torch.int64,
         device=device,
@@ -90,6 +105,18 @@ def check(rows: list[tuple[int, ...]]) -> None:
             "fastddp: ranks disagree on the compression settings, so their payloads cannot be "
             "combined:\n" + "\n".join(lines) + "\nGive every rank the same CompressState "
             "arguments (and the same fastddp version)."
+        )
+    troubled = [
+        f"  rank {r}: tensors[{row[18]}] is "
+        + ("None, " if row[17] == 1 else "not float32; " if row[17] == 3 else "")
+        + TENSOR_PROBLEMS[row[17]]
+        for r, row in enumerate(rows)
+        if row[17]
+    ]
+    if troubled:
+        raise ValueError(
+            "fastddp.all_reduce: some ranks passed tensors it cannot reduce:\n"
+            + "\n".join(troubled)
         )
     if len({row[11:14] for row in rows}) > 1:
         same = len({row[11:13] for row in rows}) == 1

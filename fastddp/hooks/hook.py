@@ -20,11 +20,14 @@ _default_state: Optional[CompressState] = None
 
 
 def _verify(
-    state: CompressState, device: torch.device, layout: tuple[int, int, int] = (0, 0, 0)
+    state: CompressState,
+    device: torch.device,
+    layout: tuple[int, int, int] = (0, 0, 0),
+    problem: tuple[int, int] = (0, 0),
 ) -> None:
-    """Check every rank's settings (and ``all_reduce``'s ``layout``) alike, the handshake; then
-    find the nodes and make groups."""
-    rows = handshake.exchange(state, device, layout)
+    """Check every rank's settings (and ``all_reduce``'s ``layout`` and tensor ``problem``)
+    alike, the handshake; then find the nodes and make groups."""
+    rows = handshake.exchange(state, device, layout, problem)
     handshake.check(rows)
     topo = handshake.topology_of(rows, dist.get_rank(state.process_group))
     resolved = resolve(state.topology, topo)

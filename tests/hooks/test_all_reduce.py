@@ -106,6 +106,8 @@ def _with_state(rank, world):
         assert said in str(e.value) and "a CompressState of its own" in str(e.value)
     with pytest.raises(ValueError, match="as many, but of other sizes"):
         fastddp.all_reduce(torch.ones(4097), state=state)
+    with pytest.raises(TypeError, match="tensors\\[0\\] is None, a parameter without a grad"):
+        fastddp.all_reduce([None], state=state)
     fastddp.all_reduce(x.clone(), state=state)
     assert state.stats()["calls"] == calls + 1
 
@@ -119,9 +121,9 @@ def _bad_input(rank, world):
         (lambda: fastddp.all_reduce(torch.ones(3), op="max"), 'op must be "avg" or "sum"'),
         (
             lambda: fastddp.all_reduce([torch.ones(3), torch.ones(2, dtype=torch.float64)]),
-            "tensors[1] is torch.float64; it compresses float32 tensors",
+            "rank 1: tensors[1] is not float32; it compresses float32 tensors",
         ),
-        (lambda: fastddp.all_reduce([torch.ones(3), "x"]), "tensors[1] is a str, not a Tensor"),
+        (lambda: fastddp.all_reduce([torch.ones(3), "x"]), "rank 0: tensors[1] is not a Tensor"),
         (
             lambda: fastddp.all_reduce(
                 torch.ones(3), dtype=torch.int8, state=fastddp.CompressState()
@@ -150,7 +152,17 @@ def _bad_input(rank, world):
     group = dist.new_group([0, 1])
     # Tensors that differ between ranks: the first call's handshake says so on every rank.
     sizes = [[3, 4], [4, 3]][rank]
+    grads = [torch.ones(3), None if rank == 1 else torch.ones(2)]  # unused on rank 1
     cases += [
+        (
+            lambda: fastddp.all_reduce(grads),
+            "some ranks passed tensors it cannot reduce:\n  rank 1: tensors[1] is None, a "
+            "parameter without a gradient on this rank?",
+        ),
+        (
+            lambda: fastddp.all_reduce([torch.ones(3)] if rank == 0 else []),
+            "rank 0: 1 tensor(s), 3 elements\n  rank 1: 0 tensor(s), 0 elements",
+        ),
         (
             lambda: fastddp.all_reduce(torch.ones(3 + rank)),
             "ranks passed different tensors, so their buckets cannot be combined:\n"
@@ -170,7 +182,7 @@ def _bad_input(rank, world):
         ),
         (
             lambda: fastddp.all_reduce([torch.ones(3), torch.ones(3, device="meta")]),
-            "tensors[1] is on meta but tensors[0] on cpu",
+            "rank 1: tensors[1] is on another device than tensors[0]",
         ),
     ]
     for make, message in cases:
