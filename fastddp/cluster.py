@@ -20,6 +20,8 @@ __all__ = [
 ]
 
 DEFAULT_PORT = 29500
+# Names this process's node where host names do not (containers); it may differ between nodes.
+NODE_ENV = "FASTDDP_NODE_ID"
 
 
 class ClusterError(RuntimeError):

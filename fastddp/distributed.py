@@ -15,8 +15,7 @@ import torch.distributed as dist
 
 from fastddp import joining
 from fastddp._version import __version__
-from fastddp.cluster import ClusterError, peer_timeout_from_env, process_settings
-from fastddp.hooks.topology import NODE_ENV
+from fastddp.cluster import NODE_ENV, ClusterError, peer_timeout_from_env, process_settings
 from fastddp.watchdog import PeerWatchdog
 
 __all__ = [

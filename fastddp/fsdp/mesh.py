@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from fastddp.hooks.topology import NODE_ENV, Topology, node_hash
+from fastddp.cluster import NODE_ENV
+from fastddp.hooks.topology import Topology, node_hash
 
 __all__ = ["MESH_DIMS", "node_mesh"]
 

@@ -28,10 +28,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from fastddp.cluster import NODE_ENV
+
 __all__ = ["TOPOLOGIES", "Topology", "node_hash", "resolve", "ring_bytes"]
 
 TOPOLOGIES = ("auto", "flat", "hierarchical")
-NODE_ENV = "FASTDDP_NODE_ID"
 _GROUPS: dict[tuple, dict[tuple, dist.ProcessGroup]] = {}
 
 
