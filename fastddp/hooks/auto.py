@@ -162,7 +162,8 @@ class AutoState(CompressState):
         if not self._checked:  # every rank must run the same trial: raise on every rank alike
             self._checked = True
             cpp = self._switch is not None  # the turns' order depends on it
-            trial.agree(self.allow, _rules(), cpp, self.process_group, device)
+            plan = None if self._plan is None else candidates.spelled(self._using)
+            trial.agree(self.allow, _rules(), cpp, self.process_group, device, plan)
             self._stamp = links.stamper(device, self.process_group)
         if last is not None:
             self._owed.settle_moves(self._states, self._held, last.held, self.process_group)

@@ -105,6 +105,11 @@ def label(using: Assignment) -> str:
     return using if isinstance(using, str) else MIXED
 
 
+def spelled(using: Assignment) -> str:
+    """The candidate of a uniform plan, or ``"mixed: "`` and each bucket's."""
+    return using if isinstance(using, str) else "mixed: " + ", ".join(using)
+
+
 def mode_of(using: Assignment, index: int, plan: Optional[dict]) -> str:
     """The candidate that reduces bucket ``index`` under ``using`` (``plan``: the plan made)."""
     if isinstance(using, str):

@@ -1,9 +1,10 @@
 """The first reduction's handshake: every rank's settings and node, checked alike on every rank.
 
-One all-gather carries each rank's settings, the rank its loaded residuals were saved by and
-the tensors they are for, and its node identity. :func:`check` raises the same error on every
-rank when the ranks disagree, so that no rank waits in a collective that another rank left; the
-rows also give every rank the same :class:`~fastddp.hooks.topology.Topology`.
+One all-gather carries each rank's settings, the rank its loaded residuals were saved by, the
+tensors they (and delayed gradients) are for, and its node identity. :func:`check` raises the
+same error on every rank when the ranks disagree, so that no rank waits in a collective that
+another rank left; the rows also give every rank the same
+:class:`~fastddp.hooks.topology.Topology`.
 """
 
 import zlib
@@ -24,7 +25,8 @@ __all__ = ["PROTOCOL", "TENSOR_PROBLEMS", "check", "exchange", "topology_of"]
 # 5: and the delay setting.
 # 6: and the layout of an all_reduce call (zeros from the hook).
 # 7: and the tensors that loaded residuals are for, and what is wrong with all_reduce's tensors.
-PROTOCOL = 7
+# 8: and the tensors that loaded delayed gradients (delay=1) are for.
+PROTOCOL = 8
 _SHARED = 8  # the first columns of a row, which every rank must share
 
 
@@ -65,8 +67,9 @@ def exchange(
             *loaded,
             node_hash(),
             *layout,
-            *_parked(state),
+            *_digest(state._residuals.sizes),
             *problem,
+            *_digest({k: t.numel() for k, t in state._delayed.parked.items()}),
         ],
         dtype=torch.int64,
         device=device,
@@ -76,13 +79,14 @@ def exchange(
     return [tuple(t.tolist()) for t in everyone]
 
 
-def _parked(state: Any) -> tuple[int, int, int]:
-    """Tensors, elements and a digest of the sizes that parked residuals are for (zeros if none).
+def _digest(sizes: dict[int, int]) -> tuple[int, int, int]:
+    """Tensors, elements and a digest of the sizes (by parameter key) that parked residuals or
+    delayed gradients are for (zeros if none).
 
     Ranks of one model park the same sizes; a rank that loaded another model's state dict would
-    raise alone when its first bucket takes the residuals, while the others wait for it.
+    raise alone when its first bucket takes them up, while the others wait for it.
     """
-    sizes = sorted(state._residuals.sizes.items())
+    sizes = sorted(sizes.items())
     if not sizes:
         return (0, 0, 0)
     return (len(sizes), sum(n for _, n in sizes), zlib.crc32(repr(sizes).encode()))
@@ -132,21 +136,10 @@ def check(rows: list[tuple[int, ...]]) -> None:
         )
     # With error feedback, none is a layout too: a rank that loaded nothing would skip the
     # collectives that move the others' residuals to the ranks that round their elements.
-    parked = {row[14:17] for row in rows if row[14] or row[3]}
-    if len(parked) > 1:
-        lines = [
-            f"  rank {r}: residuals for {row[14]} tensor(s), {row[15]} elements"
-            if row[14]
-            else f"  rank {r}: none"
-            for r, row in enumerate(rows)
-        ]
-        raise ValueError(
-            "fastddp: CompressState.load_state_dict was given residuals for other tensors on "
-            "some ranks than on others (or on some ranks only):\n"
-            + "\n".join(lines)
-            + "\nLoad into each rank the state dict that rank saved, of the same model, on "
-            "every rank (or start without them)."
-        )
+    _loaded_alike(rows, 14, 3, "residuals" if rows[0][3] else "saved buckets")
+    # With delay=1, a rank that loaded none would add zeros where the others add the gradient
+    # of the step before the checkpoint.
+    _loaded_alike(rows, 19, 7, "delayed gradients (delay=1)")
     resized = sorted({row[9] for row in rows if row[8] != -1 and row[9] != world})
     if resized:
         raise ValueError(
@@ -168,6 +161,26 @@ def check(rows: list[tuple[int, ...]]) -> None:
             + f"\nSave one state_dict() per rank and load each into the same rank of a job of "
             f"the same world size ({world} now)."
         )
+
+
+def _loaded_alike(rows: list[tuple[int, ...]], at: int, needed: int, what: str) -> None:
+    """Raise unless every rank loaded the same sizes (:func:`_digest`, columns ``at`` on), or
+    none where column ``needed`` (the setting that gives them) is 0 on every rank."""
+    if len({row[at : at + 3] for row in rows if row[at] or row[needed]}) <= 1:
+        return
+    lines = [
+        f"  rank {r}: {what.split(' (')[0]} for {row[at]} tensor(s), {row[at + 1]} elements"
+        if row[at]
+        else f"  rank {r}: none"
+        for r, row in enumerate(rows)
+    ]
+    raise ValueError(
+        f"fastddp: CompressState.load_state_dict was given {what} for other tensors on some ranks "
+        "than on others (or on some ranks only):\n"
+        + "\n".join(lines)
+        + "\nLoad into each rank the state dict that rank saved, of the same model, on every "
+        "rank (or start without them)."
+    )
 
 
 def topology_of(rows: list[tuple[int, ...]], rank: int) -> Topology:

@@ -134,6 +134,8 @@ def _reduce_delayed(state: CompressState, bucket: dist.GradBucket) -> torch.futu
     delayed = state._delayed
 
     def swap_and_start() -> None:
+        if not state._verified:  # before a loaded gradient in waiting can raise on one rank
+            _verify(state, buffer.device)
         entry = delayed.entry_for(params, buffer, pipeline.settle)
         pipeline.settle(entry.job)
         send = delayed.start(entry, buffer)

@@ -146,20 +146,44 @@ def steps(allow: Sequence[str], rules: Rules) -> int:
     return 1 + made + (rules.trial_rounds - 1) * len(allow) + runoff + verify
 
 
-def agree(allow: Sequence[str], rules: Rules, cpp: bool, group, device: torch.device) -> None:
+def agree(
+    allow: Sequence[str],
+    rules: Rules,
+    cpp: bool,
+    group,
+    device: torch.device,
+    plan: Optional[str] = None,
+) -> None:
     """Raise, on every rank alike, unless every rank runs the same trial (``cpp``: registered
-    with :func:`fastddp.register_comm_hook`, which orders the turns)."""
+    with :func:`fastddp.register_comm_hook`, which orders the turns) or the same ``plan`` (what
+    a loaded state dict runs, None for none)."""
     # A rank with other candidates would issue other collectives.
     mine = zlib.crc32(",".join(allow).encode())
     figures = [mine, rules.trial_rounds, rules.verify_rounds, rules.check_every, int(cpp)]
+    figures.append(0 if plan is None else zlib.crc32(plan.encode()) + 1)
     rows = torch.tensor(figures, dtype=torch.int64, device=device)
     everyone = [torch.empty_like(rows) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, rows, group=group)
-    differ = [r for r, row in enumerate(everyone) if not torch.equal(row, everyone[0])]
+    differ = [r for r, row in enumerate(everyone) if not torch.equal(row[:-1], everyone[0][:-1])]
     if differ:
         raise ValueError(
             f"fastddp: ranks disagree on CompressState(dtype='auto', allow=...): ranks "
             f"{differ} differ from rank 0 (this rank allows {list(allow)}, registered "
             f"{'with' if cpp else 'without'} fastddp.register_comm_hook); give every rank the "
             "same allow list, register every rank's hook alike (and the same fastddp version)"
+        )
+    plans = [int(row[-1]) for row in everyone]
+    if len(set(plans)) > 1:
+        # A rank running a loaded plan issues other collectives than one that starts a trial.
+        kinds = {p: [r for r, q in enumerate(plans) if q == p] for p in dict.fromkeys(plans)}
+        names = iter("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+        lines = [
+            f"  ranks {ranks}: " + ("no plan" if p == 0 else f"plan {next(names, '?')}")
+            for p, ranks in kinds.items()
+        ]
+        raise ValueError(
+            "fastddp: CompressState(dtype='auto').load_state_dict gave the ranks different "
+            f"plans (this rank's: {plan or 'none'}):\n" + "\n".join(lines) + "\nLoad into "
+            "every rank the state dict it saved in the same job (every rank saves the same "
+            "plan), on every rank or on none."
         )

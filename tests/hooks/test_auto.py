@@ -5,6 +5,7 @@ left behind are repaid; bad settings are refused."""
 import copy
 import os
 import pickle
+import re
 import statistics
 
 import pytest
@@ -280,6 +281,33 @@ def _allow_differs(rank, world):
 @pytest.mark.multiproc
 def test_ranks_that_disagree_on_allow_fail_alike():
     run_ranks(_allow_differs, 2)
+
+
+def _plans_differ(rank, world):
+    # A rank that runs a loaded plan issues other collectives than one that starts a trial, or
+    # that runs another plan: every rank raises at the first step, none waits for the others.
+    allow = ["none", "bf16", "int8-ef"]
+    cases = [("bf16", None, r"ranks \[0\]: plan A\n  ranks \[1\]: no plan"),
+             ("bf16", "int8-ef", r"ranks \[0\]: plan A\n  ranks \[1\]: plan B")]  # fmt: skip
+    for mine, other, want in cases:
+        model = DDP(_Net(depth=2), bucket_cap_mb=0.01)
+        state = fastddp.CompressState(dtype="auto", allow=allow)
+        mode = mine if rank == 0 else other
+        if mode is not None:
+            planned = {"mode": mode, "uniform": mode, "step_ms": {}, "planned_ms": 1e9}
+            planned.update(made_at_step=0, plans=1, buckets=None)
+            state.load_state_dict({"settings": state.settings(), "plan": planned, "candidates": {}})
+        model.register_comm_hook(state, fastddp.compress_hook)
+        with pytest.raises(ValueError, match="load_state_dict gave the ranks different plans") as e:
+            model(torch.ones(2, 24)).sum().backward()
+        assert re.search(want, str(e.value)), str(e.value)
+        assert f"(this rank's: {mode or 'none'})" in str(e.value)
+    dist.barrier()
+
+
+@pytest.mark.multiproc
+def test_ranks_that_loaded_different_plans_fail_alike():
+    run_ranks(_plans_differ, 2)
 
 
 @pytest.mark.parametrize(

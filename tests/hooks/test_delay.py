@@ -6,6 +6,7 @@ DDP's bucket rebuild; resumed exactly from a state dict; refused where it cannot
 
 import copy
 import os
+import re
 
 import pytest
 import torch
@@ -17,7 +18,14 @@ from fastddp.hooks.presets import preset
 from fastddp.hooks.topology import NODE_ENV
 
 from .._dist import run_ranks
-from .test_hook_core import _ddp, _grads, _needs_bucket_caps, _Net, _resume_across_layouts
+from .test_hook_core import (
+    _ddp,
+    _grads,
+    _needs_bucket_caps,
+    _Net,
+    _resume_across_layouts,
+    _step,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -96,6 +104,33 @@ def _refused(rank, world):
     text = str(info.value)
     assert "ranks disagree on the compression settings" in text, text
     assert "rank 0: dtype=bfloat16" in text and "delay=0" in text and "delay=1" in text, text
+
+    # Gradients in waiting of another model on rank 1, then on rank 0 alone: every rank raises
+    # at the handshake, where rank 1 alone would raise when its bucket takes them up (or, with
+    # none loaded, add zeros where rank 0 adds the step before the checkpoint).
+    gen = torch.Generator().manual_seed(rank)
+    saved = {}
+    for width in (24, 20):
+        model = _ddp(_Net(width=width))
+        state = fastddp.CompressState(delay=1)
+        model.register_comm_hook(state, fastddp.compress_hook)
+        for _ in range(2):
+            _step(model, gen, width=width)
+        saved[width] = state.state_dict()
+    for loaded, what, rank_1 in [
+        (saved[20], "saved buckets", "rank 1: saved buckets for 8 tensor(s), 1680 elements"),
+        (None, "delayed gradients (delay=1)", "rank 1: none"),
+    ]:
+        model = _ddp(_Net())
+        state = fastddp.CompressState(delay=1)
+        if rank == 0 or loaded is not None:
+            state.load_state_dict(saved[24] if rank == 0 else loaded)
+        model.register_comm_hook(state, fastddp.compress_hook)
+        with pytest.raises(Exception, match=re.escape(f"given {what} for other tensors")) as info:
+            _step(model, gen)
+        text = str(info.value)
+        assert f"rank 0: {what.split(' (')[0]} for 8 tensor(s), 2400 elements" in text, text
+        assert rank_1 in text, text
     dist.barrier()
 
 
