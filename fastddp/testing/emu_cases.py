@@ -83,19 +83,21 @@ CHECKS = [
     ("unpack_int8", check_unpack_int8,
      [(_codes_n(b, 7, 4), b, r, pad, off) for b in (32, 100) for r, pad, off in LAYOUTS]),
     # Blocks of 32 and 128 (vector kernels), 6 for int4 and 12 for int2 (scalar).
-    # And int2 rows of 32 codes past a group of 64 (a group of lanes straddles rows' starts)
-    # 8 bytes apart, so that a row of codes starts 16-byte aligned: groups align to the lanes.
+    # And, first (a sweep stops at its first failure, and a defect of the lanes' groups shows
+    # in this case alone), int2 rows of 32 codes past a group of 64 (a group of lanes
+    # straddles rows' starts) 8 bytes apart, so that a row of codes starts 16-byte aligned:
+    # groups align to the lanes.
     ("quantize_packed", check_quantize_packed,
-     [(bits, _codes_n(b), b, v, r, pad, off) for bits in (4, 2) for b in (32, 128, 6 * (6 - bits))
-      for v in ("plain", "ef", "sr") for r, pad, off in LAYOUTS]
-     + [(2, _codes_n(32), 32, "plain", 3, 8, False)]),
+     [(2, _codes_n(32), 32, "plain", 3, 8, False)]
+     + [(bits, _codes_n(b), b, v, r, pad, off) for bits in (4, 2) for b in (32, 128, 6 * (6 - bits))
+        for v in ("plain", "ef", "sr") for r, pad, off in LAYOUTS]),
     ("dequantize_packed", check_decode_packed,
      [("dequantize", bits, _codes_n(b, b, 4), b, 3, pad, off) for bits in (4, 2)
       for b in (32, 128, 6 * (6 - bits)) for pad, off in ((16, False), (4, False), (16, True))]),
     ("unpack_packed", check_decode_packed,
-     [("unpack", bits, _codes_n(b, 7, 4), b, r, pad, off) for bits in (4, 2)
-      for b in (32, 128, 6 * (6 - bits)) for r, pad, off in LAYOUTS]
-     + [("unpack", 2, _codes_n(32, 7, 4), 32, 3, 8, False)]),
+     [("unpack", 2, _codes_n(32, 7, 4), 32, 3, 8, False)]
+     + [("unpack", bits, _codes_n(b, 7, 4), b, r, pad, off) for bits in (4, 2)
+        for b in (32, 128, 6 * (6 - bits)) for r, pad, off in LAYOUTS]),
 ]  # fmt: skip
 
 # Every kernel of csrc/cuda (by name and bits), which the checks of CHECKS must launch.
