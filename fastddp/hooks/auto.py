@@ -162,7 +162,7 @@ class AutoState(CompressState):
         if not self._checked:  # every rank must run the same trial: raise on every rank alike
             self._checked = True
             cpp = self._switch is not None  # the turns' order depends on it
-            plan = None if self._plan is None else candidates.spelled(self._using)
+            plan = None if self._plan is None else candidates.spelled(self._using, self._plan)
             trial.agree(self.allow, _rules(), cpp, self.process_group, device, plan)
             self._stamp = links.stamper(device, self.process_group)
         if last is not None:
@@ -330,7 +330,7 @@ class AutoState(CompressState):
         using = choice.restored(plan, self.allow)
         for name, sd in state_dict["candidates"].items():
             self._states[name].load_state_dict(sd)
-        self._owed = Owed()
+        self._owed, self._checked = Owed(), False  # the loaded plan is agreed on again
         self._restart()
         self._plan = None if plan is None else {**choice.plain(plan), "trial": False}
         self._using = using

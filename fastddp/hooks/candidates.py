@@ -105,9 +105,11 @@ def label(using: Assignment) -> str:
     return using if isinstance(using, str) else MIXED
 
 
-def spelled(using: Assignment) -> str:
-    """The candidate of a uniform plan, or ``"mixed: "`` and each bucket's."""
-    return using if isinstance(using, str) else "mixed: " + ", ".join(using)
+def spelled(using: Assignment, plan: dict) -> str:
+    """The candidate of a uniform plan, or ``"mixed: "`` and each bucket's; and the step time
+    ``plan`` expects, which a later check holds the steps against."""
+    modes = using if isinstance(using, str) else "mixed: " + ", ".join(using)
+    return f"{modes}, {plan.get('planned_ms')!r} ms a step"
 
 
 def mode_of(using: Assignment, index: int, plan: Optional[dict]) -> str:

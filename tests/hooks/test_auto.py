@@ -285,23 +285,39 @@ def test_ranks_that_disagree_on_allow_fail_alike():
 
 def _plans_differ(rank, world):
     # A rank that runs a loaded plan issues other collectives than one that starts a trial, or
-    # that runs another plan: every rank raises at the first step, none waits for the others.
+    # that runs another plan (or holds its steps against another time, and re-plans alone):
+    # every rank raises at the first step, none waits for the others.
     allow = ["none", "bf16", "int8-ef"]
-    cases = [("bf16", None, r"ranks \[0\]: plan A\n  ranks \[1\]: no plan"),
-             ("bf16", "int8-ef", r"ranks \[0\]: plan A\n  ranks \[1\]: plan B")]  # fmt: skip
+
+    def load(state, mode, ms):
+        planned = {"mode": mode, "uniform": mode, "step_ms": {}, "planned_ms": ms}
+        planned.update(made_at_step=0, plans=1, buckets=None)
+        state.load_state_dict({"settings": state.settings(), "plan": planned, "candidates": {}})
+
+    one, two = r"ranks \[0\]: plan A\n  ranks \[1\]: ", "plan B"
+    cases = [(("bf16", 9.0), None, one + "no plan"), (("bf16", 9.0), ("int8-ef", 9.0), one + two),
+             (("bf16", 9.0), ("bf16", 8.0), one + two)]  # fmt: skip
     for mine, other, want in cases:
         model = DDP(_Net(depth=2), bucket_cap_mb=0.01)
         state = fastddp.CompressState(dtype="auto", allow=allow)
-        mode = mine if rank == 0 else other
-        if mode is not None:
-            planned = {"mode": mode, "uniform": mode, "step_ms": {}, "planned_ms": 1e9}
-            planned.update(made_at_step=0, plans=1, buckets=None)
-            state.load_state_dict({"settings": state.settings(), "plan": planned, "candidates": {}})
+        plan = mine if rank == 0 else other
+        if plan is not None:
+            load(state, *plan)
         model.register_comm_hook(state, fastddp.compress_hook)
         with pytest.raises(ValueError, match="load_state_dict gave the ranks different plans") as e:
             model(torch.ones(2, 24)).sum().backward()
         assert re.search(want, str(e.value)), str(e.value)
-        assert f"(this rank's: {mode or 'none'})" in str(e.value)
+        this = "none" if plan is None else f"{plan[0]}, {plan[1]} ms a step"
+        assert f"(this rank's: {this})" in str(e.value), str(e.value)
+    # Loaded again after steps run: agreed on again.
+    model = DDP(_Net(depth=2), bucket_cap_mb=0.01)
+    state = fastddp.CompressState(dtype="auto", allow=allow)
+    load(state, "bf16", 9.0)
+    model.register_comm_hook(state, fastddp.compress_hook)
+    model(torch.ones(2, 24)).sum().backward()
+    load(state, "bf16", 9.0 - rank)
+    with pytest.raises(ValueError, match="load_state_dict gave the ranks different plans"):
+        model(torch.ones(2, 24)).sum().backward()
     dist.barrier()
 
 
