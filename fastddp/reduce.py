@@ -106,6 +106,12 @@ def all_reduce(
                 f"{where}: state has delay=1, which only DDP's compress_hook applies (it hands "
                 "back the previous step's gradient); give all_reduce a state with delay=0"
             )
+        if state._verified and state._layout is None:
+            raise ValueError(
+                f"{where}: this state reduces a DDP model's buckets (compress_hook) or an FSDP2 "
+                "module's gradients; its buffers and residuals belong to them. Give all_reduce "
+                "a CompressState of its own"
+            )
         if group is not None and group is not state.process_group:
             raise ValueError(
                 f"{where}: group differs from state.process_group; build the CompressState "

@@ -217,6 +217,11 @@ def compress_hook(
         return state._reduce_bucket(bucket)
     if state.delay:
         return _reduce_delayed(state, bucket)
+    if state._layout is not None:
+        raise ValueError(
+            "fastddp.compress_hook: this state was given to fastddp.all_reduce, and its buffers "
+            "and residuals belong to those tensors; register a CompressState of its own"
+        )
     return _reduce(
         state,
         bucket.buffer(),

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
 
@@ -183,6 +184,26 @@ def _bad_input(rank, world):
         (
             lambda: fastddp.all_reduce([torch.ones(3), torch.ones(3, device="meta")]),
             "rank 1: tensors[1] is on another device than tensors[0]",
+        ),
+    ]
+    # One state for a model's buckets and for all_reduce: their buffers and residuals would
+    # mix. Refused both ways, on every rank (each rank's state has the same history).
+    model = DDP(torch.nn.Linear(4, 4))
+    hooked = fastddp.CompressState.from_preset("int8-ef")
+    model.register_comm_hook(hooked, fastddp.compress_hook)
+    model(torch.ones(2, 4)).sum().backward()
+    reduced = fastddp.CompressState.from_preset("int8-ef")
+    fastddp.all_reduce(torch.ones(5), state=reduced)
+    other = DDP(torch.nn.Linear(4, 4))
+    other.register_comm_hook(reduced, fastddp.compress_hook)
+    cases += [
+        (
+            lambda: fastddp.all_reduce(torch.ones(3), state=hooked),
+            "this state reduces a DDP model's buckets (compress_hook)",
+        ),
+        (
+            lambda: other(torch.ones(2, 4)).sum().backward(),
+            "compress_hook: this state was given to fastddp.all_reduce",
         ),
     ]
     for make, message in cases:
