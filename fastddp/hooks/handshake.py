@@ -139,7 +139,7 @@ def check(rows: list[tuple[int, ...]]) -> None:
     _loaded_alike(rows, 14, 3, "residuals" if rows[0][3] else "saved buckets")
     # With delay=1, a rank that loaded none would add zeros where the others add the gradient
     # of the step before the checkpoint.
-    _loaded_alike(rows, 19, 7, "delayed gradients (delay=1)")
+    _loaded_alike(rows, 19, 7, "delayed gradients", " (delay=1)")
     resized = sorted({row[9] for row in rows if row[8] != -1 and row[9] != world})
     if resized:
         raise ValueError(
@@ -163,20 +163,23 @@ def check(rows: list[tuple[int, ...]]) -> None:
         )
 
 
-def _loaded_alike(rows: list[tuple[int, ...]], at: int, needed: int, what: str) -> None:
+def _loaded_alike(
+    rows: list[tuple[int, ...]], at: int, needed: int, noun: str, note: str = ""
+) -> None:
     """Raise unless every rank loaded the same sizes (:func:`_digest`, columns ``at`` on), or
-    none where column ``needed`` (the setting that gives them) is 0 on every rank."""
+    none where column ``needed`` (the setting that gives them) is 0 on every rank; ``noun``
+    names what was loaded, ``note`` follows it in the first line."""
     if len({row[at : at + 3] for row in rows if row[at] or row[needed]}) <= 1:
         return
     lines = [
-        f"  rank {r}: {what.split(' (')[0]} for {row[at]} tensor(s), {row[at + 1]} elements"
+        f"  rank {r}: {noun} for {row[at]} tensor(s), {row[at + 1]} elements"
         if row[at]
         else f"  rank {r}: none"
         for r, row in enumerate(rows)
     ]
     raise ValueError(
-        f"fastddp: CompressState.load_state_dict was given {what} for other tensors on some ranks "
-        "than on others (or on some ranks only):\n"
+        f"fastddp: CompressState.load_state_dict was given {noun}{note} for other tensors on "
+        "some ranks than on others (or on some ranks only):\n"
         + "\n".join(lines)
         + "\nLoad into each rank the state dict that rank saved, of the same model, on every "
         "rank (or start without them)."
