@@ -148,3 +148,15 @@ def test_a_busy_guard_counts_the_cpu_of_a_commands_children_and_stops_them_all(m
     assert slack.join_busy(proc, cpu_s=1, idle_s=600) is None
     assert proc.returncode == -9 and _gone(child)
     proc.stdout.close()
+
+
+@pytest.mark.timeout(60)
+def test_run_stops_a_command_past_its_timeout_with_what_it_started():
+    # The child holds the pipes open, as a launcher's workers do; it leaves with the command.
+    cmd = ["sh", "-c", "sleep 300 & echo $!; wait"]
+    with pytest.raises(subprocess.TimeoutExpired) as stopped:
+        slack.run(cmd, timeout=1)
+    child = int(stopped.value.output.split()[0])
+    assert _gone(child)
+    done = slack.run(["sh", "-c", "echo out; echo err >&2; exit 4"], timeout=30)
+    assert (done.returncode, done.stdout, done.stderr) == (4, "out\n", "err\n")

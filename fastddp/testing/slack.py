@@ -15,6 +15,7 @@ descendants' instead (:func:`join_busy`): run niced under a full machine it may 
 for a core, which a wall-clock guard takes for a hang.
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -22,7 +23,7 @@ import sys
 import time
 from typing import Optional
 
-__all__ = ["MAX", "REFERENCE_IMPORT_S", "VAR", "factor", "guard", "join_busy", "measure"]
+__all__ = ["MAX", "REFERENCE_IMPORT_S", "VAR", "factor", "guard", "join_busy", "measure", "run"]
 
 VAR = "FASTDDP_TEST_SLACK"
 REFERENCE_IMPORT_S = 1.0  # CPU s of `import torch` on the machine the guards were sized on
@@ -114,3 +115,41 @@ def join_busy(proc, cpu_s: float, idle_s: float, poll: float = 0.5) -> Optional[
             while _exit_code(proc, poll) is None:
                 pass
             return None
+
+
+def run(cmd, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, ...)`` in a session of its own.
+
+    A command past ``timeout`` (seconds, not scaled here) is stopped with what it started,
+    which ``subprocess.run`` would leave running to hold ports, namespaces and cores under the
+    tests after it: SIGTERM to its group first (a launcher stops its workers, which have
+    sessions of their own; ``python -m fastddp.netns`` removes its namespaces), SIGKILL to
+    the group after a grace period. Raises ``subprocess.TimeoutExpired`` with what it wrote.
+    """
+    kwargs.pop("capture_output", None)  # as subprocess.run's: this captures by default
+    kwargs.setdefault("text", True)
+    kwargs.setdefault("stdout", subprocess.PIPE)
+    kwargs.setdefault("stderr", subprocess.PIPE)
+    with subprocess.Popen(cmd, start_new_session=True, **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            out, err = _stop(proc)
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+        except BaseException:
+            _stop(proc)
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _stop(proc: subprocess.Popen, grace: float = 15.0) -> tuple:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        return proc.communicate(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        return proc.communicate()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    return proc.communicate()

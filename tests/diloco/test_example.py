@@ -1,7 +1,6 @@
 """``examples/diloco_train.py`` runs under the launcher as documented, and learns."""
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ def test_the_example_learns_on_two_pretend_nodes():
     cmd = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]
     cmd += [str(ROOT / "examples" / "diloco_train.py"), "--pretend-nodes", "2"]
     cmd += ["--steps", "40", "--sync-every", "10"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(150))
+    res = slack.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(150))
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
     assert "int8-ef: 2 node(s) x 1 rank(s), 4 rounds" in out, out

@@ -1,7 +1,6 @@
 """DiLoCo under ``fastddp.launch --max-restarts``: a rank killed mid-round, the job restarted
 from the last round's checkpoint, ends bit for bit where an uninterrupted job does."""
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ def _job(run: Path, *extra: str) -> list[torch.Tensor]:
     run.mkdir()
     cmd = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "4"]
     cmd += ["--max-restarts", "1", str(WORKER), "--dir", str(run), *extra]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(240))
+    res = slack.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(240))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return torch.load(run / "params.pt")
 

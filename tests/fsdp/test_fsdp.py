@@ -3,7 +3,6 @@ and inside FSDP2 (``fully_shard`` of a small decoder, Gloo, 2 and 4 ranks) again
 fp32 reduce-scatter."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -225,7 +224,7 @@ def test_bad_settings_are_refused():
 def test_example_trains_with_the_compressed_reduce_scatter():
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    res = subprocess.run(
+    res = slack.run(
         [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2",
          "examples/fsdp_train.py", "--steps", "20", "--width", "32", "--layers", "1"],
         cwd=root, env=env, capture_output=True, text=True, timeout=slack.guard(180),

@@ -3,7 +3,6 @@
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.launcher]
 def _train(preset: str) -> list[float]:
     cmd = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]
     cmd += [str(SCRIPT), "--preset", preset, "--steps", "41"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(150))
+    res = slack.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(150))
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
     assert f"{preset}: 2 ranks" in out and "weights identical on every rank" in out, out
@@ -42,7 +41,7 @@ def test_the_gpt_example_plans_with_auto(tmp_path):
     cmd = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]
     cmd += [str(ROOT / "examples" / "gpt_train.py"), "--preset", "auto", "--steps", "24"]
     cmd += ["--width", "32", "--layers", "1", "--seq", "16", "--batch", "2", "--json", str(out)]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(150))
+    res = slack.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(150))
     assert res.returncode == 0, res.stdout + res.stderr
     summary = json.loads(out.read_text())
     # The default four candidates plan by step 21; the summary names what was kept.

@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ SCRIPT = ROOT / "tests" / "hooks" / "_frameworks.py"
 
 def _run(cmd, tmp_path, timeout=240):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    res = subprocess.run(
+    res = slack.run(
         cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=slack.guard(timeout)
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]

@@ -7,7 +7,6 @@ all-reduce. Needs root; skipped cleanly otherwise.
 """
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ def test_hybrid_on_two_nodes_of_two_ranks(tmp_path):
     out = tmp_path / "hsdp.json"
     cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "2", "--nproc-per-node", "2"]
     cmd += ["--rate", "1gbit", "--timeout", "200", "tests/multinode/_hsdp_worker.py", str(out)]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(260))
+    res = slack.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(260))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["mesh"] == [[0, 1], [2, 3]], report
@@ -46,7 +45,7 @@ def test_the_example_trains_hybrid_with_quantized_gathers_on_two_nodes():
     cmd += ["--rate", "1gbit", "--timeout", "150", "examples/fsdp_train.py", "--steps", "20"]
     cmd += ["--width", "32", "--layers", "1", "--wire", "none", "--hybrid", "int8-ef"]
     cmd += ["--quantize-all-gather"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(200))
+    res = slack.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(200))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = res.stdout
     losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")]

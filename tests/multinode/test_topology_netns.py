@@ -29,7 +29,7 @@ def test_two_nodes_of_two_ranks_over_a_real_link(tmp_path):
     out = tmp_path / "topology.json"
     cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "2", "--nproc-per-node", "2"]
     cmd += ["--rate", "1gbit", "--timeout", "150", "tests/multinode/_topology_worker.py", str(out)]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(200))
+    res = slack.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(200))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())
     assert (report["world"], report["nodes"]) == (4, 2)
@@ -173,7 +173,7 @@ def test_three_nodes_of_two_ranks_find_their_nodes_and_reduce():
         pytest.skip(why)
     cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "3", "--nproc-per-node", "2"]
     cmd += ["--rate", "1gbit", "--timeout", "150", "tests/multinode/_three_nodes_worker.py"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(200))
+    res = slack.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(200))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     for name in ("bf16", "bf16-acc", "int8"):
         assert f"{name}: hierarchical-" in res.stdout, res.stdout[-2000:]
@@ -194,7 +194,7 @@ def test_three_nodes_of_two_ranks_find_their_nodes_and_reduce():
 def test_netns_refuses_bad_options(args, message):
     # Refused before any namespace is made, so this needs no root.
     cmd = [sys.executable, "-m", "fastddp.netns", *args]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(60))
+    res = slack.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(60))
     assert res.returncode == 2 and message in res.stderr, res.stderr
 
 
@@ -216,13 +216,13 @@ def test_a_bad_rate_and_a_job_past_its_timeout_are_named_and_leave_nothing(tmp_p
     if why:
         pytest.skip(why)
     cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "1"]
-    res = subprocess.run([*cmd, "--rate", "fast", "script.py"], cwd=ROOT, capture_output=True,
+    res = slack.run([*cmd, "--rate", "fast", "script.py"], cwd=ROOT, capture_output=True,
                          text=True, timeout=slack.guard(60))  # fmt: skip
     assert res.returncode == 2 and "tc refused the rate 'fast'" in res.stderr, res.stderr
     marker = f"fastddp-sleeper-{uuid.uuid4().hex[:12]}"
     script = tmp_path / f"{marker}.py"
     script.write_text("import time\ntime.sleep(300)\n")
-    res = subprocess.run([*cmd, "--timeout", "3", str(script)], cwd=ROOT, capture_output=True,
+    res = slack.run([*cmd, "--timeout", "3", str(script)], cwd=ROOT, capture_output=True,
                          text=True, timeout=slack.guard(90))  # fmt: skip
     assert res.returncode == 124, res.stdout[-2000:] + res.stderr[-2000:]
     assert "the job ran past --timeout 3 s; its nodes were stopped" in res.stderr
