@@ -114,6 +114,25 @@ def _master(args: argparse.Namespace) -> tuple[str, int]:
     return args.master_addr, int(args.master_port)
 
 
+def _literal(host: str) -> Optional[str]:
+    """``host`` as an address where it is one (or ``localhost``), else None."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return None
+
+
+def _warn_loopback(host: str, addr: Optional[str], max_nodes: int) -> None:
+    if addr is not None and max_nodes > 1 and ipaddress.ip_address(addr).is_loopback:
+        say(
+            f"warning: the master {host} is a loopback address: nodes on other machines "
+            "cannot reach it (fine only when every node runs on this machine)"
+        )
+
+
 def preflight(args: argparse.Namespace, network: bool = True) -> tuple[dict, Decisions]:
     """Check the configuration and (with ``network``) the network.
 
@@ -144,15 +163,13 @@ def preflight(args: argparse.Namespace, network: bool = True) -> tuple[dict, Dec
         info.update(master="localhost (standalone)", interface="lo")
         return info, decisions
     if not network:
+        # A dry run resolves nothing, but a literal loopback master is plain without it.
+        _warn_loopback(host, _literal(host), max_nodes)
         info.update(master=f"{host}:{port}", interface="not checked (--dry-run)")
         return info, decisions
     addr = net.resolve(host.strip("[]"), timeout=10.0)
     loopback = ipaddress.ip_address(addr).is_loopback
-    if loopback and max_nodes > 1:
-        say(
-            f"warning: the master {host} is a loopback address: nodes on other machines "
-            "cannot reach it (fine only when every node runs on this machine)"
-        )
+    _warn_loopback(host, addr, max_nodes)
     local, iface = net.route_to(addr, port)
     is_master = (args.node_rank == 0) if static else net.is_local(addr)
     if is_master and static:

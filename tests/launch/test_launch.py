@@ -53,12 +53,12 @@ def _env(**extra):
 def _launch(*args, **env):
     """Run the launcher in the foreground; for runs that start no workers."""
     cmd = [*LAUNCH, *args]
-    return subprocess.run(cmd, env=_env(**env), capture_output=True, text=True, timeout=60)
+    return slack.run(cmd, env=_env(**env), capture_output=True, text=True, timeout=60)
 
 
 def _python(code):
     cmd = [sys.executable, "-c", code]
-    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=60)
+    return slack.run(cmd, env=_env(), capture_output=True, text=True, timeout=60)
 
 
 def _free_port():
@@ -161,7 +161,14 @@ def test_slurm_dry_run_on_both_nodes():
         assert f"node_rank={node} master_addr=gpu07" in line
         ports.add(line.rsplit("master_port=", 1)[1])
         assert "worker command:" in res.stderr and "train.py" in res.stderr
+        assert "loopback" not in res.stderr  # a host name: a dry run resolves nothing
     assert len(ports) == 1
+
+
+def test_dry_run_warns_of_a_loopback_master_for_several_nodes():
+    res = _launch("--dry-run", "--nnodes", "2", "--master-addr", "[::1]", "x.py")
+    assert res.returncode == 0, res.stderr
+    assert "warning: the master [::1] is a loopback address" in res.stderr
 
 
 def test_command_line_beats_pet_beats_detection():
