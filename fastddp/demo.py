@@ -2,8 +2,9 @@
 
 ``python -m fastddp.demo`` (what ``make demo`` runs) shows where compression pays: it runs on two
 nodes made of network namespaces joined by a ``--link`` of 1 Gbit/s, one rank each, where this
-machine allows namespaces (root), through ``python -m fastddp.netns``; elsewhere, or with
-``--link none``, on ``--nproc`` local ranks over loopback through ``python -m fastddp.launch
+machine allows namespaces (root), through ``python -m fastddp.netns`` (``--nproc`` ranks on each
+node, default 1); elsewhere, or with ``--link none``, on ``--nproc`` local ranks (default 2) over
+loopback through ``python -m fastddp.launch
 --standalone``, and it says so. Under any torchrun-style launcher it runs as launched. Ranks
 talk over Gloo, on the CPU. Modes: plain DDP, fastddp's bf16, bf16 summed in fp32, int8 with
 error feedback, and ``auto``, which measures those on the job and keeps the fastest (its row
@@ -168,8 +169,12 @@ def _run(rank, world, args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (no launcher)")
+    p = argparse.ArgumentParser(prog="python -m fastddp.demo", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--nproc",
+        type=int,
+        help="ranks on each of the two namespace nodes (default 1), or on loopback (default 2)",
+    )
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--width", type=int, default=1024)
@@ -187,7 +192,6 @@ def main(argv=None):
     )
     args = p.parse_args(argv)
     for name in (
-        "nproc",
         "steps",
         "batch",
         "width",
@@ -199,6 +203,8 @@ def main(argv=None):
     ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.nproc is not None and args.nproc < 1:
+        p.error("--nproc must be at least 1")
     if "RANK" in os.environ:  # started by a launcher
         # Gloo on CPU even where GPUs exist: this demo compares the CPU paths.
         timeout = timedelta(seconds=120)
@@ -214,7 +220,7 @@ def _relaunch(args, argv) -> int:
     why = "--link none" if args.link == "none" else netns.unavailable_reason()
     env = dict(os.environ)
     if not why:
-        cmd = [*me, "--nodes", "2", "--rate", args.link, "--nproc-per-node", "1"]
+        cmd = [*me, "--nodes", "2", "--rate", args.link, "--nproc-per-node", str(args.nproc or 1)]
         env["FASTDDP_DEMO_LINK"] = args.link
     else:
         if args.link != "none":
@@ -224,7 +230,7 @@ def _relaunch(args, argv) -> int:
                 flush=True,
             )
         cmd = [sys.executable, "-m", "fastddp.launch", "--standalone"]
-        cmd += ["--nproc-per-node", str(args.nproc)]
+        cmd += ["--nproc-per-node", str(args.nproc or 2)]
     return subprocess.call([*cmd, "-m", "fastddp.demo", *argv], env=env)
 
 
