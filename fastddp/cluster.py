@@ -298,6 +298,15 @@ def process_settings(env: Mapping[str, str]) -> tuple[str, dict[str, Setting]]:
             )
         out.setdefault("master_port", Setting(DEFAULT_PORT, "default"))
         return "mpi", out
+    # One of the two alone is a job set up by hand with a variable left out: each process
+    # would train alone as rank 0 of 1, without a word.
+    for given, missing in (("RANK", "WORLD_SIZE"), ("WORLD_SIZE", "RANK")):
+        if env.get(given) is not None and env.get(missing) is None:
+            raise ClusterError(
+                f"{given} is set but {missing} is not; export RANK, WORLD_SIZE, LOCAL_RANK, "
+                f"MASTER_ADDR and MASTER_PORT on every process (or unset {given} for a "
+                "single process)"
+            )
     return "single", {
         "rank": Setting(0, "single process"),
         "world_size": Setting(1, "single process"),

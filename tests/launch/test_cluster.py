@@ -133,6 +133,12 @@ def test_process_settings_tables(env, source, want):
 
 
 def test_process_settings_errors():
+    for env, missing in (
+        ({"RANK": "1", "LOCAL_RANK": "1"}, "WORLD_SIZE"),
+        ({"WORLD_SIZE": "2"}, "RANK"),
+    ):
+        with pytest.raises(ClusterError, match=f"is set but {missing} is not; export RANK"):
+            process_settings({**env, "MASTER_ADDR": "h", "MASTER_PORT": "1"})
     with pytest.raises(ClusterError, match="LOCAL_RANK is not"):
         process_settings({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
     with pytest.raises(ClusterError, match="MASTER_ADDR/MASTER_PORT are not"):
