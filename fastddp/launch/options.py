@@ -8,6 +8,7 @@ preflight or torchrun sees them.
 
 import argparse
 import os
+import sys
 
 from torch.distributed import run as torchrun
 
@@ -66,6 +67,7 @@ def check(args: argparse.Namespace) -> None:
         raise LaunchError(f"--nproc-per-node {nproc}: give at least 1 process per node")
     if args.rdzv_endpoint:
         endpoint(args.rdzv_endpoint)
+    _check_script(args)
     if args.preflight_timeout is None:
         raw = os.environ.get(PREFLIGHT_TIMEOUT_VAR, "20")
         try:
@@ -80,3 +82,19 @@ def check(args: argparse.Namespace) -> None:
             f"the preflight timeout must be positive seconds, got {args.preflight_timeout} "
             f"(--preflight-timeout or {PREFLIGHT_TIMEOUT_VAR})"
         )
+
+
+def _check_script(args: argparse.Namespace) -> None:
+    """A script that is not there: refused before any worker starts (each would fail alone,
+    and ``--max-restarts`` would start them again); a dry run says so and goes on."""
+    script = args.training_script
+    if args.module or args.no_python or os.path.isfile(script):
+        return
+    what = "is a directory" if os.path.isdir(script) else "does not exist"
+    message = (
+        f"the training script {script} {what} (in {os.getcwd()}); give the path of a Python "
+        "file, -m for a module, or --no-python for a program"
+    )
+    if not args.dry_run:
+        raise LaunchError(message)
+    print(f"fastddp.launch: warning: {message}", file=sys.stderr, flush=True)

@@ -186,6 +186,16 @@ def test_bad_node_rank_is_refused():
     assert "--node-rank 2 is not valid with --nnodes 2: node ranks run from 0 to 1" in res.stderr
 
 
+def test_a_missing_script_is_refused_before_any_worker_starts(tmp_path):
+    missing = str(tmp_path / "trian.py")
+    res = _launch("--standalone", "--nproc-per-node", "2", "--max-restarts", "3", missing)
+    assert res.returncode == 2, res.stderr
+    assert f"error: the training script {missing} does not exist" in res.stderr
+    assert "can't open file" not in res.stderr  # no worker started
+    res = _launch("--dry-run", "--standalone", missing)
+    assert res.returncode == 0 and "warning: the training script" in res.stderr, res.stderr
+
+
 def test_srun_with_several_tasks_per_node_is_refused():
     slurm = dict(SLURM_JOB_ID=5, SLURM_STEP_ID=0, SLURM_NTASKS_PER_NODE=4, SLURM_JOB_NODELIST="n1")
     res = _launch("--dry-run", "x.py", **slurm)

@@ -43,7 +43,7 @@ def test_a_bad_preflight_timeout_variable_is_refused_and_help_still_works(capsys
     err = capsys.readouterr().err
     assert "FASTDDP_PREFLIGHT_TIMEOUT='abc' is not a number of seconds" in err, err
     monkeypatch.setenv(options.PREFLIGHT_TIMEOUT_VAR, "7.5")
-    args = cli.build_parser().parse_args(["--standalone", "train.py"])
+    args = cli.build_parser().parse_args(["--standalone", __file__])
     options.check(args)
     assert args.preflight_timeout == 7.5
 
