@@ -172,6 +172,7 @@ def preflight(args: argparse.Namespace, network: bool = True) -> tuple[dict, Dec
     _warn_loopback(host, addr, max_nodes)
     local, iface = net.route_to(addr, port)
     is_master = (args.node_rank == 0) if static else net.is_local(addr)
+    hosts = is_master
     if is_master and static:
         net.check_port_free(addr, port)
     elif is_master:
@@ -182,12 +183,19 @@ def preflight(args: argparse.Namespace, network: bool = True) -> tuple[dict, Dec
         except LaunchError:
             net.probe(addr, port, local, iface, 2.0)
             say(f"the rendezvous port {port} is already served on this machine; joining it")
+            hosts = False
         else:
             if _must_claim_c10d_host(args, host):
                 why = f"the endpoint {host} is an address of this node"
                 decisions.rdzv_conf = ("is_host=1", why)
     else:
         net.probe(addr, port, local, iface, args.preflight_timeout, say, net.NOT_STARTED_S)
+    if hosts and max_nodes > 1:
+        # Else the rendezvous host waits in silence until the other nodes come (or its timeout).
+        say(
+            f"this node hosts the rendezvous at {host}:{port}; the workers start when the other "
+            f"nodes join it (each launched with this address, up to {max_nodes - 1} more)"
+        )
     info.update(
         master=f"{host}:{port}" + (f" ({addr})" if addr != host else ""),
         interface=iface or "unknown",

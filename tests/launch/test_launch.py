@@ -268,6 +268,7 @@ def test_two_launchers_static_on_loopback():
     text = "".join(first) + "".join(outs)
     assert text.count("worker ok") == 2, text
     assert "the master 127.0.0.1 is a loopback address" in text
+    assert f"this node hosts the rendezvous at 127.0.0.1:{port}; the workers start" in text
     assert "node_rank=1 nodes=2" in text and "node_rank=0 nodes=2" in text
 
 
