@@ -193,8 +193,11 @@ def init_distributed(
         attempt = ""
     else:
         addr, port = settings["master_addr"].value, int(settings["master_port"].value)
-        store, attempt = joining.store_for(launcher, env, addr, port, rank, world, timeout)
-        joining.agree(store, rank, world, backend, problem)
+        # A launcher reports its own waits; a job started by hand has only this line.
+        waiting = joining.said_while_waiting if launcher == "env" else _quiet
+        with waiting(rank, world, addr, port):
+            store, attempt = joining.store_for(launcher, env, addr, port, rank, world, timeout)
+            joining.agree(store, rank, world, backend, problem)
         kwargs = {"store": store}
     if use_cuda:
         device = torch.device("cuda", local_rank)
@@ -299,3 +302,8 @@ def distributed_session(**kwargs) -> Iterator[DistEnv]:
 def is_main_process() -> bool:
     """True on global rank 0, and in a process that is not part of a distributed job."""
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+@contextlib.contextmanager
+def _quiet(*_: object) -> Iterator[None]:
+    yield

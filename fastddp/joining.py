@@ -8,6 +8,9 @@ to the store, waits for all, and all raise the same error if any rank cannot sta
 """
 
 import contextlib
+import sys
+import threading
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Optional
 
@@ -16,11 +19,42 @@ import torch.distributed as dist
 from fastddp.cluster import ClusterError
 from fastddp.launch.store import MARKER as ROUND_STORE_MARKER
 
-__all__ = ["agree", "store_for"]
+__all__ = ["agree", "said_while_waiting", "store_for"]
 
 _KEY = "fastddp/join/"
 # How long rank 0, whose process serves the store, stays for the others to read a failure.
 _LINGER = timedelta(seconds=30)
+# How long a rank started by hand waits for the others before it says so.
+WAIT_SAY_S = 20.0
+
+
+@contextlib.contextmanager
+def said_while_waiting(
+    rank: int, world: int, addr: str, port: int, after_s: Optional[float] = None
+) -> Iterator[None]:
+    """Print one line if the body (joining the others) takes longer than ``after_s``.
+
+    For ranks started by hand: one that was never started, or given another ``MASTER_PORT``,
+    would leave the others waiting in silence until their timeout (10 minutes by default).
+    """
+    after_s = WAIT_SAY_S if after_s is None else after_s
+
+    def say() -> None:
+        print(
+            f"fastddp.init_distributed: rank {rank} has waited {after_s:g} s for the other "
+            f"{world - 1} rank(s) at {addr}:{port}; start every rank with the same "
+            "WORLD_SIZE, MASTER_ADDR and MASTER_PORT (and RANK 0 to WORLD_SIZE-1)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    timer = threading.Timer(after_s, say)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def store_for(

@@ -129,6 +129,30 @@ def test_help_without_the_compiled_extension():
     assert "--preflight-timeout" in res.stdout and "--max-restarts" in res.stdout
 
 
+def test_a_rank_started_by_hand_says_it_waits_for_the_others():
+    # Rank 0 serves the store and waits for rank 1, which never comes; then rank 1 of another
+    # job waits for a rank 0 that never serves. Each says so before its timeout.
+    code = (
+        "import os, sys\n"
+        "from datetime import timedelta\n"
+        "import fastddp, fastddp.joining as j\n"
+        "j.WAIT_SAY_S = 0.5\n"
+        "for rank, port in ((0, sys.argv[1]), (1, sys.argv[2])):\n"
+        "    os.environ.update(RANK=str(rank), WORLD_SIZE='2', LOCAL_RANK='0',\n"
+        "                      MASTER_ADDR='127.0.0.1', MASTER_PORT=port)\n"
+        "    try:\n"
+        "        fastddp.init_distributed(backend='gloo', timeout=timedelta(seconds=3))\n"
+        "    except Exception as e:\n"
+        "        print('raised', type(e).__name__, flush=True)\n"
+    )
+    ports = [str(_free_port()), str(_free_port())]
+    res = slack.run([sys.executable, "-c", code, *ports], env=_env(), timeout=slack.guard(60))
+    assert res.stdout.count("raised") == 2, res.stdout + res.stderr
+    for rank, port in zip((0, 1), ports):
+        line = f"rank {rank} has waited 0.5 s for the other 1 rank(s) at 127.0.0.1:{port}; start"
+        assert line in res.stderr, res.stderr
+
+
 def test_the_launcher_freezes_its_objects_before_it_exits():
     # So that the interpreter's last cycle collection skips them (fastddp/launch/__main__.py).
     code = (
