@@ -23,6 +23,8 @@ def main(argv=None):
     p.add_argument("--preset", default="bf16", choices=["none", "auto", *fastddp.PRESETS])
     p.add_argument("--steps", type=int, default=60)
     args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error("--steps must be at least 1")
     with fastddp.distributed_session() as env:
         device = env.device  # cuda:<local rank> with NCCL, else the CPU with Gloo
         torch.manual_seed(0)  # the same initial weights on every rank

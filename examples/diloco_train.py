@@ -25,6 +25,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--pretend-nodes", type=int, default=0, help="split this machine's ranks")
     args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error("--steps must be at least 1")
     with fastddp.distributed_session() as env:
         if args.pretend_nodes:  # after init_distributed, which wants FASTDDP_* alike everywhere
             node = env.local_rank * args.pretend_nodes // env.local_world_size

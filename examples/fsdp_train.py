@@ -49,6 +49,8 @@ def main() -> None:
     p.add_argument("--hybrid", choices=list(fastddp.PRESETS), help="shard inside each node")
     p.add_argument("--quantize-all-gather", action="store_true", help="int8 parameter gathers")
     args = p.parse_args()
+    if args.steps < 1:
+        p.error("--steps must be at least 1")
 
     with fastddp.distributed_session() as env:
         torch.manual_seed(0)  # the same initial model on every rank
@@ -84,7 +86,7 @@ def main() -> None:
             print(f"{args.steps} steps in {time.perf_counter() - start:.1f} s, wire {args.wire}")
             if comm is not None:
                 s = comm.stats()
-                ratio = s["wire_bytes"] / s["fp32_wire_bytes"]
+                ratio = s["wire_bytes"] / max(1, s["fp32_wire_bytes"])  # 0 on one rank
                 print(f"reduce-scatters: {s['calls']}, bytes sent vs fp32: {ratio:.3f}")
             if across is not None:
                 s = across.stats()

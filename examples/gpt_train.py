@@ -14,6 +14,7 @@ time and the median forward, backward and optimizer times.
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -41,6 +42,10 @@ def main() -> None:
     p.add_argument("--allow", nargs="+", help="auto's candidates (default: fastddp's)")
     p.add_argument("--json", help="rank 0 writes the summary here")
     args = p.parse_args()
+    if args.steps < 1:
+        p.error("--steps must be at least 1")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        p.error(f"--json {args.json}: its folder does not exist; make it first")
 
     with fastddp.distributed_session() as env:
         torch.manual_seed(0)  # the same initial model on every rank

@@ -21,6 +21,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=50)
     args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error("--steps must be at least 1")
     with fastddp.distributed_session() as env:
         torch.manual_seed(0)  # the same initial weights on every rank
         model = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 1))

@@ -61,7 +61,13 @@ def _args(argv=None):
         default="bf16-acc-ef",
         help="the hook's preset (fastddp.PRESETS; default bf16-acc-ef)",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("steps", "ckpt_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.out is not None and not args.out.absolute().parent.is_dir():
+        p.error(f"--out {args.out}: its folder does not exist; make it first")
+    return args
 
 
 def latest_checkpoint(ckpt_dir: Path):

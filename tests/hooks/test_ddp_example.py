@@ -1,8 +1,9 @@
 """``examples/ddp_train.py``, the script users copy, runs as documented and learns; so does
-``examples/gpt_train.py`` with ``dtype="auto"``."""
+``examples/gpt_train.py`` with ``dtype="auto"``; every example refuses bad options first."""
 
 import json
 import re
+import runpy
 import sys
 from pathlib import Path
 
@@ -55,3 +56,27 @@ def test_the_gpt_example_plans_with_auto(tmp_path):
     assert len(summary["steps_ms"]) == 24 and min(summary["steps_ms"]) > 0
     assert set(summary["phase_ms"]) == {"forward", "backward", "optimizer"}
     assert all(ms > 0 for ms in summary["phase_ms"].values()), summary["phase_ms"]
+
+
+@pytest.mark.parametrize(
+    "script, args, message",
+    [
+        ("ddp_train", ["--steps", "0"], "--steps must be at least 1"),
+        ("diloco_train", ["--steps", "0"], "--steps must be at least 1"),
+        ("plain_script", ["--steps", "-1"], "--steps must be at least 1"),
+        ("fsdp_train", ["--steps", "0"], "--steps must be at least 1"),
+        ("gpt_train", ["--steps", "0"], "--steps must be at least 1"),
+        ("gpt_train", ["--json", "/nonexistent/x.json"], "its folder does not exist"),
+        ("resume", ["--ckpt-dir", "c", "--ckpt-every", "0"], "--ckpt-every must be at least 1"),
+        ("resume", ["--ckpt-dir", "c", "--out", "/nonexistent/p.pt"], "its folder does not"),
+    ],
+)
+def test_the_examples_refuse_bad_options_before_they_start(
+    script, args, message, capsys, monkeypatch
+):
+    # In this process: the checks come before any process group (or training, or output).
+    run = runpy.run_path(str(ROOT / "examples" / f"{script}.py"), run_name="example")
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    with pytest.raises(SystemExit) as refused:
+        run["main"]()
+    assert refused.value.code == 2 and message in capsys.readouterr().err
