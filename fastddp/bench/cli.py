@@ -6,7 +6,7 @@ import sys
 import torch
 
 from fastddp.bench import allreduce, convergence, ddp, fsdp, hook_cost, options, peers, report
-from fastddp.bench.common import add_common_options, run_everywhere
+from fastddp.bench.common import add_common_options, count, run_everywhere
 
 
 def _decoder_options(p, width, layers, batch, width_help=None):
@@ -55,7 +55,7 @@ def _parser():
         default="mlp",
         help="square linear layers (default) or a decoder-only transformer",
     )
-    d.add_argument("--params", type=int, default=25_000_000, help="mlp size (default 25M)")
+    d.add_argument("--params", type=count, default=25_000_000, help="mlp size (default 25M)")
     width = "layer width (mlp default: 2048 for large models, else fitted; transformer: 512)"
     _decoder_options(d, width=None, layers=8, batch=16, width_help=width)
     d.add_argument(

@@ -168,6 +168,15 @@ def parse_size(text):
     return int(text)
 
 
+def count(text):
+    """A number of things: '25M' -> 25_000_000, '100K', '1.5G' (powers of ten), or plain."""
+    units = {"K": 10**3, "M": 10**6, "G": 10**9}
+    text = text.strip().upper()
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
 def human(nbytes):
     for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if nbytes >= size and nbytes % (size // 4 or 1) == 0:

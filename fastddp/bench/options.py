@@ -2,6 +2,7 @@
 that a typo or an output that cannot be written costs seconds, not a sweep."""
 
 import importlib.util
+import json
 import os
 
 import torch
@@ -21,6 +22,22 @@ def _check_outputs(p, args):
                 p.error(f"--{option} {path}: the folder {folder} does not exist; make it first")
     if getattr(args, "plot", None) and importlib.util.find_spec("matplotlib") is None:
         p.error("--plot needs matplotlib (pip install matplotlib)")
+
+
+def _check_fp32_from(p, path):
+    """The earlier run must hold an fp32 row (what ``--json`` of a run with fp32 wrote)."""
+    try:
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+        if not any(r["mode"] == "fp32" and "curve" in r for r in rows):
+            raise KeyError("fp32")
+    except OSError as e:
+        p.error(f"--fp32-from {path}: {e.strerror}")
+    except (ValueError, KeyError, TypeError):
+        p.error(
+            f"--fp32-from {path}: not the --json of a convergence run with an fp32 row; run "
+            "one with fp32 in --modes and --json first"
+        )
 
 
 def check(p, args):
@@ -54,6 +71,8 @@ def check(p, args):
             p.error("--pretend-nodes splits the spawned --nproc ranks evenly (not with --link)")
         if args.fp32_probe < 2:
             p.error("--fp32-probe must be at least 2")
+        if args.fp32_from:
+            _check_fp32_from(p, args.fp32_from)
     if args.nodes is not None and not args.link and "RANK" not in os.environ:
         p.error("--nodes needs --link (the nodes are network namespaces)")
     transformer = (

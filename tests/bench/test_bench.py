@@ -13,7 +13,7 @@ import torch
 
 import fastddp
 from fastddp import demo
-from fastddp.bench import allreduce, cli
+from fastddp.bench import allreduce, cli, common
 from fastddp.bench import fsdp as fsdp_bench
 from fastddp.hooks import auto
 from fastddp.testing import netns, slack, spawn
@@ -199,6 +199,12 @@ def test_fsdp_step_benchmark(tmp_path, capsys):
     assert "sent/step" in res.stdout and "vs hsdp" in res.stdout
 
 
+def test_sizes_and_counts_read_as_their_help_writes_them():
+    assert [common.parse_size(s) for s in ("64K", "1.5M", "100")] == [65536, 1572864, 100]
+    assert [common.count(s) for s in ("25M", "100K", "7")] == [25_000_000, 100_000, 7]
+    assert cli._parser().parse_args(["ddp", "--params", "2M"]).params == 2_000_000
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -212,6 +218,9 @@ def test_fsdp_step_benchmark(tmp_path, capsys):
         (["fsdp", "--seq", "2000"], "--seq must be at most 1024"),
         (["fsdp", "--layers", "0"], "--layers must be at least 1"),
         (["ddp", "--model", "transformer", "--width", "30"], "must be a multiple of --heads 8"),
+        (["ddp", "--params", "25x"], "argument --params: invalid count value: '25x'"),
+        (["convergence", "--fp32-from", "/nonexistent/x.json"], "x.json: No such file"),
+        (["convergence", "--fp32-from", __file__], "not the --json of a convergence run"),
     ],
 )
 def test_bad_options(args, message, capsys):
