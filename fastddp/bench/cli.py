@@ -1,4 +1,4 @@
-"""The command line of ``python -m fastddp.bench {allreduce,ddp,fsdp,convergence,hook-cost}``."""
+"""Benchmarks of fastddp's reductions against plain all-reduce and PyTorch's own hooks."""
 
 import argparse
 import sys
@@ -32,13 +32,16 @@ def _parser():
     p = argparse.ArgumentParser(prog="python -m fastddp.bench", description=__doc__)
     sub = p.add_subparsers(dest="what", required=True)
 
+    p.commands = {}  # each subcommand's parser, for refusals that name its options
+
     def command(name, module, help):
-        return sub.add_parser(
+        p.commands[name] = sub.add_parser(
             name,
             help=help,
             description=module.__doc__,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
+        return p.commands[name]
 
     a = command("allreduce", allreduce, "all-reduce sweep over message sizes, per mode")
     a.add_argument("--min-size", default="64K", help="smallest fp32 message (default 64K)")
@@ -297,7 +300,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     p = _parser()
     args = p.parse_args(argv)
-    options.check(p, args)
+    # Refusals print the subcommand's usage, whose options they name.
+    options.check(p.commands[args.what], args)
     job = _JOBS[args.what]
     result = run_everywhere(job, args, argv)
     return result if isinstance(result, int) else 0
