@@ -291,12 +291,18 @@ def exit_after_shutdown(code: int = 0) -> None:
 
 @contextlib.contextmanager
 def distributed_session(**kwargs) -> Iterator[DistEnv]:
-    """``with fastddp.distributed_session() as env:`` — :func:`init_distributed`, then teardown."""
+    """``with fastddp.distributed_session() as env:`` — :func:`init_distributed`, then teardown.
+
+    A session inside another (or after :func:`init_distributed`) uses the group already made
+    and leaves it to whoever made it.
+    """
+    made = not (_env is not None and dist.is_initialized())
     env = init_distributed(**kwargs)
     try:
         yield env
     finally:
-        shutdown_distributed()
+        if made:
+            shutdown_distributed()
 
 
 def is_main_process() -> bool:

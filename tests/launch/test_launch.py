@@ -453,6 +453,9 @@ def test_init_distributed_single_process_is_idempotent():
         "assert not dist.is_initialized()\n"
         "with fastddp.distributed_session() as env2:\n"
         "    assert dist.is_initialized() and env2.backend == 'gloo'\n"
+        "    with fastddp.distributed_session() as env3:  # a library's, inside\n"
+        "        assert env3 is env2\n"
+        "    assert dist.is_initialized()  # the inner session leaves the group to the outer\n"
         "assert not dist.is_initialized()\n"
         "print('ok')\n"
     )
