@@ -71,9 +71,51 @@ def checked(state_dict: Any, keys: tuple[str, ...]) -> dict[str, Any]:
     return state_dict
 
 
+def _intact(state_dict: dict[str, Any]) -> None:
+    """Refuse a dict damaged inside (a bucket left out, a residual cut short or not a tensor,
+    a non-finite residual), which would load and then fail, or train on, at the first step."""
+    where = "CompressState.load_state_dict"
+    version = state_dict.get("version", 1)
+    if not isinstance(version, int) or not 1 <= version <= STATE_VERSION:
+        raise ValueError(
+            f"{where}: state dict version {version!r}, and this fastddp reads versions 1 to "
+            f"{STATE_VERSION}; save it again with this version, or load it with the one that "
+            "saved it"
+        )
+    buckets = state_dict["buckets"]
+    if not isinstance(buckets, dict):
+        raise TypeError(f"{where}: its buckets are a {type(buckets).__name__}, not a dict")
+    gone = sorted(set(range(len(buckets))) - {int(k) for k in buckets})
+    if gone:
+        raise ValueError(
+            f"{where}: the state dict's bucket entries {gone} are missing (their residuals "
+            "would be lost); load the one state.state_dict() returned, unchanged"
+        )
+    for position, saved in buckets.items():
+        params = saved.get("params")
+        total = None if params is None else sum(int(n) for _, n in params)
+        for key, whole in (("residual", True), ("shard_residual", False)):
+            t = saved.get(key)
+            if t is None:
+                continue
+            problem = None
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 1:
+                problem = "is not a 1-D float32 tensor"
+            elif whole and total is not None and t.numel() != total:
+                problem = f"has {t.numel()} elements but its parameters have {total}"
+            if problem is None and not bool(torch.isfinite(t).all()):
+                problem = "holds non-finite values"
+            if problem is not None:
+                raise ValueError(
+                    f"{where}: bucket entry {position}'s {key} {problem}: the state dict is "
+                    "damaged; load the one state.state_dict() returned, unchanged"
+                )
+
+
 def load(state: Any, state_dict: dict[str, Any]) -> None:
     """Restore counters and park residuals saved by :func:`save`; the settings must match."""
     checked(state_dict, ("counters", "buckets"))  # "settings" is absent from version 1
+    _intact(state_dict)
     saved_settings = state_dict.get("settings", {"dtype": state_dict.get("dtype")})
     problem = mismatch(saved_settings, state.settings())
     if problem:

@@ -363,6 +363,26 @@ def test_a_state_dict_of_something_else_is_refused(dtype):
     state.load_state_dict(fastddp.CompressState(**settings).state_dict())  # its own loads
 
 
+def test_a_state_dict_damaged_inside_is_refused():
+    def saved(**change):
+        sd = fastddp.CompressState.from_preset("int8-ef").state_dict()
+        bucket = {"index": 0, "numel": 8, "world": 2, "params": [[0, 6], [1, 2]]}
+        sd["buckets"] = {0: {**bucket, "residual": torch.zeros(8)}, 1: {**bucket, "index": 1}}
+        sd["buckets"][0].update(change)
+        return sd
+
+    fastddp.CompressState.from_preset("int8-ef").load_state_dict(saved())  # intact: loads
+    for sd, message in (
+        (saved(residual=torch.zeros(5)), "bucket entry 0's residual has 5 elements but its "),
+        (saved(residual=[0.0] * 8), "bucket entry 0's residual is not a 1-D float32 tensor"),
+        (saved(residual=torch.full((8,), float("nan"))), "residual holds non-finite values"),
+        ({**saved(), "version": 3}, "state dict version 3, and this fastddp reads versions 1"),
+        ({**saved(), "buckets": {1: saved()["buckets"][1]}}, r"bucket entries \[0\] are missing"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            fastddp.CompressState.from_preset("int8-ef").load_state_dict(sd)
+
+
 def test_state_validation_and_pickling():
     with pytest.raises(TypeError, match="state must be a fastddp.CompressState or None"):
         fastddp.compress_hook({"dtype": torch.float16}, None)
