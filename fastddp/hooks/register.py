@@ -60,6 +60,12 @@ def register_comm_hook(
             f"{type(state).__name__}{named_preset(state, 'fastddp.CompressState.from_preset')}"
         )
     _check_group(model, state, where)
+    if getattr(state, "delay", 0) and model.find_unused_parameters:
+        raise ValueError(
+            f"{where}: delay=1 hands each step's reduced gradient over on the next step, and "
+            "DDP writes no gradient to a parameter unused in that step, so it would lose "
+            "them; with find_unused_parameters=True use delay=0"
+        )
     runner = getattr(state, "_runner", None)
     if not isinstance(state, AutoState) and runner is None:
         model.register_comm_hook(state, compress_hook)  # nothing to run natively

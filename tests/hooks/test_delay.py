@@ -97,6 +97,9 @@ def _refused(rank, world):
     state = fastddp.CompressState(delay=1)
     with pytest.raises(ValueError, match="delay=1, which only DDP's compress_hook applies"):
         fastddp.all_reduce(torch.ones(4), state=state)
+    unused = DDP(_Net(depth=2), find_unused_parameters=True)
+    with pytest.raises(ValueError, match="with find_unused_parameters=True use delay=0"):
+        fastddp.register_comm_hook(unused, state)
     model = DDP(_Net(depth=2), bucket_cap_mb=0.01)
     model.register_comm_hook(fastddp.CompressState(delay=rank % 2), fastddp.compress_hook)
     with pytest.raises(Exception) as info:
