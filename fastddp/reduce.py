@@ -117,6 +117,8 @@ def all_reduce(
                 f"{where}: group differs from state.process_group; build the CompressState "
                 "with the group you want to reduce over"
             )
+    if isinstance(tensors, dict):
+        raise TypeError(f"{where}: tensors is a dict; pass its tensors, list(tensors.values())")
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
     tensors = list(tensors)
@@ -201,6 +203,8 @@ def _problem(tensors: list) -> Optional[tuple[int, int, str]]:
                     "reduce each device's tensors in a separate call"
                 ),
             )
+        if any(step == 0 and n > 1 for step, n in zip(t.stride(), t.shape)):
+            return 5, i, f"tensors[{i}] is {TENSOR_PROBLEMS[5]}"
     return None
 
 

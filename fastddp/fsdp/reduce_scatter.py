@@ -315,7 +315,17 @@ def compress_reduce_scatter(
     with the model (``dcp.save({..., "fastddp": comm})``) to resume exactly.
     """
     sharded = sharded_modules(module, "compress_reduce_scatter")
+    if any(hasattr(m, _INSTALLED) for _, m in sharded):
+        # A second comm would take over silently, and the first's stats() stop counting.
+        raise ValueError(
+            "compress_reduce_scatter: this model's modules reduce-scatter through a fastddp "
+            "comm already (an earlier call, or fastddp.fsdp.hybrid's); keep the comm it returned"
+        )
     comm = CompressedReduceScatter(dtype, block_size=block_size, error_feedback=error_feedback)
     for index, (_, m) in enumerate(sharded):  # the same order on every rank
         m.set_custom_reduce_scatter(_GroupDoor(comm, index))
+        setattr(m, _INSTALLED, comm)
     return comm
+
+
+_INSTALLED = "_fastddp_reduce_scatter"

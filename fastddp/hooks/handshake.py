@@ -26,7 +26,8 @@ __all__ = ["PROTOCOL", "TENSOR_PROBLEMS", "check", "exchange", "topology_of"]
 # 6: and the layout of an all_reduce call (zeros from the hook).
 # 7: and the tensors that loaded residuals are for, and what is wrong with all_reduce's tensors.
 # 8: and the tensors that loaded delayed gradients (delay=1) are for.
-PROTOCOL = 8
+# 9: and all_reduce's tensors whose elements share memory (problem code 5).
+PROTOCOL = 9
 _SHARED = 8  # the first columns of a row, which every rank must share
 
 
@@ -37,6 +38,7 @@ TENSOR_PROBLEMS = {
     3: "it compresses float32 tensors. Use torch.distributed.all_reduce for other dtypes, or "
     "pass t.float() and copy back",
     4: "on another device than tensors[0]: reduce each device's tensors in a separate call",
+    5: "a view whose elements share memory (expand()): pass t.clone() and copy back",
 }
 
 

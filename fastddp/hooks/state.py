@@ -150,6 +150,11 @@ class CompressState:
 
             >>> state = fastddp.CompressState.from_preset("int8-ef", block_size=64)
         """
+        if name == "auto":
+            raise ValueError(
+                "CompressState.from_preset: 'auto' is not a preset but the dtype that chooses "
+                "among them: CompressState(dtype='auto')"
+            )
         return cls(process_group=process_group, **{**preset(name), **overrides})
 
     def _reset(self) -> None:

@@ -177,6 +177,11 @@ def _fsdp_two(rank, world):
     # bf16 gradients (reduce_dtype): sent as they are, summed in fp32, rounded once.
     ref = _fsdp_worker.train(rank, reduce_dtype=torch.float32)
     _check_fsdp_run(rank, ref, torch.bfloat16, reduce_dtype=torch.bfloat16)
+    # A second comm for the same modules is refused, not swapped in under the first.
+    model = fully_shard(nn.Linear(4, 4))
+    compress_reduce_scatter(model)
+    with pytest.raises(ValueError, match="reduce-scatter through a fastddp comm already"):
+        compress_reduce_scatter(model, torch.int8)
 
 
 @pytest.mark.multiproc

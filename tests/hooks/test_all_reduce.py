@@ -185,6 +185,11 @@ def _bad_input(rank, world):
             lambda: fastddp.all_reduce([torch.ones(3), torch.ones(3, device="meta")]),
             "rank 1: tensors[1] is on another device than tensors[0]",
         ),
+        (
+            lambda: fastddp.all_reduce([torch.ones(3), torch.ones(1).expand(4 - rank)]),
+            "rank 0: tensors[1] is a view whose elements share memory (expand()): pass t.clone()",
+        ),
+        (lambda: fastddp.all_reduce({"w": torch.ones(3)}), "tensors is a dict; pass its tensors"),
     ]
     # One state for a model's buckets and for all_reduce: their buffers and residuals would
     # mix. Refused both ways, on every rank (each rank's state has the same history).

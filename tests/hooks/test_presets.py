@@ -56,6 +56,8 @@ def test_preset_returns_a_copy():
 
 @pytest.mark.parametrize("make", [preset, fastddp.CompressState.from_preset])
 def test_an_unknown_name_lists_the_names(make):
+    with pytest.raises(ValueError, match=r"'auto' is not a preset .*CompressState\(dtype='auto'\)"):
+        fastddp.CompressState.from_preset("auto")
     with pytest.raises(ValueError, match="unknown fastddp preset 'bf16-fp32acc'") as info:
         make("bf16-fp32acc")
     for name in PRESETS:
