@@ -203,7 +203,8 @@ def _problem(tensors: list) -> Optional[tuple[int, int, str]]:
                     "reduce each device's tensors in a separate call"
                 ),
             )
-        if any(step == 0 and n > 1 for step, n in zip(t.stride(), t.shape)):
+        # A contiguous tensor (the common case, a flag read in C++) shares no elements.
+        if not t.is_contiguous() and any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape)):
             return 5, i, f"tensors[{i}] is {TENSOR_PROBLEMS[5]}"
     return None
 
