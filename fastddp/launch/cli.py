@@ -182,6 +182,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.no_preflight and info.get("is_master", True):
         _summary(run_args, info)
     config, cmd, cmd_args = torchrun.config_from_args(run_args)
+    # Without --log-dir, torch makes a folder under /tmp for every launch and leaves it behind.
+    made = None if run_args.log_dir else getattr(config.logs_specs, "root_log_dir", None)
+    try:
+        return _launch(args, run_args, plan, local, config, cmd, cmd_args)
+    finally:
+        if made:
+            _prune_empty(made)
+
+
+def _launch(args, run_args, plan, local, config, cmd, cmd_args) -> int:
     if plan.fresh:
         store.install(config)
     if args.dry_run:
@@ -200,3 +210,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         say(f"error: {e}")
         return 1
     return 0
+
+
+def _prune_empty(root: str) -> None:
+    """Remove the folders under ``root`` that hold no file, and ``root`` if none is left; a
+    worker's error file or redirected log keeps its folders."""
+    for folder, _, _ in sorted(os.walk(root), key=lambda w: -len(w[0])):
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)  # only an empty one goes

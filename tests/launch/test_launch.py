@@ -241,10 +241,13 @@ def test_port_in_use_on_the_master():
     assert time.monotonic() - start < slack.guard(30)
 
 
-def test_standalone_two_ranks():
-    res = _run_all([[*LAUNCH, "--standalone", "--nproc-per-node", "2", WORKER]])
+def test_standalone_two_ranks(tmp_path):
+    cmd = [*LAUNCH, "--standalone", "--nproc-per-node", "2", WORKER]
+    res = _run_all([cmd], envs=[_env(TMPDIR=tmp_path)])
     text = _ok(res, 2)
     assert "launcher=torchrun" in text
+    # torch's log folder for the launch (no --log-dir) held nothing, and is gone.
+    assert not list(tmp_path.glob("torchelastic_*")), list(tmp_path.rglob("*"))
 
 
 def test_two_launchers_static_on_loopback():
