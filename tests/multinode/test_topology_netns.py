@@ -143,16 +143,15 @@ def test_a_terminated_run_removes_its_namespaces_and_workers_and_ranks_share_cor
         stderr=subprocess.DEVNULL,
     )
     try:
+        # Both workers have started: every process of the run but the command itself is in
+        # its namespaces now (before, an `ip netns exec` may not have entered one yet).
         deadline = time.monotonic() + slack.guard(60)
-        while len(sleepers()) < 2 and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert len(sleepers()) >= 2
+        while len(list(tmp_path.glob("threads*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
         ours = _bridge_of(sleepers())
         assert ours <= _namespaces()
         # The two one-rank nodes share this machine's cores.
         share = str(netns.cores_per_rank(2, "1"))
-        while len(list(tmp_path.glob("threads*"))) < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
         assert [(tmp_path / f"threads{r}").read_text() for r in (0, 1)] == [share] * 2
         run.terminate()
         run.wait(timeout=slack.guard(60))
