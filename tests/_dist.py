@@ -9,12 +9,14 @@ them) are marked ``cuda`` and get a pool for their call alone (see ``conftest.py
 import atexit
 from datetime import timedelta
 
+from fastddp.testing import slack
 from fastddp.testing.pool import RankError, RankPool
 
 __all__ = ["PG_TIMEOUT", "RankError", "close_pools", "pool", "run_ranks"]
 
-# Every collective gives up after this long, so a broken test fails instead of hanging.
-PG_TIMEOUT = timedelta(seconds=60)
+# Every collective gives up after this long, so a broken test fails instead of hanging: a hang
+# guard, scaled to the machine like the calls' limits.
+PG_TIMEOUT = timedelta(seconds=slack.guard(60))
 
 _pools: dict[int, RankPool] = {}
 # Set by conftest.py for the duration of a test whose ranks must not be shared.
@@ -32,11 +34,13 @@ def run_ranks(fn, world_size, *args, timeout=180.0, nodes=None):
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results.
 
     A rank that raises fails the call with that rank's traceback (:class:`RankError`), one that
-    hangs past ``timeout`` seconds with ``TimeoutError``; the pool's ranks are then replaced.
+    hangs past ``timeout`` seconds (a hang guard, scaled by :func:`slack.guard`) with
+    ``TimeoutError``; the pool's ranks are then replaced.
     ``fn`` must be a module-level function (it is pickled by name). ``nodes``, per rank, sets
     ``FASTDDP_NODE_ID`` for the call, to make several "nodes" of one machine.
     """
     env = None if nodes is None else [{"FASTDDP_NODE_ID": f"node-{n}"} for n in nodes]
+    timeout = slack.guard(timeout)
     if own_processes:
         with RankPool(world_size, timeout=PG_TIMEOUT) as own:
             return own.run(fn, *args, timeout=timeout, env=env)

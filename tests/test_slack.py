@@ -49,9 +49,7 @@ def test_a_test_without_a_limit_gets_the_default_scaled(request, pytestconfig):
 def _nested(env: dict, *runner: str) -> subprocess.CompletedProcess:
     args = [str(ROOT / "tests" / "test_slack.py"), "-q", "-p", "no:cacheprovider"]
     args += ["-k", " or ".join(NESTED)]
-    return subprocess.run(
-        [*runner, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
-    )
+    return slack.run([*runner, *args], cwd=ROOT, env=env, timeout=slack.guard(240))
 
 
 @pytest.mark.multiproc

@@ -13,7 +13,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple, Optional
 
+from fastddp.testing.ports import free_port
 from fastddp.testing.wire import MTU, Wire, open_tun
 
 __all__ = [
@@ -200,12 +200,6 @@ def stop(procs: list) -> None:
                 proc.wait(timeout=grace)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def drop(node: Node, percent: float) -> None:
     """Drop ``percent`` % of the packets ``node`` receives on its link, at random (nftables).
 
@@ -322,7 +316,7 @@ def start(
     env = dict(os.environ if env is None else env)
     if "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(cores_per_rank(len(made), nproc_per_node))
-    port = _free_port()
+    port = free_port()
     return [
         spawn(made, rank, nproc_per_node, argv, port, stdout=stdout, env=env, **rendezvous)
         for rank in reversed(range(len(made)))

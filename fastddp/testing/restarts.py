@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from fastddp.testing import netns, slack
+from fastddp.testing.ports import free_port
 
 __all__ = ["CASES", "Case", "Outcome", "reference", "run_case", "worker_args"]
 
@@ -34,7 +35,11 @@ LAUNCHERS = {
 }
 # Dead members of a c10d rendezvous are dropped after 6 missed 1 s heartbeats (default 5 x 30 s):
 # a lost node is noticed in seconds, and a live launcher starved of CPU for 3 s is not dropped.
-_RDZV_CONF = "join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=6"
+# Scaled with the machine, like every hang guard: on slower cores a starved launcher beats later.
+_RDZV_CONF = (
+    f"join_timeout={slack.guard(60):.0f},keep_alive_interval=1,"
+    f"keep_alive_max_attempt={round(slack.guard(6))}"
+)
 STEPS = 12
 
 
@@ -99,14 +104,6 @@ class Outcome:
     detail: str
     seconds: float
     output: str = ""
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch_args(case: Case, node: int, addr: str, port: int, run_id: str) -> list[str]:
@@ -223,7 +220,7 @@ def _execute(case: Case, launcher: str, run: Path, timeout: float, kills: bool =
     deadline = time.monotonic() + timeout
     with _nodes(case, bed) as made:
         addr = made[0].addr if made else "127.0.0.1"
-        port = _free_port() if not made else 29400 + int(uuid.uuid4().int % 20000)
+        port = free_port() if not made else 29400 + int(uuid.uuid4().int % 20000)
         run_id = f"restart-{uuid.uuid4().hex[:8]}"
 
         def start(node: int) -> subprocess.Popen:

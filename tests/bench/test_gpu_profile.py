@@ -2,7 +2,6 @@
 a page an H100 gave (two of its kernels, as ncu printed them), and its answers without a GPU."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +11,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_profile  # noqa: E402
+
+from fastddp.testing import slack  # noqa: E402
 
 PAGE = Path(__file__).parent / "data" / "ncu_details_h100.txt"
 ELEMENTS = (100 << 20) // 4  # the page's bucket: 100 MB of fp32
@@ -51,9 +52,9 @@ def test_units_of_time_and_missing_metrics():
 @pytest.mark.multiproc  # runs the script in processes of its own
 def test_the_command_tabulates_a_page_and_says_when_it_cannot_profile(tmp_path):
     script = [sys.executable, "benchmarks/gpu_profile.py"]
-    res = subprocess.run(
+    res = slack.run(
         [*script, str(tmp_path), "--parse", str(PAGE)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(120),
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert (
@@ -64,15 +65,13 @@ def test_the_command_tabulates_a_page_and_says_when_it_cannot_profile(tmp_path):
     # A page without a kernel in it is not a table.
     empty = tmp_path / "empty.txt"
     empty.write_text("==PROF== Disconnected\n")
-    res = subprocess.run(
+    res = slack.run(
         [*script, str(tmp_path), "--parse", str(empty)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(120),
     )  # fmt: skip
     assert res.returncode == 1
     if not gpu_profile_gpu():
-        res = subprocess.run(
-            [*script, str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=120
-        )
+        res = slack.run([*script, str(tmp_path / "run")], cwd=ROOT, timeout=slack.guard(120))
         assert res.returncode == 0 and "no GPU here" in res.stdout, res.stdout + res.stderr
 
 

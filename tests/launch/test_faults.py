@@ -105,12 +105,13 @@ def test_stopped_worker_is_named_instead_of_hanging(tmp_path):
     pid = _wait_for_step(progress, 1, 3, job)
     stopped_at = time.monotonic()
     os.kill(pid, signal.SIGSTOP)
-    lines, named = [], threading.Event()
+    lines, named, named_at = [], threading.Event(), []
 
     def read() -> None:
         for line in job.stdout:
             lines.append(line)
-            if "has not answered for" in line:
+            if "has not answered for" in line and not named.is_set():
+                named_at.append(time.monotonic())
                 named.set()
 
     reader = threading.Thread(target=read, daemon=True)
@@ -134,8 +135,9 @@ def test_stopped_worker_is_named_instead_of_hanging(tmp_path):
     assert f"rank 1 (node 0, 127.0.0.1, pid {pid} on " in out, out
     assert "has not answered for" in out and "peer timeout 5 s" in out
     assert "exits with status 3" in out
-    # Named within the timeout plus a couple of heartbeat intervals, not after minutes.
-    assert time.monotonic() - stopped_at < 100
+    # Named within the timeout plus a couple of heartbeat intervals, not after minutes (the
+    # job's teardown after it is torchrun's, and not counted).
+    assert named_at[0] - stopped_at < slack.guard(60), named_at[0] - stopped_at
 
 
 @pytest.mark.parametrize("value, message", [("abc", "is not a number of seconds"),

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fastddp.testing import slack
+from fastddp.testing.ports import free_port
 
 from ._netns import lonely_node, two_nodes
 
@@ -53,18 +54,12 @@ def _env(**extra):
 def _launch(*args, **env):
     """Run the launcher in the foreground; for runs that start no workers."""
     cmd = [*LAUNCH, *args]
-    return slack.run(cmd, env=_env(**env), capture_output=True, text=True, timeout=60)
+    return slack.run(cmd, env=_env(**env), capture_output=True, text=True, timeout=slack.guard(60))
 
 
 def _python(code):
     cmd = [sys.executable, "-c", code]
-    return slack.run(cmd, env=_env(), capture_output=True, text=True, timeout=60)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return slack.run(cmd, env=_env(), capture_output=True, text=True, timeout=slack.guard(60))
 
 
 def _run_all(cmds, timeout=150, envs=None):
@@ -145,7 +140,7 @@ def test_a_rank_started_by_hand_says_it_waits_for_the_others():
         "    except Exception as e:\n"
         "        print('raised', type(e).__name__, flush=True)\n"
     )
-    ports = [str(_free_port()), str(_free_port())]
+    ports = [str(free_port()), str(free_port())]
     res = slack.run([sys.executable, "-c", code, *ports], env=_env(), timeout=slack.guard(60))
     assert res.stdout.count("raised") == 2, res.stdout + res.stderr
     for rank, port in zip((0, 1), ports):
@@ -254,7 +249,7 @@ def test_two_launchers_static_on_loopback():
     # Node 1 starts first and finds nothing listening on the master's port: its preflight
     # keeps waiting for node 0 past its own timeout (2 s here), says so, and the job runs once
     # node 0 starts, which it does only after that line.
-    port = _free_port()
+    port = free_port()
     cmds = [
         [
             *LAUNCH,
@@ -330,7 +325,7 @@ def test_a_job_with_a_second_round_gets_a_store_per_round(backend, nnodes, resta
 
 
 def test_two_launchers_c10d_on_loopback():
-    port = _free_port()
+    port = free_port()
     cmd = [
         *LAUNCH,
         "--nnodes",
@@ -349,7 +344,7 @@ def test_two_launchers_c10d_on_loopback():
 
 
 def _plain_env_ranks(world, **common):
-    port = _free_port()
+    port = free_port()
     envs = [
         _env(
             RANK=r,
@@ -376,7 +371,7 @@ def test_init_distributed_from_hand_set_variables():
 
 
 def test_init_distributed_under_srun_and_mpirun_variables():
-    port = _free_port()
+    port = free_port()
     srun = [
         _env(
             SLURM_JOB_ID="1",
@@ -393,7 +388,7 @@ def test_init_distributed_under_srun_and_mpirun_variables():
     ]
     text = _ok(_run_all([[sys.executable, WORKER]] * 2, envs=srun), 2)
     assert "launcher=slurm" in text
-    port = _free_port()
+    port = free_port()
     mpi = [
         _env(
             OMPI_COMM_WORLD_RANK=r,
@@ -501,7 +496,7 @@ def _in(ns, cmd):
 @pytest.mark.netns
 def test_two_nodes_static_with_interface_found():
     with two_nodes() as (a, b):
-        port = _free_port()
+        port = free_port()
         cmds = [
             _in(
                 n["ns"],
@@ -532,7 +527,7 @@ def test_two_nodes_static_with_interface_found():
 def test_two_nodes_c10d_rendezvous_as_in_sana():
     # Sana's line with fastddp.launch in place of torchrun.
     with two_nodes() as (a, b):
-        port = _free_port()
+        port = free_port()
         line = [
             *LAUNCH,
             "--nnodes",

@@ -14,7 +14,6 @@ import dataclasses
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import warnings
 import pytest
 
 from fastddp.testing import netns, slack
+from fastddp.testing.ports import free_port
 from fastddp.testing.restarts import CASES, Case, run_case, worker_args
 
 from .._references import restart_job
@@ -72,12 +72,6 @@ def _params(cases):
     return [pytest.param(c, id=c.name, marks=marks[c.nodes]) for c in cases]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # run_case's limit on a cell, and half of it: a cell that passes slower than that is reported.
 # A hang guard, scaled to the machine (fastddp.testing.slack): a cell takes about 20 s alone,
 # but under a full test run (load 25) its workers get a sliver of a core each (every worker is
@@ -120,7 +114,7 @@ def test_standalone_plain_restart_every_time(case, repeat, want, bed, tmp_path):
 def test_a_round_that_cannot_form_ends_with_the_cause(tmp_path):
     # Two static nodes on loopback; node 0 may not restart, node 1 may. A worker of node 1 is
     # killed: node 1 restarts and waits for node 0's store of the new round, which never comes.
-    port = _free_port()
+    port = free_port()
     worker = ["-m", "fastddp.testing.restart_worker", "--dir", str(tmp_path), "--kill", "5:3"]
     procs = []
     for node, restarts in ((1, "1"), (0, "0")):

@@ -26,7 +26,8 @@ BYTES = {"bf16-acc": 0.65, "int8-ef": 0.4}
 def test_hybrid_on_two_nodes_of_two_ranks(tmp_path):
     out = tmp_path / "hsdp.json"
     cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "2", "--nproc-per-node", "2"]
-    cmd += ["--rate", "1gbit", "--timeout", "200", "tests/multinode/_hsdp_worker.py", str(out)]
+    cmd += ["--rate", "1gbit", "--timeout", f"{slack.guard(200):.0f}"]
+    cmd += ["tests/multinode/_hsdp_worker.py", str(out)]
     res = slack.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(260))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -42,7 +43,8 @@ def test_hybrid_on_two_nodes_of_two_ranks(tmp_path):
 
 def test_the_example_trains_hybrid_with_quantized_gathers_on_two_nodes():
     cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "2", "--nproc-per-node", "2"]
-    cmd += ["--rate", "1gbit", "--timeout", "150", "examples/fsdp_train.py", "--steps", "20"]
+    cmd += ["--rate", "1gbit", "--timeout", f"{slack.guard(150):.0f}"]
+    cmd += ["examples/fsdp_train.py", "--steps", "20"]
     cmd += ["--width", "32", "--layers", "1", "--wire", "none", "--hybrid", "int8-ef"]
     cmd += ["--quantize-all-gather"]
     res = slack.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(200))

@@ -28,7 +28,8 @@ def test_two_nodes_of_two_ranks_over_a_real_link(tmp_path):
         pytest.skip(why)
     out = tmp_path / "topology.json"
     cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "2", "--nproc-per-node", "2"]
-    cmd += ["--rate", "1gbit", "--timeout", "150", "tests/multinode/_topology_worker.py", str(out)]
+    cmd += ["--rate", "1gbit", "--timeout", f"{slack.guard(150):.0f}"]
+    cmd += ["tests/multinode/_topology_worker.py", str(out)]
     res = slack.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(200))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -171,7 +172,8 @@ def test_three_nodes_of_two_ranks_find_their_nodes_and_reduce():
     if why:
         pytest.skip(why)
     cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "3", "--nproc-per-node", "2"]
-    cmd += ["--rate", "1gbit", "--timeout", "150", "tests/multinode/_three_nodes_worker.py"]
+    cmd += ["--rate", "1gbit", "--timeout", f"{slack.guard(150):.0f}"]
+    cmd += ["tests/multinode/_three_nodes_worker.py"]
     res = slack.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(200))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     for name in ("bf16", "bf16-acc", "int8"):

@@ -1,0 +1,40 @@
+"""Free TCP ports for the tests' jobs, taken below the kernel's ephemeral range.
+
+A port the kernel hands out for a bind to port 0 comes from its ephemeral range, from which
+every outgoing connection of the suite's other streams takes its local port too. Between the
+test closing its probe socket and the job's master binding the port, one of them can take it,
+and the launcher's preflight then refuses the port as in use. Below that range the kernel hands
+out nothing by itself, so a port found free there stays free unless another test draws it: the
+draw is random, and checked by binding it.
+"""
+
+import random
+import socket
+
+__all__ = ["free_port"]
+
+LOWEST = 20000
+_draw = random.SystemRandom()  # not the global generator, which tests seed
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_port(tries: int = 200) -> int:
+    """A TCP port nothing is bound to now on any address, drawn from 20000 up to the start of
+    the ephemeral range."""
+    high = max(_ephemeral_start(), LOWEST + 1000)
+    for _ in range(tries):
+        port = _draw.randrange(LOWEST, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free TCP port in {LOWEST}-{high - 1} after {tries} draws")
