@@ -237,7 +237,7 @@ def _execute(case: Case, launcher: str, run: Path, timeout: float, kills: bool =
                         # Every launcher still running at the deadline: hung before the fault.
                         return None if all(c is None for c in codes) else codes
                     netns.kill(made[-1])
-                    procs[-1].wait(timeout=30)
+                    procs[-1].wait(timeout=slack.guard(30))
                     procs.append(start(case.nodes - 1))
                     procs_to_wait = [procs[0], procs[-1]]
                 else:

@@ -16,10 +16,13 @@ import torch.distributed as dist
 from fastddp.testing import slack
 
 ROOT = Path(__file__).resolve().parents[2]
+# Holds its group (and so its sockets) until the test has seen them, 300 s at most.
 WORKER = """
-import time, fastddp
+import os, time, fastddp
 with fastddp.distributed_session() as env:
-    time.sleep(8)
+    end = time.monotonic() + 300
+    while not os.path.exists(os.environ["SEEN"]) and time.monotonic() < end:
+        time.sleep(0.1)
 """
 
 
@@ -91,6 +94,8 @@ def test_standalone_listens_on_loopback_only(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    seen_file = tmp_path / "seen"
+    env["SEEN"] = str(seen_file)
     cmd = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]
     proc = subprocess.Popen(
         [*cmd, str(script)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -104,8 +109,10 @@ def test_standalone_listens_on_loopback_only(tmp_path):
             if sum(map(len, seen.values())) >= 4:
                 break
             time.sleep(0.2)
+        seen_file.touch()  # the workers may end now
         out, _ = proc.communicate(timeout=slack.guard(60))
     finally:
+        seen_file.touch()  # a failed check: the workers end by themselves
         proc.kill()
     assert proc.returncode == 0, out
     assert sum(map(len, seen.values())) >= 4, (seen, out)

@@ -128,8 +128,10 @@ def test_a_terminated_run_removes_its_namespaces_and_workers_and_ranks_share_cor
     threads = tmp_path / "threads"
     script.write_text(
         "import os, sys, time\n"
-        f"with open({str(threads)!r} + os.environ['RANK'], 'w') as f:\n"
+        f"path = {str(threads)!r} + os.environ['RANK']\n"
+        "with open(path + '.part', 'w') as f:\n"
         "    f.write(os.environ.get('OMP_NUM_THREADS', 'unset'))\n"
+        "os.replace(path + '.part', path)  # seen whole or not at all\n"
         "time.sleep(300)\n"
     )
 
@@ -147,7 +149,7 @@ def test_a_terminated_run_removes_its_namespaces_and_workers_and_ranks_share_cor
         # Both workers have started: every process of the run but the command itself is in
         # its namespaces now (before, an `ip netns exec` may not have entered one yet).
         deadline = time.monotonic() + slack.guard(60)
-        while len(list(tmp_path.glob("threads*"))) < 2 and time.monotonic() < deadline:
+        while len(list(tmp_path.glob("threads[0-9]"))) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
         ours = _bridge_of(sleepers())
         assert ours <= _namespaces()
