@@ -149,6 +149,17 @@ def test_a_busy_guard_counts_the_cpu_of_a_commands_children_and_stops_them_all(m
 
 
 @pytest.mark.timeout(60)
+def test_run_busy_returns_what_a_command_wrote_and_stops_one_that_spins(monkeypatch):
+    monkeypatch.delenv(slack.VAR, raising=False)
+    done = slack.run_busy(["sh", "-c", "echo out; echo err >&2; exit 4"], cpu_s=30, idle_s=30)
+    assert (done.returncode, done.stdout, done.stderr) == (4, "out\n", "err\n")
+    spin = [sys.executable, "-c", "print('spinning', flush=True)\nwhile True: pass"]
+    with pytest.raises(subprocess.TimeoutExpired) as stopped:
+        slack.run_busy(spin, cpu_s=1, idle_s=600)
+    assert stopped.value.output == "spinning\n"
+
+
+@pytest.mark.timeout(60)
 def test_run_stops_a_command_past_its_timeout_with_what_it_started():
     # The child holds the pipes open, as a launcher's workers do; it leaves with the command.
     cmd = ["sh", "-c", "sleep 300 & echo $!; wait"]

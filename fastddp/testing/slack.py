@@ -20,10 +20,21 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Optional
 
-__all__ = ["MAX", "REFERENCE_IMPORT_S", "VAR", "factor", "guard", "join_busy", "measure", "run"]
+__all__ = [
+    "MAX",
+    "REFERENCE_IMPORT_S",
+    "VAR",
+    "factor",
+    "guard",
+    "join_busy",
+    "measure",
+    "run",
+    "run_busy",
+]
 
 VAR = "FASTDDP_TEST_SLACK"
 REFERENCE_IMPORT_S = 1.0  # CPU s of `import torch` on the machine the guards were sized on
@@ -140,6 +151,28 @@ def run(cmd, timeout: float, **kwargs) -> subprocess.CompletedProcess:
             _stop(proc)
             raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def run_busy(cmd, cpu_s: float, idle_s: float = 120.0, **kwargs) -> subprocess.CompletedProcess:
+    """:func:`run` for a command that only computes (a sweep over the ops, a benchmark table):
+    guarded by its CPU time and its descendants' (:func:`join_busy`; ``cpu_s`` and ``idle_s``
+    scaled there), not by the wall clock, which a full machine stretches many times over for a
+    niced process. Raises ``subprocess.TimeoutExpired`` with what it wrote when stopped.
+    """
+    kwargs.pop("capture_output", None)
+    kwargs.pop("text", None)
+    # Files, not pipes: nobody reads a pipe while join_busy waits, and a full one would block.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            cmd, start_new_session=True, stdout=out, stderr=err, text=True, **kwargs
+        )
+        code = join_busy(proc, cpu_s, idle_s)
+        out.seek(0)
+        err.seek(0)
+        said, complained = out.read(), err.read()
+    if code is None:
+        raise subprocess.TimeoutExpired(cmd, guard(cpu_s), output=said, stderr=complained)
+    return subprocess.CompletedProcess(cmd, code, said, complained)
 
 
 def _stop(proc: subprocess.Popen, grace: float = 15.0) -> tuple:
