@@ -5,15 +5,14 @@
 Much of the suite's time is spent waiting: on launchers starting and restarting jobs, on a
 namespace link's rate, on peer timeouts. The emulator's tests (under AddressSanitizer, whose
 runtime must be preloaded, so a pytest of their own) are the opposite: one busy core for
-minutes. Run one after the other, each leaves a core idle. So eight streams run side by side:
+minutes. Run one after the other, each leaves a core idle. So seven streams run side by side:
 the multi-node jobs on namespaces (``netns``) and the launcher's jobs on this machine
 (``launcher``), each in two, the jobs that are broken on purpose and wait on their recovery
-(``faults``) and the others; everything else (pooled ranks and single-process tests), in two:
-the benchmarks run once as tests (``bench``), and the rest, which would otherwise end last and
-alone; and the emulator's, in two: its checks, and the sweeps that plant defects in copies of
-the kernels (``planted``). Niced below the others, the emulator's streams get little of the
-cores until the rest ends, and then run side by side on all of them, where one stream would
-leave a core idle for minutes.
+(``faults``) and the others; everything else (pooled ranks and single-process tests); and the
+emulator's, in two: its checks, and the sweeps that plant defects in copies of the kernels
+(``planted``). Niced below the others, the emulator's streams get little of the cores until
+the rest ends, and then run side by side on all of them, where one stream would leave a core
+idle for minutes.
 Each stream is a pytest session with its own ``--basetemp`` and log, printed whole when the
 stream ends; the command fails when any stream does. The markers split the tests, so every
 test runs in exactly one stream (``tests/test_streams.py`` checks it).
@@ -68,13 +67,12 @@ STREAMS = {
     "node-faults": ("not emu and netns and faults", [], None),
     "launcher": ("not emu and not netns and launcher and not faults", [], None),
     "faults": ("not emu and not netns and launcher and faults", [], None),
-    "ranks": ("not emu and not netns and not launcher and not bench", [], None),
-    "bench": ("not emu and not netns and not launcher and bench", [], None),
+    "ranks": ("not emu and not netns and not launcher", [], None),
     "emu": ("emu and not planted", ["-p", "no:cacheprovider"], _asan_env),
     "planted": ("emu and planted", ["-p", "no:cacheprovider"], _asan_env),
 }
 # The niceness each stream runs at (and what it spawns inherits); an --also command gets ALSO_NICE.
-NICE = {"nodes": 0, "node-faults": 0, "launcher": 0, "faults": 0, "ranks": 4, "bench": 4}
+NICE = {"nodes": 0, "node-faults": 0, "launcher": 0, "faults": 0, "ranks": 4}
 NICE.update(emu=8, planted=8)
 ALSO_NICE = 12
 

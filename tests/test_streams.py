@@ -25,7 +25,6 @@ def _env(tmp_path: Path) -> dict:
 def test_the_streams_run_every_test_exactly_once():
     # Whatever markers a test has, exactly one stream's expression selects it.
     names = ["emu", "planted", "netns", "faults", "launcher", "multiproc", "cuda", "nccl_sim"]
-    names += ["bench"]
     exprs = {name: Expression.compile(marks) for name, (marks, _, _) in streams.STREAMS.items()}
     for k in range(len(names) + 1):
         for marks in itertools.combinations(names, k):

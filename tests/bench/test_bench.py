@@ -20,7 +20,7 @@ from fastddp.testing import netns, slack, spawn
 
 from .._dist import pool
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.bench]
+pytestmark = pytest.mark.multiproc
 
 BENCH = [sys.executable, "-m", "fastddp.bench"]
 

@@ -12,7 +12,7 @@ from fastddp.testing import spawn
 
 from .._dist import pool
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.bench]
+pytestmark = pytest.mark.multiproc
 
 SMALL = ["--width", "16", "--layers", "1", "--heads", "2", "--seq", "8", "--batch", "2"]
 

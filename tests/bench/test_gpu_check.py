@@ -29,8 +29,6 @@ import gpu_step_profile  # noqa: E402
 import fastddp  # noqa: E402
 from fastddp.testing import slack  # noqa: E402
 
-pytestmark = pytest.mark.bench
-
 
 def _archived(out: Path) -> dict:
     """``name -> text`` of every file in ``out/logs.tar.gz``, by its path under ``logs/``."""

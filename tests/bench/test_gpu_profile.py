@@ -14,8 +14,6 @@ import gpu_profile  # noqa: E402
 
 from fastddp.testing import slack  # noqa: E402
 
-pytestmark = pytest.mark.bench
-
 PAGE = Path(__file__).parent / "data" / "ncu_details_h100.txt"
 ELEMENTS = (100 << 20) // 4  # the page's bucket: 100 MB of fp32
 

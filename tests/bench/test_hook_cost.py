@@ -10,7 +10,7 @@ from fastddp.testing import spawn
 
 from .._dist import pool
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.bench, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 
 
 def test_hook_cost_times_every_mode_against_plain_ddp(tmp_path):

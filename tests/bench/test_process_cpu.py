@@ -10,8 +10,6 @@ import pytest
 from benchmarks import process_cpu
 from fastddp.testing import slack
 
-pytestmark = pytest.mark.bench
-
 
 def _record(pid, ppid, ticks, comm):
     # ac_flag, ac_version 3, tty, exitcode, uid, gid, pid, ppid, btime, etime, utime, stime,
