@@ -5,8 +5,10 @@ computes."""
 
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -157,6 +159,28 @@ def test_run_busy_returns_what_a_command_wrote_and_stops_one_that_spins(monkeypa
     with pytest.raises(subprocess.TimeoutExpired) as stopped:
         slack.run_busy(spin, cpu_s=1, idle_s=600)
     assert stopped.value.output == "spinning\n"
+
+
+@pytest.mark.timeout(60)
+def test_run_busy_stopped_itself_stops_its_command(monkeypatch, tmp_path):
+    # As when the test's own time limit or Ctrl-C lands while it waits.
+    monkeypatch.delenv(slack.VAR, raising=False)
+    pid = tmp_path / "pid"
+    code = f"import os, time; open({str(pid)!r}, 'w').write(str(os.getpid())); time.sleep(300)"
+
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGUSR1, stop)
+    timer = threading.Timer(5, os.kill, (os.getpid(), signal.SIGUSR1))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            slack.run_busy([sys.executable, "-c", code], cpu_s=600, idle_s=600)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, old)
+    assert _gone(int(pid.read_text()))
 
 
 @pytest.mark.timeout(60)

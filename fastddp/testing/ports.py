@@ -25,16 +25,24 @@ def _ephemeral_start() -> int:
         return 32768  # Linux's default
 
 
+def _span() -> tuple[int, int]:
+    """The ports to draw from, ``[low, high)``: from 20000 (or lower, where the ephemeral range
+    starts lower) up to the ephemeral range. Where it starts below 2024 there is no room under
+    it, and the draw is from 20000-29999, inside it, checked like any other."""
+    start = _ephemeral_start()
+    low = min(LOWEST, max(1024, start - 10000))
+    return (low, start) if start - low >= 1000 else (LOWEST, LOWEST + 10000)
+
+
 def free_port(tries: int = 200) -> int:
-    """A TCP port nothing is bound to now on any address, drawn from 20000 up to the start of
-    the ephemeral range."""
-    high = max(_ephemeral_start(), LOWEST + 1000)
+    """A TCP port nothing is bound to now on any address, drawn below the ephemeral range."""
+    low, high = _span()
     for _ in range(tries):
-        port = _draw.randrange(LOWEST, high)
+        port = _draw.randrange(low, high)
         with socket.socket() as s:
             try:
                 s.bind(("", port))
             except OSError:
                 continue
         return port
-    raise RuntimeError(f"no free TCP port in {LOWEST}-{high - 1} after {tries} draws")
+    raise RuntimeError(f"no free TCP port in {low}-{high - 1} after {tries} draws")

@@ -157,7 +157,10 @@ def run_busy(cmd, cpu_s: float, idle_s: float = 120.0, **kwargs) -> subprocess.C
     """:func:`run` for a command that only computes (a sweep over the ops, a benchmark table):
     guarded by its CPU time and its descendants' (:func:`join_busy`; ``cpu_s`` and ``idle_s``
     scaled there), not by the wall clock, which a full machine stretches many times over for a
-    niced process. Raises ``subprocess.TimeoutExpired`` with what it wrote when stopped.
+    niced process. Its output is captured as text; ``kwargs`` go to ``subprocess.Popen``
+    (``cwd``, ``env``). Raises ``subprocess.TimeoutExpired`` with what it wrote when stopped,
+    its ``timeout`` the CPU limit (also when it was the idle limit that stopped it). Stopped
+    itself (a test's time limit, Ctrl-C), it kills the command's group first.
     """
     kwargs.pop("capture_output", None)
     kwargs.pop("text", None)
@@ -166,7 +169,13 @@ def run_busy(cmd, cpu_s: float, idle_s: float = 120.0, **kwargs) -> subprocess.C
         proc = subprocess.Popen(
             cmd, start_new_session=True, stdout=out, stderr=err, text=True, **kwargs
         )
-        code = join_busy(proc, cpu_s, idle_s)
+        try:
+            code = join_busy(proc, cpu_s, idle_s)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
         out.seek(0)
         err.seek(0)
         said, complained = out.read(), err.read()

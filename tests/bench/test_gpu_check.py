@@ -284,9 +284,9 @@ def test_each_step_is_recorded_as_soon_as_it_ends(tmp_path, monkeypatch):
 
 
 # A step that notes when it started and ended, sleeping between, and writes what it is given.
-# A step: it marks its start, waits (up to 30 s) until the steps named in PEERS have started
-# too, which they can only do if they run at the same time, then sleeps SECONDS and records
-# its start, its end and whether it met them.
+# A step: it marks its start, waits (up to 30 s, scaled) until the steps named in PEERS have
+# started too, which they can only do if they run at the same time, then sleeps SECONDS and
+# records its start, its end and whether it met them.
 _TIMED = """
 import os, sys, time
 name, folder, seconds, peers = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
