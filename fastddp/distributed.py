@@ -187,9 +187,11 @@ def init_distributed(
     if launcher == "single":
         if problem is not None:
             raise ClusterError("fastddp.init_distributed: " + problem)
-        addr, port = "127.0.0.1", _free_port()
+        # One process meets nobody: an in-memory store, where a TCP one would listen on a port
+        # taken free moments before (and then maybe taken by another process's connection).
+        addr, port = "127.0.0.1", 0
         settings["master_addr"] = settings["master_port"] = None
-        kwargs = {"init_method": f"tcp://{addr}:{port}"}
+        kwargs = {"store": dist.HashStore()}
         attempt = ""
     else:
         addr, port = settings["master_addr"].value, int(settings["master_port"].value)
@@ -251,12 +253,6 @@ def _start_watchdog(attempt, peer_timeout, rank, world, addr, port, launcher) ->
     if peer_timeout == 0 or world == 1 or launcher == "single":
         return
     _watchdog = PeerWatchdog(addr, port, rank, world, peer_timeout, attempt).start()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def shutdown_distributed() -> None:

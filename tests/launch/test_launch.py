@@ -441,6 +441,8 @@ def test_init_distributed_single_process_is_idempotent():
         "env = fastddp.init_distributed()\n"
         "assert fastddp.init_distributed() is env and env.world_size == 1\n"
         "assert env.launcher == 'single' and fastddp.is_main_process()\n"
+        "from torch.distributed.distributed_c10d import _get_default_store\n"
+        "assert isinstance(_get_default_store().underlying_store, dist.HashStore)  # no port\n"
         "try:\n"
         "    fastddp.init_distributed(backend='nccl')\n"
         "except fastddp.ClusterError as e:\n"
