@@ -7,12 +7,12 @@ no key of its own and gets :func:`unpack`'s error.
 """
 
 import io
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["pack", "unpack"]
+__all__ = ["LoadCheck", "pack", "unpack"]
 
 
 def _key() -> str:
@@ -40,3 +40,52 @@ def unpack(state_dict: dict[str, bytes], where: str) -> Any:
             "residuals then start from zero)"
         )
     return torch.load(io.BytesIO(blob), weights_only=True)
+
+
+class LoadCheck:
+    """What went wrong loading this rank's state, raised on every rank at the first reduction.
+
+    Each rank loads its own state (DCP's merged checkpoint, or a file per rank), so a problem
+    may be found on some ranks only, as when one rank is given another's file. Raised there
+    alone, it would leave the others waiting in the first reduction's collective until the
+    process group's timeout. So a load before the first reduction keeps its error, and the
+    first reduction agrees, over the job's default group, whether any rank has one: every rank
+    then raises, naming the ranks. A load after the first reduction cannot be agreed on
+    without a collective of its own and raises where it fails, as before.
+    """
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.agreed = False
+        self.problem: Optional[str] = None
+
+    def load(self, state_dict: dict[str, bytes], restore: Callable[[Any], None]) -> None:
+        """Unpack this rank's state from ``state_dict`` and ``restore`` it, or keep the error."""
+        try:
+            restore(unpack(state_dict, self.where))
+        except Exception as error:  # whatever the load found, every rank must hear of it
+            if self.agreed:
+                raise
+            self.problem = f"{type(error).__name__}: {error}"
+        else:
+            self.problem = None
+
+    def agree(self, device: torch.device) -> None:
+        """Before the first reduction (one all-reduce of ``world_size`` int32s on ``device``):
+        raise on every rank if a load failed on any."""
+        if self.agreed:
+            return
+        self.agreed = True
+        world, rank = dist.get_world_size(), dist.get_rank()
+        failed = torch.zeros(world, dtype=torch.int32, device=device)
+        failed[rank] = int(self.problem is not None)
+        if world > 1:
+            dist.all_reduce(failed)
+        ranks = [r for r, bad in enumerate(failed.tolist()) if bad]
+        if not ranks:
+            return
+        why = self.problem if self.problem is not None else "each of them raises the reason"
+        raise ValueError(
+            f"{self.where}: load_state_dict failed on rank(s) {ranks} of {world} ({why}); load "
+            "into every rank the state that same rank saved, in a job of the same size"
+        )

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from fastddp.codecs import CODECS
-from fastddp.fsdp._checkpoint import pack, unpack
+from fastddp.fsdp._checkpoint import LoadCheck, pack
 from fastddp.fsdp.reduce_scatter import (
     CompressedReduceScatter,
     FSDPModule,
@@ -66,6 +66,7 @@ class HybridAllReduce:
         self._names = [name for name, _ in modules]
         self._numels: dict[int, int] = {}
         self._calls = 0
+        self._load = LoadCheck(_WHERE)
         for index, (_, module) in enumerate(modules):
             module.set_all_reduce_hook(self._hook_for(index, module))
 
@@ -98,6 +99,7 @@ class HybridAllReduce:
                 "without error feedback"
             )
         self._numels[index] = numel
+        self._load.agree(output.device)
         self._calls += 1
         if self.nodes == 1:
             return
@@ -129,8 +131,9 @@ class HybridAllReduce:
         return pack(self.state.state_dict())
 
     def load_state_dict(self, state_dict: dict[str, bytes]) -> None:
-        """Restore what :meth:`state_dict` saved on this rank of a job of the same shape."""
-        self.state.load_state_dict(unpack(state_dict, _WHERE))
+        """Restore what :meth:`state_dict` saved on this rank of a job of the same shape. Call
+        it on every rank: what does not fit is raised on every rank at the first reduction."""
+        self._load.load(state_dict, self.state.load_state_dict)
 
 
 def hybrid(

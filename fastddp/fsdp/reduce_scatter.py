@@ -24,7 +24,7 @@ from torch.distributed import ReduceOp
 
 from fastddp.codecs import CODECS, codec_for
 from fastddp.fsdp._buffers import Buffers
-from fastddp.fsdp._checkpoint import pack, unpack
+from fastddp.fsdp._checkpoint import LoadCheck, pack
 
 try:  # FSDP2's comm interfaces (torch >= 2.9 have set_custom_reduce_scatter)
     from torch.distributed.fsdp import FSDPModule
@@ -106,6 +106,7 @@ class CompressedReduceScatter(ReduceScatter):
         self._residuals: dict[Any, torch.Tensor] = {}  # by parameter group (module index)
         self.group_key: Any = None  # the group being reduced, set by its module's door
         self._buffers = Buffers()
+        self._load = LoadCheck("CompressedReduceScatter")
         self._counters = dict.fromkeys(("calls", "wire_bytes", "fp32_wire_bytes", "elements"), 0)
 
     def __repr__(self) -> str:
@@ -145,6 +146,8 @@ class CompressedReduceScatter(ReduceScatter):
         world = dist.get_world_size(group)
         chunk = output_tensor.numel()
         pre, post = self._check(output_tensor, input_tensor, world, op, async_op)
+        if self.error_feedback:  # the same on every rank: only a comm with residuals loads any
+            self._load.agree(input_tensor.device)
         if chunk == 0:
             return None
         src = input_tensor.view(-1)
@@ -248,10 +251,12 @@ class CompressedReduceScatter(ReduceScatter):
         return pack({"codec": repr(self), "residuals": residuals})
 
     def load_state_dict(self, state_dict: dict[str, bytes]) -> None:
-        """Restore this rank's residuals, saved by a comm of the same settings."""
-        if not self.error_feedback:
-            return
-        saved = unpack(state_dict, "CompressedReduceScatter")
+        """Restore this rank's residuals, saved by a comm of the same settings. Call it on
+        every rank: what does not fit is raised on every rank at the first reduce-scatter."""
+        if self.error_feedback:
+            self._load.load(state_dict, self._restore)
+
+    def _restore(self, saved: dict[str, Any]) -> None:
         if saved["codec"] != repr(self):
             raise ValueError(
                 f"CompressedReduceScatter.load_state_dict: saved by {saved['codec']}, loaded "

@@ -1,8 +1,10 @@
 """Training runs of a small decoder under FSDP2 on a 2-D node mesh: native HSDP, or sharded
 inside the node with :func:`fastddp.fsdp.hybrid` across nodes. For the hybrid tests."""
 
+import re
 from typing import Optional
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -115,3 +117,20 @@ def load(path: str, model, opt, comm: Optional[object]) -> None:
     state = _checkpoint_state(model, opt, comm)
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def swapped_files_fail_every_rank(path: str, rank: int, build, where: str) -> None:
+    """Each rank saves its comm's state to a file of its own, and rank 1 then loads rank 0's:
+    the first step raises on every rank, naming rank 1, rather than on rank 1 alone while the
+    others wait in a collective."""
+    model, opt, comm = build()
+    steps(model, opt, rank, 0, 1)
+    torch.save(comm.state_dict(), f"{path}-rank{rank}.pt")
+    dist.barrier()
+    model, opt, comm = build()
+    comm.load_state_dict(torch.load(f"{path}-rank{0 if rank == 1 else rank}.pt"))
+    world = dist.get_world_size()
+    why = "ValueError: .* no state for rank1_of_" if rank == 1 else "each of them raises the reason"
+    expected = re.escape(f"{where}: load_state_dict failed on rank(s) [1] of {world} (") + why
+    with pytest.raises(ValueError, match=expected):
+        steps(model, opt, rank, 1, 1)

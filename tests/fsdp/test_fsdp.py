@@ -303,6 +303,7 @@ def _flat_resume(rank, world, path):
     _hybrid_worker.load(path, model, opt, None)
     _hybrid_worker.steps(model, opt, rank, 2, 2)
     assert any(not torch.equal(v, straight[n]) for n, v in _hybrid_worker.params_of(model).items())
+    _hybrid_worker.swapped_files_fail_every_rank(path, rank, build, "CompressedReduceScatter")
 
 
 @pytest.mark.multiproc

@@ -107,6 +107,7 @@ def _resume(rank, world, path):
 
     with pytest.raises(ValueError, match="saved by a job of another size"):
         comm.load_state_dict({"rank9_of_16": b"x"})
+    w.swapped_files_fail_every_rank(path, rank, lambda: w.build(mesh, "int8-ef"), "hybrid")
 
 
 def test_dcp_save_and_resume_keeps_the_residuals_bit_for_bit(tmp_path):
