@@ -105,18 +105,19 @@ def build(
         flags.append("-g")
     if asan:
         flags.append("-fsanitize=address")
-    if only is not None:
-        flags += ["-DFASTDDP_EMU_ONLY", f"-DFASTDDP_EMU_OP_{only}"]
+    # Only the ops' source picks the op: the emulator's runtime is one object for every op.
+    picks = [] if only is None else ["-DFASTDDP_EMU_ONLY", f"-DFASTDDP_EMU_OP_{only}"]
     compiler = os.environ.get("CXX", "g++")
     _SHARED_CACHE.mkdir(parents=True, exist_ok=True)
     objects = []
     for source, headers in _SOURCES.items():
-        digest = hashlib.sha256(" ".join([compiler, *flags]).encode())
+        flags_of = [*flags, *picks] if source == "emu/ops.cpp" else flags
+        digest = hashlib.sha256(" ".join([compiler, *flags_of]).encode())
         for rel in (source, *headers):
             digest.update((csrc / rel).read_bytes())
         obj = _SHARED_CACHE / f"{Path(source).stem}-{digest.hexdigest()[:16]}.o"
         if not obj.exists():
-            cmd = [compiler, *flags, f"-I{csrc / 'include'}", "-c", str(csrc / source), "-o"]
+            cmd = [compiler, *flags_of, f"-I{csrc / 'include'}", "-c", str(csrc / source), "-o"]
             _compile(cmd, obj)
         objects.append(obj)
     name = hashlib.sha256("".join(o.name for o in objects).encode()).hexdigest()[:16]
