@@ -79,13 +79,16 @@ endif
 # Seven concurrent pytest streams (tests/streams.py): the multi-node jobs on namespaces and the
 # launcher's jobs, which mostly wait (start-ups, links, timeouts), each split into the jobs
 # broken on purpose (`faults`) and the others; the rest; and the emu tests, once, under
-# AddressSanitizer (its runtime preloaded), split into the checks and the planted defects. The CUDA compile check runs beside them as one more
-# stream, at the lowest priority, rather than holding the tests back for its one-core tail; it
-# fails the command as a stream would. Each stream's output is printed whole
-# as it ends, with pytest's list of its slowest tests, then each stream's time and CPU time.
-# Multi-rank tests share pooled rank processes (tests/_dist.py).
-test: build
-	$(BIN)/python tests/streams.py --also cuda-check "$(MAKE) --no-print-directory cuda-check" \
+# AddressSanitizer (its runtime preloaded), split into the checks and the planted defects. The
+# CUDA compile check runs beside them as one more stream, at the lowest priority, rather than
+# holding the tests back for its one-core tail; it fails the command as a stream would. It
+# starts with the extension's build, which the tests wait for, on the core the build's serial
+# parts leave idle. Each stream's output is printed whole as it ends, with pytest's list of its
+# slowest tests, then each stream's time and CPU time. Multi-rank tests share pooled rank
+# processes (tests/_dist.py).
+test: setup
+	$(BIN)/python tests/streams.py --first "$(MAKE) --no-print-directory build" \
+		--also cuda-check "$(MAKE) --no-print-directory cuda-check" \
 		$(if $(PYTEST_ARGS),-- $(PYTEST_ARGS))
 
 # The single-process tests only (no ranks, launchers, namespaces or emulator), for a quick loop

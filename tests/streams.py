@@ -1,6 +1,7 @@
 """Run the test suite as concurrent pytest streams, one per kind of test, and report them all.
 
-    python tests/streams.py [--only NAME ...] [--also NAME COMMAND] [-- PYTEST_ARGS ...]
+    python tests/streams.py [--only NAME ...] [--also NAME COMMAND] [--first COMMAND]
+                            [-- PYTEST_ARGS ...]
 
 Much of the suite's time is spent waiting: on launchers starting and restarting jobs, on a
 namespace link's rate, on peer timeouts. The emulator's tests (under AddressSanitizer, whose
@@ -21,12 +22,16 @@ The suite is CPU-bound on a small machine, so the streams are niced by how much 
 is a wall-clock wait: the namespace and launcher streams, which wait on links, timeouts and
 start-ups and set the suite's length, first; the pooled ranks and the emulator, which only
 compute, after them. ``--also NAME COMMAND`` runs a shell command (``make test``: the CUDA
-compile check) as one more stream, niced the most. Niceness orders the processes of this
-session only: launchers and workers start sessions of their own, each an autogroup of Linux's
-scheduler, against which this session's niceness does not count. Under a full run they can
-wait minutes for a core behind this session's processes, so the restart cells raise their own
-groups (``fastddp.testing.restarts``), and every wait on a launched job is a hang guard scaled
-to the machine's cores (``fastddp.testing.slack``; measured here before the streams start).
+compile check) as one more stream, niced the most. ``--first COMMAND`` (``make test``: the
+extension's build) runs before the pytest streams, which need what it makes; the ``--also``
+commands start with it, on the core its serial parts leave idle.
+
+Niceness orders the processes of this session only: launchers and workers start sessions of
+their own, each an autogroup of Linux's scheduler, against which this session's niceness does
+not count. Under a full run they can wait minutes for a core behind this session's processes,
+so the restart cells raise their own groups (``fastddp.testing.restarts``), and every wait on
+a launched job is a hang guard scaled to the machine's cores (``fastddp.testing.slack``;
+measured here before the streams start).
 """
 
 import argparse
@@ -99,6 +104,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="+", choices=list(STREAMS), help="run these streams alone")
     p.add_argument("--also", nargs=2, action="append", default=[], metavar=("NAME", "COMMAND"),
                    help="a shell command to run as one more stream; it must exit 0")  # fmt: skip
+    p.add_argument("--first", metavar="COMMAND",
+                   help="a shell command the pytest streams wait for; it must exit 0")  # fmt: skip
     p.add_argument("pytest_args", nargs="*", help="passed to every stream's pytest (after --)")
     args = p.parse_args(argv)
     names = args.only or list(STREAMS)
@@ -116,13 +123,25 @@ def main(argv=None) -> int:
     else:
         print(f"hang guards x {slack.factor():.2f} ({slack.VAR} is yours)", flush=True)
     start = time.monotonic()
-    running = {name: _start(name, args.pytest_args, logs) for name in names}
+    running = {}
     for name, command in also.items():
         log = logs / f"{name}.log"
         running[name] = (_popen(command, log, ALSO_NICE, shell=True), log)
     what = {**{name: STREAMS[name][0] for name in names}, **also}
     results = {}
     try:
+        if args.first:
+            print(f"===== first: {args.first!r} =====", flush=True)
+            first = subprocess.Popen(args.first, shell=True, cwd=ROOT)
+            _, status, usage = os.wait4(first.pid, 0)
+            first.returncode = os.waitstatus_to_exitcode(status)
+            took = time.monotonic() - start
+            results["first"] = (first.returncode, took, usage.ru_utime + usage.ru_stime)
+            print(f"===== first: exit {first.returncode} after {took:.0f} s =====", flush=True)
+            if first.returncode != 0:
+                print(f"failed: {args.first!r}; no test was run")
+                return 1
+        running.update({name: _start(name, args.pytest_args, logs) for name in names})
         while running:
             for name, (proc, log) in list(running.items()):
                 # wait4: the exit status and the CPU time of the stream and all it spawned

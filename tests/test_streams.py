@@ -79,6 +79,31 @@ def test_streams_run_niced_and_an_also_command_counts_as_a_stream(tmp_path):
     assert f"the command at {also}" in res.stdout, res.stdout
 
 
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_a_first_command_runs_beside_the_also_commands_and_before_the_tests(tmp_path):
+    seen, built = tmp_path / "seen", tmp_path / "built"
+    tests = tmp_path / "test_first.py"
+    tests.write_text(f"def test_after_first():\n    assert open({str(built)!r}).read() == 'x\\n'\n")
+    # The first command ends only once the --also command has run: they run side by side.
+    wait = f"for i in $(seq 600); do [ -e {seen} ] && break; sleep 0.1; done; cp {seen} {built}"
+    run = [sys.executable, str(RUNNER), "--only", "ranks", "--also", "mark", f"echo x > {seen}"]
+    res = subprocess.run(
+        [*run, "--first", wait, "--", str(tests), "-q"], capture_output=True, text=True,
+        timeout=slack.guard(100), env=_env(tmp_path),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "1 passed" in res.stdout and "first exit 0" in res.stdout, res.stdout
+    # A first command that fails fails the command, and no test runs.
+    built.unlink()
+    res = subprocess.run(
+        [*run, "--first", "exit 3", "--", str(tests), "-q"], capture_output=True, text=True,
+        timeout=slack.guard(100), env=_env(tmp_path),
+    )  # fmt: skip
+    assert res.returncode == 1 and "'exit 3'; no test was run" in res.stdout, res.stdout
+    assert "test_after_first" not in res.stdout, res.stdout
+
+
 def _marks(node: ast.AST) -> set[str]:
     """The ``pytest.mark.NAME`` names used anywhere in ``node``."""
     return {
