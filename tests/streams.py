@@ -18,26 +18,31 @@ Each stream is a pytest session with its own ``--basetemp`` and log, printed who
 stream ends; the command fails when any stream does. The markers split the tests, so every
 test runs in exactly one stream (``tests/test_streams.py`` checks it).
 
-The suite is CPU-bound on a small machine, so the streams are niced by how much of their time
-is a wall-clock wait: the namespace and launcher streams, which wait on links, timeouts and
-start-ups and set the suite's length, first; the pooled ranks and the emulator, which only
-compute, after them. ``--also NAME COMMAND`` runs a shell command (``make test``: the CUDA
+The suite is CPU-bound on a small machine, so the streams are niced: the namespace and
+launcher streams, which wait on links, timeouts and start-ups, and the pooled ranks, the
+longest stream, first; the emulator's, which only compute and fill the cores the others leave
+idle, after them. ``--also NAME COMMAND`` runs a shell command (``make test``: the CUDA
 compile check) as one more stream, niced the most. ``--first COMMAND`` (``make test``: the
 extension's build) runs before the pytest streams, which need what it makes; the ``--also``
 commands start with it, on the core its serial parts leave idle.
 
-Niceness orders the processes of this session only: launchers and workers start sessions of
-their own, each an autogroup of Linux's scheduler, against which this session's niceness does
-not count. Under a full run they can wait minutes for a core behind this session's processes,
+Linux's scheduler shares the cores between autogroups, one per session, before it shares a
+group's among its processes by their niceness. Launchers and workers start sessions of their
+own, so each stream is a session too, with its niceness on its autogroup: in one shared
+session, the pooled ranks, the emulator and the compile check together weighed as much as one
+launched job, and the ranks stream, starved while the launched jobs ran, ended alone, minutes
+after the others. Under a full run launched jobs can still wait minutes for a core,
 so the restart cells raise their own groups (``fastddp.testing.restarts``), and every wait on
 a launched job is a hang guard scaled to the machine's cores (``fastddp.testing.slack``;
 measured here before the streams start).
 """
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -76,17 +81,28 @@ STREAMS = {
     "emu": ("emu and not planted", ["-p", "no:cacheprovider"], _asan_env),
     "planted": ("emu and planted", ["-p", "no:cacheprovider"], _asan_env),
 }
-# The niceness each stream runs at (and what it spawns inherits); an --also command gets ALSO_NICE.
-NICE = {"nodes": 0, "node-faults": 0, "launcher": 0, "faults": 0, "ranks": 4}
+# The niceness each stream runs at, its autogroup's and its processes' (what it spawns inherits
+# the latter); an --also command gets ALSO_NICE.
+NICE = {"nodes": 0, "node-faults": 0, "launcher": 0, "faults": 0, "ranks": 0}
 NICE.update(emu=8, planted=8)
 ALSO_NICE = 12
+
+
+def _own_autogroup(nice: int) -> None:
+    """In a stream's process, just after ``setsid``: its session is an autogroup of Linux's
+    scheduler, which weighs against the other groups by this niceness."""
+    # Where the kernel has no autogroups, the process's own niceness still orders the streams.
+    with contextlib.suppress(OSError), open("/proc/self/autogroup", "w") as group:
+        group.write(str(nice))
+    if nice:
+        os.nice(nice)
 
 
 def _popen(cmd, log: Path, nice: int, env=None, shell=False) -> subprocess.Popen:
     with open(log, "wb") as out:
         return subprocess.Popen(
             cmd, cwd=ROOT, env=env, shell=shell, stdout=out, stderr=subprocess.STDOUT,
-            preexec_fn=(lambda: os.nice(nice)) if nice else None,
+            start_new_session=True, preexec_fn=lambda: _own_autogroup(nice),
         )  # fmt: skip
 
 
@@ -158,8 +174,11 @@ def main(argv=None) -> int:
                 sys.stdout.flush()
             time.sleep(0.5)
     finally:
+        # A stream is a session of its own, out of reach of the terminal's Ctrl-C: its process
+        # group goes with it (its pooled ranks; launched jobs are sessions of their own too).
         for proc, _ in running.values():
-            proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
     wall = time.monotonic() - start
     print("\nstreams:", "; ".join(
         f"{n} exit {rc} in {t:.0f} s, {cpu:.0f} CPU s" for n, (rc, t, cpu) in results.items()

@@ -4,6 +4,7 @@ that fails fails the command."""
 import ast
 import itertools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,8 +62,13 @@ def test_streams_run_niced_and_an_also_command_counts_as_a_stream(tmp_path):
     # Niceness adds to the caller's: this test may itself run in a niced stream.
     ranks, also = (min(19, os.nice(0) + n) for n in (streams.NICE["ranks"], streams.ALSO_NICE))
     tests = tmp_path / "test_nice.py"
-    tests.write_text(f"import os\n\ndef test_nice():\n    assert os.nice(0) == {ranks}\n")
-    command = f"{sys.executable} -c 'import os; print(\"the command at\", os.nice(0))'; exit 5"
+    # Each stream is a session, so an autogroup, of its own, at the stream's niceness.
+    check = f"import os\n\ndef test_nice():\n    assert os.nice(0) == {ranks}\n"
+    check += f"    assert os.getsid(0) == os.getpid() != {os.getsid(0)}\n"
+    tests.write_text(check)
+    group = "; cat /proc/self/autogroup" if os.path.exists("/proc/self/autogroup") else ""
+    command = f"{sys.executable} -c 'import os; print(\"the command at\", os.nice(0))'"
+    command += f"{group}; exit 5"
     run = [sys.executable, str(RUNNER), "--only", "ranks", "--also", "exit5", command]
     res = subprocess.run(
         [*run, "--also", "nodes", "true"], capture_output=True, text=True, env=_env(tmp_path)
@@ -77,6 +83,8 @@ def test_streams_run_niced_and_an_also_command_counts_as_a_stream(tmp_path):
     # Exit 5 is pytest's "nothing collected", which passes a stream, but fails a command.
     assert res.returncode == 1 and "failed streams: exit5" in res.stdout, res.stdout
     assert f"the command at {also}" in res.stdout, res.stdout
+    if group:
+        assert re.search(rf"/autogroup-\d+ nice {streams.ALSO_NICE}\n", res.stdout), res.stdout
 
 
 @pytest.mark.multiproc
