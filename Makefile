@@ -85,9 +85,12 @@ endif
 # starts with the extension's build, which the tests wait for, on the core the build's serial
 # parts leave idle. Each stream's output is printed whole as it ends, with pytest's list of its
 # slowest tests, then each stream's time and CPU time. Multi-rank tests share pooled rank
-# processes (tests/_dist.py).
+# processes (tests/_dist.py). The suite starts hundreds of Python processes, each of which would
+# compile fastddp's sources again where PYTHONDONTWRITEBYTECODE is set, and each stream the
+# tests' modules: for the tests, compiled modules are cached (__pycache__, ignored by git).
 test: setup
-	$(BIN)/python tests/streams.py --first "$(MAKE) --no-print-directory build" \
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python tests/streams.py \
+		--first "$(MAKE) --no-print-directory build" \
 		--also cuda-check "$(MAKE) --no-print-directory cuda-check" \
 		$(if $(PYTEST_ARGS),-- $(PYTEST_ARGS))
 
