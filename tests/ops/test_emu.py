@@ -238,8 +238,8 @@ def _sweep(tmp_path, op, edit=None):
         text = path.read_text()
         assert old in text, f"the defect's target text is gone from {rel}: update DEFECTS"
         path.write_text(text.replace(old, new, 1))
-    # Without line tables and with the swept op alone: the copies only need to fail, and the
-    # unchanged one, built the same way, shows that they fail for their defect.
+    # Without line tables or the optimiser, and with the swept op alone: the copies only need
+    # to fail, and the unchanged one, built the same way, shows that they fail for their defect.
     lib = emulator.build(csrc, cache=tmp_path / "lib", debug=False, only=op)
     log = tmp_path / "sweep.log"
     proc = _FORKS.Process(target=run_logged, args=(str(lib), op, str(log)))
