@@ -1,7 +1,7 @@
 // A CUDA grid emulator for the CPU: just enough of CUDA's built-ins to compile fastddp's kernel
 // header with g++ unchanged and run it with CUDA's semantics.
 //
-// Every CUDA thread of a block is a fiber (ucontext) with its own stack; the fibers of a block
+// Every CUDA thread of a block is a fiber with its own stack; the fibers of a block
 // run in a random order, and blocks in a random order, drawn from the seed of the launch.
 // __syncthreads* is a real barrier over the block's threads, __shfl_*_sync a real exchange
 // over the lanes named in its mask: a named lane that never arrives (it exited, or waits at
