@@ -42,10 +42,15 @@ def _one_unit(name: str, sources: list[Path]) -> Path:
 
 def _extension():
     with_cuda = _want_cuda()
-    # The pairs of CMakeLists.txt's FASTDDP_UNITY, the longest first: ninja starts jobs in this
+    # The groups of CMakeLists.txt's FASTDDP_UNITY, the longest first: ninja starts jobs in this
     # order, and the other sources fit beside it.
     sources = [_one_unit("ddp_hooks", sorted((CSRC / "ddp").glob("*.cpp")))]
-    sources.append(_one_unit("torch_ops", [CSRC / "fastddp.cpp", CSRC / "cpu" / "ops.cpp"]))
+    # The op entries of each backend: with CUDA, csrc/cuda/ops.cpp (the host compiler) calls the
+    # launches of csrc/cuda/launches.cu (nvcc, no torch header).
+    entries = [CSRC / "fastddp.cpp", CSRC / "cpu" / "ops.cpp"]
+    if with_cuda:
+        entries.append(CSRC / "cuda" / "ops.cpp")
+    sources.append(_one_unit("torch_ops", entries))
     sources += sorted(set((CSRC / "cpu").glob("*.cpp")) - {CSRC / "cpu" / "ops.cpp"})
     if with_cuda:
         sources += sorted((CSRC / "cuda").glob("*.cu"))

@@ -251,7 +251,7 @@ def ptx_from_build(build_dir: Path, work: Path) -> list[Path]:
 
 
 def main(argv=None) -> int:
-    args = check_cli.parse(argv, __doc__, "PTX files", "a CMake build: compile its ops.cu to PTX")
+    args = check_cli.parse(argv, __doc__, "PTX files", "a CMake build: the PTX its _C.so holds")
     bad = False
     with tempfile.TemporaryDirectory() as tmp:
         files = list(args.files)

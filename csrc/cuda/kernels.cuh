@@ -1,7 +1,7 @@
 // fastddp's CUDA kernels, and nothing else: here the pieces every kernel shares (chunks of 4
 // elements, 16-byte accesses, the warp loops, the flag) and the kernels of the 16-bit wire
 // formats; the kernels of the integer codes in codes_kernels.cuh and packed_kernels.cuh, which
-// build on this header. nvcc compiles them into ops.cu; g++ compiles them unchanged into the
+// build on this header. nvcc compiles them into launches.cu; g++ compiles them unchanged into the
 // CUDA grid emulator (csrc/emu), which runs the kernels on the CPU with CUDA's semantics.
 // Launches go through launch.h.
 //

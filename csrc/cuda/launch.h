@@ -6,7 +6,7 @@
 //   void zero_flag(int* flag);                 the flag to 0, in stream order
 //   void launch(kernel, int grid, args...);    kernel<<<grid, kThreads, 0, stream>>>(args...)
 //
-// ops.cu gives the CUDA runtime (torch's current stream, the launch check); the emulator
+// launches.cu gives the CUDA runtime (a stream, the launch check); the emulator
 // (csrc/emu) gives one that runs the grid on the CPU. Both run this code, so the emulator tests
 // the launch decisions (grids, alignment, tails) with the kernels.
 #pragma once

@@ -1,7 +1,7 @@
 // Every op's C++ entry, once for both backends: check the tensors (checks.h), gather the raw
 // arguments (layout.h), and hand them to a backend. A backend is built from the op's first
 // tensor (the CUDA one holds a device guard and torch's current stream) and has a `run` for
-// each argument struct. cpu/ops.cpp and cuda/ops.cu register these entries with
+// each argument struct. cpu/ops.cpp and cuda/ops.cpp register these entries with
 // register_ops<TheirBackend>; the schemas are in csrc/fastddp.cpp.
 #pragma once
 
