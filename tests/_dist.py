@@ -10,7 +10,7 @@ import atexit
 from datetime import timedelta
 
 from fastddp.testing import slack
-from fastddp.testing.pool import RankError, RankPool
+from fastddp.testing.pool import RankError, RankPool, stop_fork_server
 
 __all__ = ["PG_TIMEOUT", "RankError", "close_pools", "pool", "run_ranks"]
 
@@ -52,3 +52,4 @@ def close_pools():
     for p in _pools.values():
         p.close()
     _pools.clear()
+    stop_fork_server()  # the ranks' parent

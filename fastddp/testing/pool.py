@@ -9,6 +9,7 @@ patched to plant a defect). A rank that raises, dies or outlives the call's time
 call; every rank of the pool is then replaced before the next call.
 """
 
+import multiprocessing.forkserver
 import os
 import pickle
 import signal
@@ -25,10 +26,15 @@ import torch.multiprocessing as mp
 from fastddp.testing import slack
 from fastddp.testing._rank import serve
 
-__all__ = ["RankError", "RankPool"]
+__all__ = ["RankError", "RankPool", "stop_fork_server"]
 
 # How long a pool's processes may take to start (import torch, connect to the store).
 START_TIMEOUT = 120.0
+# What the ranks' fork server imports once, so that a rank starts with it: torch, fastddp and
+# the rank's loop (2.3 CPU s a rank when each imported them), and the compiler stack that
+# DistributedDataParallel's constructor imports (torch 2.13 asks torch._dynamo for its mode:
+# another second a rank).
+PRELOAD = ["fastddp.testing._rank", "torch._dynamo"]
 # After one rank fails, how long the others get to report before they are stopped: they are
 # usually blocked in a collective with the failed rank, which only the group's timeout ends.
 GRACE = 3.0
@@ -145,7 +151,7 @@ class RankPool:
             self._store = dist.TCPStore(
                 "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=self.timeout
             )
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         for rank in range(self.world_size):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(
@@ -254,6 +260,23 @@ class RankPool:
                 proc.join()
             conn.close()
         self._procs, self._conns = [], []
+
+
+def _context():
+    """Ranks are forked from multiprocessing's fork server, which imports :data:`PRELOAD` and
+    nothing else: never from the caller, which may hold threads, locks or CUDA."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def stop_fork_server() -> None:
+    """Stop multiprocessing's fork server, if it runs, and wait for it. The processes forked
+    from it are its children: waited for, they count in this process's children's CPU time
+    (which ``tests/streams.py`` reports). A later fork starts a new server."""
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    if server is not None and hasattr(server, "_stop"):
+        server._stop()
 
 
 def _running(proc) -> bool:

@@ -11,7 +11,6 @@ AddressSanitizer.
 """
 
 import multiprocessing
-import multiprocessing.forkserver
 import shutil
 import subprocess
 
@@ -30,6 +29,7 @@ from fastddp.testing.emu_checks import (
     check_quantize_packed,
     check_sum_chunks,
 )
+from fastddp.testing.pool import stop_fork_server
 
 pytestmark = [
     pytest.mark.emu,
@@ -220,11 +220,7 @@ _FORKS.set_forkserver_preload(["fastddp.testing.emu_cases"])
 @pytest.fixture(scope="module", autouse=True)
 def _reap_the_fork_server():
     yield
-    # Stopped and waited for here, the server (and the sweeps it reaped) count in this
-    # process's children's CPU time, which tests/streams.py reports.
-    server = getattr(multiprocessing.forkserver, "_forkserver", None)
-    if server is not None and hasattr(server, "_stop"):
-        server._stop()
+    stop_fork_server()  # the sweeps' parent
 
 
 def _sweep(tmp_path, op, edit=None):
