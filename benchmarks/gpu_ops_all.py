@@ -18,6 +18,7 @@ wrong result.
 
 import argparse
 import sys
+from typing import Optional
 
 import torch
 
@@ -118,14 +119,15 @@ def _rows_apart(device, flag) -> int:
     return calls
 
 
-def run(device: torch.device) -> int:
+def run(device: torch.device, sms: Optional[int] = None) -> int:
     calls = 0
     flag = torch.zeros(1, dtype=torch.int32, device=device)
-    # The long size aligned (16-byte accesses) and not (the scalar loop). The CPU runs the same
-    # calls at the length an H100 needs.
-    sms = H100_SMS
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    # The long size aligned (16-byte accesses) and not (the scalar loop), for the device's SMs.
+    # The CPU runs the same calls at the length an H100 needs, unless told another count.
+    if sms is None:
+        sms = H100_SMS
+        if device.type == "cuda":
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
     cases = [(n, off) for n in SIZES for off in OFFSETS]
     cases += [(long_size(sms), 0), (long_size(sms), 1)]
     for n, off in cases:
@@ -178,8 +180,15 @@ def run(device: torch.device) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument(
+        "--sms",
+        type=int,
+        help="the SMs whose long length to run (default: the GPU's; on the CPU an H100's, 132)",
+    )
     args = p.parse_args(argv)
-    calls = run(torch.device(args.device))
+    if args.sms is not None and args.sms < 1:
+        p.error(f"--sms must be at least 1, got {args.sms}")
+    calls = run(torch.device(args.device), args.sms)
     print(f"gpu_ops_all: {calls} op calls on {args.device}, all results as expected")
     return 0
 

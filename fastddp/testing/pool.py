@@ -119,7 +119,8 @@ class RankPool:
 
         .. warning::
             A rank that raises, dies or hangs raises :class:`RankError` (``TimeoutError`` for a
-            hang), with the traceback of the rank that failed first; all ranks are replaced.
+            hang), with what the first rank to die, or else the first to raise, said; all
+            ranks are replaced.
         """
         if env is not None and len(env) != self.world_size:
             raise ValueError(f"env has {len(env)} entries for {self.world_size} ranks")
@@ -186,7 +187,7 @@ class RankPool:
     def _collect(self, fn, timeout: Optional[float]) -> list[Any]:
         n = self.world_size
         results: list[Any] = [None] * n
-        failures: list[tuple[int, str]] = []  # in the order they came
+        failures: list[tuple[int, bool, str]] = []  # (rank, died, what), in the order they came
         pending = set(range(n))
         deadline = None if timeout is None else time.monotonic() + timeout
         grace_end = None
@@ -204,21 +205,14 @@ class RankPool:
                 rank = handles[ready]
                 if rank not in pending:
                     continue
-                conn = self._conns[rank]
                 pending.discard(rank)
-                try:
-                    if ready is not conn and not conn.poll():
-                        raise EOFError
-                    kind, value = pickle.loads(conn.recv_bytes())
-                except (EOFError, ConnectionResetError):
-                    self._procs[rank].join(1.0)
-                    code = self._procs[rank].exitcode
-                    failures.append((rank, f"rank {rank} died (exit code {code})"))
-                    continue
+                kind, value = self._outcome(rank, ready)
                 if kind == "ok":
                     results[rank] = _unpickled(value)
+                elif kind == "died":
+                    failures.append((rank, True, value))
                 else:
-                    failures.append((rank, f"rank {rank} raised:\n{value}"))
+                    failures.append((rank, False, f"rank {rank} raised:\n{value}"))
             if failures and grace_end is None:
                 grace_end = time.monotonic() + GRACE
         if not pending and not failures:
@@ -230,13 +224,29 @@ class RankPool:
                 f"{name}: ranks {sorted(pending)} of {n} did not finish within {timeout:.0f} s "
                 "(their Python stacks are on stderr)"
             )
-        first_rank, first = failures[0]
+        # A rank that died comes first: the others raise because of it (a collective with it
+        # broke), and may say so before its death shows here.
+        failures.sort(key=lambda failure: not failure[1])
+        first_rank, _, first = failures[0]
         lines = [f"{name} failed on rank {first_rank}; {first}"]
         # The others' failures usually follow from the first: their last line is enough.
-        lines += [f"then {_summary(text)}" for _, text in failures[1:]]
+        lines += [f"then {_summary(text)}" for _, _, text in failures[1:]]
         if pending:
             lines.append(f"ranks {sorted(pending)} were stopped after rank {first_rank} failed")
         raise RankError("\n".join(lines))
+
+    def _outcome(self, rank: int, ready) -> tuple[str, Any]:
+        """What rank's call gave, once its pipe or process is ready: ("ok", result), ("error",
+        traceback) or ("died", why)."""
+        conn = self._conns[rank]
+        try:
+            if ready is not conn and not conn.poll():
+                raise EOFError
+            return pickle.loads(conn.recv_bytes())
+        except (EOFError, ConnectionResetError):
+            # Its exit status comes from the fork server, which reaps it: a hang guard.
+            self._procs[rank].join(slack.guard(10))
+            return "died", f"rank {rank} died (exit code {self._procs[rank].exitcode})"
 
     def _dump_stacks(self, ranks) -> None:
         for rank in ranks:
@@ -287,7 +297,8 @@ def _running(proc) -> bool:
     try:
         stat = Path(f"/proc/{proc.pid}/stat").read_text()
     except OSError:
-        return True  # no procfs: is_alive() decides
+        # Reaped by the fork server before it told us; or no procfs: is_alive() decides.
+        return not Path("/proc/self/stat").exists()
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 

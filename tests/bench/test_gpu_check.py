@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_bandwidth  # noqa: E402
 import gpu_check  # noqa: E402
 import gpu_cuda_tests  # noqa: E402
+import gpu_ops_all  # noqa: E402
 import gpu_step_cost  # noqa: E402
 import gpu_step_profile  # noqa: E402
 
@@ -60,13 +61,19 @@ def test_make_gpu_check_without_a_gpu_says_so_and_builds_nothing(tmp_path):
 
 @pytest.mark.multiproc  # runs the check in processes of its own
 def test_the_op_sweep_runs_on_cpu():
-    # It only computes (10 CPU s): guarded by its CPU time, which a full machine does not
-    # stretch (its wall time went from 6 s alone to over 130 s under the suite).
-    res = slack.run_busy(
-        [sys.executable, "benchmarks/gpu_ops_all.py", "--device", "cpu"], cpu_s=120, cwd=ROOT
-    )
+    # It only computes: guarded by its CPU time, which a full machine does not stretch (its
+    # wall time went from 6 s alone to over 130 s under the suite). The long length of 8 SMs,
+    # not an H100's 132: 3 CPU s, not 12.
+    cmd = [sys.executable, "benchmarks/gpu_ops_all.py", "--device", "cpu", "--sms", "8"]
+    res = slack.run_busy(cmd, cpu_s=120, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     assert "all results as expected" in res.stdout
+
+
+def test_the_op_sweep_refuses_a_bad_sm_count(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        gpu_ops_all.main(["--device", "cpu", "--sms", "0"])
+    assert exit_.value.code == 2 and "--sms must be at least 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.multiproc  # runs the check in processes of its own
