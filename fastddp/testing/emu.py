@@ -104,7 +104,9 @@ def build(
              "-DFASTDDP_EMU", "-fno-omit-frame-pointer", "-fsanitize=undefined",
              "-fno-sanitize-recover=undefined", "-Wno-clobbered"]  # fmt: skip
     if debug:
-        flags.append("-g")
+        # Line tables, all a sanitizer's report needs to name a line (-g's variables and types
+        # would add half again to the compile).
+        flags.append("-g1")
     if asan:
         flags.append("-fsanitize=address")
     # Only the ops' source picks the op: the emulator's runtime is one object for every op.

@@ -27,52 +27,62 @@ import fastddp
 STEPS, EVERY = 24, 4
 
 
-def main() -> None:
+def args_of(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--dir", type=Path, required=True)
     p.add_argument("--kill", default=None, metavar="STEP:RANK", help="SIGKILL a rank, once")
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = args_of()
     with fastddp.distributed_session() as env:
-        os.environ["FASTDDP_NODE_ID"] = f"node-{env.local_rank * 2 // env.local_world_size}"
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 3))
-        model = DDP(net, process_group=fastddp.DiLoCo.node_group())
-        diloco = fastddp.DiLoCo(model, sync_every=EVERY, compress="int8-ef")
-        opt = torch.optim.AdamW(model.parameters(), lr=0.02)
-        latest = args.dir / "latest"
-        start = 0
-        if latest.exists():  # every rank saved this round's files before it was recorded
-            saved = torch.load(args.dir / f"round{latest.read_text()}-rank{env.rank}.pt")
-            net.load_state_dict(saved["model"])
-            opt.load_state_dict(saved["opt"])
-            diloco.load_state_dict(saved["diloco"])
-            start = diloco.inner_steps
-        if env.rank == 0:
-            with open(args.dir / "attempts", "a") as f:
-                f.write(f"attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT')} from {start}\n")
-        kill = tuple(map(int, args.kill.split(":"))) if args.kill else None
-        for step in range(start, STEPS):
-            marker = args.dir / "killed"
-            if kill == (step, env.rank) and not marker.exists():
-                marker.touch()
-                os.kill(os.getpid(), signal.SIGKILL)
-            gen = torch.Generator().manual_seed(1000 * env.rank + step)
-            x = torch.randn(16, 12, generator=gen)
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), torch.sin(2 * x[:, :3])).backward()
-            opt.step()
-            if diloco.step():
-                state = {"model": net.state_dict(), "opt": opt.state_dict()}
-                state["diloco"] = diloco.state_dict()
-                path = args.dir / f"round{diloco.round}-rank{env.rank}.pt"
-                torch.save(state, path.with_suffix(".tmp"))
-                os.replace(path.with_suffix(".tmp"), path)
-                dist.barrier()
-                if env.rank == 0:
-                    latest.with_suffix(".tmp").write_text(str(diloco.round))
-                    os.replace(latest.with_suffix(".tmp"), latest)
-        if env.rank == 0:
-            torch.save([q.detach().clone() for q in net.parameters()], args.dir / "params.pt")
+        train(env, args)
+
+
+def train(env, args: argparse.Namespace) -> None:
+    """The job on the default process group; ``env`` gives ``rank``, ``local_rank`` and
+    ``local_world_size`` (a :class:`fastddp.DistEnv`, or the caller's)."""
+    os.environ["FASTDDP_NODE_ID"] = f"node-{env.local_rank * 2 // env.local_world_size}"
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 3))
+    model = DDP(net, process_group=fastddp.DiLoCo.node_group())
+    diloco = fastddp.DiLoCo(model, sync_every=EVERY, compress="int8-ef")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+    latest = args.dir / "latest"
+    start = 0
+    if latest.exists():  # every rank saved this round's files before it was recorded
+        saved = torch.load(args.dir / f"round{latest.read_text()}-rank{env.rank}.pt")
+        net.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        diloco.load_state_dict(saved["diloco"])
+        start = diloco.inner_steps
+    if env.rank == 0:
+        with open(args.dir / "attempts", "a") as f:
+            f.write(f"attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT')} from {start}\n")
+    kill = tuple(map(int, args.kill.split(":"))) if args.kill else None
+    for step in range(start, STEPS):
+        marker = args.dir / "killed"
+        if kill == (step, env.rank) and not marker.exists():
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        gen = torch.Generator().manual_seed(1000 * env.rank + step)
+        x = torch.randn(16, 12, generator=gen)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), torch.sin(2 * x[:, :3])).backward()
+        opt.step()
+        if diloco.step():
+            state = {"model": net.state_dict(), "opt": opt.state_dict()}
+            state["diloco"] = diloco.state_dict()
+            path = args.dir / f"round{diloco.round}-rank{env.rank}.pt"
+            torch.save(state, path.with_suffix(".tmp"))
+            os.replace(path.with_suffix(".tmp"), path)
+            dist.barrier()
+            if env.rank == 0:
+                latest.with_suffix(".tmp").write_text(str(diloco.round))
+                os.replace(latest.with_suffix(".tmp"), latest)
+    if env.rank == 0:
+        torch.save([q.detach().clone() for q in net.parameters()], args.dir / "params.pt")
 
 
 if __name__ == "__main__":
