@@ -45,11 +45,12 @@ build: setup
 demo: build
 	$(BIN)/python -m fastddp.demo $(DEMO_ARGS)
 
-# Compile and link the CUDA sources with nvcc for sm_80/sm_90 (no GPU needed), then check that
-# the library holds device code for both, leaves nothing of fastddp's own unresolved, and that
-# the kernels' PTX keeps bit parity with the CPU (benchmarks/ptx_check.py), and that every
-# vector kernel's sm_90 SASS loads and stores 128 bits in its loop, and no kernel touches local
-# memory (benchmarks/sass_check.py).
+# Compile and link the CUDA sources with nvcc for sm_80/sm_90 (no GPU needed), with the ops'
+# other sources but not the DDP hooks (host code that `make build` compiles the same way), then
+# check that the library holds device code for both, leaves nothing of fastddp's own unresolved,
+# and that the kernels' PTX keeps bit parity with the CPU (benchmarks/ptx_check.py), and that
+# every vector kernel's sm_90 SASS loads and stores 128 bits in its loop, and no kernel touches
+# local memory (benchmarks/sass_check.py).
 # Without nvcc this is skipped with a message, unless REQUIRE_CUDA_CHECK=1 (as in CI).
 NVCC := $(shell command -v nvcc 2>/dev/null)
 cuda-check: setup
@@ -59,7 +60,7 @@ ifeq ($(NVCC),)
 else
 	$(BIN)/cmake -S . -B build-cmake -G Ninja -DPython_EXECUTABLE=$(abspath $(BIN))/python \
 		-DCMAKE_MAKE_PROGRAM=$(abspath $(BIN))/ninja -DCMAKE_CUDA_COMPILER=$(realpath $(NVCC)) \
-		-DFASTDDP_UNITY=ON
+		-DFASTDDP_UNITY=ON -DFASTDDP_DDP_HOOKS=OFF
 	$(BIN)/cmake --build build-cmake
 	readelf -S build-cmake/_C.so | grep -q .nv_fatbin
 	# The cubins embedded for each architecture record the ptxas options they were made with.

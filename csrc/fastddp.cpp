@@ -60,8 +60,16 @@ TORCH_LIBRARY(fastddp, m) {
 }
 
 namespace fastddp::ddp {
-int add_ddp_hooks(PyObject* module);  // csrc/ddp/switch_hook.cpp
+#if defined(FASTDDP_WITHOUT_DDP_HOOKS)
+// A build of the ops alone: `make cuda-check` compiles the CUDA sources this way (CMake's
+// FASTDDP_DDP_HOOKS=OFF), as the hooks are host code that the extension's build compiles.
+inline int add_ddp_hooks(PyObject*) {
+  return 0;
 }
+#else
+int add_ddp_hooks(PyObject* module);  // csrc/ddp/switch_hook.cpp
+#endif
+}  // namespace fastddp::ddp
 
 extern "C" {
 // A module whose import loads this library (and so the registrations above), plus what it was

@@ -49,7 +49,8 @@ class RankPool:
 
     Each :meth:`run` joins the ranks in a new Gloo group whose collectives give up after
     ``timeout``, calls the function on every rank, and destroys the group. The processes start
-    at the first call, each with ``threads`` torch threads (several ranks share the cores).
+    at the first call, forked from a server that has imported :data:`PRELOAD`, each with
+    ``threads`` torch threads (several ranks share the cores).
 
     Args:
         world_size: the number of ranks.
