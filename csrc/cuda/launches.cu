@@ -66,35 +66,21 @@ struct CudaRuntime {
   }
 };
 
+}  // namespace
+
 template <class Args>
-cudaError_t run_args(int device, cudaStream_t stream, const Args& args) {
+cudaError_t run(int device, cudaStream_t stream, const Args& args) {
   CudaRuntime rt{device, stream};
   kernels::run(rt, args);
   return rt.error;
 }
 
-}  // namespace
-
-cudaError_t run(int device, cudaStream_t stream, const CompressArgs& args) {
-  return run_args(device, stream, args);
-}
-cudaError_t run(int device, cudaStream_t stream, const DecompressArgs& args) {
-  return run_args(device, stream, args);
-}
-cudaError_t run(int device, cudaStream_t stream, const SumChunksArgs& args) {
-  return run_args(device, stream, args);
-}
-cudaError_t run(int device, cudaStream_t stream, const WidenSumArgs& args) {
-  return run_args(device, stream, args);
-}
-cudaError_t run(int device, cudaStream_t stream, const QuantizeArgs& args) {
-  return run_args(device, stream, args);
-}
-cudaError_t run(int device, cudaStream_t stream, const DequantizeArgs& args) {
-  return run_args(device, stream, args);
-}
-cudaError_t run(int device, cudaStream_t stream, const UnpackArgs& args) {
-  return run_args(device, stream, args);
-}
+template cudaError_t run(int, cudaStream_t, const CompressArgs&);
+template cudaError_t run(int, cudaStream_t, const DecompressArgs&);
+template cudaError_t run(int, cudaStream_t, const SumChunksArgs&);
+template cudaError_t run(int, cudaStream_t, const WidenSumArgs&);
+template cudaError_t run(int, cudaStream_t, const QuantizeArgs&);
+template cudaError_t run(int, cudaStream_t, const DequantizeArgs&);
+template cudaError_t run(int, cudaStream_t, const UnpackArgs&);
 
 }  // namespace fastddp::cuda

@@ -14,12 +14,16 @@
 
 namespace fastddp::cuda {
 
-cudaError_t run(int device, cudaStream_t stream, const CompressArgs& args);
-cudaError_t run(int device, cudaStream_t stream, const DecompressArgs& args);
-cudaError_t run(int device, cudaStream_t stream, const SumChunksArgs& args);
-cudaError_t run(int device, cudaStream_t stream, const WidenSumArgs& args);
-cudaError_t run(int device, cudaStream_t stream, const QuantizeArgs& args);
-cudaError_t run(int device, cudaStream_t stream, const DequantizeArgs& args);
-cudaError_t run(int device, cudaStream_t stream, const UnpackArgs& args);
+template <class Args>
+cudaError_t run(int device, cudaStream_t stream, const Args& args);
+
+// Compiled in launches.cu, one for each op's argument struct.
+extern template cudaError_t run(int, cudaStream_t, const CompressArgs&);
+extern template cudaError_t run(int, cudaStream_t, const DecompressArgs&);
+extern template cudaError_t run(int, cudaStream_t, const SumChunksArgs&);
+extern template cudaError_t run(int, cudaStream_t, const WidenSumArgs&);
+extern template cudaError_t run(int, cudaStream_t, const QuantizeArgs&);
+extern template cudaError_t run(int, cudaStream_t, const DequantizeArgs&);
+extern template cudaError_t run(int, cudaStream_t, const UnpackArgs&);
 
 }  // namespace fastddp::cuda
