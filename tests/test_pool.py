@@ -15,6 +15,7 @@ import torch.distributed as dist
 import fastddp
 from fastddp.hooks.slots import Slot
 from fastddp.testing import slack
+from fastddp.testing.pool import pid_running
 
 from ._dist import RankError, pool, run_ranks
 
@@ -107,20 +108,11 @@ def test_a_killed_rank_fails_its_call_alone_and_is_replaced():
     assert not {pid for _, pid in before} & {pid for _, pid in after}, "the ranks were not replaced"
 
 
-def _running(pid: int) -> bool:
-    """Not yet dead: a zombie is dead but not reaped, and its parent (the fork server) may
-    have reaped it already."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_a_rank_lost_between_calls_is_replaced_before_the_next():
     pid = run_ranks(_sum_and_pid, 2)[1][1]
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + slack.guard(10)
-    while _running(pid):
+    while pid_running(pid):  # a zombie, or reaped by the fork server
         assert time.monotonic() < deadline
         time.sleep(0.05)
     after = run_ranks(_sum_and_pid, 2)

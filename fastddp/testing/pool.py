@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from fastddp.testing import slack
 from fastddp.testing._rank import serve
 
-__all__ = ["RankError", "RankPool", "stop_fork_server"]
+__all__ = ["RankError", "RankPool", "pid_running", "stop_fork_server"]
 
 # How long a pool's processes may take to start (import torch, connect to the store).
 START_TIMEOUT = 120.0
@@ -293,12 +293,15 @@ def stop_fork_server() -> None:
 def _running(proc) -> bool:
     # A killed process whose threads are still being torn down is not waitable yet, so
     # is_alive() says True; its thread-group leader is already a zombie.
-    if not proc.is_alive():
-        return False
+    return proc.is_alive() and pid_running(proc.pid)
+
+
+def pid_running(pid: int) -> bool:
+    """Whether process ``pid`` still runs: not a zombie, and not already reaped (by the fork
+    server, for a rank). Without procfs, True."""
     try:
-        stat = Path(f"/proc/{proc.pid}/stat").read_text()
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        # Reaped by the fork server before it told us; or no procfs: is_alive() decides.
         return not Path("/proc/self/stat").exists()
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
