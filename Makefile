@@ -89,8 +89,13 @@ endif
 # processes (tests/_dist.py). The suite starts hundreds of Python processes, each of which would
 # compile fastddp's sources again where PYTHONDONTWRITEBYTECODE is set, and each stream the
 # tests' modules: for the tests, compiled modules are cached (__pycache__, ignored by git).
-test: setup
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python tests/streams.py \
+# The runner needs only the standard library, so it starts before the venv exists: the install
+# keeps one core busy for half a minute, and the emulator's objects (tests/emu_objects.py,
+# which the emu streams would compile later) are compiled on the other meanwhile.
+test:
+	PYTHONDONTWRITEBYTECODE= $(PYTHON) tests/streams.py --python $(BIN)/python \
+		--setup "$(MAKE) --no-print-directory setup" \
+		--early emu-objects "$(PYTHON) tests/emu_objects.py" \
 		--first "$(MAKE) --no-print-directory build" \
 		--also cuda-check "$(MAKE) --no-print-directory cuda-check" \
 		$(if $(PYTEST_ARGS),-- $(PYTEST_ARGS))

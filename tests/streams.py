@@ -1,6 +1,7 @@
 """Run the test suite as concurrent pytest streams, one per kind of test, and report them all.
 
-    python tests/streams.py [--only NAME ...] [--also NAME COMMAND] [--first COMMAND]
+    python tests/streams.py [--only NAME ...] [--python PATH] [--setup COMMAND]
+                            [--early NAME COMMAND] [--first COMMAND] [--also NAME COMMAND]
                             [-- PYTEST_ARGS ...]
 
 Much of the suite's time is spent waiting: on launchers starting and restarting jobs, on a
@@ -24,7 +25,13 @@ longest stream, first; the emulator's, which only compute and fill the cores the
 idle, after them. ``--also NAME COMMAND`` runs a shell command (``make test``: the CUDA
 compile check) as one more stream, niced the most. ``--first COMMAND`` (``make test``: the
 extension's build) runs before the pytest streams, which need what it makes; the ``--also``
-commands start with it, on the core its serial parts leave idle.
+commands start with it, on the core its serial parts leave idle. Before them, ``--setup
+COMMAND`` (``make test``: the install of the test environment, one core busy for half a
+minute) runs with the ``--early`` commands beside it (the emulator's objects,
+``tests/emu_objects.py``), which need only this checkout; they count as streams too. So this
+runner needs no more than the standard library (and ``fastddp.testing``'s torch-free modules,
+by :func:`torchless`): any Python 3.9 or newer runs it, and ``--python`` names the one with
+torch that runs the tests.
 
 Linux's scheduler shares the cores between autogroups, one per session, before it shares a
 group's among its processes by their niceness. Launchers and workers start sessions of their
@@ -52,15 +59,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _slack():
-    """``fastddp/testing/slack.py`` by its path: the package's import would load torch here."""
-    spec = importlib.util.spec_from_file_location("slack", ROOT / "fastddp/testing/slack.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def torchless(name: str):
+    """``fastddp.testing.<name>``, one of its modules that import neither torch nor the rest of
+    fastddp (``slack``, ``emu_build``), for a Python that may not have torch yet: the folder
+    is loaded as a package of its own, ``fastddp_testing``, as fastddp's ``__init__`` would
+    import torch."""
+    if "fastddp_testing" not in sys.modules:
+        init = ROOT / "fastddp/testing/__init__.py"
+        spec = importlib.util.spec_from_file_location(
+            "fastddp_testing", init, submodule_search_locations=[str(init.parent)]
+        )
+        package = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = package
+        spec.loader.exec_module(package)
+    return importlib.import_module(f"fastddp_testing.{name}")
 
 
-slack = _slack()
+slack = torchless("slack")
 
 
 def _asan_env() -> dict:
@@ -86,6 +101,8 @@ STREAMS = {
 NICE = {"nodes": 0, "node-faults": 0, "launcher": 0, "faults": 0, "ranks": 0}
 NICE.update(emu=8, planted=8)
 ALSO_NICE = 12
+# An --early command (the emulator's objects, work the emu streams would do) runs as they do.
+EARLY_NICE = 8
 
 
 def _own_autogroup(nice: int) -> None:
@@ -106,58 +123,85 @@ def _popen(cmd, log: Path, nice: int, env=None, shell=False) -> subprocess.Popen
         )  # fmt: skip
 
 
-def _start(name: str, pytest_args: list[str], logs: Path) -> tuple[subprocess.Popen, Path]:
+def _start(
+    name: str, python: str, pytest_args: list[str], logs: Path
+) -> tuple[subprocess.Popen, Path]:
     marks, extra, env_of = STREAMS[name]
     env = {**os.environ, **(env_of() if env_of else {})}
     base = logs / f"tmp-{name}"
-    cmd = [sys.executable, "-m", "pytest", "-m", marks, *extra, f"--basetemp={base}"]
+    cmd = [python, "-m", "pytest", "-m", marks, *extra, f"--basetemp={base}"]
     log = logs / f"{name}.log"
     return _popen([*cmd, *pytest_args], log, NICE[name], env), log
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", nargs="+", choices=list(STREAMS), help="run these streams alone")
-    p.add_argument("--also", nargs=2, action="append", default=[], metavar=("NAME", "COMMAND"),
-                   help="a shell command to run as one more stream; it must exit 0")  # fmt: skip
-    p.add_argument("--first", metavar="COMMAND",
-                   help="a shell command the pytest streams wait for; it must exit 0")  # fmt: skip
-    p.add_argument("pytest_args", nargs="*", help="passed to every stream's pytest (after --)")
-    args = p.parse_args(argv)
-    names = args.only or list(STREAMS)
-    also = dict(args.also)
-    if len(also) < len(args.also) or set(also) & set(STREAMS):
-        p.error(f"--also: give each command a name of its own, none of {', '.join(STREAMS)}")
-    logs = Path(tempfile.mkdtemp(prefix="fastddp-tests-"))
+def _serial(step: str, command: str, start: float, results: dict) -> bool:
+    """Run ``--setup`` or ``--first``'s ``command`` to its end; whether it exited 0."""
+    print(f"===== {step}: {command!r} =====", flush=True)
+    proc = subprocess.Popen(command, shell=True, cwd=ROOT)
+    _, status, usage = os.wait4(proc.pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    took = time.monotonic() - start
+    results[step] = (code, took, usage.ru_utime + usage.ru_stime)
+    print(f"===== {step}: exit {code} after {took:.0f} s =====", flush=True)
+    if code != 0:
+        print(f"failed: {command!r}; no test was run")
+    return code == 0
+
+
+def _measure_slack(python: str) -> None:
+    """Set the hang guards' factor (``fastddp.testing.slack``) unless the caller has."""
     if slack.VAR not in os.environ:
-        # Measured before the streams start, on an idle machine: the cores' speed, not the load.
-        scale, took = slack.measure()
+        # Measured before the tests and the build start: the cores' speed, not the load. (An
+        # --early command may be running; on 2 or more cores it has a core of its own.)
+        scale, took = slack.measure(python)
         os.environ[slack.VAR] = f"{scale:.2f}"
         ref = slack.REFERENCE_IMPORT_S
         print(f"hang guards x {scale:.2f}: import torch took {took:.2f} CPU s here, {ref:g} where"
               f" they were sized ({slack.VAR})", flush=True)  # fmt: skip
     else:
         print(f"hang guards x {slack.factor():.2f} ({slack.VAR} is yours)", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # fmt: off
+    p.add_argument("--only", nargs="+", choices=list(STREAMS), help="run these streams alone")
+    p.add_argument("--python", default=sys.executable,
+                   help="the Python (with torch and pytest) of the tests (default: this one)")
+    p.add_argument("--setup", metavar="COMMAND",
+                   help="a shell command run before everything else; it must exit 0")
+    p.add_argument("--early", nargs=2, action="append", default=[], metavar=("NAME", "COMMAND"),
+                   help="as --also, but started with --setup, before it ends")
+    p.add_argument("--first", metavar="COMMAND",
+                   help="a shell command the pytest streams wait for; it must exit 0")
+    p.add_argument("--also", nargs=2, action="append", default=[], metavar=("NAME", "COMMAND"),
+                   help="a shell command to run as one more stream; it must exit 0")
+    p.add_argument("pytest_args", nargs="*", help="passed to every stream's pytest (after --)")
+    # fmt: on
+    args = p.parse_args(argv)
+    names = args.only or list(STREAMS)
+    early, also = dict(args.early), dict(args.also)
+    given, taken = [name for name, _ in (*args.early, *args.also)], [*STREAMS, "setup", "first"]
+    if len(set(given)) < len(given) or set(given) & set(taken):
+        p.error(f"--early, --also: give each command a name of its own, none of {', '.join(taken)}")
+    logs = Path(tempfile.mkdtemp(prefix="fastddp-tests-"))
     start = time.monotonic()
     running = {}
-    for name, command in also.items():
+    for name, command in early.items():
         log = logs / f"{name}.log"
-        running[name] = (_popen(command, log, ALSO_NICE, shell=True), log)
-    what = {**{name: STREAMS[name][0] for name in names}, **also}
+        running[name] = (_popen(command, log, EARLY_NICE, shell=True), log)
+    what = {**{name: STREAMS[name][0] for name in names}, **early, **also}
     results = {}
     try:
-        if args.first:
-            print(f"===== first: {args.first!r} =====", flush=True)
-            first = subprocess.Popen(args.first, shell=True, cwd=ROOT)
-            _, status, usage = os.wait4(first.pid, 0)
-            first.returncode = os.waitstatus_to_exitcode(status)
-            took = time.monotonic() - start
-            results["first"] = (first.returncode, took, usage.ru_utime + usage.ru_stime)
-            print(f"===== first: exit {first.returncode} after {took:.0f} s =====", flush=True)
-            if first.returncode != 0:
-                print(f"failed: {args.first!r}; no test was run")
-                return 1
-        running.update({name: _start(name, args.pytest_args, logs) for name in names})
+        if args.setup and not _serial("setup", args.setup, start, results):
+            return 1
+        _measure_slack(args.python)
+        for name, command in also.items():
+            log = logs / f"{name}.log"
+            running[name] = (_popen(command, log, ALSO_NICE, shell=True), log)
+        if args.first and not _serial("first", args.first, start, results):
+            return 1
+        running.update({name: _start(name, args.python, args.pytest_args, logs) for name in names})
         while running:
             for name, (proc, log) in list(running.items()):
                 # wait4: the exit status and the CPU time of the stream and all it spawned

@@ -1,10 +1,10 @@
 """fastddp's CUDA kernels on the CPU, through the CUDA grid emulator (``csrc/emu``).
 
 :func:`load` builds ``csrc/emu`` with g++ (seconds; no torch headers) into a library cached by
-the hash of its sources, and returns an :class:`Emu` whose methods take the same arguments as
-:mod:`fastddp.ops` (CPU tensors) and run the CUDA backend's launch code and kernels. The tensor
-checks are not repeated here: give only arguments that the real op accepts (the tests run the
-CPU op on the same layout first).
+the hash of its sources (:mod:`fastddp.testing.emu_build`), and returns an :class:`Emu` whose
+methods take the same arguments as :mod:`fastddp.ops` (CPU tensors) and run the CUDA backend's
+launch code and kernels. The tensor checks are not repeated here: give only arguments that the
+real op accepts (the tests run the CPU op on the same layout first).
 
 Sanitizers: the library is always built with UBSan (a misaligned vector access is undefined
 behaviour), and with AddressSanitizer when the process runs under it
@@ -15,123 +15,15 @@ drawn from ``seed``.
 """
 
 import ctypes
-import hashlib
-import os
 import re
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from fastddp.testing import slack
+from fastddp.testing.emu_build import CSRC, OPS, EmuError, asan_active, build
 
 __all__ = ["CSRC", "OPS", "Emu", "EmuError", "asan_active", "build", "load"]
-
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
-# Each source with the headers it includes (under csrc): an object is rebuilt only when one of
-# them changes, so a copy of csrc with a planted kernel defect recompiles ops.cpp alone.
-_SOURCES = {
-    "emu/emu.cpp": ("emu/cuda_emu.h", "include/fastddp/rounding.h"),
-    "emu/ops.cpp": ("emu/cuda_emu.h", "cuda/kernels.cuh", "cuda/codes_kernels.cuh",
-                    "cuda/packed_kernels.cuh", "cuda/launch.h", "include/fastddp/rounding.h",
-                    "include/fastddp/layout.h"),
-}  # fmt: skip
-_SHARED_CACHE = Path(tempfile.gettempdir()) / "fastddp-emu"
-# The ops of the library's C interface (``fastddp_emu_<op>`` in emu/ops.cpp).
-OPS = ("compress", "decompress", "sum_chunks", "widen_sum", "quantize_int8", "dequantize_int8",
-       "unpack_int8", "quantize_packed", "dequantize_packed", "unpack_packed")  # fmt: skip
-
-
-class EmuError(RuntimeError):
-    """A launch failed on the emulator (a hang, a bad shuffle, a bad launch); says which."""
-
-
-def asan_active() -> bool:
-    """Whether AddressSanitizer's runtime is loaded in this process."""
-    with open("/proc/self/maps") as maps:
-        return "libasan" in maps.read()
-
-
-def _compile(cmd: list[str], out: Path) -> Path:
-    """Run ``cmd`` (which writes its output to the path it ends with) into ``out``, atomically."""
-    compiler = cmd[0]
-    if shutil.which(compiler) is None:
-        raise EmuError(f"the emulator needs a C++17 compiler; {compiler!r} is not found")
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    # Guarded by the compiler's CPU time, not the clock: at the lowest priority beside a full
-    # test run, ops.cpp under AddressSanitizer has waited over 300 s for a core. Its compile
-    # uses well under a minute of CPU; errors go to a file, so a long report cannot block it.
-    with tempfile.TemporaryFile(mode="w+") as err:
-        proc = subprocess.Popen(
-            [*cmd, str(tmp)], stdout=err, stderr=err, text=True, start_new_session=True
-        )
-        code = slack.join_busy(proc, cpu_s=600, idle_s=120)
-        err.seek(0)
-        report = err.read()
-    if code is None:
-        raise EmuError(f"building the emulator was stopped by its hang guard:\n{report}")
-    if code != 0:
-        raise EmuError(f"building the emulator failed:\n{report}")
-    os.replace(tmp, out)
-    return out
-
-
-def build(
-    csrc: Path = CSRC,
-    *,
-    sanitize: Optional[bool] = None,
-    cache: Optional[Path] = None,
-    debug: bool = True,
-    only: Optional[str] = None,
-) -> Path:
-    """Compile the emulator library from ``csrc`` (a copy, for mutation tests); its path.
-
-    Objects are kept in a cache shared by every copy, keyed by the hash of their sources, so
-    a copy pays only for the sources it changed; ``cache`` holds the library. ``debug=False``
-    leaves out the line tables and the optimiser (``-O0``: a library for one op compiles in
-    half the CPU time, and its sweeps, with defects planted, end sooner than the compile they
-    save), and ``only`` (an op's name, such as ``"quantize_int8"``) builds that op alone (a half
-    to a quarter of the compile), for builds that only need to fail. The sanitizers check
-    either build alike.
-    """
-    if only is not None and only not in OPS:
-        raise ValueError(f"only={only!r}: not an op of the emulator; one of {', '.join(OPS)}")
-    asan = asan_active() if sanitize is None else sanitize
-    flags = ["-std=c++17", "-O1" if debug else "-O0", "-fPIC", "-Wall", "-Wextra", "-Werror",
-             "-DFASTDDP_EMU", "-fno-omit-frame-pointer", "-fsanitize=undefined",
-             "-fno-sanitize-recover=undefined", "-Wno-clobbered"]  # fmt: skip
-    if debug:
-        # Line tables, all a sanitizer's report needs to name a line (-g's variables and types
-        # would add half again to the compile).
-        flags.append("-g1")
-    if asan:
-        flags.append("-fsanitize=address")
-    # Only the ops' source picks the op: the emulator's runtime is one object for every op.
-    picks = [] if only is None else ["-DFASTDDP_EMU_ONLY", f"-DFASTDDP_EMU_OP_{only}"]
-    compiler = os.environ.get("CXX", "g++")
-    _SHARED_CACHE.mkdir(parents=True, exist_ok=True)
-    objects = []
-    for source, headers in _SOURCES.items():
-        flags_of = [*flags, *picks] if source == "emu/ops.cpp" else flags
-        digest = hashlib.sha256(" ".join([compiler, *flags_of]).encode())
-        for rel in (source, *headers):
-            digest.update((csrc / rel).read_bytes())
-        obj = _SHARED_CACHE / f"{Path(source).stem}-{digest.hexdigest()[:16]}.o"
-        if not obj.exists():
-            cmd = [compiler, *flags_of, f"-I{csrc / 'include'}", "-c", str(csrc / source), "-o"]
-            _compile(cmd, obj)
-        objects.append(obj)
-    name = hashlib.sha256("".join(o.name for o in objects).encode()).hexdigest()[:16]
-    cache = cache or _SHARED_CACHE
-    cache.mkdir(parents=True, exist_ok=True)
-    lib = cache / f"libfastddp_emu-{name}.so"
-    if not lib.exists():
-        sanitizers = [f for f in flags if f.startswith("-fsanitize")]
-        _compile([compiler, "-shared", *sanitizers, *map(str, objects), "-o"], lib)
-    return lib
 
 
 def load(path: Optional[Path] = None, *, sms: int = 2, seed: int = 0) -> "Emu":

@@ -41,12 +41,12 @@ REFERENCE_IMPORT_S = 1.0  # CPU s of `import torch` on the machine the guards we
 MAX = 4.0  # beyond this the machine is too slow for the suite's guards to mean anything
 
 
-def measure() -> tuple[float, float]:
-    """``(factor, seconds)``: the CPU seconds of ``import torch`` in a fresh interpreter, and
-    their ratio to :data:`REFERENCE_IMPORT_S`, kept within 1 to :data:`MAX`."""
+def measure(python: str = sys.executable) -> tuple[float, float]:
+    """``(factor, seconds)``: the CPU seconds of ``import torch`` in a fresh interpreter (of
+    ``python``), and their ratio to :data:`REFERENCE_IMPORT_S`, kept within 1 to :data:`MAX`."""
     code = "import time; t = time.process_time(); import torch; print(time.process_time() - t)"
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+        [python, "-c", code], capture_output=True, text=True, check=True, timeout=300
     )
     seconds = float(out.stdout.split()[-1])
     return min(MAX, max(1.0, seconds / REFERENCE_IMPORT_S)), seconds

@@ -31,6 +31,8 @@ from fastddp.testing.emu_checks import (
 )
 from fastddp.testing.pool import stop_fork_server
 
+from ._defects import DEFECTS, PLANTED_BUILD, planted_copy
+
 pytestmark = [
     pytest.mark.emu,
     pytest.mark.timeout(600),
@@ -112,104 +114,7 @@ def test_thread_and_block_order_do_not_change_the_bits():
 
 
 # ---------------------------------------------------------------- planted defects
-
-# (name, file under csrc, the text, what replaces it, the op whose checks must fail)
-DEFECTS = [
-    # place_of: the run of a warp's chunks taken as one row where a row ends inside it; a
-    # group's first element taken from the row's start, not from the chunk index; a block's
-    # scale at the wrong row's place.
-    ("a run across a row's end taken as one row", "cuda/codes_kernels.cuh",
-     "e0 + 32 * kChunk <= start + codes.rows.row_len", "e0 < start + codes.rows.row_len",
-     "unpack_int8"),
-    ("a group of codes aligned to the row, not to the lanes", "cuda/codes_kernels.cuh",
-     "(c & ~int64_t{P::kGroup - 1}) * kChunk - start",
-     "(e - start) & ~int64_t{P::kGroup * kChunk - 1}", "quantize_packed"),
-    ("a block's scale placed by the row's length, not its stride", "cuda/codes_kernels.cuh",
-     "row * codes.rows.s_stride + b, offset", "row * (codes.rows.row_len / block) + b, offset",
-     "quantize_int8"),
-    ("grid stride off by one block", "cuda/kernels.cuh",
-     "const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;",
-     "const int64_t stride = static_cast<int64_t>(gridDim.x + 1) * blockDim.x;", "unpack_int8"),
-    ("warp stride off by one warp", "cuda/kernels.cuh",
-     "first += warps * span) {", "first += (warps + 1) * span) {", "compress"),
-    ("a warp-shuffle step dropped", "cuda/codes_kernels.cuh",
-     "for (int offset = 16; offset > 0; offset /= 2) {",
-     "for (int offset = 16; offset > 1; offset /= 2) {", "quantize_int8"),
-    ("a shuffle step of a block's lanes dropped", "cuda/codes_kernels.cuh",
-     "for (int offset = width / 2; offset > 0; offset /= 2) {",
-     "for (int offset = width / 2; offset > 1; offset /= 2) {", "quantize_int8"),
-    ("a shuffle step of a warp-long block dropped", "cuda/codes_kernels.cuh",
-     "for (int offset = 32 / 2; offset > 0; offset /= 2) {",
-     "for (int offset = 32 / 2; offset > 1; offset /= 2) {", "quantize_int8"),
-    ("an unrolled step of unpack taking one chunk twice", "cuda/codes_kernels.cuh",
-     "k[u] = chunk_at(0, n, first + 32 * u + lane_index());",
-     "k[u] = chunk_at(0, n, first + lane_index());", "unpack_int8"),
-    ("a divergent shuffle", "cuda/codes_kernels.cuh",
-     "for (int offset = 16; offset > 0; offset /= 2) {",
-     "for (int offset = 16; offset > 0 && lane < 16; offset /= 2) {", "quantize_int8"),
-    ("a shuffle skipped by lanes past the end", "cuda/kernels.cuh",
-     "const uint32_t odd_lo = __shfl_xor_sync(kAllLanes, lo, 1);",
-     "const uint32_t odd_lo = k.count > 0 ? __shfl_xor_sync(kAllLanes, lo, 1) : 0u;",
-     "compress"),
-    ("loop bound < made <=", "cuda/kernels.cuh",
-     "for (int64_t i = begin + thread_index(); i < end; i += stride) {",
-     "for (int64_t i = begin + thread_index(); i <= end; i += stride) {", "unpack_int8"),
-    ("a short chunk taken as whole", "cuda/kernels.cuh",
-     "const int count = left <= 0 ? 0 : (left >= kChunk ? kChunk : static_cast<int>(left));",
-     "const int count = left <= 0 ? 0 : kChunk;", "decompress"),
-    ("__syncthreads_or replaced by the thread's own flag", "cuda/kernels.cuh",
-     "if (flag != nullptr && __syncthreads_or(bad) && threadIdx.x == 0) {",
-     "if (flag != nullptr && bad && threadIdx.x == 0) {", "compress"),
-    ("the residual of a rounded chunk not written", "cuda/kernels.cuh",
-     "    store_chunk(mode.residual, k, r);\n  }\n  store_wire(dst, k, w);",
-     "  }\n  store_wire(dst, k, w);", "sum_chunks"),
-    ("the codes of a packed byte in reverse order", "cuda/packed_kernels.cuh",
-     "byte |= pack_code(math::quantize_element(mode, v, inverse, step, i, qmax), kBits, j);",
-     "byte |= pack_code(math::quantize_element(mode, v, inverse, step, i, qmax), kBits, "
-     "kPer - 1 - j);", "quantize_packed"),
-    ("the codes of a chunk in reverse order", "cuda/codes_kernels.cuh",
-     "piece |= pack_code(code, kBits, j);", "piece |= pack_code(code, kBits, kChunk - 1 - j);",
-     "quantize_packed"),
-    ("the last byte of a packed row left out", "cuda/packed_kernels.cuh",
-     "const int64_t end_byte = (hi - row_first + kPer - 1) / kPer;",
-     "const int64_t end_byte = (hi - row_first) / kPer;", "quantize_packed"),
-    ("the last short piece of codes left out", "cuda/codes_kernels.cuh",
-     "  const int nbytes = (count * kBits + 7) / 8;\n  if (nbytes == P::kBytes) {\n    if "
-     "(P::kBytes == 4) {\n      *reinterpret_cast<uint32_t*>(at) = piece;",
-     "  const int nbytes = (count * kBits) / 8;\n  if (nbytes == P::kBytes) {\n    if "
-     "(P::kBytes == 4) {\n      *reinterpret_cast<uint32_t*>(at) = piece;", "quantize_packed"),
-    ("a group's 16 bytes read from the wrong lane's slot", "cuda/codes_kernels.cuh",
-     "return (word >> (8 * (byte % 4))) & P::kMask;", "return word & P::kMask;",
-     "unpack_packed"),
-    ("a 16-byte code store without its alignment check", "cuda/codes_kernels.cuh",
-     "whole = reinterpret_cast<uintptr_t>(code_byte<kBits>(codes, q, g0)) % 16 == 0;",
-     "whole = true;", "quantize_int8"),
-    ("a divider's magic number one too small", "include/fastddp/layout.h",
-     "(uint64_t{1} << 32) * ((uint64_t{1} << shift) - ud) / ud + 1;",
-     "(uint64_t{1} << 32) * ((uint64_t{1} << shift) - ud) / ud;", "unpack_int8"),
-    ("a row of codes past the last added to a dequantised sum", "cuda/codes_kernels.cuh",
-     "      if (p0 + r < rows) {\n        FASTDDP_UNROLL\n",
-     "      if (true) {\n        FASTDDP_UNROLL\n", "dequantize_int8"),
-    ("an unrolled chunk of dequantize scaled by its neighbour's block", "cuda/codes_kernels.cuh",
-     "block[u] = codes.by_block.div((first + 32 * u + lane) * kChunk);",
-     "block[u] = codes.by_block.div((first + lane) * kChunk);", "dequantize_int8"),
-    ("a packed piece of a whole step read from its group's wrong half",
-     "cuda/codes_kernels.cuh", "return (w >> (8 * (byte % 4))) & Pieces<kBits>::kMask;",
-     "return (w >> (8 * (byte % 2))) & Pieces<kBits>::kMask;", "dequantize_packed"),
-    ("a whole step of unpack taking each chunk's scale from the chunk before",
-     "cuda/codes_kernels.cuh", "row_s[codes.by_block.div(offset + (32 * u + lane) * kChunk)]",
-     "row_s[codes.by_block.div(offset + (32 * u + lane - 1) * kChunk)]", "unpack_int8"),
-    ("a whole step of unpack across a row's end", "cuda/codes_kernels.cuh",
-     "if (offset + (e1 - e0) <= s.rows.row_len && reinterpret_cast",
-     "if (true && reinterpret_cast", "unpack_packed"),
-    ("a vector access at an offset that is not a multiple of its width", "cuda/launch.h",
-     "if ((aligned_at(i, p) && ...)) {", "if (((aligned_at(i, p) || true) && ...)) {",
-     "compress"),
-    ("a vector kernel for unaligned fp32 codes' data", "cuda/launch.h",
-     "return aligned16(fp32) && (residual == nullptr",
-     "return fp32 != nullptr && (residual == nullptr", "unpack_int8"),
-]  # fmt: skip
-
+# (tests/ops/_defects.py lists them)
 
 # Each sweep runs in a process of its own (a defect may crash it), forked from a server that
 # has imported torch once: under AddressSanitizer a fresh interpreter costs 3 CPU-s to start.
@@ -226,17 +131,11 @@ def _reap_the_fork_server():
 def _sweep(tmp_path, op, edit=None):
     """Build a copy of csrc (with ``edit`` applied) and run ``op``'s checks in a process of
     their own; its exit status and output, or None if it hung."""
-    csrc = tmp_path / "csrc"
-    shutil.copytree(emulator.CSRC, csrc)
-    if edit is not None:
-        rel, old, new = edit
-        path = csrc / rel
-        text = path.read_text()
-        assert old in text, f"the defect's target text is gone from {rel}: update DEFECTS"
-        path.write_text(text.replace(old, new, 1))
+    csrc = planted_copy(emulator.CSRC, tmp_path / "csrc", edit)
     # Without line tables or the optimiser, and with the swept op alone: the copies only need
     # to fail, and the unchanged one, built the same way, shows that they fail for their defect.
-    lib = emulator.build(csrc, cache=tmp_path / "lib", debug=False, only=op)
+    # (tests/emu_objects.py compiles the same objects before the tests start.)
+    lib = emulator.build(csrc, cache=tmp_path / "lib", **PLANTED_BUILD, only=op)
     log = tmp_path / "sweep.log"
     proc = _FORKS.Process(target=run_logged, args=(str(lib), op, str(log)))
     proc.start()
@@ -263,7 +162,7 @@ def test_the_unchanged_copy_passes(tmp_path):
 
 @pytest.mark.planted
 def test_a_library_for_one_op_holds_it_alone_and_a_sweep_of_another_says_so(tmp_path, capsys):
-    lib = emulator.build(cache=tmp_path, debug=False, only="decompress")
+    lib = emulator.build(cache=tmp_path, **PLANTED_BUILD, only="decompress")
     emu = emulator.load(lib, sms=1)
     assert emu.has("decompress") and not emu.has("compress")
     with pytest.raises(emulator.EmuError, match="has no compress"):
