@@ -77,9 +77,10 @@ else
 	@echo "their sm_90 SASS moves memory 16 bytes at a time and uses no local memory"
 endif
 
-# Seven concurrent pytest streams (tests/streams.py): the multi-node jobs on namespaces and the
+# Eight concurrent pytest streams (tests/streams.py): the multi-node jobs on namespaces and the
 # launcher's jobs, which mostly wait (start-ups, links, timeouts), each split into the jobs
-# broken on purpose (`faults`) and the others; the rest; and the emu tests, once, under
+# broken on purpose (`faults`) and the others; the rest, on pooled ranks and in one process;
+# and the emu tests, once, under
 # AddressSanitizer (its runtime preloaded), split into the checks and the planted defects. The
 # CUDA compile check runs beside them as one more stream, at the lowest priority, rather than
 # holding the tests back for its one-core tail; it fails the command as a stream would. It

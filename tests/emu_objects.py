@@ -25,28 +25,39 @@ from streams import torchless
 emu_build = torchless("emu_build")
 
 
+def plan(tmp: Path) -> list[tuple[Path, dict]]:
+    """The builds, each a copy of csrc (made under ``tmp``) and :func:`build`'s options."""
+    # The emu stream's library first: its first test waits for it; then test_emu.py's sweep of
+    # an unchanged copy, and its library of one op.
+    builds = [(emu_build.CSRC, {})]
+    builds += [(emu_build.CSRC, {**PLANTED_BUILD, "only": op}) for op in ("compress", "decompress")]
+    for k, (_, rel, old, new, op) in enumerate(DEFECTS):
+        csrc = planted_copy(emu_build.CSRC, tmp / str(k), (rel, old, new))
+        builds.append((csrc, {**PLANTED_BUILD, "only": op}))
+    return builds
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.parse_args(argv)
+    p.add_argument("--dry-run", action="store_true", help="print the objects' paths, compile none")
+    args = p.parse_args(argv)
     compiler = os.environ.get("CXX", "g++")
-    if shutil.which(compiler) is None:
+    if shutil.which(compiler) is None and not args.dry_run:
         print(f"emulator objects: {compiler!r} is not found; the emulator's tests will say so")
         return 0
     start = time.monotonic()
-    # The emu stream's library first: its first test waits for it; the planted stream's
-    # first sweeps are of unchanged copies.
-    emu_build.build(sanitize=True)
-    # test_emu.py's sweep of an unchanged copy, and its library of one op.
-    unchanged = ("compress", "decompress")
-    for op in unchanged:
-        emu_build.build(sanitize=True, **PLANTED_BUILD, only=op, link=False)
     with tempfile.TemporaryDirectory(prefix="fastddp-emu-objects-") as tmp:
-        for k, (_, rel, old, new, op) in enumerate(DEFECTS):
-            csrc = planted_copy(emu_build.CSRC, Path(tmp) / str(k), (rel, old, new))
-            emu_build.build(csrc, sanitize=True, **PLANTED_BUILD, only=op, link=False)
-    took = time.monotonic() - start
-    print(f"emulator objects: the debug library, {len(unchanged)} unchanged ops and "
-          f"{len(DEFECTS)} planted defects' ops compiled or found in {took:.0f} s")  # fmt: skip
+        builds = plan(Path(tmp))
+        for csrc, options in builds:
+            if args.dry_run:
+                print(*(obj for obj, _ in emu_build.objects(csrc, sanitize=True, **options)))
+            else:
+                # The emu stream's library is linked too, into the shared cache where that
+                # stream looks; a sweep links its own, in its test's folder.
+                emu_build.build(csrc, sanitize=True, **options, link=not options)
+    if not args.dry_run:
+        took = time.monotonic() - start
+        print(f"emulator objects: those of {len(builds)} builds compiled or found in {took:.0f} s")
     return 0
 
 

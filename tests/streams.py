@@ -7,12 +7,12 @@
 Much of the suite's time is spent waiting: on launchers starting and restarting jobs, on a
 namespace link's rate, on peer timeouts. The emulator's tests (under AddressSanitizer, whose
 runtime must be preloaded, so a pytest of their own) are the opposite: one busy core for
-minutes. Run one after the other, each leaves a core idle. So seven streams run side by side:
+minutes. Run one after the other, each leaves a core idle. So eight streams run side by side:
 the multi-node jobs on namespaces (``netns``) and the launcher's jobs on this machine
 (``launcher``), each in two, the jobs that are broken on purpose and wait on their recovery
-(``faults``) and the others; everything else (pooled ranks and single-process tests); and the
-emulator's, in two: its checks, and the sweeps that plant defects in copies of the kernels
-(``planted``). Niced below the others, the emulator's streams get little of the cores until
+(``faults``) and the others; everything else, in two: the tests on pooled ranks
+(``multiproc``), and the single-process tests; and the emulator's, in two: its checks, and
+the sweeps that plant defects in copies of the kernels (``planted``). Niced below the others, the emulator's streams get little of the cores until
 the rest ends, and then run side by side on all of them, where one stream would leave a core
 idle for minutes.
 Each stream is a pytest session with its own ``--basetemp`` and log, printed whole when the
@@ -92,13 +92,16 @@ STREAMS = {
     "node-faults": ("not emu and netns and faults", [], None),
     "launcher": ("not emu and not netns and launcher and not faults", [], None),
     "faults": ("not emu and not netns and launcher and faults", [], None),
-    "ranks": ("not emu and not netns and not launcher", [], None),
+    # Pooled ranks, and the single-process tests apart: in one stream, the longest, they ended
+    # the run alone, a core idle for its last 40 s.
+    "ranks": ("not emu and not netns and not launcher and multiproc", [], None),
+    "single": ("not emu and not netns and not launcher and not multiproc", [], None),
     "emu": ("emu and not planted", ["-p", "no:cacheprovider"], _asan_env),
     "planted": ("emu and planted", ["-p", "no:cacheprovider"], _asan_env),
 }
 # The niceness each stream runs at, its autogroup's and its processes' (what it spawns inherits
 # the latter); an --also command gets ALSO_NICE.
-NICE = {"nodes": 0, "node-faults": 0, "launcher": 0, "faults": 0, "ranks": 0}
+NICE = {"nodes": 0, "node-faults": 0, "launcher": 0, "faults": 0, "ranks": 0, "single": 0}
 NICE.update(emu=8, planted=8)
 ALSO_NICE = 12
 # An --early command (the emulator's objects, work the emu streams would do) runs as they do.

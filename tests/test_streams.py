@@ -40,36 +40,36 @@ def test_a_failing_stream_fails_the_command_and_shows_its_output(tmp_path):
     tests = tmp_path / "test_some.py"
     bad = "def test_bad():\n    raise AssertionError('the planted failure')\n"
     tests.write_text("def test_good():\n    pass\n\n" + bad)
-    run = [sys.executable, str(RUNNER), "--only", "ranks", "emu", "--", str(tests), "-q"]
+    run = [sys.executable, str(RUNNER), "--only", "single", "emu", "--", str(tests), "-q"]
     res = subprocess.run(
         run, capture_output=True, text=True, timeout=slack.guard(100), env=_env(tmp_path)
     )
     assert res.returncode == 1, res.stdout + res.stderr
     assert "test_bad" in res.stdout and "the planted failure" in res.stdout, res.stdout
-    assert "failed streams: ranks" in res.stdout, res.stdout
+    assert "failed streams: single" in res.stdout, res.stdout
     # The emu stream found nothing to run in this file: not a failure.
     tests.write_text("def test_good():\n    pass\n")
     res = subprocess.run(
         run, capture_output=True, text=True, timeout=slack.guard(100), env=_env(tmp_path)
     )
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "ranks exit 0" in res.stdout and "emu exit 5" in res.stdout, res.stdout
+    assert "single exit 0" in res.stdout and "emu exit 5" in res.stdout, res.stdout
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_streams_run_niced_and_an_also_command_counts_as_a_stream(tmp_path):
     # Niceness adds to the caller's: this test may itself run in a niced stream.
-    ranks, also = (min(19, os.nice(0) + n) for n in (streams.NICE["ranks"], streams.ALSO_NICE))
+    single, also = (min(19, os.nice(0) + n) for n in (streams.NICE["single"], streams.ALSO_NICE))
     tests = tmp_path / "test_nice.py"
     # Each stream is a session, so an autogroup, of its own, at the stream's niceness.
-    check = f"import os\n\ndef test_nice():\n    assert os.nice(0) == {ranks}\n"
+    check = f"import os\n\ndef test_nice():\n    assert os.nice(0) == {single}\n"
     check += f"    assert os.getsid(0) == os.getpid() != {os.getsid(0)}\n"
     tests.write_text(check)
     group = "; cat /proc/self/autogroup" if os.path.exists("/proc/self/autogroup") else ""
     command = f"{sys.executable} -c 'import os; print(\"the command at\", os.nice(0))'"
     command += f"{group}; exit 5"
-    run = [sys.executable, str(RUNNER), "--only", "ranks", "--also", "exit5", command]
+    run = [sys.executable, str(RUNNER), "--only", "single", "--also", "exit5", command]
     res = subprocess.run(
         [*run, "--also", "nodes", "true"], capture_output=True, text=True, env=_env(tmp_path)
     )
@@ -79,7 +79,7 @@ def test_streams_run_niced_and_an_also_command_counts_as_a_stream(tmp_path):
         [*run, "--", str(tests), "-q"], capture_output=True, text=True, timeout=slack.guard(100),
         env=_env(tmp_path),
     )  # fmt: skip
-    assert "ranks exit 0" in res.stdout, res.stdout + res.stderr
+    assert "single exit 0" in res.stdout, res.stdout + res.stderr
     # Exit 5 is pytest's "nothing collected", which passes a stream, but fails a command.
     assert res.returncode == 1 and "failed streams: exit5" in res.stdout, res.stdout
     assert f"the command at {also}" in res.stdout, res.stdout
@@ -95,7 +95,7 @@ def test_a_first_command_runs_beside_the_also_commands_and_before_the_tests(tmp_
     tests.write_text(f"def test_after_first():\n    assert open({str(built)!r}).read() == 'x\\n'\n")
     # The first command ends only once the --also command has run: they run side by side.
     wait = f"for i in $(seq 600); do [ -e {seen} ] && break; sleep 0.1; done; cp {seen} {built}"
-    run = [sys.executable, str(RUNNER), "--only", "ranks", "--also", "mark", f"echo x > {seen}"]
+    run = [sys.executable, str(RUNNER), "--only", "single", "--also", "mark", f"echo x > {seen}"]
     res = subprocess.run(
         [*run, "--first", wait, "--", str(tests), "-q"], capture_output=True, text=True,
         timeout=slack.guard(100), env=_env(tmp_path),
@@ -110,6 +110,38 @@ def test_a_first_command_runs_beside_the_also_commands_and_before_the_tests(tmp_
     )  # fmt: skip
     assert res.returncode == 1 and "'exit 3'; no test was run" in res.stdout, res.stdout
     assert "test_after_first" not in res.stdout, res.stdout
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_setup_runs_first_with_the_early_commands_beside_it_and_python_runs_the_tests(tmp_path):
+    seen, installed, after = tmp_path / "seen", tmp_path / "installed", tmp_path / "after"
+    tests = tmp_path / "test_setup.py"
+    tests.write_text(f"def test_after_setup():\n    assert open({str(after)!r}).read() == 'x\\n'\n")
+    # The tests' Python, a wrapper that leaves a line for each process it starts.
+    python, started = tmp_path / "python", tmp_path / "started"
+    python.write_text(f'#!/bin/sh\necho $$ >> {started}\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    # The setup ends only once the --early command has run; the --also command starts after it.
+    wait = f"for i in $(seq 600); do [ -e {seen} ] && break; sleep 0.1; done; cp {seen} {installed}"
+    run = [sys.executable, str(RUNNER), "--only", "single", "--python", str(python)]
+    run += ["--early", "mark", f"echo x > {seen}", "--also", "after", f"cp {installed} {after}"]
+    res = subprocess.run(
+        [*run, "--setup", wait, "--", str(tests), "-q"], capture_output=True, text=True,
+        timeout=slack.guard(100), env=_env(tmp_path),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "1 passed" in res.stdout and "setup exit 0" in res.stdout, res.stdout
+    assert "mark exit 0" in res.stdout and "after exit 0" in res.stdout, res.stdout
+    assert started.read_text().strip(), "the single stream did not run on --python"
+    # A setup that fails fails the command: no --also command starts, and no test runs.
+    after.unlink()
+    res = subprocess.run(
+        [*run, "--setup", "exit 4", "--", str(tests), "-q"], capture_output=True, text=True,
+        timeout=slack.guard(100), env=_env(tmp_path),
+    )  # fmt: skip
+    assert res.returncode == 1 and "'exit 4'; no test was run" in res.stdout, res.stdout
+    assert "test_after_setup" not in res.stdout and not after.exists(), res.stdout
 
 
 def _marks(node: ast.AST) -> set[str]:
@@ -135,7 +167,7 @@ def _launches(node: ast.AST) -> bool:
 
 def test_a_test_that_starts_a_launcher_is_marked_so():
     # The launcher streams hold the jobs that start launchers; a test elsewhere would run them
-    # in the ranks stream, which ends last. By its own code or a helper of its module it calls.
+    # in the ranks or single stream. By its own code or a helper of its module it calls.
     root = RUNNER.parents[1]
     unmarked = []
     for path in sorted([*root.glob("tests/**/test_*.py"), *root.glob("benchmarks/test_*.py")]):

@@ -21,9 +21,9 @@ from typing import Optional
 
 import torch
 
-from fastddp.testing.emu_build import CSRC, OPS, EmuError, asan_active, build
+from fastddp.testing.emu_build import CSRC, OPS, EmuError, asan_active, build, objects
 
-__all__ = ["CSRC", "OPS", "Emu", "EmuError", "asan_active", "build", "load"]
+__all__ = ["CSRC", "OPS", "Emu", "EmuError", "asan_active", "build", "load", "objects"]
 
 
 def load(path: Optional[Path] = None, *, sms: int = 2, seed: int = 0) -> "Emu":

@@ -22,7 +22,7 @@ from typing import Optional
 
 from . import slack
 
-__all__ = ["CSRC", "OPS", "SHARED_CACHE", "EmuError", "asan_active", "build"]
+__all__ = ["CSRC", "OPS", "SHARED_CACHE", "EmuError", "asan_active", "build", "objects"]
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 # Each source with the headers it includes (under csrc): an object is rebuilt only when one of
@@ -84,6 +84,46 @@ def _compile(cmd: list[str], out: Path) -> Path:
     return out
 
 
+def _flags(asan: bool, debug: bool) -> list[str]:
+    flags = ["-std=c++17", "-O1" if debug else "-O0", "-fPIC", "-Wall", "-Wextra", "-Werror",
+             "-DFASTDDP_EMU", "-fno-omit-frame-pointer", "-fsanitize=undefined",
+             "-fno-sanitize-recover=undefined", "-Wno-clobbered"]  # fmt: skip
+    if debug:
+        # Line tables, all a sanitizer's report needs to name a line (-g's variables and types
+        # would add half again to the compile).
+        flags.append("-g1")
+    if asan:
+        flags.append("-fsanitize=address")
+    return flags
+
+
+def objects(
+    csrc: Path = CSRC,
+    *,
+    sanitize: Optional[bool] = None,
+    debug: bool = True,
+    only: Optional[str] = None,
+) -> list[tuple[Path, list[str]]]:
+    """The objects :func:`build` links, in the shared cache, each with the command that
+    compiles it (less the output path); nothing is compiled."""
+    if only is not None and only not in OPS:
+        raise ValueError(f"only={only!r}: not an op of the emulator; one of {', '.join(OPS)}")
+    flags = _flags(asan_active() if sanitize is None else sanitize, debug)
+    # Only the ops' source picks the op: the emulator's runtime is one object for every op.
+    picks = [] if only is None else ["-DFASTDDP_EMU_ONLY", f"-DFASTDDP_EMU_OP_{only}"]
+    compiler = os.environ.get("CXX", "g++")
+    out = []
+    for source, headers in _SOURCES.items():
+        flags_of = [*flags, *picks] if source == "emu/ops.cpp" else flags
+        digest = hashlib.sha256(" ".join([compiler, *flags_of]).encode())
+        for rel in (source, *headers):
+            digest.update((csrc / rel).read_bytes())
+        obj = SHARED_CACHE / f"{Path(source).stem}-{digest.hexdigest()[:16]}.o"
+        cmd = [compiler, *flags_of, f"-I{csrc / 'include'}", "-c", str(csrc / source), "-o"]
+        out.append((obj, cmd))
+    return out
+
+
 def build(
     csrc: Path = CSRC,
     *,
@@ -103,40 +143,20 @@ def build(
     build alike. ``sanitize`` (AddressSanitizer) defaults to whether this process runs under
     it. ``link=False`` compiles the objects alone and returns None.
     """
-    if only is not None and only not in OPS:
-        raise ValueError(f"only={only!r}: not an op of the emulator; one of {', '.join(OPS)}")
     asan = asan_active() if sanitize is None else sanitize
-    flags = ["-std=c++17", "-O1" if debug else "-O0", "-fPIC", "-Wall", "-Wextra", "-Werror",
-             "-DFASTDDP_EMU", "-fno-omit-frame-pointer", "-fsanitize=undefined",
-             "-fno-sanitize-recover=undefined", "-Wno-clobbered"]  # fmt: skip
-    if debug:
-        # Line tables, all a sanitizer's report needs to name a line (-g's variables and types
-        # would add half again to the compile).
-        flags.append("-g1")
-    if asan:
-        flags.append("-fsanitize=address")
-    # Only the ops' source picks the op: the emulator's runtime is one object for every op.
-    picks = [] if only is None else ["-DFASTDDP_EMU_ONLY", f"-DFASTDDP_EMU_OP_{only}"]
-    compiler = os.environ.get("CXX", "g++")
+    planned = objects(csrc, sanitize=asan, debug=debug, only=only)
     SHARED_CACHE.mkdir(parents=True, exist_ok=True)
-    objects = []
-    for source, headers in _SOURCES.items():
-        flags_of = [*flags, *picks] if source == "emu/ops.cpp" else flags
-        digest = hashlib.sha256(" ".join([compiler, *flags_of]).encode())
-        for rel in (source, *headers):
-            digest.update((csrc / rel).read_bytes())
-        obj = SHARED_CACHE / f"{Path(source).stem}-{digest.hexdigest()[:16]}.o"
+    for obj, cmd in planned:
         if not obj.exists():
-            cmd = [compiler, *flags_of, f"-I{csrc / 'include'}", "-c", str(csrc / source), "-o"]
             _compile(cmd, obj)
-        objects.append(obj)
     if not link:
         return None
-    name = hashlib.sha256("".join(o.name for o in objects).encode()).hexdigest()[:16]
+    names = "".join(obj.name for obj, _ in planned)
     cache = cache or SHARED_CACHE
     cache.mkdir(parents=True, exist_ok=True)
-    lib = cache / f"libfastddp_emu-{name}.so"
+    lib = cache / f"libfastddp_emu-{hashlib.sha256(names.encode()).hexdigest()[:16]}.so"
     if not lib.exists():
-        sanitizers = [f for f in flags if f.startswith("-fsanitize")]
-        _compile([compiler, "-shared", *sanitizers, *map(str, objects), "-o"], lib)
+        compiler = planned[0][1][0]
+        sanitizers = [f for f in _flags(asan, debug) if f.startswith("-fsanitize")]
+        _compile([compiler, "-shared", *sanitizers, *(str(o) for o, _ in planned), "-o"], lib)
     return lib

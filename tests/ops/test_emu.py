@@ -11,8 +11,11 @@ AddressSanitizer.
 """
 
 import multiprocessing
+import os
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,6 +176,27 @@ def test_a_library_for_one_op_holds_it_alone_and_a_sweep_of_another_says_so(tmp_
     assert run_all_main(["--lib", str(lib), "--op", "compres"]) == 2
     with pytest.raises(ValueError, match="not an op of the emulator"):
         emulator.build(only="compres")
+
+
+@pytest.mark.planted
+def test_the_objects_compiled_before_the_tests_are_those_the_tests_ask_for(tmp_path):
+    # make test runs tests/emu_objects.py beside its install: an object it missed would be
+    # compiled again by a stream, late. The streams run under AddressSanitizer.
+    script = [sys.executable, str(Path(__file__).parents[1] / "emu_objects.py")]
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    res = subprocess.run([*script, "--dry-run"], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    listed = set(res.stdout.split())
+    wanted = [emulator.objects(sanitize=True)]  # the emu stream's
+    for op in ("compress", "decompress"):  # the unchanged copy's sweep; the one-op library
+        wanted.append(emulator.objects(sanitize=True, **PLANTED_BUILD, only=op))
+    for k, (_, rel, old, new, op) in enumerate(DEFECTS):  # as _sweep builds them
+        csrc = planted_copy(emulator.CSRC, tmp_path / str(k), (rel, old, new))
+        wanted.append(emulator.objects(csrc, sanitize=True, **PLANTED_BUILD, only=op))
+    assert {str(obj) for objs in wanted for obj, _ in objs} == listed
+    # Without a compiler it compiles nothing, and leaves the tests to say so.
+    res = subprocess.run(script, capture_output=True, text=True, env={**env, "CXX": "no-cxx"})
+    assert res.returncode == 0 and "'no-cxx' is not found" in res.stdout, res.stdout + res.stderr
 
 
 @pytest.mark.planted
