@@ -62,12 +62,12 @@ def test_the_suite_scales_every_limit_and_streams_measure_the_factor(tmp_path):
     assert res.returncode == 0 and "2 passed" in res.stdout, res.stdout + res.stderr
     # streams.py without the variable measures the factor and hands it to its streams.
     del env[slack.VAR]
-    res = _nested(env, sys.executable, str(ROOT / "tests" / "streams.py"), "--only", "ranks", "--")
+    res = _nested(env, sys.executable, str(ROOT / "tests" / "streams.py"), "--only", "single", "--")
     assert res.returncode == 0 and "2 passed" in res.stdout, res.stdout + res.stderr
     assert f"CPU s here, 1 where they were sized ({slack.VAR})" in res.stdout, res.stdout
     # Given one, streams.py keeps it.
     env[slack.VAR] = "1.5"
-    res = _nested(env, sys.executable, str(ROOT / "tests" / "streams.py"), "--only", "ranks", "--")
+    res = _nested(env, sys.executable, str(ROOT / "tests" / "streams.py"), "--only", "single", "--")
     assert res.returncode == 0 and f"hang guards x 1.50 ({slack.VAR} is yours)" in res.stdout
 
 
