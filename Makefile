@@ -107,8 +107,8 @@ test-fast: setup
 	$(BIN)/python -m pytest -m "not multiproc and not netns and not emu" $(PYTEST_ARGS)
 
 # The GPU machine's torch, here: the extension built with CUDA (sm_90) against torch 2.11.0+cu130
-# (the GPU image's; a 530 MB wheel from the package index), then the tests of the ranks and
-# launcher streams run on it (torchrun's options and the examples under fastddp.launch too).
+# (the GPU image's; a 530 MB wheel from the package index), then the tests of the ranks, single
+# and launcher streams run on it (torchrun's options and the examples under fastddp.launch too).
 # What a GPU session's first minutes would find out (a header or an API that differs between
 # torch releases), found without one. The working tree is copied to $(COMPAT_DIR)/src; its venv
 # is kept between runs. Not in `make test`.

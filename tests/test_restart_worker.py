@@ -1,49 +1,30 @@
 """The pieces of the restart tests' worker (``fastddp.testing.restart_worker``) that need no
-launcher; its launched jobs are ``tests/launch/test_restarts.py``'s."""
+job; its launched jobs are ``tests/launch/test_restarts.py``'s."""
 
 import gc
 
 import pytest
+import torch
 from torch import nn
 
 from fastddp.testing import restart_worker
 
-from ._dist import run_ranks
 
-
-class _Recording(nn.Linear):
-    """A layer that notes whether the collector is on whenever its parameters are listed."""
-
-    seen: list[bool] = []
-
-    def named_parameters(self, *args, **kwargs):
-        _Recording.seen.append(gc.isenabled())
-        return super().named_parameters(*args, **kwargs)
-
-
-def _build(rank: int, world_size: int) -> tuple[list[bool], bool]:
-    _Recording.seen.clear()
-    restart_worker.ddp_collector_paused(_Recording(4, 4))
-    return list(_Recording.seen), gc.isenabled()
-
-
-@pytest.mark.multiproc
-def test_ddp_is_built_with_the_collector_paused_and_it_comes_back():
-    for seen, after in run_ranks(_build, 2):
-        # DDP's constructor lists the parameters (to check them across ranks, to bucket them).
-        assert seen and not any(seen), seen
-        assert after
-
-
-def test_the_collector_comes_back_when_ddp_raises_and_stays_off_if_it_was():
-    # No process group in this process: DDP's constructor raises.
-    with pytest.raises(ValueError, match="process group"):
-        restart_worker.ddp_collector_paused(nn.Linear(4, 4))
+def test_the_collector_is_paused_over_the_block_and_back_after_even_when_it_raises():
+    with restart_worker.collector_paused():
+        assert not gc.isenabled()
+        # What the workers pause it for: the first optimizer imports torch._dynamo.
+        torch.optim.SGD(nn.Linear(4, 4).parameters(), lr=0.1)
+        assert not gc.isenabled()
     assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="the block's error"), restart_worker.collector_paused():
+        raise RuntimeError("the block's error")
+    assert gc.isenabled()
+    # A caller that had paused it keeps it paused.
     gc.disable()
     try:
-        with pytest.raises(ValueError, match="process group"):
-            restart_worker.ddp_collector_paused(nn.Linear(4, 4))
+        with restart_worker.collector_paused():
+            pass
         assert not gc.isenabled()
     finally:
         gc.enable()

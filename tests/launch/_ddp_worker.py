@@ -5,18 +5,20 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
-from fastddp.testing.restart_worker import ddp_collector_paused
+from fastddp.testing.restart_worker import collector_paused
 
 
 def train(env, steps):
     # The model lives in this function so that it is freed before the group is destroyed.
     torch.manual_seed(0)
-    model = ddp_collector_paused(nn.Sequential(nn.Linear(64, 257), nn.GELU(), nn.Linear(257, 8)))
-    state = fastddp.CompressState()
-    model.register_comm_hook(state, fastddp.compress_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with collector_paused():  # the set-up imports torch._dynamo
+        model = DDP(nn.Sequential(nn.Linear(64, 257), nn.GELU(), nn.Linear(257, 8)))
+        state = fastddp.CompressState()
+        model.register_comm_hook(state, fastddp.compress_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(env.rank)
     for _ in range(steps):
         x, y = torch.randn(32, 64, generator=gen), torch.randn(32, 8, generator=gen)
