@@ -12,9 +12,9 @@ the multi-node jobs on namespaces (``netns``) and the launcher's jobs on this ma
 (``launcher``), each in two, the jobs that are broken on purpose and wait on their recovery
 (``faults``) and the others; everything else, in two: the tests on pooled ranks
 (``multiproc``), and the single-process tests; and the emulator's, in two: its checks, and
-the sweeps that plant defects in copies of the kernels (``planted``). Niced below the others, the emulator's streams get little of the cores until
-the rest ends, and then run side by side on all of them, where one stream would leave a core
-idle for minutes.
+the sweeps that plant defects in copies of the kernels (``planted``). Niced below the others,
+the emulator's streams get little of the cores until the rest ends, and then run side by side
+on all of them, where one stream would leave a core idle for minutes.
 Each stream is a pytest session with its own ``--basetemp`` and log, printed whole when the
 stream ends; the command fails when any stream does. The markers split the tests, so every
 test runs in exactly one stream (``tests/test_streams.py`` checks it).

@@ -87,6 +87,18 @@ def test_streams_run_niced_and_an_also_command_counts_as_a_stream(tmp_path):
         assert re.search(rf"/autogroup-\d+ nice {streams.ALSO_NICE}\n", res.stdout), res.stdout
 
 
+def _waits_for(seen: Path, then: Path) -> str:
+    """A command that waits for ``seen`` to appear (for a minute at most), then copies it."""
+    return f"for i in $(seq 600); do [ -e {seen} ] && break; sleep 0.1; done; cp {seen} {then}"
+
+
+def _with(tmp_path, run: list, step: str, command: str, tests: Path):
+    return subprocess.run(
+        [*run, f"--{step}", command, "--", str(tests), "-q"], capture_output=True, text=True,
+        timeout=slack.guard(100), env=_env(tmp_path),
+    )  # fmt: skip
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_a_first_command_runs_beside_the_also_commands_and_before_the_tests(tmp_path):
@@ -94,20 +106,13 @@ def test_a_first_command_runs_beside_the_also_commands_and_before_the_tests(tmp_
     tests = tmp_path / "test_first.py"
     tests.write_text(f"def test_after_first():\n    assert open({str(built)!r}).read() == 'x\\n'\n")
     # The first command ends only once the --also command has run: they run side by side.
-    wait = f"for i in $(seq 600); do [ -e {seen} ] && break; sleep 0.1; done; cp {seen} {built}"
     run = [sys.executable, str(RUNNER), "--only", "single", "--also", "mark", f"echo x > {seen}"]
-    res = subprocess.run(
-        [*run, "--first", wait, "--", str(tests), "-q"], capture_output=True, text=True,
-        timeout=slack.guard(100), env=_env(tmp_path),
-    )  # fmt: skip
+    res = _with(tmp_path, run, "first", _waits_for(seen, built), tests)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "1 passed" in res.stdout and "first exit 0" in res.stdout, res.stdout
     # A first command that fails fails the command, and no test runs.
     built.unlink()
-    res = subprocess.run(
-        [*run, "--first", "exit 3", "--", str(tests), "-q"], capture_output=True, text=True,
-        timeout=slack.guard(100), env=_env(tmp_path),
-    )  # fmt: skip
+    res = _with(tmp_path, run, "first", "exit 3", tests)
     assert res.returncode == 1 and "'exit 3'; no test was run" in res.stdout, res.stdout
     assert "test_after_first" not in res.stdout, res.stdout
 
@@ -123,23 +128,16 @@ def test_setup_runs_first_with_the_early_commands_beside_it_and_python_runs_the_
     python.write_text(f'#!/bin/sh\necho $$ >> {started}\nexec {sys.executable} "$@"\n')
     python.chmod(0o755)
     # The setup ends only once the --early command has run; the --also command starts after it.
-    wait = f"for i in $(seq 600); do [ -e {seen} ] && break; sleep 0.1; done; cp {seen} {installed}"
     run = [sys.executable, str(RUNNER), "--only", "single", "--python", str(python)]
     run += ["--early", "mark", f"echo x > {seen}", "--also", "after", f"cp {installed} {after}"]
-    res = subprocess.run(
-        [*run, "--setup", wait, "--", str(tests), "-q"], capture_output=True, text=True,
-        timeout=slack.guard(100), env=_env(tmp_path),
-    )  # fmt: skip
+    res = _with(tmp_path, run, "setup", _waits_for(seen, installed), tests)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "1 passed" in res.stdout and "setup exit 0" in res.stdout, res.stdout
     assert "mark exit 0" in res.stdout and "after exit 0" in res.stdout, res.stdout
     assert started.read_text().strip(), "the single stream did not run on --python"
     # A setup that fails fails the command: no --also command starts, and no test runs.
     after.unlink()
-    res = subprocess.run(
-        [*run, "--setup", "exit 4", "--", str(tests), "-q"], capture_output=True, text=True,
-        timeout=slack.guard(100), env=_env(tmp_path),
-    )  # fmt: skip
+    res = _with(tmp_path, run, "setup", "exit 4", tests)
     assert res.returncode == 1 and "'exit 4'; no test was run" in res.stdout, res.stdout
     assert "test_after_setup" not in res.stdout and not after.exists(), res.stdout
 

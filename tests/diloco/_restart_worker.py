@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
+from fastddp.testing.restart_worker import collector_paused
 
 STEPS, EVERY = 24, 4
 
@@ -45,10 +46,11 @@ def train(env, args: argparse.Namespace) -> None:
     ``local_world_size`` (a :class:`fastddp.DistEnv`, or the caller's)."""
     os.environ["FASTDDP_NODE_ID"] = f"node-{env.local_rank * 2 // env.local_world_size}"
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 3))
-    model = DDP(net, process_group=fastddp.DiLoCo.node_group())
-    diloco = fastddp.DiLoCo(model, sync_every=EVERY, compress="int8-ef")
-    opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+    with collector_paused():  # the set-up imports torch._dynamo
+        net = nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 3))
+        model = DDP(net, process_group=fastddp.DiLoCo.node_group())
+        diloco = fastddp.DiLoCo(model, sync_every=EVERY, compress="int8-ef")
+        opt = torch.optim.AdamW(model.parameters(), lr=0.02)
     latest = args.dir / "latest"
     start = 0
     if latest.exists():  # every rank saved this round's files before it was recorded
