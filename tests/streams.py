@@ -19,19 +19,18 @@ Each stream is a pytest session with its own ``--basetemp`` and log, printed who
 stream ends; the command fails when any stream does. The markers split the tests, so every
 test runs in exactly one stream (``tests/test_streams.py`` checks it).
 
-The suite is CPU-bound on a small machine, so the streams are niced: the namespace and
-launcher streams, which wait on links, timeouts and start-ups, and the pooled ranks, the
-longest stream, first; the emulator's, which only compute and fill the cores the others leave
-idle, after them. ``--also NAME COMMAND`` runs a shell command (``make test``: the CUDA
+The suite is CPU-bound on a small machine, so the streams are niced: the namespace and launcher
+streams, which wait on links, timeouts and start-ups, the pooled ranks, the longest stream, and
+the single-process tests first; the emulator's, which only compute and fill the cores the others
+leave idle, after them. ``--also NAME COMMAND`` runs a shell command (``make test``: the CUDA
 compile check) as one more stream, niced the most. ``--first COMMAND`` (``make test``: the
 extension's build) runs before the pytest streams, which need what it makes; the ``--also``
 commands start with it, on the core its serial parts leave idle. Before them, ``--setup
-COMMAND`` (``make test``: the install of the test environment, one core busy for half a
-minute) runs with the ``--early`` commands beside it (the emulator's objects,
-``tests/emu_objects.py``), which need only this checkout; they count as streams too. So this
-runner needs no more than the standard library (and ``fastddp.testing``'s torch-free modules,
-by :func:`torchless`): any Python 3.9 or newer runs it, and ``--python`` names the one with
-torch that runs the tests.
+COMMAND`` (``make test``: the install of the test environment, one core busy for half a minute)
+runs with the ``--early`` commands beside it (the emulator's objects, ``tests/emu_objects.py``),
+which need only this checkout; they count as streams too. So this runner needs no more than the
+standard library (and ``fastddp.testing``'s torch-free modules, by :func:`torchless`): any
+Python 3.9 or newer runs it, and ``--python`` names the one with torch that runs the tests.
 
 Linux's scheduler shares the cores between autogroups, one per session, before it shares a
 group's among its processes by their niceness. Launchers and workers start sessions of their
