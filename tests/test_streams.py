@@ -130,6 +130,11 @@ def test_setup_runs_first_with_the_early_commands_beside_it_and_python_runs_the_
     # The setup ends only once the --early command has run; the --also command starts after it.
     run = [sys.executable, str(RUNNER), "--only", "single", "--python", str(python)]
     run += ["--early", "mark", f"echo x > {seen}", "--also", "after", f"cp {installed} {after}"]
+    # An --early command named as a step or as another command is refused before anything runs.
+    for clash in (["--early", "setup", "true"], ["--early", "after", "true"]):
+        res = subprocess.run([*run, *clash], capture_output=True, text=True, env=_env(tmp_path))
+        assert res.returncode == 2 and "a name of its own, none of" in res.stderr, res.stderr
+    assert not list(tmp_path.glob("fastddp-tests-*")), "a refused command started streams"
     res = _with(tmp_path, run, "setup", _waits_for(seen, installed), tests)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "1 passed" in res.stdout and "setup exit 0" in res.stdout, res.stdout

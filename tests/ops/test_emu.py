@@ -184,7 +184,9 @@ def test_the_objects_compiled_before_the_tests_are_those_the_tests_ask_for(tmp_p
     # compiled again by a stream, late. The streams run under AddressSanitizer.
     script = [sys.executable, str(Path(__file__).parents[1] / "emu_objects.py")]
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    res = subprocess.run([*script, "--dry-run"], capture_output=True, text=True, env=env)
+    res = subprocess.run(
+        [*script, "--dry-run"], capture_output=True, text=True, env=env, timeout=slack.guard(60)
+    )
     assert res.returncode == 0, res.stderr
     listed = set(res.stdout.split())
     wanted = [emulator.objects(sanitize=True)]  # the emu stream's
@@ -195,7 +197,10 @@ def test_the_objects_compiled_before_the_tests_are_those_the_tests_ask_for(tmp_p
         wanted.append(emulator.objects(csrc, sanitize=True, **PLANTED_BUILD, only=op))
     assert {str(obj) for objs in wanted for obj, _ in objs} == listed
     # Without a compiler it compiles nothing, and leaves the tests to say so.
-    res = subprocess.run(script, capture_output=True, text=True, env={**env, "CXX": "no-cxx"})
+    res = subprocess.run(
+        script, capture_output=True, text=True, env={**env, "CXX": "no-cxx"},
+        timeout=slack.guard(60),
+    )  # fmt: skip
     assert res.returncode == 0 and "'no-cxx' is not found" in res.stdout, res.stdout + res.stderr
 
 
