@@ -304,7 +304,7 @@ def _names(dtypes) -> str:
 def checked_block_size(where: str, dtype: torch.dtype, block_size) -> Optional[int]:
     """Return the block size for wire ``dtype`` (its default when ``None``), or ``None`` for a
     codec without blocks; anything else raises an error that starts with ``where``."""
-    if dtype not in CODECS:
+    if not isinstance(dtype, torch.dtype) or dtype not in CODECS:
         raise ValueError(f"{where}: dtype must be {_names(CODECS)}, got {dtype!r}")
     blocks = CODECS[dtype].blocks
     if blocks is None:

@@ -96,6 +96,11 @@ class Native:
         self.slots.pop(plan_id, None)
         slot.plan = None
 
+    def clear(self) -> None:
+        """Forget every plan (after :meth:`sync`): the slots they were bound to are dropped."""
+        for slot in list(self.slots.values()):
+            self.drop(slot)
+
     def sync(self, state: Any) -> None:
         """Finish every reduction the runner started and count them into ``state``."""
         self.runner.flush()

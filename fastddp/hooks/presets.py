@@ -36,7 +36,7 @@ def preset(name: str) -> dict[str, Any]:
     Raises:
         ValueError: ``name`` is not in :data:`PRESETS` (the message lists the names).
     """
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:
         raise ValueError(f"unknown fastddp preset {name!r}; choose one of {', '.join(PRESETS)}")
     return dict(PRESETS[name])
 

@@ -141,12 +141,13 @@ class SlotTable:
     that takes that index next (after a retire or a :meth:`CompressState.load_state_dict`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, param_keys: Optional[WeakIdKeyDictionary] = None) -> None:
         self.slots: dict[Any, Slot] = {}
         self.owners: dict[int, Any] = {}  # parameter key -> key of the slot holding it
-        # Keys of parameters in first-seen order; weak, so that a new tensor that happens to
-        # reuse a dead one's id() never inherits its key.
-        self.param_keys = WeakIdKeyDictionary()
+        # Keys of parameters in first-seen order (``param_keys``: a previous table's, kept);
+        # weak, so that a new tensor that happens to reuse a dead one's id() never inherits
+        # its key.
+        self.param_keys = WeakIdKeyDictionary() if param_keys is None else param_keys
         self.saved: dict[int, dict[str, Any]] = {}
 
     def keys_of(self, parameters: list[torch.Tensor]) -> tuple:

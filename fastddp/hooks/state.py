@@ -158,11 +158,19 @@ class CompressState:
         return cls(process_group=process_group, **{**preset(name), **overrides})
 
     def _reset(self) -> None:
-        if getattr(self, "_native", None) is not None:
-            self._native.sync(self)  # the old runner's reductions finish before all is dropped
-        self._native = native.make(self)  # runs the buckets' steady state (native.py)
-        self._runner = self._native.runner if self._native is not None else None
-        self._table = SlotTable()
+        old = getattr(self, "_native", None)
+        if old is not None:
+            # Its reductions finish before all is dropped; the runner itself stays, as
+            # fastddp.register_comm_hook has handed it to the model's reducer.
+            old.sync(self)
+            old.clear()
+        else:
+            self._native = native.make(self)  # runs the buckets' steady state (native.py)
+            self._runner = self._native.runner if self._native is not None else None
+        # Parameters keep their keys: residuals saved by key go back to their own parameters
+        # whatever order the buckets come in after a load.
+        keys = getattr(self, "_table", None)
+        self._table = SlotTable(keys.param_keys if keys is not None else None)
         self._verified = False
         self._layout: Optional[tuple[int, ...]] = None  # all_reduce's sizes at its handshake
         self._pipeline = Pipeline()

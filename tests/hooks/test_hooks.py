@@ -317,6 +317,7 @@ BAD_STATES = [
         ValueError,
         "dtype must be torch.float16, torch.bfloat16, torch.int8,",
     ),
+    (dict(dtype=[torch.int8]), ValueError, r"dtype must be torch.float16.*got \[torch.int8\]"),
     (dict(process_group="gloo"), TypeError, "process_group must be a torch.distributed"),
     (dict(accumulate_dtype=torch.float16), ValueError, "accumulate_dtype must be torch.float32"),
     (
@@ -491,6 +492,48 @@ def _resume(rank, world, settings, exact):
 )
 def test_resume_from_state_dict(mode, exact):
     run_ranks(_resume, 2, MODES[mode], exact)
+
+
+def _roll_back(rank, world, mode, register):
+    model = DDP(_model(), bucket_cap_mb=0.01)
+    state = fastddp.CompressState.from_preset(mode)
+    if register:
+        fastddp.register_comm_hook(model, state)
+    else:
+        model.register_comm_hook(state, fastddp.compress_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(rank)
+    _train(model, state, gen, 4, opt)
+    assert state.stats()["parked_residuals"] == 0  # nothing waits after DDP's rebuild
+    saved = copy.deepcopy(
+        {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}
+    )
+    gen_state = gen.get_state()
+    _train(model, state, gen, 3, opt)
+    want = _grads(model), [p.detach().clone() for p in model.parameters()]
+    _train(model, state, gen, 2, opt)  # steps to undo: a loss spike, say
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    state.load_state_dict(saved["hook"])
+    gen.set_state(gen_state)
+    _train(model, state, gen, 3, opt)
+    # The same buckets as the uninterrupted steps: the residuals went back to their own
+    # parameters, and the registered hook uses what was loaded.
+    assert torch.equal(_grads(model), want[0])
+    for p, w in zip(model.parameters(), want[1]):
+        assert torch.equal(p, w), "rolled-back run differs from the uninterrupted one"
+    stats = state.stats()
+    assert stats["calls"] == saved["hook"]["counters"]["calls"] + 3 * len(stats["buckets"])
+    assert stats["parked_residuals"] == 0
+
+
+# Loading a state dict into a state that has been reducing (rolling back to a checkpoint
+# without a restart) resumes exactly, on either way of registering the hook.
+@pytest.mark.multiproc
+@pytest.mark.parametrize("register", [False, True], ids=["python-hook", "registered"])
+@pytest.mark.parametrize("mode", ["bf16-acc", "bf16-acc-ef", "int8-ef"])
+def test_roll_back_to_a_state_dict_mid_run(mode, register):
+    run_ranks(_roll_back, 2, mode, register)
 
 
 def _large_int8_bucket(rank, world):

@@ -62,6 +62,8 @@ def test_an_unknown_name_lists_the_names(make):
         make("bf16-fp32acc")
     for name in PRESETS:
         assert name in str(info.value)
+    with pytest.raises(ValueError, match=r"unknown fastddp preset \['bf16'\]"):
+        make(["bf16"])  # not a name at all
 
 
 def _mode_choices(what):
