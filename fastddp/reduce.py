@@ -1,5 +1,6 @@
 """``fastddp.all_reduce``: the hooks' compressed reduction for tensors outside DDP."""
 
+import math
 import zlib
 from collections.abc import Iterable
 from typing import Optional, Union
@@ -44,7 +45,9 @@ def all_reduce(
         dtype (torch.dtype, optional): wire dtype: ``torch.bfloat16`` (default),
             ``torch.float16`` or ``torch.int8``.
         op (str): ``"avg"`` (default) or ``"sum"``.
-        group (ProcessGroup, optional): the group; ``None`` is the default group.
+        group (ProcessGroup, optional): the group; ``None`` is the default group. On a rank
+            outside it (``new_group`` gave it ``GroupMember.NON_GROUP_MEMBER``) the call
+            does nothing, as :func:`torch.distributed.all_reduce` does.
         accumulate_dtype (torch.dtype, optional): ``torch.float32`` (default) sums in fp32;
             ``None`` lets the collective sum in the wire dtype.
         stochastic_rounding (bool, optional): round stochastically (default False).
@@ -66,8 +69,14 @@ def all_reduce(
     where = "fastddp.all_reduce"
     if op not in ("avg", "sum"):
         raise ValueError(f'{where}: op must be "avg" or "sum", got {op!r}')
-    if not bucket_cap_mb > 0:
-        raise ValueError(f"{where}: bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
+    number = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
+    if not (number and 0 < bucket_cap_mb < math.inf):
+        raise ValueError(
+            f"{where}: bucket_cap_mb must be a positive, finite number of MiB, got "
+            f"{bucket_cap_mb!r}"
+        )
+    if _outside(group):
+        return
     if state is None:
         _check_dtype(dtype, where)
         state = CompressState(
@@ -88,9 +97,10 @@ def all_reduce(
             "stochastic_rounding": stochastic_rounding,
             "block_size": block_size,
             "topology": topology,
-            "accumulate_dtype": None if accumulate_dtype is _UNSET else accumulate_dtype,
         }
         clash = [k for k, v in given.items() if v is not None]
+        if accumulate_dtype is not _UNSET:  # None is a setting here (sum in the wire dtype)
+            clash.append("accumulate_dtype")
         if clash:
             raise ValueError(
                 f"{where}: pass either state= or the settings ({', '.join(clash)}), not both: "
@@ -112,7 +122,8 @@ def all_reduce(
                 "module's gradients; its buffers and residuals belong to them. Give all_reduce "
                 "a CompressState of its own"
             )
-        if group is not None and group is not state.process_group:
+        ours = state.process_group if state.process_group is not None else dist.group.WORLD
+        if group is not None and group is not ours:
             raise ValueError(
                 f"{where}: group differs from state.process_group; build the CompressState "
                 "with the group you want to reduce over"
@@ -130,7 +141,8 @@ def all_reduce(
         sizes = () if problem else tuple(t.numel() for t in tensors)
         digest = zlib.crc32(",".join(map(str, sizes)).encode())
         layout = (len(sizes), sum(sizes), digest)
-        _verify(state, _device(tensors, state), layout, problem[:2] if problem else (0, 0))
+        found = problem[:2] if problem else (0, 0)
+        _verify(state, _device(tensors, state), layout, found, 1 if op == "avg" else 2)
         state._layout = sizes
     elif problem:
         # Later calls are not checked across ranks (a collective each): alike on every rank
@@ -169,6 +181,11 @@ def all_reduce(
                     n = tensors[i].numel()
                     tensors[i].copy_(flat[offset : offset + n].view_as(tensors[i]))
                     offset += n
+
+
+def _outside(group) -> bool:
+    """Whether this rank is outside ``group`` (``new_group``'s stand-in on such a rank)."""
+    return isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER
 
 
 def _bucketize(tensors: list[torch.Tensor], cap: int) -> list[list[int]]:

@@ -27,7 +27,8 @@ __all__ = ["PROTOCOL", "TENSOR_PROBLEMS", "check", "exchange", "topology_of"]
 # 7: and the tensors that loaded residuals are for, and what is wrong with all_reduce's tensors.
 # 8: and the tensors that loaded delayed gradients (delay=1) are for.
 # 9: and all_reduce's tensors whose elements share memory (problem code 5).
-PROTOCOL = 9
+# 10: and all_reduce's op (1 "avg", 2 "sum"; 0 from the hook).
+PROTOCOL = 10
 _SHARED = 8  # the first columns of a row, which every rank must share
 
 
@@ -47,12 +48,14 @@ def exchange(
     device: torch.device,
     layout: tuple[int, int, int] = (0, 0, 0),
     problem: tuple[int, int] = (0, 0),
+    op: int = 0,
 ) -> list[tuple[int, ...]]:
     """All-gather every rank's row of the group of ``state`` (a collective: every rank calls it).
 
     ``layout``: what ``fastddp.all_reduce`` was given (tensors, elements, a digest of their
     sizes), which every rank must share; ``problem``: the code (:data:`TENSOR_PROBLEMS`, 0 for
-    none) and index of the first tensor it cannot take. DDP's buckets need neither check.
+    none) and index of the first tensor it cannot take; ``op``: its op (1 ``"avg"``, 2
+    ``"sum"``). DDP's buckets need none of these checks.
     """
     s = state.settings()
     loaded = state._loaded_from or (-1, -1)
@@ -72,6 +75,7 @@ def exchange(
             *_digest(state._residuals.sizes),
             *problem,
             *_digest({k: t.numel() for k, t in state._delayed.parked.items()}),
+            op,
         ],
         dtype=torch.int64,
         device=device,
@@ -123,6 +127,13 @@ def check(rows: list[tuple[int, ...]]) -> None:
         raise ValueError(
             "fastddp.all_reduce: some ranks passed tensors it cannot reduce:\n"
             + "\n".join(troubled)
+        )
+    if len({row[22] for row in rows}) > 1:
+        ops = {0: "none", 1: '"avg"', 2: '"sum"'}
+        lines = [f"  rank {r}: op={ops.get(row[22], '?')}" for r, row in enumerate(rows)]
+        raise ValueError(
+            "fastddp.all_reduce: ranks passed different ops, so the result would be neither a "
+            "sum nor an average:\n" + "\n".join(lines) + "\nPass the same op on every rank."
         )
     if len({row[11:14] for row in rows}) > 1:
         same = len({row[11:13] for row in rows}) == 1

@@ -35,6 +35,11 @@ def checked(
     block-scaled codec gets its default block size.
     """
     block_size = checked_block_size(_WHERE, dtype, block_size)
+    if isinstance(process_group, int) and process_group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"{_WHERE}: this rank is not in process_group (torch.distributed.new_group gave it "
+            "GroupMember.NON_GROUP_MEMBER); make the state on the group's ranks only"
+        )
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(
             f"{_WHERE}: process_group must be a torch.distributed.ProcessGroup or "

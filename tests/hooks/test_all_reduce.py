@@ -134,6 +134,16 @@ def _bad_input(rank, world):
         (lambda: fastddp.all_reduce(torch.ones(3), state=3), "state must be a fastddp."),
         (lambda: fastddp.all_reduce(torch.ones(3), bucket_cap_mb=0), "bucket_cap_mb must be"),
         (
+            lambda: fastddp.all_reduce(torch.ones(3), bucket_cap_mb=float("inf")),
+            "bucket_cap_mb must be a positive, finite number of MiB, got inf",
+        ),
+        (
+            lambda: fastddp.all_reduce(
+                torch.ones(3), accumulate_dtype=None, state=fastddp.CompressState()
+            ),
+            "pass either state= or the settings (accumulate_dtype), not both",
+        ),
+        (
             lambda: fastddp.all_reduce(torch.ones(3), dtype=torch.float64),
             "dtype must be torch.float16, torch.bfloat16, torch.int8, torch.int4 or torch.int2",
         ),
@@ -190,6 +200,11 @@ def _bad_input(rank, world):
             "rank 0: tensors[1] is a view whose elements share memory (expand()): pass t.clone()",
         ),
         (lambda: fastddp.all_reduce({"w": torch.ones(3)}), "tensors is a dict; pass its tensors"),
+        (
+            lambda: fastddp.all_reduce(torch.ones(3), op=("avg", "sum")[rank]),
+            "ranks passed different ops, so the result would be neither a sum nor an average:\n"
+            '  rank 0: op="avg"\n  rank 1: op="sum"',
+        ),
     ]
     # One state for a model's buckets and for all_reduce: their buffers and residuals would
     # mix. Refused both ways, on every rank (each rank's state has the same history).
@@ -219,6 +234,17 @@ def _bad_input(rank, world):
     t = torch.ones(4)
     dist.all_reduce(t)
     assert torch.equal(t, torch.full((4,), float(world)))
+    # The default group named as such is the state's default group.
+    fastddp.all_reduce(t, group=dist.group.WORLD, state=fastddp.CompressState())
+    assert torch.equal(t, torch.full((4,), float(world)))
+    # Outside a group, as torch.distributed.all_reduce does: nothing; a state cannot be made.
+    alone = dist.new_group([0])
+    t = torch.full((4,), float(rank + 1))
+    fastddp.all_reduce(t, op="sum", group=alone)
+    assert torch.equal(t, torch.full((4,), float(rank + 1)))
+    if rank == 1:
+        with pytest.raises(ValueError, match="this rank is not in process_group"):
+            fastddp.CompressState(process_group=alone)
 
 
 def test_all_reduce_bad_input_raises_on_every_rank():
