@@ -96,10 +96,15 @@ def slurm_port(job_id: str) -> int:
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
+    raw = env.get(name)
+    if raw is None:
+        raise ClusterError(f"{name} is not set; export it, or start under what sets it")
     try:
-        return int(env[name])
+        return int(raw)
     except ValueError:
-        raise ClusterError(f"{name}={env[name]!r} is not an integer") from None
+        # Kubernetes gives every pod MASTER_PORT=tcp://IP:PORT for a service named "master".
+        hint = "; pass --master-port" if raw.startswith("tcp://") else ""
+        raise ClusterError(f"{name}={raw!r} is not an integer{hint}") from None
 
 
 def _first(env: Mapping[str, str], *names: str) -> Optional[str]:
@@ -111,7 +116,8 @@ def _first(env: Mapping[str, str], *names: str) -> Optional[str]:
 
 def _tasks_per_node(env: Mapping[str, str]) -> Optional[int]:
     # SLURM_STEP_TASKS_PER_NODE looks like "2(x3),1"; the first count is this layout's largest.
-    for name in ("SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+    # The step's first: an srun step inherits the job's --ntasks-per-node.
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
         if env.get(name):
             m = re.match(r"\d+", env[name])
             if m:
@@ -134,18 +140,24 @@ def detect_kind(env: Mapping[str, str]) -> str:
     return "none"
 
 
-def _master_overlay(env: Mapping[str, str], out: dict[str, Setting]) -> None:
+def _master_overlay(env: Mapping[str, str], out: dict[str, Setting], given=frozenset()) -> None:
     # Explicit variables beat what a cluster implies: XTuner's ADDR/PORT, then MASTER_*.
     name = _first(env, "ADDR", "MASTER_ADDR")
     if name:
         out["master_addr"] = Setting(env[name], name)
     name = _first(env, "PORT", "MASTER_PORT")
-    if name:
-        out["master_port"] = Setting(_int(env, name), name)
+    if name:  # a port set elsewhere (``given``) wins: this one is not read, nor checked
+        port = env[name] if "master_port" in given else _int(env, name)
+        out["master_port"] = Setting(port, name)
+
+
+# A step on some of the job's nodes (srun -N1) counts SLURM_NODEID among its own: those first.
+_SLURM_NODES = ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
+_SLURM_LIST = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
 
 
 def launcher_settings(
-    env: Mapping[str, str], kind: str = "auto", gpus_on_node: int = 0
+    env: Mapping[str, str], kind: str = "auto", gpus_on_node: int = 0, given=frozenset()
 ) -> tuple[str, dict[str, Setting]]:
     """Settings for one launcher per node, keyed by torchrun's option names.
 
@@ -154,6 +166,8 @@ def launcher_settings(
         kind: ``auto`` (detect), ``slurm``, ``mpi``, ``env`` or ``none``.
         gpus_on_node: GPUs visible here; under Slurm it sets ``nproc_per_node`` when Slurm
             does not say.
+        given: settings known from elsewhere (the command line, ``PET_*``): not required
+            here (mpirun's master address), and a port among them is not checked.
 
     Returns:
         ``(kind, settings)``, where settings maps ``nnodes``, ``node_rank``, ``master_addr``,
@@ -177,12 +191,12 @@ def launcher_settings(
                 "(srun --ntasks-per-node=1 python -m fastddp.launch ...), or run the training "
                 "script directly under srun and call fastddp.init_distributed() in it"
             )
-        name = _first(env, "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
+        name = _first(env, *_SLURM_NODES)
         if name:
             out["nnodes"] = Setting(str(_int(env, name)), name)
         if env.get("SLURM_NODEID"):
             out["node_rank"] = Setting(_int(env, "SLURM_NODEID"), "SLURM_NODEID")
-        name = _first(env, "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+        name = _first(env, *_SLURM_LIST)
         if name:
             out["master_addr"] = Setting(expand_nodelist(env[name])[0], f"first host of {name}")
         out["master_port"] = Setting(slurm_port(env["SLURM_JOB_ID"]), "SLURM_JOB_ID")
@@ -206,7 +220,7 @@ def launcher_settings(
             )
         out["nnodes"] = Setting(str(_int(env, size)), size)
         out["node_rank"] = Setting(_int(env, rank), rank)
-        if not _first(env, "ADDR", "MASTER_ADDR"):
+        if not (_first(env, "ADDR", "MASTER_ADDR") or {"master_addr", "rdzv_endpoint"} & given):
             raise ClusterError(
                 "mpirun does not say which host is the master: export MASTER_ADDR to all "
                 "nodes (mpirun -x MASTER_ADDR=<first host> ...) or pass --master-addr"
@@ -220,7 +234,7 @@ def launcher_settings(
     elif kind != "none":
         raise ClusterError(f"unknown cluster kind {kind!r}; use auto, none, slurm, mpi or env")
     if kind != "none":
-        _master_overlay(env, out)
+        _master_overlay(env, out, given)
     return kind, out
 
 
@@ -269,7 +283,7 @@ def process_settings(env: Mapping[str, str]) -> tuple[str, dict[str, Setting]]:
             out["local_world_size"] = Setting(per_node, "SLURM_STEP_TASKS_PER_NODE")
         if env.get("SLURM_NODEID"):
             out["node_rank"] = Setting(_int(env, "SLURM_NODEID"), "SLURM_NODEID")
-        name = _first(env, "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+        name = _first(env, *_SLURM_LIST)
         if name:
             out["master_addr"] = Setting(expand_nodelist(env[name])[0], f"first host of {name}")
         out["master_port"] = Setting(slurm_port(env.get("SLURM_JOB_ID", "0")), "SLURM_JOB_ID")

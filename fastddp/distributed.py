@@ -28,6 +28,8 @@ __all__ = [
 
 _env: Optional["DistEnv"] = None
 _watchdog: Optional[PeerWatchdog] = None
+# Joins made by this process: each takes store keys of its own (see joining.store_for).
+_joins = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +150,7 @@ def init_distributed(
         >>> ...
         >>> fastddp.shutdown_distributed()
     """
-    global _env
+    global _env, _joins
     if _env is not None and dist.is_initialized():
         if backend is not None and backend != _env.backend:
             raise ClusterError(
@@ -198,7 +200,10 @@ def init_distributed(
         # A launcher reports its own waits; a job started by hand has only this line.
         waiting = joining.said_while_waiting if launcher == "env" else _quiet
         with waiting(rank, world, addr, port):
-            store, attempt = joining.store_for(launcher, env, addr, port, rank, world, timeout)
+            store, attempt = joining.store_for(
+                launcher, env, addr, port, rank, world, timeout, _joins
+            )
+            _joins += 1
             joining.agree(store, rank, world, backend, problem)
         kwargs = {"store": store}
     if use_cuda:
@@ -302,8 +307,20 @@ def distributed_session(**kwargs) -> Iterator[DistEnv]:
 
 
 def is_main_process() -> bool:
-    """True on global rank 0, and in a process that is not part of a distributed job."""
-    return not dist.is_initialized() or dist.get_rank() == 0
+    """True on global rank 0, and in a process that is not part of a distributed job.
+
+    Before :func:`init_distributed`, the rank a launcher gave the process decides (``RANK``,
+    else ``SLURM_PROCID`` of an ``srun`` step, else mpirun's), so that work meant for rank 0
+    alone runs once before the group exists too.
+    """
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    env = os.environ
+    step = env.get("SLURM_STEP_ID") is not None
+    for name in ("RANK", "SLURM_PROCID" if step else "", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if env.get(name, "").strip().isdigit():
+            return int(env[name]) == 0
+    return True
 
 
 @contextlib.contextmanager

@@ -26,6 +26,8 @@ _KEY = "fastddp/join/"
 _LINGER = timedelta(seconds=30)
 # How long a rank started by hand waits for the others before it says so.
 WAIT_SAY_S = 20.0
+# The stores this process joined through, by (address, port, world size, rank).
+_JOINED: dict[tuple, dist.Store] = {}
 
 
 @contextlib.contextmanager
@@ -65,8 +67,22 @@ def store_for(
     rank: int,
     world: int,
     timeout: timedelta,
+    join: int = 0,
 ) -> tuple[dist.Store, str]:
-    """The store of this launch attempt, and the attempt's name (for the peer watchdog)."""
+    """The store of this launch attempt, and the attempt's name (for the peer watchdog).
+
+    ``join`` counts this process's earlier joins (a session after
+    :func:`~fastddp.shutdown_distributed`): from the second on, the keys get a prefix of their
+    own, as the first join's are still in the store, and torch names the new group as it
+    named the old one.
+    """
+    store, attempt = _store_for(launcher, env, addr, port, rank, world, timeout)
+    if join == 0:
+        return store, attempt
+    return dist.PrefixStore(f"fastddp/join-{join}/", store), f"{attempt}/join-{join}"
+
+
+def _store_for(launcher, env, addr, port, rank, world, timeout) -> tuple[dist.Store, str]:
     attempt = f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', 0)}"
     if launcher == "torchrun" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's agent already serves the store on MASTER_PORT: every rank is a client.
@@ -81,9 +97,14 @@ def store_for(
         # Gloo addresses and connect to a dead process. A prefix per attempt avoids it on
         # one node (the restart count is per node).
         return dist.PrefixStore(f"fastddp/attempt/{attempt}/", client), attempt
-    # As torch's env:// and tcp:// make it: rank 0 serves, for this attempt alone.
-    store = dist.TCPStore(addr, port, world, rank == 0, timeout, multi_tenant=True)
-    return store, attempt
+    # As torch's env:// and tcp:// make it: rank 0 serves, for this attempt alone. A later
+    # join of this process keeps the first join's store (its keys under a prefix): a new one
+    # would make rank 0 close its server and open another, and a rank that connected to the
+    # old one in between would wait on a closed store.
+    key = (addr, port, world, rank)
+    if key not in _JOINED:
+        _JOINED[key] = dist.TCPStore(addr, port, world, rank == 0, timeout, multi_tenant=True)
+    return _JOINED[key], attempt
 
 
 def agree(store: dist.Store, rank: int, world: int, backend: str, problem: Optional[str]) -> None:

@@ -64,15 +64,23 @@ def _given_on_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> 
     return {dest for dest, value in vars(ns).items() if value is not unset}
 
 
-def _apply_cluster(parser: argparse.ArgumentParser, kind: str, argv: list[str]) -> None:
+# What --standalone decides: one node, its own rendezvous.
+_ONE_NODE = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint")
+
+
+def _apply_cluster(parser: argparse.ArgumentParser, pre: argparse.Namespace, argv: list[str]):
     """Make detected settings the defaults (and ``PET_*``) where neither CLI nor user set them."""
-    kind, settings = launcher_settings(os.environ, kind, gpus_on_node=gpus_visible())
-    if not settings:
-        return
     given = _given_on_command_line(parser, argv)
+    elsewhere = given | {k for k in _ONE_NODE if f"PET_{k.upper()}" in os.environ}
+    if pre.standalone:
+        elsewhere |= set(_ONE_NODE)
+    kind, settings = launcher_settings(os.environ, pre.cluster, gpus_visible(), elsewhere)
     for key, (value, source) in settings.items():
         pet = f"PET_{key.upper()}"
-        if key in given:
+        if pre.standalone and key in _ONE_NODE:
+            # A Slurm allocation of several nodes would leave the one node waiting for more.
+            say(f"{key}: --standalone (one node) wins over {value} from {source}")
+        elif key in given:
             say(f"{key}: command line wins over {value} from {source}")
         elif pet in os.environ:
             say(f"{key}: {pet}={os.environ[pet]} wins over {value} from {source}")
@@ -157,7 +165,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     pre = parser.parse_args(argv)  # fails early, with torchrun's messages
     try:
-        _apply_cluster(parser, pre.cluster, argv)
+        _apply_cluster(parser, pre, argv)
         args = parser.parse_args(argv)  # now with the detected defaults
         options.check(args)
         run_args = _normalise(args)

@@ -68,6 +68,56 @@ def test_srun_with_several_tasks_per_node_is_refused():
     launcher_settings({**SLURM, "SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "1(x2)"})
 
 
+def test_a_slurm_step_on_some_nodes_counts_its_own():
+    # srun -N1 -w gpu08 in an allocation of two nodes made with --ntasks-per-node=8: the
+    # step's node 0 is gpu08, and it runs one task per node.
+    step = {
+        **SLURM,
+        "SLURM_STEP_ID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NTASKS_PER_NODE": "8",
+        "SLURM_STEP_NUM_NODES": "1",
+        "SLURM_STEP_NODELIST": "gpu08",
+        "SLURM_STEP_TASKS_PER_NODE": "1",
+    }
+    _, s = launcher_settings(step)
+    assert s["nnodes"] == ("1", "SLURM_STEP_NUM_NODES") and s["master_addr"].value == "gpu08"
+    task = {**step, "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}
+    assert process_settings(task)[1]["master_addr"].value == "gpu08"
+
+
+def test_settings_given_elsewhere_are_neither_required_nor_read():
+    mpi = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"}
+    for given in ({"master_addr"}, {"rdzv_endpoint"}):
+        assert launcher_settings(mpi, given=given)[0] == "mpi"
+    # What Kubernetes sets for a service named "master".
+    k8s = {"MASTER_ADDR": "h", "MASTER_PORT": "tcp://10.96.0.5:29500"}
+    with pytest.raises(ClusterError, match="is not an integer; pass --master-port"):
+        launcher_settings(k8s)
+    assert launcher_settings(k8s, given={"master_port"})[1]["master_port"].source == "MASTER_PORT"
+
+
+def test_is_main_process_before_the_group(monkeypatch):
+    import torch.distributed as dist
+
+    import fastddp
+
+    assert not dist.is_initialized()
+    for name in ("RANK", "SLURM_PROCID", "SLURM_STEP_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert fastddp.is_main_process()  # not in a job
+    for env, main in (
+        ({"RANK": "1"}, False),
+        ({"RANK": "0"}, True),
+        ({"SLURM_PROCID": "2", "SLURM_STEP_ID": "0"}, False),
+        ({"OMPI_COMM_WORLD_RANK": "3"}, False),
+    ):
+        with monkeypatch.context() as m:
+            for name, value in env.items():
+                m.setenv(name, value)
+            assert fastddp.is_main_process() is main, env
+
+
 def test_xtuner_and_plain_variables():
     env = {"NNODES": "3", "NODE_RANK": "2", "NPROC_PER_NODE": "8", "ADDR": "h0", "PORT": "29601"}
     kind, s = launcher_settings(env)
@@ -155,6 +205,9 @@ def test_more_environment_errors():
     srun = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}
     with pytest.raises(ClusterError, match="srun task without SLURM_JOB_NODELIST or MASTER_ADDR"):
         process_settings(srun)
+    del srun["SLURM_NTASKS"]
+    with pytest.raises(ClusterError, match="SLURM_NTASKS is not set"):
+        process_settings({**srun, "SLURM_JOB_NODELIST": "n1"})
 
 
 @pytest.mark.parametrize(

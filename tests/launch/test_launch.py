@@ -199,6 +199,29 @@ def test_command_line_beats_pet_beats_detection():
     assert "config max_nodes=2" in res.stderr and "node_rank=1 master_addr=h0" in res.stderr
 
 
+def test_standalone_inside_a_slurm_allocation_is_one_node():
+    slurm = dict(SLURM_JOB_ID=88, SLURM_JOB_NUM_NODES=2, SLURM_NODEID=0, SLURM_JOB_NODELIST="a,b")
+    res = _launch("--dry-run", "--standalone", "x.py", **slurm)
+    assert res.returncode == 0, res.stderr
+    assert "nnodes: --standalone (one node) wins over 2 from SLURM_JOB_NUM_NODES" in res.stderr
+    assert "config max_nodes=1" in res.stderr and "rdzv_endpoint='localhost:0'" in res.stderr
+
+
+def test_the_master_given_on_the_command_line_under_mpirun_and_kubernetes():
+    mpi = dict(OMPI_COMM_WORLD_SIZE=2, OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_LOCAL_SIZE=1)
+    res = _launch("--dry-run", "x.py", **mpi)
+    assert res.returncode == 2 and "mpirun does not say which host is the master" in res.stderr
+    for how in (["--master-addr", "h0"], ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h0:1"]):
+        res = _launch("--dry-run", *how, "x.py", **mpi)
+        assert res.returncode == 0 and "config node_rank=1" in res.stderr, res.stderr
+    res = _launch("--dry-run", "x.py", **mpi, PET_MASTER_ADDR="h0")
+    assert res.returncode == 0 and "node_rank=1 master_addr=h0" in res.stderr, res.stderr
+    # Kubernetes' MASTER_PORT=tcp://IP:PORT, overridden on the command line.
+    two = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "h0", "--master-port", "29555"]
+    res = _launch("--dry-run", *two, "x.py", MASTER_PORT="tcp://10.96.0.5:29500")
+    assert res.returncode == 0 and "master_port=29555" in res.stderr, res.stderr
+
+
 def test_bad_node_rank_is_refused():
     res = _launch("--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1", WORKER)
     assert res.returncode == 2
@@ -402,6 +425,33 @@ def test_init_distributed_under_srun_and_mpirun_variables():
     ]
     text = _ok(_run_all([[sys.executable, WORKER]] * 2, envs=mpi), 2)
     assert "launcher=mpi" in text
+
+
+_SESSIONS = """
+import torch, torch.distributed as dist, fastddp
+for session in range(3):
+    with fastddp.distributed_session() as env:
+        t = torch.full((1,), float(env.rank + 1))
+        dist.all_reduce(t)
+        print(f"session {session} rank {env.rank}: {t.item():g}", flush=True)
+print("worker ok", flush=True)
+fastddp.distributed.exit_after_shutdown(0)
+"""
+
+
+def test_sessions_one_after_another(tmp_path):
+    # Each session's join and group take store keys of their own: torch names the new group
+    # as it named the old one, whose keys (a dead rank's address) are still in the store.
+    script = tmp_path / "sessions.py"
+    script.write_text(_SESSIONS)
+    under_launcher = [*LAUNCH, "--standalone", "--nproc-per-node", "2", str(script)]
+    by_hand, hand_envs = _plain_env_ranks(2)
+    by_hand = [c[:1] + [str(script)] for c in by_hand]
+    for cmds, envs in (([under_launcher], None), (by_hand, hand_envs)):
+        text = _ok(_run_all(cmds, envs=envs), 2)
+        for session in range(3):
+            for rank in range(2):
+                assert f"session {session} rank {rank}: 3" in text, text
 
 
 def test_mismatched_settings_fail_on_every_rank():
