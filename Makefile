@@ -2,7 +2,7 @@
 #   make demo   set up .venv, build, and run the compressed-vs-plain DDP demo (2 namespace nodes
 #               on a 1 Gbit/s link as root, else 2 local ranks)
 #   make test   set up .venv, build (also the nvcc compile of the CUDA sources), run the tests
-#   make test-fast   the single-process tests only, in under a minute (after a build)
+#   make test-fast   build, then the single-process tests only, in about a minute
 # The venv's interpreter. A Linux distribution's python3 is built with profile-guided and
 # link-time optimisation, a from-source build (pyenv's default) is not: the distribution's
 # imports torch 12 % faster and runs the test suite, processes that start torch, in 13-18 %
@@ -101,9 +101,9 @@ test:
 		--also cuda-check "$(MAKE) --no-print-directory cuda-check" \
 		$(if $(PYTEST_ARGS),-- $(PYTEST_ARGS))
 
-# The single-process tests only (no ranks, launchers, namespaces or emulator), for a quick loop
-# after `make build`; one area alone: `.venv/bin/python -m pytest tests/hooks`.
-test-fast: setup
+# The single-process tests only (no ranks, launchers, namespaces or emulator), for a quick
+# loop; one area alone: `.venv/bin/python -m pytest tests/hooks`.
+test-fast: build
 	$(BIN)/python -m pytest -m "not multiproc and not netns and not emu" $(PYTEST_ARGS)
 
 # The GPU machine's torch, here: the extension built with CUDA (sm_90) against torch 2.11.0+cu130

@@ -55,7 +55,7 @@ class DistEnv:
 
 
 # FASTDDP_* variables that differ between nodes by design, or that only the launcher reads.
-_PER_NODE = (NODE_ENV, "FASTDDP_PREFLIGHT_TIMEOUT")
+_PER_NODE = (NODE_ENV, "FASTDDP_PREFLIGHT_TIMEOUT", "FASTDDP_CLUSTER")
 
 
 def _settings_fingerprint() -> dict:
