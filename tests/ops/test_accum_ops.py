@@ -536,6 +536,66 @@ def test_bad_inputs_raise_clear_errors(make, message):
     assert message in str(info.value)
 
 
+def test_codes_ops_refuse_tensors_that_overlap():
+    # Views of one buffer are refused where their ranges overlap, and taken where they do not
+    # (a wire row is [codes | scales]: a buffer the hooks share).
+    buf = torch.randn(264)
+    src, codes = buf[:256], torch.empty(256, dtype=torch.int8)
+    cases = [
+        (lambda: ops.quantize_int8(src, codes, buf[:2], 128), "scales overlaps src"),
+        (
+            lambda: ops.quantize_int8(src, codes, buf[256:258], 128, residual=torch.empty(256)),
+            None,
+        ),
+        (
+            lambda: ops.quantize_int8(
+                src, codes, buf[256:258].clone(), 128, residual=buf[:256].clone(), seed=3
+            ),
+            None,
+        ),
+        (
+            lambda: ops.quantize_int8(
+                buf[:128].clone(),
+                codes[:128],
+                buf[258:259],
+                128,
+                1.0,
+                buf[258:259].view(torch.int32),
+            ),
+            "scales overlaps found_nonfinite",
+        ),
+    ]
+    rows = torch.randint(-127, 128, (2, 128), dtype=torch.int8)
+    scales = torch.rand(130) + 0.5
+    raw = torch.zeros(1024, dtype=torch.int8)  # 256 codes, and 256 fp32 over them
+    cases += [
+        (
+            lambda: ops.dequantize_int8(rows, scales[:2].view(2, 1), scales[:128], 128),
+            "dst overlaps scales",
+        ),
+        (lambda: ops.dequantize_int8(rows, scales[:2].view(2, 1), scales[2:130], 128), None),
+        (lambda: ops.unpack_int8(rows, scales[:2].view(2, 1), torch.empty(256), 128), None),
+        (
+            lambda: ops.unpack_int8(raw[:256], scales[:2], raw.view(torch.float32), 128),
+            "dst overlaps src",
+        ),
+    ]
+    packed = torch.zeros(2, 64, dtype=torch.uint8)
+    cases += [
+        (lambda: ops.quantize_packed(src, packed.view(-1), buf[:2], 4, 128), "scales overlaps src"),
+        (
+            lambda: ops.dequantize_packed(packed, scales[:2].view(2, 1), scales[:128], 4, 128),
+            "dst overlaps scales",
+        ),
+    ]
+    for make, message in cases:
+        if message is None:
+            make()
+            continue
+        with pytest.raises(RuntimeError, match=message):
+            make()
+
+
 def test_residual_sharing_storage_is_refused():
     x = torch.ones(8)
     with pytest.raises(RuntimeError, match="residual shares storage with the data"):

@@ -2,10 +2,13 @@
 // names the op and the tensor, and says how to fix the call.
 #pragma once
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <initializer_list>
 #include <optional>
+#include <utility>
 
 #include "fastddp/layout.h"
 
@@ -36,6 +39,24 @@ inline void check_own_storage(
   TORCH_CHECK(
       out.numel() == 0 || !out.is_alias_of(in),
       "fastddp.", op, ": ", out_name, " shares storage with ", in_name, "; give it its own buffer");
+}
+
+// No two of `tensors` (an op's outputs and inputs; null: not given) may overlap in memory: a
+// kernel would read one while writing the other. The codes ops' tensors may be views of one
+// buffer (a wire row is [codes | scales]), so ranges are compared, not storages; a layout too
+// hard to compare (rows spaced apart) is let through, as torch's own ops do.
+inline void check_apart(
+    const char* op, std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors) {
+  for (auto a = tensors.begin(); a != tensors.end(); ++a) {
+    for (auto b = a + 1; b != tensors.end(); ++b) {
+      if (a->second == nullptr || b->second == nullptr) continue;
+      const auto status = at::get_overlap_status(*a->second, *b->second);
+      TORCH_CHECK(
+          status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial,
+          "fastddp.", op, ": ", a->first, " overlaps ", b->first,
+          " in memory; give each its own memory");
+    }
+  }
 }
 
 inline void check_contiguous_fp32(const char* op, const char* name, const at::Tensor& t) {

@@ -70,6 +70,18 @@ void widen_sum(const Tensor& src, const Tensor& dst, double scale) {
       static_cast<float>(scale)});
 }
 
+// A quantize's outputs (codes, scales, flag, residual) apart from each other and from src.
+inline void check_quantize_apart(
+    const char* op, const Tensor& src, const Tensor& dst, const Tensor& scales,
+    const OptionalTensor& flag, const OptionalTensor& residual) {
+  check_apart(
+      op, {{"dst", &dst},
+           {"scales", &scales},
+           {"found_nonfinite", flag.has_value() ? &*flag : nullptr},
+           {"residual", residual.has_value() ? &*residual : nullptr},
+           {"src", &src}});
+}
+
 template <class Backend>
 void quantize_int8(
     const Tensor& src, const Tensor& dst, const Tensor& scales, int64_t block, double scale,
@@ -77,6 +89,7 @@ void quantize_int8(
   const Int8Rows rows = int8_rows("quantize_int8", dst, scales, block);
   check_flat_side("quantize_int8", src, dst, rows, block);
   const Rounding rounding = rounding_of("quantize_int8", found_nonfinite, residual, seed, src);
+  check_quantize_apart("quantize_int8", src, dst, scales, found_nonfinite, residual);
   Backend(src).run(QuantizeArgs{
       src.const_data_ptr<float>(), dst.data_ptr<int8_t>(), scales.data_ptr<float>(),
       src.numel(), block, rows, static_cast<float>(scale), rounding});
@@ -96,6 +109,7 @@ void dequantize_int8(
       dst.numel() == src.size(1),
       "fastddp.dequantize_int8: dst has ", dst.numel(), " elements but each row has ",
       src.size(1));
+  check_apart("dequantize_int8", {{"dst", &dst}, {"src", &src}, {"scales", &scales}});
   Backend(src).run(DequantizeArgs{
       {src.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), block, rows},
       dst.data_ptr<float>(), static_cast<float>(scale)});
@@ -106,6 +120,7 @@ void unpack_int8(
     const Tensor& src, const Tensor& scales, const Tensor& dst, int64_t block, double scale) {
   const Int8Rows rows = int8_rows("unpack_int8", src, scales, block);
   check_flat_side("unpack_int8", dst, src, rows, block);
+  check_apart("unpack_int8", {{"dst", &dst}, {"src", &src}, {"scales", &scales}});
   Backend(src).run(UnpackArgs{
       {src.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), block, rows},
       dst.data_ptr<float>(), dst.numel(), static_cast<float>(scale)});
@@ -126,6 +141,7 @@ void quantize_packed(
       packed_rows(op, dst, scales, block, bits, packed_row_len(dst, src.numel(), bits));
   check_packed_flat_side(op, src, dst, rows, block);
   const Rounding rounding = rounding_of(op, found_nonfinite, residual, seed, src);
+  check_quantize_apart(op, src, dst, scales, found_nonfinite, residual);
   Backend(src).run(QuantizeArgs{
       src.const_data_ptr<float>(), static_cast<int8_t*>(dst.data_ptr()), scales.data_ptr<float>(),
       src.numel(), block, rows, static_cast<float>(scale), rounding, static_cast<int>(bits)});
@@ -143,6 +159,7 @@ void dequantize_packed(
   check_contiguous_fp32(op, "dst", dst);
   check_same_device(op, "src", src, "dst", dst);
   const Int8Rows rows = packed_rows(op, src, scales, block, bits, dst.numel());
+  check_apart(op, {{"dst", &dst}, {"src", &src}, {"scales", &scales}});
   Backend(src).run(DequantizeArgs{
       {static_cast<const int8_t*>(src.const_data_ptr()), scales.const_data_ptr<float>(), block,
        rows, static_cast<int>(bits)},
@@ -157,6 +174,7 @@ void unpack_packed(
   const Int8Rows rows =
       packed_rows(op, src, scales, block, bits, packed_row_len(src, dst.numel(), bits));
   check_packed_flat_side(op, dst, src, rows, block);
+  check_apart(op, {{"dst", &dst}, {"src", &src}, {"scales", &scales}});
   Backend(src).run(UnpackArgs{
       {static_cast<const int8_t*>(src.const_data_ptr()), scales.const_data_ptr<float>(), block,
        rows, static_cast<int>(bits)},
