@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from fastddp import _extension
+from fastddp.hooks import hook
 from fastddp.hooks.auto import AutoState
 from fastddp.hooks.hook import compress_hook
 from fastddp.hooks.presets import named_preset
@@ -19,7 +20,7 @@ __all__ = ["register_comm_hook"]
 
 def register_comm_hook(
     model: DistributedDataParallel, state: Optional[CompressState] = None
-) -> Optional[CompressState]:
+) -> CompressState:
     r"""Register :func:`fastddp.compress_hook` with ``state`` on ``model``.
 
     For a fixed mode the hook is registered through fastddp's extension: the buckets whose
@@ -39,7 +40,8 @@ def register_comm_hook(
             (its ``process_group``); ``None`` is bf16 on the default group.
 
     Returns:
-        ``state``.
+        ``state``; for ``None``, the default state that :func:`compress_hook` uses for
+        ``None`` (shared by every model registered without one), for its ``stats()``.
 
     Example::
 
@@ -60,6 +62,8 @@ def register_comm_hook(
             f"{type(state).__name__}{named_preset(state, 'fastddp.CompressState.from_preset')}"
         )
     _check_group(model, state, where)
+    if state is None:
+        state = hook._default_state or hook._new_default_state()
     if getattr(state, "delay", 0) and model.find_unused_parameters:
         raise ValueError(
             f"{where}: delay=1 hands each step's reduced gradient over on the next step, and "

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
 from fastddp.hooks import auto
+from fastddp.hooks import hook as hook_module
 
 from .._dist import run_ranks
 from .test_auto import _train
@@ -125,6 +126,12 @@ def _registration(rank, world):
     fastddp.register_comm_hook(through, fastddp.CompressState.from_preset("bf16"))
     for a, b in zip(_train(fixed, 4, rank), _train(through, 4, rank)):
         assert torch.equal(a, b)
+    # No state: compress_hook's default one, returned, its buckets run natively.
+    by_default = DDP(copy.deepcopy(base), bucket_cap_mb=0.002)
+    default = fastddp.register_comm_hook(by_default)
+    assert default is hook_module._default_state and default.dtype == torch.bfloat16
+    _train(by_default, 3, rank)
+    assert len(default._runner) > 0 and default.stats()["calls"] > 0
 
 
 @pytest.mark.multiproc
