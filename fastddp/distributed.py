@@ -316,8 +316,10 @@ def is_main_process() -> bool:
     if dist.is_initialized():
         return dist.get_rank() == 0
     env = os.environ
-    step = env.get("SLURM_STEP_ID") is not None
-    for name in ("RANK", "SLURM_PROCID" if step else "", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+    names = ["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"]
+    if env.get("SLURM_STEP_ID") is not None:  # a task of srun, not the batch script
+        names.insert(1, "SLURM_PROCID")
+    for name in names:
         if env.get(name, "").strip().isdigit():
             return int(env[name]) == 0
     return True
