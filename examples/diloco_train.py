@@ -27,7 +27,14 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be at least 1")
+    if args.pretend_nodes < 0:
+        p.error("--pretend-nodes must be 0 (the real nodes) or more")
     with fastddp.distributed_session() as env:
+        if args.pretend_nodes and env.local_world_size % args.pretend_nodes:
+            raise SystemExit(  # on every rank alike, before any collective
+                f"diloco_train: --pretend-nodes {args.pretend_nodes} splits this machine's "
+                f"{env.local_world_size} rank(s) unevenly; give a divisor of it"
+            )
         if args.pretend_nodes:  # after init_distributed, which wants FASTDDP_* alike everywhere
             node = env.local_rank * args.pretend_nodes // env.local_world_size
             os.environ["FASTDDP_NODE_ID"] = f"pretend-node-{node}"

@@ -7,6 +7,8 @@ same way on every rank, so a bad argument on one rank raises the same error on a
 instead of leaving the others waiting in a collective. Nothing here writes to a DiLoCo.
 """
 
+import math
+import numbers
 from typing import Any, Optional
 
 import torch
@@ -27,18 +29,25 @@ PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def local_problems(
-    model: Any, sync_every: Any, outer_lr: Any, outer_momentum: Any, compress: Any
-) -> list[str]:
+    model: Any, sync_every: Any, outer_lr: Any, outer_momentum: Any, compress: Any,
+    nesterov: Any = True, overlap: Any = False,
+) -> list[str]:  # fmt: skip
     """What is wrong with this rank's arguments, one sentence with its fix per problem."""
     found = []
-    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+    integral = isinstance(sync_every, numbers.Integral) and not isinstance(sync_every, bool)
+    if not integral or sync_every < 1:
         found.append(
             f"sync_every must be an int >= 1 (inner steps per outer round), got {sync_every!r}"
         )
-    if not _number(outer_lr) or not outer_lr > 0:
-        found.append(f"outer_lr must be a positive number (0.7 is DiLoCo's), got {outer_lr!r}")
+    if not _number(outer_lr) or not 0 < outer_lr < math.inf:
+        found.append(
+            f"outer_lr must be a positive, finite number (0.7 is DiLoCo's), got {outer_lr!r}"
+        )
     if not _number(outer_momentum) or not 0 <= outer_momentum < 1:
         found.append(f"outer_momentum must be in [0, 1) (0.9 is DiLoCo's), got {outer_momentum!r}")
+    for name, value in (("nesterov", nesterov), ("overlap", overlap)):
+        if not isinstance(value, bool):
+            found.append(f"{name} must be True or False, got {value!r}")
     if compress is not None and compress not in PRESETS:
         found.append(
             f"compress must be None (fp32 across nodes) or a preset name, one of "
@@ -73,9 +82,9 @@ def settings_of(
         [p for p in model.parameters() if p.requires_grad] if isinstance(model, nn.Module) else []
     )
     return {
-        "sync_every": sync_every,
-        "outer_lr": outer_lr,
-        "outer_momentum": outer_momentum,
+        "sync_every": int(sync_every) if isinstance(sync_every, numbers.Integral) else sync_every,
+        "outer_lr": float(outer_lr) if _number(outer_lr) else outer_lr,
+        "outer_momentum": float(outer_momentum) if _number(outer_momentum) else outer_momentum,
         "nesterov": bool(nesterov),
         "compress": compress,
         "overlap": bool(overlap),
@@ -85,7 +94,7 @@ def settings_of(
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _model_group(model: Any) -> Optional[list[int]]:

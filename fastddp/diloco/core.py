@@ -85,7 +85,7 @@ class DiLoCo:
         overlap: bool = False,
     ) -> None:
         args = (sync_every, outer_lr, outer_momentum)
-        problems = checks.local_problems(model, *args, compress)
+        problems = checks.local_problems(model, *args, compress, nesterov, overlap)
         self.settings = checks.settings_of(model, *args, nesterov, compress, overlap)
         rows = checks.exchange(model, self.settings, problems, group)
         topo = checks.verdict(rows, dist.get_rank(group), group)

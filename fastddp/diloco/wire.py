@@ -58,11 +58,18 @@ class CrossAverage:
             return self._fp32_bytes
         return int(self.state.stats()["cross_node_bytes"])
 
-    def state_dict(self) -> Optional[dict[str, Any]]:
-        return None if self.state is None else self.state.state_dict()
+    def state_dict(self) -> dict[str, Any]:
+        """The compressing state's, or (fp32 across nodes) the bytes sent so far."""
+        if self.state is None:
+            return {"fp32_bytes": self._fp32_bytes}
+        return self.state.state_dict()
 
     def load_state_dict(self, saved: Optional[dict[str, Any]]) -> None:
-        if self.state is not None and saved is not None:
+        if saved is None:  # saved by an older fastddp, fp32 across nodes
+            return
+        if self.state is None:
+            self._fp32_bytes = int(saved.get("fp32_bytes", 0))
+        else:
             self.state.load_state_dict(saved)
 
 

@@ -337,14 +337,14 @@ class AutoState(CompressState):
         if self._plan is not None:
             self._plan["summary"] = candidates.summary(self._using, self.allow)
 
-    def __getstate__(self) -> dict:
-        return {"allow": self.allow, "seed": self.seed, "state_dict": self.state_dict()}
+    def __getstate__(self) -> dict:  # the settings (no topology from older fastddp), the state
+        kept = {"allow": self.allow, "topology": self.topology, "seed": self.seed}
+        return {**kept, "state_dict": self.state_dict()}
 
     def __setstate__(self, saved: dict) -> None:
-        AutoState.__init__(self, allow=saved["allow"], seed=saved["seed"])
+        AutoState.__init__(self, **{k: v for k, v in saved.items() if k != "state_dict"})
         self.load_state_dict(saved["state_dict"])
 
 
-# A dtype given by name makes this class (CompressState.__new__); this module builds on
-# state.py, which therefore does not import it.
+# dtype="auto" makes this class (CompressState.__new__): state.py, below this module, cannot.
 CompressState._named = AutoState

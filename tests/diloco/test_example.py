@@ -26,3 +26,12 @@ def test_the_example_learns_on_two_pretend_nodes():
     assert len(losses) == 5 and losses[-1] < losses[0] / 2, losses
     sent = int(re.search(r"rounds, (\d+) bytes across nodes", out).group(1))
     assert 0 < sent < 4 * 10504 * 4 * 0.3  # int8 and its scales: about a quarter of fp32
+
+
+def test_pretend_nodes_that_do_not_divide_the_ranks_are_refused():
+    cmd = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(ROOT / "examples" / "diloco_train.py"), "--pretend-nodes", "3", "--steps", "2"]
+    res = slack.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(150))
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out
+    assert "--pretend-nodes 3 splits this machine's 2 rank(s) unevenly" in out, out

@@ -7,12 +7,14 @@ its node raise the same ``ValueError`` on every rank, before any round.
 
 import io
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
+from fastddp.diloco import checks
 
 from .._dist import run_ranks
 from .test_rounds import flat, inner_step, net
@@ -22,7 +24,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 SETTINGS = {"sync_every": 2, "compress": "int8-ef", "outer_lr": 0.7, "outer_momentum": 0.9}
 
 
-def _build(seed_shift, overlap):
+def _build(seed_shift, overlap, compress="int8-ef"):
     module = net()
     if seed_shift:  # a fresh job's weights, which the checkpoint must replace
         with torch.no_grad():
@@ -30,19 +32,21 @@ def _build(seed_shift, overlap):
                 p.mul_(-0.5)
     model = DDP(module, process_group=fastddp.DiLoCo.node_group())
     opt = torch.optim.AdamW(model.parameters(), lr=0.02)
-    return model, opt, fastddp.DiLoCo(model, overlap=overlap, **SETTINGS)
+    settings = {**SETTINGS, "compress": compress}
+    return model, opt, fastddp.DiLoCo(model, overlap=overlap, **settings)
 
 
-def _resume(rank, world, overlap):
+def _resume(rank, world, overlap, compress):
     steps, cut = 9, 5  # rounds end at steps 2, 4, 6, 8: the cut is mid-round
-    model, opt, diloco = _build(False, overlap)
+    model, opt, diloco = _build(False, overlap, compress)
     for step in range(steps):
         inner_step(model, opt, rank, step)
         diloco.step()
     straight = flat(model)
+    sent = diloco.stats()["cross_node_bytes"]
     diloco.close()
 
-    model, opt, diloco = _build(False, overlap)
+    model, opt, diloco = _build(False, overlap, compress)
     for step in range(cut):
         inner_step(model, opt, rank, step)
         diloco.step()
@@ -54,7 +58,7 @@ def _resume(rank, world, overlap):
 
     buffer.seek(0)
     saved = torch.load(buffer)
-    model, opt, diloco = _build(True, overlap)
+    model, opt, diloco = _build(True, overlap, compress)
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
     diloco.load_state_dict(saved["diloco"])
@@ -65,14 +69,19 @@ def _resume(rank, world, overlap):
     diloco.close()
     assert diloco.round == 4
     assert torch.equal(flat(model), straight), (flat(model) - straight).abs().max()
+    assert diloco.stats()["cross_node_bytes"] == sent > 0  # the saved rounds' bytes counted
     if overlap:
         assert saved["diloco"]["pending"] is not None
-    assert saved["diloco"]["compress"]["buckets"][0]["residual"].abs().max() > 0
+    if compress is not None:
+        assert saved["diloco"]["compress"]["buckets"][0]["residual"].abs().max() > 0
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_a_resume_mid_round_continues_bit_for_bit(overlap):
-    run_ranks(_resume, 4, overlap, nodes=[0, 0, 1, 1])
+@pytest.mark.parametrize(
+    "overlap, compress", [(False, "int8-ef"), (True, "int8-ef"), (False, None)],
+    ids=["sync", "overlap", "fp32"],
+)  # fmt: skip
+def test_a_resume_mid_round_continues_bit_for_bit(overlap, compress):
+    run_ranks(_resume, 4, overlap, compress, nodes=[0, 0, 1, 1])
 
 
 def _refused(rank, world, cases):
@@ -101,14 +110,17 @@ def _refused(rank, world, cases):
 BAD = [
     (("sync_every", "all", 0), "sync_every must be an int >= 1 (inner steps per outer round), "
      "got 0 (on every rank)"),
-    (("outer_lr", "all", 0.0), "outer_lr must be a positive number"),
+    (("outer_lr", "all", 0.0), "outer_lr must be a positive, finite number"),
     (("outer_momentum", "all", 1.0), "outer_momentum must be in [0, 1)"),
     (("compress", "all", "int9"), "compress must be None (fp32 across nodes) or a preset name"),
     (("compress", "all", "auto"), "got 'auto'"),
-    (("outer_lr", 1, -1.0), "outer_lr must be a positive number (0.7 is DiLoCo's), got -1.0 "
-     "(rank 1)"),
+    (("outer_lr", 1, -1.0), "outer_lr must be a positive, finite number (0.7 is DiLoCo's), "
+     "got -1.0 (rank 1)"),
     (("sync_every", 3, 5), "ranks disagree on sync_every"),
     (("compress", 0, "int4-ef"), "ranks disagree on compress"),
+    (("outer_lr", "all", float("inf")), "outer_lr must be a positive, finite number"),
+    (("nesterov", "all", "False"), "nesterov must be True or False, got 'False'"),
+    (("overlap", 2, 1), "overlap must be True or False, got 1 (rank 2)"),
 ]  # fmt: skip
 
 
@@ -122,6 +134,11 @@ def test_bad_settings_fail_alike_on_every_rank():
         assert text is not None and expected in text, (expected, text)
         assert text.startswith("fastddp.DiLoCo: ")
     assert "rank 0: compress='int4-ef'" in out[0][7] and "rank 1: compress='int8-ef'" in out[0][7]
+
+
+def test_numbers_of_other_types_are_taken():
+    # numpy's integers and floats are numbers too (a config file's values often are).
+    assert checks.local_problems(net(), np.int64(2), np.float32(0.7), 0.9, None) == []
 
 
 def test_a_model_not_in_ddp_over_its_node_fails_alike_on_every_rank():

@@ -357,6 +357,9 @@ def test_auto_is_refused_by_all_reduce_and_by_another_allow():
         state.load_state_dict({"settings": state.settings(), "plan": plan, "candidates": {}})
     state = pickle.loads(pickle.dumps(fastddp.CompressState(dtype="auto", allow=["bf16"])))
     assert state.allow == ("bf16",) and "allow=['bf16']" in repr(state)
+    flat = fastddp.CompressState(dtype="auto", allow=["bf16", "int8-ef"], topology="flat", seed=3)
+    again = pickle.loads(pickle.dumps(flat))
+    assert again.settings() == flat.settings() and again.settings()["topology"] == "flat"
 
 
 class _Chain(torch.nn.Module):
