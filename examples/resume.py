@@ -7,7 +7,8 @@ Every ``--ckpt-every`` steps the job saves the model and optimizer (rank 0), eac
 fastddp hook state (its error-feedback residuals), and the step, into ``ckpt-dir/step-N``;
 the directory appears under its final name only once every rank has written its part, so a
 crash during a save leaves the previous checkpoint as the latest. With ``--resume latest`` a
-(re)started job continues from there. Batches depend only on (seed, step, rank), so a resumed
+(re)started job continues from there; ``--resume none`` starts over, its checkpoints
+replacing those of the same step. Batches depend only on (seed, step, rank), so a resumed
 run sees exactly the data the uninterrupted run would have, and ends with the same parameters.
 
 A job resumed on another number of ranks (an elastic job, ``--nnodes MIN:MAX``, that lost or
@@ -88,7 +89,10 @@ def save(ckpt_dir: Path, step: int, model, opt, state, rank: int) -> None:
     torch.save(state.state_dict(), tmp / f"hook-rank{rank}.pt")
     dist.barrier()  # every part is written: publish the checkpoint in one rename
     if rank == 0:
-        os.replace(tmp, ckpt_dir / f"step-{step}")
+        final = ckpt_dir / f"step-{step}"
+        if final.exists():  # an earlier run's (--resume none starts over in the same folder)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
     dist.barrier()
 
 

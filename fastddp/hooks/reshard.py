@@ -62,11 +62,14 @@ def reshard(state_dicts: Sequence[dict[str, Any]], world_size: int) -> list[dict
     old = len(state_dicts)
     if old == 0:
         raise ValueError(f"{where}: give the state dicts of every rank of the saved job, got none")
+    if all(isinstance(sd, dict) and "candidates" in sd for sd in state_dicts):
+        return _reshard_auto(state_dicts, world_size)
     for rank, sd in enumerate(state_dicts):
         if not isinstance(sd, dict) or "buckets" not in sd:
+            got = f"a dict of {', '.join(map(str, sd))}" if isinstance(sd, dict) else type(sd)
             raise TypeError(
                 f"{where}: entry {rank} is not a CompressState.state_dict() (got "
-                f"{type(sd).__name__})"
+                f"{getattr(got, '__name__', got)})"
             )
     saved_world = state_dicts[0].get("world_size")
     if saved_world != old:
@@ -93,6 +96,11 @@ def reshard(state_dicts: Sequence[dict[str, Any]], world_size: int) -> list[dict
         owed = Residuals()
         for rank in range(new, old, world_size):
             owed.add(parked(state_dicts[rank], with_shards, keep_replicated=rank == 0))
+        if new >= old:
+            # Owed nothing, but its parameters move as every rank's do (the same collectives
+            # at the first reduction), also where rank 0's were parked, not in its buckets.
+            zero = parked(state_dicts[0], with_shards)
+            owed.sizes, owed.moved = zero.sizes, zero.moved
         source = state_dicts[new if new < old else 0]
         buckets = {
             key: {**saved, "residual": None, "shard_residual": None, "shard_offset": 0}
@@ -108,4 +116,22 @@ def reshard(state_dicts: Sequence[dict[str, Any]], world_size: int) -> list[dict
                 "carry": owed.state(),
             }
         )
+    return out
+
+
+def _reshard_auto(state_dicts: Sequence[dict[str, Any]], world_size: int) -> list[dict[str, Any]]:
+    """``dtype="auto"``'s state dicts: each candidate's regrouped as a fixed state's; the plan,
+    which every rank shares, from the old rank of the same number (rank 0's beyond)."""
+    names = list(state_dicts[0]["candidates"])
+    if any(list(sd["candidates"]) != names for sd in state_dicts):
+        raise ValueError(
+            "CompressState.reshard: the ranks' state dicts hold other candidates; these are not "
+            "one job's state dicts"
+        )
+    regrouped = {n: reshard([sd["candidates"][n] for sd in state_dicts], world_size) for n in names}
+    old = len(state_dicts)
+    out = []
+    for new in range(world_size):
+        candidates = {n: regrouped[n][new] for n in names}
+        out.append({**state_dicts[new if new < old else 0], "candidates": candidates})
     return out

@@ -278,7 +278,8 @@ class CompressState:
         Error feedback owes the average the sum of all ranks' residuals, so new rank ``r``
         takes those of old ranks ``r, r + world_size, ...``: that sum is kept exactly, and no
         residual is lost. A state saved without error feedback needs none of this: it loads
-        into any rank of any job.
+        into any rank of any job. ``dtype="auto"``'s state dicts are regrouped candidate by
+        candidate, the plan kept.
 
         Args:
             state_dicts (list of dict): :meth:`state_dict` of every rank of the saved job, in

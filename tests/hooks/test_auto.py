@@ -563,3 +563,52 @@ def _paths(rank, world):
 @pytest.mark.multiproc
 def test_candidates_may_name_their_path():
     run_ranks(_paths, 4)
+
+
+def _auto_phase(rank, world, path, resume):
+    model = DDP(_Net(), bucket_cap_mb=0.002)
+    state = fastddp.CompressState(dtype="auto", allow=["none", "int8-ef"])
+    if resume is None:  # a plan made (fewer steps than a check of it: it stays as it is)
+        planned = {"mode": "int8-ef", "uniform": "int8-ef", "step_ms": {}, "planned_ms": 1.0}
+        planned.update(made_at_step=0, plans=1, buckets=None)
+        state.load_state_dict({"settings": state.settings(), "plan": planned, "candidates": {}})
+    else:
+        state.load_state_dict(fastddp.CompressState.reshard(torch.load(resume), world)[rank])
+    model.register_comm_hook(state, fastddp.compress_hook)
+    _train(model, 6 if resume is None else 3, rank)
+    assert state.stats()["steps_in"]["int8-ef"] == (6 if resume is None else 3)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, state.state_dict())
+    if rank == 0:
+        torch.save(everyone, path)
+    return state.stats()["plan"]
+
+
+def _owed_total(saved):
+    """The sum of every residual in the int8-ef candidate's state dicts of one job."""
+    total = 0.0
+    for sd in saved:
+        mine = sd["candidates"]["int8-ef"]
+        for b in mine["buckets"].values():
+            total += sum(
+                float(b[k].double().sum())
+                for k in ("residual", "shard_residual")
+                if b[k] is not None
+            )
+        carry = mine["carry"]
+        total += sum(float(t.double().sum()) for t in carry["stage1"].values())
+        total += sum(float(p.double().sum()) for ps in carry["stage2"].values() for _, p in ps)
+    return total
+
+
+@pytest.mark.multiproc
+def test_an_auto_state_reshards_to_another_world_size(tmp_path):
+    made = run_ranks(_auto_phase, 2, tmp_path / "a.pt", None)[0]
+    saved = torch.load(tmp_path / "a.pt")
+    regrouped = fastddp.CompressState.reshard(saved, 3)
+    assert _owed_total(saved) != 0
+    assert abs(_owed_total(regrouped) - _owed_total(saved)) < 1e-6
+    # Three ranks go on with the saved plan (no trial), their residuals where they belong.
+    plans = run_ranks(_auto_phase, 3, tmp_path / "b.pt", tmp_path / "a.pt")
+    for plan in plans:
+        assert plan["made_at_step"] == made["made_at_step"] and plan["plans"] == made["plans"]

@@ -456,6 +456,25 @@ def test_residuals_resharded_to_another_world_size_are_not_lost(mode, worlds, tm
     assert torch.allclose(sum(_owed(sd) for sd in resharded).double(), owed_a, atol=1e-6)
 
 
+@pytest.mark.multiproc
+def test_a_state_saved_right_after_a_load_reshards(tmp_path):
+    # A job resumed and preempted before its first step saves what it loaded (its residuals
+    # parked, no bucket yet); that must reshard like any other save.
+    mode = preset("int8-ef")
+    run_ranks(_train_phase, 2, mode, range(0, 6), tmp_path / "a.pt", None, timeout=120)
+    run_ranks(_train_phase, 2, mode, range(6, 6), tmp_path / "b.pt", tmp_path / "a.pt")
+    run_ranks(_train_phase, 3, mode, range(6, 10), tmp_path / "c.pt", tmp_path / "b.pt")
+    a, b, c = (torch.load(tmp_path / f"{x}.pt") for x in "abc")
+    owed = [sum(_owed(sd) for sd in x["states"]).double() for x in (a, b, c)]
+    assert torch.equal(owed[0], owed[1]) and owed[0].abs().max() > 0
+    truth = sum(torch.stack([_grad(r, t) for r in range(2)]).double().mean(0) for t in range(6))
+    truth += sum(
+        torch.stack([_grad(r, t) for r in range(3)]).double().mean(0) for t in range(6, 10)
+    )
+    gap = (a["delivered"].double() + c["delivered"].double() + owed[2] - truth).abs()
+    assert (gap / (truth.abs() + 1e-3)).max() < 1e-4
+
+
 def _load_unresharded(rank, world, settings, path):
     saved = torch.load(path)["states"]
     state = fastddp.CompressState(**settings)

@@ -178,6 +178,17 @@ def test_every_rank_resumes_from_the_checkpoint_rank_0_sees(tmp_path):
         assert f"rank {rank}: attempt 0, starting from step 10 ({tmp_path / 'view0'}" in out, out
 
 
+def test_a_fresh_start_in_a_folder_of_checkpoints_replaces_them(tmp_path):
+    # --resume none in a folder an earlier run filled: its saves replace the old ones.
+    argv = ["--steps", "5", "--ckpt-every", "5", "--ckpt-dir", str(tmp_path)]
+    resume_example([*argv, "--seed", "1"], 2)
+    old = (tmp_path / "step-5" / "train.pt").read_bytes()
+    out = resume_example([*argv, "--resume", "none"], 2)
+    assert "starting from scratch" in out, out
+    assert (tmp_path / "step-5" / "train.pt").read_bytes() != old
+    assert not list(tmp_path.glob("*.partial"))
+
+
 def test_plain_script_with_hand_set_variables_trains():
     # No launcher, no DDP: the variables set by hand, fastddp.all_reduce for the gradients.
     import socket
