@@ -111,6 +111,8 @@ def _master(args: argparse.Namespace) -> tuple[str, int]:
     """The rendezvous host and port: the endpoint's (port 29400 if none), else the master's."""
     if args.rdzv_endpoint and args.rdzv_endpoint != "localhost:0":
         return endpoint(args.rdzv_endpoint)
+    if args.rdzv_backend == "c10d" and not args.rdzv_endpoint:
+        return "localhost", 29400  # where torch's c10d rendezvous goes without an endpoint
     return args.master_addr, int(args.master_port)
 
 

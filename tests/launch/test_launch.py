@@ -190,6 +190,13 @@ def test_dry_run_warns_of_a_loopback_master_for_several_nodes():
     assert "warning: the master [::1] is a loopback address" in res.stderr
 
 
+def test_c10d_without_an_endpoint_is_checked_where_torch_goes():
+    res = _launch("--dry-run", "--rdzv-backend", "c10d", "--nnodes", "2", "x.py")
+    assert res.returncode == 0, res.stderr
+    assert "rendezvous c10d at localhost:29400" in res.stderr  # torch's default endpoint
+    assert "warning: the master localhost is a loopback address" in res.stderr
+
+
 def test_command_line_beats_pet_beats_detection():
     env = {"NNODES": "4", "NODE_RANK": "3", "PET_NODE_RANK": "1", "MASTER_ADDR": "h0"}
     res = _launch("--dry-run", "--nnodes", "2", "x.py", **env)
