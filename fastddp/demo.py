@@ -20,7 +20,6 @@ import argparse
 import copy
 import os
 import statistics
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -35,6 +34,7 @@ from fastddp.bench import report
 from fastddp.bench.common import AUTO, FASTDDP_MODES, auto_bytes, fastddp_state
 from fastddp.bench.models import mlp
 from fastddp.distributed import exit_after_shutdown
+from fastddp.netns import run_job
 from fastddp.testing import netns
 
 # Plain DDP, then fastddp's hook with presets and auto (named as in fastddp.bench).
@@ -231,7 +231,7 @@ def _relaunch(args, argv) -> int:
             )
         cmd = [sys.executable, "-m", "fastddp.launch", "--standalone"]
         cmd += ["--nproc-per-node", str(args.nproc or 2)]
-    return subprocess.call([*cmd, "-m", "fastddp.demo", *argv], env=env)
+    return run_job([*cmd, "-m", "fastddp.demo", *argv], env=env)
 
 
 if __name__ == "__main__":

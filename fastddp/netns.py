@@ -23,9 +23,53 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def run_job(cmd: list[str], env=None) -> int:
+    """Run ``cmd`` (``python -m fastddp.netns ...``) to its end and return its exit code.
+
+    On Ctrl-C it gets the interrupt too and removes its namespaces before it exits, which can
+    take seconds; ``subprocess.run`` would kill it a quarter of a second later, leaving the
+    namespaces and the nodes' launchers (each a session of its own) behind.
+    """
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)  # where only this process was interrupted
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
+
+
+# The options of ``python -m fastddp.launch`` that take no value (tests/test_netns_cli.py holds
+# this list to the launcher's parser): every other option before the script takes one.
+LAUNCH_FLAGS = frozenset({
+    "--dry-run", "--help", "--module", "--no-preflight", "--no-python", "--no_python",
+    "--run-path", "--run_path", "--standalone", "--virtual-local-rank", "--virtual_local_rank",
+    "-h", "-m",
+})  # fmt: skip
+
+
+def script_at(argv: list[str]) -> int:
+    """Where the script (or module) starts in ``argv``: what follows it is the script's own,
+    never an option of this tool or of the launcher."""
+    i = 0
+    while i < len(argv):
+        item = argv[i]
+        if item == "--":
+            return i + 1
+        if not item.startswith("-"):
+            return i
+        i += 1 if item in LAUNCH_FLAGS or "=" in item else 2
+    return len(argv)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m fastddp.netns",
+        allow_abbrev=False,  # a launch option (--nproc) is not one of these (--nproc-per-node)
         description=__doc__.splitlines()[0],
         usage="%(prog)s [--rate RATE] [--nodes N] [--loss PCT] [--delay MS] "
         "[--nproc-per-node N] [launch options] script [args]",
@@ -44,7 +88,10 @@ def main(argv=None) -> int:
         help="delay every packet this many ms each way (2 nodes, on a userspace wire of about "
         "80 MB/s: for faults, not for speed)",
     )
-    args, rest = p.parse_known_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    at = script_at(argv)
+    args, rest = p.parse_known_args(argv[:at])
+    rest += argv[at:]
     if not rest:
         p.error("give the script (or -m module) to run on every node")
     if args.nodes < 1:
@@ -83,6 +130,10 @@ def main(argv=None) -> int:
                 print(f"fastddp.netns: {say}", file=sys.stderr)
                 return 124  # as timeout(1)
             finally:
+                # The clean-up runs to its end: a second Ctrl-C (or the one a caller passes
+                # on, see run_job) would leave namespaces behind.
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
                 stop(procs)
     except NetnsError as e:
         print(f"fastddp.netns: {e}", file=sys.stderr)

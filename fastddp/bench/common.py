@@ -123,12 +123,12 @@ def _over_link(args, argv):
         "fastddp.bench",
         *rest,
     ]
-    import subprocess
+    from fastddp.netns import run_job
 
     why = netns.unavailable_reason()
     if why:
         raise SystemExit(f"fastddp.bench: --link needs network namespaces: {why}")
-    return subprocess.run(module, check=False).returncode
+    return run_job(module)
 
 
 def _drop_option(argv, name):

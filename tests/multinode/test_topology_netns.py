@@ -6,7 +6,9 @@ estimate against plain DDP's measured traffic. Needs root; skipped cleanly other
 """
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -120,7 +122,13 @@ def _bridge_of(pids: list) -> set:
     return {f"fdh{tag}", f"fd0n{tag}", f"fd1n{tag}"}
 
 
-def test_a_terminated_run_removes_its_namespaces_and_workers_and_ranks_share_cores(tmp_path):
+# A terminal's Ctrl-C reaches every process of its group: the tool run by another program
+# (fastddp.bench --link, fastddp.demo) through fastddp.netns.run_job, which lets it clean up.
+_BY_RUN_JOB = "import sys; from fastddp.netns import run_job; sys.exit(run_job(sys.argv[1:]))"
+
+
+@pytest.mark.parametrize("how", ["terminated", "ctrl-c"])
+def test_a_stopped_run_removes_its_namespaces_and_workers_and_ranks_share_cores(tmp_path, how):
     why = netns.unavailable_reason()
     if why:
         pytest.skip(why)
@@ -140,11 +148,15 @@ def test_a_terminated_run_removes_its_namespaces_and_workers_and_ranks_share_cor
         out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
         return out.split()
 
+    cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "2", str(script)]
+    if how == "ctrl-c":
+        cmd = [sys.executable, "-c", _BY_RUN_JOB, *cmd]
     run = subprocess.Popen(
-        [sys.executable, "-m", "fastddp.netns", "--nodes", "2", str(script)],
+        cmd,
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        start_new_session=True,  # a group of its own, as a terminal's job is
     )
     try:
         # Both workers have started: every process of the run but the command itself is in
@@ -157,7 +169,10 @@ def test_a_terminated_run_removes_its_namespaces_and_workers_and_ranks_share_cor
         # The two one-rank nodes share this machine's cores.
         share = str(netns.cores_per_rank(2, "1"))
         assert [(tmp_path / f"threads{r}").read_text() for r in (0, 1)] == [share] * 2
-        run.terminate()
+        if how == "ctrl-c":
+            os.killpg(run.pid, signal.SIGINT)
+        else:
+            run.terminate()
         run.wait(timeout=slack.guard(60))
         assert ours & _namespaces() == set()
         assert sleepers() == []
