@@ -44,6 +44,8 @@ _WIRE = {
 }
 # #wrong tolerance relative to the largest |value|: a few roundings of the wire dtype.
 _TOL = {"fp32": 1e-6, torch.float16: 2**-9, torch.bfloat16: 2**-6, torch.int8: 2**-5}
+_TOL.update({torch.int4: 2**-1, torch.int2: 4.0})  # a step of their blocks is that coarse
+_BITS = {torch.int8: 8, torch.int4: 4, torch.int2: 2}  # block-scaled codes
 CHECK_ELEMENTS = 1 << 22  # the error columns look at the first 4 Mi elements
 
 
@@ -139,8 +141,9 @@ def sweep(env, args, progress=None):
             err, wrong = _errors(mode, count, env.rank, world, check, device)
             wire_dtype = _WIRE[mode]
             wire_bytes = 0 if wire_dtype is None else count * wire_dtype.itemsize
-            if wire_dtype == torch.int8:
-                wire_bytes += -(-count // state.block_size) * 4  # the block scales
+            if wire_dtype in _BITS:  # the codes, packed, and one fp32 scale a block
+                wire_bytes = -(-count * _BITS[wire_dtype] // 8)
+                wire_bytes += -(-count // state.block_size) * 4
             rows.append(
                 {
                     "size": size,

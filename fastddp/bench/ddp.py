@@ -174,9 +174,13 @@ def run_mode(env, args, label, mode, topology, topo, pacer=None):
         used = None
     total = torch.tensor([cross], dtype=torch.int64)
     dist.all_reduce(total)
+    topology = used
+    if mode == AUTO:  # the chosen candidate's, where one reduced every bucket
+        chosen = state.stats()["candidates"].get(used)
+        topology = None if chosen is None else chosen["topology_used"]
     result = {
         "mode": label,
-        "topology": used,
+        "topology": topology,
         "params": numel,
         "p50_ms": _percentile(steps.tolist(), 0.5) * 1e3,
         "p90_ms": _percentile(steps.tolist(), 0.9) * 1e3,

@@ -20,6 +20,10 @@ def _check_outputs(p, args):
             folder = os.path.dirname(os.path.abspath(path))
             if not os.path.isdir(folder):
                 p.error(f"--{option} {path}: the folder {folder} does not exist; make it first")
+            if os.path.isdir(path):
+                p.error(f"--{option} {path} is a folder; name a file in it")
+            if not os.access(folder, os.W_OK):
+                p.error(f"--{option} {path}: the folder {folder} is not writable")
     if getattr(args, "plot", None) and importlib.util.find_spec("matplotlib") is None:
         p.error("--plot needs matplotlib (pip install matplotlib)")
 
@@ -66,11 +70,22 @@ def check(p, args):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name, low in (("params", 1), ("max_iters", 1), ("warmup", 0), ("min_seconds", 0)):
+        value = getattr(args, name, None)
+        if value is not None and value < low:
+            p.error(f"--{name.replace('_', '-')} must be at least {low}")
+    cap = getattr(args, "bucket_cap_mb", None)
+    if cap is not None and not 0 < cap < float("inf"):
+        p.error("--bucket-cap-mb must be a positive, finite number of MiB")
     if args.what == "convergence":
         if args.pretend_nodes and (args.link or args.nproc % args.pretend_nodes):
             p.error("--pretend-nodes splits the spawned --nproc ranks evenly (not with --link)")
         if args.fp32_probe < 2:
             p.error("--fp32-probe must be at least 2")
+        if not args.max_factor >= 1:
+            p.error("--max-factor must be at least 1 (a run gets --steps at least)")
+        if not args.slack >= 0:
+            p.error("--slack must be at least 0 (the target is fp32's loss x (1 + slack))")
         if args.fp32_from:
             _check_fp32_from(p, args.fp32_from)
     if args.nodes is not None and not args.link and "RANK" not in os.environ:

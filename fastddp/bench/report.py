@@ -22,7 +22,9 @@ def table(title, columns, rows):
         t.add_column(c, justify="right", min_width=longest if c in ("mode", "size") else None)
     for r in rows:
         t.add_row(*r)
-    Console(width=max(120, Console().width)).print(t)
+    # Wide enough for every column, also into a file or a pipe (rich drops what does not fit).
+    need = sum(max([len(c), *(len(r[i]) for r in rows)]) + 3 for i, c in enumerate(columns)) + 1
+    Console(width=max(120, Console().width, need)).print(t)
 
 
 def write_json(path, payload):

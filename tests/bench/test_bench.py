@@ -199,6 +199,25 @@ def test_fsdp_step_benchmark(tmp_path, capsys):
     assert "sent/step" in res.stdout and "vs hsdp" in res.stdout
 
 
+def test_allreduce_of_the_packed_codes(tmp_path):
+    # One call with error feedback: a step of int4's and int2's blocks is the bound.
+    out = tmp_path / "ar.json"
+    args = ["allreduce", "--min-size", "4K", "--max-size", "4K", "--min-seconds", "0"]
+    args += [
+        "--max-iters",
+        "2",
+        "--modes",
+        "fastddp-int4-ef",
+        "fastddp-int2-ef",
+        "--json",
+        str(out),
+    ]
+    res = _run(args)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["wire_bytes"], r["wrong"]) for r in rows] == [(512 + 8 * 4, 0), (256 + 8 * 4, 0)]
+
+
 def test_sizes_and_counts_read_as_their_help_writes_them():
     assert [common.parse_size(s) for s in ("64K", "1.5M", "100")] == [65536, 1572864, 100]
     assert [common.count(s) for s in ("25M", "100K", "7")] == [25_000_000, 100_000, 7]
@@ -221,6 +240,13 @@ def test_sizes_and_counts_read_as_their_help_writes_them():
         (["ddp", "--params", "25x"], "argument --params: invalid count value: '25x'"),
         (["convergence", "--fp32-from", "/nonexistent/x.json"], "x.json: No such file"),
         (["convergence", "--fp32-from", __file__], "not the --json of a convergence run"),
+        (["allreduce", "--json", "/tmp"], "--json /tmp is a folder; name a file in it"),
+        (["ddp", "--params", "-5"], "--params must be at least 1"),
+        (["ddp", "--warmup", "-1"], "--warmup must be at least 0"),
+        (["ddp", "--bucket-cap-mb", "-1"], "--bucket-cap-mb must be a positive, finite number"),
+        (["allreduce", "--max-iters", "0"], "--max-iters must be at least 1"),
+        (["convergence", "--max-factor", "0"], "--max-factor must be at least 1"),
+        (["convergence", "--slack", "-1"], "--slack must be at least 0"),
     ],
 )
 def test_bad_options(args, message, capsys):
@@ -389,6 +415,9 @@ def test_link_sweep_on_loopback(tmp_path, capsys):
     # auto is timed after its plan, and says what it chose.
     chose = rows["fastddp-auto"]["chose"]
     assert chose in auto.DEFAULT_ALLOW or chose.startswith("mixed ("), chose
+    # A topology, the chosen candidate's (none for "none" or a mixed plan), not a mode.
+    want = "flat" if chose in auto.DEFAULT_ALLOW and chose != "none" else None
+    assert rows["fastddp-auto"]["topology"] == want, rows["fastddp-auto"]
     assert "(chose)" in stdout
     assert "fastddp-bf16" in stdout and "loopback" in stdout
     cross = data["crossover"]["loopback"]
