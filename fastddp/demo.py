@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
 from fastddp.bench import report
-from fastddp.bench.common import AUTO, FASTDDP_MODES, auto_bytes, fastddp_state
+from fastddp.bench.common import AUTO, FASTDDP_MODES, auto_bytes, drop_option, fastddp_state
 from fastddp.bench.models import mlp
 from fastddp.distributed import exit_after_shutdown
 from fastddp.netns import run_job
@@ -219,6 +219,7 @@ def _relaunch(args, argv) -> int:
     me = [sys.executable, "-m", "fastddp.netns"]
     why = "--link none" if args.link == "none" else netns.unavailable_reason()
     env = dict(os.environ)
+    env.pop("FASTDDP_DEMO_LINK", None)  # set here alone, for the ranks of a run over a link
     if not why:
         cmd = [*me, "--nodes", "2", "--rate", args.link, "--nproc-per-node", str(args.nproc or 1)]
         env["FASTDDP_DEMO_LINK"] = args.link
@@ -231,7 +232,10 @@ def _relaunch(args, argv) -> int:
             )
         cmd = [sys.executable, "-m", "fastddp.launch", "--standalone"]
         cmd += ["--nproc-per-node", str(args.nproc or 2)]
-    return run_job([*cmd, "-m", "fastddp.demo", *argv], env=env)
+    # The ranks' own demo runs as given, less what chose where they run (the launcher would
+    # read --nproc as an abbreviation of its --nproc-per-node).
+    inner = drop_option(drop_option(argv, "--nproc"), "--link")
+    return run_job([*cmd, "-m", "fastddp.demo", *inner], env=env)
 
 
 if __name__ == "__main__":

@@ -108,7 +108,9 @@ def _spawned(rank, world, fn, args):
 def _over_link(args, argv):
     from fastddp.testing import netns
 
-    rest = _drop_option(_drop_option(argv, "--link"), "--nodes")
+    # The nodes' ranks are --nodes x --nproc-per-node: --nproc (ranks to spawn) is not passed
+    # on, where the launcher would read it as an abbreviation of its --nproc-per-node.
+    rest = drop_option(drop_option(drop_option(argv, "--link"), "--nodes"), "--nproc")
     module = [
         sys.executable,
         "-m",
@@ -131,7 +133,8 @@ def _over_link(args, argv):
     return run_job(module)
 
 
-def _drop_option(argv, name):
+def drop_option(argv, name):
+    """``argv`` without option ``name`` and its value."""
     out, skip = [], False
     for item in argv:
         if skip:

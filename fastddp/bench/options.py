@@ -90,6 +90,16 @@ def check(p, args):
             _check_fp32_from(p, args.fp32_from)
     if args.nodes is not None and not args.link and "RANK" not in os.environ:
         p.error("--nodes needs --link (the nodes are network namespaces)")
+    if args.nproc_per_node != 1 and not args.link and "RANK" not in os.environ:
+        p.error("--nproc-per-node needs --link (without it, --nproc ranks on this machine)")
+    if args.link is not None and not args.link.strip():
+        p.error("--link needs a rate (1gbit, 100mbit, ...)")
+    if args.plot and args.what != "allreduce":
+        p.error(f"--plot draws the allreduce sweep; {args.what} writes --json")
+    if args.what in ("fsdp", "convergence", "hook-cost") and args.topologies != ["auto"]:
+        p.error(f"--topologies applies to allreduce and ddp; {args.what} runs each mode once")
+    if len(set(args.modes)) != len(args.modes):
+        p.error(f"--modes names a mode twice: {' '.join(args.modes)}")
     transformer = (
         args.what in ("fsdp", "convergence") or getattr(args, "model", "") == "transformer"
     )

@@ -247,6 +247,11 @@ def test_sizes_and_counts_read_as_their_help_writes_them():
         (["allreduce", "--max-iters", "0"], "--max-iters must be at least 1"),
         (["convergence", "--max-factor", "0"], "--max-factor must be at least 1"),
         (["convergence", "--slack", "-1"], "--slack must be at least 0"),
+        (["ddp", "--plot", "x.png"], "--plot draws the allreduce sweep; ddp writes --json"),
+        (["ddp", "--nproc-per-node", "3"], "--nproc-per-node needs --link"),
+        (["ddp", "--link="], "--link needs a rate"),
+        (["fsdp", "--topologies", "flat"], "--topologies applies to allreduce and ddp"),
+        (["hook-cost", "--modes", "fp32", "fp32"], "--modes names a mode twice"),
     ],
 )
 def test_bad_options(args, message, capsys):
