@@ -18,13 +18,15 @@ the fastest measured rate at which PowerSGD's step is the shorter.
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from fastddp.bench import convergence, report
+from fastddp.bench import convergence, options, report
 from fastddp.bench.common import AUTO
+from fastddp.testing import netns
 
 RATES = ["loopback", "10gbit", "1gbit", "100mbit"]
 # Every method of the time-to-target run, and the no-communication floor.
@@ -145,6 +147,15 @@ def main(argv=None) -> int:
             f"--rounds {args.rounds} / --nproc-per-node {args.nproc_per_node}: give --rounds 0 "
             "(every mode in one job) or more, and at least one rank per node"
         )
+    # What would fail after minutes of runs, refused first.
+    options.check_outputs(p, args)
+    links = [r for r in args.rates if r != "loopback"]
+    bad = [r for r in links if not re.fullmatch(r"\d+(\.\d+)?[kmgt]?(bit|bps)", r, re.I)]
+    if bad:
+        p.error(f"--rates {' '.join(bad)}: give tc rates (1gbit, 100mbit, 500kbit) or loopback")
+    why = netns.unavailable_reason() if links else None
+    if why:
+        p.error(f"--rates {' '.join(links)} need network namespaces: {why}")
     table = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rate in args.rates:

@@ -9,10 +9,10 @@ import torch
 
 from fastddp.bench.common import parse_size
 
-__all__ = ["check"]
+__all__ = ["check", "check_outputs"]
 
 
-def _check_outputs(p, args):
+def check_outputs(p, args):
     """Refuse outputs that could not be written, before the sweep rather than after it."""
     for option in ("json", "plot"):
         path = getattr(args, option, None)
@@ -46,7 +46,7 @@ def _check_fp32_from(p, path):
 
 def check(p, args):
     """Refuse bad options with ``p.error`` (exit 2) before any rank starts."""
-    _check_outputs(p, args)
+    check_outputs(p, args)
     if args.what == "allreduce":
         if "fp32" not in args.modes and args.plot:
             p.error("--plot compares against fp32: keep fp32 in --modes")
@@ -98,6 +98,8 @@ def check(p, args):
         p.error(f"--plot draws the allreduce sweep; {args.what} writes --json")
     if args.what in ("fsdp", "convergence", "hook-cost") and args.topologies != ["auto"]:
         p.error(f"--topologies applies to allreduce and ddp; {args.what} runs each mode once")
+    if args.what == "hook-cost" and "fp32" not in args.modes:
+        p.error("hook-cost measures each hook against plain DDP: keep fp32 in --modes")
     if len(set(args.modes)) != len(args.modes):
         p.error(f"--modes names a mode twice: {' '.join(args.modes)}")
     transformer = (

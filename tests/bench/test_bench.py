@@ -252,6 +252,7 @@ def test_sizes_and_counts_read_as_their_help_writes_them():
         (["ddp", "--link="], "--link needs a rate"),
         (["fsdp", "--topologies", "flat"], "--topologies applies to allreduce and ddp"),
         (["hook-cost", "--modes", "fp32", "fp32"], "--modes names a mode twice"),
+        (["hook-cost", "--modes", "torch-fp16"], "hook-cost measures each hook against plain"),
     ],
 )
 def test_bad_options(args, message, capsys):
@@ -455,6 +456,20 @@ def test_link_sweep_refuses_bad_rounds_and_ranks(bad, capsys):
         _module("link_sweep").main(["--modes", "fp32", *bad])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "give --rounds 0 (every mode in one job) or more" in err
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (["--rates", "loopback", "1gbitt"], "--rates 1gbitt: give tc rates"),
+        (["--json", "/nonexistent/x.json"], "the folder /nonexistent does not exist"),
+        (["--plot", "/tmp"], "--plot /tmp is a folder"),
+    ],
+)
+def test_link_sweep_refuses_what_would_fail_after_its_runs(bad, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _module("link_sweep").main(["--modes", "fp32", *bad])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_convergence_run_runs(tmp_path, capsys):
