@@ -66,10 +66,13 @@ def reshard(state_dicts: Sequence[dict[str, Any]], world_size: int) -> list[dict
         return _reshard_auto(state_dicts, world_size)
     for rank, sd in enumerate(state_dicts):
         if not isinstance(sd, dict) or "buckets" not in sd:
-            got = f"a dict of {', '.join(map(str, sd))}" if isinstance(sd, dict) else type(sd)
+            got = (
+                f"a dict of {', '.join(map(str, sd))}"
+                if isinstance(sd, dict)
+                else type(sd).__name__
+            )
             raise TypeError(
-                f"{where}: entry {rank} is not a CompressState.state_dict() (got "
-                f"{getattr(got, '__name__', got)})"
+                f"{where}: entry {rank} is not a CompressState.state_dict() (got {got})"
             )
     saved_world = state_dicts[0].get("world_size")
     if saved_world != old:
