@@ -20,6 +20,10 @@ from fastddp.testing.netns import NetnsError, drop, nodes, start, stop, wired_pa
 
 
 def _interrupt(signum, frame):
+    # From the first signal on, the clean-up runs to its end: a second one (a caller passing
+    # Ctrl-C on, see run_job, or a second Ctrl-C) would leave namespaces and nodes behind.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -110,6 +114,7 @@ def main(argv=None) -> int:
         p.error("--loss must be below 100 with --delay")
     # A terminated run still removes its namespaces: SIGTERM unwinds like Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         if args.delay:
             link = wired_pair(args.delay, args.loss, args.rate)
@@ -130,8 +135,7 @@ def main(argv=None) -> int:
                 print(f"fastddp.netns: {say}", file=sys.stderr)
                 return 124  # as timeout(1)
             finally:
-                # The clean-up runs to its end: a second Ctrl-C (or the one a caller passes
-                # on, see run_job) would leave namespaces behind.
+                # The clean-up runs to its end, also after the job's own end.
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
                 stop(procs)
