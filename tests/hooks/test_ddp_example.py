@@ -63,6 +63,7 @@ def test_the_gpt_example_plans_with_auto(tmp_path):
     [
         ("ddp_train", ["--steps", "0"], "--steps must be at least 1"),
         ("diloco_train", ["--steps", "0"], "--steps must be at least 1"),
+        ("diloco_train", ["--pretend-nodes", "-1"], "--pretend-nodes must be 0"),
         ("plain_script", ["--steps", "-1"], "--steps must be at least 1"),
         ("fsdp_train", ["--steps", "0"], "--steps must be at least 1"),
         ("gpt_train", ["--steps", "0"], "--steps must be at least 1"),
