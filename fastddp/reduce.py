@@ -13,6 +13,7 @@ from fastddp.hooks import CompressState, _reduce
 from fastddp.hooks.handshake import TENSOR_PROBLEMS
 from fastddp.hooks.hook import _verify
 from fastddp.hooks.presets import named_preset
+from fastddp.hooks.settings import outside
 
 __all__ = ["all_reduce"]
 
@@ -75,7 +76,7 @@ def all_reduce(
             f"{where}: bucket_cap_mb must be a positive, finite number of MiB, got "
             f"{bucket_cap_mb!r}"
         )
-    if _outside(group):
+    if outside(group):
         return
     if state is None:
         _check_dtype(dtype, where)
@@ -181,11 +182,6 @@ def all_reduce(
                     n = tensors[i].numel()
                     tensors[i].copy_(flat[offset : offset + n].view_as(tensors[i]))
                     offset += n
-
-
-def _outside(group) -> bool:
-    """Whether this rank is outside ``group`` (``new_group``'s stand-in on such a rank)."""
-    return isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER
 
 
 def _bucketize(tensors: list[torch.Tensor], cap: int) -> list[list[int]]:

@@ -13,9 +13,14 @@ import torch.distributed as dist
 from fastddp.codecs import CODECS, checked_block_size
 from fastddp.hooks.topology import TOPOLOGIES
 
-__all__ = ["checked", "from_plain", "mismatch", "plain"]
+__all__ = ["checked", "from_plain", "mismatch", "outside", "plain"]
 
 _WHERE = "CompressState"
+
+
+def outside(group) -> bool:
+    """Whether this rank is outside ``group`` (``new_group``'s stand-in on such a rank)."""
+    return isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER
 
 
 def checked(
@@ -35,7 +40,7 @@ def checked(
     block-scaled codec gets its default block size.
     """
     block_size = checked_block_size(_WHERE, dtype, block_size)
-    if isinstance(process_group, int) and process_group == dist.GroupMember.NON_GROUP_MEMBER:
+    if outside(process_group):
         raise ValueError(
             f"{_WHERE}: this rank is not in process_group (torch.distributed.new_group gave it "
             "GroupMember.NON_GROUP_MEMBER); make the state on the group's ranks only"
