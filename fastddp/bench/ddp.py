@@ -129,13 +129,22 @@ def _percentile(values, q):
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
+def untimed_steps(mode: str, state, warmup: int) -> int:
+    """The steps before the timed ones: ``warmup``, or more where ``mode`` would still be
+    warming up: auto until it has planned, PowerSGD until it compresses."""
+    if mode == AUTO:
+        return max(warmup, state.trial_steps + 1)
+    if mode in POWERSGD_RANKS:
+        return max(warmup, state.start_powerSGD_iter)
+    return warmup
+
+
 def run_mode(env, args, label, mode, topology, topo, pacer=None):
     module, loss_of = _model_and_batch(args, env.device, env.rank)
     model = DDP(module, bucket_cap_mb=bucket_cap_mb(args, mode, module, env.device))
     state = _register(model, mode, topology, args)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    # auto's timed steps start once it has planned.
-    warmup = args.warmup if mode != AUTO else max(args.warmup, state.trial_steps + 1)
+    warmup = untimed_steps(mode, state, args.warmup)
     times = []
     for step in range(warmup + args.steps):
         if step == warmup:

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 import fastddp
 from fastddp import demo
-from fastddp.bench import allreduce, cli, common
+from fastddp.bench import allreduce, cli, common, ddp
 from fastddp.bench import fsdp as fsdp_bench
 from fastddp.hooks import auto
 from fastddp.testing import netns, slack, spawn
@@ -117,6 +118,14 @@ def test_ddp_step_benchmark(tmp_path, capsys):
     for r in rows.values():
         assert 0 < r["p50_ms"] <= r["p90_ms"]
     assert "exposed comm" in res.stdout
+
+
+@pytest.mark.parametrize("warmup", [0, 1, 3])
+def test_ddp_times_powersgd_only_once_it_compresses(warmup):
+    # PyTorch's PowerSGD all-reduces plainly for its first start_powerSGD_iter steps.
+    state = powerSGD_hook.PowerSGDState(process_group=None, start_powerSGD_iter=2)
+    assert ddp.untimed_steps("powersgd-r1", state, warmup) == max(warmup, 2)
+    assert ddp.untimed_steps("fp32", None, warmup) == warmup
 
 
 def test_ddp_peers_on_the_transformer(tmp_path, capsys):
