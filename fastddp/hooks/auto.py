@@ -160,10 +160,10 @@ class AutoState(CompressState):
             self._count_native()
         self._step += 1
         if not self._checked:  # every rank must run the same trial: raise on every rank alike
-            self._checked = True
-            cpp = self._switch is not None  # the turns' order depends on it
+            self._checked, cpp = True, self._switch is not None  # the turns' order depends on cpp
             plan = None if self._plan is None else candidates.spelled(self._using, self._plan)
             trial.agree(self.allow, _rules(), cpp, self.process_group, device, plan)
+            candidates.verify(self._states, device)  # a bad path fails now, not in the trial
             self._stamp = links.stamper(device, self.process_group)
         if last is not None:
             self._owed.settle_moves(self._states, self._held, last.held, self.process_group)

@@ -11,6 +11,7 @@ from typing import Any, Optional, Union
 import torch
 
 from fastddp.hooks import native
+from fastddp.hooks.hook import _verify
 from fastddp.hooks.presets import PRESETS
 from fastddp.hooks.state import CompressState
 
@@ -81,6 +82,24 @@ def make(allow: tuple[str, ...], process_group, topology: str, seed: int) -> dic
             # hand buckets from one candidate to another: candidates stay on the Python path.
             native.turn_off(states[name])
     return states
+
+
+def verify(states: dict[str, CompressState], device: torch.device) -> None:
+    """Check each candidate's settings on every rank and find its path, at the first step.
+
+    Raises the same ``ValueError`` on every rank, naming the candidate, when one cannot run on
+    this group's nodes (a ``:hierarchical`` one on nodes with different numbers of ranks).
+    """
+    for name, state in states.items():
+        if state._verified:
+            continue
+        try:
+            _verify(state, device)
+        except ValueError as e:
+            raise ValueError(
+                f"fastddp: dtype='auto' cannot run its candidate {name!r}: {e}. Remove it from "
+                "allow"
+            ) from None
 
 
 def keys_of(states: dict[str, CompressState], parameters: list[torch.Tensor]) -> tuple:
