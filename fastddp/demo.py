@@ -34,7 +34,7 @@ from fastddp.bench import report
 from fastddp.bench.common import AUTO, FASTDDP_MODES, auto_bytes, drop_option, fastddp_state
 from fastddp.bench.models import mlp
 from fastddp.distributed import exit_after_shutdown
-from fastddp.netns import run_job
+from fastddp.netns import quietly, run_job
 from fastddp.testing import netns
 
 # Plain DDP, then fastddp's hook with presets and auto (named as in fastddp.bench).
@@ -239,4 +239,4 @@ def _relaunch(args, argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(quietly(main))

@@ -24,7 +24,7 @@ def _interrupt(signum, frame):
     # Ctrl-C on, see run_job, or a second Ctrl-C) would leave namespaces and nodes behind.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise KeyboardInterrupt(f"signal {signum}")
+    raise KeyboardInterrupt(signum)
 
 
 def run_job(cmd: list[str], env=None) -> int:
@@ -32,7 +32,8 @@ def run_job(cmd: list[str], env=None) -> int:
 
     On Ctrl-C it gets the interrupt too and removes its namespaces before it exits, which can
     take seconds; ``subprocess.run`` would kill it a quarter of a second later, leaving the
-    namespaces and the nodes' launchers (each a session of its own) behind.
+    namespaces and the nodes' launchers (each a session of its own) behind. The
+    ``KeyboardInterrupt`` is raised again once it has exited (:func:`quietly` ends a tool).
     """
     proc = subprocess.Popen(cmd, env=env)
     try:
@@ -45,6 +46,14 @@ def run_job(cmd: list[str], env=None) -> int:
             proc.kill()
             proc.wait()
         raise
+
+
+def quietly(main) -> int:
+    """``main()``'s exit code; 130 on Ctrl-C, without a traceback (the job said it stopped)."""
+    try:
+        return main()
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
 
 
 # The options of ``python -m fastddp.launch`` that take no value (tests/test_netns_cli.py holds
@@ -142,6 +151,15 @@ def main(argv=None) -> int:
     except NetnsError as e:
         print(f"fastddp.netns: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        signum = e.args[0] if e.args else signal.SIGINT
+        name = signal.Signals(signum).name
+        print(
+            f"fastddp.netns: stopped by {name}; the nodes were stopped and their namespaces "
+            "removed",
+            file=sys.stderr,
+        )
+        return 128 + signum
     return max(codes)
 
 

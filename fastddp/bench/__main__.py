@@ -1,5 +1,6 @@
 import sys
 
 from fastddp.bench.cli import main
+from fastddp.netns import quietly
 
-sys.exit(main())
+sys.exit(quietly(main))

@@ -205,6 +205,7 @@ def _launch(args, run_args, plan, local, config, cmd, cmd_args) -> int:
     if args.dry_run:
         _print_dry_run(run_args, config, cmd, cmd_args)
         return 0
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
@@ -217,6 +218,9 @@ def _launch(args, run_args, plan, local, config, cmd, cmd_args) -> int:
     except store.RoundStoreError as e:
         say(f"error: {e}")
         return 1
+    except SignalException as e:  # Ctrl-C, or a scheduler's SIGTERM: torch stopped the workers
+        say(f"stopped by {e.sigval.name}; the workers were stopped")
+        return 128 + int(e.sigval)
     return 0
 
 

@@ -124,7 +124,11 @@ def _bridge_of(pids: list) -> set:
 
 # A terminal's Ctrl-C reaches every process of its group: the tool run by another program
 # (fastddp.bench --link, fastddp.demo) through fastddp.netns.run_job, which lets it clean up.
-_BY_RUN_JOB = "import sys; from fastddp.netns import run_job; sys.exit(run_job(sys.argv[1:]))"
+# A tool that runs its job on namespace nodes, as fastddp.demo and fastddp.bench --link do.
+_BY_RUN_JOB = (
+    "import sys; from fastddp.netns import quietly, run_job; "
+    "sys.exit(quietly(lambda: run_job(sys.argv[1:])))"
+)
 
 
 @pytest.mark.parametrize("how", ["terminated", "ctrl-c"])
@@ -151,11 +155,12 @@ def test_a_stopped_run_removes_its_namespaces_and_workers_and_ranks_share_cores(
     cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "2", str(script)]
     if how == "ctrl-c":
         cmd = [sys.executable, "-c", _BY_RUN_JOB, *cmd]
+    err = tmp_path / "stderr"
     run = subprocess.Popen(
         cmd,
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=err.open("w"),
         start_new_session=True,  # a group of its own, as a terminal's job is
     )
     try:
@@ -176,6 +181,13 @@ def test_a_stopped_run_removes_its_namespaces_and_workers_and_ranks_share_cores(
         run.wait(timeout=slack.guard(60))
         assert ours & _namespaces() == set()
         assert sleepers() == []
+        # A line each from the tool and node 0's launcher, no traceback, the shell's exit code.
+        told = err.read_text()
+        signum = signal.SIGINT if how == "ctrl-c" else signal.SIGTERM
+        assert run.returncode == 128 + signum, told[-3000:]
+        assert f"fastddp.netns: stopped by {signum.name}; the nodes were stopped" in told, told
+        assert "fastddp.launch: stopped by SIGTERM; the workers were stopped" in told, told
+        assert "Traceback" not in told, told[-3000:]
     finally:
         if run.poll() is None:  # a failed check: still remove the namespaces (SIGTERM does)
             run.terminate()
