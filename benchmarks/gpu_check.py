@@ -85,7 +85,7 @@ PARTS = (
     ("build", "bandwidth", "step-cost"),
 )
 TABLES = {"bandwidth": "Bandwidth", "step-cost": "Step cost"}  # step -> summary section
-STATUSES = ("pass", "FAIL", "skipped", "refused", "running")
+STATUSES = ("pass", "FAIL", "skipped", "refused", "running", "stopped")
 
 
 def gpu_names() -> list[str]:
@@ -239,6 +239,12 @@ def run_phase(todo: dict, logs: Path, limits: dict, record) -> list:
                     record(ended[-1])
     finally:
         stop_all([proc for proc, _ in running])  # this script was stopped: so are its steps
+        for proc, _ in running:  # what each had done when it was stopped, and for how long
+            seconds = time.monotonic() - proc.started
+            with contextlib.suppress(OSError), proc.log.open("a") as log:
+                log.write(f"\nstopped after {seconds:.0f} s: the check itself was stopped\n")
+            detail = f"stopped after {seconds:.0f} s of its {proc.limit:.0f}: the check was stopped"
+            record(Step(proc.name, "stopped", seconds, detail, proc.log.name))
     return ended
 
 
@@ -357,13 +363,14 @@ def write_summary(out: Path, info: dict, steps: list, planned=(), logs: "Path | 
     """Write ``summary.md`` and ``summary.json`` into ``out``; return whether no step failed.
 
     ``planned`` names every step of the plan: while one has not run, or one is still marked
-    running (its command was killed), the verdict is INCOMPLETE, unless a step FAILED. The
+    running (its command was killed) or stopped (its command was stopped by a signal), the
+    verdict is INCOMPLETE, unless a step FAILED. The
     tables and failed tests are read from ``logs`` (``out`` if not given).
     """
     logs = out if logs is None else logs
     failed = [s for s in steps if s.status == "FAIL"]
     missing = [name for name in planned if name not in {s.name for s in steps}]
-    unfinished = missing or any(s.status == "running" for s in steps)
+    unfinished = missing or any(s.status in ("running", "stopped") for s in steps)
     verdict = "FAILED" if failed else "INCOMPLETE" if unfinished else "PASSED"
     notes = [f"{sum(s.status == k for s in steps)} {k}" for k in ("skipped", "refused")]
     notes = [n for n in notes if not n.startswith("0 ")]
@@ -567,19 +574,23 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     logs = open_logs(out)
     python = sys.executable
-    info = {"gpus": "; ".join(gpus), **versions(python)}
+    info = {"gpus": "; ".join(gpus)}
     planned = list(STEPS)
     recorded = {s.name: s for s in load_steps(out)}
     order = list(dict.fromkeys([*planned, *recorded]))
 
+    def summarise() -> None:
+        write_summary(out, info, [recorded[n] for n in order if n in recorded], planned, logs)
+
     def record(step: Step) -> None:
         recorded[step.name] = step
-        write_summary(out, info, [recorded[n] for n in order if n in recorded], planned, logs)
+        summarise()
         write_archive(logs, out)
 
     failed = build_failed = False
-    todo = step_commands(python, logs, info)
-    try:
+    try:  # from here on, a stop (SIGTERM) still leaves a summary, the logs and no folder behind
+        info.update(versions(python))  # probes the GPU, the driver and the tools: seconds
+        todo = step_commands(python, logs, info)
         for phase in phases:
             if build_failed:
                 for name in phase:
@@ -594,6 +605,7 @@ def main(argv=None) -> int:
             build_failed = any(s.name == "build" and s.status == "FAIL" for s in ended)
     finally:
         with contextlib.suppress(OSError):
+            summarise()
             write_archive(logs, out)
         shutil.rmtree(logs, ignore_errors=True)
     print((out / "summary.md").read_text())

@@ -412,8 +412,14 @@ import sys
 sys.path.insert(0, {benchmarks!r})
 import gpu_check
 gpu_check.gpu_names = lambda: ["GPU 0: test"]
-gpu_check.versions = lambda python: {{}}
+import os, time
+tempfile = __import__("tempfile")
+tempfile.tempdir = {tmp!r}  # the logs' folder, where the test can see it go
 sleeper = "import os, time; open({pid!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+def probing(python):  # the probes of the GPU and the tools, stopped in the middle
+    open({pid!r}, 'w').write(str(os.getpid()))
+    time.sleep(60)
+gpu_check.versions = probing if {in_probes!r} else lambda python: {{}}
 gpu_check.step_commands = lambda python, logs, info: {{
     "build": ([sys.executable, "-c", "print('built')"], None, None),
     "cuda-tests": ([sys.executable, "-c", sleeper], None, None),
@@ -425,7 +431,10 @@ sys.exit(gpu_check.main([{out!r}, "--steps", "build,cuda-tests"]))
 @pytest.mark.multiproc  # runs the check in processes of its own
 def test_a_killed_command_loses_only_its_running_step(tmp_path):
     out, pid_file = tmp_path / "out", tmp_path / "step.pid"
-    driver = _DRIVER.format(benchmarks=str(ROOT / "benchmarks"), pid=str(pid_file), out=str(out))
+    driver = _DRIVER.format(
+        benchmarks=str(ROOT / "benchmarks"), pid=str(pid_file), out=str(out),
+        tmp=str(tmp_path), in_probes=False,
+    )  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-c", driver])
     step_pid = None
     try:
@@ -444,9 +453,36 @@ def test_a_killed_command_loses_only_its_running_step(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert [(s["step"], s["status"]) for s in summary["steps"]] == [
         ("build", "pass"),
-        ("cuda-tests", "running"),
+        ("cuda-tests", "stopped"),
     ]
+    assert summary["steps"][1]["detail"].startswith("stopped after ")
+    assert "the check itself was stopped" in _archived(out)["cuda-tests.log"]
     assert summary["verdict"] == "INCOMPLETE"
+    assert not list(tmp_path.glob("gpu-check-logs-*"))
+
+
+@pytest.mark.multiproc  # runs the check in processes of its own
+def test_a_command_stopped_in_its_probes_leaves_a_summary_and_no_logs_folder(tmp_path):
+    out, pid_file = tmp_path / "out", tmp_path / "probe.pid"
+    driver = _DRIVER.format(
+        benchmarks=str(ROOT / "benchmarks"), pid=str(pid_file), out=str(out),
+        tmp=str(tmp_path), in_probes=True,
+    )  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", driver])
+    try:
+        deadline = time.monotonic() + slack.guard(60)
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=slack.guard(30)) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["verdict"] == "INCOMPLETE" and summary["steps"] == []
+    assert summary["not_run"] == list(gpu_check.STEPS)
+    assert not list(tmp_path.glob("gpu-check-logs-*"))
 
 
 @pytest.mark.multiproc  # runs the check in processes of its own
