@@ -157,14 +157,14 @@ def _bytes(mode, model, state, periodic, topo, numel, steps, args):
         sent = sum(c["payload_bytes"] for c in stats["candidates"].values())
         cross = sum(c["cross_node_bytes"] for c in stats["candidates"].values())
         return sent + fp32_steps * numel * 4, cross + fp32_steps * ring(numel, 4)
-    if state is not None:
-        stats = state.stats()
-        return stats["payload_bytes"], stats["cross_node_bytes"]
     if mode in ddp.POWERSGD_RANKS:  # fp32 in its warm-up, P and Q after
-        warm = min(steps, max(2, _warmup(args)))
+        warm = min(steps, state.start_powerSGD_iter)
         payload = ddp._powersgd_bytes(model, ddp.POWERSGD_RANKS[mode])
         sent = warm * numel * 4 + (steps - warm) * payload
         return sent, warm * ring(numel, 4) + (steps - warm) * ring(payload // 4, 4)
+    if state is not None:
+        stats = state.stats()
+        return stats["payload_bytes"], stats["cross_node_bytes"]
     size = 2 if mode == "torch-fp16" else 4
     return steps * numel * size, steps * ring(numel, size)
 

@@ -84,6 +84,7 @@ def _register(model, mode, topology, args):
             start_powerSGD_iter=max(2, args.warmup),
         )
         model.register_comm_hook(state, powersgd.powerSGD_hook)
+        return state
     elif mode == AUTO:
         state = fastddp.CompressState(dtype="auto", topology=topology)
         fastddp.register_comm_hook(model, state)
@@ -166,17 +167,17 @@ def run_mode(env, args, label, mode, topology, topo, pacer=None):
     calls = max(1, warmup + args.steps)
     if mode == AUTO:
         payload, cross, used = auto_bytes(state.stats(), numel, topo.ring_cross_bytes)
+    elif mode in POWERSGD_RANKS:
+        payload = _powersgd_bytes(model, POWERSGD_RANKS[mode])
+        # Its all-reduces are fp32 rings in rank order: count the payload as fp32 elements.
+        cross = topo.ring_cross_bytes(payload // 4, 4)
+        used = None
     elif state is not None:
         stats = state.stats()
         assert stats["nonfinite_events"] == 0
         payload = stats["payload_bytes"] // calls
         cross = stats["cross_node_bytes"] // calls
         used = stats["topology_used"]
-    elif mode in POWERSGD_RANKS:
-        payload = _powersgd_bytes(model, POWERSGD_RANKS[mode])
-        # Its all-reduces are fp32 rings in rank order: count the payload as fp32 elements.
-        cross = topo.ring_cross_bytes(payload // 4, 4)
-        used = None
     else:
         payload = numel * per_elem[mode]
         cross = topo.ring_cross_bytes(numel, per_elem[mode]) if per_elem[mode] else 0
