@@ -235,6 +235,12 @@ void wait_future(const c10::intrusive_ptr<Future>& fut) {
 
 class Runner : public std::enable_shared_from_this<Runner> {
  public:
+  ~Runner() {
+    for (auto& [key, plan] : plans_) {
+      plan->job.reset();  // the cycle remove() breaks
+    }
+  }
+
   // Add a plan for the bucket buffer `buffer`. `stages`: [(calls, collective)]; a call is
   // (qualified name, overload, args, kwargs); a collective is (kind, group, out, in,
   // out_splits, in_splits, the group if it is written in Python, else None). `finish`: the
@@ -279,6 +285,9 @@ class Runner : public std::enable_shared_from_this<Runner> {
       return 0;
     }
     int64_t runs = it->second->runs;
+    // A plan and its latest job hold each other: without this, neither would be freed, nor
+    // the bucket buffer and slot tensors the plan's calls hold (1-2x the bucket on a GPU).
+    it->second->job.reset();
     plans_.erase(it);
     return runs;
   }
@@ -330,11 +339,20 @@ class Runner : public std::enable_shared_from_this<Runner> {
     pending_.clear();
     auto job = std::make_shared<Job>();
     guarded([&] {
-      if (plan->job && plan->job->stage < plan->stages.size()) {
-        issue_pending();  // the previous reduction of this bucket never finished issuing
-        earlier.clear();
-      }
       if (plan->job && !plan->job->result->completed()) {
+        // The previous reduction of this bucket has not finished (its stages may still be
+        // among the jobs taken above): issue and complete everything, as Python's settle
+        // does, rather than wait for a result nothing would complete.
+        for (auto it = earlier.rbegin(); it != earlier.rend(); ++it) {
+          step(*it);
+        }
+        earlier.clear();
+        finish_all();
+      }
+      if (plan->job) {
+        // Stage 0 overwrites what the previous decode read (the wire row, the flag, the
+        // residual). On CUDA that decode ran on a pool stream and its future completed at
+        // once: wait() makes this stream wait for its events (no host wait once completed).
         wait_future(plan->job->result);
       }
       job->plan = plan;

@@ -11,7 +11,10 @@ is replaced once.
 """
 
 import copy
+import gc
 import os
+import time
+import weakref
 from collections import Counter
 
 import pytest
@@ -24,6 +27,7 @@ from fastddp.hooks import hook as hook_module
 from fastddp.hooks import native
 from fastddp.hooks.presets import PRESETS
 from fastddp.hooks.topology import NODE_ENV
+from fastddp.testing import slack
 
 from .._dist import run_ranks
 from .test_hook_core import _Net
@@ -100,6 +104,17 @@ def _alike(rank, world, mode, register, nodes):
     assert reached[0] == 1 and reached[1] == buckets and reached[2:] == [0] * (STEPS - 2), reached
     # One plan per live bucket: the first layout's plan went with its slot.
     assert len(state._runner) == buckets
+    # A load drops the plans, and with them the slots' buffers (a plan and its last job held
+    # each other, and the buffers, for good).
+    # (A collective's callback, which holds its job, may still be ending on Gloo's thread.)
+    wires = [weakref.ref(slot.wire) for slot in state._table.slots.values()]
+    state.load_state_dict(saved)
+    assert len(state._runner) == 0
+    deadline = time.monotonic() + slack.guard(10)
+    while any(w() is not None for w in wires) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert [w() for w in wires] == [None] * len(wires)
 
 
 @pytest.mark.parametrize("register", [False, True], ids=["python-hook", "registered"])
