@@ -187,6 +187,17 @@ class Pipeline:
             self._complete(self._completing.popleft())
         self.synchronize()
 
+    def drain(self, jobs) -> None:
+        """Before this pipeline is dropped: finish ``jobs`` (reductions still in flight, as
+        delay=1 leaves them) and every pending stage, and order the current stream after all
+        of it. On CUDA the buffers they use may otherwise go back to the allocator while a
+        collective or a decode still writes them. Nothing after a failure."""
+        if self._failure is not None:
+            return
+        for job in jobs:
+            self.settle(job)
+        self.flush()
+
     def synchronize(self) -> None:
         """Order the current stream after all queued work (before reading results on the host)."""
         for runtime in self._runtimes.values():

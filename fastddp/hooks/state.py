@@ -158,6 +158,9 @@ class CompressState:
         return cls(process_group=process_group, **{**preset(name), **overrides})
 
     def _reset(self) -> None:
+        running = getattr(self, "_pipeline", None)
+        if running is not None:  # a load mid-run: what is in flight finishes first
+            running.drain([entry.job for entry in self._delayed.entries.values()])
         old = getattr(self, "_native", None)
         if old is not None:
             # Its reductions finish before all is dropped; the runner itself stays, as

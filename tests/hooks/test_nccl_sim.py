@@ -160,6 +160,37 @@ def test_delayed_modes_on_two_nodes_of_two_ranks():
     run_ranks(_sim_equals_gloo, 4, 2, cases, timeout=280)
 
 
+def _load_mid_run(rank, world, mode):
+    nccl_sim.install()
+    sim = dist.new_group(backend=nccl_sim.BACKEND)
+    torch.manual_seed(0)
+    model = DDP(_Net(), process_group=sim, bucket_cap_mb=0.002)
+    state = fastddp.CompressState(process_group=sim, **{**preset(mode), "delay": 1})
+    model.register_comm_hook(state, fastddp.compress_hook)
+    gen = torch.Generator().manual_seed(rank)
+    saved = None
+    for _ in range(3):
+        model(torch.randn(8, 24, generator=gen)).square().mean().backward()
+        saved = saved or state.state_dict()
+    running = state._pipeline
+    jobs = [entry.job for entry in state._delayed.entries.values() if entry.job is not None]
+    # A reduction has the next step to cross the wire: one still has a stage to issue.
+    assert any(not job.result.done() for job in jobs) and any(
+        r.dirty for r in running._runtimes.values()
+    )
+    # Rolling back to a checkpoint: the reductions in flight finish before their buffers are
+    # dropped, and the stream is ordered after them (on a GPU a freed block could otherwise be
+    # handed out while a decode still writes it).
+    state.load_state_dict(saved)
+    assert all(job.result.done() for job in jobs)
+    assert not any(r.dirty for r in running._runtimes.values())
+    model(torch.randn(8, 24, generator=gen)).square().mean().backward()  # and training goes on
+
+
+def test_a_load_mid_run_finishes_the_reductions_in_flight():
+    run_ranks(_load_mid_run, 2, "int8-ef")  # two stages: the second waits for the next step
+
+
 @pytest.mark.parametrize("mutation", [*MUTATIONS, *NATIVE_MUTATIONS])
 def test_a_deleted_wait_makes_the_run_differ(mutation):
     cases = [("bf16", "flat"), ("int8-ef", "flat"), ("bf16-acc-ef", "flat")]
