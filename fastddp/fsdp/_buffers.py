@@ -6,15 +6,23 @@ __all__ = ["Buffers"]
 
 
 class Buffers:
-    """One flat buffer per name and device, grown to the largest request; callers view its
-    front. FSDP2 runs one collective of a kind at a time, on one stream, so reuse is safe."""
+    """One flat buffer per name, device and CUDA stream, grown to the largest request; callers
+    view its front.
+
+    FSDP2 runs one collective of a kind at a time on a stream, so reuse on that stream is
+    ordered. It runs the all-gather on its all-gather stream in forward and backward, but on
+    the current stream for an explicit ``unshard()``: a buffer shared by the two could be
+    overwritten while the other stream's collective still reads it, and one grown on a stream
+    it was not made on could be handed out again too early. Each stream has its own."""
 
     def __init__(self) -> None:
-        self._by_key: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._by_key: dict[tuple, torch.Tensor] = {}
         self.allocations = 0
 
     def get(self, name: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-        key = (name, torch.device(device))
+        device = torch.device(device)
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        key = (name, device, stream)
         buf = self._by_key.get(key)
         if buf is None or buf.numel() < numel or buf.dtype != dtype:
             buf = torch.empty(numel, dtype=dtype, device=device)

@@ -12,6 +12,7 @@ from torch.distributed import ReduceOp
 import fastddp.fsdp
 from fastddp.bench.fsdp import AllToAllReduceScatter
 from fastddp.fsdp import CompressedReduceScatter
+from fastddp.fsdp._buffers import Buffers
 from fastddp.hooks.topology import NODE_ENV
 
 from .._dist import run_ranks
@@ -52,6 +53,17 @@ def _on_side_stream(rank, world, group=None):
 
 def test_gloo_with_cuda_tensors_on_a_side_stream():
     run_ranks(_on_side_stream, 2, timeout=240)
+
+
+def test_each_stream_has_its_own_buffers():
+    # FSDP2 all-gathers on its own stream in forward, on the current one for unshard().
+    buffers, device = Buffers(), torch.device("cuda", 0)
+    here = buffers.get("recv", 64, torch.int8, device)
+    with torch.cuda.stream(torch.cuda.Stream(device)):
+        there = buffers.get("recv", 64, torch.int8, device)
+        assert buffers.get("recv", 32, torch.int8, device).data_ptr() == there.data_ptr()
+    assert here.data_ptr() != there.data_ptr()
+    assert buffers.get("recv", 64, torch.int8, device).data_ptr() == here.data_ptr()
 
 
 def _fsdp_on_cuda(rank, world):
