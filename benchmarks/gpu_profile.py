@@ -28,8 +28,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gpu_bandwidth
 import gpu_check
+
+try:
+    import gpu_bandwidth  # the sizes, and fastddp's ops: the build must be there
+except ImportError as e:
+    sys.exit(
+        f"gpu-profile: {e}; build fastddp first (make gpu-check builds it, or "
+        "pip install --no-build-isolation -e .)"
+    )
 
 HERE = Path(__file__).resolve().parent
 # A kernel's line: its name (and template arguments), parameters, grid and block.

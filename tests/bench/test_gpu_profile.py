@@ -80,3 +80,22 @@ def gpu_profile_gpu() -> bool:
     import gpu_check
 
     return bool(gpu_check.gpu_names())
+
+
+def test_without_a_build_it_says_to_build_first(tmp_path):
+    # fastddp not importable (a fresh machine before make gpu-check): one line, no traceback.
+    script = (
+        "import runpy, sys; sys.modules['fastddp'] = None; "
+        f"sys.argv = ['gpu_profile.py', {str(tmp_path)!r}]; "
+        f"runpy.run_path({str(ROOT / 'benchmarks' / 'gpu_profile.py')!r}, run_name='__main__')"
+    )
+    res = slack.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT / "benchmarks",
+        capture_output=True,
+        text=True,
+        timeout=slack.guard(60),
+    )
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.startswith("gpu-profile: ") and "build fastddp first" in res.stderr
+    assert "Traceback" not in res.stderr
