@@ -126,7 +126,12 @@ class HeldWork final : public c10d::Work {
 
 struct Collective {
   Kind kind;
-  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  // Held weakly: Python owns the group. A plan that held the last reference would destroy it
+  // wherever the plan goes, and Gloo's destructor joins its worker threads: with the GIL held
+  // (a state dropped in Python) while a worker waits for the GIL to free a Work, a deadlock;
+  // on a worker itself (a callback's last reference), a thread joining itself.
+  c10::weak_intrusive_ptr<c10d::ProcessGroup> weak_group{
+      c10::intrusive_ptr<c10d::ProcessGroup>()};
   // A process group written in Python: torch's trampoline forwards allreduce and
   // all_to_all_single to its methods, but not all_gather_single, which is called here.
   std::shared_ptr<py::object> python_group;
@@ -135,6 +140,10 @@ struct Collective {
   std::vector<BucketView> views;  // arg 0: out, 1: in
 
   c10::intrusive_ptr<c10d::Work> issue(const at::Tensor& bucket, bool same_buffer) const {
+    const auto group = weak_group.lock();
+    TORCH_CHECK(
+        group, "fastddp: the process group of a planned bucket has been destroyed; a state "
+        "serves the group it was made for, while that group lives");
     at::Tensor o = out, i = in;
     if (!same_buffer) {
       for (const auto& v : views) {
@@ -470,7 +479,8 @@ class Runner : public std::enable_shared_from_this<Runner> {
     } else {
       TORCH_CHECK(false, "fastddp: unknown collective ", kind);
     }
-    c.group = t[1].cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+    c.weak_group = c10::weak_intrusive_ptr<c10d::ProcessGroup>(
+        t[1].cast<c10::intrusive_ptr<c10d::ProcessGroup>>());
     c.out = t[2].cast<at::Tensor>();
     c.in = t[3].is_none() ? c.out : t[3].cast<at::Tensor>();
     if (!t[4].is_none()) {

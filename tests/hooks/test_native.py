@@ -19,10 +19,12 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import profile
 
 import fastddp
+from fastddp import _extension
 from fastddp.hooks import hook as hook_module
 from fastddp.hooks import native
 from fastddp.hooks.presets import PRESETS
@@ -189,3 +191,37 @@ def _ops_per_bucket(rank, world, mode):
 @pytest.mark.parametrize("mode", list(_OPS_PER_BUCKET))
 def test_a_planned_bucket_makes_only_its_plan_s_calls(mode):
     run_ranks(_ops_per_bucket, 2, mode)
+
+
+def _gloo_threads():
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass  # a thread that ended meanwhile
+    return names.count("pt_gloo_runloop")
+
+
+def _plan_holds_its_group_weakly(rank, world):
+    before = _gloo_threads()
+    group = dist.new_group(backend="gloo")
+    made = _gloo_threads() - before
+    assert made > 0
+    bucket = torch.ones(8)
+    runner = _extension.load().NativeRunner()
+    runner.add(0, bucket, [([], ("allreduce", group, bucket, None, None, None, None))], [],
+               False, True)  # fmt: skip
+    # Python lets go of the group: it goes now, joined here, while the plan lives on. (A plan
+    # that owned it destroyed it wherever the plan went: dropped in Python, with the GIL held
+    # while a Gloo thread waited for the GIL to free a Work, that was a deadlock.)
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    assert _gloo_threads() == before
+    del runner
+
+
+def test_a_plan_does_not_keep_its_process_group_alive():
+    run_ranks(_plan_holds_its_group_weakly, 2)
