@@ -223,7 +223,10 @@ dequantize_int8 = _dequantizing_op(
 
 @torch.library.register_fake("fastddp::dequantize_int8")
 def _dequantize_int8_fake(src, scales, dst, block_size, scale):
-    torch._check(src.dim() == 2, lambda: "fastddp.dequantize_int8: src must be [chunks, m]")
+    torch._check(
+        src.dim() == 2 and src.shape[0] >= 1,
+        lambda: "fastddp.dequantize_int8: src must be [chunks, m] with at least one row",
+    )
     torch._check(dst.numel() == src.shape[1], lambda: "fastddp.dequantize_int8: lengths differ")
     return None
 
@@ -288,7 +291,10 @@ def unpack_packed(src, scales, dst, bits: int, block_size: int, scale: float = 1
 
 @torch.library.register_fake("fastddp::dequantize_packed")
 def _dequantize_packed_fake(src, scales, dst, bits, block_size, scale):
-    torch._check(src.dim() == 2, lambda: "fastddp.dequantize_packed: src must be [chunks, bytes]")
+    torch._check(
+        src.dim() == 2 and src.shape[0] >= 1,
+        lambda: "fastddp.dequantize_packed: src must be [chunks, bytes] with at least one row",
+    )
     return None
 
 

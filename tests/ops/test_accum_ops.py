@@ -526,6 +526,13 @@ BAD = [
         ),
         "dst must be contiguous float32",
     ),
+    (
+        # No row to sum: refused, rather than a read of an empty tensor's codes.
+        lambda: ops.dequantize_int8(
+            torch.empty(0, 8, dtype=torch.int8), torch.empty(0, 2), torch.empty(8), 4
+        ),
+        "with at least one row",
+    ),
 ]
 
 

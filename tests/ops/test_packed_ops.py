@@ -186,6 +186,9 @@ BAD = [
      "rows of 40 codes do not hold whole blocks of 32"),
     (lambda: ops.dequantize_packed(torch.empty(32, dtype=torch.uint8), torch.empty(2),
                                    torch.empty(64), 4, 32), "src must have shape [chunks, bytes]"),
+    # No row to sum: refused, rather than a read of an empty tensor's codes.
+    (lambda: ops.dequantize_packed(torch.empty(0, 32, dtype=torch.uint8), torch.empty(0, 2),
+                                   torch.empty(64), 4, 32), "with at least one row"),
 ]  # fmt: skip
 
 

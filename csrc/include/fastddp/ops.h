@@ -99,8 +99,9 @@ template <class Backend>
 void dequantize_int8(
     const Tensor& src, const Tensor& scales, const Tensor& dst, int64_t block, double scale) {
   TORCH_CHECK(
-      src.dim() == 2,
-      "fastddp.dequantize_int8: src must have shape [chunks, m] (one row per rank), got ",
+      src.dim() == 2 && src.size(0) >= 1,
+      "fastddp.dequantize_int8: src must have shape [chunks, m] with at least one row (one "
+      "row per rank), got ",
       src.sizes());
   const Int8Rows rows = int8_rows("dequantize_int8", src, scales, block);
   check_contiguous_fp32("dequantize_int8", "dst", dst);
@@ -153,8 +154,9 @@ void dequantize_packed(
     double scale) {
   const char* op = "dequantize_packed";
   TORCH_CHECK(
-      src.dim() == 2,
-      "fastddp.dequantize_packed: src must have shape [chunks, bytes] (one row per rank), got ",
+      src.dim() == 2 && src.size(0) >= 1,
+      "fastddp.dequantize_packed: src must have shape [chunks, bytes] with at least one row "
+      "(one row per rank), got ",
       src.sizes());
   check_contiguous_fp32(op, "dst", dst);
   check_same_device(op, "src", src, "dst", dst);
