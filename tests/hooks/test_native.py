@@ -193,33 +193,39 @@ def test_a_planned_bucket_makes_only_its_plan_s_calls(mode):
     run_ranks(_ops_per_bucket, 2, mode)
 
 
-def _gloo_threads():
-    names = []
+def _threads(name=None) -> set:
+    """The ids of this process's threads (named ``name``, if given)."""
+    ids = set()
     for task in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{task}/comm") as f:
-                names.append(f.read().strip())
+                if name is None or f.read().strip() == name:
+                    ids.add(task)
         except OSError:
             pass  # a thread that ended meanwhile
-    return names.count("pt_gloo_runloop")
+    return ids
 
 
 def _plan_holds_its_group_weakly(rank, world):
-    before = _gloo_threads()
+    # Threads that exist before the group (some of an earlier group may not be named yet)
+    # are not the group's.
+    before = _threads()
     group = dist.new_group(backend="gloo")
-    made = _gloo_threads() - before
-    assert made > 0
+    deadline = time.monotonic() + slack.guard(10)
+    while not _threads("pt_gloo_runloop") - before:  # a thread names itself once it runs
+        assert time.monotonic() < deadline, "the group's Gloo threads never showed"
+        time.sleep(0.01)
     bucket = torch.ones(8)
     runner = _extension.load().NativeRunner()
     runner.add(0, bucket, [([], ("allreduce", group, bucket, None, None, None, None))], [],
                False, True)  # fmt: skip
-    # Python lets go of the group: it goes now, joined here, while the plan lives on. (A plan
-    # that owned it destroyed it wherever the plan went: dropped in Python, with the GIL held
-    # while a Gloo thread waited for the GIL to free a Work, that was a deadlock.)
+    # Python lets go of the group: it goes now, its threads joined here, while the plan lives
+    # on. (A plan that owned it destroyed it wherever the plan went: dropped in Python, with
+    # the GIL held while a Gloo thread waited for the GIL to free a Work, that deadlocked.)
     dist.destroy_process_group(group)
     del group
     gc.collect()
-    assert _gloo_threads() == before
+    assert not _threads("pt_gloo_runloop") - before
     del runner
 
 
