@@ -132,8 +132,9 @@ struct Collective {
   // on a worker itself (a callback's last reference), a thread joining itself.
   c10::weak_intrusive_ptr<c10d::ProcessGroup> weak_group{
       c10::intrusive_ptr<c10d::ProcessGroup>()};
-  // A process group written in Python: torch's trampoline forwards allreduce and
-  // all_to_all_single to its methods, but not all_gather_single, which is called here.
+  // A process group written in Python (a weakref.ref to it, for the reason above): torch's
+  // trampoline forwards allreduce and all_to_all_single to its methods, but not
+  // all_gather_single, which is called here.
   std::shared_ptr<py::object> python_group;
   at::Tensor out, in;  // all-reduce: out, in place
   std::vector<int64_t> out_splits, in_splits;
@@ -142,8 +143,8 @@ struct Collective {
   c10::intrusive_ptr<c10d::Work> issue(const at::Tensor& bucket, bool same_buffer) const {
     const auto group = weak_group.lock();
     TORCH_CHECK(
-        group, "fastddp: the process group of a planned bucket has been destroyed; a state "
-        "serves the group it was made for, while that group lives");
+        group, "fastddp: the process group of a planned bucket has been destroyed; after "
+        "destroy_process_group (or a new init), make a new CompressState and register it again");
     at::Tensor o = out, i = in;
     if (!same_buffer) {
       for (const auto& v : views) {
@@ -167,7 +168,10 @@ struct Collective {
       case Kind::kAllGather:
         if (python_group) {
           py::gil_scoped_acquire gil;
-          py::object work = python_group->attr("all_gather_single")(o, i);
+          py::object pg = (*python_group)();
+          TORCH_CHECK(!pg.is_none(), "fastddp: the process group of a planned bucket has been "
+                      "destroyed; make a new CompressState and register it again");
+          py::object work = pg.attr("all_gather_single")(o, i);
           return c10::make_intrusive<HeldWork>(std::move(work));
         }
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
@@ -348,15 +352,19 @@ class Runner : public std::enable_shared_from_this<Runner> {
     pending_.clear();
     auto job = std::make_shared<Job>();
     guarded([&] {
-      if (plan->job && !plan->job->result->completed()) {
-        // The previous reduction of this bucket has not finished (its stages may still be
-        // among the jobs taken above): issue and complete everything, as Python's settle
-        // does, rather than wait for a result nothing would complete.
+      if (plan->job && plan->job->stage < plan->stages.size()) {
+        // The previous reduction of this bucket never finished issuing (its stages are among
+        // the jobs taken above): issue them all before this one's first stage, newest first
+        // as everywhere, as Python's settle does. What decides this is which stages were
+        // issued, the same on every rank, so every rank issues its collectives in one order.
         for (auto it = earlier.rbegin(); it != earlier.rend(); ++it) {
           step(*it);
         }
         earlier.clear();
-        finish_all();
+        issue_pending();
+      }
+      if (plan->job && !plan->job->result->completed()) {
+        finish_all();  // decodes that wait on this thread (nothing is left to issue here)
       }
       if (plan->job) {
         // Stage 0 overwrites what the previous decode read (the wire row, the flag, the
@@ -490,7 +498,7 @@ class Runner : public std::enable_shared_from_this<Runner> {
       c.in_splits = t[5].cast<std::vector<int64_t>>();
     }
     if (!t[6].is_none()) {
-      c.python_group = held(t[6]);
+      c.python_group = held(py::module_::import("weakref").attr("ref")(t[6]));
     }
     if (views_storage(c.out, buffer)) {
       c.views.push_back(view_of(0, c.out, buffer));
