@@ -194,9 +194,13 @@ class Pipeline:
         collective or a decode still writes them. Nothing after a failure."""
         if self._failure is not None:
             return
-        for job in jobs:
-            self.settle(job)
-        self.flush()
+
+        def finish() -> None:
+            for job in jobs:
+                self.settle(job)
+            self.flush()
+
+        self.guarded(finish)  # a collective failing here fails the state, as in a step
 
     def synchronize(self) -> None:
         """Order the current stream after all queued work (before reading results on the host)."""
