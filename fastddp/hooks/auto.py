@@ -163,7 +163,7 @@ class AutoState(CompressState):
             self._checked, cpp = True, self._switch is not None  # the turns' order depends on cpp
             plan = None if self._plan is None else candidates.spelled(self._using, self._plan)
             trial.agree(self.allow, _rules(), cpp, self.process_group, device, plan)
-            candidates.verify(self._states, device)  # a bad path fails now, not in the trial
+            candidates.verify(self._states, device, self._plan)  # a bad path fails now
             self._stamp = links.stamper(device, self.process_group)
         if last is not None:
             self._owed.settle_moves(self._states, self._held, last.held, self.process_group)
@@ -290,7 +290,7 @@ class AutoState(CompressState):
 
     def stats(self) -> dict[str, Any]:
         """Settings, ``mode`` (the candidate now in use, or ``"mixed"``), ``steps_in`` (steps
-        per candidate and mixed plan), ``plan`` and each used candidate's own ``stats()``.
+        per candidate and mixed plan), ``plan`` and each candidate's ``stats()`` once checked.
 
         ``plan`` is the plan with the figures it was made from (its keys:
         :func:`fastddp.hooks.choice.make`). ``native_steps`` counts the steps run in C++

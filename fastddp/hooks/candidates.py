@@ -6,6 +6,7 @@ a fixed :class:`~fastddp.CompressState` of its own. A plan assigns one candidate
 or one per bucket (a *mixed* plan).
 """
 
+import re
 from typing import Any, Optional, Union
 
 import torch
@@ -84,21 +85,32 @@ def make(allow: tuple[str, ...], process_group, topology: str, seed: int) -> dic
     return states
 
 
-def verify(states: dict[str, CompressState], device: torch.device) -> None:
-    """Check each candidate's settings on every rank and find its path, at the first step.
+def verify(states: dict[str, CompressState], device: torch.device, plan: Any) -> None:
+    """At the first step of a fresh trial, check on every rank that each candidate naming the
+    two-level path can take it on this group's nodes.
 
-    Raises the same ``ValueError`` on every rank, naming the candidate, when one cannot run on
-    this group's nodes (a ``:hierarchical`` one on nodes with different numbers of ranks).
+    Raises the same ``ValueError`` on every rank, naming the candidate, if one cannot (nodes
+    with different numbers of ranks), rather than when the trial reaches it. A run resumed
+    with a ``plan`` is left to run it (its ``allow`` cannot change): such a candidate raises
+    only if a re-plan's trial reaches it.
     """
+    if plan is not None:
+        return
     for name, state in states.items():
-        if state._verified:
+        if not name.endswith(":hierarchical") or state._verified:
             continue
         try:
             _verify(state, device)
         except ValueError as e:
+            uneven = re.search(r"needs the same number of ranks on every node, but the group "
+                               r"has (.*?)\. Launch", str(e))  # fmt: skip
+            if uneven is None:
+                raise
             raise ValueError(
-                f"fastddp: dtype='auto' cannot run its candidate {name!r}: {e}. Remove it from "
-                "allow"
+                f"fastddp: dtype='auto' cannot run its candidate {name!r}: the two-level path "
+                f"needs the same number of ranks on every node, but the group has "
+                f"{uneven.group(1)}. Leave {name!r} out of allow, or launch the same number of "
+                "ranks per node"
             ) from None
 
 

@@ -135,8 +135,11 @@ def _uneven(rank, world):
     # auto's candidate that names the two-level path: refused on every rank at the first step,
     # by name, before its turn in the trial comes.
     auto = {"dtype": "auto", "allow": ["none", "bf16", "int8-ef:hierarchical"]}
-    with pytest.raises(ValueError, match="cannot run its candidate 'int8-ef:hierarchical'"):
+    with pytest.raises(ValueError, match="cannot run its candidate 'int8-ef:hierarchical'") as info:
         _train_pair(rank, auto, steps=1, depth=3)
+    assert "node 0: ranks [0, 1], node 1: ranks [2]. Leave 'int8-ef:hierarchical' out" in str(
+        info.value
+    )
     # Ranks that disagree on the setting: refused on every rank too.
     topology = "flat" if rank == 0 else "auto"
     with pytest.raises(ValueError, match="ranks disagree") as info:
