@@ -3,6 +3,7 @@
 // registrations; the Python wrappers live in fastddp/ops.py.
 #include <Python.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
@@ -64,39 +65,56 @@ TORCH_LIBRARY(fastddp, m) {
 namespace fastddp {
 namespace {
 
-// Every op writes into its `!` arguments and none has a derivative. Without a kernel for the
-// Autograd key the dispatcher skips autograd for custom ops, so a write went unseen: a backward
-// that had saved the tensor used the overwritten values without a word. (torch's own fallbacks
-// for custom ops track the writes of returned tensors only, and these ops return nothing.) This
-// kernel refuses tensors that require grad while grad mode is on, as nothing could carry their
-// gradient, and moves on the version counter of every tensor written, as an in-place aten op
-// does, so that a backward that saved one of them raises instead.
-void track_writes(
+// Every op writes into its `!` arguments and none has a derivative. Without kernels for the
+// Autograd and ADInplaceOrView keys the dispatcher skips autograd for custom ops, so a write
+// went unseen: a backward that had saved the tensor used the overwritten values without a
+// word. (torch's own fallbacks for custom ops track the writes of returned tensors only, and
+// these ops return nothing.) As for an in-place aten op, the Autograd kernel refuses a tensor
+// that requires grad while grad mode is on (nothing could carry its gradient), and the
+// ADInplaceOrView one, which runs in inference mode too, moves on the version counter of every
+// tensor written, so that a backward that saved one of them raises instead.
+void refuse_grad(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const auto& arguments = op.schema().arguments();
+  const size_t first = stack->size() - arguments.size();
+  if (c10::GradMode::is_enabled()) {
+    for (size_t i = 0; i < arguments.size(); ++i) {
+      const c10::IValue& value = (*stack)[first + i];
+      TORCH_CHECK(
+          !(value.isTensor() && value.toTensor().requires_grad()),
+          "fastddp.", op.schema().name().substr(9), ": argument '", arguments[i].name(),
+          "' requires grad, but the op has no derivative; call it under torch.no_grad(), or "
+          "pass a tensor that does not require grad (.detach())");
+    }
+  }
+  c10::impl::ExcludeDispatchKeyGuard below(c10::autograd_dispatch_keyset);
+  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+}
+
+void bump_versions(
     const c10::OperatorHandle& op,
     c10::DispatchKeySet keys,
     torch::jit::Stack* stack) {
   const auto& arguments = op.schema().arguments();
   const size_t first = stack->size() - arguments.size();
   std::vector<at::Tensor> written;
-  const bool grad_mode = c10::GradMode::is_enabled();
   for (size_t i = 0; i < arguments.size(); ++i) {
-    const c10::IValue& value = (*stack)[first + i];
-    if (!value.isTensor()) {
-      continue;  // an absent optional tensor, or a number
-    }
-    const at::Tensor& t = value.toTensor();
-    TORCH_CHECK(
-        !(grad_mode && t.requires_grad()),
-        "fastddp.", op.schema().name().substr(9), ": argument '", arguments[i].name(),
-        "' requires grad, but the op has no derivative; call it under torch.no_grad(), or "
-        "pass a tensor that does not require grad (.detach())");
+    const c10::IValue& value = (*stack)[first + i];  // an absent optional is no tensor
     const at::AliasInfo* alias = arguments[i].alias_info();
-    if (alias != nullptr && alias->isWrite()) {
+    if (value.isTensor() && alias != nullptr && alias->isWrite()) {
+      const at::Tensor& t = value.toTensor();
+      if (t.is_inference()) {
+        TORCH_CHECK(
+            c10::InferenceMode::is_enabled(),
+            "fastddp.", op.schema().name().substr(9), ": argument '", arguments[i].name(),
+            "' is an inference tensor, which may be written only inside torch.inference_mode(); "
+            "write it there, or pass a clone made outside it");
+        continue;  // it has no version counter
+      }
       written.push_back(t);
     }
   }
   {
-    c10::impl::ExcludeDispatchKeyGuard below(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
+    c10::impl::ExcludeDispatchKeyGuard below(c10::DispatchKeySet(c10::DispatchKey::ADInplaceOrView));
     op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
   }
   for (const auto& t : written) {
@@ -104,14 +122,23 @@ void track_writes(
   }
 }
 
+constexpr const char* kOps[] = {
+    "compress",        "decompress",      "sum_chunks",        "widen_sum",
+    "quantize_int8",   "dequantize_int8", "unpack_int8",       "quantize_packed",
+    "dequantize_packed", "unpack_packed"};
+
 }  // namespace
 }  // namespace fastddp
 
 TORCH_LIBRARY_IMPL(fastddp, Autograd, m) {
-  for (const char* name :
-       {"compress", "decompress", "sum_chunks", "widen_sum", "quantize_int8", "dequantize_int8",
-        "unpack_int8", "quantize_packed", "dequantize_packed", "unpack_packed"}) {
-    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&fastddp::track_writes>());
+  for (const char* name : fastddp::kOps) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&fastddp::refuse_grad>());
+  }
+}
+
+TORCH_LIBRARY_IMPL(fastddp, ADInplaceOrView, m) {
+  for (const char* name : fastddp::kOps) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&fastddp::bump_versions>());
   }
 }
 

@@ -103,8 +103,19 @@ def test_backward_that_saved_an_overwritten_tensor_raises(device):
         saved.sum().backward()
 
 
-def test_inference_tensors_are_written_inside_inference_mode():
+def test_inference_mode_as_for_in_place_aten_ops():
+    # Inference tensors are written inside inference mode (they have no version counter).
     with torch.inference_mode():
         src, dst = torch.randn(N), torch.empty(N, dtype=torch.bfloat16)
         ops.compress(src, dst, 1.0)
     torch.testing.assert_close(dst, src.to(torch.bfloat16), rtol=0, atol=0)
+    # A normal tensor written inside inference mode still has its version moved on.
+    normal = torch.empty(N, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        ops.compress(torch.randn(N), normal, 1.0)
+    assert normal._version == 1
+    # An inference tensor written outside inference mode is refused, before it is written.
+    before = dst.clone()
+    with pytest.raises(RuntimeError, match="argument 'dst' is an inference tensor"):
+        ops.compress(torch.randn(N), dst, 1.0)
+    assert torch.equal(dst, before)
