@@ -239,4 +239,4 @@ def _relaunch(args, argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(quietly(main))
+    sys.exit(quietly(main, "fastddp.demo"))

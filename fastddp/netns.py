@@ -48,12 +48,17 @@ def run_job(cmd: list[str], env=None) -> int:
         raise
 
 
-def quietly(main) -> int:
-    """``main()``'s exit code; 130 on Ctrl-C, without a traceback (the job said it stopped)."""
+def quietly(main, name: str) -> int:
+    """``main()``'s exit code; on Ctrl-C or SIGTERM, 128 + the signal and one line saying so,
+    without a traceback. SIGTERM becomes the interrupt :func:`run_job` passes on, so that a
+    job on namespace nodes is stopped and its namespaces removed before this returns."""
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         return main()
-    except KeyboardInterrupt:
-        return 128 + signal.SIGINT
+    except KeyboardInterrupt as e:
+        signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
+        print(f"{name}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
 
 
 # The options of ``python -m fastddp.launch`` that take no value (tests/test_netns_cli.py holds

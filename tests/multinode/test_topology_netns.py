@@ -127,11 +127,13 @@ def _bridge_of(pids: list) -> set:
 # A tool that runs its job on namespace nodes, as fastddp.demo and fastddp.bench --link do.
 _BY_RUN_JOB = (
     "import sys; from fastddp.netns import quietly, run_job; "
-    "sys.exit(quietly(lambda: run_job(sys.argv[1:])))"
+    "sys.exit(quietly(lambda: run_job(sys.argv[1:]), 'tool'))"
 )
 
 
-@pytest.mark.parametrize("how", ["terminated", "ctrl-c"])
+# terminated: SIGTERM to the namespace tool; ctrl-c: SIGINT to a tool's whole process group, as
+# a terminal sends it; tool-terminated: SIGTERM to a tool that runs the namespace tool.
+@pytest.mark.parametrize("how", ["terminated", "ctrl-c", "tool-terminated"])
 def test_a_stopped_run_removes_its_namespaces_and_workers_and_ranks_share_cores(tmp_path, how):
     why = netns.unavailable_reason()
     if why:
@@ -153,7 +155,7 @@ def test_a_stopped_run_removes_its_namespaces_and_workers_and_ranks_share_cores(
         return out.split()
 
     cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "2", str(script)]
-    if how == "ctrl-c":
+    if how != "terminated":
         cmd = [sys.executable, "-c", _BY_RUN_JOB, *cmd]
     err = tmp_path / "stderr"
     run = subprocess.Popen(
@@ -185,7 +187,10 @@ def test_a_stopped_run_removes_its_namespaces_and_workers_and_ranks_share_cores(
         told = err.read_text()
         signum = signal.SIGINT if how == "ctrl-c" else signal.SIGTERM
         assert run.returncode == 128 + signum, told[-3000:]
-        assert f"fastddp.netns: stopped by {signum.name}; the nodes were stopped" in told, told
+        passed_on = signal.SIGTERM if how == "terminated" else signal.SIGINT  # by run_job
+        assert f"fastddp.netns: stopped by {passed_on.name}; the nodes were stopped" in told
+        if how != "terminated":
+            assert told.rstrip().endswith(f"tool: stopped by {signum.name}"), told[-3000:]
         assert "fastddp.launch: stopped by SIGTERM; the workers were stopped" in told, told
         assert "Traceback" not in told, told[-3000:]
     finally:
