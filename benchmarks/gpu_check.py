@@ -550,6 +550,9 @@ def step_commands(python: str, logs: Path, info: dict) -> dict:
 
 
 def _terminate(signum, frame):
+    # From the first stop on, the clean-up runs to its end: a second SIGTERM would cut short
+    # the stopping of the steps, which run in sessions of their own, and leave them running.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)  # unwinds through run_phase, which stops the running steps
 
 

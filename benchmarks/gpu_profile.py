@@ -30,14 +30,6 @@ from pathlib import Path
 
 import gpu_check
 
-try:
-    import gpu_bandwidth  # the sizes, and fastddp's ops: the build must be there
-except ImportError as e:
-    sys.exit(
-        f"gpu-profile: {e}; build fastddp first (make gpu-check builds it, or "
-        "pip install --no-build-isolation -e .)"
-    )
-
 HERE = Path(__file__).resolve().parent
 # A kernel's line: its name (and template arguments), parameters, grid and block.
 _KERNEL = re.compile(
@@ -133,7 +125,9 @@ def find_ncu() -> "str | None":
 
 
 def _elements(size: str) -> int:
-    return gpu_bandwidth.SIZES[size] // 4
+    """fp32 elements in a bucket of ``size`` (``gpu_bandwidth.py``'s names: ``100MB``, ``1GB``)."""
+    number, unit = re.fullmatch(r"(\d+)([MG]B)", size).groups()
+    return int(number) * {"MB": 1 << 20, "GB": 1 << 30}[unit] // 4
 
 
 def _write(out: Path, rows, size: str) -> str:
@@ -146,7 +140,7 @@ def _write(out: Path, rows, size: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", help="folder for the report and the table")
-    p.add_argument("--size", default="100MB", choices=list(gpu_bandwidth.SIZES))
+    p.add_argument("--size", default="100MB", choices=["1MB", "25MB", "100MB", "1GB"])
     p.add_argument("--limit", type=float, default=240, help="seconds ncu may take")
     p.add_argument("--parse", metavar="DETAILS", help="only tabulate this details page")
     args = p.parse_args(argv)
@@ -159,6 +153,12 @@ def main(argv=None) -> int:
     if not gpu_check.gpu_names():
         print("gpu-profile: no GPU here (nvidia-smi lists none); nothing profiled")
         return 0
+    try:  # what the profiled program runs: fastddp's ops, which need the build
+        import gpu_bandwidth  # noqa: F401
+    except ImportError as e:
+        print(f"gpu-profile: {e}; build fastddp first (make gpu-check builds it, or "
+              "pip install --no-build-isolation -e .)")  # fmt: skip
+        return 2
     ncu = find_ncu()
     if ncu is None:
         print(f"gpu-profile: ncu (Nsight Compute) not found on PATH, in $CUDA_HOME/bin, "

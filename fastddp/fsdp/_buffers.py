@@ -13,7 +13,8 @@ class Buffers:
     ordered. It runs the all-gather on its all-gather stream in forward and backward, but on
     the current stream for an explicit ``unshard()``: a buffer shared by the two could be
     overwritten while the other stream's collective still reads it, and one grown on a stream
-    it was not made on could be handed out again too early. Each stream has its own."""
+    it was not made on could be handed out again too early. Each stream has its own (so a job
+    that does both holds the largest ones twice)."""
 
     def __init__(self) -> None:
         self._by_key: dict[tuple, torch.Tensor] = {}

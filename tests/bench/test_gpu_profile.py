@@ -82,20 +82,36 @@ def gpu_profile_gpu() -> bool:
     return bool(gpu_check.gpu_names())
 
 
-def test_without_a_build_it_says_to_build_first(tmp_path):
-    # fastddp not importable (a fresh machine before make gpu-check): one line, no traceback.
+def _without_fastddp(tmp_path, *args, gpu=False):
+    # fastddp not importable (a fresh machine before make gpu-check builds it).
     script = (
-        "import runpy, sys; sys.modules['fastddp'] = None; "
-        f"sys.argv = ['gpu_profile.py', {str(tmp_path)!r}]; "
-        f"runpy.run_path({str(ROOT / 'benchmarks' / 'gpu_profile.py')!r}, run_name='__main__')"
+        "import runpy, sys; sys.modules['fastddp'] = None; import gpu_check; "
+        + ("gpu_check.gpu_names = lambda: ['GPU 0: test']; " if gpu else "")
+        + f"sys.argv = ['gpu_profile.py', {str(tmp_path)!r}, *{list(args)!r}]; "
+        + f"runpy.run_path({str(ROOT / 'benchmarks' / 'gpu_profile.py')!r}, run_name='__main__')"
     )
-    res = slack.run(
+    return slack.run(
         [sys.executable, "-c", script],
         cwd=ROOT / "benchmarks",
         capture_output=True,
         text=True,
         timeout=slack.guard(60),
     )
-    assert res.returncode == 1, res.stderr
-    assert res.stderr.startswith("gpu-profile: ") and "build fastddp first" in res.stderr
+
+
+def test_without_a_build_it_says_to_build_first_and_still_tabulates_a_page(tmp_path):
+    res = _without_fastddp(tmp_path / "a", gpu=True)
+    assert res.returncode == 2, res.stderr
+    assert res.stdout.startswith("gpu-profile: ") and "build fastddp first" in res.stdout
     assert "Traceback" not in res.stderr
+    # Reading a details page back needs neither a GPU nor the build.
+    res = _without_fastddp(tmp_path / "b", "--parse", str(PAGE))
+    assert res.returncode == 0, res.stderr
+    assert "compress_kernel<1>" in (tmp_path / "b" / "profile.md").read_text()
+
+
+def test_the_sizes_are_the_bandwidth_table_s():
+    import gpu_bandwidth
+
+    for name, size in gpu_bandwidth.SIZES.items():
+        assert gpu_profile._elements(name) == size // 4
