@@ -428,26 +428,31 @@ sys.exit(gpu_check.main([{out!r}, "--steps", "build,cuda-tests"]))
 """
 
 
-@pytest.mark.multiproc  # runs the check in processes of its own
-def test_a_killed_command_loses_only_its_running_step(tmp_path):
-    out, pid_file = tmp_path / "out", tmp_path / "step.pid"
+def _stopped_once_started(tmp_path, in_probes: bool):
+    """Run the check of _DRIVER; SIGTERM it once its step (or its probes) has started, as a
+    runner does to a command at its limit. Returns the output folder and the stopped pid."""
+    out, pid_file = tmp_path / "out", tmp_path / "started.pid"
     driver = _DRIVER.format(
         benchmarks=str(ROOT / "benchmarks"), pid=str(pid_file), out=str(out),
-        tmp=str(tmp_path), in_probes=False,
+        tmp=str(tmp_path), in_probes=in_probes,
     )  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-c", driver])
-    step_pid = None
     try:
         deadline = time.monotonic() + slack.guard(60)
         while not pid_file.exists() or not pid_file.read_text():
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.1)
-        step_pid = int(pid_file.read_text())
-        proc.send_signal(signal.SIGTERM)  # what a runner does to a command at its limit
+        proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=slack.guard(30)) == 128 + signal.SIGTERM
     finally:
         if proc.poll() is None:
             proc.kill()
+    return out, int(pid_file.read_text())
+
+
+@pytest.mark.multiproc  # runs the check in processes of its own
+def test_a_killed_command_loses_only_its_running_step(tmp_path):
+    out, step_pid = _stopped_once_started(tmp_path, in_probes=False)
     _gone(step_pid)  # the step's process went with the command
     assert "built" in _archived(out)["build.log"]
     summary = json.loads((out / "summary.json").read_text())
@@ -463,22 +468,7 @@ def test_a_killed_command_loses_only_its_running_step(tmp_path):
 
 @pytest.mark.multiproc  # runs the check in processes of its own
 def test_a_command_stopped_in_its_probes_leaves_a_summary_and_no_logs_folder(tmp_path):
-    out, pid_file = tmp_path / "out", tmp_path / "probe.pid"
-    driver = _DRIVER.format(
-        benchmarks=str(ROOT / "benchmarks"), pid=str(pid_file), out=str(out),
-        tmp=str(tmp_path), in_probes=True,
-    )  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-c", driver])
-    try:
-        deadline = time.monotonic() + slack.guard(60)
-        while not pid_file.exists() or not pid_file.read_text():
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=slack.guard(30)) == 128 + signal.SIGTERM
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    out, _ = _stopped_once_started(tmp_path, in_probes=True)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["verdict"] == "INCOMPLETE" and summary["steps"] == []
     assert summary["not_run"] == list(gpu_check.STEPS)
