@@ -6,7 +6,6 @@ a fixed :class:`~fastddp.CompressState` of its own. A plan assigns one candidate
 or one per bucket (a *mixed* plan).
 """
 
-import re
 from typing import Any, Optional, Union
 
 import torch
@@ -15,6 +14,7 @@ from fastddp.hooks import native
 from fastddp.hooks.hook import _verify
 from fastddp.hooks.presets import PRESETS
 from fastddp.hooks.state import CompressState
+from fastddp.hooks.topology import UnevenNodes
 
 __all__ = ["DEFAULT_ALLOW", "MIXED", "NONE", "Assignment", "checked_allow", "checked_fixed"]
 
@@ -101,16 +101,12 @@ def verify(states: dict[str, CompressState], device: torch.device, plan: Any) ->
             continue
         try:
             _verify(state, device)
-        except ValueError as e:
-            uneven = re.search(r"needs the same number of ranks on every node, but the group "
-                               r"has (.*?)\. Launch", str(e))  # fmt: skip
-            if uneven is None:
-                raise
+        except UnevenNodes as e:
             raise ValueError(
                 f"fastddp: dtype='auto' cannot run its candidate {name!r}: the two-level path "
                 f"needs the same number of ranks on every node, but the group has "
-                f"{uneven.group(1)}. Leave {name!r} out of allow, or launch the same number of "
-                "ranks per node"
+                f"{e.topo.describe()}. Leave {name!r} out of allow, or launch the same number "
+                "of ranks per node"
             ) from None
 
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from fastddp.cluster import NODE_ENV
 
-__all__ = ["TOPOLOGIES", "Topology", "node_hash", "resolve", "ring_bytes"]
+__all__ = ["TOPOLOGIES", "Topology", "UnevenNodes", "node_hash", "resolve", "ring_bytes"]
 
 TOPOLOGIES = ("auto", "flat", "hierarchical")
 _GROUPS: dict[tuple, dict[tuple, dist.ProcessGroup]] = {}
@@ -181,20 +181,29 @@ def _groups(
     return made
 
 
+class UnevenNodes(ValueError):
+    """``topology='hierarchical'`` on nodes with different numbers of ranks (``topo``)."""
+
+    def __init__(self, message: str, topo: Topology) -> None:
+        super().__init__(message)
+        self.topo = topo
+
+
 def resolve(setting: str, topo: Topology) -> str:
     """``"flat"`` or ``"hierarchical"`` for a state's ``topology`` setting.
 
-    Raises the same ``ValueError`` on every rank (every rank holds the same ``topo``) when
-    ``"hierarchical"`` is asked for on nodes with different numbers of ranks.
+    Raises the same :class:`UnevenNodes` on every rank (every rank holds the same ``topo``)
+    when ``"hierarchical"`` is asked for on nodes with different numbers of ranks.
     """
     if setting == "flat":
         return "flat"
     if not topo.even:
         if setting == "hierarchical":
-            raise ValueError(
+            raise UnevenNodes(
                 "fastddp: topology='hierarchical' needs the same number of ranks on every node, "
                 f"but the group has {topo.describe()}. Launch the same number of ranks per node, "
-                "or use topology='flat' (or 'auto', which falls back to flat with a warning)"
+                "or use topology='flat' (or 'auto', which falls back to flat with a warning)",
+                topo,
             )
         warnings.warn(
             f"fastddp: nodes have different numbers of ranks ({topo.describe()}); "
