@@ -118,12 +118,32 @@ def _cmdlines(log: Path) -> dict[int, tuple[int, str]]:
     return out
 
 
+def check_room(folder: str, limits: str = "/proc/sys/kernel/acct") -> None:
+    """Refuse to measure where the kernel would write no records: it suspends accounting while
+    the file's filesystem has less free space than the first figure of ``limits`` (4 %), and
+    the tally would then be empty without a word."""
+    try:
+        with open(limits) as f:
+            resume = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return  # no such setting: nothing known to check
+    fs = os.statvfs(folder)
+    free = 100 * fs.f_bavail / fs.f_blocks if fs.f_blocks else 100.0
+    if free < resume:
+        raise SystemExit(
+            f"process accounting would record nothing: {folder} has {free:.1f} % free, and the "
+            f"kernel writes records only above {resume} % ({limits}); free some space there, "
+            "or point TMPDIR at a filesystem with more"
+        )
+
+
 def measure(command: list[str]) -> tuple[int, dict[str, dict]]:
     """Run ``command`` under process accounting; its exit status and :func:`tally`."""
     if os.environ.get(_NESTED):
         raise SystemExit("process accounting is already on for a command around this one")
     libc = ctypes.CDLL(None, use_errno=True)
     with tempfile.TemporaryDirectory(prefix="process-cpu-") as tmp:
+        check_room(tmp)
         site, log, acct = Path(tmp, "site"), Path(tmp, "cmdlines"), Path(tmp, "acct")
         site.mkdir()
         log.touch()

@@ -83,3 +83,17 @@ def test_a_command_is_measured_without_the_machines_other_processes():
             process_cpu.measure([sys.executable, "-c", "pass"])
         finally:
             del os.environ[process_cpu._NESTED]
+
+
+def test_a_filesystem_too_full_for_accounting_is_refused(tmp_path, monkeypatch):
+    # The kernel suspends accounting below the first figure of /proc/sys/kernel/acct (% free):
+    # the tally would be empty. A filesystem 3 % free against a 4 % limit is refused.
+    limits = tmp_path / "acct"
+    limits.write_text("4\t2\t30\n")
+    full = os.statvfs_result((4096, 4096, 1000, 30, 30, 100, 50, 50, 0, 255))
+    monkeypatch.setattr(os, "statvfs", lambda path: full)
+    with pytest.raises(SystemExit, match=r"has 3\.0 % free.*only above 4 %"):
+        process_cpu.check_room(str(tmp_path), str(limits))
+    roomy = os.statvfs_result((4096, 4096, 1000, 500, 500, 100, 50, 50, 0, 255))
+    monkeypatch.setattr(os, "statvfs", lambda path: roomy)
+    process_cpu.check_room(str(tmp_path), str(limits))  # 50 % free: measured
