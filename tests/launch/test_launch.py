@@ -1,6 +1,7 @@
 """python -m fastddp.launch and fastddp.init_distributed, with real processes and sockets."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -146,6 +147,32 @@ def test_a_rank_started_by_hand_says_it_waits_for_the_others():
     for rank, port in zip((0, 1), ports):
         line = f"rank {rank} has waited 0.5 s for the other 1 rank(s) at 127.0.0.1:{port}; start"
         assert line in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_launcher_waiting_for_the_other_nodes_stops_on_a_signal(tmp_path, signum):
+    # Node 0 of 2 waits in the rendezvous store's C++ wait for node 1, which never comes: no
+    # Python handler runs there until the wait times out, minutes later (fastddp/launch/stop.py).
+    err = tmp_path / "stderr"
+    cmd = [*LAUNCH, "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), WORKER]  # fmt: skip
+    with open(err, "w") as f:
+        proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=f)
+    try:
+        deadline = time.monotonic() + slack.guard(60)
+        while "fastddp.launch: environment" not in err.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.1)
+        time.sleep(2)  # into the rendezvous
+        proc.send_signal(signum)
+        rc = proc.wait(timeout=slack.guard(20))
+    finally:
+        proc.kill()
+        proc.wait()
+    told = err.read_text()
+    assert rc == 128 + signum, told
+    assert told.rstrip().endswith(f"fastddp.launch: stopped by {signum.name}"), told
+    assert "Traceback" not in told, told
 
 
 def test_the_launcher_freezes_its_objects_before_it_exits():

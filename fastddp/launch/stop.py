@@ -1,0 +1,77 @@
+"""Ctrl-C and SIGTERM before the launcher's workers start.
+
+Until torch's agent starts the workers (and installs its own handlers, which stop them), the
+launcher often waits in C++: the static rendezvous's store, waiting for the other nodes to join,
+checks no Python signal, so a Python handler would run only when that wait times out, many
+minutes later. The C-level handler still writes the signal's number to the wake-up fd; a thread
+reading it ends the process when the main thread has not taken the signal within a second. It
+acts only while the handler is this module's and the launcher has no child process: from then
+on something must be stopped, which torch's handlers (or the main thread) do.
+"""
+
+import os
+import signal
+import threading
+from typing import Callable
+
+__all__ = ["install", "taken"]
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_GRACE_S = 1.0
+_lock = threading.Lock()
+_claimed = False
+
+
+def _raise(signum, frame):
+    raise KeyboardInterrupt(signum)
+
+
+def taken() -> bool:
+    """Claim the report of the stop; False when the watcher has already made it (it then ends
+    the process at once)."""
+    global _claimed
+    with _lock:
+        first, _claimed = not _claimed, True
+        return first
+
+
+def _has_children() -> bool:
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return True  # no way to tell: leave the stop to the main thread
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                if f.read().strip():
+                    return True
+        except OSError:
+            return True
+    return False
+
+
+def _watch(fd: int, report: Callable[[int], None]) -> None:
+    while True:
+        try:
+            data = os.read(fd, 64)
+        except OSError:
+            return
+        for signum in data:
+            if signum not in _SIGNALS or signal.getsignal(signum) is not _raise:
+                continue  # torch's handlers (or none of ours) take it
+            threading.Event().wait(_GRACE_S)
+            if _has_children() or not taken():
+                continue
+            report(signum)
+            os._exit(128 + signum)
+
+
+def install(report: Callable[[int], None]) -> None:
+    """Make SIGINT and SIGTERM raise ``KeyboardInterrupt(signum)`` in the main thread, and end
+    the process with ``report(signum)`` and 128 + signum when that cannot happen in time."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    for signum in _SIGNALS:
+        signal.signal(signum, _raise)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    threading.Thread(target=_watch, args=(r, report), name="fastddp-stop", daemon=True).start()
