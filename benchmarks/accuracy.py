@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import fastddp
-from fastddp.bench import report
+from fastddp.bench import options, report
 from fastddp.bench.fsdp import WIRES as FSDP_WIRES
 from fastddp.testing.spawn import spawn_ranks
 
@@ -121,6 +121,7 @@ def main(argv=None):
     p.add_argument("--json")
     p.add_argument("--plot")
     args = p.parse_args(argv)
+    options.check_outputs(p, args)  # before the runs, not after
     for world in args.worlds:
         if args.nodes < 1 or world % args.nodes:
             p.error(f"--nodes {args.nodes} does not divide a world of {world} ranks")

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
-from fastddp.bench import report
+from fastddp.bench import options, report
 from fastddp.bench.models import mlp
 from fastddp.testing.spawn import spawn_ranks
 
@@ -102,6 +102,9 @@ def main(argv=None):
     p.add_argument("--json")
     p.add_argument("--plot")
     args = p.parse_args(argv)
+    options.check_outputs(p, args)  # before the runs, not after
+    if args.steps < 20:
+        p.error("--steps must be at least 20: the final loss is the mean of the last 20 steps")
     results = spawn_ranks(_rank, 2, args)[0]  # rank 0's losses
     base = results["fp32"]
     base_final = sum(base["losses"][-20:]) / 20

@@ -14,6 +14,7 @@ import sys
 import time
 
 import fastddp
+from fastddp.bench import options
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINER = os.path.join(ROOT, "tests", "launch", "_keep_model_trainer.py")
@@ -47,6 +48,7 @@ def main(argv=None) -> int:
     parser.add_argument("--port", type=int, default=29731)
     parser.add_argument("--json", help="write the counts here")
     args = parser.parse_args(argv)
+    options.check_outputs(parser, args)  # before the runs, not after
     counts = {}
     for mode in args.modes:
         bad = 0

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fastddp.bench import report
+from fastddp.bench import options, report
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXED = ["none", "bf16", "bf16-acc", "int8-ef"]
@@ -53,6 +53,7 @@ def main(argv=None) -> None:
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--json")
     args = p.parse_args(argv)
+    options.check_outputs(p, args)  # before the runs, not after
     result = {"args": vars(args), "where": {}}
     rows = []
     for where in args.where:

@@ -21,6 +21,7 @@ import time
 import torch
 
 from fastddp import ops
+from fastddp.bench import options
 
 SIZES = {"1MB": 1 << 20, "25MB": 25 << 20, "100MB": 100 << 20, "1GB": 1 << 30}
 RANKS = 4  # rows summed by sum_chunks and dequantize_int8
@@ -203,6 +204,7 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     p.add_argument("--markdown")
     args = p.parse_args(argv)
+    options.check_outputs(p, args)  # before the runs, not after
     unknown = [s for s in args.sizes if s not in SIZES]
     if unknown:
         p.error(f"unknown sizes {unknown}; choose from {list(SIZES)}")

@@ -50,6 +50,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compr
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
+from fastddp.bench import options
 
 TARGET = 1.03  # a hook's step at most this times plain DDP's
 LEVEL = 0.95  # the least coverage of the interval that decides a verdict
@@ -288,6 +289,7 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     p.add_argument("--markdown")
     args = p.parse_args(argv)
+    options.check_outputs(p, args)  # before the runs, not after
     if args.steps < 1 or args.warmup < 1 or not 1 <= args.min_rounds <= args.rounds:
         p.error("--steps and --warmup must be at least 1, and 1 <= --min-rounds <= --rounds")
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")

@@ -29,6 +29,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_step_cost as step_cost  # noqa: E402
 
+from fastddp.bench import options  # noqa: E402
+
 VARIANTS = (
     ("plain DDP", "none"),
     ("torch fp16_compress_hook", "ddp.register_comm_hook"),
@@ -166,6 +168,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=6, help="interleaved timed rounds")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    options.check_outputs(p, args)  # before the runs, not after
     if args.steps < 2 or args.rounds < 1:
         p.error("--steps must be at least 2 and --rounds at least 1")
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")

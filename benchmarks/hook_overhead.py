@@ -26,6 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
+from fastddp.bench import options
 from fastddp.bench.models import mlp
 from fastddp.hooks import auto
 
@@ -59,6 +60,7 @@ def main(argv=None) -> None:
     )
     p.add_argument("--json")
     args = p.parse_args(argv)
+    options.check_outputs(p, args)  # before the runs, not after
     with fastddp.distributed_session(backend="gloo", timeout=timedelta(seconds=300)) as env:
         torch.set_num_threads(1)
         # "none" first in allow order, kept whatever the trial measures: its step inside auto

@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from fastddp.bench import options
+
 # Appended to the log by every Python process that starts: its pid, its parent's, its command
 # line (NUL-separated in /proc, joined with spaces here).
 _SITE = """import os
@@ -169,6 +171,7 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=12, help="kinds shown (default 12)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS ...]")
     args = p.parse_args(argv)
+    options.check_outputs(p, args)  # before the runs, not after
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         p.error("give the command to measure after --")

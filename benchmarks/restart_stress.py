@@ -21,6 +21,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from fastddp.bench import options
 from fastddp.testing import netns
 from fastddp.testing.restarts import CASES, LAUNCHERS, reference, run_case
 
@@ -39,6 +40,7 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
                    help="run nothing: add up the counts of earlier sweeps' JSON files")  # fmt: skip
     args = p.parse_args(argv)
+    options.check_outputs(p, args)  # before the runs, not after
     if args.runs < 0 or args.multi_node_runs < 0 or (args.torchrun_runs or 0) < 0:
         p.error("--runs, --multi-node-runs and --torchrun-runs must be 0 or more")
     return args

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import torch
 
 from fastddp import ops
+from fastddp.bench import options
 from fastddp.bench.convergence import _batch, corpus
 from fastddp.bench.models import Decoder
 
@@ -68,6 +69,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, nargs="+", default=[0, 10, 30, 100])
     p.add_argument("--json", help="write the errors here")
     args = p.parse_args(argv)
+    options.check_outputs(p, args)  # before the runs, not after
     torch.manual_seed(0)
     data, shape = corpus(), SimpleNamespace(seq=64, batch=8)
     model = Decoder(width=256, heads=8, layers=4)

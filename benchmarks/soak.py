@@ -19,6 +19,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
+from fastddp.bench import options
 from fastddp.bench.models import mlp
 from fastddp.testing.spawn import spawn_ranks
 
@@ -98,6 +99,7 @@ def main(argv=None) -> int:
     p.add_argument("--rss-slack-mb", type=float, default=32.0)
     p.add_argument("--json")
     args = p.parse_args(argv)
+    options.check_outputs(p, args)  # before the runs, not after
     if args.every < 1 or args.steps < 2 * args.every:
         p.error("--steps must cover at least two records of --every steps")
     ranks = spawn_ranks(_rank, 2, args)

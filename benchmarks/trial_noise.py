@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fastddp.bench import report
+from fastddp.bench import options, report
 from fastddp.hooks.auto import NONE, PLAIN_EDGE, PREFER
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,6 +68,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--json")
     args = p.parse_args(argv)
+    options.check_outputs(p, args)  # before the runs, not after
     fixed: dict[str, list[float]] = {n: [] for n in args.allow}
     trials = []
     with tempfile.TemporaryDirectory() as tmp:

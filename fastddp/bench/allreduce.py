@@ -13,10 +13,13 @@ Every mode averages a float32 buffer across the ranks, as DDP does with gradient
   when asked for: they carry a residual from step to step, which one message cannot show;
 - ``noop``: the headroom row: fastddp bf16's local work with no communication at all.
 
-Columns: time (µs, the slowest rank's median per call), algbw (fp32 bytes / time), wire
-busbw (bytes on the wire x 2(n-1)/n / time, what to hold against the link rate), bytes on the
-wire per rank's payload, relative error (L2) against an fp64 sum rounded to fp32, and #wrong
-(elements off by more than the mode's tolerance x the largest value, or not finite).
+Columns: time (µs, the slowest rank's median per call, on CUDA to a synchronisation), algbw
+(fp32 bytes / time), wire busbw (bytes this rank sent / time, what to hold against the link
+rate: 2(n-1)/n of the payload for a ring), the payload (the message as the wire carries it),
+the bytes all ranks sent to other nodes, relative error (L2) against an fp64 sum rounded to
+fp32, and #wrong (elements off by more than the mode's tolerance x the largest value, or not
+finite). fastddp's byte counts are its own (``stats()``), so a two-level reduction
+(``--topologies hierarchical``) shows what it sends within and across nodes.
 """
 
 import time
@@ -30,9 +33,11 @@ from fastddp.bench.common import (
     fastddp_state,
     human,
     parse_size,
+    pretend_nodes,
     settings_of,
 )
 from fastddp.hooks import _reduce
+from fastddp.hooks.topology import Topology, node_hash, ring_bytes
 
 CHOICES = ["fp32", "torch-fp16", *FASTDDP_MODES, "noop"]
 MODES = [m for m in CHOICES if m not in FASTDDP_MODES or not settings_of(m).get("error_feedback")]
@@ -45,7 +50,6 @@ _WIRE = {
 # #wrong tolerance relative to the largest |value|: a few roundings of the wire dtype.
 _TOL = {"fp32": 1e-6, torch.float16: 2**-9, torch.bfloat16: 2**-6, torch.int8: 2**-5}
 _TOL.update({torch.int4: 2**-1, torch.int2: 4.0})  # a step of their blocks is that coarse
-_BITS = {torch.int8: 8, torch.int4: 4, torch.int2: 2}  # block-scaled codes
 CHECK_ELEMENTS = 1 << 22  # the error columns look at the first 4 Mi elements
 
 
@@ -79,20 +83,26 @@ def _op(mode, buf, world, state):
         _reduce(state, buf, 0).wait()
 
 
-def _time(mode, buf, world, state, min_seconds, max_iters):
-    _op(mode, buf, world, state)  # warm-up (and buffer allocation)
-    dist.barrier()
+def _timed(mode, buf, world, state):
+    """Seconds of one call, to its end on the device: NCCL's wait returns once the collective
+    is queued, so a CUDA call is timed to a synchronisation."""
     start = time.perf_counter()
     _op(mode, buf, world, state)
-    one = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    if buf.is_cuda:
+        torch.cuda.synchronize(buf.device)
+    return time.perf_counter() - start
+
+
+def _time(mode, buf, world, state, min_seconds, max_iters):
+    _timed(mode, buf, world, state)  # warm-up (and buffer allocation)
+    dist.barrier()
+    one = torch.tensor([_timed(mode, buf, world, state)], dtype=torch.float64)
     dist.all_reduce(one, op=dist.ReduceOp.MAX)  # every rank must run the same number
-    iters = int(max(3, min(max_iters, min_seconds / max(one.item(), 1e-6))))
+    iters = int(min(max_iters, max(3, min_seconds / max(one.item(), 1e-6))))
     times = []
     for _ in range(iters):
         dist.barrier()
-        start = time.perf_counter()
-        _op(mode, buf, world, state)
-        times.append(time.perf_counter() - start)
+        times.append(_timed(mode, buf, world, state))
     median = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64)
     dist.all_reduce(median, op=dist.ReduceOp.MAX)
     return median.item(), iters
@@ -113,6 +123,20 @@ def _errors(mode, count, rank, world, state, device):
     return err.item(), wrong
 
 
+def _bytes(mode, state, count, topo):
+    """A call's payload (the message as the wire carries it), the bytes this rank sent, and
+    those that crossed nodes: fastddp's own count per call, whatever the topology; for the
+    others what a ring all-reduce in rank order sends."""
+    if mode == "noop":
+        return 0, 0, 0
+    if state is None:
+        size = _WIRE[mode].itemsize
+        return count * size, ring_bytes(count, topo.world, size), topo.ring_cross_bytes(count, size)
+    stats = state.stats()
+    calls = stats["calls"]
+    return tuple(stats[k] // calls for k in ("payload_bytes", "wire_bytes", "cross_node_bytes"))
+
+
 def message_sizes(args):
     """The fp32 message sizes of the sweep: min, min x factor, ... up to max."""
     sizes, size = [], parse_size(args.min_size)
@@ -124,9 +148,13 @@ def message_sizes(args):
 
 def sweep(env, args, progress=None):
     """Run every mode at every size; return one row per (size, mode), on every rank."""
+    pretend_nodes(env, args)
     world = env.world_size
     device = env.device
     sizes = message_sizes(args)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, node_hash())
+    topo = Topology(everyone, env.rank)
     rows = []
     for size in sizes:
         count = size // 4
@@ -140,10 +168,9 @@ def sweep(env, args, progress=None):
             seconds, iters = _time(mode, buf, world, state, args.min_seconds, args.max_iters)
             err, wrong = _errors(mode, count, env.rank, world, check, device)
             wire_dtype = _WIRE[mode]
-            wire_bytes = 0 if wire_dtype is None else count * wire_dtype.itemsize
-            if wire_dtype in _BITS:  # the codes, packed, and one fp32 scale a block
-                wire_bytes = -(-count * _BITS[wire_dtype] // 8)
-                wire_bytes += -(-count // state.block_size) * 4
+            payload, sent, cross = _bytes(mode, state, count, topo)
+            total = torch.tensor([cross], dtype=torch.int64)
+            dist.all_reduce(total)  # every rank's: in a ring only some ranks send across
             rows.append(
                 {
                     "size": size,
@@ -157,8 +184,10 @@ def sweep(env, args, progress=None):
                     "time_us": seconds * 1e6,
                     "iters": iters,
                     "algbw_gbs": size / seconds / 1e9,
-                    "busbw_gbs": wire_bytes * 2 * (world - 1) / world / seconds / 1e9,
-                    "wire_bytes": wire_bytes,
+                    "busbw_gbs": sent / seconds / 1e9,
+                    "wire_bytes": payload,
+                    "sent_bytes": sent,
+                    "cross_node_bytes": int(total.item()),
                     "rel_err": err,
                     "wrong": wrong,
                 }

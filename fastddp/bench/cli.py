@@ -1,24 +1,39 @@
 """Benchmarks of fastddp's reductions against plain all-reduce and PyTorch's own hooks."""
 
 import argparse
+import os
+import shlex
 import sys
 
-import torch
-
 from fastddp.bench import allreduce, convergence, ddp, fsdp, hook_cost, options, peers, report
-from fastddp.bench.common import add_common_options, count, run_everywhere
+from fastddp.bench.common import add_common_options, count, pretend_nodes, run_everywhere
 
 
-def _decoder_options(p, width, layers, batch, width_help=None):
+def _decoder_options(p, width, layers, batch, width_help=None, later=False):
     # The size of the decoder-only transformer (fastddp.bench.models.Decoder) and the batch.
+    # later: ddp's, whose options.check refuses them for the mlp and then fills them in.
     width_help = width_help or f"model width (default {width})"
     p.add_argument("--width", type=int, default=width, help=width_help)
-    p.add_argument("--layers", type=int, default=layers, help=f"decoder blocks (default {layers})")
-    p.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
-    p.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
+    only = "transformer: " if later else ""
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None if later else layers,
+        help=f"{only}decoder blocks (default {layers})",
+    )
+    p.add_argument(
+        "--heads", type=int, default=None if later else 8, help=f"{only}attention heads (default 8)"
+    )
+    p.add_argument("--seq", type=int, default=None if later else 64,
+                   help=f"{only}tokens per sequence (default 64)")  # fmt: skip
     p.add_argument(
         "--batch", type=int, default=batch, help=f"batch per rank and step (default {batch})"
     )
+
+
+def _pretend_option(p):
+    nodes = "split the spawned ranks into N nodes by FASTDDP_NODE_ID (not with --link)"
+    p.add_argument("--pretend-nodes", type=int, default=0, metavar="N", help=nodes)
 
 
 def _steps_options(p, steps, warmup):
@@ -50,6 +65,7 @@ def _parser():
     a.add_argument("--modes", nargs="+", default=allreduce.MODES, choices=allreduce.CHOICES)
     a.add_argument("--min-seconds", type=float, default=1.0, help="time per size and mode")
     a.add_argument("--max-iters", type=int, default=100)
+    _pretend_option(a)
     add_common_options(a)
     d = command("ddp", ddp, "DDP step time per hook")
     d.add_argument(
@@ -58,9 +74,9 @@ def _parser():
         default="mlp",
         help="square linear layers (default) or a decoder-only transformer",
     )
-    d.add_argument("--params", type=count, default=25_000_000, help="mlp size (default 25M)")
+    d.add_argument("--params", type=count, help="mlp: parameters (default 25M)")
     width = "layer width (mlp default: 2048 for large models, else fitted; transformer: 512)"
-    _decoder_options(d, width=None, layers=8, batch=16, width_help=width)
+    _decoder_options(d, width=None, layers=8, batch=16, width_help=width, later=True)
     d.add_argument(
         "--bucket-cap-mb",
         type=float,
@@ -69,6 +85,7 @@ def _parser():
     )
     _steps_options(d, steps=30, warmup=5)
     d.add_argument("--modes", nargs="+", default=ddp.MODES, choices=ddp.CHOICES)
+    _pretend_option(d)
     add_common_options(d)
     f = command("fsdp", fsdp, "FSDP2 step time per gradient reduction")
     _decoder_options(f, width=512, layers=8, batch=4)
@@ -99,12 +116,11 @@ def _parser():
                    choices=peers.Choices(ddp.CHOICES), metavar="MODE", help=modes)  # fmt: skip
     c.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer lr (default 0.7)")
     c.add_argument("--outer-momentum", type=float, default=0.9, help="its momentum (default 0.9)")
-    nodes = "split the spawned ranks into N nodes by FASTDDP_NODE_ID (not with --link)"
-    c.add_argument("--pretend-nodes", type=int, default=0, metavar="N", help=nodes)
+    _pretend_option(c)
     fp32 = "fp32's loss curve from this earlier run (same model, steps, seed); here time only "
     fp32 += "--fp32-probe fp32 steps: fp32's time to target is its steps x that step time"
     c.add_argument("--fp32-from", metavar="JSON", help=fp32)
-    c.add_argument("--fp32-probe", type=int, default=10, help="fp32 steps timed with --fp32-from")
+    c.add_argument("--fp32-probe", type=int, help="fp32 steps timed with --fp32-from (10)")
     add_common_options(c)
     h = command("hook-cost", hook_cost, "host time per bucket of each comm hook")
     h.add_argument("--layers", type=int, default=64, help="layers, one bucket each (default 64)")
@@ -138,8 +154,9 @@ def _allreduce_job(env, args):
             bar.stop()
     if env.rank != 0:
         return rows
+    nodes = pretend_nodes(env, args)
     title = f"all-reduce, {env.world_size} ranks, {env.backend} on {env.device.type}" + (
-        f", {env.num_nodes} nodes" if env.num_nodes > 1 else ""
+        f", {nodes} nodes" if nodes > 1 else ""
     )
     cols = [
         "size",
@@ -149,7 +166,8 @@ def _allreduce_job(env, args):
         "time (us)",
         "algbw (GB/s)",
         "wire busbw (GB/s)",
-        "wire bytes",
+        "payload (B)",
+        "cross-node (B, all ranks)",
         "rel err",
         "#wrong",
     ]
@@ -163,20 +181,15 @@ def _allreduce_job(env, args):
             f"{r['algbw_gbs']:.3f}",
             f"{r['busbw_gbs']:.3f}",
             str(r["wire_bytes"]),
+            str(r["cross_node_bytes"]),
             "-" if r["rel_err"] is None else f"{r['rel_err']:.2e}",
             "-" if r["wrong"] is None else str(r["wrong"]),
         ]
         for r in rows
     ]
     report.table(title, cols, cells)
-    meta = {
-        "world_size": env.world_size,
-        "backend": env.backend,
-        "device": str(env.device),
-        "nodes": env.num_nodes,
-        "torch": torch.__version__,
-    }
     if args.json:
+        meta = report.record(args, env, nodes)
         report.write_json(args.json, {"benchmark": "allreduce", **meta, "rows": rows})
     if args.plot:
         report.plot_allreduce(args.plot, rows, title)
@@ -281,13 +294,14 @@ def _step_job(env, args):
     rows = run(env, args)
     if env.rank != 0:
         return rows
-    shape = f"{env.num_nodes} nodes x {env.world_size // env.num_nodes} ranks"
+    nodes = pretend_nodes(env, args)
+    shape = f"{nodes} nodes x {env.world_size // nodes} ranks"
     title = f"{head(args, rows)}, {shape}, {env.backend}"
     if args.what in ("ddp", "fsdp"):  # convergence runs to a target, hook-cost in rounds
         title += f", {args.steps} steps after {args.warmup} warm-up"
     report.table(title, columns, [cells(r) for r in rows])
     if args.json:  # what ran where, then the table's rows
-        meta = {"world_size": env.world_size, "backend": env.backend, "nodes": env.num_nodes}
+        meta = report.record(args, env, nodes)
         extra = {"model": args.model} if args.what == "ddp" else {}
         report.write_json(args.json, {"benchmark": args.what, **meta, **extra, "rows": rows})
     return rows
@@ -302,6 +316,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     # Refusals print the subcommand's usage, whose options they name.
     options.check(p.commands[args.what], args)
+    # The command as typed (a --link run's nodes get it from their caller), for --json.
+    typed = "python -m fastddp.bench " + shlex.join(argv)
+    args.command = os.environ.get("FASTDDP_BENCH_COMMAND") or typed
     job = _JOBS[args.what]
     result = run_everywhere(job, args, argv)
     return result if isinstance(result, int) else 0

@@ -1,6 +1,7 @@
 """What the benchmarks share: rank setup (any launcher, own spawn, or a two-node link), and
 fastddp's modes, one per preset."""
 
+import math
 import os
 import sys
 from datetime import timedelta
@@ -10,6 +11,7 @@ import torch
 import fastddp
 from fastddp.distributed import exit_after_shutdown
 from fastddp.hooks.presets import PRESETS, preset
+from fastddp.testing.pool import RankError
 from fastddp.testing.spawn import spawn_ranks
 
 _PREFIX = "fastddp-"
@@ -63,6 +65,16 @@ def auto_bytes(stats: dict, numel: int, ring_cross=lambda numel, itemsize: 0):
     return payload, cross, plan["summary"]
 
 
+def pretend_nodes(env, args) -> int:
+    """The nodes the ranks form: ``--pretend-nodes`` splits this machine's spawned ranks into
+    that many (``FASTDDP_NODE_ID``, set here before any state reads it), else the launcher's."""
+    pretend = getattr(args, "pretend_nodes", 0)
+    if not pretend:
+        return env.num_nodes
+    os.environ["FASTDDP_NODE_ID"] = f"pretend-node-{env.rank * pretend // env.world_size}"
+    return pretend
+
+
 def pacing_group():
     """A group of its own for the benchmarks' per-step barrier: a barrier on the hooks' group
     would wait for reductions that ``delay=1`` leaves in flight into the next step."""
@@ -84,7 +96,14 @@ def run_everywhere(fn, args, argv):
     if args.link:
         return _over_link(args, argv)
     timeout = timedelta(minutes=10)
-    return spawn_ranks(_spawned, args.nproc, fn, args, threads=args.threads, timeout=timeout)[0]
+    try:
+        return spawn_ranks(_spawned, args.nproc, fn, args, threads=args.threads, timeout=timeout)[0]
+    except RankError as e:
+        # SystemExit on the ranks is a benchmark's refusal, the same on every rank: say it alone.
+        said = [line for line in str(e).splitlines() if line.startswith("SystemExit: ")]
+        if said:
+            raise SystemExit(said[0].removeprefix("SystemExit: ")) from None
+        raise
 
 
 def _spawned(rank, world, fn, args):
@@ -130,7 +149,7 @@ def _over_link(args, argv):
     why = netns.unavailable_reason()
     if why:
         raise SystemExit(f"fastddp.bench: --link needs network namespaces: {why}")
-    return run_job(module)
+    return run_job(module, env={**os.environ, "FASTDDP_BENCH_COMMAND": args.command})
 
 
 def drop_option(argv, name):
@@ -167,8 +186,15 @@ def parse_size(text):
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     text = text.strip().upper().removesuffix("B").removesuffix("I")
     if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
+        return _whole(text[:-1], units[text[-1]])
     return int(text)
+
+
+def _whole(number: str, unit: int) -> int:
+    value = float(number) * unit
+    if not math.isfinite(value):
+        raise ValueError(f"{number} is not a finite number")
+    return int(value)
 
 
 def count(text):
@@ -176,7 +202,7 @@ def count(text):
     units = {"K": 10**3, "M": 10**6, "G": 10**9}
     text = text.strip().upper()
     if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
+        return _whole(text[:-1], units[text[-1]])
     return int(text)
 
 

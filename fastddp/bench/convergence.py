@@ -8,7 +8,8 @@ the same weights and sees the same batches in the same order (drawn from (seed, 
 ``--slack`` (relative); its own time to target is that of its first check at or below it.
 Each other method then trains until its validation loss (checked every ``--eval-every``
 steps, on the same fixed batches) is at or below the target, or ``--max-factor`` times
-``--steps`` steps have passed. Wall time counts training only, not the validation passes;
+``--steps`` steps have passed. Three untimed fp32 steps come first, so that the process's own
+start-up is not charged to fp32. Wall time counts training only, not the validation passes;
 bytes are what one rank's gradient reductions sent, and of that what crossed nodes (the mean
 over the ranks).
 
@@ -16,13 +17,14 @@ Besides the DDP benchmark's per-step modes, the periodic ones of :mod:`fastddp.b
 DiLoCo (``diloco-<preset>-H<n>``, outer ``--outer-lr`` and ``--outer-momentum``) and PyTorch's
 post-local SGD (``postlocal-H<n>``); their wall time includes the rounds, and their checks fall
 right after a round. ``--pretend-nodes`` splits spawned ranks into nodes. ``--fp32-from`` takes
-fp32's curve from an earlier run and times a few fp32 steps on this link instead.
+fp32's curve from an earlier run (of the same options) and times a few fp32 steps on this
+link instead, the mean step after the first.
 """
 
 import argparse
 import inspect
 import json
-import os
+import math
 import time
 import typing
 
@@ -175,9 +177,11 @@ def _probe_fp32(env, args, data, val_batches, pacer):
     first times the earlier run's steps."""
     with open(args.fp32_from) as f:
         row = next(r for r in json.load(f)["rows"] if r["mode"] == "fp32")
-    probe = argparse.Namespace(**{**vars(args), "steps": args.fp32_probe, "eval_every": 10**9})
+    # A check after every step, for the time of each (the checks themselves are not timed).
+    probe = argparse.Namespace(**{**vars(args), "steps": args.fp32_probe, "eval_every": 1})
     timed = run_mode(env, probe, "fp32", data, val_batches[:1], None, pacer)
-    per_step = timed["seconds"] / timed["steps"]
+    (first, at_first, _), (last, at_last, _) = timed["curve"][0], timed["curve"][-1]
+    per_step = (at_last - at_first) / (last - first)
     scale = lambda n: n * per_step  # noqa: E731
     row = {**row, "curve": [(s, scale(s), loss) for s, _, loss in row["curve"]]}
     row.update(
@@ -192,9 +196,7 @@ def _probe_fp32(env, args, data, val_batches, pacer):
 
 
 def run(env, args):
-    if getattr(args, "pretend_nodes", 0):  # split this machine's ranks into nodes
-        node = env.rank * args.pretend_nodes // env.world_size
-        os.environ["FASTDDP_NODE_ID"] = f"pretend-node-{node}"
+    common.pretend_nodes(env, args)
     data = corpus()
     split = len(data) * 9 // 10
     train, val = data[:split], data[split:]
@@ -203,6 +205,10 @@ def run(env, args):
     rows, target = [], None
     pacer = common.pacing_group()
     topo = _topology(env)
+    # A few untimed steps first: the process's first steps (thread pools, allocator, lazy
+    # initialisation) would otherwise be charged to whichever mode runs first, fp32.
+    warm = argparse.Namespace(**{**vars(args), "steps": 3, "eval_every": 10**9})
+    run_mode(env, warm, "fp32", train, val_batches[:1], None, pacer, topo)
     for mode in modes:
         if mode == "fp32" and getattr(args, "fp32_from", None):
             row = _probe_fp32(env, args, train, val_batches, pacer)
@@ -211,6 +217,11 @@ def run(env, args):
         if mode == "fp32":
             # fp32 itself is timed to the same target: its first check at or below it.
             target = row["final_val_loss"] * (1 + args.slack)
+            if not math.isfinite(target):
+                raise SystemExit(
+                    f"fastddp.bench convergence: fp32 diverged (validation loss {target}) at "
+                    f"--lr {args.lr}: lower --lr, or take fewer --steps"
+                )
             step, seconds, _ = next(c for c in row["curve"] if c[2] <= target)
             row.update(reached=True, steps_to_target=step, seconds_to_target=seconds)
         row["target"] = target

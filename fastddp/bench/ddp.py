@@ -38,6 +38,7 @@ from fastddp.bench.common import (
     fastddp_runs,
     fastddp_state,
     pacing_group,
+    pretend_nodes,
 )
 from fastddp.bench.models import Decoder, mlp
 from fastddp.hooks.topology import Topology, node_hash
@@ -118,7 +119,7 @@ def _powersgd_bytes(model, rank, min_rate=2):
         if p.dim() > 1:
             n, m = p.shape[0], p[0].numel()
             r = min(n, m, rank)
-            if n * m >= min_rate * (n + m) * r:
+            if n * m > min_rate * (n + m) * r:  # as torch's _should_compress
                 total += (n + m) * r * 4
                 continue
         total += p.numel() * 4
@@ -206,6 +207,7 @@ def run_mode(env, args, label, mode, topology, topo, pacer=None):
 
 
 def run(env, args):
+    pretend_nodes(env, args)
     hashes = torch.tensor([node_hash()], dtype=torch.int64)
     everyone = [torch.empty_like(hashes) for _ in range(env.world_size)]
     dist.all_gather(everyone, hashes)

@@ -3,19 +3,25 @@ that a typo or an output that cannot be written costs seconds, not a sweep."""
 
 import importlib.util
 import json
+import math
 import os
 
 import torch
 
 from fastddp.bench.common import parse_size
+from fastddp.bench.models import Decoder
 
 __all__ = ["check", "check_outputs"]
 
 
 def check_outputs(p, args):
-    """Refuse outputs that could not be written, before the sweep rather than after it."""
-    for option in ("json", "plot"):
+    """Refuse outputs that could not be written, before the sweep rather than after it (the
+    benchmark scripts' ``--json``, ``--plot`` and ``--markdown`` too)."""
+    for option in ("json", "plot", "markdown"):
         path = getattr(args, option, None)
+        path = None if path is None else str(path)
+        if path is not None and not path.strip():
+            p.error(f"--{option} needs a file name")
         if path:
             folder = os.path.dirname(os.path.abspath(path))
             if not os.path.isdir(folder):
@@ -28,20 +34,72 @@ def check_outputs(p, args):
         p.error("--plot needs matplotlib (pip install matplotlib)")
 
 
-def _check_fp32_from(p, path):
-    """The earlier run must hold an fp32 row (what ``--json`` of a run with fp32 wrote)."""
+# What fp32's curve depends on, besides the model's size and the ranks.
+_CURVE_OPTIONS = ("width", "layers", "heads", "seq", "batch", "steps", "seed", "lr",
+                  "eval_every", "val_batches")  # fmt: skip
+
+
+def _world(args) -> int:
+    """The ranks this run will have."""
+    if "RANK" in os.environ:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    return (args.nodes or 2) * args.nproc_per_node if args.link else args.nproc
+
+
+def _check_fp32_from(p, args):
+    """The earlier run must hold an fp32 row (what ``--json`` of a run with fp32 wrote), of
+    the same model, batches and ranks: its curve stands in for the one this run would draw."""
+    path = args.fp32_from
     try:
         with open(path) as f:
-            rows = json.load(f)["rows"]
-        if not any(r["mode"] == "fp32" and "curve" in r for r in rows):
-            raise KeyError("fp32")
+            data = json.load(f)
+        row = next(r for r in data["rows"] if r["mode"] == "fp32" and "curve" in r)
     except OSError as e:
         p.error(f"--fp32-from {path}: {e.strerror}")
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, StopIteration):
         p.error(
             f"--fp32-from {path}: not the --json of a convergence run with an fp32 row; run "
             "one with fp32 in --modes and --json first"
         )
+    then = data.get("options") or {}  # recorded since the JSON carries the options
+    with torch.device("meta"):
+        params = sum(t.numel() for t in Decoder(width=args.width, heads=args.heads,
+                                                layers=args.layers).parameters())  # fmt: skip
+    differ = [f"--{k.replace('_', '-')} {then[k]} (here {getattr(args, k)})"
+              for k in _CURVE_OPTIONS if k in then and then[k] != getattr(args, k)]  # fmt: skip
+    if "steps" not in then and row.get("steps") != args.steps:
+        differ.append(f"--steps {row.get('steps')} (here {args.steps})")
+    if row.get("params") != params:
+        differ.append(f"a model of {row.get('params')} parameters (here {params})")
+    if data.get("world_size") != _world(args):
+        differ.append(f"{data.get('world_size')} ranks (here {_world(args)})")
+    if differ:
+        p.error(f"--fp32-from {path} ran with {', '.join(differ)}: its fp32 curve is not this "
+                "run's; give the same options, or run fp32 here")  # fmt: skip
+
+
+# The mlp's layers at most: more would take minutes to build and say nothing more.
+MAX_MLP_LAYERS = 1024
+# The transformer's size options of ``ddp``, and their defaults (None: not given).
+_DECODER = {"layers": 8, "heads": 8, "seq": 64}
+
+
+def _check_ddp_model(p, args):
+    """Refuse the options the chosen ``--model`` does not read, then fill in the defaults."""
+    given = [k for k in _DECODER if getattr(args, k) is not None]
+    if args.model == "mlp" and given:
+        p.error(f"--{given[0]} sizes the transformer (--model transformer); the mlp takes "
+                "--params and --width")  # fmt: skip
+    if args.model == "transformer" and args.params is not None:
+        p.error("--params sizes the mlp; the transformer takes --width and --layers")
+    for k, default in _DECODER.items():
+        setattr(args, k, default if getattr(args, k) is None else getattr(args, k))
+    args.params = 25_000_000 if args.params is None else args.params
+    if args.model == "mlp" and args.width is not None and args.width >= 1 and args.params >= 1:
+        layers = round(args.params / (args.width * args.width + args.width))
+        if layers > MAX_MLP_LAYERS:
+            p.error(f"--params {args.params} at --width {args.width} is {layers} layers (at "
+                    f"most {MAX_MLP_LAYERS}): give a larger --width, or leave it out")  # fmt: skip
 
 
 def check(p, args):
@@ -56,7 +114,7 @@ def check(p, args):
             try:
                 if parse_size(getattr(args, option)) < 4:
                     raise ValueError
-            except ValueError:
+            except (ValueError, OverflowError):
                 p.error(
                     f"--{option.replace('_', '-')} {getattr(args, option)}: give bytes, or a "
                     "number with K, M or G (64K, 1.5M), of at least 4 bytes"
@@ -74,20 +132,31 @@ def check(p, args):
         value = getattr(args, name, None)
         if value is not None and value < low:
             p.error(f"--{name.replace('_', '-')} must be at least {low}")
+    for name in ("lr", "max_factor", "outer_lr", "min_seconds", "slack"):
+        value = getattr(args, name, None)
+        if value is not None and not math.isfinite(value):
+            p.error(f"--{name.replace('_', '-')} must be a finite number")
+    if getattr(args, "lr", 1.0) <= 0:
+        p.error("--lr must be positive")
+    if args.what == "ddp":
+        _check_ddp_model(p, args)
     cap = getattr(args, "bucket_cap_mb", None)
     if cap is not None and not 0 < cap < float("inf"):
         p.error("--bucket-cap-mb must be a positive, finite number of MiB")
+    pretend = getattr(args, "pretend_nodes", 0)
+    spawned = "RANK" not in os.environ
+    if pretend < 0 or pretend and (args.link or spawned and args.nproc % pretend):
+        p.error("--pretend-nodes splits the spawned --nproc ranks evenly (not with --link)")
     if args.what == "convergence":
-        if args.pretend_nodes and (args.link or args.nproc % args.pretend_nodes):
-            p.error("--pretend-nodes splits the spawned --nproc ranks evenly (not with --link)")
+        if args.fp32_probe is not None and not args.fp32_from:
+            p.error("--fp32-probe times fp32 in place of an earlier run: it needs --fp32-from")
+        args.fp32_probe = 10 if args.fp32_probe is None else args.fp32_probe
         if args.fp32_probe < 2:
             p.error("--fp32-probe must be at least 2")
         if not args.max_factor >= 1:
             p.error("--max-factor must be at least 1 (a run gets --steps at least)")
         if not args.slack >= 0:
             p.error("--slack must be at least 0 (the target is fp32's loss x (1 + slack))")
-        if args.fp32_from:
-            _check_fp32_from(p, args.fp32_from)
     if args.nodes is not None and not args.link and "RANK" not in os.environ:
         p.error("--nodes needs --link (the nodes are network namespaces)")
     if args.nproc_per_node != 1 and not args.link and "RANK" not in os.environ:
@@ -100,8 +169,10 @@ def check(p, args):
         p.error(f"--topologies applies to allreduce and ddp; {args.what} runs each mode once")
     if args.what == "hook-cost" and "fp32" not in args.modes:
         p.error("hook-cost measures each hook against plain DDP: keep fp32 in --modes")
-    if len(set(args.modes)) != len(args.modes):
-        p.error(f"--modes names a mode twice: {' '.join(args.modes)}")
+    for name in ("modes", "topologies"):
+        given = getattr(args, name)
+        if len(set(given)) != len(given):
+            p.error(f"--{name} names one twice: {' '.join(given)}")
     transformer = (
         args.what in ("fsdp", "convergence") or getattr(args, "model", "") == "transformer"
     )
@@ -110,5 +181,12 @@ def check(p, args):
             p.error(f"--width {args.width or 512} must be a multiple of --heads {args.heads}")
         if args.seq > 1024:
             p.error("--seq must be at most 1024 (the model's positions)")
+    if args.what == "convergence" and args.fp32_from:
+        _check_fp32_from(p, args)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but no CUDA device is visible")
+    if args.device == "cuda" and spawned and not args.link:
+        p.error(
+            "--device cuda runs one rank per GPU under a launcher: python -m fastddp.launch "
+            "--standalone --nproc-per-node N -m fastddp.bench ... (spawned ranks run on the CPU)"
+        )

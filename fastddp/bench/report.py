@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import os
 
 
 def table(title, columns, rows):
@@ -25,6 +26,32 @@ def table(title, columns, rows):
     # Wide enough for every column, also into a file or a pipe (rich drops what does not fit).
     need = sum(max([len(c), *(len(r[i]) for r in rows)]) + 3 for i, c in enumerate(columns)) + 1
     Console(width=max(120, Console().width, need)).print(t)
+
+
+def record(args, env, nodes) -> dict:
+    """What a result file needs beside its rows to be read later: the command, every option
+    (defaults included), when, where, on what, and the ranks."""
+    import datetime
+    import platform
+
+    import torch
+
+    from fastddp._version import __version__
+
+    options = {k: v for k, v in vars(args).items() if k != "command"}
+    return {
+        "command": args.command,
+        "options": options,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "torch": torch.__version__,
+        "fastddp": __version__,
+        "world_size": env.world_size,
+        "backend": env.backend,
+        "device": str(env.device),
+        "nodes": nodes,
+    }
 
 
 def write_json(path, payload):

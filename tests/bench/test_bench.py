@@ -78,6 +78,10 @@ def test_allreduce_sweep_columns_json_and_plot(tmp_path):
     data = json.loads(out.read_text())
     rows = data["rows"]
     assert data["world_size"] == 2
+    # What the file needs to be read later: the command, every option, when and on what.
+    assert data["command"] == "python -m fastddp.bench " + " ".join(args)
+    assert data["options"]["max_iters"] == 5 and data["options"]["nproc"] == 2
+    assert data["date"].startswith("20") and data["torch"] == torch.__version__
     # By default every mode but the presets with error feedback, which one message cannot show.
     modes = allreduce.MODES
     assert {"fastddp-bf16", "fastddp-bf16-acc", "fastddp-int8"} < set(modes)
@@ -88,7 +92,9 @@ def test_allreduce_sweep_columns_json_and_plot(tmp_path):
         t = r["time_us"] * 1e-6
         assert r["count"] * 4 == r["size"]
         assert r["algbw_gbs"] == pytest.approx(r["size"] / t / 1e9)
-        assert r["busbw_gbs"] == pytest.approx(r["wire_bytes"] * 2 * (2 - 1) / 2 / t / 1e9)
+        assert r["busbw_gbs"] == pytest.approx(r["sent_bytes"] / t / 1e9)
+        assert r["sent_bytes"] == r["wire_bytes"]  # 2(n-1)/n of the payload, n = 2
+        assert r["cross_node_bytes"] == 0
         if r["mode"] == "noop":
             assert r["rel_err"] is None and r["wire_bytes"] == 0
             continue
@@ -208,6 +214,29 @@ def test_fsdp_step_benchmark(tmp_path, capsys):
     assert "sent/step" in res.stdout and "vs hsdp" in res.stdout
 
 
+def test_allreduce_counts_what_a_two_level_reduction_sends(tmp_path):
+    # 2 pretend nodes of 2 ranks: a ring in rank order crosses nodes twice; the two-level
+    # reduction's bytes are fastddp's own count per call, not a ring's.
+    out = tmp_path / "ar.json"
+    args = ["allreduce", "--nproc", "4", "--pretend-nodes", "2", "--min-size", "64K"]
+    args += ["--max-size", "64K", "--min-seconds", "0", "--max-iters", "1", "--json", str(out)]
+    res = _run([*args, "--modes", "fp32", "fastddp-bf16", "--topologies", "flat", "hierarchical"])
+    assert res.returncode == 0, res.stderr
+    assert "all-reduce, 4 ranks, gloo on cpu, 2 nodes" in res.stdout
+    data = json.loads(out.read_text())
+    assert data["nodes"] == 2
+    rows = {r["mode"]: r for r in data["rows"]}
+    ring = 2 * 3 * 65536 // 4  # 2(n-1)/n of the payload, n = 4
+    assert rows["fp32"]["sent_bytes"] == ring and rows["fp32"]["cross_node_bytes"] == 2 * ring
+    flat, hier = rows["fastddp-bf16/flat"], rows["fastddp-bf16/hier"]
+    assert flat["cross_node_bytes"] == rows["fp32"]["cross_node_bytes"] // 2
+    assert hier["topology"] == "hierarchical" and flat["topology"] == "flat"
+    # Each rank all-reduces its node's shard (16384 / 2 elements in bf16) with its peer on
+    # the other node: a ring of 2 sends the whole shard once.
+    assert hier["cross_node_bytes"] == 4 * (16384 // 2) * 2
+    assert hier["sent_bytes"] != flat["sent_bytes"]
+
+
 def test_allreduce_of_the_packed_codes(tmp_path):
     # One call with error feedback: a step of int4's and int2's blocks is the bound.
     out = tmp_path / "ar.json"
@@ -260,13 +289,41 @@ def test_sizes_and_counts_read_as_their_help_writes_them():
         (["ddp", "--nproc-per-node", "3"], "--nproc-per-node needs --link"),
         (["ddp", "--link="], "--link needs a rate"),
         (["fsdp", "--topologies", "flat"], "--topologies applies to allreduce and ddp"),
-        (["hook-cost", "--modes", "fp32", "fp32"], "--modes names a mode twice"),
+        (["hook-cost", "--modes", "fp32", "fp32"], "--modes names one twice"),
+        (["allreduce", "--topologies", "flat", "flat"], "--topologies names one twice"),
+        (["ddp", "--params", "infM"], "argument --params: invalid count value: 'infM'"),
+        (["allreduce", "--min-size", "infK"], "--min-size infK: give bytes"),
+        (["ddp", "--params", "1M", "--width", "1"], "is 500000 layers (at most 1024)"),
+        (["ddp", "--layers", "3"], "--layers sizes the transformer (--model transformer)"),
+        (["ddp", "--model", "transformer", "--params", "5M"], "--params sizes the mlp"),
+        (["convergence", "--lr", "nan"], "--lr must be a finite number"),
+        (["fsdp", "--lr", "-1"], "--lr must be positive"),
+        (["convergence", "--max-factor", "inf"], "--max-factor must be a finite number"),
+        (["convergence", "--fp32-probe", "5"], "--fp32-probe times fp32 in place of an earlier"),
+        (["ddp", "--json", ""], "--json needs a file name"),
+        (["ddp", "--pretend-nodes", "3"], "--pretend-nodes splits the spawned --nproc ranks"),
         (["hook-cost", "--modes", "torch-fp16"], "hook-cost measures each hook against plain"),
     ],
 )
 def test_bad_options(args, message, capsys):
     # Refused by the command line's checks, before any rank starts: run in this process.
     assert _refused(args, capsys) == 2 and message in capsys.readouterr().err
+
+
+def test_an_fp32_curve_of_another_run_is_refused(tmp_path, capsys):
+    # The earlier run's JSON records its options: a curve of another model or other steps
+    # would be timed here as if it were this run's.
+    earlier = tmp_path / "earlier.json"
+    row = {"mode": "fp32", "curve": [[5, 0.1, 3.0]], "steps": 20, "params": 51776}
+    options = {"width": 32, "layers": 1, "heads": 4, "steps": 20}
+    earlier.write_text(json.dumps({"world_size": 2, "options": options, "rows": [row]}))
+    args = ["convergence", "--fp32-from", str(earlier), "--heads", "4", "--steps", "20"]
+    assert _refused([*args, "--width", "64", "--layers", "2"], capsys) == 2
+    err = capsys.readouterr().err
+    assert "ran with --width 32 (here 64), --layers 1 (here 2)," in err, err
+    assert "a model of 51776 parameters (here 178016)" in err, err
+    assert _refused([*args, "--width", "32", "--layers", "1", "--nproc", "4"], capsys) == 2
+    assert "2 ranks (here 4)" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
@@ -566,3 +623,17 @@ def test_hook_overhead_times_each_hook_after_autos_plan(tmp_path):
 def test_bad_sizes_and_unwritable_outputs_are_refused_before_the_sweep(args, message, capsys):
     assert _refused(["allreduce", *args], capsys) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["accuracy", "convergence", "exit_check", "gpt_auto", "gpu_bandwidth", "gpu_step_cost",
+     "gpu_step_profile", "hook_overhead", "link_sweep", "process_cpu", "restart_stress",
+     "rotation", "soak", "trial_noise"],
+)  # fmt: skip
+def test_every_script_refuses_an_output_it_could_not_write_before_it_runs(name, capsys):
+    module = importlib.import_module(f"benchmarks.{name}")
+    with pytest.raises(SystemExit) as e:
+        module.main(["--json", "/nonexistent/folder/x.json"])
+    assert e.value.code == 2
+    assert "--json /nonexistent/folder/x.json: the folder" in capsys.readouterr().err
