@@ -32,6 +32,13 @@ def unpack(state_dict: dict[str, bytes], where: str) -> Any:
     blob = state_dict.get(key)
     if not isinstance(blob, bytes) or not blob:
         saved = sorted(k for k in state_dict if isinstance(k, str))
+        same_size = [k for k in saved if k.endswith(f"_of_{dist.get_world_size()}")]
+        if len(saved) == 1 and same_size:  # one rank's own file, given to another rank
+            raise ValueError(
+                f"{where}: this is rank {dist.get_rank()}, and the state loaded here is "
+                f"{saved[0].split('_of_')[0].replace('rank', 'rank ')}'s ({saved[0]}): load "
+                "into every rank the state that same rank saved"
+            )
         raise ValueError(
             f"{where}: the checkpoint holds no state for {key} (it holds "
             f"{saved[:4]}{'...' if len(saved) > 4 else ''}): it was saved by a job of another "
@@ -49,9 +56,11 @@ class LoadCheck:
     may be found on some ranks only, as when one rank is given another's file. Raised there
     alone, it would leave the others waiting in the first reduction's collective until the
     process group's timeout. So a load before the first reduction keeps its error, and the
-    first reduction agrees, over the job's default group, whether any rank has one: every rank
-    then raises, naming the ranks. A load after the first reduction cannot be agreed on
-    without a collective of its own and raises where it fails, as before.
+    first reduction agrees, over the group that reduction runs on, whether any rank has one:
+    every rank of it then raises, naming the ranks. (Not over the default group: under
+    pipeline parallelism, stages reach their first reduction at different times, one waiting
+    for the other's backward.) A load after the first reduction cannot be agreed on without a
+    collective of its own and raises where it fails, as before.
     """
 
     def __init__(self, where: str) -> None:
@@ -70,18 +79,22 @@ class LoadCheck:
         else:
             self.problem = None
 
-    def agree(self, device: torch.device) -> None:
-        """Before the first reduction (one all-reduce of ``world_size`` int32s on ``device``):
-        raise on every rank if a load failed on any."""
+    def agree(self, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> None:
+        """Before the first reduction (one all-reduce of a group's size of int32s on ``device``
+        over ``group``, the default one when None): raise on every rank of ``group`` if a load
+        failed on any."""
         if self.agreed:
             return
         self.agreed = True
-        world, rank = dist.get_world_size(), dist.get_rank()
-        failed = torch.zeros(world, dtype=torch.int32, device=device)
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        failed = torch.zeros(size, dtype=torch.int32, device=device)
         failed[rank] = int(self.problem is not None)
-        if world > 1:
-            dist.all_reduce(failed)
+        if size > 1:
+            dist.all_reduce(failed, group=group)
         ranks = [r for r, bad in enumerate(failed.tolist()) if bad]
+        if group is not None:  # named by their rank in the job, as the error of each says
+            ranks = [dist.get_global_rank(group, r) for r in ranks]
+        world = dist.get_world_size()
         if not ranks:
             return
         why = self.problem if self.problem is not None else "each of them raises the reason"

@@ -67,6 +67,8 @@ class HybridAllReduce:
         self._numels: dict[int, int] = {}
         self._calls = 0
         self._load = LoadCheck(_WHERE)
+        if reduce_scatter is not None:
+            reduce_scatter._agree_on_world = True
         for index, (_, module) in enumerate(modules):
             module.set_all_reduce_hook(self._hook_for(index, module))
 

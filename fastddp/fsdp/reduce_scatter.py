@@ -107,6 +107,10 @@ class CompressedReduceScatter(ReduceScatter):
         self.group_key: Any = None  # the group being reduced, set by its module's door
         self._buffers = Buffers()
         self._load = LoadCheck("CompressedReduceScatter")
+        # Whether a failed load is agreed on over every rank of the job rather than the group
+        # reduced: hybrid() sets it, whose later cross-node reduction would wait for the ranks
+        # of another shard group that raised.
+        self._agree_on_world = False
         self._counters = dict.fromkeys(("calls", "wire_bytes", "fp32_wire_bytes", "elements"), 0)
 
     def __repr__(self) -> str:
@@ -147,7 +151,7 @@ class CompressedReduceScatter(ReduceScatter):
         chunk = output_tensor.numel()
         pre, post = self._check(output_tensor, input_tensor, world, op, async_op)
         if self.error_feedback:  # the same on every rank: only a comm with residuals loads any
-            self._load.agree(input_tensor.device)
+            self._load.agree(input_tensor.device, None if self._agree_on_world else group)
         if chunk == 0:
             return None
         src = input_tensor.view(-1)

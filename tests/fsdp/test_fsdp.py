@@ -279,6 +279,46 @@ def test_error_feedback_keeps_the_sum_of_many_steps_exact():
     run_ranks(_feedback, 2, timeout=120)
 
 
+def _stages(rank, world):
+    # Two pipeline stages of 2 ranks, each with a comm of its own over its own group. Stage 1
+    # reduces first and then sends to stage 0, which waits for that before it reduces, as in a
+    # pipeline's backward: the first reduction's check of what was loaded must stay within
+    # the group reduced (over every rank, stage 1 would wait for stage 0, and stage 0 for it).
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    stage, chunk = rank // 2, 256
+    comm = CompressedReduceScatter(torch.int8, error_feedback=True)
+    door = _GroupDoor(comm, 0)
+    x = torch.randn(2 * chunk, generator=torch.Generator().manual_seed(rank))
+    out, token = torch.empty(chunk), torch.zeros(1)
+    if stage == 1:
+        door(out, x.clone(), groups[stage], ReduceOp.AVG)
+        dist.send(token, rank - 2)
+    else:
+        dist.recv(token, rank + 2)
+        door(out, x.clone(), groups[stage], ReduceOp.AVG)
+    inputs = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(inputs, x)
+    mine = stage * 2 + torch.arange(2)
+    exact = torch.stack([inputs[r] for r in mine.tolist()]).mean(0)
+    exact = exact[(rank % 2) * chunk : (rank % 2 + 1) * chunk]
+    assert (out - exact).abs().max() <= 2**-6 * exact.abs().max()
+    # A failed load is still found on every rank of the group, named by its rank in the job.
+    comm = CompressedReduceScatter(torch.int8, error_feedback=True)
+    if rank == 3:
+        comm.load_state_dict({"rank0_of_4": b"not this rank's"})
+    door = _GroupDoor(comm, 0)
+    if stage == 1:
+        with pytest.raises(ValueError, match=r"failed on rank\(s\) \[3\] of 4"):
+            door(out, x.clone(), groups[stage], ReduceOp.AVG)
+    else:
+        door(out, x.clone(), groups[stage], ReduceOp.AVG)
+
+
+@pytest.mark.multiproc
+def test_error_feedback_of_pipeline_stages_checks_its_load_within_its_group():
+    run_ranks(_stages, 4, timeout=120)
+
+
 def _flat_resume(rank, world, path):
     def build():
         torch.manual_seed(0)
