@@ -115,7 +115,9 @@ def _decide(
         "model": None,
         "rounds": [list(r) for r in trial.rounds],  # the candidates of each measured round
         "round_ms": [dict(r) for r in trial.round_ms],  # and what each left them at
-        "left": list(alive),  # and those left after the last
+        # And those left after the last, in allow order, which is the order of accuracy the
+        # per-bucket search keeps (the trial's turns may run "none" last).
+        "left": [n for n in allow if n in alive],
         # What each level of the network gave the trial's collectives (links.py).
         "links": measured_links,
     }

@@ -90,6 +90,9 @@ def _plan_alike(rank, world, trial, cpp):
         auto.ELIMINATE, auto.RUNOFF = (float("inf"),) * 2, float("inf")  # their figures
     elif trial == "none-favoured":  # "none" ranked infinitely fast: it alone survives round 1
         auto.PLAIN_EDGE = float("inf")
+    elif trial == "none-in-run-off":  # no candidate dropped, and "none" in the run-off (with
+        auto.ELIMINATE, auto.RUNOFF = (float("inf"),) * 2, float("inf")  # C++ turns: run last)
+        auto.PLAIN_EDGE = 1e6
     # No re-plan: steps of a few ms vary twofold on a shared machine, enough for two checks in
     # a row to see a changed step and start another trial (re-plans have tests of their own).
     auto.MARGIN = float("inf")
@@ -110,9 +113,15 @@ def _plan_alike(rank, world, trial, cpp):
     rounds = plan["rounds"]
     assert rounds[0] == list(allow) and 1 <= len(rounds) <= auto.TRIAL_ROUNDS - 1 + 3
     assert [sorted(r) for r in plan["round_ms"]] == [sorted(r) for r in rounds]
-    assert _next_rounds(plan["round_ms"], cpp) == rounds[1:] + [plan["left"]]
-    if trial == "run-off":
+    expected = _next_rounds(plan["round_ms"], cpp)
+    assert expected[:-1] == rounds[1:] and sorted(expected[-1]) == sorted(plan["left"])
+    # The candidates left are in allow order, the order of accuracy the per-bucket search
+    # keeps, also where the turns ran "none" last (fastddp.register_comm_hook).
+    assert plan["left"] == [n for n in auto.DEFAULT_ALLOW if n in plan["left"]], plan["left"]
+    if trial in ("run-off", "none-in-run-off"):
         assert len(rounds) == auto.TRIAL_ROUNDS - 1 + auto.RUNOFF_ROUNDS, rounds
+    if trial == "none-in-run-off":
+        assert "none" in plan["left"] and len(plan["left"]) == 2, plan
     elif trial == "none-favoured":
         assert len(rounds) == 1 and plan["left"] == ["none"] and plan["mode"] == "none", plan
     trial = [allow[0], *[n for n in allow if n != "none"], *[n for r in rounds for n in r]]
@@ -234,7 +243,7 @@ def test_each_level_of_two_nodes_is_timed_apart():
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("cpp", [False, True], ids=["python", "register_comm_hook"])
-@pytest.mark.parametrize("trial", ["as-measured", "run-off", "none-favoured"])
+@pytest.mark.parametrize("trial", ["as-measured", "run-off", "none-favoured", "none-in-run-off"])
 def test_the_plan_is_made_by_trial_and_alike_on_every_rank(trial, cpp):
     run_ranks(_plan_alike, 2, trial, cpp)
 
