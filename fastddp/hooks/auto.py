@@ -163,7 +163,7 @@ class AutoState(CompressState):
             self._checked, cpp = True, self._switch is not None  # the turns' order depends on cpp
             plan = None if self._plan is None else candidates.spelled(self._using, self._plan)
             trial.agree(self.allow, _rules(), cpp, self.process_group, device, plan)
-            candidates.verify(self._states, device, self._plan)  # a bad path fails now
+            candidates.verify(self._states, device, self._plan, self._using)  # fails now
             self._stamp = links.stamper(device, self.process_group)
         if last is not None:
             self._owed.settle_moves(self._states, self._held, last.held, self.process_group)

@@ -85,28 +85,34 @@ def make(allow: tuple[str, ...], process_group, topology: str, seed: int) -> dic
     return states
 
 
-def verify(states: dict[str, CompressState], device: torch.device, plan: Any) -> None:
-    """At the first step of a fresh trial, check on every rank that each candidate naming the
-    two-level path can take it on this group's nodes.
+def verify(
+    states: dict[str, CompressState], device: torch.device, plan: Any, using: Assignment
+) -> None:
+    """At the first step, check on every rank that each candidate naming the two-level path
+    that will run can take it on this group's nodes: every one in a fresh trial; in a run
+    resumed with a ``plan``, those it uses (``using``; its ``allow`` cannot change, and the
+    others raise only if a re-plan's trial reaches them).
 
     Raises the same ``ValueError`` on every rank, naming the candidate, if one cannot (nodes
-    with different numbers of ranks), rather than when the trial reaches it. A run resumed
-    with a ``plan`` is left to run it (its ``allow`` cannot change): such a candidate raises
-    only if a re-plan's trial reaches it.
+    with different numbers of ranks), rather than when a bucket reaches it.
     """
-    if plan is not None:
-        return
+    runs = set(states) if plan is None else {using} if isinstance(using, str) else set(using)
     for name, state in states.items():
-        if not name.endswith(":hierarchical") or state._verified:
+        if not name.endswith(":hierarchical") or name not in runs or state._verified:
             continue
         try:
             _verify(state, device)
         except UnevenNodes as e:
+            fix = (
+                f"Leave {name!r} out of allow"
+                if plan is None
+                else "The plan loaded uses it: resume on the nodes the plan was made on, or "
+                "load a state dict without its 'plan' (a fresh trial then chooses)"
+            )
             raise ValueError(
                 f"fastddp: dtype='auto' cannot run its candidate {name!r}: the two-level path "
                 f"needs the same number of ranks on every node, but the group has "
-                f"{e.topo.describe()}. Leave {name!r} out of allow, or launch the same number "
-                "of ranks per node"
+                f"{e.topo.describe()}. {fix}, or launch the same number of ranks per node"
             ) from None
 
 

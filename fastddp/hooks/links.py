@@ -43,7 +43,9 @@ def level_of(role: str, topo: Any) -> str:
         return role
     if len(topo.nodes) == 1:
         return "intra"
-    return "cross" if topo.per_node == 1 else "flat"
+    # From the whole layout, not this rank's node: with uneven nodes (3 + 1) every rank must
+    # file the same collective under the same level, or the levels' times do not add up.
+    return "cross" if max(len(n) for n in topo.nodes) == 1 else "flat"
 
 
 def stamper(device: torch.device, group: Optional[dist.ProcessGroup]) -> Optional[Callable]:

@@ -140,6 +140,23 @@ def _uneven(rank, world):
     assert "node 0: ranks [0, 1], node 1: ranks [2]. Leave 'int8-ef:hierarchical' out" in str(
         info.value
     )
+    # Resumed with a plan (made on other nodes): refused alike where the plan uses it, and
+    # the error says so; a plan that does not use it runs.
+    for using, refused in (("int8-ef:hierarchical", True), ("bf16", False)):
+        saved = fastddp.CompressState(**auto).state_dict()
+        saved["plan"] = {"mode": using, "buckets": None, "planned_ms": 1.0}
+        model = _ddp(_Net(depth=3))
+        state = fastddp.CompressState(**auto)
+        state.load_state_dict(saved)
+        model.register_comm_hook(state, fastddp.compress_hook)
+        try:
+            model(torch.randn(8, 24)).square().mean().backward()
+        except ValueError as e:
+            assert refused, e
+            assert "cannot run its candidate 'int8-ef:hierarchical'" in str(e), e
+            assert "The plan loaded uses it: resume on the nodes the plan was made on" in str(e)
+        else:
+            assert not refused and state.stats()["mode"] == using
     # Ranks that disagree on the setting: refused on every rank too.
     topology = "flat" if rank == 0 else "auto"
     with pytest.raises(ValueError, match="ranks disagree") as info:
@@ -298,3 +315,14 @@ def _groups_made_alike(rank, world, node_of_rank):
 
 def test_every_rank_makes_every_node_group_in_one_order():
     run_ranks(_groups_made_alike, 4, [0, 0, 1, 1])
+
+
+def test_a_collective_over_every_rank_has_one_level_on_every_rank():
+    # Uneven nodes (3 + 1): the lone rank's node has one rank, but a collective over every
+    # rank crosses both levels on every rank (auto's links figures add the ranks' levels up).
+    from fastddp.hooks import links
+    from fastddp.hooks.topology import Topology
+
+    for hashes, want in (([7, 7, 7, 9], "flat"), ([7, 9, 5], "cross"), ([7, 7], "intra")):
+        levels = {links.level_of("group", Topology(hashes, r)) for r in range(len(hashes))}
+        assert levels == {want}, (hashes, levels)
