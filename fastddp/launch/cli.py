@@ -123,7 +123,9 @@ def _summary(args: argparse.Namespace, info: dict) -> None:
         if k.startswith(("NCCL_", "GLOO_", "FASTDDP_", "MASTER_", "OMP_NUM_THREADS"))
     }
     lines = [
-        f"nodes {args.nnodes}, {nproc} processes per node, world size {max_nodes * nproc}",
+        # This node's count: another node may run more or fewer (torch sums them).
+        f"nodes {args.nnodes}, {nproc} worker(s) on this node, world size "
+        + (f"{max_nodes * nproc} if every node runs {nproc}" if max_nodes > 1 else str(nproc)),
         f"rendezvous {args.rdzv_backend} at {info.get('master')}",
         f"interface {info.get('interface')}  torch {torch.__version__}  NCCL {nccl}",
         "environment " + (" ".join(f"{k}={v}" for k, v in env.items()) or "(none relevant)"),

@@ -170,6 +170,8 @@ def test_a_launcher_waiting_for_the_other_nodes_stops_on_a_signal(tmp_path, sign
         proc.kill()
         proc.wait()
     told = err.read_text()
+    # (Node 0 knows its own workers only: another node may run more or fewer.)
+    assert "nodes 2, 1 worker(s) on this node, world size 2 if every node runs 1" in told, told
     assert rc == 128 + signum, told
     assert told.rstrip().endswith(f"fastddp.launch: stopped by {signum.name}"), told
     assert "Traceback" not in told, told
