@@ -81,6 +81,8 @@ def _check_ranks(
         "node": f"node {node_rank}" if node_rank is not None else os.environ.get(NODE_ENV, host),
         "device": str(device),
         "settings": _settings_fingerprint(),
+        "given": os.environ.get(NODE_ENV) or None,
+        "node_rank": node_rank,
     }
     world = dist.get_world_size()
     everyone: list = [None] * world
@@ -103,12 +105,29 @@ def _check_ranks(
                 f"{info['settings']} vs {everyone[0]['settings']}; start every rank with the "
                 "same fastddp/torch versions and FASTDDP_* variables"
             )
+    problems += _merged_nodes(everyone)
     if problems:
         raise ClusterError("fastddp.init_distributed: " + "; ".join(problems))
     nodes = list(dict.fromkeys(info["node"] for info in everyone))  # in rank order
     local = sum(1 for info in everyone if info["node"] == mine["node"])
     index = node_rank if node_rank is not None else nodes.index(mine["node"])
     return local, index, len(nodes)
+
+
+def _merged_nodes(everyone: list[dict]) -> list[str]:
+    """A node id of ``FASTDDP_NODE_ID`` given to ranks the launcher put on different nodes:
+    the hooks would take them for one node and send their intra-node stage between nodes."""
+    launcher_nodes: dict[str, set] = {}
+    for info in everyone:
+        if info["given"] is not None and info["node_rank"] is not None:
+            launcher_nodes.setdefault(info["given"], set()).add(info["node_rank"])
+    return [
+        f"{NODE_ENV}={given!r} names ranks on the launcher's nodes {sorted(nodes)} as one node, "
+        "so the two-level reductions would send their inside-a-node stage between nodes; unset "
+        f"{NODE_ENV}, or give each node an id of its own"
+        for given, nodes in launcher_nodes.items()
+        if len(nodes) > 1
+    ]
 
 
 def init_distributed(

@@ -499,6 +499,16 @@ def test_mismatched_settings_fail_on_every_rank():
         assert "rank 1 runs with different fastddp settings than rank 0" in out, out
 
 
+def test_one_node_id_over_two_launcher_nodes_fails_every_rank():
+    # FASTDDP_NODE_ID copied to every node: the hooks would take the two nodes for one.
+    cmds, envs = _plain_env_ranks(2, FASTDDP_NODE_ID="rack7")
+    for rank, env in enumerate(envs):
+        env.update(GROUP_RANK=str(rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    for rc, out in _run_all(cmds, envs=envs):
+        assert rc != 0
+        assert "FASTDDP_NODE_ID='rack7' names ranks on the launcher's nodes [0, 1]" in out, out
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a rank that sees no GPU")
 def test_a_rank_that_cannot_start_fails_every_rank():
     # Rank 1 asks for NCCL where torch sees no GPU, as on a node whose driver shows none. It
