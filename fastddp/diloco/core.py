@@ -85,9 +85,10 @@ class DiLoCo:
         overlap: bool = False,
     ) -> None:
         args = (sync_every, outer_lr, outer_momentum)
-        problems = checks.local_problems(model, *args, compress, nesterov, overlap)
-        self.settings = checks.settings_of(model, *args, nesterov, compress, overlap)
-        rows = checks.exchange(model, self.settings, problems, group)
+        inner = getattr(model, "_orig_mod", model)  # torch.compile(DDP(...)): the DDP inside
+        problems = checks.local_problems(inner, *args, compress, nesterov, overlap)
+        self.settings = checks.settings_of(inner, *args, nesterov, compress, overlap)
+        rows = checks.exchange(inner, self.settings, problems, group)
         topo = checks.verdict(rows, dist.get_rank(group), group)
         topo.make_groups(group, hierarchical=True)
         if overlap:
@@ -107,7 +108,7 @@ class DiLoCo:
         self.nodes, self.per_node = len(topo.nodes), topo.per_node
         self._intra, self._cross = topo.groups["intra"], topo.groups["cross"]
         self._wire = CrossAverage(compress, self._cross, self.nodes)
-        module = model.module if isinstance(model, DDP) else model
+        module = inner.module if isinstance(inner, DDP) else inner
         params = [p for p in module.parameters() if p.requires_grad]
         self._shards = Shards(params, self.per_node, topo.local_rank, self._wire.block * self.nodes)
         size, device = self._shards.size, self._shards.device

@@ -93,6 +93,8 @@ def _refused(rank, world, cases):
             model = module
         elif case == "DDP over every rank":
             model = DDP(module)
+        elif case == "compiled DDP over its node":
+            model = torch.compile(DDP(module, process_group=fastddp.DiLoCo.node_group()))
         else:
             model = DDP(module, process_group=fastddp.DiLoCo.node_group())
             name, where, value = case
@@ -149,6 +151,8 @@ def test_a_model_not_in_ddp_over_its_node_fails_alike_on_every_rank():
     assert "DDP(model, process_group=fastddp.DiLoCo.node_group())" in out[0][0]
     out = run_ranks(_refused, 2, ["DDP over every rank"], nodes=[0, 1])
     assert out[0] == out[1] and "rank 1: DDP over ranks [0, 1], its node has ranks [1]" in out[0][0]
+    # torch.compile's wrapper is looked through: the DDP inside is over its node.
+    assert run_ranks(_refused, 2, ["compiled DDP over its node"], nodes=[0, 0]) == [[None]] * 2
 
 
 def _uneven(rank, world):
