@@ -128,14 +128,30 @@ class HybridAllReduce:
         }
 
     def state_dict(self) -> dict[str, bytes]:
-        """This rank's cross-node state (residuals, counters), serialised under a key naming
-        its rank (``rank<r>_of_<world>``): DCP keeps one copy of values saved under one key."""
-        return pack(self.state.state_dict())
+        """This rank's cross-node state (residuals, counters) and the job's layout (nodes x
+        ranks per node), serialised under a key naming its rank (``rank<r>_of_<world>``): DCP
+        keeps one copy of values saved under one key."""
+        layout = [self.nodes, self.ranks_per_node]
+        return pack({"layout": layout, "state": self.state.state_dict()})
 
     def load_state_dict(self, state_dict: dict[str, bytes]) -> None:
         """Restore what :meth:`state_dict` saved on this rank of a job of the same shape. Call
         it on every rank: what does not fit is raised on every rank at the first reduction."""
-        self._load.load(state_dict, self.state.load_state_dict)
+        self._load.load(state_dict, self._restore)
+
+    def _restore(self, saved: dict[str, Any]) -> None:
+        if "layout" in saved:  # (states saved before the layout was kept hold the state alone)
+            nodes, per_node = saved["layout"]
+            if (nodes, per_node) != (self.nodes, self.ranks_per_node):
+                raise ValueError(
+                    f"{_WHERE}: the state was saved by a job of {nodes} nodes x {per_node} "
+                    f"ranks, and this one has {self.nodes} x {self.ranks_per_node}: its "
+                    "residuals belong to the shards of that layout. Resume on the same nodes "
+                    'and ranks per node, or leave "fastddp" out of what you load (the '
+                    "residuals then start from zero)"
+                )
+            saved = saved["state"]
+        self.state.load_state_dict(saved)
 
 
 def hybrid(

@@ -107,6 +107,9 @@ def _resume(rank, world, path):
 
     with pytest.raises(ValueError, match="saved by a job of another size"):
         comm.load_state_dict({"rank9_of_16": b"x"})
+    # The same size, other nodes (4 x 1 against 2 x 2): the layout is kept with the state.
+    with pytest.raises(ValueError, match="saved by a job of 4 nodes x 1 ranks, and this one has"):
+        comm._restore({"layout": [4, 1], "state": comm.state.state_dict()})
     w.swapped_files_fail_every_rank(path, rank, lambda: w.build(mesh, "int8-ef"), "hybrid")
 
 
