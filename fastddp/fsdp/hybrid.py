@@ -66,6 +66,9 @@ class HybridAllReduce:
         self._names = [name for name, _ in modules]
         self._numels: dict[int, int] = {}
         self._calls = 0
+        # Per module, the sum of the shards FSDP2 reduced with all-reduce turned off
+        # (set_requires_all_reduce(False)), in fp32, until the next one that all-reduces.
+        self._partial: dict[int, torch.Tensor] = {}
         self._load = LoadCheck(_WHERE)
         if reduce_scatter is not None:
             reduce_scatter._agree_on_world = True
@@ -102,13 +105,33 @@ class HybridAllReduce:
             )
         self._numels[index] = numel
         self._load.agree(output.device)
-        self._calls += 1
         if self.nodes == 1:
             return
+        if not _param_group(module).all_reduce_grads:
+            # set_requires_all_reduce(False): as native HSDP, keep the node's sum for the
+            # next reduction and leave nothing for FSDP2 to add to the gradient now.
+            partial = self._partial.get(index)
+            if partial is None:
+                self._partial[index] = flat.to(torch.float32, copy=True)
+            elif partial.numel() != numel:
+                raise ValueError(
+                    f"{_WHERE}: {self._names[index] or 'the root module'}'s reduce-scattered "
+                    f"gradient had {partial.numel()} elements in an earlier micro-batch without "
+                    f"all-reduce and has {numel} now: give every parameter a gradient in each "
+                    "micro-batch"
+                )
+            else:
+                partial += flat
+            flat.zero_()
+            return
+        self._calls += 1
         # FSDP2 divides by the shard group's size (its average); the hook adds the nodes'. With a
         # gradient_divide_factor the user's factor is the whole division, and nodes are summed.
         average = _param_group(module).gradient_divide_factor is None
         work = flat if flat.dtype == torch.float32 else flat.float()
+        partial = self._partial.pop(index, None)
+        if partial is not None:  # what the micro-batches without all-reduce left
+            work += partial
         params = ((index, numel),)
         _reduce(self.state, work, index, is_last=True, average=average, params=params).wait()
         if work is not flat:

@@ -62,16 +62,21 @@ def build(
     return model, opt, comm
 
 
-def steps(model, opt, rank: int, first: int, count: int, *, accumulate=1, clip=None):
+def steps(model, opt, rank: int, first: int, count: int, *, accumulate=1, clip=None,
+          sync="gradient"):  # fmt: skip
     """Train steps ``first .. first + count - 1`` (each rank its own batches, fixed per step);
-    return the first step's sharded gradients and the losses."""
+    return the first step's sharded gradients and the losses. With ``accumulate``
+    micro-batches, all but the last skip FSDP2's gradient sync (``sync="gradient"``), or only
+    its all-reduce across nodes (``"all-reduce"``, HSDP's accumulation)."""
     grads, losses = None, []
     for step in range(first, first + count):
         for micro in range(accumulate):
             data = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
             tokens = torch.randint(0, 61, (4, 17), generator=data).to(model.head.weight.device)
-            if accumulate > 1:
+            if accumulate > 1 and sync == "gradient":
                 model.set_requires_gradient_sync(micro == accumulate - 1)
+            elif accumulate > 1:
+                model.set_requires_all_reduce(micro == accumulate - 1)
             loss = Decoder.loss(model(tokens[:, :-1]), tokens[:, 1:])
             loss.backward()
         if clip is not None:

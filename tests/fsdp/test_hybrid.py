@@ -36,6 +36,7 @@ CASES = [
     ("int8-ef", {"mp": MixedPrecisionPolicy(reduce_dtype=BF16)}),
     ("bf16-acc", {"divide_factor": 8.0, "force_sum": True}),  # Gloo has no PREMUL_SUM
     ("int8-ef", {"accumulate": 2, "clip": 0.05}),
+    ("int8-ef", {"accumulate": 3, "sync": "all-reduce"}),  # one reduction across nodes a step
     ("int8-ef", {"prefetch": True}),
 ]
 
@@ -53,7 +54,7 @@ def _parity(rank, world):
     mesh = _two_nodes(rank)
     references = {}  # native HSDP's gradients, by its own settings (several cases share one)
     for mode, options in CASES:
-        train = {k: options[k] for k in ("accumulate", "clip") if k in options}
+        train = {k: options[k] for k in ("accumulate", "clip", "sync") if k in options}
         setup = {k: v for k, v in options.items() if k not in train}
         native = {k: v for k, v in options.items() if k not in ("reduce_scatter", "prefetch")}
         key = repr(sorted(native.items()))
