@@ -15,8 +15,8 @@ def _report(signum: int) -> None:
 stop.install(_report)
 try:
     code = main()
-except KeyboardInterrupt as e:  # before torch's agent handles signals (preflight, rendezvous)
-    signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
+except (stop.Stopped, KeyboardInterrupt) as e:  # before torch's agent handles signals
+    signum = int(getattr(e, "sigval", signal.SIGINT))
     if stop.taken():
         _report(signum)
     code = 128 + signum

@@ -14,7 +14,7 @@ from typing import Optional
 from torch.distributed import run as torchrun
 
 from fastddp.cluster import ClusterError, launcher_settings
-from fastddp.launch import options, store
+from fastddp.launch import options, stop, store
 from fastddp.launch.preflight import Decisions, LaunchError, apply, gpus_visible, preflight, say
 
 __all__ = ["build_parser", "main"]
@@ -194,10 +194,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     config, cmd, cmd_args = torchrun.config_from_args(run_args)
     # Without --log-dir, torch makes a folder under /tmp for every launch and leaves it behind.
     made = None if run_args.log_dir else getattr(config.logs_specs, "root_log_dir", None)
+    forget = stop.at_stop(lambda: _prune_empty(made)) if made else None
     try:
         return _launch(args, run_args, plan, local, config, cmd, cmd_args)
     finally:
         if made:
+            forget()
             _prune_empty(made)
 
 
@@ -221,7 +223,10 @@ def _launch(args, run_args, plan, local, config, cmd, cmd_args) -> int:
         say(f"error: {e}")
         return 1
     except SignalException as e:  # Ctrl-C, or a scheduler's SIGTERM: torch stopped the workers
-        say(f"stopped by {e.sigval.name}; the workers were stopped")
+        if not isinstance(e, stop.Stopped):
+            say(f"stopped by {e.sigval.name}; the workers were stopped")
+        elif stop.taken():  # before any worker started (stop.py)
+            say(f"stopped by {e.sigval.name}")
         return 128 + int(e.sigval)
     return 0
 

@@ -7,23 +7,35 @@ minutes later. The C-level handler still writes the signal's number to the wake-
 reading it ends the process when the main thread has not taken the signal within a second. It
 acts only while the handler is this module's and the launcher has no child process: from then
 on something must be stopped, which torch's handlers (or the main thread) do.
+
+The handler raises :class:`Stopped`, a ``SignalException`` as torch's own handler raises: on
+any other exception torch's ``launch_agent`` shuts the rendezvous down, which closes a c10d
+rendezvous for every node of the job, not this one alone.
 """
 
+import contextlib
 import os
 import signal
 import threading
 from typing import Callable
 
-__all__ = ["install", "taken"]
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
+__all__ = ["Stopped", "at_stop", "install", "taken"]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _GRACE_S = 1.0
 _lock = threading.Lock()
 _claimed = False
+_cleanups: list[Callable[[], None]] = []
+
+
+class Stopped(SignalException):
+    """SIGINT or SIGTERM, taken by the launcher before torch's agent handled signals."""
 
 
 def _raise(signum, frame):
-    raise KeyboardInterrupt(signum)
+    raise Stopped(f"stopped by {signal.Signals(signum).name}", signal.Signals(signum))
 
 
 def taken() -> bool:
@@ -33,6 +45,13 @@ def taken() -> bool:
     with _lock:
         first, _claimed = not _claimed, True
         return first
+
+
+def at_stop(cleanup: Callable[[], None]) -> Callable[[], None]:
+    """Run ``cleanup`` too where the watcher ends the process (no ``finally`` runs then);
+    returns the call that takes it back."""
+    _cleanups.append(cleanup)
+    return lambda: _cleanups.remove(cleanup) if cleanup in _cleanups else None
 
 
 def _has_children() -> bool:
@@ -62,13 +81,16 @@ def _watch(fd: int, report: Callable[[int], None]) -> None:
             threading.Event().wait(_GRACE_S)
             if _has_children() or not taken():
                 continue
+            for cleanup in list(_cleanups):
+                with contextlib.suppress(Exception):  # the process ends now, whatever it did
+                    cleanup()
             report(signum)
             os._exit(128 + signum)
 
 
 def install(report: Callable[[int], None]) -> None:
-    """Make SIGINT and SIGTERM raise ``KeyboardInterrupt(signum)`` in the main thread, and end
-    the process with ``report(signum)`` and 128 + signum when that cannot happen in time."""
+    """Make SIGINT and SIGTERM raise :class:`Stopped` in the main thread, and end the process
+    with ``report(signum)`` and 128 + signum when that cannot happen in time."""
     r, w = os.pipe()
     os.set_blocking(w, False)
     for signum in _SIGNALS:

@@ -153,11 +153,12 @@ def test_a_rank_started_by_hand_says_it_waits_for_the_others():
 def test_a_launcher_waiting_for_the_other_nodes_stops_on_a_signal(tmp_path, signum):
     # Node 0 of 2 waits in the rendezvous store's C++ wait for node 1, which never comes: no
     # Python handler runs there until the wait times out, minutes later (fastddp/launch/stop.py).
-    err = tmp_path / "stderr"
+    err, tmp = tmp_path / "stderr", tmp_path / "tmp"
+    tmp.mkdir()  # where torch makes the launch's log folder, pruned also on this stop
     cmd = [*LAUNCH, "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), WORKER]  # fmt: skip
     with open(err, "w") as f:
-        proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=f)
+        proc = subprocess.Popen(cmd, env=_env(TMPDIR=tmp), stdout=subprocess.DEVNULL, stderr=f)
     try:
         deadline = time.monotonic() + slack.guard(60)
         while "fastddp.launch: environment" not in err.read_text():
@@ -175,6 +176,19 @@ def test_a_launcher_waiting_for_the_other_nodes_stops_on_a_signal(tmp_path, sign
     assert rc == 128 + signum, told
     assert told.rstrip().endswith(f"fastddp.launch: stopped by {signum.name}"), told
     assert "Traceback" not in told, told
+    assert not list(tmp.iterdir()), list(tmp.iterdir())
+
+
+def test_the_launchers_stop_is_torchs_signal_exception():
+    # On any other exception torch's launch_agent shuts the rendezvous down, which closes a
+    # c10d rendezvous for every node of the job, not for the one stopped.
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from fastddp.launch import stop
+
+    with pytest.raises(SignalException) as raised:
+        stop._raise(signal.SIGTERM, None)
+    assert raised.value.sigval == signal.SIGTERM
 
 
 def test_the_launcher_freezes_its_objects_before_it_exits():
