@@ -1,5 +1,6 @@
 """Rank setup: find out who this process is, pick device and backend, init and tear down."""
 
+import atexit
 import contextlib
 import dataclasses
 import gc
@@ -276,7 +277,13 @@ def _start_watchdog(attempt, peer_timeout, rank, world, addr, port, launcher) ->
     global _watchdog
     if peer_timeout == 0 or world == 1 or launcher == "single":
         return
-    _watchdog = PeerWatchdog(addr, port, rank, world, peer_timeout, attempt).start()
+    watchdog = PeerWatchdog(
+        addr, port, rank, world, peer_timeout, attempt, alive=dist.is_initialized
+    )
+    _watchdog = watchdog.start()
+    # A rank that ends without shutdown_distributed() (after destroy_process_group(), or with
+    # its group alive) says it finished, or a rank still at work names it lost.
+    atexit.register(watchdog.stop)
 
 
 def shutdown_distributed() -> None:
@@ -290,6 +297,7 @@ def shutdown_distributed() -> None:
     global _env, _watchdog
     if _watchdog is not None:
         _watchdog.stop()
+        atexit.unregister(_watchdog.stop)
         _watchdog = None
     if _env is not None and dist.is_initialized():
         gc.collect()  # DDP models caught in reference cycles release the group now

@@ -39,6 +39,9 @@ class PeerWatchdog:
         namespace (str): key prefix, unique per job attempt (restarts get a new one).
         on_lost (callable, optional): called with the message; the default prints it and ends
             the process with :data:`EXIT_PEER_LOST`.
+        alive (callable, optional): while it returns True this rank may wait in a collective;
+            once False (the process group was destroyed) the watchdog stops as :meth:`stop`
+            does, and the others no longer wait for this rank's heartbeat.
     """
 
     def __init__(
@@ -50,6 +53,7 @@ class PeerWatchdog:
         timeout: float,
         namespace: str,
         on_lost: Optional[Callable[[str], None]] = None,
+        alive: Optional[Callable[[], bool]] = None,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"PeerWatchdog: timeout must be positive, got {timeout}")
@@ -66,6 +70,7 @@ class PeerWatchdog:
             wait_for_workers=False,
         )
         self._on_lost = on_lost or _exit_with
+        self._alive = alive
         self._store_at = f"{host}:{port}"
         self._stop = threading.Event()
         # What names this rank's node to the others: its node rank under a launcher, and the
@@ -85,6 +90,7 @@ class PeerWatchdog:
         self._last_ok = time.monotonic()
         self._last_error: Optional[Exception] = None
         self._reported = threading.Lock()
+        self._stopping, self._stopped = threading.Lock(), False
 
     def start(self) -> "PeerWatchdog":
         self._beat(0)
@@ -94,11 +100,17 @@ class PeerWatchdog:
         return self
 
     def stop(self) -> None:
-        """Stop watching, and tell the others that this rank finished (it is not lost)."""
+        """Stop watching, and tell the others that this rank finished (it is not lost). Once:
+        later calls do nothing."""
+        with self._stopping:
+            if self._stopped:
+                return
+            self._stopped = True
         self._stop.set()
-        self._thread.join(timeout=self.interval + 5)
-        if self._thread.is_alive():
-            return  # stuck in a store call: the store is unreachable, and so is a last write
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=self.interval + 5)
+            if self._thread.is_alive():
+                return  # stuck in a store call: the store is unreachable, and so is a write
         with contextlib.suppress(Exception):  # the store may be gone at the end of a job
             self._store.set(self._key(self.rank), _DONE)
 
@@ -118,6 +130,9 @@ class PeerWatchdog:
         count = 0
         peers = [r for r in range(self.world_size) if r != self.rank]
         while not self._stop.wait(self.interval):
+            if self._alive is not None and not self._alive():
+                self.stop()  # no collective of this rank can wait for anyone now
+                return
             count += 1
             try:
                 self._beat(count)

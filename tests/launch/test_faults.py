@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fastddp.testing import slack
+from fastddp.testing.ports import free_port
 
 from .._references import resume_example, resume_ranks
 
@@ -138,6 +139,54 @@ def test_stopped_worker_is_named_instead_of_hanging(tmp_path):
     # Named within the timeout plus a couple of heartbeat intervals, not after minutes (the
     # job's teardown after it is torchrun's, and not counted).
     assert named_at[0] - stopped_at < slack.guard(60), named_at[0] - stopped_at
+
+
+_FINISHING = """
+import os, sys, time
+import torch.distributed as dist
+import fastddp
+fastddp.init_distributed(peer_timeout=2)
+case, rank = sys.argv[1], dist.get_rank()
+if case == "destroyed":  # both destroy the group; rank 1 then vanishes without a word
+    dist.destroy_process_group()
+    if rank == 1:
+        os._exit(0)
+elif rank == 1:  # "exited": rank 1 ends as a script does, its group still there
+    sys.exit(0)
+time.sleep(float(sys.argv[2]))  # rank 0 still at work (a final checkpoint, an evaluation)
+print("rank 0 finished its work", flush=True)
+fastddp.shutdown_distributed()
+from fastddp.distributed import exit_after_shutdown
+exit_after_shutdown()
+"""
+
+
+@pytest.mark.parametrize("case", ["destroyed", "exited"])
+def test_a_rank_at_work_after_the_others_ended_is_not_stopped(case):
+    # Ranks that ended without shutdown_distributed(): after destroy_process_group() no
+    # collective waits for anyone; one that exits says it finished. Rank 0, at work for
+    # three peer timeouts after, must not be named lost and ended.
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        for k in ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "GROUP_RANK", "FASTDDP_PEER_TIMEOUT"):
+            env.pop(k, None)
+        cmd = [sys.executable, "-c", _FINISHING, case, str(slack.guard(6))]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    (rc0, out0), (rc1, out1) = (_finish(p, 120) for p in procs)
+    assert rc1 == 0, out1
+    assert rc0 == 0 and "rank 0 finished its work" in out0, out0
+    assert "has not answered" not in out0, out0
 
 
 @pytest.mark.parametrize("value, message", [("abc", "is not a number of seconds"),
