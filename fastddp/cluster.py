@@ -14,9 +14,9 @@ __all__ = [
     "Setting",
     "expand_nodelist",
     "launcher_settings",
-    "peer_timeout_from_env",
     "process_settings",
     "slurm_port",
+    "srun_task",
 ]
 
 DEFAULT_PORT = 29500
@@ -61,9 +61,7 @@ def _expand_range(spec: str, whole: str) -> list[str]:
             out.append(lo)
             continue
         if int(hi) < int(lo):
-            raise ClusterError(
-                f"malformed Slurm node list {whole!r}: range {item!r} runs backwards"
-            )
+            raise ClusterError(f"malformed Slurm node list {whole!r}: {item!r} runs backwards")
         width = len(lo)  # node[01-10] keeps the zero padding
         out.extend(str(i).zfill(width) for i in range(int(lo), int(hi) + 1))
     return out
@@ -86,13 +84,27 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
-def slurm_port(job_id: str) -> int:
-    """A port derived from the Slurm job id: the same on every node, rarely shared by two jobs.
+def slurm_port(job_id: str, step_id: str = "0") -> int:
+    """A port from the Slurm job and step ids: the same on every node of a step, rarely shared
+    by two jobs or by two steps of one job run at once. In 20000-29999, below Linux's
+    ephemeral range (32768-60999)."""
+    job, step = (int(re.sub(r"\D", "", i or "") or "0") for i in (job_id, step_id))
+    return 20000 + (job + 1009 * step) % 10000
 
-    It lies in 20000-29999, below Linux's ephemeral range (32768-60999).
-    """
-    digits = re.sub(r"\D", "", job_id) or "0"
-    return 20000 + int(digits) % 10000
+
+def _slurm_port(env: Mapping[str, str]) -> Setting:
+    port = slurm_port(env.get("SLURM_JOB_ID", "0"), env.get("SLURM_STEP_ID", "0"))
+    return Setting(port, "SLURM_JOB_ID and SLURM_STEP_ID")
+
+
+def srun_task(env: Mapping[str, str]) -> bool:
+    """Whether this process is a task of ``srun``, and not a rank of an mpirun that started
+    its daemons with ``srun`` (inside an allocation), whose ranks inherit a daemon's
+    ``SLURM_PROCID`` and ``SLURM_NTASKS``: mpirun's world size then differs from the latter."""
+    if env.get("SLURM_PROCID") is None or env.get("SLURM_STEP_ID") is None:
+        return False
+    size = _first(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+    return size is None or env[size] == env.get("SLURM_NTASKS")
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
@@ -199,11 +211,9 @@ def launcher_settings(
         name = _first(env, *_SLURM_LIST)
         if name:
             out["master_addr"] = Setting(expand_nodelist(env[name])[0], f"first host of {name}")
-        out["master_port"] = Setting(slurm_port(env["SLURM_JOB_ID"]), "SLURM_JOB_ID")
-        if env.get("SLURM_GPUS_ON_NODE"):
-            out["nproc_per_node"] = Setting(
-                str(_int(env, "SLURM_GPUS_ON_NODE")), "SLURM_GPUS_ON_NODE"
-            )
+        out["master_port"] = _slurm_port(env)
+        if env.get(gpus := "SLURM_GPUS_ON_NODE"):
+            out["nproc_per_node"] = Setting(str(_int(env, gpus)), gpus)
         elif gpus_on_node > 0:
             out["nproc_per_node"] = Setting(str(gpus_on_node), "GPUs visible on this node")
     elif kind == "mpi":
@@ -274,7 +284,7 @@ def process_settings(env: Mapping[str, str]) -> tuple[str, dict[str, Setting]]:
             )
         _master_overlay({k: env[k] for k in ("MASTER_ADDR", "MASTER_PORT")}, out)
         return source, out
-    if env.get("SLURM_PROCID") is not None and env.get("SLURM_STEP_ID") is not None:
+    if srun_task(env):
         out["rank"] = Setting(_int(env, "SLURM_PROCID"), "SLURM_PROCID")
         out["world_size"] = Setting(_int(env, "SLURM_NTASKS"), "SLURM_NTASKS")
         out["local_rank"] = Setting(_int(env, "SLURM_LOCALID"), "SLURM_LOCALID")
@@ -286,7 +296,7 @@ def process_settings(env: Mapping[str, str]) -> tuple[str, dict[str, Setting]]:
         name = _first(env, *_SLURM_LIST)
         if name:
             out["master_addr"] = Setting(expand_nodelist(env[name])[0], f"first host of {name}")
-        out["master_port"] = Setting(slurm_port(env.get("SLURM_JOB_ID", "0")), "SLURM_JOB_ID")
+        out["master_port"] = _slurm_port(env)
         _master_overlay(env, out)
         if "master_addr" not in out:
             raise ClusterError(
@@ -326,25 +336,3 @@ def process_settings(env: Mapping[str, str]) -> tuple[str, dict[str, Setting]]:
         "world_size": Setting(1, "single process"),
         "local_rank": Setting(0, "single process"),
     }
-
-
-def peer_timeout_from_env(env: Mapping[str, str], world: int) -> float:
-    """``FASTDDP_PEER_TIMEOUT`` in seconds (unset: 300 for up to 64 ranks, else 0, off).
-
-    ``python -m fastddp.launch`` checks it before it starts a worker.
-
-    Raises:
-        ClusterError: it is not a number, or is negative.
-    """
-    raw = env.get("FASTDDP_PEER_TIMEOUT", "")
-    if not raw:
-        return 300.0 if world <= 64 else 0.0
-    try:
-        seconds = float(raw)
-    except ValueError:
-        raise ClusterError(
-            f"FASTDDP_PEER_TIMEOUT={raw!r} is not a number of seconds (0 turns it off)"
-        ) from None
-    if seconds < 0:
-        raise ClusterError(f"FASTDDP_PEER_TIMEOUT={raw!r} must be 0 (off) or positive")
-    return seconds

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from fastddp import joining
-from fastddp._version import __version__
-from fastddp.cluster import NODE_ENV, ClusterError, peer_timeout_from_env, process_settings
-from fastddp.watchdog import PeerWatchdog
+from fastddp.cluster import ClusterError, process_settings, srun_task
+from fastddp.rank_notes import check_ranks
+from fastddp.watchdog import PeerWatchdog, peer_timeout_from_env
 
 __all__ = [
     "DistEnv",
@@ -53,82 +53,6 @@ class DistEnv:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-# FASTDDP_* variables that differ between nodes by design, or that only the launcher reads.
-_PER_NODE = (NODE_ENV, "FASTDDP_PREFLIGHT_TIMEOUT", "FASTDDP_CLUSTER")
-
-
-def _settings_fingerprint() -> dict:
-    """What must be equal on every rank: fastddp's and torch's versions, FASTDDP_* switches."""
-    switches = {
-        k: v for k, v in os.environ.items() if k.startswith("FASTDDP_") and k not in _PER_NODE
-    }
-    return {"fastddp": __version__, "torch": torch.__version__, "env": switches}
-
-
-def _check_ranks(
-    env_rank: int, device: torch.device, node_rank: Optional[int]
-) -> tuple[int, int, int]:
-    """All-gather host, device and settings; raise the same error on every rank if they clash.
-
-    Returns ``(local_world_size, node_rank, num_nodes)``. Nodes are the launcher's node ranks
-    where known (two network namespaces may share one host name), else ``FASTDDP_NODE_ID``
-    (as for the hooks' topology), else host names.
-    """
-    host = socket.gethostname()
-    mine = {
-        "host": host,
-        "node": f"node {node_rank}" if node_rank is not None else os.environ.get(NODE_ENV, host),
-        "device": str(device),
-        "settings": _settings_fingerprint(),
-        "given": os.environ.get(NODE_ENV) or None,
-        "node_rank": node_rank,
-    }
-    world = dist.get_world_size()
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, mine)
-    problems = []
-    seen: dict = {}
-    for rank, info in enumerate(everyone):
-        if device.type == "cuda":
-            key = (info["host"], info["device"])
-            if key in seen:
-                problems.append(
-                    f"ranks {seen[key]} and {rank} both use {info['device']} on host "
-                    f"{info['host']}: one GPU per rank (check LOCAL_RANK and that "
-                    "--nproc-per-node does not exceed the GPUs on the node)"
-                )
-            seen.setdefault(key, rank)
-        if info["settings"] != everyone[0]["settings"]:
-            problems.append(
-                f"rank {rank} runs with different fastddp settings than rank 0: "
-                f"{info['settings']} vs {everyone[0]['settings']}; start every rank with the "
-                "same fastddp/torch versions and FASTDDP_* variables"
-            )
-    problems += _merged_nodes(everyone)
-    if problems:
-        raise ClusterError("fastddp.init_distributed: " + "; ".join(problems))
-    nodes = list(dict.fromkeys(info["node"] for info in everyone))  # in rank order
-    local = sum(1 for info in everyone if info["node"] == mine["node"])
-    index = node_rank if node_rank is not None else nodes.index(mine["node"])
-    return local, index, len(nodes)
-
-
-def _merged_nodes(everyone: list[dict]) -> list[str]:
-    """A node id of ``FASTDDP_NODE_ID`` given to ranks the launcher put on different nodes:
-    the hooks would take them for one node and send their intra-node stage between nodes."""
-    launcher_nodes: dict[str, set] = {}
-    for info in everyone:
-        if info["given"] is not None and info["node_rank"] is not None:
-            launcher_nodes.setdefault(info["given"], set()).add(info["node_rank"])
-    return [
-        f"{NODE_ENV}={given!r} names ranks on the launcher's nodes {sorted(nodes)} as one node, "
-        "so the two-level reductions would send their inside-a-node stage between nodes; unset "
-        f"{NODE_ENV}, or give each node an id of its own"
-        for given, nodes in launcher_nodes.items()
-        if len(nodes) > 1
-    ]
 
 
 def init_distributed(
@@ -235,7 +159,7 @@ def init_distributed(
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
     try:
         known = settings.get("node_rank")
-        local_world, node_rank, num_nodes = _check_ranks(
+        local_world, node_rank, num_nodes = check_ranks(
             rank, device, None if known is None else known.value
         )
     except BaseException:
@@ -344,7 +268,7 @@ def is_main_process() -> bool:
         return dist.get_rank() == 0
     env = os.environ
     names = ["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"]
-    if env.get("SLURM_STEP_ID") is not None:  # a task of srun, not the batch script
+    if srun_task(env):  # a task of srun, not the batch script or mpirun's rank under Slurm
         names.insert(1, "SLURM_PROCID")
     for name in names:
         if env.get(name, "").strip().isdigit():

@@ -17,12 +17,15 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Callable, Optional
 
 import torch.distributed as dist
 
-__all__ = ["EXIT_PEER_LOST", "PeerWatchdog"]
+from fastddp.cluster import ClusterError
+
+__all__ = ["EXIT_PEER_LOST", "PeerWatchdog", "peer_timeout_from_env"]
 
 EXIT_PEER_LOST = 3
 _DONE = "done"
@@ -204,3 +207,25 @@ def _exit_with(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(EXIT_PEER_LOST)
+
+
+def peer_timeout_from_env(env: Mapping[str, str], world: int) -> float:
+    """``FASTDDP_PEER_TIMEOUT`` in seconds (unset: 300 for up to 64 ranks, else 0, off).
+
+    ``python -m fastddp.launch`` checks it before it starts a worker.
+
+    Raises:
+        ClusterError: it is not a number, or is negative.
+    """
+    raw = env.get("FASTDDP_PEER_TIMEOUT", "")
+    if not raw:
+        return 300.0 if world <= 64 else 0.0
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ClusterError(
+            f"FASTDDP_PEER_TIMEOUT={raw!r} is not a number of seconds (0 turns it off)"
+        ) from None
+    if seconds < 0:
+        raise ClusterError(f"FASTDDP_PEER_TIMEOUT={raw!r} must be 0 (off) or positive")
+    return seconds

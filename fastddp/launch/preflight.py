@@ -17,10 +17,11 @@ from typing import Optional
 
 from torch.distributed import run as torchrun
 
-from fastddp.cluster import ClusterError, peer_timeout_from_env
+from fastddp.cluster import ClusterError
 from fastddp.launch import net
 from fastddp.launch.net import LaunchError
 from fastddp.launch.options import endpoint
+from fastddp.watchdog import peer_timeout_from_env
 
 __all__ = ["Decisions", "LaunchError", "apply", "preflight", "say"]
 

@@ -6,10 +6,10 @@ from fastddp.cluster import (
     ClusterError,
     expand_nodelist,
     launcher_settings,
-    peer_timeout_from_env,
     process_settings,
     slurm_port,
 )
+from fastddp.watchdog import peer_timeout_from_env
 
 
 @pytest.mark.parametrize(
@@ -40,6 +40,10 @@ def test_slurm_port_is_stable_and_outside_ephemeral_range():
     assert slurm_port("123456") == slurm_port("123456")
     assert 20000 <= slurm_port("987654321") < 30000
     assert slurm_port("1") != slurm_port("2")
+    # Steps of one job run at once (srun ... & srun ...) get ports of their own; the job's
+    # first step keeps the job's.
+    assert slurm_port("7", "1") != slurm_port("7", "0") == slurm_port("7")
+    assert slurm_port("7", "batch") == slurm_port("7")
 
 
 SLURM = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]"}
@@ -103,7 +107,8 @@ def test_is_main_process_before_the_group(monkeypatch):
     import fastddp
 
     assert not dist.is_initialized()
-    for name in ("RANK", "SLURM_PROCID", "SLURM_STEP_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+    for name in ("RANK", "SLURM_PROCID", "SLURM_STEP_ID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK",
+                 "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
     assert fastddp.is_main_process()  # not in a job
     for env, main in (
@@ -111,6 +116,17 @@ def test_is_main_process_before_the_group(monkeypatch):
         ({"RANK": "0"}, True),
         ({"SLURM_PROCID": "2", "SLURM_STEP_ID": "0"}, False),
         ({"OMPI_COMM_WORLD_RANK": "3"}, False),
+        # mpirun's rank 3 on the first node of an allocation, with its daemon's SLURM_PROCID.
+        (
+            {
+                "SLURM_PROCID": "0",
+                "SLURM_STEP_ID": "0",
+                "SLURM_NTASKS": "2",
+                "OMPI_COMM_WORLD_RANK": "3",
+                "OMPI_COMM_WORLD_SIZE": "8",
+            },
+            False,
+        ),
     ):
         with monkeypatch.context() as m:
             for name, value in env.items():
@@ -173,6 +189,17 @@ MPI = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "MASTER_ADDR": 
         (SRUN, "slurm", {"rank": 5, "world_size": 8, "local_rank": 1, "local_world_size": 4}),
         (SRUN, "slurm", {"master_addr": "n1", "master_port": slurm_port("7")}),
         ({**MPI, "OMPI_COMM_WORLD_LOCAL_RANK": "0"}, "mpi", {"rank": 2, "master_port": 29500}),
+        # mpirun inside an allocation: its daemons are srun's tasks, one a node, and the ranks
+        # inherit a daemon's SLURM_PROCID and SLURM_NTASKS (2 nodes here, 4 ranks).
+        (
+            {**SRUN, "SLURM_NTASKS": "2", **MPI, "OMPI_COMM_WORLD_LOCAL_RANK": "0"},
+            "mpi",
+            {"rank": 2, "world_size": 4, "local_rank": 0},
+        ),
+        # srun --mpi=pmi2 launching an MPI program: the same ranks both ways, Slurm's kept.
+        ({**SRUN, "PMI_RANK": "5", "PMI_SIZE": "8"}, "slurm", {"rank": 5, "local_rank": 1}),
+        # Two steps of one job at once: ports of their own.
+        ({**SRUN, "SLURM_STEP_ID": "1"}, "slurm", {"master_port": slurm_port("7", "1")}),
         ({}, "single", {"rank": 0, "world_size": 1, "local_rank": 0}),
     ],
 )
