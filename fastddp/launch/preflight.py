@@ -163,7 +163,9 @@ def preflight(args: argparse.Namespace, network: bool = True) -> tuple[dict, Dec
     _check_ranks(args, static, max_nodes)
     host, port = _master(args)
     if args.rdzv_endpoint == "localhost:0":  # standalone: one node, a free port
-        info.update(master="localhost (standalone)", interface="lo")
+        loop = net.interfaces().get("127.0.0.1", "lo")
+        info.update(master="localhost (standalone)", interface=loop)
+        _interface(decisions, loop, "one node: nothing listens beyond this machine")
         return info, decisions
     if not network:
         # A dry run resolves nothing, but a literal loopback master is plain without it.
@@ -210,12 +212,16 @@ def preflight(args: argparse.Namespace, network: bool = True) -> tuple[dict, Dec
         # other nodes often cannot resolve (or resolve to another network); the address that
         # routes to the master is the one they can use.
         decisions.local_addr = (local, "this node's address on the master's network")
-    if iface and not loopback:
-        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            if var in os.environ:
-                decisions.notes.append(
-                    f"{var}={os.environ[var]} (yours; the route to the master uses {iface})"
-                )
-            else:
-                decisions.environment[var] = (iface, "the interface that reaches the master")
+    if iface:
+        why = "a loopback master: every node on this machine" if loopback else ""
+        _interface(decisions, iface, why or "the interface that reaches the master")
     return info, decisions
+
+
+def _interface(decisions: Decisions, iface: str, why: str) -> None:
+    """The workers' Gloo and NCCL sockets on ``iface``, unless the user chose one."""
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if var in os.environ:
+            decisions.notes.append(f"{var}={os.environ[var]} (yours; fastddp would use {iface})")
+        else:
+            decisions.environment[var] = (iface, why)

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Holds its group (and so its sockets) until the test has seen them, 300 s at most.
 WORKER = """
 import os, time, fastddp
+print("worker sockets on", os.environ.get("GLOO_SOCKET_IFNAME"), flush=True)
 with fastddp.distributed_session() as env:
     end = time.monotonic() + 300
     while not os.path.exists(os.environ["SEEN"]) and time.monotonic() < end:
@@ -115,6 +116,9 @@ def test_standalone_listens_on_loopback_only(tmp_path):
         seen_file.touch()  # a failed check: the workers end by themselves
         proc.kill()
     assert proc.returncode == 0, out
+    # Gloo's sockets on loopback by choice, not because this host's name resolves there.
+    assert "GLOO_SOCKET_IFNAME=lo (one node: nothing listens beyond this machine)" in out, out
+    assert out.count("worker sockets on lo") == 2, out
     assert sum(map(len, seen.values())) >= 4, (seen, out)
     for pid, addresses in seen.items():
         for address in addresses:
