@@ -81,8 +81,17 @@ def route_to(addr: str, port: int) -> tuple[str, Optional[str]]:
 
 
 def is_local(addr: str) -> bool:
-    """Whether ``addr`` is a loopback address or one of this machine's interfaces."""
-    return ipaddress.ip_address(addr).is_loopback or addr in interfaces()
+    """Whether ``addr`` is a loopback address or one of this machine's interfaces (IPv6 ones
+    too, which :func:`interfaces` does not list: this machine can bind to them)."""
+    ip = ipaddress.ip_address(addr)
+    if ip.is_loopback or addr in interfaces():
+        return True
+    with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET) as s:
+        try:
+            s.bind((addr, 0))
+        except OSError:
+            return False
+    return True
 
 
 def check_port_free(addr: str, port: int) -> None:

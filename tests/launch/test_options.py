@@ -66,3 +66,28 @@ def test_an_endpoint_is_read_as_torchrun_reads_it(value, want):
 def test_a_malformed_endpoint_is_refused(value):
     with pytest.raises(LaunchError, match=re.escape(f"--rdzv-endpoint {value}: ")):
         options.endpoint(value)
+
+
+def _global_ipv6() -> list[str]:
+    """This machine's IPv6 addresses of global scope (/proc/net/if_inet6: scope 00)."""
+    import ipaddress
+    from pathlib import Path
+
+    try:
+        lines = Path("/proc/net/if_inet6").read_text().splitlines()
+    except OSError:
+        return []
+    return [str(ipaddress.ip_address(int(f[0], 16))) for f in map(str.split, lines) if f[3] == "00"]
+
+
+def test_an_ipv6_address_of_this_machine_is_local():
+    # A c10d endpoint given as this node's IPv6 address makes this node the store's host; the
+    # preflight must not probe it as another node's (and wait for a store nobody serves).
+    from fastddp.launch import net
+
+    assert net.is_local("127.0.0.1") and net.is_local("::1")
+    assert not net.is_local("192.0.2.1") and not net.is_local("2001:db8::1")  # documentation nets
+    mine = _global_ipv6()
+    if not mine:
+        pytest.skip("this machine has no global IPv6 address")
+    assert all(net.is_local(a) for a in mine), mine
