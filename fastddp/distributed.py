@@ -201,9 +201,12 @@ def _start_watchdog(attempt, peer_timeout, rank, world, addr, port, launcher) ->
     global _watchdog
     if peer_timeout == 0 or world == 1 or launcher == "single":
         return
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     watchdog = PeerWatchdog(
-        addr, port, rank, world, peer_timeout, attempt, alive=dist.is_initialized
-    )
+        addr, port, rank, world, peer_timeout, attempt, alive=dist.is_initialized,
+        # (torchrun's agent serves it, where its workers share its store)
+        store_in_rank0=not (launcher == "torchrun" and agent_store),
+    )  # fmt: skip
     _watchdog = watchdog.start()
     # A rank that ends without shutdown_distributed() (after destroy_process_group(), or with
     # its group alive) says it finished, or a rank still at work names it lost.

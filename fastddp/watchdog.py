@@ -42,6 +42,8 @@ class PeerWatchdog:
         namespace (str): key prefix, unique per job attempt (restarts get a new one).
         on_lost (callable, optional): called with the message; the default prints it and ends
             the process with :data:`EXIT_PEER_LOST`.
+        store_in_rank0 (bool): the store is served by rank 0's process (``srun``, ``mpirun``,
+            hand-set variables), not by a launcher: a stopped rank 0 silences it.
         alive (callable, optional): while it returns True this rank may wait in a collective;
             once False (the process group was destroyed) the watchdog stops as :meth:`stop`
             does, and the others no longer wait for this rank's heartbeat.
@@ -57,6 +59,7 @@ class PeerWatchdog:
         namespace: str,
         on_lost: Optional[Callable[[str], None]] = None,
         alive: Optional[Callable[[], bool]] = None,
+        store_in_rank0: bool = False,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"PeerWatchdog: timeout must be positive, got {timeout}")
@@ -74,6 +77,7 @@ class PeerWatchdog:
         )
         self._on_lost = on_lost or _exit_with
         self._alive = alive
+        self.store_in_rank0 = store_in_rank0
         self._store_at = f"{host}:{port}"
         self._stop = threading.Event()
         # What names this rank's node to the others: its node rank under a launcher, and the
@@ -183,12 +187,18 @@ class PeerWatchdog:
 
     def _store_message(self, quiet: float, error: Optional[Exception]) -> str:
         why = f"; last error: {error}" if error is not None else "; a call to it never returned"
+        where, cause = (
+            ("in rank 0's process", "rank 0 is stopped, hung outside Python or dead, or the "
+             "network to its node is down")
+            if self.store_in_rank0
+            else ("on node 0, with the rendezvous", "the network to that node is down, or the "
+                  "node is")
+        )  # fmt: skip
         return (
-            f"fastddp: the job's store at {self._store_at} (on node 0, with the rendezvous) "
-            f"has not answered rank {self.rank} for {quiet:.0f} s (peer timeout "
-            f"{self.timeout:g} s, FASTDDP_PEER_TIMEOUT{why}): the network to that node is "
-            f"down, or the node is. Rank {self.rank} exits with status {EXIT_PEER_LOST} "
-            "instead of waiting in a collective forever."
+            f"fastddp: the job's store at {self._store_at} ({where}) has not answered rank "
+            f"{self.rank} for {quiet:.0f} s (peer timeout {self.timeout:g} s, "
+            f"FASTDDP_PEER_TIMEOUT{why}): {cause}. Rank {self.rank} exits with status "
+            f"{EXIT_PEER_LOST} instead of waiting in a collective forever."
         )
 
 

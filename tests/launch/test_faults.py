@@ -166,6 +166,44 @@ def test_a_rank_at_work_after_the_others_ended_is_not_stopped(case):
     # Ranks that ended without shutdown_distributed(): after destroy_process_group() no
     # collective waits for anyone; one that exits says it finished. Rank 0, at work for
     # three peer timeouts after, must not be named lost and ended.
+    procs = _hand_started(_FINISHING, [case, str(slack.guard(6))])
+    (rc0, out0), (rc1, out1) = (_finish(p, 120) for p in procs)
+    assert rc1 == 0, out1
+    assert rc0 == 0 and "rank 0 finished its work" in out0, out0
+    assert "has not answered" not in out0, out0
+
+
+_WAITING = """
+import sys, time
+import fastddp
+fastddp.init_distributed(peer_timeout=2)
+print("ready", flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+@pytest.mark.faults
+def test_a_stopped_rank_0_that_serves_the_store_is_named():
+    # Started by hand (as by srun or mpirun), rank 0's process serves the job's store: when it
+    # is stopped, the others hear from neither it nor the store, and must say it is rank 0.
+    procs = _hand_started(_WAITING, [str(slack.guard(120))])
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        rc, out = _finish(procs[1], 60)
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert rc == 3, out
+    assert "(in rank 0's process) has not answered rank 1" in out, out
+    assert "rank 0 is stopped, hung outside Python or dead" in out, out
+
+
+def _hand_started(code, args):
+    """Two ranks from hand-set variables, each running ``code`` with ``args``."""
     port = free_port()
     procs = []
     for rank in range(2):
@@ -180,13 +218,10 @@ def test_a_rank_at_work_after_the_others_ended_is_not_stopped(case):
         }
         for k in ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "GROUP_RANK", "FASTDDP_PEER_TIMEOUT"):
             env.pop(k, None)
-        cmd = [sys.executable, "-c", _FINISHING, case, str(slack.guard(6))]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))  # fmt: skip
-    (rc0, out0), (rc1, out1) = (_finish(p, 120) for p in procs)
-    assert rc1 == 0, out1
-    assert rc0 == 0 and "rank 0 finished its work" in out0, out0
-    assert "has not answered" not in out0, out0
+        procs.append(subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))  # fmt: skip
+    return procs
 
 
 @pytest.mark.parametrize("value, message", [("abc", "is not a number of seconds"),
