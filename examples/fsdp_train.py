@@ -99,7 +99,7 @@ def main() -> None:
                 )
             if gather is not None:
                 s = gather.stats()
-                ratio = s["wire_bytes"] / s["bf16_wire_bytes"]
+                ratio = s["wire_bytes"] / max(1, s["bf16_wire_bytes"])  # 0 on one rank
                 print(f"all-gathers: {s['calls']}, bytes sent vs bf16 parameters: {ratio:.3f}")
 
 

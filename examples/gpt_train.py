@@ -44,6 +44,8 @@ def main() -> None:
     args = p.parse_args()
     if args.steps < 1:
         p.error("--steps must be at least 1")
+    if args.allow is not None and args.preset != "auto":
+        p.error(f"--allow names auto's candidates; with --preset {args.preset} it has none")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         p.error(f"--json {args.json}: its folder does not exist; make it first")
 

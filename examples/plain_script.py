@@ -25,12 +25,14 @@ def main(argv=None):
         p.error("--steps must be at least 1")
     with fastddp.distributed_session() as env:
         torch.manual_seed(0)  # the same initial weights on every rank
-        model = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 1))
+        # On the rank's device: where there are GPUs, init_distributed picks NCCL, which
+        # reduces CUDA tensors only.
+        model = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 1)).to(env.device)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         grads = [p.grad for p in model.parameters()]
         gen = torch.Generator().manual_seed(100 + env.rank)  # each rank its own data
         for step in range(args.steps):
-            x = torch.randn(128, 16, generator=gen)
+            x = torch.randn(128, 16, generator=gen).to(env.device)
             y = (x[:, :4].sum(1, keepdim=True)).tanh()
             loss = nn.functional.mse_loss(model(x), y)
             opt.zero_grad(set_to_none=False)

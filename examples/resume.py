@@ -120,13 +120,16 @@ def train(env, args) -> None:
         dist.broadcast_object_list(chosen, src=0)
         ckpt = chosen[0]
     if ckpt is not None:
-        saved = torch.load(ckpt / "train.pt")
+        saved = torch.load(ckpt / "train.pt", map_location="cpu")
         net.load_state_dict(saved["model"])
         opt_state = saved["opt"]
         saved_world = saved.get("world_size", len(list(ckpt.glob("hook-rank*.pt"))))
         hook_state = load_hook_state(ckpt, saved_world, env)
         start = int(ckpt.name[5:])
-    model = DDP(net)
+    # On the rank's device: init_distributed picks NCCL where there are GPUs, which reduces
+    # CUDA tensors only.
+    cuda = env.device.type == "cuda"
+    model = DDP(net.to(env.device), device_ids=[env.device] if cuda else None)
     state = fastddp.CompressState.from_preset(args.mode)
     model.register_comm_hook(state, fastddp.compress_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -142,7 +145,7 @@ def train(env, args) -> None:
         if args.grow_at is not None and step == args.grow_at[0]:
             _wait_to_grow(env, *args.grow_at)
         gen = torch.Generator().manual_seed((args.seed * 100_003 + step) * 1009 + env.rank)
-        x = torch.randn(64, 32, generator=gen)
+        x = torch.randn(64, 32, generator=gen).to(env.device)
         y = torch.sin(x[:, :8] * 3) + x[:, 8:16] ** 2
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)

@@ -61,15 +61,7 @@ def register_comm_hook(
             f"{where}: state must be a fastddp.CompressState or None, got "
             f"{type(state).__name__}{named_preset(state, 'fastddp.CompressState.from_preset')}"
         )
-    _check_group(model, state, where)
-    if state is None:
-        state = hook._default_state or hook._new_default_state()
-    if getattr(state, "delay", 0) and model.find_unused_parameters:
-        raise ValueError(
-            f"{where}: delay=1 hands each step's reduced gradient over on the next step, and "
-            "DDP writes no gradient to a parameter unused in that step, so it would lose "
-            "them; with find_unused_parameters=True use delay=0"
-        )
+    state = checked(model, state, where)
     runner = getattr(state, "_runner", None)
     if not isinstance(state, AutoState) and runner is None:
         model.register_comm_hook(state, compress_hook)  # nothing to run natively
@@ -89,6 +81,23 @@ def register_comm_hook(
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     control = _extension.load().register_switch_hook(model.reducer, group, state, compress_hook)
     state._switch = Switch(control)
+    return state
+
+
+def checked(
+    model: DistributedDataParallel, state: Optional[CompressState], where: str
+) -> CompressState:
+    """``state`` (the default one for None) once it fits ``model``: the same ranks, and no
+    ``delay=1`` with ``find_unused_parameters``. For every registration, the frameworks' too."""
+    _check_group(model, state, where)
+    if state is None:
+        state = hook._default_state or hook._new_default_state()
+    if getattr(state, "delay", 0) and model.find_unused_parameters:
+        raise ValueError(
+            f"{where}: delay=1 hands each step's reduced gradient over on the next step, and "
+            "DDP writes no gradient to a parameter unused in that step, so it would lose "
+            "them; with find_unused_parameters=True use delay=0"
+        )
     return state
 
 

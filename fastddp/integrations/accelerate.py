@@ -14,6 +14,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from fastddp.hooks import CompressState, compress_hook
+from fastddp.hooks.register import checked
 
 __all__ = ["register_comm_hook"]
 
@@ -34,11 +35,15 @@ def register_comm_hook(
     """
     if accelerator.num_processes == 1:
         return None
-    if not isinstance(model, DistributedDataParallel):
+    where = "fastddp.integrations.accelerate.register_comm_hook"
+    # With Accelerator(dynamo_backend=...), prepare() returns torch.compile(DDP(model)): the
+    # hook goes on the DDP inside, as before the compiled model's first step.
+    ddp = getattr(model, "_orig_mod", model)
+    if not isinstance(ddp, DistributedDataParallel):
         raise TypeError(
-            "fastddp.integrations.accelerate.register_comm_hook: pass the model returned by "
-            f"accelerator.prepare() (a DistributedDataParallel), got {type(model).__name__}"
+            f"{where}: pass the model returned by accelerator.prepare() (a "
+            f"DistributedDataParallel), got {type(model).__name__}"
         )
-    state = state if state is not None else CompressState()
-    model.register_comm_hook(state, compress_hook)
+    state = checked(ddp, state if state is not None else CompressState(), where)
+    ddp.register_comm_hook(state, compress_hook)
     return state

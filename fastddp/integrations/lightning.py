@@ -24,6 +24,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from fastddp.hooks import CompressState, compress_hook
+from fastddp.hooks.register import checked
 
 __all__ = ["FastDDPStrategy"]
 
@@ -61,4 +62,5 @@ class FastDDPStrategy(DDPStrategy):
                 f"FastDDPStrategy: expected the model wrapped in DistributedDataParallel, got "
                 f"{type(self.model).__name__}"
             )
-        self.model.register_comm_hook(self.compress_state, compress_hook)
+        state = checked(self.model, self.compress_state, "FastDDPStrategy")
+        self.model.register_comm_hook(state, compress_hook)

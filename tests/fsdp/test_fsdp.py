@@ -239,11 +239,12 @@ def test_example_trains_with_the_compressed_reduce_scatter():
     assert len(losses) == 1 and losses[0] < 4.0  # from ln(96) = 4.56 at the start
     assert "reduce-scatters: 40, bytes sent vs fp32: 0.500" in res.stdout
     # One process, no launcher: nothing crosses a wire, and the summary says so.
-    small = ["--steps", "2", "--width", "32", "--layers", "1"]
+    small = ["--steps", "2", "--width", "32", "--layers", "1", "--quantize-all-gather"]
     cmd = [sys.executable, "examples/fsdp_train.py", *small]
     one = slack.run(cmd, cwd=root, env=env, timeout=slack.guard(120))
     assert one.returncode == 0, one.stderr[-3000:]
     assert "bytes sent vs fp32: 0.000" in one.stdout, one.stdout
+    assert "bytes sent vs bf16 parameters: 0.000" in one.stdout, one.stdout
 
 
 def _feedback(rank, world):

@@ -68,6 +68,7 @@ def test_the_gpt_example_plans_with_auto(tmp_path):
         ("fsdp_train", ["--steps", "0"], "--steps must be at least 1"),
         ("gpt_train", ["--steps", "0"], "--steps must be at least 1"),
         ("gpt_train", ["--json", "/nonexistent/x.json"], "its folder does not exist"),
+        ("gpt_train", ["--preset", "bf16", "--allow", "int8-ef"], "--allow names auto's"),
         ("resume", ["--ckpt-dir", "c", "--ckpt-every", "0"], "--ckpt-every must be at least 1"),
         ("resume", ["--ckpt-dir", "c", "--out", "/nonexistent/p.pt"], "its folder does not"),
     ],

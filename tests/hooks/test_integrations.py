@@ -75,3 +75,40 @@ def test_accelerate_helper_refuses_an_unprepared_model():
 
     with pytest.raises(TypeError, match="pass the model returned by accelerator.prepare"):
         register_comm_hook(Two(), torch.nn.Linear(2, 2))
+
+
+class _TwoProcesses:
+    num_processes = 2  # all the helper reads of an Accelerator
+
+
+def _framework_checks(rank, world):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fastddp
+    from fastddp.integrations.accelerate import register_comm_hook
+    from fastddp.integrations.lightning import FastDDPStrategy
+
+    # delay=1 with find_unused_parameters would lose gradients: refused as by
+    # fastddp.register_comm_hook, through both frameworks.
+    unused = DDP(torch.nn.Linear(4, 4), find_unused_parameters=True)
+    with pytest.raises(ValueError, match="with find_unused_parameters=True use delay=0"):
+        register_comm_hook(_TwoProcesses(), unused, fastddp.CompressState(delay=1))
+    strategy = FastDDPStrategy(state=fastddp.CompressState(delay=1))
+    strategy.model = unused
+    with pytest.raises(ValueError, match="with find_unused_parameters=True use delay=0"):
+        strategy._register_ddp_hooks()
+    # Accelerator(dynamo_backend=...) returns torch.compile(DDP(model)): the hook goes inside.
+    model = DDP(torch.nn.Linear(4, 4))
+    state = register_comm_hook(_TwoProcesses(), torch.compile(model))
+    model(torch.randn(2, 4)).sum().backward()
+    assert state.stats()["calls"] == 1
+
+
+@pytest.mark.multiproc
+def test_the_frameworks_check_what_fastddp_register_comm_hook_checks():
+    pytest.importorskip("lightning")
+    pytest.importorskip("accelerate")
+    from .._dist import run_ranks
+
+    run_ranks(_framework_checks, 2)
