@@ -166,7 +166,7 @@ def test_a_rank_at_work_after_the_others_ended_is_not_stopped(case):
     # Ranks that ended without shutdown_distributed(): after destroy_process_group() no
     # collective waits for anyone; one that exits says it finished. Rank 0, at work for
     # three peer timeouts after, must not be named lost and ended.
-    procs = _hand_started(_FINISHING, [case, str(slack.guard(6))])
+    procs = _hand_started(["-c", _FINISHING, case, str(slack.guard(6))])
     (rc0, out0), (rc1, out1) = (_finish(p, 120) for p in procs)
     assert rc1 == 0, out1
     assert rc0 == 0 and "rank 0 finished its work" in out0, out0
@@ -186,7 +186,7 @@ time.sleep(float(sys.argv[1]))
 def test_a_stopped_rank_0_that_serves_the_store_is_named():
     # Started by hand (as by srun or mpirun), rank 0's process serves the job's store: when it
     # is stopped, the others hear from neither it nor the store, and must say it is rank 0.
-    procs = _hand_started(_WAITING, [str(slack.guard(120))])
+    procs = _hand_started(["-c", _WAITING, str(slack.guard(120))])
     try:
         for p in procs:
             assert p.stdout.readline().strip() == "ready"
@@ -202,8 +202,8 @@ def test_a_stopped_rank_0_that_serves_the_store_is_named():
     assert "rank 0 is stopped, hung outside Python or dead" in out, out
 
 
-def _hand_started(code, args):
-    """Two ranks from hand-set variables, each running ``code`` with ``args``."""
+def _hand_started(argv):
+    """Two ranks from hand-set variables, each running ``python argv...``."""
     port = free_port()
     procs = []
     for rank in range(2):
@@ -218,7 +218,7 @@ def _hand_started(code, args):
         }
         for k in ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "GROUP_RANK", "FASTDDP_PEER_TIMEOUT"):
             env.pop(k, None)
-        procs.append(subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, env=env,
+        procs.append(subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))  # fmt: skip
     return procs
@@ -275,29 +275,7 @@ def test_a_fresh_start_in_a_folder_of_checkpoints_replaces_them(tmp_path):
 
 def test_plain_script_with_hand_set_variables_trains():
     # No launcher, no DDP: the variables set by hand, fastddp.all_reduce for the gradients.
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        for k in ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-            env.pop(k, None)
-        script = ROOT / "examples" / "plain_script.py"
-        procs.append(
-            subprocess.Popen([sys.executable, str(script), "--steps", "40"], cwd=ROOT, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        )  # fmt: skip
+    procs = _hand_started([str(ROOT / "examples" / "plain_script.py"), "--steps", "40"])
     outs = [_finish(p, 120) for p in procs]
     for rank, (rc, out) in enumerate(outs):
         assert rc == 0, out
