@@ -42,8 +42,9 @@ def _resume_rank(rank: int, world_size: int, argv: list[str]) -> str:
     spec.loader.exec_module(example)
     args = example._args(argv)
     args.ckpt_dir.mkdir(parents=True, exist_ok=True)
-    # train() reads only these two of the fastddp.DistEnv that the script's session yields.
-    env = types.SimpleNamespace(rank=rank, world_size=world_size)
+    # train() reads only these of the fastddp.DistEnv that the script's session yields (the
+    # pooled ranks run Gloo on the CPU).
+    env = types.SimpleNamespace(rank=rank, world_size=world_size, device=torch.device("cpu"))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         example.train(env, args)
