@@ -187,7 +187,7 @@ def main(argv=None):
     p.add_argument(
         "--link",
         default="1gbit",
-        help="rate of the link between two namespace nodes, as tc takes it (default 1gbit); "
+        help="rate of the link between two namespace nodes, in bits per second (default 1gbit); "
         "'none': local ranks on loopback",
     )
     args = p.parse_args(argv)
@@ -221,7 +221,7 @@ def _relaunch(args, argv) -> int:
     env = dict(os.environ)
     env.pop("FASTDDP_DEMO_LINK", None)  # set here alone, for the ranks of a run over a link
     if not why:
-        cmd = [*me, "--nodes", "2", "--rate", args.link, "--nproc-per-node", str(args.nproc or 1)]
+        cmd = [*me, "--nodes", "2", f"--rate={args.link}", "--nproc-per-node", str(args.nproc or 1)]
         env["FASTDDP_DEMO_LINK"] = args.link
     else:
         if args.link != "none":

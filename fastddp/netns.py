@@ -10,13 +10,20 @@ cores: each rank gets its share as ``OMP_NUM_THREADS`` unless it is set. The tes
 
 import argparse
 import gc
+import re
 import signal
 import subprocess
 import sys
 import time
 
 from fastddp.testing.netns import *  # noqa: F403 - the documented fastddp.netns.* names
-from fastddp.testing.netns import NetnsError, drop, nodes, start, stop, wired_pair
+from fastddp.testing.netns import NetnsError, drop, kill, nodes, start, stop, wired_pair
+
+# A rate in bits per second, as tc writes it (its "bps" is bytes per second).
+_RATE = re.compile(r"(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)", re.IGNORECASE)
+# The launcher options this tool sets for every node.
+_SET_HERE = {"--nnodes", "--node-rank", "--node_rank", "--master-addr", "--master_addr",
+             "--master-port", "--master_port", "--standalone"}  # fmt: skip
 
 
 def _interrupt(signum, frame):
@@ -92,7 +99,8 @@ def main(argv=None) -> int:
         usage="%(prog)s [--rate RATE] [--nodes N] [--loss PCT] [--delay MS] "
         "[--nproc-per-node N] [launch options] script [args]",
     )
-    p.add_argument("--rate", default="1gbit", help="link rate each way, as tc takes it")
+    rate = "link rate each way, in bits per second (1gbit, 100mbit)"
+    p.add_argument("--rate", default="1gbit", help=rate)
     p.add_argument("--nodes", type=int, default=2, help="number of nodes (default 2)")
     p.add_argument("--nproc-per-node", default="1")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before all are killed")
@@ -108,8 +116,8 @@ def main(argv=None) -> int:
     )
     argv = sys.argv[1:] if argv is None else list(argv)
     at = script_at(argv)
-    args, rest = p.parse_known_args(argv[:at])
-    rest += argv[at:]
+    args, launch = p.parse_known_args(argv[:at])
+    rest = launch + argv[at:]
     if not rest:
         p.error("give the script (or -m module) to run on every node")
     if args.nodes < 1:
@@ -120,8 +128,15 @@ def main(argv=None) -> int:
         p.error("--timeout must be positive (seconds)")
     if not 0 <= args.loss <= 100:
         p.error("--loss must be between 0 and 100 (percent)")
-    if args.delay < 0:
-        p.error("--delay must be at least 0 (ms)")
+    if not 0 <= args.delay <= 10_000:  # (nan fails both)
+        p.error("--delay must be between 0 and 10000 (ms)")
+    if not _RATE.fullmatch(args.rate.strip()) or float(_RATE.fullmatch(args.rate.strip())[1]) <= 0:
+        p.error(f"--rate {args.rate}: give a positive rate in bits per second: 100mbit, 1gbit "
+                "(tc's 'bps' means bytes)")  # fmt: skip
+    given = [a.split("=", 1)[0] for a in launch if a.startswith("--")]
+    taken = sorted(set(given) & _SET_HERE) + [a for a in given if a.startswith("--rdzv")]
+    if taken:
+        p.error(f"{taken[0]} is set by this tool for its nodes; use --nodes (and --rate)")
     if args.delay and args.nodes != 2:
         p.error("--delay joins exactly 2 nodes (--nodes 2)")
     if args.delay and args.loss >= 100:
@@ -140,10 +155,11 @@ def main(argv=None) -> int:
             elif args.loss:
                 for node in made:
                     drop(node, args.loss)
-            procs = start(made, args.nproc_per_node, rest)
+            procs: list = []  # (filled as they start: an interrupt there stops them too)
             deadline = time.monotonic() + args.timeout  # for the job, not for each node
             try:
-                codes = [proc.wait(timeout=max(0.0, deadline - time.monotonic())) for proc in procs]
+                start(made, args.nproc_per_node, rest, started=procs)
+                codes = _wait(procs, deadline)
             except subprocess.TimeoutExpired:
                 say = f"the job ran past --timeout {args.timeout:g} s; its nodes were stopped"
                 print(f"fastddp.netns: {say}", file=sys.stderr)
@@ -153,6 +169,13 @@ def main(argv=None) -> int:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
                 stop(procs)
+                for node in made:  # workers that outlived their launcher (sessions of their own)
+                    kill(node, timeout=10.0)
+            failed = [(len(codes) - 1 - i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed and None in codes:
+                node, code = failed[0]
+                print(f"fastddp.netns: node {node}'s launcher exited with {code}; the other nodes "
+                      "were stopped", file=sys.stderr)  # fmt: skip
     except NetnsError as e:
         print(f"fastddp.netns: {e}", file=sys.stderr)
         return 2
@@ -165,7 +188,20 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 128 + signum
-    return max(codes)
+    return max(c for c in codes if c is not None)
+
+
+def _wait(procs: list, deadline: float) -> list:
+    """Each launcher's exit code (128 + the signal for one killed), once all have exited or
+    one has failed (None then for those still running, which the caller stops)."""
+    while True:
+        codes = [p.poll() for p in procs]
+        codes = [c if c is None or c >= 0 else 128 - c for c in codes]
+        if all(c is not None for c in codes) or any(c for c in codes if c is not None):
+            return codes
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired("fastddp.netns", 0)
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":

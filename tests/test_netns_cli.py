@@ -1,5 +1,7 @@
 """``python -m fastddp.netns``'s command line: its own options end where the script begins."""
 
+import pytest
+
 from fastddp import netns
 from fastddp.launch.cli import build_parser
 
@@ -16,3 +18,21 @@ def test_the_script_s_own_options_stay_its_own():
     assert netns.script_at(["--rate=1gbit", "-m", "pkg.train", "--rate", "5"]) == 2
     assert netns.script_at(["--nodes", "2", "--", "--odd-name.py"]) == 3
     assert netns.script_at(["--nodes", "2"]) == 2  # no script: refused by main
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--rate=-5mbit"], "--rate -5mbit: give a positive rate in bits per second"),
+        (["--rate", "1gbps"], "(tc's 'bps' means bytes)"),
+        (["--rate", "0mbit"], "--rate 0mbit: give a positive rate"),
+        (["--delay", "nan"], "--delay must be between 0 and 10000 (ms)"),
+        (["--delay", "inf"], "--delay must be between 0 and 10000 (ms)"),
+        (["--nnodes", "3"], "--nnodes is set by this tool for its nodes; use --nodes"),
+        (["--rdzv-backend", "c10d"], "--rdzv-backend is set by this tool"),
+    ],
+)
+def test_bad_settings_are_refused_before_any_namespace(args, message, capsys):
+    with pytest.raises(SystemExit) as refused:
+        netns.main([*args, "train.py"])
+    assert refused.value.code == 2 and message in capsys.readouterr().err

@@ -142,7 +142,7 @@ def _tbf(ns: str, dev: str, rate: str) -> None:
                          text=True, timeout=30)  # fmt: skip
     if res.returncode != 0:
         why = f"tc refused the rate {rate!r} ({res.stderr.strip() or res.returncode})"
-        raise NetnsError(f"{why}; give a rate as tc takes it: 100mbit, 1gbit, 12500kbps")
+        raise NetnsError(f"{why}; give a rate in bits per second: 100mbit, 1gbit")
 
 
 @contextlib.contextmanager
@@ -184,6 +184,8 @@ def nodes(count: int, rate: str = "1gbit") -> Iterator[list[Node]]:
     finally:
         for ns in made:
             _ip("netns", "del", ns, check=False)
+        for n in out[: len(made)]:  # a pair interrupted before it left this namespace
+            _ip("link", "del", n.dev, check=False)
 
 
 def stop(procs: list) -> None:
@@ -303,6 +305,7 @@ def start(
     argv: list[str],
     stdout=None,
     env=None,
+    started: Optional[list] = None,
     **rendezvous,
 ) -> list:
     """Start :func:`spawn` on every node, on a free port; the launchers, node 0's last.
@@ -317,10 +320,12 @@ def start(
     if "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(cores_per_rank(len(made), nproc_per_node))
     port = free_port()
-    return [
-        spawn(made, rank, nproc_per_node, argv, port, stdout=stdout, env=env, **rendezvous)
-        for rank in reversed(range(len(made)))
-    ]
+    started = [] if started is None else started  # (the caller's: complete if interrupted)
+    for rank in reversed(range(len(made))):
+        started.append(
+            spawn(made, rank, nproc_per_node, argv, port, stdout=stdout, env=env, **rendezvous)
+        )
+    return started
 
 
 def kill(node: Node, timeout: float = 30.0) -> int:

@@ -222,7 +222,7 @@ def test_three_nodes_of_two_ranks_find_their_nodes_and_reduce():
         (["--nodes", "300", "script.py"], "--nodes must be at most 200"),
         (["--timeout", "0", "script.py"], "--timeout must be positive (seconds)"),
         (["--nodes", "3"], "give the script (or -m module) to run on every node"),
-        (["--delay", "-1", "script.py"], "--delay must be at least 0 (ms)"),
+        (["--delay", "-1", "script.py"], "--delay must be between 0 and 10000 (ms)"),
         (["--nodes", "3", "--delay", "20", "script.py"], "--delay joins exactly 2 nodes"),
         (["--delay", "20", "--loss", "100", "script.py"], "--loss must be below 100 with --delay"),
     ],
@@ -256,7 +256,7 @@ def test_a_bad_rate_and_a_job_past_its_timeout_are_named_and_leave_nothing(tmp_p
     cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "1"]
     res = slack.run([*cmd, "--rate", "fast", "script.py"], cwd=ROOT, capture_output=True,
                          text=True, timeout=slack.guard(60))  # fmt: skip
-    assert res.returncode == 2 and "tc refused the rate 'fast'" in res.stderr, res.stderr
+    assert res.returncode == 2 and "--rate fast: give a positive rate" in res.stderr, res.stderr
     marker = f"fastddp-sleeper-{uuid.uuid4().hex[:12]}"
     script = tmp_path / f"{marker}.py"
     script.write_text("import time\ntime.sleep(300)\n")
@@ -268,3 +268,25 @@ def test_a_bad_rate_and_a_job_past_its_timeout_are_named_and_leave_nothing(tmp_p
     # streams make namespaces meanwhile, so a count here would not say whose.)
     left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
     assert left.split() == []
+
+
+def test_a_node_that_fails_stops_the_others_at_once(tmp_path):
+    # Node 1's worker fails while node 0's trains on: the tool stops node 0 and says which
+    # node failed, rather than waiting for node 0 (up to --timeout, its output alone shown).
+    why = netns.unavailable_reason()
+    if why:
+        pytest.skip(why)
+    script = tmp_path / "one_fails.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['GROUP_RANK'] == '1':\n"
+        "    sys.exit(3)\n"
+        "time.sleep(300)\n"
+    )
+    cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "2", str(script)]
+    start = time.monotonic()
+    res = slack.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(120))
+    took = time.monotonic() - start
+    assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "node 1's launcher exited with 1; the other nodes were stopped" in res.stderr
+    assert took < 300, took  # not node 0's sleep
