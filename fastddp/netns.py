@@ -99,7 +99,8 @@ def main(argv=None) -> int:
         usage="%(prog)s [--rate RATE] [--nodes N] [--loss PCT] [--delay MS] "
         "[--nproc-per-node N] [launch options] script [args]",
     )
-    rate = "link rate each way, in bits per second (1gbit, 100mbit)"
+    rate = "link rate each way, in bits per second (1gbit, 100mbit); a burst of 512 KB passes "
+    rate += "at once, so transfers smaller than that are not slowed"
     p.add_argument("--rate", default="1gbit", help=rate)
     p.add_argument("--nodes", type=int, default=2, help="number of nodes (default 2)")
     p.add_argument("--nproc-per-node", default="1")

@@ -162,13 +162,17 @@ class RoundStoreHandler(RendezvousHandler):
             store.wait([key], self._timeout)
             addr, port = store.get(key).decode().split()
         except RuntimeError as e:
-            why = (
+            restarted = (
                 "node 0 did not restart its workers: its launcher exited, or it has fewer "
                 "--max-restarts than this node"
-                if round_
-                else "node 0 was not started by fastddp.launch, or it was started with "
+            )
+            first = (
+                "node 0 was not started by fastddp.launch, or it was started with "
                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE set and this node without"
             )
+            # (The c10d rendezvous gives a store per round, whose count starts at 0: any round.)
+            per_round = self._inner.get_backend() != "static"
+            why = restarted if round_ else f"{restarted}; or {first}" if per_round else first
             raise RoundStoreError(
                 f"node 0 did not publish the workers' store for round {round_} within "
                 f"{self._timeout.total_seconds():.0f} s ({e}): {why}"
