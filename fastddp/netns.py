@@ -9,11 +9,14 @@ cores: each rank gets its share as ``OMP_NUM_THREADS`` unless it is set. The tes
 """
 
 import argparse
+import contextlib
 import gc
+import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 from fastddp.testing.netns import *  # noqa: F403 - the documented fastddp.netns.* names
@@ -145,6 +148,7 @@ def main(argv=None) -> int:
     # A terminated run still removes its namespaces: SIGTERM unwinds like Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
+    stack = contextlib.ExitStack()  # the nodes' logs, kept to the end
     try:
         if args.delay:
             link = wired_pair(args.delay, args.loss, args.rate)
@@ -158,8 +162,9 @@ def main(argv=None) -> int:
                     drop(node, args.loss)
             procs: list = []  # (filled as they start: an interrupt there stops them too)
             deadline = time.monotonic() + args.timeout  # for the job, not for each node
+            logs = stack.enter_context(tempfile.TemporaryDirectory(prefix="fastddp-netns-"))
             try:
-                start(made, args.nproc_per_node, rest, started=procs)
+                start(made, args.nproc_per_node, rest, started=procs, logs=logs)
                 codes = _wait(procs, deadline)
             except subprocess.TimeoutExpired:
                 say = f"the job ran past --timeout {args.timeout:g} s; its nodes were stopped"
@@ -173,10 +178,11 @@ def main(argv=None) -> int:
                 for node in made:  # workers that outlived their launcher (sessions of their own)
                     kill(node, timeout=10.0)
             failed = [(len(codes) - 1 - i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-            if failed and None in codes:
-                node, code = failed[0]
-                print(f"fastddp.netns: node {node}'s launcher exited with {code}; the other nodes "
-                      "were stopped", file=sys.stderr)  # fmt: skip
+            for node, code in sorted(failed)[:1]:
+                stopped = "; the other nodes were stopped" if None in codes else ""
+                print(f"fastddp.netns: node {node}'s launcher exited with {code}{stopped}",
+                      file=sys.stderr)  # fmt: skip
+                _show_tail(logs, node)
     except NetnsError as e:
         print(f"fastddp.netns: {e}", file=sys.stderr)
         return 2
@@ -189,7 +195,21 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 128 + signum
+    finally:
+        stack.close()
     return max(c for c in codes if c is not None)
+
+
+def _show_tail(logs: str, node: int, lines: int = 20) -> None:
+    """The last lines of a node's output (node 0's went to this process's own)."""
+    if node == 0:
+        return
+    with contextlib.suppress(OSError):
+        with open(os.path.join(logs, f"node{node}.log")) as f:
+            tail = f.read().splitlines()[-lines:]
+        print(f"fastddp.netns: node {node}'s last lines:", file=sys.stderr)
+        for line in tail:
+            print(f"  {line}", file=sys.stderr)
 
 
 def _wait(procs: list, deadline: float) -> list:

@@ -263,6 +263,7 @@ def spawn(
     env=None,
     rdzv_id: Optional[str] = None,
     launch_args: Sequence[str] = (),
+    logs: Optional[str] = None,
 ) -> subprocess.Popen:
     """Start ``python -m fastddp.launch ... argv`` for node ``rank`` of ``made``, in its namespace.
 
@@ -271,8 +272,8 @@ def spawn(
     node can leave and join again (give ``--nnodes`` and ``--max-restarts`` in
     ``launch_args``). The launcher gets a session of its own, for :func:`stop`. ``stdout``
     (say ``subprocess.PIPE``) takes its output and errors; by default node 0's are inherited
-    and the others' dropped. ``env``: the launcher's environment (default: this process's).
-    """
+    and the others' dropped, or written to ``logs``/node<rank>.log. ``env``: the launcher's
+    environment (default: this process's)."""
     node = made[rank]
     cmd = ["ip", "netns", "exec", node.ns, sys.executable, "-m", "fastddp.launch"]
     cmd += ["--nproc-per-node", nproc_per_node]
@@ -285,7 +286,10 @@ def spawn(
     cmd += [*launch_args, *argv]
     out = stdout if rank == 0 or stdout is not None else subprocess.DEVNULL
     err = subprocess.STDOUT if stdout is not None else out
-    return subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True, text=True)
+    with open(os.path.join(logs, f"node{rank}.log") if logs else os.devnull, "w") as log:
+        out, err = (log, subprocess.STDOUT) if out is subprocess.DEVNULL else (out, err)
+        return subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True,
+                                text=True)  # fmt: skip
 
 
 def cores_per_rank(nodes: int, nproc_per_node: str) -> int:
@@ -319,12 +323,10 @@ def start(
     env = dict(os.environ if env is None else env)
     if "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(cores_per_rank(len(made), nproc_per_node))
-    port = free_port()
-    started = [] if started is None else started  # (the caller's: complete if interrupted)
-    for rank in reversed(range(len(made))):
-        started.append(
-            spawn(made, rank, nproc_per_node, argv, port, stdout=stdout, env=env, **rendezvous)
-        )
+    port, started = free_port(), [] if started is None else started  # (the caller's, if given)
+    for rank in reversed(range(len(made))):  # (each kept at once: an interrupt stops them too)
+        started.append(spawn(made, rank, nproc_per_node, argv, port, stdout=stdout, env=env,
+                             **rendezvous))  # fmt: skip
     return started
 
 

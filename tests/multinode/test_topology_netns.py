@@ -280,7 +280,7 @@ def test_a_node_that_fails_stops_the_others_at_once(tmp_path):
     script.write_text(
         "import os, sys, time\n"
         "if os.environ['GROUP_RANK'] == '1':\n"
-        "    sys.exit(3)\n"
+        "    sys.exit('node 1 cannot go on: a reason only it knows')\n"
         "time.sleep(300)\n"
     )
     cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "2", str(script)]
@@ -289,4 +289,7 @@ def test_a_node_that_fails_stops_the_others_at_once(tmp_path):
     took = time.monotonic() - start
     assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
     assert "node 1's launcher exited with 1; the other nodes were stopped" in res.stderr
+    # and what node 1 said, which goes nowhere else (node 0's output is the tool's own)
+    assert "node 1's last lines:" in res.stderr, res.stderr[-3000:]
+    assert "node 1 cannot go on: a reason only it knows" in res.stderr, res.stderr[-3000:]
     assert took < 300, took  # not node 0's sleep
