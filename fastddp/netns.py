@@ -2,7 +2,8 @@
 
 ``python -m fastddp.netns --nodes N --rate 1gbit [--loss PCT] [--delay MS] [launch options]
 script.py [args]`` runs ``python -m fastddp.launch --nnodes N`` in each of N namespaces, node
-0's output on stdout, and removes the namespaces afterwards, also on failure. With ``--delay``,
+0's output on stdout (a failed node's last lines on stderr, the others stopped), and removes
+the namespaces afterwards, also on failure. With ``--delay``,
 two nodes are joined by a userspace wire instead of a bridge. The nodes share this machine's
 cores: each rank gets its share as ``OMP_NUM_THREADS`` unless it is set. The test bed itself is
 :mod:`fastddp.testing.netns`, whose names this module also gives (``fastddp.netns.kill``, ...).
