@@ -135,7 +135,8 @@ def main(argv=None) -> int:
         p.error("--loss must be between 0 and 100 (percent)")
     if not 0 <= args.delay <= 10_000:  # (nan fails both)
         p.error("--delay must be between 0 and 10000 (ms)")
-    if not _RATE.fullmatch(args.rate.strip()) or float(_RATE.fullmatch(args.rate.strip())[1]) <= 0:
+    rate = _RATE.fullmatch(args.rate.strip())
+    if rate is None or float(rate[1]) <= 0:
         p.error(f"--rate {args.rate}: give a positive rate in bits per second: 100mbit, 1gbit "
                 "(tc's 'bps' means bytes)")  # fmt: skip
     given = [a.split("=", 1)[0] for a in launch if a.startswith("--")]

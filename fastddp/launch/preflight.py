@@ -213,8 +213,12 @@ def preflight(args: argparse.Namespace, network: bool = True) -> tuple[dict, Dec
         # routes to the master is the one they can use.
         decisions.local_addr = (local, "this node's address on the master's network")
     if iface:
-        why = "a loopback master: every node on this machine" if loopback else ""
-        _interface(decisions, iface, why or "the interface that reaches the master")
+        why = (
+            "a loopback master: every node on this machine"
+            if loopback
+            else ("the interface that reaches the master")
+        )
+        _interface(decisions, iface, why)
     return info, decisions
 
 
