@@ -3,8 +3,9 @@
 // Python sets a bucket up (its slot, buffers, residuals, groups) and then hands this runner the
 // bucket's *plan*: per stage, the op calls that run before its collective (encode, fp32 row
 // sums, the non-finite count) and the collective itself, then the calls that decode the result
-// into the bucket. The calls are the ones the Python path runs (fastddp/hooks/paths.py builds
-// them for both), bound to the slot's persistent tensors, so both paths compute the same bits.
+// into the bucket. The calls are the ones the Python path runs (fastddp/hooks/paths.py and
+// two_level.py build them for both), bound to the slot's persistent tensors, so both paths
+// compute the same bits.
 // Per bucket, this runner then costs a map lookup, one dispatcher call per op and one
 // collective per stage: no Python frame, and, registered through fastddp.register_comm_hook,
 // not even the GIL.

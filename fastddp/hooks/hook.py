@@ -159,7 +159,8 @@ def compress_hook(
     returns. With ``accumulate_dtype=torch.float32`` or a block codec (int8, int4, int2) the sum
     is taken in fp32 after an all-to-all and rounded once (see :class:`CompressState`). An overflow
     gives inf or NaN, which reaches the gradients (so ``torch.amp.GradScaler`` skips the step)
-    and is counted in ``state.stats()["nonfinite_events"]``; nothing is clipped.
+    and, where one of this rank's encodes met it, is counted in
+    ``state.stats()["nonfinite_events"]``; nothing is clipped.
 
     On its first call the hook checks that every rank has the same settings and raises the
     same ``ValueError`` on every rank if not. Buckets that are already float16/bfloat16 pass

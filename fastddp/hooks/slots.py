@@ -39,6 +39,7 @@ class Slot:
         "out",
         "scratch",
         "flag",
+        "shard_flag",
         "nonfinite",
         "residual",
         "shard_residual",
@@ -71,7 +72,10 @@ class Slot:
         self.recv: Optional[torch.Tensor] = None
         self.out: Optional[torch.Tensor] = None
         self.scratch: dict[str, torch.Tensor] = {}
+        # Set by the encode of this rank's payload and by that of the shard sum it reduces
+        # (summed in fp32); a reduction that met inf or NaN in either counts once.
         self.flag: Optional[torch.Tensor] = None
+        self.shard_flag: Optional[torch.Tensor] = None
         self.nonfinite: Optional[torch.Tensor] = None  # events, counted on the bucket's device
         self.residual: Optional[torch.Tensor] = None
         self.shard_residual: Optional[torch.Tensor] = None
@@ -119,7 +123,8 @@ class Slot:
         """
         on = dict(device=self.device)
         self.codec = codec
-        self.flag = torch.zeros(1, dtype=torch.int32, **on)
+        flags = torch.zeros(2, dtype=torch.int32, **on)
+        self.flag, self.shard_flag = flags[:1], flags[1:]
         self.nonfinite = torch.tensor([events], dtype=torch.int64, **on)
         if error_feedback:
             self.residual = torch.zeros(max(self.numel, per_node * self.node_shard), **on)

@@ -13,13 +13,14 @@ import torch.distributed as dist
 from fastddp.codecs import CODECS, Codec, codec_for
 from fastddp.hooks import checkpoint, native, settings, stats
 from fastddp.hooks.delay import Delayed
-from fastddp.hooks.paths import Path, path_for
+from fastddp.hooks.paths import Path
 from fastddp.hooks.pipeline import Pipeline
 from fastddp.hooks.presets import preset
 from fastddp.hooks.reshard import reshard
 from fastddp.hooks.residuals import Residuals
 from fastddp.hooks.slots import SlotTable
 from fastddp.hooks.topology import Topology
+from fastddp.hooks.two_level import path_for
 
 __all__ = ["CompressState", "DEFAULT_BLOCK_SIZE"]
 
@@ -238,7 +239,8 @@ class CompressState:
         all-reduce of the same buckets in group rank order (Gloo's ring). ``nodes`` lists
         each node's ranks and ``topology_used`` is ``"flat"`` or ``"hierarchical"`` (``None``
         before the first reduction).
-        ``nonfinite_events`` counts reductions whose payload held an inf or NaN on this rank;
+        ``nonfinite_events`` counts reductions in which an encode on this rank gave inf or NaN
+        (of its share, or of the sum it reduces in fp32; once per reduction);
         ``allocations`` counts buffer (re)allocations, which stop after the second step;
         ``parked_residuals`` counts parameters whose loaded or moved residuals still wait for
         their bucket. ``buckets`` has each bucket's figures and ``path``, keyed by
