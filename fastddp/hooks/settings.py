@@ -69,6 +69,8 @@ def checked(
             "trains only with error feedback; pass error_feedback=True (preset "
             f"'{str(dtype).removeprefix('torch.')}-ef')"
         )
+    if accumulate_dtype is None:
+        _check_summed_on_wire(dtype, error_feedback, stochastic_rounding)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"{_WHERE}: seed must be an int, got {seed!r}")
     if topology not in TOPOLOGIES:
@@ -92,6 +94,25 @@ def checked(
         "topology": topology,
         "delay": delay,
     }
+
+
+def _check_summed_on_wire(dtype: torch.dtype, error_feedback: bool, stochastic: bool) -> None:
+    # A collective that sums 16-bit payloads rounds to nearest at every hop: error feedback
+    # cannot return those roundings, and they bias the sum whatever this rank's rounding does.
+    name = str(dtype).removeprefix("torch.")
+    fix = "pass accumulate_dtype=torch.float32 to sum in fp32"
+    if error_feedback:
+        also = " (preset 'bf16-acc-ef')" if dtype == torch.bfloat16 else ""
+        raise ValueError(
+            f"{_WHERE}: error_feedback=True with {name} summed by the collective keeps this "
+            "rank's rounding but not those of the collective's sum, so the sum still drifts; "
+            f"{fix}{also}"
+        )
+    if stochastic:
+        raise ValueError(
+            f"{_WHERE}: stochastic_rounding=True with {name} summed by the collective is not "
+            f"unbiased: the collective rounds each partial sum to nearest; {fix}"
+        )
 
 
 def plain(state: Any) -> dict[str, Any]:

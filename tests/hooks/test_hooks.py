@@ -125,8 +125,8 @@ _EF, _SR = {"error_feedback": True}, {"stochastic_rounding": True}
 # Every preset, and a preset with other settings on top ("preset+what").
 MODES = {name: preset(name) for name in PRESETS}
 MODES.update({
-    "bf16+ef+sr": {**preset("bf16"), **_EF, **_SR},
-    "fp16+ef": {**preset("fp16"), **_EF},
+    "bf16-acc-ef+sr": {**preset("bf16-acc-ef"), **_SR},
+    "fp16-acc+ef": {**preset("fp16-acc"), **_EF},
     "int8-ef+sr": {**preset("int8-ef"), **_SR},
     "int8+block32": {**preset("int8"), "block_size": 32},
 })  # fmt: skip
@@ -340,6 +340,16 @@ BAD_STATES = [
     ),
     (dict(error_feedback=1), TypeError, "error_feedback must be True or False"),
     (dict(stochastic_rounding="yes"), TypeError, "stochastic_rounding must be True or False"),
+    (
+        dict(error_feedback=True),
+        ValueError,
+        r"but not those of the collective's sum.*accumulate_dtype=torch.float32 .*'bf16-acc-ef'",
+    ),
+    (
+        dict(dtype=torch.float16, stochastic_rounding=True),
+        ValueError,
+        "stochastic_rounding=True with float16 summed by the collective is not unbiased",
+    ),
     (dict(seed=None), TypeError, "seed must be an int"),
     (dict(topology="ring"), ValueError, "topology must be one of 'auto', 'flat', 'hierarchical'"),
     (dict(dtype="int8-ef"), ValueError, r"is a preset: CompressState.from_preset\('int8-ef'\)"),
@@ -485,9 +495,9 @@ def _resume(rank, world, settings, exact):
     "mode, exact",
     [
         ("bf16-acc-ef", True),
-        ("fp16+ef", True),
+        ("fp16-acc+ef", True),
         ("int8-ef", False),
-        ("bf16+ef+sr", False),
+        ("bf16-acc-ef+sr", False),
     ],
 )
 def test_resume_from_state_dict(mode, exact):

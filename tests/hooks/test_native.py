@@ -137,7 +137,7 @@ def test_native_runs_bit_for_bit_in_two_levels(mode):
 
 def _unplanned(rank, world):
     # Stochastic rounding and delay=1 draw something new at every call: no plans.
-    for settings in ({"stochastic_rounding": True}, {"delay": 1}):
+    for settings in ({"dtype": torch.int8, "stochastic_rounding": True}, {"delay": 1}):
         state = fastddp.CompressState(**settings)
         assert state._runner is None and not native.plannable(state)
     os.environ["FASTDDP_NATIVE"] = "0"
@@ -146,7 +146,7 @@ def _unplanned(rank, world):
     finally:
         del os.environ["FASTDDP_NATIVE"]
     model = DDP(_Net(depth=3), bucket_cap_mb=0.002)
-    state = fastddp.CompressState(stochastic_rounding=True)
+    state = fastddp.CompressState(accumulate_dtype=torch.float32, stochastic_rounding=True)
     model.register_comm_hook(state, fastddp.compress_hook)
     _train(model, state, 3, rank)
     assert state.stats()["calls"] > 0
