@@ -3,9 +3,9 @@
 Importing fastddp needs neither the compiled ops nor CUDA: the launcher, cluster detection and
 rank setup work without them. The names that compute (:func:`compress_hook`,
 :func:`register_comm_hook`, :class:`CompressState`, :func:`all_reduce`, :data:`PRESETS`,
-:mod:`fastddp.ops`) load the compiled ops (``torch.ops.fastddp``) when first used, and a missing
-or mismatched build raises :class:`ExtensionError` naming the rebuild command. CUDA is never
-initialised on import.
+:class:`DiLoCo`, :mod:`fastddp.ops`) load the compiled ops (``torch.ops.fastddp``) when first
+used, and a missing or mismatched build raises :class:`ExtensionError` naming the rebuild
+command. CUDA is never initialised on import.
 """
 
 import importlib
@@ -37,6 +37,7 @@ __all__ = [
     "all_reduce",
     "ClusterError",
     "CompressState",
+    "DiLoCo",
     "DistEnv",
     "ExtensionError",
     "PRESETS",

@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         allow_abbrev=False,  # a launch option (--nproc) is not one of these (--nproc-per-node)
         description=__doc__.splitlines()[0],
         usage="%(prog)s [--rate RATE] [--nodes N] [--loss PCT] [--delay MS] "
-        "[--nproc-per-node N] [launch options] script [args]",
+        "[--timeout S] [--nproc-per-node N] [launch options] script [args]",
     )
     rate = "link rate each way, in bits per second (1gbit, 100mbit); a burst of 512 KB passes "
     rate += "at once, so transfers smaller than that are not slowed"

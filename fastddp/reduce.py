@@ -44,15 +44,17 @@ def all_reduce(
     Args:
         tensors (Tensor or list of Tensor): float32 tensors on one device, changed in place.
         dtype (torch.dtype, optional): wire dtype: ``torch.bfloat16`` (default),
-            ``torch.float16`` or ``torch.int8``.
+            ``torch.float16``, ``torch.int8`` or ``torch.int4`` (``torch.int2``, which needs
+            error feedback, through ``state``).
         op (str): ``"avg"`` (default) or ``"sum"``.
         group (ProcessGroup, optional): the group; ``None`` is the default group. On a rank
             outside it (``new_group`` gave it ``GroupMember.NON_GROUP_MEMBER``) the call
             does nothing, as :func:`torch.distributed.all_reduce` does.
         accumulate_dtype (torch.dtype, optional): ``torch.float32`` (default) sums in fp32;
             ``None`` lets the collective sum in the wire dtype.
-        stochastic_rounding (bool, optional): round stochastically (default False).
-        block_size (int, optional): int8 elements per scale (default 128).
+        stochastic_rounding (bool, optional): round stochastically (default False; with a
+            16-bit dtype only when summed in fp32).
+        block_size (int, optional): elements per scale of int8, int4 and int2 (default 128).
         topology (str, optional): ``"auto"`` (default), ``"flat"`` or ``"hierarchical"``, as
             for :class:`CompressState`.
         state (CompressState, optional): a state to reuse across calls instead of the

@@ -246,3 +246,23 @@ def test_every_results_page_is_linked_from_results():
     pages = (ROOT / "benchmarks" / "results").glob("*.md")
     unlinked = [_name(p) for p in pages if p.resolve() not in linked]
     assert not unlinked, f"results pages RESULTS.md does not link: {unlinked}"
+
+
+def test_every_top_level_name_the_docs_use_is_exported():
+    # ``fastddp.X`` in a page is a name of ``from fastddp import *`` or a submodule (not a
+    # file such as ``fastddp.cpp``, nor a state dict key such as ``fastddp.rank0_of_3``).
+    import importlib.util
+
+    import fastddp
+
+    assert set(fastddp._LAZY) <= set(fastddp.__all__)
+    used = set()
+    for page in PAGES:
+        used |= set(re.findall(r"(?<![\w/.])fastddp\.([A-Za-z_]\w*)", page.read_text()))
+    used -= {"cpp", "rank0_of_3", "rankR_of_W", "OP"}  # a file, keys, an op placeholder
+    missing = sorted(
+        name
+        for name in used
+        if name not in fastddp.__all__ and importlib.util.find_spec(f"fastddp.{name}") is None
+    )
+    assert not missing, f"fastddp.<name> in the docs, neither exported nor a module: {missing}"
