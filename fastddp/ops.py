@@ -173,9 +173,10 @@ def quantize_int8(
     """Quantise ``src * scale`` to int8 with one absmax scale per block, in one pass.
 
     For each block of ``block_size`` elements (the last may be shorter), ``scales[b]`` becomes
-    ``absmax / 127`` and ``dst = round(v / scales[b])``. A block holding inf or NaN gets a NaN
-    scale and zeros, so that it dequantises to NaN; a block too small for ``127 / absmax`` to be
-    finite (below about 3.7e-37) quantises to zeros.
+    ``absmax / 127`` (the float below it where 127 times it would overflow, at absmax near
+    the largest float) and ``dst = round(v * (127 / absmax))``, to nearest even. A block holding
+    inf or NaN gets a NaN scale and zeros, so that it dequantises to NaN; a block too small for
+    ``127 / absmax`` to be finite (below about 3.7e-37) quantises to zeros.
 
     Args:
         src: contiguous float32 tensor of ``n`` elements.

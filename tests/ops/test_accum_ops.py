@@ -198,6 +198,14 @@ def test_widen_sum_does_not_round_the_sum():
     assert out.item() == 8.0 + 8 * 2.0**-9
 
 
+def block_steps(absmax, qmax):
+    """absmax / qmax per block, or the float below it where qmax times it overflows (near
+    FLT_MAX), as the kernels store it."""
+    step = absmax / qmax
+    below = (step.view(torch.int32) - 1).view(torch.float32)
+    return torch.where(torch.isinf(step * qmax) & torch.isfinite(absmax), below, step)
+
+
 def quantize_ref(v, block, r=None):
     n = v.numel()
     nb = (n + block - 1) // block
@@ -207,7 +215,7 @@ def quantize_ref(v, block, r=None):
     absmax_bits = bits.max(dim=1).values
     bad = absmax_bits >= 0x7F800000
     absmax = absmax_bits.view(torch.float32)
-    step = torch.where(bad, torch.full_like(absmax, float("nan")), absmax / 127.0)
+    step = torch.where(bad, torch.full_like(absmax, float("nan")), block_steps(absmax, 127.0))
     # Not `127.0 / absmax`: torch computes a scalar over a tensor as a reciprocal times the
     # scalar, which can be an ulp off the kernels' correctly rounded division.
     inverse = torch.full_like(absmax, 127.0) / absmax
@@ -273,6 +281,30 @@ def test_quantize_int8_divides_once_and_rounds_half_to_even(device):
     ops.quantize_int8((v * 2).to(device), q, scales, 2, 0.5, flag)
     assert q.cpu().tolist() == [127, -64]
     assert quantize_ref(v, 2)[0].tolist() == [127, -64]
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_a_block_at_the_largest_float_stays_finite(bits):
+    # 127 * (FLT_MAX / 127) rounds past FLT_MAX: the stored scale must be the float below, or
+    # the block decodes to inf and error feedback keeps -inf for good.
+    big = torch.finfo(torch.float32).max
+    x = torch.tensor([big, 1.0, -2.0, 0.5, -big, 3.0, 0.0, 1e30])
+    res = torch.zeros(8)
+    flag = torch.zeros(1, dtype=torch.int32)
+    out = torch.empty(8)
+    for x in (x, x / 4):  # then a step with the residual the first one left
+        scales = torch.empty(2)
+        if bits == 8:
+            q = torch.empty(8, dtype=torch.int8)
+            ops.quantize_int8(x, q, scales, 4, 1.0, flag, res)
+            ops.unpack_int8(q, scales, out, 4)
+        else:
+            q = torch.empty(8 * bits // 8, dtype=torch.uint8)
+            ops.quantize_packed(x, q, scales, bits, 4, 1.0, flag, res)
+            ops.unpack_packed(q, scales, out, bits, 4)
+        assert flag.item() == 0
+        assert torch.isfinite(out).all() and torch.isfinite(res).all(), (out, res)
+        assert out[0].item() > x[0].item() * 0.99 and out[4].item() < x[4].item() * 0.99
 
 
 def test_quantize_int8_nonfinite_block_dequantises_to_nan():
@@ -610,3 +642,17 @@ def test_residual_sharing_storage_is_refused():
     chunks = torch.ones(2, 4, dtype=torch.half)
     with pytest.raises(RuntimeError, match="dst shares storage with src"):
         ops.sum_chunks(chunks, chunks[0])
+    # Outputs in one buffer: the rounding would write the wire over the residual it reads.
+    buf = torch.ones(16)
+    wire = buf.view(torch.bfloat16)[:8]
+    with pytest.raises(RuntimeError, match="dst overlaps residual in memory"):
+        ops.compress(x, wire, 1.0, None, buf[:8])
+    with pytest.raises(RuntimeError, match="dst overlaps found_nonfinite in memory"):
+        ops.compress(x, wire, 1.0, buf[:1].view(torch.int32))
+    with pytest.raises(RuntimeError, match="residual shares storage with the data"):
+        ops.sum_chunks(chunks, wire[:4].view(torch.half), 1.0, None, buf[:4])
+    with pytest.raises(RuntimeError, match="residual overlaps src in memory"):
+        ops.sum_chunks(buf.view(torch.half)[:8].view(2, 4), torch.empty(4, dtype=torch.half),
+                       1.0, None, buf[:4])  # fmt: skip
+    # Apart in one buffer is fine: the wire in floats 0-3, the flag in 4, the residual in 8-15.
+    ops.compress(x, wire, 1.0, buf[4:5].view(torch.int32), buf[8:16])

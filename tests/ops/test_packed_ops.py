@@ -15,7 +15,7 @@ import torch
 from fastddp import ops
 
 from ._grid import _CUDA, INT8_BLOCKS_OF_128, devices_and_lengths
-from .test_accum_ops import _grads, _unit, random_bits
+from .test_accum_ops import _grads, _unit, block_steps, random_bits
 
 BITS = [4, 2]
 LENGTHS = [1, 2, 3, 31, 129, 1000, 65537]
@@ -31,7 +31,7 @@ def _reference(v, bits, block, seed=-1):
     n, qmax = v.numel(), _qmax(bits)
     padded = torch.nn.functional.pad(v, (0, -n % block)).view(-1, block)
     absmax = padded.abs().amax(1)
-    scales = absmax / qmax
+    scales = block_steps(absmax, qmax)
     # A division of two tensors, correctly rounded as the kernels' is (a scalar over a tensor
     # is a reciprocal times the scalar in torch).
     inverse = torch.where(absmax > 0, torch.full_like(absmax, qmax) / absmax, 0.0)

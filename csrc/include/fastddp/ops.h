@@ -27,12 +27,24 @@ inline uint16_t* mutable_wire_bits(const Tensor& t) {
   return static_cast<uint16_t*>(t.data_ptr());
 }
 
+// A 16-bit rounding op's outputs (dst, flag, residual) apart from each other and from src.
+inline void check_rounding_apart(
+    const char* op, const Tensor& src, const Tensor& dst, const OptionalTensor& flag,
+    const OptionalTensor& residual) {
+  check_apart(
+      op, {{"dst", &dst},
+           {"found_nonfinite", flag.has_value() ? &*flag : nullptr},
+           {"residual", residual.has_value() ? &*residual : nullptr},
+           {"src", &src}});
+}
+
 template <class Backend>
 void compress(
     const Tensor& src, const Tensor& dst, double scale, const OptionalTensor& found_nonfinite,
     const OptionalTensor& residual, int64_t seed) {
   check_bucket_and_wire("compress", src, dst);
   const Rounding rounding = rounding_of("compress", found_nonfinite, residual, seed, src);
+  check_rounding_apart("compress", src, dst, found_nonfinite, residual);
   Backend(src).run(CompressArgs{
       {kind_of(dst), src.const_data_ptr<float>(), mutable_wire_bits(dst), src.numel(),
        static_cast<float>(scale)},
@@ -54,6 +66,7 @@ void sum_chunks(
       "sum_chunks", src, dst, src.scalar_type(),
       "src and dst must both be float16 or both bfloat16");
   const Rounding rounding = rounding_of("sum_chunks", found_nonfinite, residual, seed, dst);
+  check_rounding_apart("sum_chunks", src, dst, found_nonfinite, residual);
   Backend(src).run(SumChunksArgs{
       {kind_of(src), wire_bits(src), src.size(0), src.size(1), mutable_wire_bits(dst),
        static_cast<float>(scale)},

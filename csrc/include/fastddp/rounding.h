@@ -152,9 +152,15 @@ FASTDDP_HD bool block_nonfinite(uint32_t absmax_bits) {
 }
 
 // The scale stored for a block: absmax / qmax; NaN for a block holding inf or NaN, so that its
-// dequantised values come out NaN and the step is visibly bad.
+// dequantised values come out NaN and the step is visibly bad. Near FLT_MAX, qmax times the
+// rounded quotient can overflow: the float below it then, so that every code of a finite block
+// decodes to a finite value and what the rounding dropped stays finite.
 FASTDDP_HD float block_scale(uint32_t absmax_bits, float qmax = kInt8Max) {
-  return block_nonfinite(absmax_bits) ? float_of(0x7fc00000u) : float_of(absmax_bits) / qmax;
+  if (block_nonfinite(absmax_bits)) {
+    return float_of(0x7fc00000u);
+  }
+  const float step = float_of(absmax_bits) / qmax;
+  return bits_of(mul(step, qmax)) < 0x7f800000u ? step : float_of(bits_of(step) - 1u);
 }
 
 // qmax / absmax, or 0 for a block that is all zeros, holds inf/NaN, or is so small that the
