@@ -288,11 +288,11 @@ def test_a_block_at_the_largest_float_stays_finite(bits):
     # 127 * (FLT_MAX / 127) rounds past FLT_MAX: the stored scale must be the float below, or
     # the block decodes to inf and error feedback keeps -inf for good.
     big = torch.finfo(torch.float32).max
-    x = torch.tensor([big, 1.0, -2.0, 0.5, -big, 3.0, 0.0, 1e30])
+    first = torch.tensor([big, 1.0, -2.0, 0.5, -big, 3.0, 0.0, 1e30])
     res = torch.zeros(8)
     flag = torch.zeros(1, dtype=torch.int32)
     out = torch.empty(8)
-    for x in (x, x / 4):  # then a step with the residual the first one left
+    for x in (first, first / 4):  # then a step with the residual the first one left
         scales = torch.empty(2)
         if bits == 8:
             q = torch.empty(8, dtype=torch.int8)
