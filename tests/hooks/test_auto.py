@@ -621,3 +621,32 @@ def test_an_auto_state_reshards_to_another_world_size(tmp_path):
     plans = run_ranks(_auto_phase, 3, tmp_path / "b.pt", tmp_path / "a.pt")
     for plan in plans:
         assert plan["made_at_step"] == made["made_at_step"] and plan["plans"] == made["plans"]
+
+
+class _HalfTail(torch.nn.Module):
+    # An fp32 layer, then a bf16 one: DDP gives the bf16 gradients a bucket of their own.
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(24, 16), torch.nn.Linear(16, 4).bfloat16()
+
+    def forward(self, x):
+        return self.b(self.a(x).bfloat16()).float()
+
+
+def _sixteen_bit_bucket(rank, world, register):
+    model = DDP(_HalfTail(), bucket_cap_mb=0.001)
+    state = fastddp.CompressState(dtype="auto")
+    if register:
+        fastddp.register_comm_hook(model, state)
+    else:
+        model.register_comm_hook(state, fastddp.compress_hook)
+    _train(model, 26, rank)  # through the trial and its run-off
+    stats = state.stats()
+    assert stats["plan"] is not None, stats
+    assert all(c["passthrough_calls"] > 0 for c in stats["candidates"].values())
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("register", [False, True], ids=["python", "register_comm_hook"])
+def test_a_sixteen_bit_bucket_passes_through_the_trial(register):
+    run_ranks(_sixteen_bit_bucket, 2, register)
