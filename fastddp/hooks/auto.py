@@ -320,7 +320,7 @@ class AutoState(CompressState):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = checkpoint.checked(state_dict, ("settings", "candidates"))["settings"]
+        saved = checkpoint.checked(state_dict, ("settings", "candidates"), "auto")["settings"]
         if saved.get("dtype") != "auto" or saved.get("allow") != list(self.allow):
             raise ValueError(
                 f"CompressState.load_state_dict: saved settings {saved} do not match this "

@@ -52,13 +52,22 @@ def save(state: Any) -> dict[str, Any]:
     }
 
 
-def checked(state_dict: Any, keys: tuple[str, ...]) -> dict[str, Any]:
-    """``state_dict`` if it is a dict holding ``keys``; else what it looks like and the fix."""
+def checked(state_dict: Any, keys: tuple[str, ...], dtype: str) -> dict[str, Any]:
+    """``state_dict`` if it is a dict holding ``keys``; else what it looks like and the fix.
+    ``dtype``: the loading state's (``"auto"`` or a codec's name); a state dict of the other
+    kind (fixed or ``"auto"``) has other keys, and is named as such."""
     where = "CompressState.load_state_dict"
     if not isinstance(state_dict, dict):
         raise TypeError(
             f"{where}: expected the dict that CompressState.state_dict() returned, got "
             f"{type(state_dict).__name__}"
+        )
+    saved = state_dict.get("settings")
+    theirs = saved.get("dtype") if isinstance(saved, dict) else None
+    if theirs is not None and (theirs == "auto") != (dtype == "auto"):
+        raise ValueError(
+            f"{where}: saved by a CompressState of dtype {theirs!r}, loaded into one of dtype "
+            f"{dtype!r}; build the state with the settings it was saved with"
         )
     missing = [k for k in keys if k not in state_dict]
     if missing:
@@ -114,7 +123,7 @@ def _intact(state_dict: dict[str, Any]) -> None:
 
 def load(state: Any, state_dict: dict[str, Any]) -> None:
     """Restore counters and park residuals saved by :func:`save`; the settings must match."""
-    checked(state_dict, ("counters", "buckets"))  # "settings" is absent from version 1
+    checked(state_dict, ("counters", "buckets"), state.codec.name)  # version 1: no "settings"
     _intact(state_dict)
     saved_settings = state_dict.get("settings", {"dtype": state_dict.get("dtype")})
     problem = mismatch(saved_settings, state.settings())

@@ -372,6 +372,11 @@ def test_a_state_dict_of_something_else_is_refused(dtype):
     with pytest.raises(ValueError, match=r"not a CompressState.state_dict\(\) \(no .*; its keys: "):
         state.load_state_dict(model)
     state.load_state_dict(fastddp.CompressState(**settings).state_dict())  # its own loads
+    other = fastddp.CompressState(**({"dtype": "auto"} if dtype != "auto" else preset("bf16")))
+    theirs, mine = ("auto", "int8") if dtype != "auto" else ("bfloat16", "auto")
+    said = f"saved by a CompressState of dtype '{theirs}', loaded into one of dtype '{mine}'; "
+    with pytest.raises(ValueError, match=said + "build the state with the settings"):
+        state.load_state_dict(other.state_dict())
 
 
 def test_a_state_dict_damaged_inside_is_refused():
