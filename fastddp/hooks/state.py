@@ -244,7 +244,10 @@ class CompressState:
         ``allocations`` counts buffer (re)allocations, which stop after the second step;
         ``parked_residuals`` counts parameters whose loaded or moved residuals still wait for
         their bucket. ``buckets`` has each bucket's figures and ``path``, keyed by
-        ``bucket.index()`` (``(index, k)`` for the k-th other model sharing this state).
+        ``bucket.index()`` (``(index, k)`` for the k-th other model sharing this state); its
+        counters include those of earlier buckets of that index (before DDP's rebuild after
+        the first step, or before a resume), so that they add up to the totals, while its
+        ``numel`` and ``path`` are the bucket's now.
         Reading ``nonfinite_events`` synchronises with the device, after the streams that
         reductions queued work on.
         """
