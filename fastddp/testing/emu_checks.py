@@ -32,7 +32,8 @@ def _buffer(n: int, dtype, offset: bool, fill=93) -> tuple[torch.Tensor, torch.T
     """(the tensor, its whole buffer): ``n`` elements between canaries, shifted by ``offset``.
 
     The canaries of an output (93) differ from what any op writes from an input's canaries
-    (1.0, see :func:`_twin`), so an access one past the end shows as a difference.
+    (NaN, or 1 for codes, see :func:`_twin`), so an access one past the end shows as a
+    difference.
     """
     whole = torch.full((n + 2 * _CANARY + 1,), fill, dtype=dtype)
     start = _CANARY + int(offset)
@@ -40,7 +41,10 @@ def _buffer(n: int, dtype, offset: bool, fill=93) -> tuple[torch.Tensor, torch.T
 
 
 def _twin(t: torch.Tensor, offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    copy, whole = _buffer(t.numel(), t.dtype, offset, fill=1)
+    # An input's canaries are NaN: a value read past the end then spoils a block's absmax, a
+    # flag or a sum, where a small number would hide among the data.
+    fill = float("nan") if t.is_floating_point() else 1
+    copy, whole = _buffer(t.numel(), t.dtype, offset, fill=fill)
     copy.copy_(t.reshape(-1))
     return copy.view(t.shape), whole
 

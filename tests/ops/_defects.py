@@ -11,7 +11,8 @@ from typing import Optional
 # How the copies are built (``fastddp.testing.emu_build.build``'s options; ``only`` is the op).
 PLANTED_BUILD = {"debug": False}
 
-# (name, file under csrc, the text, what replaces it, the op whose checks must fail)
+# (name, file under csrc, the text, what replaces it, the op whose checks must fail); a defect
+# of several edits gives a tuple of each of the middle three.
 DEFECTS = [
     # place_of: the run of a warp's chunks taken as one row where a row ends inside it; a
     # group's first element taken from the row's start, not from the chunk index; a block's
@@ -52,6 +53,15 @@ DEFECTS = [
     ("loop bound < made <=", "cuda/kernels.cuh",
      "for (int64_t i = begin + thread_index(); i < end; i += stride) {",
      "for (int64_t i = begin + thread_index(); i <= end; i += stride) {", "unpack_int8"),
+    # Two edits (file, text and replacement each a tuple): the values past a short chunk's end
+    # loaded, and taken into its block's absmax.
+    ("a short chunk read past its count into a block's absmax",
+     ("cuda/kernels.cuh", "cuda/codes_kernels.cuh"),
+     ("x[j] = j < k.count ? p[k.first + j] : 0.0f;",
+      "v[j] = j < k.count ? math::rounding_input_of(mode, x[j], a.scale, r[j]) : 0.0f;"),
+     ("x[j] = k.count > 0 ? p[k.first + j] : 0.0f;",
+      "v[j] = math::rounding_input_of(mode, x[j], a.scale, r[j]);"),
+     "quantize_int8"),
     ("a short chunk taken as whole", "cuda/kernels.cuh",
      "const int count = left <= 0 ? 0 : (left >= kChunk ? kChunk : static_cast<int>(left));",
      "const int count = left <= 0 ? 0 : kChunk;", "decompress"),
@@ -109,14 +119,15 @@ DEFECTS = [
 ]  # fmt: skip
 
 
-def planted_copy(csrc: Path, dest: Path, edit: Optional[tuple[str, str, str]] = None) -> Path:
-    """A copy of ``csrc`` at ``dest`` with ``edit`` (file under csrc, text, what replaces it)
-    applied once; ``dest``."""
+def planted_copy(csrc: Path, dest: Path, edit: Optional[tuple] = None) -> Path:
+    """A copy of ``csrc`` at ``dest`` with ``edit`` (file under csrc, text, what replaces it;
+    or a tuple of each) applied once; ``dest``."""
     shutil.copytree(csrc, dest)
     if edit is not None:
-        rel, old, new = edit
-        path = dest / rel
-        text = path.read_text()
-        assert old in text, f"the defect's target text is gone from {rel}: update DEFECTS"
-        path.write_text(text.replace(old, new, 1))
+        edits = zip(*edit) if isinstance(edit[0], tuple) else [edit]
+        for rel, old, new in edits:
+            path = dest / rel
+            text = path.read_text()
+            assert old in text, f"the defect's target text is gone from {rel}: update DEFECTS"
+            path.write_text(text.replace(old, new, 1))
     return dest
