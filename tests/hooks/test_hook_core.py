@@ -522,3 +522,41 @@ def test_reshard_refuses_what_is_not_one_jobs_state_dicts():
                        "sizes": {0: n}, "replicated": {}}  # fmt: skip
     with pytest.raises(ValueError, match="parameter 0 has 5 elements in one rank's residuals"):
         fastddp.CompressState.reshard(two, 1)
+
+
+class _OneParam(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.p = nn.Parameter(torch.zeros(n))
+
+    def forward(self, g):
+        return (self.p * g).sum()  # the gradient of p is g
+
+
+def _version_one_checkpoint(rank, world, topology):
+    # A version-1 state dict held the fp32 sum's residuals (stage 2) whole, the same on every
+    # rank: loaded, they are owed once, not once per rank. With zero gradients the first
+    # reduction hands back exactly what was owed (values exact in bf16).
+    n = 512
+    owed = torch.arange(n, dtype=torch.float32) / 4 - 64
+    saved = fastddp.CompressState.from_preset("bf16-acc-ef").state_dict()
+    for key in ("version", "rank", "world_size"):
+        saved.pop(key, None)
+    saved["buckets"] = {}
+    saved["carry"] = {"stage1": {}, "stage2": {0: owed.clone()}}
+    model = DDP(_OneParam(n))
+    state = fastddp.CompressState.from_preset("bf16-acc-ef", topology=topology)
+    state.load_state_dict(saved)
+    model.register_comm_hook(state, fastddp.compress_hook)
+    model(torch.zeros(n)).backward()
+    got = model.module.p.grad
+    assert torch.equal(got, owed), f"rank {rank}: {(got / owed)[owed != 0].unique().tolist()}"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("topology", ["flat", "hierarchical"])
+def test_a_version_one_checkpoint_owes_its_fp32_residuals_once(topology):
+    if topology == "flat":
+        run_ranks(_version_one_checkpoint, 2, topology)
+    else:  # two nodes of two ranks
+        run_ranks(_version_one_checkpoint, 4, topology, nodes=[0, 0, 1, 1])
