@@ -47,6 +47,7 @@ def save(state: Any) -> dict[str, Any]:
         "settings": state.settings(),
         "counters": dict(state._counters),
         "buckets": buckets,
+        "retired_buckets": state._table.retired(),  # counters no live bucket took
         "carry": state._residuals.state(),
         "delayed": state._delayed.state(state._pipeline.settle),
     }
@@ -136,6 +137,8 @@ def load(state: Any, state_dict: dict[str, Any]) -> None:
         state._loaded_from = (int(state_dict["rank"]), int(state_dict["world_size"]))
     for index, saved in state_dict["buckets"].items():
         state._table.saved[int(saved.get("index", index))] = saved
+    for index, counts in state_dict.get("retired_buckets", {}).items():
+        state._table.saved.setdefault(int(index), dict(counts))
     with_shards = state.error_feedback and state.accumulate_dtype == torch.float32
     state._residuals = parked(state_dict, with_shards)
     state._delayed.load(state_dict.get("delayed"))

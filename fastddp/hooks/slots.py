@@ -115,6 +115,13 @@ class Slot:
             setattr(self, name, int(saved.get(name, 0)))
         return int(saved.get("nonfinite_events", 0))
 
+    def absorb(self, counts: dict[str, int]) -> None:
+        """Add a retired bucket's counters to this one's (a bucket that took its index)."""
+        for name in SLOT_COUNTERS[:-1]:
+            setattr(self, name, getattr(self, name) + int(counts.get(name, 0)))
+        if self.nonfinite is not None:
+            self.nonfinite.add_(int(counts.get("nonfinite_events", 0)))
+
     def give_buffers(self, codec: Codec, error_feedback: bool, events: int, per_node: int) -> None:
         """Give the flags and, with ``error_feedback``, the residuals (after the path's buffers).
 
@@ -187,17 +194,30 @@ class SlotTable:
             self.owners[k] = key
 
     def remove(self, key) -> Optional[Slot]:
-        """Take the slot of ``key`` out; its counters stay with its bucket index."""
+        """Take the slot of ``key`` out; its counters stay with its bucket index: in the live
+        slot of that index (one DDP's rebuild made before retiring this one), else saved for
+        the next."""
         slot = self.slots.pop(key, None)
         if slot is None:
             return None
         for k, _ in slot.params or ():
             if self.owners.get(k) == key:
                 del self.owners[k]
+        live = next((s for s in self.slots.values() if s.index == slot.index), None)
+        if live is not None:
+            live.absorb(slot.counts())
+            return slot
         counts = self.saved.setdefault(slot.index, dict.fromkeys(SLOT_COUNTERS, 0))
         for name, value in slot.counts().items():
             counts[name] = int(counts.get(name, 0)) + value
         return slot
+
+    def retired(self) -> dict[int, dict[str, int]]:
+        """Counters of retired (or loaded) buckets that no live bucket has taken, by index."""
+        return {
+            index: {name: int(saved.get(name, 0)) for name in SLOT_COUNTERS}
+            for index, saved in sorted(self.saved.items())
+        }
 
     def by_index(self) -> list[tuple[Any, Slot]]:
         """Live slots in bucket order, keyed by index (``(index, k)`` for the k-th other model)."""

@@ -246,8 +246,9 @@ class CompressState:
         their bucket. ``buckets`` has each bucket's figures and ``path``, keyed by
         ``bucket.index()`` (``(index, k)`` for the k-th other model sharing this state); its
         counters include those of earlier buckets of that index (before DDP's rebuild after
-        the first step, or before a resume), so that they add up to the totals, while its
-        ``numel`` and ``path`` are the bucket's now.
+        the first step, or before a resume), while its ``numel`` and ``path`` are the bucket's
+        now. ``retired_buckets`` has, by index, the counters of earlier buckets whose index no
+        bucket has now; with ``buckets`` they add up to the totals.
         Reading ``nonfinite_events`` synchronises with the device, after the streams that
         reductions queued work on.
         """

@@ -46,6 +46,7 @@ def report(state: Any) -> dict[str, Any]:
         key: {"numel": slot.numel, "path": slot.path.name, **slot.counts()}
         for key, slot in state._table.by_index()
     }
+    retired = state._table.retired()
     topo = state._topology
     return {
         **state.settings(),
@@ -53,8 +54,11 @@ def report(state: Any) -> dict[str, Any]:
         "topology_used": state._resolved,
         "nodes": None if topo is None else topo.nodes,
         **state._counters,
-        "nonfinite_events": sum(b["nonfinite_events"] for b in buckets.values()),
+        "nonfinite_events": sum(
+            b["nonfinite_events"] for b in [*buckets.values(), *retired.values()]
+        ),
         # Without error feedback the parked sizes only check a load; nothing is owed.
         "parked_residuals": len(state._residuals) if state.error_feedback else 0,
         "buckets": buckets,
+        "retired_buckets": retired,
     }

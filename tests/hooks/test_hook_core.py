@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fastddp
 from fastddp.hooks import _reduce
 from fastddp.hooks.presets import preset
+from fastddp.hooks.slots import SLOT_COUNTERS
 from fastddp.hooks.topology import NODE_ENV
 
 from .._dist import run_ranks
@@ -105,6 +106,16 @@ def _grads(model):
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
+def _buckets_add_up(stats):
+    # Each bucket's counters keep those of earlier buckets of its index (DDP's rebuild, a
+    # resume, another model's retired bucket), and those no bucket took are retired: together
+    # they are the state's totals.
+    entries = [*stats["buckets"].values(), *stats["retired_buckets"].values()]
+    for name in SLOT_COUNTERS:
+        total = sum(b[name] for b in entries)
+        assert total == stats[name], (name, total, stats[name], stats["buckets"])
+
+
 def _two_models_one_state(rank, world, settings):
     plain_a, plain_b = _ddp(_Net(seed=1)), _ddp(_Net(seed=2))
     hooked_a, hooked_b = _ddp(_Net(seed=1)), _ddp(_Net(seed=2))
@@ -131,6 +142,7 @@ def _two_models_one_state(rank, world, settings):
     # Each model keeps its own buffers: no reallocation once both have rebuilt their buckets.
     assert allocations[1] == allocations[-1], allocations
     assert len(state.stats()["buckets"]) >= 6
+    _buckets_add_up(state.stats())
 
 
 @pytest.mark.multiproc
@@ -265,6 +277,7 @@ def _resume_across_layouts(rank, world, settings, nodes=None, one_bucket=False):
     for _ in range(5):
         _step(model, gen, opt)
     assert state.stats()["parked_residuals"] == 0
+    _buckets_add_up(state.stats())
     want_path = "flat" if nodes is None else "hierarchical"
     assert state.stats()["topology_used"] == want_path
     for p, w in zip(model.parameters(), want):
