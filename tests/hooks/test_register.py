@@ -189,3 +189,24 @@ def _none_in_cpp_on_cuda(rank, world, backend, steps):
 @pytest.mark.parametrize("backend, world", [("nccl", 1), ("gloo", 2)])
 def test_a_plan_of_none_runs_in_cpp_on_cuda(backend, world):
     run_ranks(_none_in_cpp_on_cuda, world, backend, 30)
+
+
+def _strikes(rank, world):
+    # The plan is held against the step every CHECK_EVERY steps: one check off by more than
+    # MARGIN is noise, two in a row start a trial, an on-plan check in between forgives.
+    model = DDP(_Net(depth=2), bucket_cap_mb=0.002)
+    state = fastddp.CompressState(dtype="auto", allow=["none"])
+    model.register_comm_hook(state, fastddp.compress_hook)
+    _train(model, auto.TRIAL_ROUNDS + 2, rank)
+    assert state._plan is not None and not state._plan["trial"], state._plan
+    planned = state._plan["planned_ms"] / 1e3
+    off, on = [planned * (1 + 2 * auto.MARGIN)] * 5, [planned] * 5
+    for periods, trial in ((off, False), (on, False), (off, False), (off, True)):
+        state._recent = list(periods)
+        state._check_plan(torch.device("cpu"))
+        assert state._plan["trial"] is trial, (periods[0] / planned, state._strikes)
+
+
+@pytest.mark.multiproc
+def test_a_trial_starts_at_the_second_check_off_the_plan_in_a_row():
+    run_ranks(_strikes, 2)
