@@ -60,7 +60,7 @@ def all_reduce(
         state (CompressState, optional): a state to reuse across calls instead of the
             arguments above: it keeps buffers, counters and error-feedback residuals (create
             it with ``error_feedback=True`` for that). Give it the same tensors each call;
-            tensors of other sizes are refused.
+            tensors of other sizes, or another ``op``, are refused.
         bucket_cap_mb (float): largest bucket, in MiB of float32.
 
     Example::
@@ -146,20 +146,29 @@ def all_reduce(
         layout = (len(sizes), sum(sizes), digest)
         found = problem[:2] if problem else (0, 0)
         _verify(state, _device(tensors, state), layout, found, 1 if op == "avg" else 2)
-        state._layout = sizes
+        state._layout = (op, sizes)
     elif problem:
         # Later calls are not checked across ranks (a collective each): alike on every rank
         # that passes the same.
         raise (TypeError if problem[0] < 4 else ValueError)(f"{where}: {problem[2]}")
     else:
         sizes = tuple(t.numel() for t in tensors)
-        if state._layout is not None and sizes != state._layout:
+        first_op, first = state._layout
+        if sizes != first:
             raise ValueError(
-                f"{where}: this state was first given {len(state._layout)} tensor(s) of "
-                f"{sum(state._layout)} elements, and this call {len(sizes)} of {sum(sizes)}"
-                f"{' (as many, but of other sizes)' if len(sizes) == len(state._layout) else ''}"
+                f"{where}: this state was first given {len(first)} tensor(s) of "
+                f"{sum(first)} elements, and this call {len(sizes)} of {sum(sizes)}"
+                f"{' (as many, but of other sizes)' if len(sizes) == len(first) else ''}"
                 ": its buffers and residuals belong to the first ones. Give each set of tensors "
                 "a CompressState of its own (or call all_reduce without state=)"
+            )
+        if op != first_op:
+            # Only the first call compares op across ranks; a state keeps it, as its residuals
+            # are in its units (an average's share, or the sum's).
+            raise ValueError(
+                f"{where}: this state was first called with op={first_op!r}, and this call has "
+                f"op={op!r}; a state keeps its op (its residuals are in its units): give each "
+                "op a CompressState of its own"
             )
     if not tensors:
         return

@@ -176,7 +176,7 @@ class CompressState:
         keys = getattr(self, "_table", None)
         self._table = SlotTable(keys.param_keys if keys is not None else None)
         self._verified = False
-        self._layout: Optional[tuple[int, ...]] = None  # all_reduce's sizes at its handshake
+        self._layout: Optional[tuple] = None  # all_reduce's (op, sizes) at its handshake
         self._pipeline = Pipeline()
         self._residuals = Residuals()
         self._loaded_from: Optional[tuple[int, int]] = None

@@ -109,6 +109,9 @@ def _with_state(rank, world):
         fastddp.all_reduce(torch.ones(4097), state=state)
     with pytest.raises(TypeError, match="tensors\\[0\\] is None, a parameter without a grad"):
         fastddp.all_reduce([None], state=state)
+    # Its residuals are shares of an average: a sum would repay a world-th of what it owes.
+    with pytest.raises(ValueError, match="first called with op='avg', and this call has op='sum'"):
+        fastddp.all_reduce(x.clone(), op="sum", state=state)
     fastddp.all_reduce(x.clone(), state=state)
     assert state.stats()["calls"] == calls + 1
 
