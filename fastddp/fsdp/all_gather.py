@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from fastddp.codecs import codec_for
 from fastddp.fsdp._buffers import Buffers
-from fastddp.fsdp.reduce_scatter import sharded_modules
+from fastddp.fsdp._sharded import sharded_modules
 
 try:
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather

@@ -20,15 +20,12 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 from fastddp.codecs import CODECS
 from fastddp.fsdp._checkpoint import LoadCheck, pack
-from fastddp.fsdp.reduce_scatter import (
-    CompressedReduceScatter,
-    FSDPModule,
-    compress_reduce_scatter,
-    sharded_modules,
-)
+from fastddp.fsdp._sharded import sharded_modules
+from fastddp.fsdp.reduce_scatter import CompressedReduceScatter, compress_reduce_scatter
 from fastddp.hooks import CompressState, _reduce
 
 __all__ = ["HybridAllReduce", "hybrid"]

@@ -25,9 +25,9 @@ from torch.distributed import ReduceOp
 from fastddp.codecs import CODECS, codec_for
 from fastddp.fsdp._buffers import Buffers
 from fastddp.fsdp._checkpoint import LoadCheck, pack
+from fastddp.fsdp._sharded import sharded_modules
 
 try:  # FSDP2's comm interfaces (torch >= 2.9 have set_custom_reduce_scatter)
-    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 except ImportError as error:  # pragma: no cover - depends on the installed torch
     raise ImportError(
@@ -112,6 +112,9 @@ class CompressedReduceScatter(ReduceScatter):
         # of another shard group that raised.
         self._agree_on_world = False
         self._counters = dict.fromkeys(("calls", "wire_bytes", "fp32_wire_bytes", "elements"), 0)
+        # Per device: the flags of this rank's encode and of the 16-bit rounding of its sum,
+        # and the reduce-scatters in which either met inf or NaN (counted on the device).
+        self._nonfinite: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __repr__(self) -> str:
         block = f", block_size={self.block_size}" if self.block_size else ""
@@ -135,9 +138,17 @@ class CompressedReduceScatter(ReduceScatter):
         ``calls``: reduce-scatters done; ``elements``: input elements reduced;
         ``wire_bytes``: bytes this rank sent to other ranks; ``fp32_wire_bytes``: what an fp32
         all-to-all reduce-scatter of the same inputs sends; ``allocations``: wire and staging
-        buffers allocated or grown (flat after the first step).
+        buffers allocated or grown (flat after the first step); ``nonfinite_events``:
+        reduce-scatters in which this rank's encode of its input, or its rounding of its
+        chunk's sum to a 16-bit output, gave inf or NaN (reading it waits for the device).
         """
-        return {**self._counters, "allocations": self._buffers.allocations}
+        events = 0
+        for _, count in self._nonfinite.values():
+            if count.is_cuda:
+                torch.cuda.synchronize(count.device)  # FSDP2 adds on its reduce-scatter stream
+            events += int(count.item())
+        counters = {**self._counters, "allocations": self._buffers.allocations}
+        return {**counters, "nonfinite_events": events}
 
     def __call__(
         self,
@@ -159,28 +170,38 @@ class CompressedReduceScatter(ReduceScatter):
         codec = self.codec
         row = codec.row_elems(chunk)
         wire = (world * row, codec.wire_dtype, src.device)
+        flags, count = self._flags(src.device)
         if codec.plain and src.dtype == codec.wire_dtype:
             send = src  # already in the wire dtype, nothing rounded; the scale after the sum
+            flags[:1].zero_()
         else:
             send = self._buffers.get("send", *wire)
             residual = self._residual(src) if self.error_feedback else None
-            codec.encode(self._fp32_source(src), send.view(world, row), chunk, pre, None, residual)
+            source = self._fp32_source(src)
+            codec.encode(source, send.view(world, row), chunk, pre, flags[:1], residual)
         recv = self._buffers.get("recv", *wire)
         dist.all_to_all_single(recv, send, group=group)
         rows = recv.view(world, row)
         if dst.dtype == torch.float32:
             codec.sum_into(rows, chunk, dst, post)
         elif codec.plain and dst.dtype == codec.wire_dtype:
-            codec.reduce(rows, dst, chunk, post)  # one rounding, of the fp32 sum
+            codec.reduce(rows, dst, chunk, post, flags[1:])  # one rounding, of the fp32 sum
         else:
             total = self._buffers.get("sum", chunk, torch.float32, src.device)
             codec.sum_into(rows, chunk, total, post)
             dst.copy_(total)
+        count.add_(flags.amax())
         self._counters["calls"] += 1
         self._counters["elements"] += src.numel()
         self._counters["wire_bytes"] += (world - 1) * codec.payload_bytes(chunk)
         self._counters["fp32_wire_bytes"] += (world - 1) * chunk * 4
         return None
+
+    def _flags(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._nonfinite:
+            flags = torch.zeros(2, dtype=torch.int32, device=device)
+            self._nonfinite[device] = (flags, torch.zeros(1, dtype=torch.int64, device=device))
+        return self._nonfinite[device]
 
     def _check(self, output, input, world, op, async_op) -> tuple[float, float]:
         # Everything here depends only on what FSDP2 passes, which is the same on every rank:
@@ -274,22 +295,6 @@ class CompressedReduceScatter(ReduceScatter):
         staged = self._buffers.get("stage", src.numel(), torch.float32, src.device)
         staged.copy_(src)
         return staged
-
-
-def sharded_modules(
-    model: torch.nn.Module, where: str, how: str = "torch.distributed.fsdp.fully_shard"
-) -> list[tuple[str, FSDPModule]]:
-    """``model``'s ``fully_shard``-ed modules with their names, in ``named_modules()`` order (the
-    same on every rank); raise if it is not a module or none is sharded."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"{where}: expected an nn.Module, got {type(model).__name__}")
-    sharded = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
-    if not sharded:
-        raise ValueError(
-            f"{where}: no module in this model is sharded by FSDP2; call {how} on its layers "
-            "and on the model first"
-        )
-    return sharded
 
 
 class _GroupDoor(ReduceScatter):

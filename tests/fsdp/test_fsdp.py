@@ -112,6 +112,36 @@ def test_reduce_scatter_bit_for_bit_on_three_ranks():
     run_ranks(_direct, 3, timeout=120)
 
 
+def _nonfinite(rank, world):
+    # Rank 1's input holds a NaN or inf in rank 0's chunk: its encode meets it, and rank 0,
+    # summing in fp32, counts nothing, unless it rounds the sum to a 16-bit output. An fp16
+    # input on an fp16 wire is sent as it is: no encode, only that rounding counts, as it
+    # does for a sum past fp16's range. A clean call after adds nothing.
+    chunk, got = 256, []
+    for wire, out_dtype, value in (
+        (torch.bfloat16, torch.float32, float("nan")),
+        (torch.int8, torch.float32, float("inf")),
+        (torch.float16, torch.float16, float("nan")),
+        (torch.float16, torch.float16, 4.0e4),  # each share fits fp16, the sum does not
+    ):
+        comm = CompressedReduceScatter(wire)
+        x = torch.ones(world * chunk, dtype=out_dtype)
+        if rank == 1 or value == 4.0e4:
+            x[3] = value
+        out = torch.empty(chunk, dtype=out_dtype)
+        comm(out, x, dist.group.WORLD, ReduceOp.SUM)
+        comm(out, torch.ones_like(x), dist.group.WORLD, ReduceOp.SUM)  # a clean call after
+        got.append(comm.stats()["nonfinite_events"])
+    return got
+
+
+@pytest.mark.multiproc
+def test_reduce_scatter_counts_what_its_encodes_met():
+    ranks = run_ranks(_nonfinite, 2)
+    want = [[0, 1], [0, 1], [1, 0], [1, 0]]  # per case: rank 0's and rank 1's events
+    assert [list(case) for case in zip(*ranks)] == want, ranks
+
+
 def _accuracy(rank, world):
     # Against an fp64 sum: bf16 on the wire summed in fp32 must beat a bf16 reduce-scatter
     # (what FSDP2 does with reduce_dtype=torch.bfloat16), which rounds at every hop.
