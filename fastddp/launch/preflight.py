@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import ipaddress
 import os
+import socket
 import sys
 from typing import Optional
 
@@ -177,6 +178,8 @@ def preflight(args: argparse.Namespace, network: bool = True) -> tuple[dict, Dec
     _warn_loopback(host, addr, max_nodes)
     local, iface = net.route_to(addr, port)
     is_master = (args.node_rank == 0) if static else net.is_local(addr)
+    if is_master and static:
+        _check_owns_master(host, addr)
     hosts = is_master
     if is_master and static:
         net.check_port_free(addr, port)
@@ -218,12 +221,44 @@ def preflight(args: argparse.Namespace, network: bool = True) -> tuple[dict, Dec
             if loopback
             else ("the interface that reaches the master")
         )
-        _interface(decisions, iface, why)
+        _interface(decisions, iface, why, multi_node=max_nodes > 1 and not loopback)
     return info, decisions
 
 
-def _interface(decisions: Decisions, iface: str, why: str) -> None:
+def _check_owns_master(host: str, addr: str) -> None:
+    # The static rendezvous makes node rank 0 serve the store at the master address; on a
+    # node that does not own it, torch would retry a store there as a client for its timeout.
+    if not net.is_local(addr):
+        shown = host if host == addr else f"{host} ({addr})"
+        raise LaunchError(
+            f"--node-rank 0 serves the rendezvous at --master-addr, but {shown} is not an "
+            "address of this node: launch node rank 0 on the host that owns it, or give "
+            "--master-addr an address of this node (two nodes given --node-rank 0 end here too)"
+        )
+
+
+def _check_gloo_interfaces(value: str, multi_node: bool) -> None:
+    # Gloo takes exact names (a comma-separated list); a wrong one fails every worker after
+    # its imports, and the other nodes then wait for it in silence.
+    names = [n for n in value.split(",") if n]
+    known = {name for _, name in socket.if_nameindex()}
+    missing = [n for n in names if n not in known]
+    if missing:
+        raise LaunchError(
+            f"GLOO_SOCKET_IFNAME={value}: no interface {', '.join(missing)} on this node (it "
+            f"has {', '.join(sorted(known))}); unset it, or name one of these"
+        )
+    if multi_node and net.interfaces().get("127.0.0.1") in names:
+        raise LaunchError(
+            f"GLOO_SOCKET_IFNAME={value} is the loopback interface, and the other nodes cannot "
+            "reach a worker's address on it; unset it, or name the interface that reaches them"
+        )
+
+
+def _interface(decisions: Decisions, iface: str, why: str, multi_node: bool = False) -> None:
     """The workers' Gloo and NCCL sockets on ``iface``, unless the user chose one."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        _check_gloo_interfaces(os.environ["GLOO_SOCKET_IFNAME"], multi_node)
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         if var in os.environ:
             decisions.notes.append(f"{var}={os.environ[var]} (yours; fastddp would use {iface})")

@@ -1,6 +1,7 @@
 """``python -m fastddp.launch``'s options that torchrun would take with a traceback (or take in
 silence) are refused with the fix, before anything runs (``fastddp.launch.options``)."""
 
+import importlib
 import re
 
 import pytest
@@ -91,3 +92,30 @@ def test_an_ipv6_address_of_this_machine_is_local():
     if not mine:
         pytest.skip("this machine has no global IPv6 address")
     assert all(net.is_local(a) for a in mine), mine
+
+
+def test_node_rank_zero_must_own_the_master_address():
+    # The static rendezvous's store is served by node rank 0 at --master-addr: elsewhere
+    # torch would retry it as a client for its whole timeout, and the other nodes wait.
+    # (fastddp.launch.preflight is also the name of that module's function)
+    preflight = importlib.import_module("fastddp.launch.preflight")
+    preflight._check_owns_master("localhost", "127.0.0.1")
+    with pytest.raises(LaunchError, match=r"but 192.0.2.1 is not an address of this node"):
+        preflight._check_owns_master("192.0.2.1", "192.0.2.1")
+
+
+def test_a_gloo_interface_is_checked_before_the_workers_start():
+    import socket
+
+    from fastddp.launch import net
+
+    preflight = importlib.import_module("fastddp.launch.preflight")
+    loop = net.interfaces()["127.0.0.1"]
+    preflight._check_gloo_interfaces(loop, multi_node=False)
+    other = [n for _, n in socket.if_nameindex() if n != loop]
+    if other:
+        preflight._check_gloo_interfaces(other[0], multi_node=True)
+    with pytest.raises(LaunchError, match=r"GLOO_SOCKET_IFNAME=eth9x: no interface eth9x on"):
+        preflight._check_gloo_interfaces("eth9x", multi_node=False)
+    with pytest.raises(LaunchError, match=r"is the loopback interface, and the other nodes"):
+        preflight._check_gloo_interfaces(loop, multi_node=True)
