@@ -12,7 +12,10 @@ Before ``torch.distributed.run`` starts the workers, fastddp:
    :mod:`~fastddp.launch.net`);
 3. gives the workers of every restarted or re-formed round a fresh store, on every rendezvous,
    so that ``--max-restarts`` and a node that rejoins work every time
-   (:mod:`~fastddp.launch.store`).
+   (:mod:`~fastddp.launch.store`);
+4. while the rendezvous forms, has every node sign in with its settings, ends the launch
+   where two nodes disagree (``--nnodes``, one ``--node-rank`` twice), and names the nodes
+   still missing (:mod:`~fastddp.launch.roster`).
 
 Example::
 

@@ -21,7 +21,7 @@ from typing import Callable
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-__all__ = ["Stopped", "at_stop", "install", "taken"]
+__all__ = ["Stopped", "at_stop", "end", "install", "taken"]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _GRACE_S = 1.0
@@ -54,6 +54,15 @@ def at_stop(cleanup: Callable[[], None]) -> Callable[[], None]:
     return lambda: _cleanups.remove(cleanup) if cleanup in _cleanups else None
 
 
+def end(code: int) -> None:
+    """End the process now with ``code``, after the cleanups of :func:`at_stop` (for a thread,
+    while the main thread waits in C++ and no worker has started)."""
+    for cleanup in list(_cleanups):
+        with contextlib.suppress(Exception):  # the process ends now, whatever it did
+            cleanup()
+    os._exit(code)
+
+
 def _has_children() -> bool:
     try:
         tasks = os.listdir("/proc/self/task")
@@ -81,11 +90,8 @@ def _watch(fd: int, report: Callable[[int], None]) -> None:
             threading.Event().wait(_GRACE_S)
             if _has_children() or not taken():
                 continue
-            for cleanup in list(_cleanups):
-                with contextlib.suppress(Exception):  # the process ends now, whatever it did
-                    cleanup()
             report(signum)
-            os._exit(128 + signum)
+            end(128 + signum)
 
 
 def install(report: Callable[[int], None]) -> None:

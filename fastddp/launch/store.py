@@ -39,6 +39,7 @@ MARKER = "fastddp/round_store"
 _PREFIX = "fastddp-"
 _ARRIVALS = "fastddp/round_store/arrivals"
 _SHARE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+_LAUNCH: dict = {}  # what install() knows of the launch and the handler does not
 
 
 # ------------------------------------------------------------------------ the plan for restarts
@@ -129,14 +130,26 @@ class RoundStoreHandler(RendezvousHandler):
         timeout (timedelta): how long a node waits for node 0 to publish the round's store.
     """
 
-    def __init__(self, inner: RendezvousHandler, timeout: timedelta) -> None:
+    def __init__(self, inner: RendezvousHandler, timeout: timedelta, roll_call=None) -> None:
         self._inner = inner
         self._backend = _PREFIX + inner.get_backend()
         self._timeout = timeout
         self._server: Optional[dist.TCPStore] = None
+        self._roll_call = roll_call  # for the first round only (roster.py)
 
     def next_rendezvous(self) -> RendezvousInfo:
-        info = self._inner.next_rendezvous()
+        roll_call, self._roll_call = self._roll_call, None
+        if roll_call is None:
+            info = self._inner.next_rendezvous()
+        else:
+            roll_call.start()
+            try:
+                info = self._inner.next_rendezvous()
+                problem = roll_call.confirm(info.world_size)
+            finally:
+                roll_call.stop()
+            if problem is not None:
+                raise RoundStoreError(problem)
         self._server = None  # the previous round's workers are gone: close their store
         store, rank = info.store, info.rank
         # The c10d rendezvous gives a store per round; the static one the same store for the
@@ -221,7 +234,23 @@ def _create(params: RendezvousParameters) -> RendezvousHandler:
     )
     # The rendezvous's own patience: join_timeout (c10d), timeout (static), else 600 s.
     seconds = params.get_as_int("join_timeout") or params.get_as_int("timeout") or 600
-    return RoundStoreHandler(inner, timedelta(seconds=seconds))
+    roll_call = None
+    if params.max_nodes > 1:
+        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+        from fastddp.launch import roster
+
+        static = backend == "static"
+        card = roster.this_node(
+            params.get_as_int("rank") if static else None,
+            params.min_nodes,
+            params.max_nodes,
+            backend,
+            _LAUNCH.get("max_restarts", 0),
+        )
+        endpoint = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+        roll_call = roster.RollCall(endpoint, params.run_id, card, timedelta(seconds=seconds))
+    return RoundStoreHandler(inner, timedelta(seconds=seconds), roll_call)
 
 
 def install(config) -> None:
@@ -233,6 +262,7 @@ def install(config) -> None:
     """
     name = _PREFIX + config.rdzv_backend
     rendezvous_handler_registry.register(name, _create)  # a no-op the second time
+    _LAUNCH["max_restarts"] = config.max_restarts  # for this node's roll-call card
     config.rdzv_backend = name
 
 

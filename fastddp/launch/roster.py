@@ -1,0 +1,321 @@
+"""The roll call: every node's launcher signs in at the rendezvous and checks the others' cards.
+
+torch's rendezvous waits in silence while a node is missing, and takes nodes launched with
+another ``--nnodes``, or two with one ``--node-rank``, without a word: their workers then wait
+in ``init_process_group`` until its timeout. While its first rendezvous runs, each launcher
+writes a card (its address, host name, node rank, ``--nnodes``, versions) into the rendezvous
+store and reads everyone's:
+
+- a card with another ``--nnodes`` or rendezvous backend, or a second launcher waiting with
+  this node's ``--node-rank``, ends this launcher with exit status 2 before any worker starts
+  (every launcher that reads it does the same, so no node is left waiting);
+- another torch or fastddp version, or other ``--max-restarts``, is warned of;
+- every so often it says who has signed in and, under the static rendezvous, which node ranks
+  are missing;
+- the workers start only once every node of the round has signed in and been checked.
+
+Nodes that join a running job (c10d) check their card against every card of the job.
+"""
+
+import dataclasses
+import json
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from fastddp._version import __version__
+from fastddp.launch import stop
+from fastddp.launch.preflight import say
+
+__all__ = ["Card", "RollCall", "disagreement", "this_node", "warnings"]
+
+SAY_AFTER_S = 20.0  # the first "still waiting" line; then one every SAY_EVERY_S
+SAY_EVERY_S = 60.0
+POLL_S = 0.5
+# A card whose heartbeat has not moved for this long is of a launcher no longer waiting (its
+# rendezvous done, or the launcher gone): a node started again may reuse its node rank.
+LIVE_S = 3.0
+GRACE_S = 2.0  # a launcher that ends on a bad card lingers, so that the others read theirs
+
+
+@dataclasses.dataclass(frozen=True)
+class Card:
+    """What one node's launcher was started with."""
+
+    address: str  # the node's address on the way to the rendezvous
+    host: str
+    node_rank: Optional[int]  # the static rendezvous's --node-rank; None under c10d
+    min_nodes: int
+    max_nodes: int
+    backend: str
+    max_restarts: int
+    torch: str
+    fastddp: str
+    pid: int
+
+    def nodes(self) -> str:
+        """``--nnodes`` as it was given."""
+        same = self.min_nodes == self.max_nodes
+        return str(self.max_nodes) if same else f"{self.min_nodes}:{self.max_nodes}"
+
+    def where(self) -> str:
+        return self.address if self.host in ("", self.address) else f"{self.address} ({self.host})"
+
+    def name(self) -> str:
+        at = self.where()
+        return f"the node at {at}" if self.node_rank is None else f"node {self.node_rank} at {at}"
+
+
+def disagreement(mine: Card, other: Card) -> Optional[str]:
+    """Why ``other``'s node cannot join this node's job, or None."""
+    theirs, ours = f"--nnodes {other.nodes()}", f"--nnodes {mine.nodes()}"
+    if other.backend != mine.backend:
+        theirs += f" and the {other.backend} rendezvous"
+        ours += f" and the {mine.backend} rendezvous"
+    if theirs == ours:
+        return None
+    return (
+        f"{other.name()} was launched with {theirs}, this node with {ours}: launch every node "
+        "with the same --nnodes and --rdzv-backend"
+    )
+
+
+def warnings(mine: Card, other: Card) -> list[str]:
+    """What differs between the nodes and may fail later."""
+    said = []
+    for field, what in (("torch", "torch"), ("fastddp", "fastddp")):
+        if getattr(other, field) != getattr(mine, field):
+            said.append(
+                f"warning: {other.name()} runs {what} {getattr(other, field)}, this node "
+                f"{getattr(mine, field)}: collectives between versions can fail or hang; "
+                "install the same on every node"
+            )
+    if other.max_restarts != mine.max_restarts:
+        said.append(
+            f"warning: {other.name()} has --max-restarts {other.max_restarts}, this node "
+            f"{mine.max_restarts}: once the node with fewer is out of restarts, the others wait "
+            "for it until the rendezvous timeout; give every node the same"
+        )
+    return said
+
+
+class RollCall:
+    """One launcher's roll call during its first rendezvous (see the module docstring).
+
+    A thread signs in and reads the cards while torch's rendezvous waits; :meth:`confirm`,
+    called once the rendezvous has formed, waits until every node of the round has signed in
+    and been checked.
+
+    Args:
+        endpoint: the rendezvous store's host and port.
+        run_id: the job's ``--rdzv-id``: cards live under it.
+        card: this node's card, its address still empty (found on connecting).
+        timeout: how long the launcher waits for the store and for the others' cards.
+    """
+
+    def __init__(self, endpoint: tuple[str, int], run_id: str, card: Card, timeout: timedelta):
+        self._endpoint = endpoint
+        self._prefix = f"fastddp/roster/{run_id}/"
+        self.card = card
+        self._timeout = timeout.total_seconds()
+        self._cards: dict[int, Card] = {}
+        self._mine = 0  # this card's number, from 1
+        self._beats: dict[int, tuple[int, float, bool]] = {}  # number: (beat, when, moved)
+        self._undecided = False  # a card with this node rank, not yet known to be waiting
+        self._broken: Optional[str] = None
+        self._said = False
+        self._next_say = SAY_AFTER_S
+        self._start = time.monotonic()
+        self._cond = threading.Condition()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fastddp-roster", daemon=True)
+
+    def start(self) -> None:
+        self._start = time.monotonic()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=10.0)
+
+    def confirm(self, world_size: int) -> Optional[str]:
+        """Wait until ``world_size`` nodes have signed in and agree; return None then, else
+        what went wrong: too few nodes signed in within the timeout (a node started by plain
+        torchrun, or an older fastddp, does not sign in)."""
+        deadline = time.monotonic() + self._timeout
+        with self._cond:
+            while len(self._cards) < world_size or self._undecided:
+                if self._broken is not None:
+                    say(f"warning: the roll call stopped ({self._broken}); nodes not checked")
+                    return None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return (
+                        f"{len(self._cards)} of the round's {world_size} nodes signed in at "
+                        f"{self._address()} within {self._timeout:.0f} s ({self._names()}): "
+                        "launch every node with fastddp.launch of the same version"
+                    )
+                self._cond.wait(min(left, 1.0))
+        self._stopping.set()
+        if self._said:
+            say(f"all {world_size} nodes have signed in; the workers start")
+        return None
+
+    # -- the thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            store = self._sign_in()
+            while not self._stopping.is_set():
+                self._poll(store)
+                self._say_progress()
+                self._stopping.wait(POLL_S)
+        except (RuntimeError, OSError) as e:  # the store is gone: torch's rendezvous says why
+            with self._cond:
+                self._broken = str(e).splitlines()[0] if str(e) else type(e).__name__
+                self._cond.notify_all()
+
+    def _sign_in(self) -> dist.Store:
+        # A plain connection first: it gives this node's address on the way, and lets the
+        # store's own client connect only once something listens (it would print retries).
+        deadline = time.monotonic() + self._timeout
+        while True:
+            try:
+                with socket.create_connection(self._endpoint, timeout=2.0) as sock:
+                    address = sock.getsockname()[0]
+                break
+            except OSError:
+                if time.monotonic() > deadline or self._stopping.wait(POLL_S):
+                    raise
+        host, port = self._endpoint
+        store = dist.TCPStore(host, port, None, False, timedelta(seconds=30), False)
+        self.card = dataclasses.replace(self.card, address=address)
+        self._mine = int(store.add(self._prefix + "count", 1))
+        store.set(self._prefix + f"card/{self._mine}", json.dumps(dataclasses.asdict(self.card)))
+        return store
+
+    def _poll(self, store: dist.Store) -> None:
+        count = int(store.add(self._prefix + "count", 0))
+        new = [i for i in range(1, count + 1) if i not in self._cards]
+        ready = [i for i in new if store.check([self._prefix + f"card/{i}"])]
+        values = store.multi_get([self._prefix + f"card/{i}" for i in ready]) if ready else []
+        cards = {i: _read(v) for i, v in zip(ready, values)}
+        for i, card in sorted(cards.items()):
+            if i == self._mine:
+                continue
+            problem = disagreement(self.card, card)
+            if problem is not None:
+                self._end(problem)
+            for line in warnings(self.card, card):
+                say(line)
+        store.add(self._prefix + f"beat/{self._mine}", 1)
+        with self._cond:
+            self._cards.update(cards)
+            by_rank: dict[int, list[int]] = {}
+            for i, card in self._cards.items():
+                if card.node_rank is not None:
+                    by_rank.setdefault(card.node_rank, []).append(i)
+        undecided = False
+        for rank, numbers in sorted(by_rank.items()):
+            if len(numbers) < 2:
+                continue
+            states = [self._alive(store, i) for i in numbers]
+            undecided = undecided or None in states
+            live = [self._cards[i] for i, alive in zip(numbers, states) if alive]
+            if len(live) >= 2:
+                self._end(
+                    f"two launchers wait with --node-rank {rank}: at {self._who(live[0])} and "
+                    f"at {self._who(live[1])}; give every node its own --node-rank, from 0 to "
+                    f"{self.card.max_nodes - 1}"
+                )
+        with self._cond:
+            self._undecided = undecided
+            self._cond.notify_all()
+
+    def _alive(self, store: dist.Store, number: int) -> Optional[bool]:
+        """Whether card ``number``'s launcher still waits; None while that is not known."""
+        if number == self._mine:
+            return True
+        beat = int(store.add(self._prefix + f"beat/{number}", 0))
+        now = time.monotonic()
+        last, when, moved = self._beats.get(number, (beat, now, False))
+        if beat != last:
+            last, when, moved = beat, now, True
+        self._beats[number] = (last, when, moved)
+        if now - when >= LIVE_S:
+            return False
+        return True if moved else None
+
+    def _who(self, card: Card) -> str:
+        mine = " (this launcher)" if card == self.card else ""
+        return f"{card.where()}, pid {card.pid}{mine}"
+
+    def _say_progress(self) -> None:
+        waited = time.monotonic() - self._start
+        if waited < self._next_say:
+            return
+        self._next_say = waited + SAY_EVERY_S
+        self._said = True
+        with self._cond:
+            cards = list(self._cards.values())
+        line = (
+            f"waiting for the other nodes at {self._address()} for {waited:.0f} s: "
+            f"{len(cards)} of {self.card.nodes()} signed in ({self._names()})"
+        )
+        if self.card.node_rank is not None:
+            missing = sorted(set(range(self.card.max_nodes)) - {c.node_rank for c in cards})
+            line += (
+                f"; missing node rank(s) {', '.join(map(str, missing))}: start them with "
+                f"--nnodes {self.card.nodes()} and this --master-addr and --master-port, and "
+                "check that they reach this address"
+            )
+        else:
+            line += (
+                "; start the others with this --rdzv-endpoint and --nnodes, and check that "
+                "they reach it"
+            )
+        say(line)
+
+    def _end(self, problem: str) -> None:
+        say(f"error: {problem}")
+        self._stopping.wait(GRACE_S)
+        stop.end(2)
+
+    def _address(self) -> str:
+        host, port = self._endpoint
+        return f"{host}:{port}"
+
+    def _names(self) -> str:
+        with self._cond:
+            cards = sorted(self._cards.values(), key=lambda c: (c.node_rank or 0, c.address))
+        return ", ".join(c.where() if c.node_rank is None else c.name() for c in cards)
+
+
+def _read(raw: bytes) -> Card:
+    try:
+        return Card(**json.loads(raw))
+    except (TypeError, ValueError):
+        say(
+            f"error: a node signed in with a card this fastddp {__version__} cannot read "
+            f"({raw[:120]!r}): run the same fastddp on every node"
+        )
+        time.sleep(GRACE_S)
+        stop.end(2)
+        raise  # not reached
+
+
+def this_node(
+    node_rank: Optional[int], min_nodes: int, max_nodes: int, backend: str, max_restarts: int
+) -> Card:
+    """This node's card, its address still to be found."""
+    host = socket.gethostname()
+    versions = (torch.__version__, __version__)
+    return Card(
+        "", host, node_rank, min_nodes, max_nodes, backend, max_restarts, *versions, os.getpid()
+    )

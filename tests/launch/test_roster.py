@@ -1,0 +1,161 @@
+"""The launchers' roll call (fastddp/launch/roster.py): nodes launched with other settings end
+before any worker starts, a missing node is named while the others wait."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fastddp.launch import roster
+from fastddp.testing import slack
+from fastddp.testing.ports import free_port
+
+from .test_launch import WORKER, _env
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.launcher]
+
+
+def _card(**change):
+    card = roster.Card("198.18.0.2", "gpu2", 1, 2, 2, "static", 0, "2.13.0", "0.1.0", 7)
+    return roster.Card(**{**card.__dict__, **change})
+
+
+def test_cards_that_disagree_on_the_nodes_or_the_backend_are_named():
+    mine = _card(node_rank=0, address="198.18.0.1", host="gpu1")
+    assert roster.disagreement(mine, _card()) is None
+    said = roster.disagreement(mine, _card(max_nodes=3, min_nodes=3))
+    assert said.startswith("node 1 at 198.18.0.2 (gpu2) was launched with --nnodes 3, this node")
+    assert "with --nnodes 2: launch every node with the same --nnodes" in said
+    elastic = roster.disagreement(mine, _card(min_nodes=1, node_rank=None, backend="c10d"))
+    assert elastic.startswith(
+        "the node at 198.18.0.2 (gpu2) was launched with --nnodes 1:2 and the c10d rendezvous, "
+        "this node with --nnodes 2 and the static rendezvous"
+    ), elastic
+    assert roster.warnings(mine, _card()) == []
+    lines = roster.warnings(mine, _card(torch="2.12.0", fastddp="0.0.9", max_restarts=3))
+    assert [line.split(": ")[1] for line in lines] == [
+        "node 1 at 198.18.0.2 (gpu2) runs torch 2.12.0, this node 2.13.0",
+        "node 1 at 198.18.0.2 (gpu2) runs fastddp 0.0.9, this node 0.1.0",
+        "node 1 at 198.18.0.2 (gpu2) has --max-restarts 3, this node 0",
+    ]
+
+
+def _launcher(args, patch=""):
+    """A launcher, its roster module patched first (``patch``: lines run after importing it)."""
+    code = (
+        "import runpy, sys\n"
+        "import fastddp.launch.roster as roster\n"
+        f"{patch}\n"
+        f"sys.argv[1:] = {list(args)!r}\n"
+        "runpy.run_module('fastddp.launch', run_name='__main__', alter_sys=True)\n"
+    )
+    merged = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    return subprocess.Popen([sys.executable, "-c", code], env=_env(), **merged)
+
+
+def _static(port, nnodes, rank, *extra):
+    return ["--nnodes", str(nnodes), "--nproc-per-node", "1", "--node-rank", str(rank),
+            "--master-addr", "127.0.0.1", "--master-port", str(port), *extra, WORKER]  # fmt: skip
+
+
+def _c10d(port, nnodes):
+    return ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "roster", WORKER]  # fmt: skip
+
+
+def _wait_for(proc, text, lines):
+    """Read ``proc``'s output into ``lines`` until a line holds ``text``."""
+    deadline = time.monotonic() + slack.guard(60)
+    for line in proc.stdout:  # ends if the process exits
+        lines.append(line)
+        if text in line or time.monotonic() > deadline:
+            break
+    assert text in "".join(lines), "".join(lines)
+
+
+def _finish(procs, timeout=90):
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=slack.guard(timeout))[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
+@pytest.mark.parametrize("backend", ["static", "c10d"])
+def test_a_node_launched_with_other_nnodes_ends_every_launcher(backend):
+    # Without the roll call, the static rendezvous forms with node 0's count and the workers
+    # wait in init_process_group; c10d's rounds never agree. Here both launchers end at once.
+    port = free_port()
+    if backend == "static":
+        first, second = _static(port, 2, 0), _static(port, 3, 1)
+        names, theirs = ("node 1 at 127.0.0.1", "node 0 at 127.0.0.1"), ("3", "2")
+    else:
+        first, second = _c10d(port, "2"), _c10d(port, "1:2")
+        names, theirs = ("the node at 127.0.0.1",) * 2, ("1:2", "2")
+    node0, lines = _launcher(first), []
+    _wait_for(node0, "this node hosts the rendezvous", lines)
+    results = _finish([node0, _launcher(second)])
+    told = [("".join(lines) if i == 0 else "") + out for i, (_, out) in enumerate(results)]
+    for (rc, _), text, name, nodes in zip(results, told, names, theirs):
+        assert rc == 2, text
+        assert f"error: {name}" in text and f"was launched with --nnodes {nodes}," in text, text
+        assert "worker ok" not in text and "Traceback" not in text, text
+
+
+def test_two_launchers_with_one_node_rank_end_every_launcher():
+    # Node 0's static store counts three connections and the rendezvous forms: without the
+    # roll call, node 0's worker would wait for a node rank 2 that never comes.
+    port = free_port()
+    node0, lines = _launcher(_static(port, 3, 0)), []
+    _wait_for(node0, "this node hosts the rendezvous", lines)
+    results = _finish([node0, _launcher(_static(port, 3, 1)), _launcher(_static(port, 3, 1))])
+    for rc, out in results:
+        assert rc == 2, out
+        assert "error: two launchers wait with --node-rank 1: at 127.0.0.1" in out, out
+        assert "give every node its own --node-rank, from 0 to 2" in out, out
+        assert "worker ok" not in out, out
+
+
+def test_a_missing_node_is_named_while_the_others_wait_and_the_job_then_runs():
+    # Node 0 says which node rank is missing, again and again; node 1 comes with another
+    # fastddp version, which is warned of on both sides, and the job runs.
+    port = free_port()
+    often = "roster.SAY_AFTER_S = 1.0; roster.SAY_EVERY_S = 1.0"
+    node0, lines = _launcher(_static(port, 2, 0), often), []
+    missing = "missing node rank(s) 1: start them with --nnodes 2"
+    _wait_for(node0, missing, lines)
+    _wait_for(node0, missing, lines)  # once more: it keeps saying it
+    node1 = _launcher(_static(port, 2, 1), "roster.__version__ = '0.0.9'")
+    results = _finish([node0, node1])
+    text0, text1 = "".join(lines) + results[0][1], results[1][1]
+    assert [rc for rc, _ in results] == [0, 0], (text0, text1)
+    assert "waiting for the other nodes at 127.0.0.1:" in text0, text0
+    assert "1 of 2 signed in (node 0 at 127.0.0.1" in text0, text0
+    assert "all 2 nodes have signed in; the workers start" in text0, text0
+    assert "warning: node 1 at 127.0.0.1" in text0 and "runs fastddp 0.0.9, this node" in text0
+    assert "warning: node 0 at 127.0.0.1" in text1 and "this node 0.0.9" in text1, text1
+    assert "worker ok" in text0 + text1
+
+
+def test_a_node_that_does_not_sign_in_is_named_within_the_rendezvous_timeout():
+    # Node 1 is plain torchrun: it joins torch's rendezvous but never signs in, so node 0's
+    # workers would wait for a store it does not read. Node 0 ends with the cause instead.
+    # (Node 1 starts first and retries until node 0's store listens: its joining is no race.)
+    port = free_port()
+    plain = [sys.executable, "-m", "torch.distributed.run", *_static(port, 2, 1)]
+    node1 = subprocess.Popen(plain, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        node0 = _launcher(_static(port, 2, 0, "--rdzv-conf", "timeout=10"))
+        (rc, out), = _finish([node0])  # fmt: skip
+    finally:
+        node1.kill()
+        node1.wait()
+    assert rc == 1, out
+    assert "error: 1 of the round's 2 nodes signed in at 127.0.0.1:" in out, out
+    assert "within 10 s (node 0 at 127.0.0.1" in out and "launch every node with fastddp" in out
