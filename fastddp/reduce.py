@@ -218,6 +218,8 @@ def _problem(tensors: list) -> Optional[tuple[int, int, str]]:
             return 2, i, f"tensors[{i}] is a {type(t).__name__}, not a Tensor"
         if t.dtype != torch.float32:
             return 3, i, f"tensors[{i}] is {t.dtype}; {TENSOR_PROBLEMS[3]}"
+        if i == 0 and t.device.type not in ("cpu", "cuda"):  # the others must be alike
+            return 6, i, f"tensors[{i}] is on {t.device}, {TENSOR_PROBLEMS[6]}"
         if t.device != tensors[0].device:
             return (
                 4,

@@ -28,7 +28,8 @@ __all__ = ["PROTOCOL", "TENSOR_PROBLEMS", "check", "exchange", "topology_of"]
 # 8: and the tensors that loaded delayed gradients (delay=1) are for.
 # 9: and all_reduce's tensors whose elements share memory (problem code 5).
 # 10: and all_reduce's op (1 "avg", 2 "sum"; 0 from the hook).
-PROTOCOL = 10
+# 11: and all_reduce's tensors on neither CPU nor CUDA (problem code 6).
+PROTOCOL = 11
 _SHARED = 8  # the first columns of a row, which every rank must share
 
 
@@ -40,6 +41,7 @@ TENSOR_PROBLEMS = {
     "pass t.float() and copy back",
     4: "on another device than tensors[0]: reduce each device's tensors in a separate call",
     5: "a view whose elements share memory (expand()): pass t.clone() and copy back",
+    6: "on neither CPU nor CUDA (a meta tensor has no data to reduce): pass CPU or CUDA tensors",
 }
 
 

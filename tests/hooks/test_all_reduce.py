@@ -199,6 +199,10 @@ def _bad_input(rank, world):
             "rank 1: tensors[1] is on another device than tensors[0]",
         ),
         (
+            lambda: fastddp.all_reduce(torch.ones(3, device=("cpu", "meta")[rank])),
+            "rank 1: tensors[0] is on neither CPU nor CUDA (a meta tensor has no data to reduce)",
+        ),
+        (
             lambda: fastddp.all_reduce([torch.ones(3), torch.ones(1).expand(4 - rank)]),
             "rank 0: tensors[1] is a view whose elements share memory (expand()): pass t.clone()",
         ),
