@@ -19,7 +19,13 @@ __all__ = ["serve"]
 
 # fastddp's modules whose attributes a rank puts back after each call.
 _RESTORED_PACKAGES = ("fastddp.hooks", "fastddp.fsdp")
-_RESTORED_MODULES = ("fastddp", "fastddp.codecs", "fastddp.reduce", "fastddp.testing.nccl_sim")
+_RESTORED_MODULES = (
+    "fastddp",
+    "fastddp.codecs",
+    "fastddp.reduce",
+    "fastddp.testing.nccl_sim",
+    "fastddp.testing.sim_streams",
+)
 
 
 class _Baseline:

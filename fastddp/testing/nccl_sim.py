@@ -15,16 +15,18 @@ collective) can race there. This backend makes such races visible on a machine w
 - an input written, or an output touched, between the call and the wait is a race on NCCL:
   the wait raises :class:`SimRace` naming the collective.
 
-The pipeline's runtime for this backend (:class:`SimRuntime`) behaves as the CUDA one: later
-stages run after ``Work.wait()`` on a notional side stream, completion is a callback on the
-collective's future, and host reads must be ordered after the side stream (``dirty``).
+The pipeline's runtime for this backend (:class:`~fastddp.testing.sim_streams.SimRuntime`)
+behaves as the CUDA one, with notional streams (:mod:`fastddp.testing.sim_streams`): later
+stages run on a side stream, whose writes the compute stream does not see until it is ordered
+after them; a collective waited for on the side stream is real there only; completion is a
+callback on the collective's future that runs only when a reader is ordered after it; host reads
+must be ordered after the side stream (``dirty``).
 
 Use :func:`install` in every rank, then ``dist.new_group(backend=BACKEND)`` (or
 ``init_process_group(BACKEND)``).
 """
 
 import atexit
-import contextlib
 import queue
 import threading
 from datetime import timedelta
@@ -35,27 +37,18 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, Work
 
 from fastddp.hooks import runtime as runtimes
+from fastddp.testing.sim_streams import SimRace, SimRuntime, current, internal, poison, poisoned
 
 __all__ = ["BACKEND", "SimRace", "SimNccl", "SimRuntime", "install"]
 
 BACKEND = "fastddp_nccl_sim"
 
 
-class SimRace(RuntimeError):
-    """A collective's buffer was used between the call and the wait."""
-
-
-def _poison(t: torch.Tensor) -> None:
-    if t.is_contiguous():
-        t.view(torch.uint8).fill_(0xFF)
-    else:
-        t.fill_(float("nan") if t.is_floating_point() else -1)
-
-
-def _poisoned(t: torch.Tensor) -> bool:
-    if t.is_contiguous():
-        return bool((t.view(torch.uint8) == 0xFF).all())
-    return bool(t.isnan().all()) if t.is_floating_point() else bool((t == -1).all())
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Bit for bit where both are contiguous: poison read into an input is NaN, never equal.
+    if a.is_contiguous() and b.is_contiguous() and a.dim() > 0:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
 
 
 def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -77,8 +70,22 @@ class _Collective:
         self.done = threading.Event()
         self.error: Optional[BaseException] = None
         self.copied = False
+        # The stream it was issued from, and that stream's clock: NCCL's stream waits for that
+        # stream's work so far, and whoever waits for the collective then waits for it too.
+        self.stream = current()
+        self.tick = self.stream.clock if self.stream is not None else 0
+        self.landed_on = None  # the side stream that waited for it, where one did
         for t in outputs:
-            _poison(t)
+            poison(t)
+
+
+def _order(stream, other, upto=None, tensors=()) -> None:
+    """Order ``stream`` (None: the compute stream) after ``other``'s writes up to its clock
+    ``upto`` (all if None), and after its writes of ``tensors``."""
+    if stream is None:
+        other.land(upto, tensors)
+    else:
+        stream.adopt(other, upto, tensors)
 
 
 class SimWork(Work):
@@ -92,14 +99,15 @@ class SimWork(Work):
         self._future.set_result(coll.outputs)
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        self._pg._land(self._coll)
+        # On NCCL a stream wait: the output is real for the stream that waits (current()).
+        self._pg._land(self._coll, current())
         return True
 
     def is_completed(self) -> bool:
         # NCCL's answers whether the device finished; the output is then in memory.
         if not self._coll.done.is_set():
             return False
-        self._pg._land(self._coll)
+        self._pg._land(self._coll, current())
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -135,12 +143,18 @@ class SimNccl(dist.ProcessGroup):
             coll.done.set()
 
     def _issue(self, name: str, inputs: list, outputs: list, run: Callable) -> SimWork:
-        coll = _Collective(name, inputs, outputs, run)
+        with internal():
+            coll = _Collective(name, inputs, outputs, run)
         self.collectives += 1
         self._queue.put(coll)
         return SimWork(coll, self)
 
-    def _land(self, coll: _Collective) -> None:
+    def _land(self, coll: _Collective, stream) -> None:
+        """Make ``coll``'s output real for ``stream`` (a side stream; None: the compute one)."""
+        if coll.stream is not None and coll.stream is not stream:
+            _order(stream, coll.stream, upto=coll.tick)  # the issuer's work before the issue
+        if coll.landed_on is not None and coll.landed_on is not stream:
+            _order(stream, coll.landed_on, tensors=coll.outputs)  # another stream waited first
         if coll.copied:
             return
         if not coll.done.wait(self._timeout.total_seconds()):
@@ -148,20 +162,26 @@ class SimNccl(dist.ProcessGroup):
         if coll.error is not None:
             raise coll.error
         for t, snap in zip(coll.inputs, coll.snapshots):
-            if not torch.equal(t, snap):
+            if not _same(t, snap):
                 raise SimRace(
                     f"nccl-sim: an input of {coll.name} was written before the collective was "
                     "waited for (on NCCL its stream may still be reading it)"
                 )
         for t in coll.outputs:
-            if not _poisoned(t):
+            if not poisoned(t):
                 raise SimRace(
                     f"nccl-sim: an output of {coll.name} was written before the collective was "
                     "waited for (on NCCL its stream may still be writing it)"
                 )
-        for t, r in zip(coll.outputs, coll.results):
-            t.copy_(r)
+        with internal():
+            for t, r in zip(coll.outputs, coll.results):
+                t.copy_(r)
         coll.copied = True
+        if stream is not None:
+            # Real for this side stream only: the compute stream waits on its own.
+            for t in coll.outputs:
+                stream.wrote(t)
+            coll.landed_on = stream
 
     # -- the collectives fastddp and DDP issue ------------------------------------------------
 
@@ -240,36 +260,6 @@ class SimNccl(dist.ProcessGroup):
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=self._timeout.total_seconds())
-
-
-class SimRuntime(runtimes.Runtime):
-    """The pipeline's runtime for :class:`SimNccl`: the primitives of the CUDA one.
-
-    ``dirty`` says that a later stage ran on the notional side stream since the last
-    :meth:`synchronize`: a host read then would race on a GPU.
-    """
-
-    asynchronous = True
-    native = True  # the native runner waits on the work before reading, as NCCL needs
-    waits_in_then = True  # as then() below does
-
-    def __init__(self, device: torch.device) -> None:
-        self.dirty = False
-
-    @contextlib.contextmanager
-    def side(self):
-        yield
-        self.dirty = True
-
-    def then(self, work, callback):
-        def after(fut):
-            work.wait()  # on CUDA, torch makes the callback's stream wait for the events
-            return callback(fut)
-
-        work.get_future().then(after)
-
-    def synchronize(self):
-        self.dirty = False
 
 
 def _create(store, rank: int, size: int, timeout: timedelta) -> SimNccl:
