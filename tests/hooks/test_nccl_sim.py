@@ -6,7 +6,7 @@ Every mode x path (flat; two-level on 2 nodes x 2 ranks) x world size trains DDP
 hook on that backend and on plain Gloo from the same weights and data: the gradients of every
 step must be bit-identical, and after every backward the current stream must be ordered after
 the side stream. From the third step on the buckets run in the native runner. Then waits are
-deleted from the pipeline's source, one at a time, in the rank processes, and planted defects of
+deleted from the hooks' source, one at a time, in the rank processes, and planted defects of
 the same kind in the native runner: each must make the run differ.
 """
 
@@ -25,6 +25,7 @@ import fastddp
 from fastddp.hooks import native
 from fastddp.hooks import pipeline as pipeline_module
 from fastddp.hooks.presets import PRESETS, preset
+from fastddp.hooks.state import CompressState
 from fastddp.hooks.topology import NODE_ENV
 from fastddp.testing import nccl_sim
 
@@ -34,18 +35,35 @@ pytestmark = [pytest.mark.nccl_sim, pytest.mark.multiproc, pytest.mark.timeout(3
 
 MODES = list(PRESETS)
 
-# Planted defects: (function of Pipeline, text to find, replacement).
+Pipeline = pipeline_module.Pipeline
+# Planted defects: (class, its function, text to find, replacement).
 MUTATIONS = {
     # A later stage that reads the previous collective's output without waiting for it.
-    "no-wait-before-later-stage": ("_step", "self._wait(runtime, job.work)\n", "pass\n"),
+    "no-wait-before-later-stage": (Pipeline, "_step", "self._wait(runtime, job.work)\n", "pass\n"),
     # Completion run at once instead of where the collective's output can be read.
     "complete-without-then": (
+        Pipeline,
         "_step",
         "runtime.then(job.work, lambda fut, job=job: self._complete_async(job, fut))",
         "self._complete_async(job, job.work.get_future())",
     ),
     # flush() that leaves host reads unordered after the side stream.
-    "flush-without-synchronize": ("flush", "self.synchronize()\n", "pass\n"),
+    "flush-without-synchronize": (Pipeline, "flush", "self.synchronize()\n", "pass\n"),
+    # A slot's buffers reused (delay=1: its reduced gradient read) before the current stream
+    # waits for the previous reduction's decode.
+    "settle-without-wait-result": (
+        Pipeline,
+        "settle",
+        "job.runtime.wait_result(job.result)",
+        "pass",
+    ),
+    # stats() reading the flags the side stream adds to without ordering after it.
+    "stats-without-synchronize": (
+        CompressState,
+        "stats",
+        "self._pipeline.synchronize()",
+        "pass",
+    ),
 }
 # The same defects in the native runner (csrc/ddp/native_hook.cpp), which runs from step 2 on.
 NATIVE_MUTATIONS = {"native-no-wait-before-later-stage": 1, "native-decode-at-once": 2}
@@ -64,7 +82,8 @@ class _Net(nn.Module):
 
 
 def _train(base, group, settings, rank, steps=4):
-    """Gradients of each step and the states' runtimes' state after each backward."""
+    """Gradients of each step, the states' runtimes' state after each backward, the state,
+    its buckets and its nonfinite events."""
     model = DDP(copy.deepcopy(base), process_group=group, bucket_cap_mb=0.002)
     state = fastddp.CompressState(process_group=group, **settings)
     model.register_comm_hook(state, fastddp.compress_hook)
@@ -77,19 +96,18 @@ def _train(base, group, settings, rank, steps=4):
         dirty.append(any(getattr(r, "dirty", False) for r in state._pipeline._runtimes.values()))
         grads.append([p.grad.clone() for p in model.parameters()])
         opt.step()
-    buckets = len(state.stats()["buckets"])
-    return grads, dirty, state, buckets
+    stats = state.stats()
+    return grads, dirty, state, len(stats["buckets"]), stats["nonfinite_events"]
 
 
 def _mutate(name):
-    where, old, new = MUTATIONS[name]
-    source = textwrap.dedent(inspect.getsource(getattr(pipeline_module.Pipeline, where)))
+    owner, where, old, new = MUTATIONS[name]
+    source = textwrap.dedent(inspect.getsource(getattr(owner, where)))
     assert old in source, f"the mutation {name} no longer applies: {old!r} not in {where}"
     scope = {}
-    exec(
-        compile(source.replace(old, new), f"<mutant {name}>", "exec"), vars(pipeline_module), scope
-    )
-    setattr(pipeline_module.Pipeline, where, scope[where])
+    module = vars(inspect.getmodule(owner))
+    exec(compile(source.replace(old, new), f"<mutant {name}>", "exec"), module, scope)
+    setattr(owner, where, scope[where])
 
 
 def _sim_equals_gloo(rank, world, nodes, cases, mutation=None):
@@ -112,17 +130,18 @@ def _compare(rank, sim, cases, mutation):
     base = _Net()
     for mode, topology, *delay in cases:
         settings = {**preset(mode), "topology": topology, "delay": delay[0] if delay else 0}
-        want, _, _, _ = _train(base, None, settings, rank)
+        want, _, _, _, events = _train(base, None, settings, rank)
         try:
-            got, dirty, state, buckets = _train(base, sim, settings, rank)
+            got, dirty, state, buckets, got_events = _train(base, sim, settings, rank)
         except Exception as e:  # a planted defect may also be caught by the backend's checks
             assert mutation is not None, f"{mode}/{topology}: {type(e).__name__}: {e}"
+            _differs_anywhere(True)
             return
         used = state.stats()["topology_used"]
         assert used == topology, f"{mode}: ran {used}, asked for {topology}"
         assert buckets > 2, f"{mode}/{topology}: {buckets} buckets; the pipeline needs several"
         same = all(torch.equal(a, b) for gs, ws in zip(got, want) for a, b in zip(gs, ws)) and (
-            settings["delay"] or not any(dirty)
+            (settings["delay"] or not any(dirty)) and got_events == events
         )
         if mutation is None:
             for step, (gs, ws) in enumerate(zip(got, want)):
@@ -136,9 +155,17 @@ def _compare(rank, sim, cases, mutation):
             assert settings["delay"] or not any(dirty), (
                 f"{mode}/{topology}: host reads not ordered after the side stream"
             )
-        elif not same:
+            assert got_events == events, f"{mode}/{topology}: {got_events} nonfinite events"
+        elif _differs_anywhere(not same):
             return
     assert mutation is None, f"the planted defect {mutation} survived every case"
+
+
+def _differs_anywhere(differs: bool) -> bool:
+    # Every rank leaves the cases together: a defect may show on one rank's gradients only.
+    flag = torch.tensor([float(differs)])
+    dist.all_reduce(flag)
+    return bool(flag.item())
 
 
 FLAT = [(mode, "flat") for mode in MODES]
@@ -193,7 +220,9 @@ def test_a_load_mid_run_finishes_the_reductions_in_flight():
 
 @pytest.mark.parametrize("mutation", [*MUTATIONS, *NATIVE_MUTATIONS])
 def test_a_deleted_wait_makes_the_run_differ(mutation):
-    cases = [("bf16", "flat"), ("int8-ef", "flat"), ("bf16-acc-ef", "flat")]
+    # delay=1 last: its reductions outlive the backward pass, so later steps and stats()
+    # are all that order the reader after them.
+    cases = [("bf16", "flat"), ("int8-ef", "flat"), ("bf16-acc-ef", "flat"), ("int8-ef", "flat", 1)]
     run_ranks(_sim_equals_gloo, 2, 1, cases, mutation, timeout=200)
 
 
