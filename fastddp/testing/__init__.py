@@ -1,5 +1,5 @@
 """What fastddp's tests and benchmarks share: spawning ranks (``spawn``), network namespaces
 as nodes (``netns``, over the userspace ``wire``), restart cases (``restarts``), the simulated
-NCCL backend (``nccl_sim``), the CUDA grid emulator with its checks and cases (``emu``,
-``emu_checks``, ``emu_cases``), hang guards scaled to the machine (``slack``) and free ports
-for their jobs (``ports``)."""
+NCCL backend (``nccl_sim``) with its notional CUDA streams (``sim_streams``), the CUDA grid
+emulator with its checks and cases (``emu``, ``emu_checks``, ``emu_cases``), hang guards
+scaled to the machine (``slack``) and free ports for their jobs (``ports``)."""

@@ -1,34 +1,38 @@
 """Notional CUDA streams for the simulated NCCL backend (:mod:`fastddp.testing.nccl_sim`).
 
-On CPU tensors every op runs when the host calls it, so one stream's work is never late for
-another's reader. This module hides what a stream did until a reader is ordered after it,
-the way a CUDA stream's kernels may not have run yet:
+On CPU tensors every op runs when the host calls it, so no stream's work is ever late for
+another stream's reader. This module hides what a stream wrote until the reader is ordered
+after it, as a CUDA stream's kernels may not have run yet:
 
-- the *compute* stream is the host: what it does is visible at once;
-- a :class:`SideStream` (the pipeline's later stages, :meth:`SimRuntime.side`) records every
-  tensor its ops write, from their schemas; while the compute stream runs, those tensors are
-  *poisoned* (every byte ``0xFF``) with their real contents set aside, and they land only when
-  the compute stream is ordered after the side stream: :meth:`SimRuntime.synchronize`, or a
-  wait for a collective the side stream issued after the write (NCCL's stream waited for the
-  side stream's work then). The side stream sees its own writes at its next use. A collective
-  the side stream waits for lands for the side stream only;
-- completion callbacks (:meth:`SimRuntime.then`; on CUDA they run on a stream from torch's
-  pool, which waits for the collective) are queued, and run only when a reader is ordered
-  after them: :meth:`SimRuntime.wait_result` runs queued callbacks in order until the result
-  is set, :meth:`SimRuntime.synchronize` runs them all.
+- the *compute* stream is the host: what it writes is visible at once;
+- a :class:`SideStream` records the tensors its ops write (from the ops' schemas, by a
+  dispatch mode) while it runs. While any other stream runs, those tensors are *poisoned*
+  (every byte ``0xFF``: NaN in every float format, -1 in every int one) and their contents
+  set aside; a stream sees them again once it is ordered after the writer;
+- :meth:`SimRuntime.side` (the pipeline's later stages) runs on the runtime's side stream,
+  and a completion callback (:meth:`SimRuntime.then`) at once, as torch runs it when the
+  future is complete, but on a stream of its own (on CUDA, one from torch's pool that waits
+  for the collective);
+- the compute stream is ordered after a side stream by :meth:`SimRuntime.synchronize`, after
+  a callback's stream by :meth:`SimRuntime.wait_result` on the result whose value it wrote,
+  and after a stream's writes up to a collective by a wait for that collective (NCCL's stream
+  waited for the issuing stream's work). A wait on a side stream (or in a callback) makes the
+  collective's output, and what the issuer wrote before it, real for that stream only.
 
-A hidden tensor written or landed over by the compute stream before it is ordered after the
-side stream raises :class:`SimRace`; one read that early reads poison (NaN in every float
-format), which tests see in their results.
+A hidden tensor written by another stream before it is ordered after the writer raises
+:class:`SimRace` when the writer's contents come back; one read that early reads poison,
+which the tests see in their results.
 
-What this cannot see: reads by the side stream of what the compute stream wrote after the
-collective the side stream last waited for (the side stream reads the host's latest values);
-a reader ordered after only part of the side stream's work before a collective; the caching
-allocator and ``record_stream`` (tensors are never freed while a stream may use them here).
-A queued callback's host work runs late too: its result future is set when it runs, not when
-the collective is enqueued as on CUDA. :meth:`SimRuntime.synchronize` also stands in for the
-wait DDP makes on each bucket's future after the backward pass (which this module cannot
-intercept): it runs every queued callback, where CUDA's only orders after the side stream.
+What this cannot see: a side stream reads the host's latest values (so a side stream not
+ordered after the compute stream's writes, or after a collective the compute stream waited
+for, goes unnoticed); reads are not recorded, only writes (a buffer overwritten while a
+stream may still read it is caught only through the values that come out); the caching
+allocator and ``record_stream``; a reader ordered after part of a stream's work between two
+collectives is treated as ordered after all of it. :meth:`SimRuntime.synchronize` also lands
+the callbacks' writes: it stands in for the wait DDP (and every other reader of a hook's
+future) makes on each future, which this module cannot intercept; CUDA's orders after the
+side stream only, so a host read after ``flush()`` of a buffer a callback wrote, with no wait
+on its result, goes unnoticed.
 """
 
 import contextlib
