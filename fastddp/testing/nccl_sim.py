@@ -19,8 +19,8 @@ The pipeline's runtime for this backend (:class:`~fastddp.testing.sim_streams.Si
 behaves as the CUDA one, with notional streams (:mod:`fastddp.testing.sim_streams`): later
 stages run on a side stream, whose writes the compute stream does not see until it is ordered
 after them; a collective waited for on the side stream is real there only; completion is a
-callback on the collective's future that runs only when a reader is ordered after it; host reads
-must be ordered after the side stream (``dirty``).
+callback on the collective's future, run at once on a stream of its own, whose writes a reader
+sees once ordered after it; host reads must be ordered after the side stream (``dirty``).
 
 Use :func:`install` in every rank, then ``dist.new_group(backend=BACKEND)`` (or
 ``init_process_group(BACKEND)``).
