@@ -15,7 +15,8 @@ Before ``torch.distributed.run`` starts the workers, fastddp:
    (:mod:`~fastddp.launch.store`);
 4. while the rendezvous forms, has every node sign in with its settings, ends the launch
    where two nodes disagree (``--nnodes``, one ``--node-rank`` twice), and names the nodes
-   still missing (:mod:`~fastddp.launch.roster`).
+   still missing (:mod:`~fastddp.launch.roster`); and, under the static rendezvous, stops
+   the other nodes' workers when one node's fail (:mod:`~fastddp.launch.failures`).
 
 Example::
 

@@ -7,6 +7,7 @@ workers are started by torch's ``elastic_launch``, as ``torch.distributed.run.ru
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import uuid
 from typing import Optional
@@ -14,7 +15,7 @@ from typing import Optional
 from torch.distributed import run as torchrun
 
 from fastddp.cluster import ClusterError, launcher_settings
-from fastddp.launch import options, stop, store
+from fastddp.launch import failures, options, stop, store
 from fastddp.launch.preflight import Decisions, LaunchError, apply, gpus_visible, preflight, say
 
 __all__ = ["build_parser", "main"]
@@ -217,18 +218,35 @@ def _launch(args, run_args, plan, local, config, cmd, cmd_args) -> int:
         with store.loopback_stores() if local else contextlib.nullcontext():
             elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except ChildFailedError as e:
+        failures.ended(_first_failure(e))  # first: the other nodes stop their workers
         say(f"error: workers failed:\n{e.format_msg()}")
         return 1
     except store.RoundStoreError as e:
+        failures.ended("its next rendezvous round could not form")
         say(f"error: {e}")
         return 1
     except SignalException as e:  # Ctrl-C, or a scheduler's SIGTERM: torch stopped the workers
+        if failures.peer_failure() is not None:
+            return 1  # another node failed, and this one stopped its workers (said there)
+        failures.ended(f"stopped by {e.sigval.name}", signalled=True)
         if not isinstance(e, stop.Stopped):
             say(f"stopped by {e.sigval.name}; the workers were stopped")
         elif stop.taken():  # before any worker started (stop.py)
             say(f"stopped by {e.sigval.name}")
         return 128 + int(e.sigval)
+    finally:
+        failures.ended(None)  # (nothing left to say where one of the above did)
     return 0
+
+
+def _first_failure(e) -> str:
+    """What failed on this node, for the others: the first failed rank and how it ended."""
+    rank, failure = e.get_first_failure()
+    code = failure.exitcode
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"its rank {rank} was killed by {signal.Signals(-code).name}"
+    return f"its rank {rank} exited with {code} (its error is in that node's output)"
 
 
 def _prune_empty(root: str) -> None:

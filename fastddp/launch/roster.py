@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from fastddp._version import __version__
-from fastddp.launch import stop
+from fastddp.launch import failures, stop
 from fastddp.launch.preflight import say
 
 __all__ = ["Card", "RollCall", "disagreement", "this_node", "warnings"]
@@ -124,6 +124,7 @@ class RollCall:
         self._prefix = f"fastddp/roster/{run_id}/"
         self.card = card
         self._timeout = timeout.total_seconds()
+        self.store: Optional[dist.Store] = None  # a client of the rendezvous store, signed in
         self._cards: dict[int, Card] = {}
         self._mine = 0  # this card's number, from 1
         self._beats: dict[int, tuple[int, float, bool]] = {}  # number: (beat, when, moved)
@@ -167,11 +168,18 @@ class RollCall:
             say(f"all {world_size} nodes have signed in; the workers start")
         return None
 
+    def hand_over(self) -> None:
+        """After :meth:`stop`: under the static rendezvous, watch for another node's failure
+        over this roll call's connection (:mod:`fastddp.launch.failures`)."""
+        if self.card.node_rank is not None and self.store is not None and self._broken is None:
+            prefix, nodes = self._prefix, self.card.max_nodes
+            failures.watch(self.store, prefix, self.card.name(), self.card.node_rank, nodes)
+
     # -- the thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
-            store = self._sign_in()
+            store = self.store = self._sign_in()
             while not self._stopping.is_set():
                 self._poll(store)
                 self._say_progress()

@@ -21,13 +21,14 @@ from typing import Callable
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-__all__ = ["Stopped", "at_stop", "end", "install", "taken"]
+__all__ = ["Stopped", "at_stop", "end", "install", "signalled", "taken"]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _GRACE_S = 1.0
 _lock = threading.Lock()
 _claimed = False
 _cleanups: list[Callable[[], None]] = []
+_received = threading.Event()  # a SIGINT or SIGTERM reached this process, whoever handled it
 
 
 class Stopped(SignalException):
@@ -45,6 +46,11 @@ def taken() -> bool:
     with _lock:
         first, _claimed = not _claimed, True
         return first
+
+
+def signalled() -> bool:
+    """Whether SIGINT or SIGTERM has reached this process (seen a moment after it came)."""
+    return _received.is_set()
 
 
 def at_stop(cleanup: Callable[[], None]) -> Callable[[], None]:
@@ -85,6 +91,8 @@ def _watch(fd: int, report: Callable[[int], None]) -> None:
         except OSError:
             return
         for signum in data:
+            if signum in _SIGNALS:
+                _received.set()
             if signum not in _SIGNALS or signal.getsignal(signum) is not _raise:
                 continue  # torch's handlers (or none of ours) take it
             threading.Event().wait(_GRACE_S)

@@ -150,6 +150,7 @@ class RoundStoreHandler(RendezvousHandler):
                 roll_call.stop()
             if problem is not None:
                 raise RoundStoreError(problem)
+            roll_call.hand_over()
         self._server = None  # the previous round's workers are gone: close their store
         store, rank = info.store, info.rank
         # The c10d rendezvous gives a store per round; the static one the same store for the
@@ -212,7 +213,9 @@ class RoundStoreHandler(RendezvousHandler):
         return self._inner.get_run_id()
 
     def shutdown(self) -> bool:
-        self._server = None
+        # The workers' store stays until the process exits: after a failure here the other
+        # nodes' workers then wait for the note that stops them (failures.py), rather than
+        # fail on a closed store first.
         return self._inner.shutdown()
 
     def __getattr__(self, name: str):

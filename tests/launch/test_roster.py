@@ -1,6 +1,8 @@
 """The launchers' roll call (fastddp/launch/roster.py): nodes launched with other settings end
 before any worker starts, a missing node is named while the others wait."""
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -11,7 +13,7 @@ from fastddp.launch import roster
 from fastddp.testing import slack
 from fastddp.testing.ports import free_port
 
-from .test_launch import WORKER, _env
+from .test_launch import LAUNCH, WORKER, _env
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.launcher]
 
@@ -159,3 +161,49 @@ def test_a_node_that_does_not_sign_in_is_named_within_the_rendezvous_timeout():
     assert rc == 1, out
     assert "error: 1 of the round's 2 nodes signed in at 127.0.0.1:" in out, out
     assert "within 10 s (node 0 at 127.0.0.1" in out and "launch every node with fastddp" in out
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_node_whose_workers_fail_stops_the_others(failing):
+    # The other node's workers would wait in init_distributed for the failed node's ranks
+    # until their timeout; its launcher reads the failed node's note and stops them instead.
+    # Node 0 serves both stores: failing, it keeps them until node 1 has read its note.
+    port, script = free_port(), os.path.join(os.path.dirname(WORKER), "_failing_worker.py")
+    cmds = [_static(port, 2, r)[:-1] + [script] for r in (0, 1)]
+    env = _env(FAIL_NODE=failing)
+    merged = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    procs = [subprocess.Popen([*LAUNCH, *c], env=env, **merged) for c in cmds]
+    results = _finish(procs, timeout=60)
+    (failed_rc, failed), (other_rc, other) = results[failing], results[1 - failing]
+    assert failed_rc == 1 and "error: workers failed" in failed, failed
+    note = f"error: node {failing} at 127.0.0.1 ("
+    assert note in other and f"failed: its rank {failing} exited with 1" in other, other
+    assert "stopping this node's workers, which cannot go on without that node" in other, other
+    assert other_rc == 1 and "worker ok" not in other and "Traceback" not in other, other
+
+
+@pytest.mark.parametrize("stopped", ["node 1", "both"])
+def test_a_node_stopped_by_a_signal_stops_the_others_unless_they_stop_too(stopped):
+    # A scheduler that ends the job signals every node: none must then be signalled again for
+    # another's note (a second SIGTERM would interrupt torch's stopping of the workers).
+    port, script = free_port(), os.path.join(os.path.dirname(WORKER), "_failing_worker.py")
+    cmds = [[*LAUNCH, *_static(port, 2, r)[:-1], script] for r in (0, 1)]
+    merged = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    procs = [subprocess.Popen(c, env=_env(HOLD_S=120), **merged) for c in cmds]
+    lines = [[], []]
+    try:
+        for p, seen in zip(procs, lines):
+            _wait_for(p, "worker joined", seen)
+        for p in procs if stopped == "both" else procs[1:]:
+            p.send_signal(signal.SIGTERM)
+    finally:
+        results = _finish(procs, timeout=60)
+    told = ["".join(seen) + out for seen, (_, out) in zip(lines, results)]
+    assert results[1][0] == 128 + signal.SIGTERM, told[1]
+    if stopped == "both":
+        assert results[0][0] == 128 + signal.SIGTERM, told[0]
+        assert "stopping this node's workers" not in "".join(told), told
+    else:
+        assert results[0][0] == 1, told[0]
+        assert "failed: stopped by SIGTERM; stopping this node's workers" in told[0], told[0]
+    assert "worker ok" not in "".join(told) and "Traceback" not in "".join(told), told

@@ -1,0 +1,119 @@
+"""A node whose launch fails tells the others, which stop their workers instead of waiting.
+
+Under the static rendezvous no node can go on without the others. When one node's workers
+fail for good (or its next round cannot form), its launcher exits, and the other nodes'
+workers wait for its ranks, in ``init_process_group`` or a collective, until their timeouts
+(30 minutes by default), in silence. Here the failing launcher posts a note in the rendezvous
+store, which node 0's launcher serves; every other launcher reads it within a second, says it,
+and stops its own workers (exit status 1). Node 0, whose exit takes the store away, waits for
+the others to read its note first (at most :data:`LINGER_S`).
+
+The c10d rendezvous is left to torch: a node that fails there can be started again and
+rejoin, and the others' agents wait for it (``--max-restarts``, ``--nnodes MIN:MAX``).
+"""
+
+import os
+import signal
+import threading
+import time
+from typing import Optional
+
+import torch.distributed as dist
+
+from fastddp.launch import stop
+from fastddp.launch.preflight import say
+
+__all__ = ["ended", "peer_failure", "watch"]
+
+WATCH_S = 1.0
+LINGER_S = 5.0
+# A node stopped by a signal is often one of many (a scheduler ending the job): this node
+# waits as long for its own signal before it stops its workers for the other's.
+SIGNAL_GRACE_S = 3.0
+
+_watcher: Optional["_Watcher"] = None
+_peer_note: Optional[str] = None
+
+
+class _Watcher:
+    def __init__(self, store: dist.Store, prefix: str, name: str, node_rank: int, nodes: int):
+        self.store = store
+        self.key, self.read = prefix + "failed", prefix + "failed/read"
+        self.name, self.node_rank, self.nodes = name, node_rank, nodes
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fastddp-failures", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        global _peer_note
+        while not self._stop.wait(WATCH_S):
+            try:
+                if not self.store.check([self.key]):
+                    continue
+                value = self.store.get(self.key).decode()
+                self.store.add(self.read, 1)
+            except (RuntimeError, OSError):
+                return  # node 0's launcher has exited: the job is over, one way or the other
+            kind, note = value[:1], value[1:]  # "s": a signal stopped that node; "f": failed
+            if kind == "s":
+                self._stop.wait(SIGNAL_GRACE_S)
+            if stop.signalled() or self._stop.is_set():
+                return  # this node is stopping on its own; a second signal would interrupt it
+            _peer_note = note
+            say(
+                f"error: {note}; stopping this node's workers, which cannot go on without "
+                "that node (static rendezvous)"
+            )
+            os.kill(os.getpid(), signal.SIGTERM)  # torch's agent stops the workers
+            return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            # Not for long: over a link that went down, its store call may never return.
+            self._thread.join(timeout=2 * WATCH_S)
+
+
+def watch(store: dist.Store, prefix: str, name: str, node_rank: int, nodes: int) -> None:
+    """Watch for another node's failure, over ``store`` (a client of the rendezvous store)."""
+    global _watcher
+    _watcher = _Watcher(store, prefix, name, node_rank, nodes)
+
+
+def peer_failure() -> Optional[str]:
+    """The note of another node's failure that stopped this node's workers, if one did."""
+    return _peer_note
+
+
+def ended(failure: Optional[str], signalled: bool = False) -> None:
+    """This node's launch has ended: stop watching, and post ``failure`` (what failed here;
+    ``signalled``: a signal stopped it) for the other nodes, unless it is None or this node
+    was stopped for another's."""
+    global _watcher
+    watcher, _watcher = _watcher, None
+    if watcher is None:
+        return
+    watcher.stop()
+    if failure is None or _peer_note is not None:
+        return
+    kind = "s" if signalled else "f"
+    note = f"{kind}{watcher.name} failed: {failure}"
+    # In a thread of its own: over a link that went down, a store call may never return
+    # (its client timeout does not cover a peer that stops answering).
+    post = threading.Thread(target=_post, args=(watcher, note), name="fastddp-note", daemon=True)
+    post.start()
+    post.join(LINGER_S + 1.0)
+
+
+def _post(watcher: _Watcher, note: str) -> None:
+    try:
+        watcher.store.set(watcher.key, note)
+        if watcher.node_rank != 0:
+            return
+        deadline = time.monotonic() + LINGER_S
+        while int(watcher.store.add(watcher.read, 0)) < watcher.nodes - 1:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.1)
+    except (RuntimeError, OSError):
+        pass  # the store is gone: nobody is left to tell

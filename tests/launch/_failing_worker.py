@@ -1,0 +1,15 @@
+"""A worker whose node FAIL_NODE fails at start; the others join and would wait for it.
+With HOLD_S, every worker joins, says so, and holds that long (to be stopped meanwhile)."""
+
+import os
+import sys
+import time
+
+import fastddp
+
+if os.environ["GROUP_RANK"] == os.environ.get("FAIL_NODE"):
+    sys.exit(f"node {os.environ['GROUP_RANK']} cannot start (a missing dataset, say)")
+fastddp.init_distributed(backend="gloo")
+print("worker joined", flush=True)
+time.sleep(float(os.environ.get("HOLD_S", "0")))
+print("worker ok", flush=True)
