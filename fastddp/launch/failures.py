@@ -3,10 +3,11 @@
 Under the static rendezvous no node can go on without the others. When one node's workers
 fail for good (or its next round cannot form), its launcher exits, and the other nodes'
 workers wait for its ranks, in ``init_process_group`` or a collective, until their timeouts
-(30 minutes by default), in silence. Here the failing launcher posts a note in the rendezvous
-store, which node 0's launcher serves; every other launcher reads it within a second, says it,
-and stops its own workers (exit status 1). Node 0, whose exit takes the store away, waits for
-the others to read its note first (at most :data:`LINGER_S`).
+(10 minutes in ``init_distributed``, 30 in torch's), in silence. Here the failing launcher
+posts a note in the rendezvous store, which node 0's launcher serves; every other launcher
+reads it within a second, says it, and stops its own workers (exit status 1). Node 0, whose
+exit takes the store away, waits for the others to read its note first (at most
+:data:`LINGER_S`).
 
 The c10d rendezvous is left to torch: a node that fails there can be started again and
 rejoin, and the others' agents wait for it (``--max-restarts``, ``--nnodes MIN:MAX``).
