@@ -1,5 +1,6 @@
-"""A worker whose node FAIL_NODE fails at start; the others join and would wait for it.
-With HOLD_S, every worker joins, says so, and holds that long (to be stopped meanwhile)."""
+"""A worker whose node FAIL_NODE fails at start (its local rank FAIL_LOCAL_RANK, else all);
+the others join and would wait for it. With HOLD_S, every worker joins, says so, and holds
+that long (to be stopped meanwhile)."""
 
 import os
 import sys
@@ -7,7 +8,8 @@ import time
 
 import fastddp
 
-if os.environ["GROUP_RANK"] == os.environ.get("FAIL_NODE"):
+local = os.environ.get("FAIL_LOCAL_RANK", os.environ["LOCAL_RANK"])
+if os.environ["GROUP_RANK"] == os.environ.get("FAIL_NODE") and os.environ["LOCAL_RANK"] == local:
     sys.exit(f"node {os.environ['GROUP_RANK']} cannot start (a missing dataset, say)")
 fastddp.init_distributed(backend="gloo")
 print("worker joined", flush=True)

@@ -56,8 +56,8 @@ def _launcher(args, patch=""):
     return subprocess.Popen([sys.executable, "-c", code], env=_env(), **merged)
 
 
-def _static(port, nnodes, rank, *extra):
-    return ["--nnodes", str(nnodes), "--nproc-per-node", "1", "--node-rank", str(rank),
+def _static(port, nnodes, rank, *extra, nproc=1):
+    return ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--node-rank", str(rank),
             "--master-addr", "127.0.0.1", "--master-port", str(port), *extra, WORKER]  # fmt: skip
 
 
@@ -165,19 +165,21 @@ def test_a_node_that_does_not_sign_in_is_named_within_the_rendezvous_timeout():
 
 @pytest.mark.parametrize("failing", [0, 1])
 def test_a_node_whose_workers_fail_stops_the_others(failing):
-    # The other node's workers would wait in init_distributed for the failed node's ranks
-    # until their timeout; its launcher reads the failed node's note and stops them instead.
-    # Node 0 serves both stores: failing, it keeps them until node 1 has read its note.
+    # Two ranks a node; one rank of the failing node exits at start. The other node's workers
+    # would wait in init_distributed for the failed node's ranks until their timeout; its
+    # launcher reads the failed node's note and stops them instead. Node 0 serves both
+    # stores: failing, it keeps them until node 1 has read its note.
     port, script = free_port(), os.path.join(os.path.dirname(WORKER), "_failing_worker.py")
-    cmds = [_static(port, 2, r)[:-1] + [script] for r in (0, 1)]
-    env = _env(FAIL_NODE=failing)
+    cmds = [_static(port, 2, r, nproc=2)[:-1] + [script] for r in (0, 1)]
+    env = _env(FAIL_NODE=failing, FAIL_LOCAL_RANK=1)
     merged = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
     procs = [subprocess.Popen([*LAUNCH, *c], env=env, **merged) for c in cmds]
     results = _finish(procs, timeout=60)
     (failed_rc, failed), (other_rc, other) = results[failing], results[1 - failing]
     assert failed_rc == 1 and "error: workers failed" in failed, failed
+    rank = 2 * failing + 1
     note = f"error: node {failing} at 127.0.0.1 ("
-    assert note in other and f"failed: its rank {failing} exited with 1" in other, other
+    assert note in other and f"failed: its rank {rank} exited with 1" in other, other
     assert "stopping this node's workers, which cannot go on without that node" in other, other
     assert other_rc == 1 and "worker ok" not in other and "Traceback" not in other, other
 
