@@ -67,10 +67,13 @@ def _run_all(cmds, timeout=150, envs=None):
     """Start every command, wait for all; kill them all if the time (a hang guard, scaled to
     the machine) runs out."""
     envs = envs or [_env() for _ in cmds]
-    procs = [
-        subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for c, e in zip(cmds, envs)
-    ]
+    merged = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    return _finish([subprocess.Popen(c, env=e, **merged) for c, e in zip(cmds, envs)], timeout)
+
+
+def _finish(procs, timeout):
+    """``(exit code, output)`` of every process, killing them all once ``timeout`` seconds (a
+    hang guard, scaled to the machine) have passed."""
     deadline = time.monotonic() + slack.guard(timeout)
     outs = []
     try:

@@ -13,7 +13,7 @@ from fastddp.launch import roster
 from fastddp.testing import slack
 from fastddp.testing.ports import free_port
 
-from .test_launch import LAUNCH, WORKER, _env
+from .test_launch import LAUNCH, WORKER, _env, _finish
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.launcher]
 
@@ -76,19 +76,6 @@ def _wait_for(proc, text, lines):
     assert text in "".join(lines), "".join(lines)
 
 
-def _finish(procs, timeout=90):
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=slack.guard(timeout))[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    return [(p.returncode, out) for p, out in zip(procs, outs)]
-
-
 @pytest.mark.parametrize("backend", ["static", "c10d"])
 def test_a_node_launched_with_other_nnodes_ends_every_launcher(backend):
     # Without the roll call, the static rendezvous forms with node 0's count and the workers
@@ -102,7 +89,7 @@ def test_a_node_launched_with_other_nnodes_ends_every_launcher(backend):
         names, theirs = ("the node at 127.0.0.1",) * 2, ("1:2", "2")
     node0, lines = _launcher(first), []
     _wait_for(node0, "this node hosts the rendezvous", lines)
-    results = _finish([node0, _launcher(second)])
+    results = _finish([node0, _launcher(second)], timeout=90)
     told = [("".join(lines) if i == 0 else "") + out for i, (_, out) in enumerate(results)]
     for (rc, _), text, name, nodes in zip(results, told, names, theirs):
         assert rc == 2, text
@@ -116,7 +103,9 @@ def test_two_launchers_with_one_node_rank_end_every_launcher():
     port = free_port()
     node0, lines = _launcher(_static(port, 3, 0)), []
     _wait_for(node0, "this node hosts the rendezvous", lines)
-    results = _finish([node0, _launcher(_static(port, 3, 1)), _launcher(_static(port, 3, 1))])
+    results = _finish(
+        [node0, _launcher(_static(port, 3, 1)), _launcher(_static(port, 3, 1))], timeout=90
+    )
     for rc, out in results:
         assert rc == 2, out
         assert "error: two launchers wait with --node-rank 1: at 127.0.0.1" in out, out
@@ -134,7 +123,7 @@ def test_a_missing_node_is_named_while_the_others_wait_and_the_job_then_runs():
     _wait_for(node0, missing, lines)
     _wait_for(node0, missing, lines)  # once more: it keeps saying it
     node1 = _launcher(_static(port, 2, 1), "roster.__version__ = '0.0.9'")
-    results = _finish([node0, node1])
+    results = _finish([node0, node1], timeout=90)
     text0, text1 = "".join(lines) + results[0][1], results[1][1]
     assert [rc for rc, _ in results] == [0, 0], (text0, text1)
     assert "waiting for the other nodes at 127.0.0.1:" in text0, text0
@@ -154,7 +143,7 @@ def test_a_node_that_does_not_sign_in_is_named_within_the_rendezvous_timeout():
     node1 = subprocess.Popen(plain, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         node0 = _launcher(_static(port, 2, 0, "--rdzv-conf", "timeout=10"))
-        (rc, out), = _finish([node0])  # fmt: skip
+        (rc, out), = _finish([node0], timeout=90)  # fmt: skip
     finally:
         node1.kill()
         node1.wait()
