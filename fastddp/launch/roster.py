@@ -128,7 +128,7 @@ class RollCall:
         self._cards: dict[int, Card] = {}
         self._mine = 0  # this card's number, from 1
         self._beats: dict[int, tuple[int, float, bool]] = {}  # number: (beat, when, moved)
-        self._undecided = False  # a card with this node rank, not yet known to be waiting
+        self._undecided = False  # two cards of one node rank, one not yet known to be waiting
         self._broken: Optional[str] = None
         self._said = False
         self._next_say = SAY_AFTER_S
@@ -151,14 +151,14 @@ class RollCall:
         torchrun, or an older fastddp, does not sign in)."""
         deadline = time.monotonic() + self._timeout
         with self._cond:
-            while len(self._cards) < world_size or self._undecided:
+            while self._signed_in() < world_size or self._undecided:
                 if self._broken is not None:
                     say(f"warning: the roll call stopped ({self._broken}); nodes not checked")
                     return None
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return (
-                        f"{len(self._cards)} of the round's {world_size} nodes signed in at "
+                        f"{self._signed_in()} of the round's {world_size} nodes signed in at "
                         f"{self._address()} within {self._timeout:.0f} s ({self._names()}): "
                         "launch every node with fastddp.launch of the same version"
                     )
@@ -167,6 +167,12 @@ class RollCall:
         if self._said:
             say(f"all {world_size} nodes have signed in; the workers start")
         return None
+
+    def _signed_in(self) -> int:
+        # Static: node ranks, once each (a node started again leaves its old card behind).
+        if self.card.node_rank is None:
+            return len(self._cards)
+        return len({c.node_rank for c in self._cards.values()})
 
     def hand_over(self) -> None:
         """After :meth:`stop`: under the static rendezvous, watch for another node's failure
@@ -274,7 +280,7 @@ class RollCall:
             cards = list(self._cards.values())
         line = (
             f"waiting for the other nodes at {self._address()} for {waited:.0f} s: "
-            f"{len(cards)} of {self.card.nodes()} signed in ({self._names()})"
+            f"{self._signed_in()} of {self.card.nodes()} signed in ({self._names()})"
         )
         if self.card.node_rank is not None:
             missing = sorted(set(range(self.card.max_nodes)) - {c.node_rank for c in cards})

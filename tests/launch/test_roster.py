@@ -43,6 +43,20 @@ def test_cards_that_disagree_on_the_nodes_or_the_backend_are_named():
     ]
 
 
+def test_a_node_started_again_counts_once():
+    # torch's static store counts connections: node 1 started twice makes three of --nnodes 3
+    # while node 2 is missing. The roll call counts node ranks, so the workers do not start.
+    from datetime import timedelta
+
+    roll = roster.RollCall(("127.0.0.1", 1), "job", _card(max_nodes=3, min_nodes=3), timedelta())
+    roll._cards = {1: _card(node_rank=0), 2: _card(), 3: _card(pid=8)}
+    assert roll._signed_in() == 2
+    assert roll.confirm(3).startswith("2 of the round's 3 nodes signed in at 127.0.0.1:1 within")
+    elastic = roster.RollCall(("h", 1), "job", _card(node_rank=None), timedelta())
+    elastic._cards = {1: _card(node_rank=None), 2: _card(node_rank=None)}
+    assert elastic._signed_in() == 2 and elastic.confirm(2) is None
+
+
 def _launcher(args, patch=""):
     """A launcher, its roster module patched first (``patch``: lines run after importing it)."""
     code = (
