@@ -13,9 +13,11 @@ Before ``torch.distributed.run`` starts the workers, fastddp:
 3. gives the workers of every restarted or re-formed round a fresh store, on every rendezvous,
    so that ``--max-restarts`` and a node that rejoins work every time
    (:mod:`~fastddp.launch.store`);
-4. while the rendezvous forms, has every node sign in with its settings, ends the launch
-   where two nodes disagree (``--nnodes``, one ``--node-rank`` twice), and names the nodes
-   still missing (:mod:`~fastddp.launch.roster`); and, under the static rendezvous, stops
+4. while the rendezvous forms, has every node sign in with its settings
+   (:mod:`~fastddp.launch.cards`), ends the launch where two nodes disagree (``--nnodes``,
+   one ``--node-rank`` twice) or cannot reach each other on the workers' ports
+   (:mod:`~fastddp.launch.reach`), and names the nodes still missing
+   (:mod:`~fastddp.launch.roster`); and, under the static rendezvous, stops
    the other nodes' workers when one node's fail (:mod:`~fastddp.launch.failures`).
 
 Example::

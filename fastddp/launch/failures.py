@@ -13,6 +13,7 @@ The c10d rendezvous is left to torch: a node that fails there can be started aga
 rejoin, and the others' agents wait for it (``--max-restarts``, ``--nnodes MIN:MAX``).
 """
 
+import contextlib
 import os
 import signal
 import threading
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from fastddp.launch import stop
 from fastddp.launch.preflight import say
 
-__all__ = ["ended", "peer_failure", "watch"]
+__all__ = ["ended", "note_from", "peer_failure", "post", "watch"]
 
 WATCH_S = 1.0
 LINGER_S = 5.0
@@ -79,6 +80,25 @@ def watch(store: dist.Store, prefix: str, name: str, node_rank: int, nodes: int)
     """Watch for another node's failure, over ``store`` (a client of the rendezvous store)."""
     global _watcher
     _watcher = _Watcher(store, prefix, name, node_rank, nodes)
+
+
+def note_from(store: dist.Store, prefix: str) -> Optional[str]:
+    """The note another node posted under ``prefix``, if one did (read during the roll call)."""
+    key = prefix + "failed"
+    return store.get(key).decode()[1:] if store.check([key]) else None
+
+
+def post(store: dist.Store, prefix: str, note: str, seconds: float) -> None:
+    """Post ``note`` (what failed on this node) under ``prefix``, giving up after ``seconds``
+    (over a link that went down, a store call may never return)."""
+
+    def run() -> None:
+        with contextlib.suppress(RuntimeError, OSError):
+            store.set(prefix + "failed", "f" + note)
+
+    thread = threading.Thread(target=run, name="fastddp-note", daemon=True)
+    thread.start()
+    thread.join(seconds)
 
 
 def peer_failure() -> Optional[str]:

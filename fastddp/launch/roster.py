@@ -19,21 +19,19 @@ Nodes that join a running job (c10d) check their card against every card of the 
 
 import dataclasses
 import json
-import os
 import socket
 import threading
 import time
 from datetime import timedelta
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
-from fastddp._version import __version__
-from fastddp.launch import failures, stop
+from fastddp.launch import failures, reach, stop
+from fastddp.launch.cards import Card, disagreement, read, warnings
 from fastddp.launch.preflight import say
 
-__all__ = ["Card", "RollCall", "disagreement", "this_node", "warnings"]
+__all__ = ["RollCall"]
 
 SAY_AFTER_S = 20.0  # the first "still waiting" line; then one every SAY_EVERY_S
 SAY_EVERY_S = 60.0
@@ -42,67 +40,6 @@ POLL_S = 0.5
 # rendezvous done, or the launcher gone): a node started again may reuse its node rank.
 LIVE_S = 3.0
 GRACE_S = 2.0  # a launcher that ends on a bad card lingers, so that the others read theirs
-
-
-@dataclasses.dataclass(frozen=True)
-class Card:
-    """What one node's launcher was started with."""
-
-    address: str  # the node's address on the way to the rendezvous
-    host: str
-    node_rank: Optional[int]  # the static rendezvous's --node-rank; None under c10d
-    min_nodes: int
-    max_nodes: int
-    backend: str
-    max_restarts: int
-    torch: str
-    fastddp: str
-    pid: int
-
-    def nodes(self) -> str:
-        """``--nnodes`` as it was given."""
-        same = self.min_nodes == self.max_nodes
-        return str(self.max_nodes) if same else f"{self.min_nodes}:{self.max_nodes}"
-
-    def where(self) -> str:
-        return self.address if self.host in ("", self.address) else f"{self.address} ({self.host})"
-
-    def name(self) -> str:
-        at = self.where()
-        return f"the node at {at}" if self.node_rank is None else f"node {self.node_rank} at {at}"
-
-
-def disagreement(mine: Card, other: Card) -> Optional[str]:
-    """Why ``other``'s node cannot join this node's job, or None."""
-    theirs, ours = f"--nnodes {other.nodes()}", f"--nnodes {mine.nodes()}"
-    if other.backend != mine.backend:
-        theirs += f" and the {other.backend} rendezvous"
-        ours += f" and the {mine.backend} rendezvous"
-    if theirs == ours:
-        return None
-    return (
-        f"{other.name()} was launched with {theirs}, this node with {ours}: launch every node "
-        "with the same --nnodes and --rdzv-backend"
-    )
-
-
-def warnings(mine: Card, other: Card) -> list[str]:
-    """What differs between the nodes and may fail later."""
-    said = []
-    for field, what in (("torch", "torch"), ("fastddp", "fastddp")):
-        if getattr(other, field) != getattr(mine, field):
-            said.append(
-                f"warning: {other.name()} runs {what} {getattr(other, field)}, this node "
-                f"{getattr(mine, field)}: collectives between versions can fail or hang; "
-                "install the same on every node"
-            )
-    if other.max_restarts != mine.max_restarts:
-        said.append(
-            f"warning: {other.name()} has --max-restarts {other.max_restarts}, this node "
-            f"{mine.max_restarts}: once the node with fewer is out of restarts, the others wait "
-            "for it until the rendezvous timeout; give every node the same"
-        )
-    return said
 
 
 class RollCall:
@@ -130,6 +67,7 @@ class RollCall:
         self._beats: dict[int, tuple[int, float, bool]] = {}  # number: (beat, when, moved)
         self._undecided = False  # two cards of one node rank, one not yet known to be waiting
         self._broken: Optional[str] = None
+        self._prober: Optional[reach.Prober] = None
         self._said = False
         self._next_say = SAY_AFTER_S
         self._start = time.monotonic()
@@ -151,7 +89,7 @@ class RollCall:
         torchrun, or an older fastddp, does not sign in)."""
         deadline = time.monotonic() + self._timeout
         with self._cond:
-            while self._signed_in() < world_size or self._undecided:
+            while self._signed_in() < world_size or self._undecided or self._probing():
                 if self._broken is not None:
                     say(f"warning: the roll call stopped ({self._broken}); nodes not checked")
                     return None
@@ -209,7 +147,12 @@ class RollCall:
                     raise
         host, port = self._endpoint
         store = dist.TCPStore(host, port, None, False, timedelta(seconds=30), False)
-        self.card = dataclasses.replace(self.card, address=address)
+        workers = reach.workers_address(address)
+        listening = reach.listen(workers)
+        self.card = dataclasses.replace(
+            self.card, address=address, listen_at=workers, listen_port=listening
+        )
+        self._prober = reach.Prober(self.card.name(), self._address())
         self._mine = int(store.add(self._prefix + "count", 1))
         store.set(self._prefix + f"card/{self._mine}", json.dumps(dataclasses.asdict(self.card)))
         return store
@@ -219,15 +162,21 @@ class RollCall:
         new = [i for i in range(1, count + 1) if i not in self._cards]
         ready = [i for i in new if store.check([self._prefix + f"card/{i}"])]
         values = store.multi_get([self._prefix + f"card/{i}" for i in ready]) if ready else []
-        cards = {i: _read(v) for i, v in zip(ready, values)}
+        cards = {i: read(v) for i, v in zip(ready, values)}
+        note = failures.note_from(store, self._prefix)
+        if note is not None:
+            self._end(f"{note}; this launch ends too", post=False)
         for i, card in sorted(cards.items()):
             if i == self._mine:
                 continue
             problem = disagreement(self.card, card)
             if problem is not None:
-                self._end(problem)
+                self._end(problem, post=False)  # the other node sees it too
             for line in warnings(self.card, card):
                 say(line)
+            self._prober.probe(card.name(), card.listen_at, card.listen_port)
+        if self._prober.problems:
+            self._end(self._prober.problems[0])
         store.add(self._prefix + f"beat/{self._mine}", 1)
         with self._cond:
             self._cards.update(cards)
@@ -243,10 +192,11 @@ class RollCall:
             undecided = undecided or None in states
             live = [self._cards[i] for i, alive in zip(numbers, states) if alive]
             if len(live) >= 2:
-                self._end(
+                self._end(  # (every launcher that reads these cards says it)
                     f"two launchers wait with --node-rank {rank}: at {self._who(live[0])} and "
                     f"at {self._who(live[1])}; give every node its own --node-rank, from 0 to "
-                    f"{self.card.max_nodes - 1}"
+                    f"{self.card.max_nodes - 1}",
+                    post=False,
                 )
         with self._cond:
             self._undecided = undecided
@@ -296,10 +246,15 @@ class RollCall:
             )
         say(line)
 
-    def _end(self, problem: str) -> None:
+    def _end(self, problem: str, post: bool = True) -> None:
         say(f"error: {problem}")
+        if post and self.store is not None:  # for the nodes that cannot see it themselves
+            failures.post(self.store, self._prefix, problem, GRACE_S)
         self._stopping.wait(GRACE_S)
         stop.end(2)
+
+    def _probing(self) -> bool:
+        return self._prober is not None and self._prober.pending()
 
     def _address(self) -> str:
         host, port = self._endpoint
@@ -309,27 +264,3 @@ class RollCall:
         with self._cond:
             cards = sorted(self._cards.values(), key=lambda c: (c.node_rank or 0, c.address))
         return ", ".join(c.where() if c.node_rank is None else c.name() for c in cards)
-
-
-def _read(raw: bytes) -> Card:
-    try:
-        return Card(**json.loads(raw))
-    except (TypeError, ValueError):
-        say(
-            f"error: a node signed in with a card this fastddp {__version__} cannot read "
-            f"({raw[:120]!r}): run the same fastddp on every node"
-        )
-        time.sleep(GRACE_S)
-        stop.end(2)
-        raise  # not reached
-
-
-def this_node(
-    node_rank: Optional[int], min_nodes: int, max_nodes: int, backend: str, max_restarts: int
-) -> Card:
-    """This node's card, its address still to be found."""
-    host = socket.gethostname()
-    versions = (torch.__version__, __version__)
-    return Card(
-        "", host, node_rank, min_nodes, max_nodes, backend, max_restarts, *versions, os.getpid()
-    )

@@ -241,10 +241,10 @@ def _create(params: RendezvousParameters) -> RendezvousHandler:
     if params.max_nodes > 1:
         from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-        from fastddp.launch import roster
+        from fastddp.launch import cards, roster
 
         static = backend == "static"
-        card = roster.this_node(
+        card = cards.this_node(
             params.get_as_int("rank") if static else None,
             params.min_nodes,
             params.max_nodes,

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from fastddp.launch import roster
+from fastddp.launch import cards, roster
 from fastddp.testing import slack
 from fastddp.testing.ports import free_port
 
@@ -19,23 +19,23 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.launcher]
 
 
 def _card(**change):
-    card = roster.Card("198.18.0.2", "gpu2", 1, 2, 2, "static", 0, "2.13.0", "0.1.0", 7)
-    return roster.Card(**{**card.__dict__, **change})
+    card = cards.Card("198.18.0.2", "gpu2", 1, 2, 2, "static", 0, "2.13.0", "0.1.0", 7)
+    return cards.Card(**{**card.__dict__, **change})
 
 
 def test_cards_that_disagree_on_the_nodes_or_the_backend_are_named():
     mine = _card(node_rank=0, address="198.18.0.1", host="gpu1")
-    assert roster.disagreement(mine, _card()) is None
-    said = roster.disagreement(mine, _card(max_nodes=3, min_nodes=3))
+    assert cards.disagreement(mine, _card()) is None
+    said = cards.disagreement(mine, _card(max_nodes=3, min_nodes=3))
     assert said.startswith("node 1 at 198.18.0.2 (gpu2) was launched with --nnodes 3, this node")
     assert "with --nnodes 2: launch every node with the same --nnodes" in said
-    elastic = roster.disagreement(mine, _card(min_nodes=1, node_rank=None, backend="c10d"))
+    elastic = cards.disagreement(mine, _card(min_nodes=1, node_rank=None, backend="c10d"))
     assert elastic.startswith(
         "the node at 198.18.0.2 (gpu2) was launched with --nnodes 1:2 and the c10d rendezvous, "
         "this node with --nnodes 2 and the static rendezvous"
     ), elastic
-    assert roster.warnings(mine, _card()) == []
-    lines = roster.warnings(mine, _card(torch="2.12.0", fastddp="0.0.9", max_restarts=3))
+    assert cards.warnings(mine, _card()) == []
+    lines = cards.warnings(mine, _card(torch="2.12.0", fastddp="0.0.9", max_restarts=3))
     assert [line.split(": ")[1] for line in lines] == [
         "node 1 at 198.18.0.2 (gpu2) runs torch 2.12.0, this node 2.13.0",
         "node 1 at 198.18.0.2 (gpu2) runs fastddp 0.0.9, this node 0.1.0",
@@ -136,7 +136,8 @@ def test_a_missing_node_is_named_while_the_others_wait_and_the_job_then_runs():
     missing = "missing node rank(s) 1: start them with --nnodes 2"
     _wait_for(node0, missing, lines)
     _wait_for(node0, missing, lines)  # once more: it keeps saying it
-    node1 = _launcher(_static(port, 2, 1), "roster.__version__ = '0.0.9'")
+    older = "import fastddp.launch.cards as cards; cards.__version__ = '0.0.9'"
+    node1 = _launcher(_static(port, 2, 1), older)
     results = _finish([node0, node1], timeout=90)
     text0, text1 = "".join(lines) + results[0][1], results[1][1]
     assert [rc for rc, _ in results] == [0, 0], (text0, text1)
@@ -212,3 +213,24 @@ def test_a_node_stopped_by_a_signal_stops_the_others_unless_they_stop_too(stoppe
         assert results[0][0] == 1, told[0]
         assert "failed: stopped by SIGTERM; stopping this node's workers" in told[0], told[0]
     assert "worker ok" not in "".join(told) and "Traceback" not in "".join(told), told
+
+
+def test_a_peer_that_does_not_answer_is_named_with_both_addresses():
+    # (Across a firewall the connection gets no answer; here nothing listens on the port.)
+    from fastddp.launch import reach
+
+    port = reach.listen("127.0.0.1")
+    free = free_port()
+    prober = reach.Prober("node 1 at 198.18.0.2", "198.18.0.1:29500")
+    prober.probe("node 0 at 127.0.0.1", "127.0.0.1", port)
+    prober.probe("node 2 at 127.0.0.1", "127.0.0.1", free)
+    prober.probe("a node that listens nowhere", "127.0.0.1", 0)
+    deadline = time.monotonic() + slack.guard(30)
+    while prober.pending() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert prober.problems == [
+        f"node 1 at 198.18.0.2 cannot reach node 2 at 127.0.0.1 on 127.0.0.1:{free}, a port the "
+        "kernel picked (Connection refused), though both reach the rendezvous at "
+        "198.18.0.1:29500: Gloo and NCCL connect every pair of nodes on such ports; let the "
+        "nodes' addresses reach each other on every port (a firewall between them?)"
+    ]
