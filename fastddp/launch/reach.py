@@ -40,8 +40,9 @@ def listen(address: str) -> int:
     socket can be made (the others then do not try this node). The socket stays open until
     the process exits: a node that reads this card after this node's rendezvous still finds
     it."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
     try:
-        sock = socket.create_server((address, 0), backlog=socket.SOMAXCONN)
+        sock = socket.create_server((address, 0), family=family, backlog=socket.SOMAXCONN)
     except OSError:
         return 0
     _LISTENING.append(sock)

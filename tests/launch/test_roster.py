@@ -2,6 +2,7 @@
 before any worker starts, a missing node is named while the others wait."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from fastddp.launch import cards, roster
 from fastddp.testing import slack
 from fastddp.testing.ports import free_port
 
+from ._netns import two_nodes
 from .test_launch import LAUNCH, WORKER, _env, _finish
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.launcher]
@@ -234,3 +236,31 @@ def test_a_peer_that_does_not_answer_is_named_with_both_addresses():
         "198.18.0.1:29500: Gloo and NCCL connect every pair of nodes on such ports; let the "
         "nodes' addresses reach each other on every port (a firewall between them?)"
     ]
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(shutil.which("nft") is None, reason="the firewall needs nft (nftables)")
+def test_nodes_behind_a_firewall_that_passes_only_the_masters_port_are_told_so():
+    # Without the probes the rendezvous forms and the workers wait in init_process_group for
+    # Gloo's connections, which the firewall drops, until its timeout.
+    with two_nodes() as (a, b):
+        port = free_port()
+        rules = (
+            "add table inet fastddp_fw\n"
+            "add chain inet fastddp_fw input { type filter hook input priority 0; }\n"
+            f"add rule inet fastddp_fw input iifname {a['dev']} tcp dport != {port} drop\n"
+        )
+        subprocess.run(["ip", "netns", "exec", a["ns"], "nft", "-f", "-"], input=rules,
+                       check=True, capture_output=True, text=True, timeout=30)  # fmt: skip
+        line = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", a["addr"],
+                "--master-port", str(port), WORKER]  # fmt: skip
+        cmds = [["ip", "netns", "exec", n["ns"], *LAUNCH, "--node-rank", str(r), *line]
+                for r, n in ((1, b), (0, a))]  # fmt: skip
+        merged = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+        results = _finish([subprocess.Popen(c, env=_env(), **merged) for c in cmds], 120)
+    for rc, out in results:
+        assert rc == 2, out
+        # (Whichever node's probe fails first, the other may end with its note.)
+        assert f"cannot reach node 0 at {a['addr']}" in out or "cannot reach node 1 at" in out
+        assert "a port the kernel picked (no answer within 5 s)" in out, out
+        assert "worker ok" not in out and "Traceback" not in out, out
