@@ -61,8 +61,8 @@ def disagreement(mine: Card, other: Card) -> Optional[str]:
     if theirs == ours:
         return None
     return (
-        f"{other.name()} was launched with {theirs}, this node with {ours}: launch every node "
-        "with the same --nnodes and --rdzv-backend"
+        f"{other.name()} was launched with {theirs}, and {mine.name()} with {ours}: launch "
+        "every node with the same --nnodes and --rdzv-backend"
     )
 
 
@@ -79,8 +79,8 @@ def warnings(mine: Card, other: Card) -> list[str]:
     if other.max_restarts != mine.max_restarts:
         said.append(
             f"warning: {other.name()} has --max-restarts {other.max_restarts}, this node "
-            f"{mine.max_restarts}: once the node with fewer is out of restarts, the others wait "
-            "for it until the rendezvous timeout; give every node the same"
+            f"{mine.max_restarts}: after a failure the nodes restart apart, and one that waits "
+            "for another's round waits until the rendezvous timeout; give every node the same"
         )
     return said
 

@@ -31,7 +31,9 @@ _PREFIX = "fastddp.launch:"
 
 def say(msg: str) -> None:
     """Print one line of the launcher's report to stderr."""
-    print(f"{_PREFIX} {msg}", file=sys.stderr, flush=True)
+    # One write: the roll call's thread says things too, and lines must not run together.
+    sys.stderr.write(f"{_PREFIX} {msg}\n")
+    sys.stderr.flush()
 
 
 def gpus_visible() -> int:

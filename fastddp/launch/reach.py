@@ -6,7 +6,8 @@ Gloo and NCCL's bootstrap on ports the kernel picks, on the interface of
 waiting in ``init_process_group`` until its timeout. During the roll call each launcher
 listens on a port the kernel picks, on the address its workers will use, and connects to the
 ports of the first :data:`PEERS` other nodes that signed in: a connection that gets no answer
-ends the launch with the two addresses, in seconds.
+(or an unreachable host) ends the launch with the two addresses, in seconds. A refused one
+passes: that launcher may have exited, and a firewall that drops is the common kind.
 """
 
 import os
@@ -96,12 +97,19 @@ class Prober:
 
     @staticmethod
     def _connect(address: str, port: int) -> Optional[str]:
-        """None once a connection succeeds, else why the last try failed."""
+        """None once a connection succeeds or is refused, else why the last try failed.
+
+        A refusal is the other host's answer: the way is open, and the port closed (that
+        launcher has exited: a node started again leaves its old card behind). Only a
+        firewall that rejects, rather than drops, answers so too; it goes unseen here.
+        """
         why = ""
         for _ in range(TRIES):
             try:
                 with socket.create_connection((address, port), timeout=PROBE_S):
                     return None
+            except ConnectionRefusedError:
+                return None
             except TimeoutError:
                 why = f"no answer within {PROBE_S:g} s"
             except OSError as e:

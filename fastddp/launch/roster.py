@@ -35,7 +35,7 @@ __all__ = ["RollCall"]
 
 SAY_AFTER_S = 20.0  # the first "still waiting" line; then one every SAY_EVERY_S
 SAY_EVERY_S = 60.0
-POLL_S = 0.5
+POLL_S = 0.2
 # A card whose heartbeat has not moved for this long is of a launcher no longer waiting (its
 # rendezvous done, or the launcher gone): a node started again may reuse its node rank.
 LIVE_S = 3.0
@@ -73,11 +73,20 @@ class RollCall:
         self._start = time.monotonic()
         self._cond = threading.Condition()
         self._stopping = threading.Event()
+        self._polled = threading.Event()  # the cards there were at sign-in have been checked
         self._thread = threading.Thread(target=self._run, name="fastddp-roster", daemon=True)
 
     def start(self) -> None:
         self._start = time.monotonic()
         self._thread.start()
+
+    def checked_in(self) -> None:
+        """Wait until this node has signed in and checked the cards already there.
+
+        Under c10d, before torch's rendezvous: a node that would end on a running job's cards
+        must not join that job's next round first (the others would restart their workers
+        for it, and again until its keep-alive runs out)."""
+        self._polled.wait(self._timeout)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -126,12 +135,14 @@ class RollCall:
             store = self.store = self._sign_in()
             while not self._stopping.is_set():
                 self._poll(store)
+                self._polled.set()
                 self._say_progress()
                 self._stopping.wait(POLL_S)
         except (RuntimeError, OSError) as e:  # the store is gone: torch's rendezvous says why
             with self._cond:
                 self._broken = str(e).splitlines()[0] if str(e) else type(e).__name__
                 self._cond.notify_all()
+            self._polled.set()
 
     def _sign_in(self) -> dist.Store:
         # A plain connection first: it gives this node's address on the way, and lets the
@@ -171,7 +182,7 @@ class RollCall:
                 continue
             problem = disagreement(self.card, card)
             if problem is not None:
-                self._end(problem, post=False)  # the other node sees it too
+                self._end(problem)
             for line in warnings(self.card, card):
                 say(line)
             self._prober.probe(card.name(), card.listen_at, card.listen_port)
@@ -192,11 +203,10 @@ class RollCall:
             undecided = undecided or None in states
             live = [self._cards[i] for i, alive in zip(numbers, states) if alive]
             if len(live) >= 2:
-                self._end(  # (every launcher that reads these cards says it)
+                self._end(
                     f"two launchers wait with --node-rank {rank}: at {self._who(live[0])} and "
                     f"at {self._who(live[1])}; give every node its own --node-rank, from 0 to "
-                    f"{self.card.max_nodes - 1}",
-                    post=False,
+                    f"{self.card.max_nodes - 1}"
                 )
         with self._cond:
             self._undecided = undecided
@@ -217,8 +227,7 @@ class RollCall:
         return True if moved else None
 
     def _who(self, card: Card) -> str:
-        mine = " (this launcher)" if card == self.card else ""
-        return f"{card.where()}, pid {card.pid}{mine}"
+        return f"{card.where()}, pid {card.pid}"
 
     def _say_progress(self) -> None:
         waited = time.monotonic() - self._start
@@ -232,23 +241,27 @@ class RollCall:
             f"waiting for the other nodes at {self._address()} for {waited:.0f} s: "
             f"{self._signed_in()} of {self.card.nodes()} signed in ({self._names()})"
         )
-        if self.card.node_rank is not None:
-            missing = sorted(set(range(self.card.max_nodes)) - {c.node_rank for c in cards})
+        missing = sorted(set(range(self.card.max_nodes)) - {c.node_rank for c in cards})
+        if self.card.node_rank is not None and missing:
             line += (
                 f"; missing node rank(s) {', '.join(map(str, missing))}: start them with "
                 f"--nnodes {self.card.nodes()} and this --master-addr and --master-port, and "
                 "check that they reach this address"
             )
-        else:
+        elif self.card.node_rank is None:
             line += (
                 "; start the others with this --rdzv-endpoint and --nnodes, and check that "
                 "they reach it"
             )
+        else:
+            line += "; checking them"
         say(line)
 
     def _end(self, problem: str, post: bool = True) -> None:
         say(f"error: {problem}")
-        if post and self.store is not None:  # for the nodes that cannot see it themselves
+        # For the nodes that cannot see it themselves: past their roll call (failures.py), or
+        # not reading the card that shows it.
+        if post and self.store is not None:
             failures.post(self.store, self._prefix, problem, GRACE_S)
         self._stopping.wait(GRACE_S)
         stop.end(2)

@@ -144,6 +144,8 @@ class RoundStoreHandler(RendezvousHandler):
         else:
             roll_call.start()
             try:
+                if self._inner.get_backend() != "static":  # (static: node 0 serves it in there)
+                    roll_call.checked_in()
                 info = self._inner.next_rendezvous()
                 problem = roll_call.confirm(info.world_size)
             finally:

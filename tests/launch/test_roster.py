@@ -29,12 +29,14 @@ def test_cards_that_disagree_on_the_nodes_or_the_backend_are_named():
     mine = _card(node_rank=0, address="198.18.0.1", host="gpu1")
     assert cards.disagreement(mine, _card()) is None
     said = cards.disagreement(mine, _card(max_nodes=3, min_nodes=3))
-    assert said.startswith("node 1 at 198.18.0.2 (gpu2) was launched with --nnodes 3, this node")
-    assert "with --nnodes 2: launch every node with the same --nnodes" in said
+    assert said.startswith(
+        "node 1 at 198.18.0.2 (gpu2) was launched with --nnodes 3, and node 0 at 198.18.0.1 "
+        "(gpu1) with --nnodes 2: launch every node with the same --nnodes"
+    ), said
     elastic = cards.disagreement(mine, _card(min_nodes=1, node_rank=None, backend="c10d"))
     assert elastic.startswith(
         "the node at 198.18.0.2 (gpu2) was launched with --nnodes 1:2 and the c10d rendezvous, "
-        "this node with --nnodes 2 and the static rendezvous"
+        "and node 0 at 198.18.0.1 (gpu1) with --nnodes 2 and the static rendezvous"
     ), elastic
     assert cards.warnings(mine, _card()) == []
     lines = cards.warnings(mine, _card(torch="2.12.0", fastddp="0.0.9", max_restarts=3))
@@ -96,20 +98,27 @@ def _wait_for(proc, text, lines):
 def test_a_node_launched_with_other_nnodes_ends_every_launcher(backend):
     # Without the roll call, the static rendezvous forms with node 0's count and the workers
     # wait in init_process_group; c10d's rounds never agree. Here both launchers end at once.
+    # (Each ends on the other's card, or on the note of the one that read it first.)
     port = free_port()
     if backend == "static":
         first, second = _static(port, 2, 0), _static(port, 3, 1)
-        names, theirs = ("node 1 at 127.0.0.1", "node 0 at 127.0.0.1"), ("3", "2")
+        said = ("node 1 at 127.0.0.1 (", "node 0 at 127.0.0.1 (", " was launched with --nnodes ")
     else:
         first, second = _c10d(port, "2"), _c10d(port, "1:2")
-        names, theirs = ("the node at 127.0.0.1",) * 2, ("1:2", "2")
+        said = ("the node at 127.0.0.1 (", " was launched with --nnodes ", ", and the node at ")
     node0, lines = _launcher(first), []
     _wait_for(node0, "this node hosts the rendezvous", lines)
     results = _finish([node0, _launcher(second)], timeout=90)
     told = [("".join(lines) if i == 0 else "") + out for i, (_, out) in enumerate(results)]
-    for (rc, _), text, name, nodes in zip(results, told, names, theirs):
+    for (rc, _), text in zip(results, told):
         assert rc == 2, text
-        assert f"error: {name}" in text and f"was launched with --nnodes {nodes}," in text, text
+        error = [line for line in text.splitlines() if "fastddp.launch: error: " in line]
+        assert len(error) == 1 and all(part in error[0] for part in said), text
+        assert "launch every node with the same --nnodes and --rdzv-backend" in error[0], text
+        if backend == "static":  # node 0 says 2 and node 1 says 3, whoever wrote the line
+            assert "--nnodes 2" in error[0] and "--nnodes 3" in error[0], text
+        else:
+            assert "--nnodes 2" in error[0] and "--nnodes 1:2" in error[0], text
         assert "worker ok" not in text and "Traceback" not in text, text
 
 
@@ -217,24 +226,27 @@ def test_a_node_stopped_by_a_signal_stops_the_others_unless_they_stop_too(stoppe
     assert "worker ok" not in "".join(told) and "Traceback" not in "".join(told), told
 
 
-def test_a_peer_that_does_not_answer_is_named_with_both_addresses():
-    # (Across a firewall the connection gets no answer; here nothing listens on the port.)
+def test_a_peer_that_does_not_answer_is_named_with_both_addresses(monkeypatch):
+    # A refused connection passes (the launcher there may have exited: a node started again
+    # leaves its old card behind); one without an answer (a firewall that drops: the
+    # namespace test below) names both nodes.
     from fastddp.launch import reach
 
-    port = reach.listen("127.0.0.1")
-    free = free_port()
+    port, free = reach.listen("127.0.0.1"), free_port()
+    assert reach.Prober._connect("127.0.0.1", port) is None
+    assert reach.Prober._connect("127.0.0.1", free) is None
+    monkeypatch.setattr(reach.Prober, "_connect", staticmethod(lambda a, p: "no answer"))
     prober = reach.Prober("node 1 at 198.18.0.2", "198.18.0.1:29500")
-    prober.probe("node 0 at 127.0.0.1", "127.0.0.1", port)
-    prober.probe("node 2 at 127.0.0.1", "127.0.0.1", free)
-    prober.probe("a node that listens nowhere", "127.0.0.1", 0)
+    prober.probe("node 0 at 198.18.0.1", "198.18.0.1", 40000)
+    prober.probe("a node that listens nowhere", "198.18.0.3", 0)
     deadline = time.monotonic() + slack.guard(30)
     while prober.pending() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert prober.problems == [
-        f"node 1 at 198.18.0.2 cannot reach node 2 at 127.0.0.1 on 127.0.0.1:{free}, a port the "
-        "kernel picked (Connection refused), though both reach the rendezvous at "
-        "198.18.0.1:29500: Gloo and NCCL connect every pair of nodes on such ports; let the "
-        "nodes' addresses reach each other on every port (a firewall between them?)"
+        "node 1 at 198.18.0.2 cannot reach node 0 at 198.18.0.1 on 198.18.0.1:40000, a port "
+        "the kernel picked (no answer), though both reach the rendezvous at 198.18.0.1:29500: "
+        "Gloo and NCCL connect every pair of nodes on such ports; let the nodes' addresses "
+        "reach each other on every port (a firewall between them?)"
     ]
 
 
