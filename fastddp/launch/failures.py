@@ -25,7 +25,7 @@ import torch.distributed as dist
 from fastddp.launch import stop
 from fastddp.launch.preflight import say
 
-__all__ = ["ended", "note_from", "peer_failure", "post", "watch"]
+__all__ = ["ARRIVALS", "arrived", "ended", "note_from", "peer_failure", "post", "watch"]
 
 WATCH_S = 1.0
 LINGER_S = 5.0
@@ -33,13 +33,19 @@ LINGER_S = 5.0
 # waits as long for its own signal before it stops its workers for the other's.
 SIGNAL_GRACE_S = 3.0
 
+# Counted by every node as it joins a round (store.py); read here too, off the agent's
+# thread, for :func:`arrived`.
+ARRIVALS = "fastddp/round_store/arrivals"
+
 _watcher: Optional["_Watcher"] = None
 _peer_note: Optional[str] = None
 
 
 class _Watcher:
-    def __init__(self, store: dist.Store, prefix: str, name: str, node_rank: int, nodes: int):
+    def __init__(self, store, prefix: str, name: str, node_rank: int, nodes: int, run_id: str):
         self.store = store
+        self.rounds = dist.PrefixStore(run_id, store)  # where the static rendezvous's keys are
+        self.arrived = -1
         self.key, self.read = prefix + "failed", prefix + "failed/read"
         self.name, self.node_rank, self.nodes = name, node_rank, nodes
         self._stop = threading.Event()
@@ -50,6 +56,7 @@ class _Watcher:
         global _peer_note
         while not self._stop.wait(WATCH_S):
             try:
+                self.arrived = int(self.rounds.add(ARRIVALS, 0))
                 if not self.store.check([self.key]):
                     continue
                 value = self.store.get(self.key).decode()
@@ -76,10 +83,17 @@ class _Watcher:
             self._thread.join(timeout=2 * WATCH_S)
 
 
-def watch(store: dist.Store, prefix: str, name: str, node_rank: int, nodes: int) -> None:
+def watch(store, prefix: str, name: str, node_rank: int, nodes: int, run_id: str) -> None:
     """Watch for another node's failure, over ``store`` (a client of the rendezvous store)."""
     global _watcher
-    _watcher = _Watcher(store, prefix, name, node_rank, nodes)
+    _watcher = _Watcher(store, prefix, name, node_rank, nodes, run_id)
+
+
+def arrived() -> int:
+    """How many times nodes have joined a round of this job (as of the last second), or -1
+    where that is not watched. A node whose workers failed and restarted has joined the next
+    round while the others still run the last: the agents must restart theirs to meet it."""
+    return -1 if _watcher is None else _watcher.arrived
 
 
 def note_from(store: dist.Store, prefix: str) -> Optional[str]:

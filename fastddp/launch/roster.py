@@ -59,6 +59,7 @@ class RollCall:
     def __init__(self, endpoint: tuple[str, int], run_id: str, card: Card, timeout: timedelta):
         self._endpoint = endpoint
         self._prefix = f"fastddp/roster/{run_id}/"
+        self._run_id = run_id
         self.card = card
         self._timeout = timeout.total_seconds()
         self.store: Optional[dist.Store] = None  # a client of the rendezvous store, signed in
@@ -126,7 +127,8 @@ class RollCall:
         over this roll call's connection (:mod:`fastddp.launch.failures`)."""
         if self.card.node_rank is not None and self.store is not None and self._broken is None:
             prefix, nodes = self._prefix, self.card.max_nodes
-            failures.watch(self.store, prefix, self.card.name(), self.card.node_rank, nodes)
+            name, rank = self.card.name(), self.card.node_rank
+            failures.watch(self.store, prefix, name, rank, nodes, self._run_id)
 
     # -- the thread ---------------------------------------------------------------------------
 

@@ -24,6 +24,8 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
+from fastddp.launch import failures
+
 __all__ = [
     "MARKER",
     "RoundStoreError",
@@ -37,7 +39,6 @@ __all__ = [
 # Set in every store made here: a worker that finds it knows the store holds only its attempt.
 MARKER = "fastddp/round_store"
 _PREFIX = "fastddp-"
-_ARRIVALS = "fastddp/round_store/arrivals"
 _SHARE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _LAUNCH: dict = {}  # what install() knows of the launch and the handler does not
 
@@ -136,6 +137,7 @@ class RoundStoreHandler(RendezvousHandler):
         self._timeout = timeout
         self._server: Optional[dist.TCPStore] = None
         self._roll_call = roll_call  # for the first round only (roster.py)
+        self._joined = (-1, 0)  # the round this node's workers run, and its nodes
 
     def next_rendezvous(self) -> RendezvousInfo:
         roll_call, self._roll_call = self._roll_call, None
@@ -159,13 +161,14 @@ class RoundStoreHandler(RendezvousHandler):
         # whole job. Counting arrivals numbers the rounds alike on every node, since every
         # node (a restarted one too) joins each round once.
         try:
-            arrivals = store.add(_ARRIVALS, 1)
+            arrivals = store.add(failures.ARRIVALS, 1)
         except RuntimeError as e:
             raise RoundStoreError(
                 f"the rendezvous store is unreachable ({e}): node 0's launcher has exited, so "
                 "this node cannot start its workers again"
             ) from None
         round_ = (arrivals - 1) // info.world_size
+        self._joined = (round_, info.world_size)
         key = f"fastddp/round_store/{round_}"
         if rank == 0:
             addr = info.bootstrap_store_info.master_addr
@@ -209,7 +212,15 @@ class RoundStoreHandler(RendezvousHandler):
         self._inner.set_closed()
 
     def num_nodes_waiting(self) -> int:
-        return self._inner.num_nodes_waiting()
+        waiting = self._inner.num_nodes_waiting()
+        round_, world = self._joined
+        arrived = failures.arrived()
+        if self._inner.get_backend() == "static" and round_ >= 0 and arrived >= 0:
+            # torch's static handler says 0, always: a node whose workers failed and restarted
+            # then waits for a round the others never join, while theirs wait for its ranks.
+            # Counted as nodes waiting, torch's agents restart their workers to meet it.
+            waiting = max(waiting, arrived - (round_ + 1) * world)
+        return waiting
 
     def get_run_id(self) -> str:
         return self._inner.get_run_id()

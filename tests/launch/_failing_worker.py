@@ -1,6 +1,6 @@
-"""A worker whose node FAIL_NODE fails at start (its local rank FAIL_LOCAL_RANK, else all);
-the others join and would wait for it. With HOLD_S, every worker joins, says so, and holds
-that long (to be stopped meanwhile)."""
+"""A worker whose node FAIL_NODE fails at start (its local rank FAIL_LOCAL_RANK, else all;
+with FAIL_ONCE, in the first attempt only); the others join and would wait for it. With
+HOLD_S, every worker joins, says so, and holds that long (to be stopped meanwhile)."""
 
 import os
 import sys
@@ -9,7 +9,9 @@ import time
 import fastddp
 
 local = os.environ.get("FAIL_LOCAL_RANK", os.environ["LOCAL_RANK"])
-if os.environ["GROUP_RANK"] == os.environ.get("FAIL_NODE") and os.environ["LOCAL_RANK"] == local:
+this = os.environ["GROUP_RANK"] == os.environ.get("FAIL_NODE") and os.environ["LOCAL_RANK"] == local
+first = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" or not os.environ.get("FAIL_ONCE")
+if this and first:
     sys.exit(f"node {os.environ['GROUP_RANK']} cannot start (a missing dataset, say)")
 fastddp.init_distributed(backend="gloo")
 print("worker joined", flush=True)

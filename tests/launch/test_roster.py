@@ -199,6 +199,21 @@ def test_a_node_whose_workers_fail_stops_the_others(failing):
     assert other_rc == 1 and "worker ok" not in other and "Traceback" not in other, other
 
 
+def test_a_node_whose_workers_restart_alone_brings_the_others_along():
+    # Static rendezvous, --max-restarts 1: node 1's rank fails once and its agent restarts it
+    # into the next round, which torch's static handler never tells node 0 of (its workers
+    # would wait for node 1's first-round ranks, and node 1 for node 0's round store). Counted
+    # as a node waiting, node 0's agent restarts its workers too, and the job runs.
+    port, script = free_port(), os.path.join(os.path.dirname(WORKER), "_failing_worker.py")
+    cmds = [[*LAUNCH, *_static(port, 2, r, "--max-restarts", "1")[:-1], script] for r in (0, 1)]
+    merged = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    env = _env(FAIL_NODE=1, FAIL_ONCE=1)
+    results = _finish([subprocess.Popen(c, env=env, **merged) for c in cmds], timeout=90)
+    text = "".join(out for _, out in results)
+    assert [rc for rc, _ in results] == [0, 0], text
+    assert text.count("worker ok") == 2 and "cannot start" in text, text
+
+
 @pytest.mark.parametrize("stopped", ["node 1", "both"])
 def test_a_node_stopped_by_a_signal_stops_the_others_unless_they_stop_too(stopped):
     # A scheduler that ends the job signals every node: none must then be signalled again for
