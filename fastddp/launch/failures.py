@@ -103,16 +103,8 @@ def note_from(store: dist.Store, prefix: str) -> Optional[str]:
 
 
 def post(store: dist.Store, prefix: str, note: str, seconds: float) -> None:
-    """Post ``note`` (what failed on this node) under ``prefix``, giving up after ``seconds``
-    (over a link that went down, a store call may never return)."""
-
-    def run() -> None:
-        with contextlib.suppress(RuntimeError, OSError):
-            store.set(prefix + "failed", "f" + note)
-
-    thread = threading.Thread(target=run, name="fastddp-note", daemon=True)
-    thread.start()
-    thread.join(seconds)
+    """Post ``note`` (what failed on this node) under ``prefix``, giving up after ``seconds``."""
+    _bounded(seconds, lambda: store.set(prefix + "failed", "f" + note))
 
 
 def peer_failure() -> Optional[str]:
@@ -133,22 +125,30 @@ def ended(failure: Optional[str], signalled: bool = False) -> None:
         return
     kind = "s" if signalled else "f"
     note = f"{kind}{watcher.name} failed: {failure}"
-    # In a thread of its own: over a link that went down, a store call may never return
-    # (its client timeout does not cover a peer that stops answering).
-    post = threading.Thread(target=_post, args=(watcher, note), name="fastddp-note", daemon=True)
-    post.start()
-    post.join(LINGER_S + 1.0)
 
-
-def _post(watcher: _Watcher, note: str) -> None:
-    try:
+    def tell() -> None:
         watcher.store.set(watcher.key, note)
         if watcher.node_rank != 0:
             return
+        # Node 0's exit takes the store away: it stays until the others have read the note.
         deadline = time.monotonic() + LINGER_S
         while int(watcher.store.add(watcher.read, 0)) < watcher.nodes - 1:
             if time.monotonic() > deadline:
                 return
             time.sleep(0.1)
-    except (RuntimeError, OSError):
-        pass  # the store is gone: nobody is left to tell
+
+    _bounded(LINGER_S + 1.0, tell)
+
+
+def _bounded(seconds: float, work) -> None:
+    """Run ``work`` (store calls) in a thread of its own for at most ``seconds``: over a link
+    that went down, a store call may never return (its client timeout does not cover a peer
+    that stops answering). A store gone meanwhile leaves nobody to tell."""
+
+    def run() -> None:
+        with contextlib.suppress(RuntimeError, OSError):
+            work()
+
+    thread = threading.Thread(target=run, name="fastddp-note", daemon=True)
+    thread.start()
+    thread.join(seconds)
