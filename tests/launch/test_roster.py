@@ -205,13 +205,15 @@ def test_a_node_whose_workers_restart_alone_brings_the_others_along():
     # would wait for node 1's first-round ranks, and node 1 for node 0's round store). Counted
     # as a node waiting, node 0's agent restarts its workers too, and the job runs.
     port, script = free_port(), os.path.join(os.path.dirname(WORKER), "_failing_worker.py")
-    cmds = [[*LAUNCH, *_static(port, 2, r, "--max-restarts", "1")[:-1], script] for r in (0, 1)]
+    # Two ranks a node; node 1's local rank 1 fails.
+    extra = ("--max-restarts", "1")
+    cmds = [[*LAUNCH, *_static(port, 2, r, *extra, nproc=2)[:-1], script] for r in (0, 1)]
     merged = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-    env = _env(FAIL_NODE=1, FAIL_ONCE=1)
+    env = _env(FAIL_NODE=1, FAIL_LOCAL_RANK=1, FAIL_ONCE=1)
     results = _finish([subprocess.Popen(c, env=env, **merged) for c in cmds], timeout=90)
     text = "".join(out for _, out in results)
     assert [rc for rc, _ in results] == [0, 0], text
-    assert text.count("worker ok") == 2 and "cannot start" in text, text
+    assert text.count("worker ok") == 4 and "cannot start" in text, text
 
 
 @pytest.mark.parametrize("stopped", ["node 1", "both"])
