@@ -123,11 +123,14 @@ __device__ __forceinline__ float4 load16(const float4* p) {
 __device__ __forceinline__ uint4 load16(const uint4* p) {
   return __ldg(p);
 }
+// Volatile, with a memory clobber: the asm's read of *p is invisible to nvcc, which could
+// otherwise move it past a store to the same place or reuse an earlier load's value.
 __device__ __forceinline__ float4 load16_rw(const float4* p) {
   float4 v;
-  asm("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
-      : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-      : "l"(p));
+  asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "l"(p)
+               : "memory");
   return v;
 }
 __device__ __forceinline__ void store16(float4* p, const float4& v) {
