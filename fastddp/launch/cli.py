@@ -234,6 +234,9 @@ def _launch(args, run_args, plan, local, config, cmd, cmd_args) -> int:
         elif stop.taken():  # before any worker started (stop.py)
             say(f"stopped by {e.sigval.name}")
         return 128 + int(e.sigval)
+    except Exception as e:
+        failures.ended(f"its launcher failed ({type(e).__name__}: {e})")
+        raise
     finally:
         failures.ended(None)  # (nothing left to say where one of the above did)
     return 0

@@ -9,6 +9,11 @@ reads it within a second, says it, and stops its own workers (exit status 1). No
 exit takes the store away, waits for the others to read its note first (at most
 :data:`LINGER_S`).
 
+Node 0's launch that ends well says so too, and waits as long for the others to let its store
+go. So a store that closes without that word means node 0's launcher is gone (killed, or
+crashed) while its host still answers: the others then stop their workers, which would wait
+for its ranks, in ``init_process_group`` or a collective, until their timeouts.
+
 The c10d rendezvous is left to torch: a node that fails there can be started again and
 rejoin, and the others' agents wait for it (``--max-restarts``, ``--nnodes MIN:MAX``).
 """
@@ -32,6 +37,8 @@ LINGER_S = 5.0
 # A node stopped by a signal is often one of many (a scheduler ending the job): this node
 # waits as long for its own signal before it stops its workers for the other's.
 SIGNAL_GRACE_S = 3.0
+# Node 0's store lost: how long this node's own end (its workers done too) may take to show.
+LOST_GRACE_S = 2.0
 
 # Counted by every node as it joins a round (store.py); read here too, off the agent's
 # thread, for :func:`arrived`.
@@ -42,12 +49,17 @@ _peer_note: Optional[str] = None
 
 
 class _Watcher:
-    def __init__(self, store, prefix: str, name: str, node_rank: int, nodes: int, run_id: str):
+    def __init__(
+        self, store, prefix: str, name: str, node_rank: int, nodes: int, run_id: str, master: str
+    ):
         self.store = store
         self.rounds = dist.PrefixStore(run_id, store)  # where the static rendezvous's keys are
         self.arrived = -1
         self.key, self.read = prefix + "failed", prefix + "failed/read"
-        self.name, self.node_rank, self.nodes = name, node_rank, nodes
+        # "over": node 0's launch ended without a failure; "over/read": nodes done with its store.
+        self.over, self.let_go = prefix + "over", prefix + "over/read"
+        self.name, self.node_rank, self.nodes, self.master = name, node_rank, nodes, master
+        self.released = node_rank == 0  # this node needs node 0's store no more
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fastddp-failures", daemon=True)
         self._thread.start()
@@ -57,12 +69,17 @@ class _Watcher:
         while not self._stop.wait(WATCH_S):
             try:
                 self.arrived = int(self.rounds.add(ARRIVALS, 0))
+                if not self.released and self.store.check([self.over]):
+                    self.release()
+                    return  # node 0's launch ended well: its store goes, and nothing is lost
                 if not self.store.check([self.key]):
                     continue
                 value = self.store.get(self.key).decode()
                 self.store.add(self.read, 1)
-            except (RuntimeError, OSError):
-                return  # node 0's launcher has exited: the job is over, one way or the other
+            except (RuntimeError, OSError) as e:
+                if not self.released:
+                    self._lost(e)
+                return
             kind, note = value[:1], value[1:]  # "s": a signal stopped that node; "f": failed
             if kind == "s":
                 self._stop.wait(SIGNAL_GRACE_S)
@@ -76,6 +93,27 @@ class _Watcher:
             os.kill(os.getpid(), signal.SIGTERM)  # torch's agent stops the workers
             return
 
+    def release(self) -> None:
+        """Tell node 0 that this node no longer needs its store (once)."""
+        if not self.released:
+            self.released = True
+            self.store.add(self.let_go, 1)
+
+    def _lost(self, error: Exception) -> None:
+        """Node 0's store closed without its launch ending there: its launcher is gone."""
+        global _peer_note
+        if self._stop.wait(LOST_GRACE_S) or stop.signalled():
+            return  # this node's launch ended meanwhile, or a signal ends it
+        _peer_note = (
+            f"{self.master} is gone: the rendezvous store its launcher served closed without "
+            f"that launch ending ({error}; was the launcher killed?)"
+        )
+        say(
+            f"error: {_peer_note}; stopping this node's workers, which cannot go on without "
+            "that node (static rendezvous)"
+        )
+        os.kill(os.getpid(), signal.SIGTERM)
+
     def stop(self) -> None:
         self._stop.set()
         if threading.current_thread() is not self._thread:
@@ -83,10 +121,13 @@ class _Watcher:
             self._thread.join(timeout=2 * WATCH_S)
 
 
-def watch(store, prefix: str, name: str, node_rank: int, nodes: int, run_id: str) -> None:
-    """Watch for another node's failure, over ``store`` (a client of the rendezvous store)."""
+def watch(
+    store, prefix: str, name: str, node_rank: int, nodes: int, run_id: str, master: str
+) -> None:
+    """Watch for another node's failure, or node 0's launcher gone (``master``: node 0's
+    name), over ``store`` (a client of the rendezvous store)."""
     global _watcher
-    _watcher = _Watcher(store, prefix, name, node_rank, nodes, run_id)
+    _watcher = _Watcher(store, prefix, name, node_rank, nodes, run_id, master)
 
 
 def arrived() -> int:
@@ -121,18 +162,25 @@ def ended(failure: Optional[str], signalled: bool = False) -> None:
     if watcher is None:
         return
     watcher.stop()
-    if failure is None or _peer_note is not None:
+    if _peer_note is not None:
         return
-    kind = "s" if signalled else "f"
-    note = f"{kind}{watcher.name} failed: {failure}"
+    if failure is None:
+        if watcher.node_rank != 0:
+            _bounded(WATCH_S, watcher.release)
+            return
+        # Node 0's exit takes the store away: the others must not take that for its loss.
+        key, value, count = watcher.over, "1", watcher.let_go
+    else:
+        kind = "s" if signalled else "f"
+        key, value, count = watcher.key, f"{kind}{watcher.name} failed: {failure}", watcher.read
 
     def tell() -> None:
-        watcher.store.set(watcher.key, note)
+        watcher.store.set(key, value)
         if watcher.node_rank != 0:
             return
-        # Node 0's exit takes the store away: it stays until the others have read the note.
+        # Node 0 stays until the others have read it (or let the store go), for a while.
         deadline = time.monotonic() + LINGER_S
-        while int(watcher.store.add(watcher.read, 0)) < watcher.nodes - 1:
+        while int(watcher.store.add(count, 0)) < watcher.nodes - 1:
             if time.monotonic() > deadline:
                 return
             time.sleep(0.1)

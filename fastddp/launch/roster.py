@@ -128,7 +128,9 @@ class RollCall:
         if self.card.node_rank is not None and self.store is not None and self._broken is None:
             prefix, nodes = self._prefix, self.card.max_nodes
             name, rank = self.card.name(), self.card.node_rank
-            failures.watch(self.store, prefix, name, rank, nodes, self._run_id)
+            master = next((c.name() for c in self._cards.values() if c.node_rank == 0), None)
+            master = master or f"node 0 at {self._endpoint[0]}"
+            failures.watch(self.store, prefix, name, rank, nodes, self._run_id, master)
 
     # -- the thread ---------------------------------------------------------------------------
 

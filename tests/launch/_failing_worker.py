@@ -1,6 +1,7 @@
 """A worker whose node FAIL_NODE fails at start (its local rank FAIL_LOCAL_RANK, else all;
 with FAIL_ONCE, in the first attempt only); the others join and would wait for it. With
-HOLD_S, every worker joins, says so, and holds that long (to be stopped meanwhile)."""
+HOLD_S, every worker joins, says so, and holds that long (to be stopped meanwhile); with
+SLOW_NODE, that node's workers hold as long before they join, while the others wait for them."""
 
 import os
 import sys
@@ -13,7 +14,10 @@ this = os.environ["GROUP_RANK"] == os.environ.get("FAIL_NODE") and os.environ["L
 first = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" or not os.environ.get("FAIL_ONCE")
 if this and first:
     sys.exit(f"node {os.environ['GROUP_RANK']} cannot start (a missing dataset, say)")
+if os.environ["GROUP_RANK"] == os.environ.get("SLOW_NODE"):
+    print(f"worker started (pid {os.getpid()})", flush=True)
+    time.sleep(float(os.environ["HOLD_S"]))
 fastddp.init_distributed(backend="gloo")
-print("worker joined", flush=True)
+print(f"worker joined (pid {os.getpid()})", flush=True)
 time.sleep(float(os.environ.get("HOLD_S", "0")))
 print("worker ok", flush=True)

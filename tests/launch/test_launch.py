@@ -1,5 +1,6 @@
 """python -m fastddp.launch and fastddp.init_distributed, with real processes and sockets."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -83,9 +84,28 @@ def _finish(procs, timeout):
     finally:
         for p in procs:
             if p.poll() is None:
-                p.kill()
+                # Its workers too: torch starts them in sessions of their own, and a killed
+                # launcher's workers would hold its output open.
+                _kill([*_children(p.pid), p.pid])
                 p.communicate()
     return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
+def _children(pid):
+    """The pids of ``pid``'s child processes (none once it has exited)."""
+    found, tasks = [], []
+    with contextlib.suppress(OSError):
+        tasks = os.listdir(f"/proc/{pid}/task")
+    for task in tasks:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(c) for c in f.read().split()]
+    return found
+
+
+def _kill(pids):
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _ok(results, workers):

@@ -15,7 +15,7 @@ from fastddp.testing import slack
 from fastddp.testing.ports import free_port
 
 from ._netns import two_nodes
-from .test_launch import LAUNCH, WORKER, _env, _finish
+from .test_launch import LAUNCH, WORKER, _children, _env, _finish, _kill
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.launcher]
 
@@ -241,6 +241,38 @@ def test_a_node_stopped_by_a_signal_stops_the_others_unless_they_stop_too(stoppe
         assert results[0][0] == 1, told[0]
         assert "failed: stopped by SIGTERM; stopping this node's workers" in told[0], told[0]
     assert "worker ok" not in "".join(told) and "Traceback" not in "".join(told), told
+
+
+@pytest.mark.parametrize("moment", ["starting", "running"])
+def test_a_node_whose_launcher_is_killed_stops_the_others(moment):
+    # Node 0's launcher SIGKILLed (its host still up): its store closes without a word. Node
+    # 1's workers would wait for node 0's ranks, in init_distributed ("starting": node 0's
+    # workers have not joined) until its 10-minute timeout, and its launcher in silence.
+    port, script = free_port(), os.path.join(os.path.dirname(WORKER), "_failing_worker.py")
+    cmds = [[*LAUNCH, *_static(port, 2, r, nproc=2)[:-1], script] for r in (0, 1)]
+    merged = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    env = _env(HOLD_S=120, **({"SLOW_NODE": 0} if moment == "starting" else {}))
+    procs = [subprocess.Popen(c, env=env, **merged) for c in cmds]
+    seen, orphans = [], []
+    try:
+        _wait_for(procs[0], "worker started" if moment == "starting" else "worker joined", seen)
+        if moment == "running":
+            _wait_for(procs[1], "worker joined", [])
+        orphans = _children(procs[0].pid)
+        procs[0].kill()
+        start = time.monotonic()
+        rc, out = _finish(procs[1:], timeout=60)[0]
+        took = time.monotonic() - start
+    finally:
+        # Node 0's workers outlive their launcher, and hold its output open.
+        _kill(orphans)
+        _finish(procs, timeout=30)
+    assert len(orphans) == 2, seen
+    assert rc == 1, out
+    assert "error: node 0 at 127.0.0.1 (" in out, out
+    assert "is gone: the rendezvous store its launcher served closed without that launch" in out
+    assert "stopping this node's workers" in out and "worker ok" not in out, out
+    assert "Traceback" not in out and took < slack.guard(30), (took, out)
 
 
 def test_a_peer_that_does_not_answer_is_named_with_both_addresses(monkeypatch):
