@@ -50,7 +50,7 @@ _peer_note: Optional[str] = None
 
 class _Watcher:
     def __init__(
-        self, store, prefix: str, name: str, node_rank: int, nodes: int, run_id: str, master: str
+        self, store, prefix: str, card: int, node_rank: int, nodes: int, run_id: str, names
     ):
         self.store = store
         self.rounds = dist.PrefixStore(run_id, store)  # where the static rendezvous's keys are
@@ -58,7 +58,11 @@ class _Watcher:
         self.key, self.read = prefix + "failed", prefix + "failed/read"
         # "over": node 0's launch ended without a failure; "over/read": nodes done with its store.
         self.over, self.let_go = prefix + "over", prefix + "over/read"
-        self.name, self.node_rank, self.nodes, self.master = name, node_rank, nodes, master
+        # This node's card keeps its heartbeat, so that a late launcher with its node rank is
+        # refused (roster.py).
+        self.beat = prefix + f"beat/{card}"
+        self.name, self.master = names
+        self.node_rank, self.nodes = node_rank, nodes
         self.released = node_rank == 0  # this node needs node 0's store no more
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fastddp-failures", daemon=True)
@@ -68,6 +72,7 @@ class _Watcher:
         global _peer_note
         while not self._stop.wait(WATCH_S):
             try:
+                self.store.add(self.beat, 1)
                 self.arrived = int(self.rounds.add(ARRIVALS, 0))
                 if not self.released and self.store.check([self.over]):
                     self.release()
@@ -121,13 +126,12 @@ class _Watcher:
             self._thread.join(timeout=2 * WATCH_S)
 
 
-def watch(
-    store, prefix: str, name: str, node_rank: int, nodes: int, run_id: str, master: str
-) -> None:
-    """Watch for another node's failure, or node 0's launcher gone (``master``: node 0's
-    name), over ``store`` (a client of the rendezvous store)."""
+def watch(store, prefix: str, card: int, node_rank: int, nodes: int, run_id: str, names) -> None:
+    """Watch for another node's failure, or node 0's launcher gone, over ``store`` (a client
+    of the rendezvous store), and keep card number ``card``'s heartbeat. ``names``: this
+    node's and node 0's."""
     global _watcher
-    _watcher = _Watcher(store, prefix, name, node_rank, nodes, run_id, master)
+    _watcher = _Watcher(store, prefix, card, node_rank, nodes, run_id, names)
 
 
 def arrived() -> int:

@@ -14,9 +14,13 @@ store and reads everyone's:
   are missing;
 - the workers start only once every node of the round has signed in and been checked.
 
-Nodes that join a running job (c10d) check their card against every card of the job.
+Nodes that join a running job (c10d) check their card against every card of the job. Under
+the static rendezvous, a launcher that signs in once the job's workers run is not one of its
+nodes: what it finds wrong (its node rank taken by a running launcher, whose heartbeat goes on)
+ends it alone, and the job goes on.
 """
 
+import contextlib
 import dataclasses
 import json
 import socket
@@ -36,8 +40,9 @@ __all__ = ["RollCall"]
 SAY_AFTER_S = 20.0  # the first "still waiting" line; then one every SAY_EVERY_S
 SAY_EVERY_S = 60.0
 POLL_S = 0.2
-# A card whose heartbeat has not moved for this long is of a launcher no longer waiting (its
-# rendezvous done, or the launcher gone): a node started again may reuse its node rank.
+# A card whose heartbeat has not moved for this long is of a launcher gone (one whose workers
+# run beats on, failures.py; under c10d, one past its rendezvous): a node started again may
+# reuse its node rank.
 LIVE_S = 3.0
 GRACE_S = 2.0  # a launcher that ends on a bad card lingers, so that the others read theirs
 
@@ -67,6 +72,7 @@ class RollCall:
         self._mine = 0  # this card's number, from 1
         self._beats: dict[int, tuple[int, float, bool]] = {}  # number: (beat, when, moved)
         self._undecided = False  # two cards of one node rank, one not yet known to be waiting
+        self._late = False  # signed in after the job's workers started
         self._broken: Optional[str] = None
         self._prober: Optional[reach.Prober] = None
         self._said = False
@@ -127,10 +133,12 @@ class RollCall:
         over this roll call's connection (:mod:`fastddp.launch.failures`)."""
         if self.card.node_rank is not None and self.store is not None and self._broken is None:
             prefix, nodes = self._prefix, self.card.max_nodes
-            name, rank = self.card.name(), self.card.node_rank
             master = next((c.name() for c in self._cards.values() if c.node_rank == 0), None)
-            master = master or f"node 0 at {self._endpoint[0]}"
-            failures.watch(self.store, prefix, name, rank, nodes, self._run_id, master)
+            names = (self.card.name(), master or f"node 0 at {self._endpoint[0]}")
+            with contextlib.suppress(RuntimeError, OSError):  # (the watcher finds out)
+                self.store.set(self._prefix + "running", "1")
+            rank = self.card.node_rank
+            failures.watch(self.store, prefix, self._mine, rank, nodes, self._run_id, names)
 
     # -- the thread ---------------------------------------------------------------------------
 
@@ -168,6 +176,9 @@ class RollCall:
             self.card, address=address, listen_at=workers, listen_port=listening
         )
         self._prober = reach.Prober(self.card.name(), self._address())
+        # A launcher that comes after the job's workers started is not one of its nodes: what
+        # it finds wrong ends it alone.
+        self._late = store.check([self._prefix + "running"])
         self._mine = int(store.add(self._prefix + "count", 1))
         store.set(self._prefix + f"card/{self._mine}", json.dumps(dataclasses.asdict(self.card)))
         return store
@@ -205,7 +216,16 @@ class RollCall:
                 continue
             states = [self._alive(store, i) for i in numbers]
             undecided = undecided or None in states
-            live = [self._cards[i] for i, alive in zip(numbers, states) if alive]
+            alive_at = [i for i, alive in zip(numbers, states) if alive]
+            live = [self._cards[i] for i in alive_at]
+            if len(live) >= 2 and self._late and self._mine in alive_at:
+                other = self._cards[next(i for i in alive_at if i != self._mine)]
+                self._end(
+                    f"--node-rank {rank} is taken: the job running at {self._address()} has a "
+                    f"launcher with it at {self._who(other)}; this launch ends and the job goes "
+                    f"on (give every node its own --node-rank, from 0 to "
+                    f"{self.card.max_nodes - 1})"
+                )
             if len(live) >= 2:
                 self._end(
                     f"two launchers wait with --node-rank {rank}: at {self._who(live[0])} and "
@@ -217,7 +237,8 @@ class RollCall:
             self._cond.notify_all()
 
     def _alive(self, store: dist.Store, number: int) -> Optional[bool]:
-        """Whether card ``number``'s launcher still waits; None while that is not known."""
+        """Whether card ``number``'s launcher still waits (or runs its workers); None while
+        that is not known."""
         if number == self._mine:
             return True
         beat = int(store.add(self._prefix + f"beat/{number}", 0))
@@ -265,7 +286,7 @@ class RollCall:
         say(f"error: {problem}")
         # For the nodes that cannot see it themselves: past their roll call (failures.py), or
         # not reading the card that shows it.
-        if post and self.store is not None:
+        if post and self.store is not None and not self._late:
             failures.post(self.store, self._prefix, problem, GRACE_S)
         self._stopping.wait(GRACE_S)
         stop.end(2)

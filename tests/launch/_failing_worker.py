@@ -1,7 +1,8 @@
 """A worker whose node FAIL_NODE fails at start (its local rank FAIL_LOCAL_RANK, else all;
 with FAIL_ONCE, in the first attempt only); the others join and would wait for it. With
 HOLD_S, every worker joins, says so, and holds that long (to be stopped meanwhile); with
-SLOW_NODE, that node's workers hold as long before they join, while the others wait for them."""
+SLOW_NODE, that node's workers hold as long before they join, while the others wait for them;
+with HOLD_UNTIL, a path, the joined workers hold until it exists."""
 
 import os
 import sys
@@ -19,5 +20,7 @@ if os.environ["GROUP_RANK"] == os.environ.get("SLOW_NODE"):
     time.sleep(float(os.environ["HOLD_S"]))
 fastddp.init_distributed(backend="gloo")
 print(f"worker joined (pid {os.getpid()})", flush=True)
-time.sleep(float(os.environ.get("HOLD_S", "0")))
+hold = time.monotonic() + float(os.environ.get("HOLD_S", "0"))
+while time.monotonic() < hold and not os.path.exists(os.environ.get("HOLD_UNTIL", "")):
+    time.sleep(0.1)
 print("worker ok", flush=True)

@@ -138,6 +138,33 @@ def test_two_launchers_with_one_node_rank_end_every_launcher():
         assert "worker ok" not in out, out
 
 
+def test_a_late_launcher_with_a_running_nodes_rank_ends_alone(tmp_path):
+    # Static rendezvous: a third launcher with node 1's rank, once the workers run. Without
+    # the running launchers' heartbeat it was taken for a node started again, and joined the
+    # next round, for which node 0's agent restarted its workers. It ends alone instead.
+    port, script = free_port(), os.path.join(os.path.dirname(WORKER), "_failing_worker.py")
+    cmds = [[*LAUNCH, *_static(port, 2, r, nproc=2)[:-1], script] for r in (0, 1, 1)]
+    merged = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    env = _env(HOLD_S=120, HOLD_UNTIL=str(tmp_path / "go"))
+    procs = [subprocess.Popen(c, env=env, **merged) for c in cmds[:2]]
+    seen = [[], []]
+    try:
+        for p, lines in zip(procs, seen):
+            _wait_for(p, "worker joined", lines)
+        late = _finish([subprocess.Popen(cmds[2], env=env, **merged)], timeout=60)[0]
+    finally:
+        (tmp_path / "go").touch()
+        results = _finish(procs, timeout=60)
+    rc, out = late
+    assert rc == 2, out
+    assert "error: --node-rank 1 is taken: the job running at 127.0.0.1:" in out, out
+    assert "has a launcher with it at 127.0.0.1" in out and "the job goes on" in out, out
+    told = ["".join(lines) + text for lines, (_, text) in zip(seen, results)]
+    assert [r for r, _ in results] == [0, 0], told
+    # (Workers restarted for the late one would wait for it, and fail.)
+    assert "".join(told).count("worker ok") == 4, told
+
+
 def test_a_missing_node_is_named_while_the_others_wait_and_the_job_then_runs():
     # Node 0 says which node rank is missing, again and again; node 1 comes with another
     # fastddp version, which is warned of on both sides, and the job runs.
