@@ -55,15 +55,17 @@ class _Watcher:
         self.store = store
         self.rounds = dist.PrefixStore(run_id, store)  # where the static rendezvous's keys are
         self.arrived = -1
-        self.key, self.read = prefix + "failed", prefix + "failed/read"
-        # "over": node 0's launch ended without a failure; "over/read": nodes done with its store.
-        self.over, self.let_go = prefix + "over", prefix + "over/read"
+        self.key = prefix + "failed"
+        # "over": node 0's launch ended without a failure; "let_go": how many nodes are done
+        # with its store (ended, or read the note it lingers for).
+        self.over, self.let_go = prefix + "over", prefix + "let_go"
         # This node's card keeps its heartbeat, so that a late launcher with its node rank is
         # refused (roster.py).
         self.beat = prefix + f"beat/{card}"
         self.name, self.master = names
         self.node_rank, self.nodes = node_rank, nodes
         self.released = node_rank == 0  # this node needs node 0's store no more
+        self._releasing = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fastddp-failures", daemon=True)
         self._thread.start()
@@ -80,7 +82,7 @@ class _Watcher:
                 if not self.store.check([self.key]):
                     continue
                 value = self.store.get(self.key).decode()
-                self.store.add(self.read, 1)
+                self.release()
             except (RuntimeError, OSError) as e:
                 if not self.released:
                     self._lost(e)
@@ -100,9 +102,11 @@ class _Watcher:
 
     def release(self) -> None:
         """Tell node 0 that this node no longer needs its store (once)."""
-        if not self.released:
+        with self._releasing:  # (the watcher's thread, or the one of ended())
+            if self.released:
+                return
             self.released = True
-            self.store.add(self.let_go, 1)
+        self.store.add(self.let_go, 1)
 
     def _lost(self, error: Exception) -> None:
         """Node 0's store closed without its launch ending there: its launcher is gone."""
@@ -168,23 +172,25 @@ def ended(failure: Optional[str], signalled: bool = False) -> None:
     watcher.stop()
     if _peer_note is not None:
         return
-    if failure is None:
-        if watcher.node_rank != 0:
-            _bounded(WATCH_S, watcher.release)
-            return
-        # Node 0's exit takes the store away: the others must not take that for its loss.
-        key, value, count = watcher.over, "1", watcher.let_go
-    else:
+    if failure is None and watcher.node_rank != 0:
+        _bounded(WATCH_S, watcher.release)
+        return
+    # Node 0's exit that ends well takes the store away too: the others must not take that
+    # for its loss.
+    key, value = watcher.over, "1"
+    if failure is not None:
         kind = "s" if signalled else "f"
-        key, value, count = watcher.key, f"{kind}{watcher.name} failed: {failure}", watcher.read
+        key, value = watcher.key, f"{kind}{watcher.name} failed: {failure}"
 
     def tell() -> None:
         watcher.store.set(key, value)
         if watcher.node_rank != 0:
+            watcher.release()
             return
-        # Node 0 stays until the others have read it (or let the store go), for a while.
+        # Node 0 stays until the others are done with its store (most read the note within
+        # a second; those that ended already are), for a while.
         deadline = time.monotonic() + LINGER_S
-        while int(watcher.store.add(count, 0)) < watcher.nodes - 1:
+        while int(watcher.store.add(watcher.let_go, 0)) < watcher.nodes - 1:
             if time.monotonic() > deadline:
                 return
             time.sleep(0.1)
