@@ -17,9 +17,11 @@ try:
     code = main()
 except (stop.Stopped, KeyboardInterrupt) as e:  # before torch's agent handles signals
     signum = int(getattr(e, "sigval", signal.SIGINT))
-    if stop.taken():
-        _report(signum)
-    code = 128 + signum
+    code = stop.requested()
+    if code is None:
+        if stop.taken():
+            _report(signum)
+        code = 128 + signum
 # A signal from here on finds nothing to stop: it ends the process as it would any other,
 # rather than raising into torch's exit handlers (a traceback after a finished job).
 for _signum in (signal.SIGINT, signal.SIGTERM):

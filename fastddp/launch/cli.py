@@ -227,7 +227,7 @@ def _launch(args, run_args, plan, local, config, cmd, cmd_args) -> int:
         return 1
     except SignalException as e:  # Ctrl-C, or a scheduler's SIGTERM: torch stopped the workers
         if failures.peer_failure() is not None:
-            return 1  # another node failed, and this one stopped its workers (said there)
+            return stop.requested() or 1  # another node failed, and this one stopped (said)
         failures.ended(f"stopped by {e.sigval.name}", signalled=True)
         if not isinstance(e, stop.Stopped):
             say(f"stopped by {e.sigval.name}; the workers were stopped")

@@ -19,8 +19,6 @@ rejoin, and the others' agents wait for it (``--max-restarts``, ``--nnodes MIN:M
 """
 
 import contextlib
-import os
-import signal
 import threading
 import time
 from typing import Optional
@@ -87,17 +85,22 @@ class _Watcher:
                 if not self.released:
                     self._lost(e)
                 return
-            kind, note = value[:1], value[1:]  # "s": a signal stopped that node; "f": failed
+            # "s": a signal stopped that node; "f": it failed; "c": its roll call found the
+            # nodes launched unlike, or apart (roster.py), which ends every launcher with 2.
+            kind, note = value[:1], value[1:]
             if kind == "s":
                 self._stop.wait(SIGNAL_GRACE_S)
             if stop.signalled() or self._stop.is_set():
                 return  # this node is stopping on its own; a second signal would interrupt it
             _peer_note = note
-            say(
-                f"error: {note}; stopping this node's workers, which cannot go on without "
-                "that node (static rendezvous)"
-            )
-            os.kill(os.getpid(), signal.SIGTERM)  # torch's agent stops the workers
+            if kind == "c":
+                say(f"error: {note}; this launch ends too")
+            else:
+                say(
+                    f"error: {note}; stopping this node's workers, which cannot go on without "
+                    "that node (static rendezvous)"
+                )
+            stop.stop_self(2 if kind == "c" else 1)  # torch's agent stops the workers
             return
 
     def release(self) -> None:
@@ -121,7 +124,7 @@ class _Watcher:
             f"error: {_peer_note}; stopping this node's workers, which cannot go on without "
             "that node (static rendezvous)"
         )
-        os.kill(os.getpid(), signal.SIGTERM)
+        stop.stop_self(1)
 
     def stop(self) -> None:
         self._stop.set()
@@ -152,8 +155,9 @@ def note_from(store: dist.Store, prefix: str) -> Optional[str]:
 
 
 def post(store: dist.Store, prefix: str, note: str, seconds: float) -> None:
-    """Post ``note`` (what failed on this node) under ``prefix``, giving up after ``seconds``."""
-    _bounded(seconds, lambda: store.set(prefix + "failed", "f" + note))
+    """Post ``note`` (what this node's roll call found wrong) under ``prefix``, giving up
+    after ``seconds``."""
+    _bounded(seconds, lambda: store.set(prefix + "failed", "c" + note))
 
 
 def peer_failure() -> Optional[str]:

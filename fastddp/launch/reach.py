@@ -6,14 +6,16 @@ Gloo and NCCL's bootstrap on ports the kernel picks, on the interface of
 waiting in ``init_process_group`` until its timeout. During the roll call each launcher
 listens on a port the kernel picks, on the address its workers will use, and connects to the
 ports of the first :data:`PEERS` other nodes that signed in: a connection that gets no answer
-(or an unreachable host) ends the launch with the two addresses, in seconds. A refused one
-passes: that launcher may have exited, and a firewall that drops is the common kind.
+(or an unreachable host) ends the launch with the two addresses, in seconds. A refused one is
+judged by the roll call: it passes where that launcher has exited (its heartbeat stopped),
+and is a firewall that rejects where the launcher still runs, since its port stays open
+until it exits.
 """
 
 import os
 import socket
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 from fastddp.launch import net
 
@@ -22,6 +24,7 @@ __all__ = ["PEERS", "Prober", "listen", "workers_address"]
 PEERS = 8  # the nodes each node connects to: enough to see a firewall, few for big jobs
 PROBE_S = 5.0  # how long a connection may take
 TRIES = 2  # a connection is tried again once before the nodes are called apart
+REFUSED = "connection refused, though that launcher runs: a firewall that rejects"
 _LISTENING: list[socket.socket] = []  # open until the process exits (see listen())
 
 
@@ -66,42 +69,64 @@ class Prober:
         self._running = 0
         self._lock = threading.Lock()
         self.problems: list[str] = []
+        self.refused: dict[int, tuple[str, str, int]] = {}  # key: (name, address, port)
 
-    def probe(self, name: str, address: str, port: int) -> None:
-        """Connect to ``address:port`` (``name``'s), unless :data:`PEERS` nodes were tried."""
+    def probe(self, name: str, address: str, port: int, key: int = 0) -> None:
+        """Connect to ``address:port`` (``name``'s), unless :data:`PEERS` nodes were tried; a
+        refusal goes into :attr:`refused` under ``key``."""
         if port <= 0 or self._tried >= PEERS:
             return
         self._tried += 1
         with self._lock:
             self._running += 1
-        args = (name, address, port)
+        args = (name, address, port, key)
         threading.Thread(target=self._run, args=args, name="fastddp-reach", daemon=True).start()
 
     def pending(self) -> bool:
-        """Whether a connection is still being tried."""
+        """Whether a connection is still being tried, or a refusal judged."""
         with self._lock:
-            return self._running > 0
+            return self._running > 0 or bool(self.refused)
 
-    def _run(self, name: str, address: str, port: int) -> None:
+    def judge_refused(self, alive: Callable[[int], Optional[bool]]) -> None:
+        """Judge the refused connections by ``alive(key)``: whether that launcher runs (None
+        while that is not known). A running launcher's port is open: its refusal is a
+        firewall's, and a problem."""
+        with self._lock:
+            refused = dict(self.refused)
+        for key, (name, address, port) in refused.items():
+            runs = alive(key)
+            if runs is None:
+                continue
+            with self._lock:
+                del self.refused[key]
+                if runs:
+                    self.problems.append(self.problem(name, address, port, REFUSED))
+
+    def _run(self, name: str, address: str, port: int, key: int) -> None:
         why = self._connect(address, port)
         with self._lock:
             self._running -= 1
-            if why is None:
-                return
-            self.problems.append(
-                f"{self._mine} cannot reach {name} on {address}:{port}, a port the "
-                f"kernel picked ({why}), though both reach the rendezvous at {self._rendezvous}: "
-                "Gloo and NCCL connect every pair of nodes on such ports; let the nodes' "
-                "addresses reach each other on every port (a firewall between them?)"
-            )
+            if why == REFUSED:
+                self.refused[key] = (name, address, port)
+            elif why is not None:
+                self.problems.append(self.problem(name, address, port, why))
+
+    def problem(self, name: str, address: str, port: int, why: str) -> str:
+        """The line that says this node cannot reach ``name``'s ``address:port``."""
+        return (
+            f"{self._mine} cannot reach {name} on {address}:{port}, a port the "
+            f"kernel picked ({why}), though both reach the rendezvous at {self._rendezvous}: "
+            "Gloo and NCCL connect every pair of nodes on such ports; let the nodes' "
+            "addresses reach each other on every port (a firewall between them?)"
+        )
 
     @staticmethod
     def _connect(address: str, port: int) -> Optional[str]:
-        """None once a connection succeeds or is refused, else why the last try failed.
+        """None once a connection succeeds, :data:`REFUSED` where it is refused, else why
+        the last try failed.
 
-        A refusal is the other host's answer: the way is open, and the port closed (that
-        launcher has exited: a node started again leaves its old card behind). Only a
-        firewall that rejects, rather than drops, answers so too; it goes unseen here.
+        A refusal is the port closed (that launcher has exited: a node started again leaves
+        its old card behind), or a firewall that rejects rather than drops.
         """
         why = ""
         for _ in range(TRIES):
@@ -109,7 +134,7 @@ class Prober:
                 with socket.create_connection((address, port), timeout=PROBE_S):
                     return None
             except ConnectionRefusedError:
-                return None
+                return REFUSED
             except TimeoutError:
                 why = f"no answer within {PROBE_S:g} s"
             except OSError as e:

@@ -200,7 +200,8 @@ class RollCall:
                 self._end(problem)
             for line in warnings(self.card, card):
                 say(line)
-            self._prober.probe(card.name(), card.listen_at, card.listen_port)
+            self._prober.probe(card.name(), card.listen_at, card.listen_port, i)
+        self._prober.judge_refused(lambda number: self._alive(store, number))
         if self._prober.problems:
             self._end(self._prober.problems[0])
         store.add(self._prefix + f"beat/{self._mine}", 1)

@@ -17,11 +17,11 @@ import contextlib
 import os
 import signal
 import threading
-from typing import Callable
+from typing import Callable, Optional
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-__all__ = ["Stopped", "at_stop", "end", "install", "signalled", "taken"]
+__all__ = ["Stopped", "at_stop", "end", "install", "requested", "signalled", "stop_self", "taken"]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _GRACE_S = 1.0
@@ -29,6 +29,7 @@ _lock = threading.Lock()
 _claimed = False
 _cleanups: list[Callable[[], None]] = []
 _received = threading.Event()  # a SIGINT or SIGTERM reached this process, whoever handled it
+_requested: list[int] = []  # the exit status of a stop this process asked for (stop_self)
 
 
 class Stopped(SignalException):
@@ -49,8 +50,22 @@ def taken() -> bool:
 
 
 def signalled() -> bool:
-    """Whether SIGINT or SIGTERM has reached this process (seen a moment after it came)."""
+    """Whether SIGINT or SIGTERM has reached this process from outside (seen a moment after
+    it came)."""
     return _received.is_set()
+
+
+def stop_self(code: int) -> None:
+    """Stop this launch as a SIGTERM would (torch's agent stops the workers), for a reason
+    already said: where the signal finds no worker, the process ends with ``code``, without
+    a word."""
+    _requested.append(code)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def requested() -> Optional[int]:
+    """The exit status :func:`stop_self` asked for, if it was called."""
+    return _requested[0] if _requested else None
 
 
 def at_stop(cleanup: Callable[[], None]) -> Callable[[], None]:
@@ -91,13 +106,15 @@ def _watch(fd: int, report: Callable[[int], None]) -> None:
         except OSError:
             return
         for signum in data:
-            if signum in _SIGNALS:
+            if signum in _SIGNALS and not _requested:
                 _received.set()
             if signum not in _SIGNALS or signal.getsignal(signum) is not _raise:
                 continue  # torch's handlers (or none of ours) take it
             threading.Event().wait(_GRACE_S)
             if _has_children() or not taken():
                 continue
+            if _requested:
+                end(_requested[0])
             report(signum)
             end(128 + signum)
 

@@ -273,28 +273,29 @@ def test_a_node_stopped_by_a_signal_stops_the_others_unless_they_stop_too(stoppe
 @pytest.mark.parametrize("moment", ["starting", "running"])
 def test_a_node_whose_launcher_is_killed_stops_the_others(moment):
     # Node 0's launcher SIGKILLed (its host still up): its store closes without a word. Node
-    # 1's workers would wait for node 0's ranks, in init_distributed ("starting": node 0's
-    # workers have not joined) until its 10-minute timeout, and its launcher in silence.
+    # 1's workers would wait for node 0's ranks until their timeouts ("starting": they join
+    # late, and their store client tries to connect for init_distributed's 10 minutes), and
+    # its launcher in silence. (Workers that wait in the store when it closes fail at once.)
     port, script = free_port(), os.path.join(os.path.dirname(WORKER), "_failing_worker.py")
     cmds = [[*LAUNCH, *_static(port, 2, r, nproc=2)[:-1], script] for r in (0, 1)]
     merged = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-    env = _env(HOLD_S=120, **({"SLOW_NODE": 0} if moment == "starting" else {}))
+    env = _env(HOLD_S=120, **({"SLOW_NODE": 1} if moment == "starting" else {}))
     procs = [subprocess.Popen(c, env=env, **merged) for c in cmds]
-    seen, orphans = [], []
+    orphans = []
     try:
-        _wait_for(procs[0], "worker started" if moment == "starting" else "worker joined", seen)
-        if moment == "running":
-            _wait_for(procs[1], "worker joined", [])
-        orphans = _children(procs[0].pid)
+        _wait_for(procs[1], "worker started" if moment == "starting" else "worker joined", [])
+        deadline = time.monotonic() + slack.guard(30)
+        while len(orphans) < 2 and time.monotonic() < deadline:
+            orphans = _children(procs[0].pid)  # node 0's workers, which outlive it
+            time.sleep(0.05)
         procs[0].kill()
         start = time.monotonic()
         rc, out = _finish(procs[1:], timeout=60)[0]
         took = time.monotonic() - start
     finally:
-        # Node 0's workers outlive their launcher, and hold its output open.
-        _kill(orphans)
+        _kill(orphans)  # (they hold its output open)
         _finish(procs, timeout=30)
-    assert len(orphans) == 2, seen
+    assert len(orphans) == 2, orphans
     assert rc == 1, out
     assert "error: node 0 at 127.0.0.1 (" in out, out
     assert "is gone: the rendezvous store its launcher served closed without that launch" in out
@@ -303,14 +304,27 @@ def test_a_node_whose_launcher_is_killed_stops_the_others(moment):
 
 
 def test_a_peer_that_does_not_answer_is_named_with_both_addresses(monkeypatch):
-    # A refused connection passes (the launcher there may have exited: a node started again
-    # leaves its old card behind); one without an answer (a firewall that drops: the
-    # namespace test below) names both nodes.
+    # A refused connection passes where the launcher there has exited (a node started again
+    # leaves its old card behind), and is a firewall that rejects where it runs; one without
+    # an answer (a firewall that drops: the namespace test below) names both nodes.
     from fastddp.launch import reach
 
     port, free = reach.listen("127.0.0.1"), free_port()
     assert reach.Prober._connect("127.0.0.1", port) is None
-    assert reach.Prober._connect("127.0.0.1", free) is None
+    assert reach.Prober._connect("127.0.0.1", free) == reach.REFUSED
+    prober = reach.Prober("node 0 at 198.18.0.1", "198.18.0.1:29500")
+    for key in (1, 2, 3):
+        prober.probe(f"node {key} at 127.0.0.1", "127.0.0.1", free, key)
+    deadline = time.monotonic() + slack.guard(30)
+    while len(prober.refused) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    prober.judge_refused({1: None, 2: False, 3: True}.get)
+    assert prober.pending() and list(prober.refused) == [1], prober.refused  # 1: not known yet
+    assert len(prober.problems) == 1 and "cannot reach node 3 at 127.0.0.1" in prober.problems[0]
+    assert (
+        "(connection refused, though that launcher runs: a firewall that rejects)"
+        in (prober.problems[0])
+    )
     monkeypatch.setattr(reach.Prober, "_connect", staticmethod(lambda a, p: "no answer"))
     prober = reach.Prober("node 1 at 198.18.0.2", "198.18.0.1:29500")
     prober.probe("node 0 at 198.18.0.1", "198.18.0.1", 40000)
@@ -328,15 +342,19 @@ def test_a_peer_that_does_not_answer_is_named_with_both_addresses(monkeypatch):
 
 @pytest.mark.netns
 @pytest.mark.skipif(shutil.which("nft") is None, reason="the firewall needs nft (nftables)")
-def test_nodes_behind_a_firewall_that_passes_only_the_masters_port_are_told_so():
+@pytest.mark.parametrize("verdict", ["drop", "reject with tcp reset"])
+def test_nodes_behind_a_firewall_that_passes_only_the_masters_port_are_told_so(verdict):
     # Without the probes the rendezvous forms and the workers wait in init_process_group for
-    # Gloo's connections, which the firewall drops, until its timeout.
+    # Gloo's connections, which the firewall drops (or refuses: Gloo tries again), until its
+    # timeout.
     with two_nodes() as (a, b):
         port = free_port()
         rules = (
             "add table inet fastddp_fw\n"
             "add chain inet fastddp_fw input { type filter hook input priority 0; }\n"
-            f"add rule inet fastddp_fw input iifname {a['dev']} tcp dport != {port} drop\n"
+            # Stateful, as firewalls are: node 0's own connections get their answers.
+            "add rule inet fastddp_fw input ct state established,related accept\n"
+            f"add rule inet fastddp_fw input iifname {a['dev']} tcp dport != {port} {verdict}\n"
         )
         subprocess.run(["ip", "netns", "exec", a["ns"], "nft", "-f", "-"], input=rules,
                        check=True, capture_output=True, text=True, timeout=30)  # fmt: skip
@@ -350,5 +368,6 @@ def test_nodes_behind_a_firewall_that_passes_only_the_masters_port_are_told_so()
         assert rc == 2, out
         # (Whichever node's probe fails first, the other may end with its note.)
         assert f"cannot reach node 0 at {a['addr']}" in out or "cannot reach node 1 at" in out
-        assert "a port the kernel picked (no answer within 5 s)" in out, out
+        why = "no answer within 5 s" if verdict == "drop" else "connection refused, though"
+        assert f"a port the kernel picked ({why}" in out, out
         assert "worker ok" not in out and "Traceback" not in out, out
