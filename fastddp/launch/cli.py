@@ -218,8 +218,10 @@ def _launch(args, run_args, plan, local, config, cmd, cmd_args) -> int:
         with store.loopback_stores() if local else contextlib.nullcontext():
             elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except ChildFailedError as e:
-        failures.ended(_first_failure(e))  # first: the other nodes stop their workers
+        gone = failures.ended(_first_failure(e))  # first: the other nodes stop their workers
         say(f"error: workers failed:\n{e.format_msg()}")
+        if gone is not None:
+            say(f"error: {gone}")
         return 1
     except store.RoundStoreError as e:
         failures.ended("its next rendezvous round could not form")

@@ -18,7 +18,6 @@ The c10d rendezvous is left to torch: a node that fails there can be started aga
 rejoin, and the others' agents wait for it (``--max-restarts``, ``--nnodes MIN:MAX``).
 """
 
-import contextlib
 import threading
 import time
 from typing import Optional
@@ -165,20 +164,21 @@ def peer_failure() -> Optional[str]:
     return _peer_note
 
 
-def ended(failure: Optional[str], signalled: bool = False) -> None:
+def ended(failure: Optional[str], signalled: bool = False) -> Optional[str]:
     """This node's launch has ended: stop watching, and post ``failure`` (what failed here;
     ``signalled``: a signal stopped it) for the other nodes, unless it is None or this node
-    was stopped for another's."""
+    was stopped for another's. Returns what to say where node 0's store is gone without its
+    launch ending (its workers' peers here fail with it)."""
     global _watcher
     watcher, _watcher = _watcher, None
     if watcher is None:
-        return
+        return None
     watcher.stop()
     if _peer_note is not None:
-        return
+        return None
     if failure is None and watcher.node_rank != 0:
         _bounded(WATCH_S, watcher.release)
-        return
+        return None
     # Node 0's exit that ends well takes the store away too: the others must not take that
     # for its loss.
     key, value = watcher.over, "1"
@@ -199,18 +199,29 @@ def ended(failure: Optional[str], signalled: bool = False) -> None:
                 return
             time.sleep(0.1)
 
-    _bounded(LINGER_S + 1.0, tell)
+    error = _bounded(LINGER_S + 1.0, tell)
+    if error is None or watcher.released:
+        return None
+    return (
+        f"{watcher.master} is gone: the rendezvous store its launcher served closed without "
+        f"that launch ending ({error}; was the launcher killed?), and this node's workers "
+        "failed with it"
+    )
 
 
-def _bounded(seconds: float, work) -> None:
+def _bounded(seconds: float, work) -> Optional[Exception]:
     """Run ``work`` (store calls) in a thread of its own for at most ``seconds``: over a link
     that went down, a store call may never return (its client timeout does not cover a peer
-    that stops answering). A store gone meanwhile leaves nobody to tell."""
+    that stops answering). A store gone meanwhile leaves nobody to tell: returns its error."""
+    errors: list[Exception] = []
 
     def run() -> None:
-        with contextlib.suppress(RuntimeError, OSError):
+        try:
             work()
+        except (RuntimeError, OSError) as e:
+            errors.append(e)
 
     thread = threading.Thread(target=run, name="fastddp-note", daemon=True)
     thread.start()
     thread.join(seconds)
+    return errors[0] if errors else None

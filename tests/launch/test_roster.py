@@ -270,20 +270,25 @@ def test_a_node_stopped_by_a_signal_stops_the_others_unless_they_stop_too(stoppe
     assert "worker ok" not in "".join(told) and "Traceback" not in "".join(told), told
 
 
-@pytest.mark.parametrize("moment", ["starting", "running"])
+@pytest.mark.parametrize("moment", ["starting", "joining", "running"])
 def test_a_node_whose_launcher_is_killed_stops_the_others(moment):
     # Node 0's launcher SIGKILLed (its host still up): its store closes without a word. Node
     # 1's workers would wait for node 0's ranks until their timeouts ("starting": they join
     # late, and their store client tries to connect for init_distributed's 10 minutes), and
-    # its launcher in silence. (Workers that wait in the store when it closes fail at once.)
+    # its launcher in silence. Workers that wait in the store when it closes ("joining",
+    # mostly) fail at once, and their launcher says why.
     port, script = free_port(), os.path.join(os.path.dirname(WORKER), "_failing_worker.py")
     cmds = [[*LAUNCH, *_static(port, 2, r, nproc=2)[:-1], script] for r in (0, 1)]
     merged = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-    env = _env(HOLD_S=120, **({"SLOW_NODE": 1} if moment == "starting" else {}))
+    slow = {"starting": 1, "joining": 0}.get(moment)
+    env = _env(HOLD_S=120, **({} if slow is None else {"SLOW_NODE": slow}))
     procs = [subprocess.Popen(c, env=env, **merged) for c in cmds]
     orphans = []
     try:
-        _wait_for(procs[1], "worker started" if moment == "starting" else "worker joined", [])
+        if moment == "joining":
+            _wait_for(procs[0], "worker started", [])
+        else:
+            _wait_for(procs[1], "worker started" if slow else "worker joined", [])
         deadline = time.monotonic() + slack.guard(30)
         while len(orphans) < 2 and time.monotonic() < deadline:
             orphans = _children(procs[0].pid)  # node 0's workers, which outlive it
@@ -299,8 +304,11 @@ def test_a_node_whose_launcher_is_killed_stops_the_others(moment):
     assert rc == 1, out
     assert "error: node 0 at 127.0.0.1 (" in out, out
     assert "is gone: the rendezvous store its launcher served closed without that launch" in out
-    assert "stopping this node's workers" in out and "worker ok" not in out, out
-    assert "Traceback" not in out and took < slack.guard(30), (took, out)
+    assert "worker ok" not in out and took < slack.guard(30), (took, out)
+    if "error: workers failed" in out:  # (they were in the store)
+        assert moment == "joining" and "and this node's workers failed with it" in out, out
+    else:
+        assert "stopping this node's workers" in out and "Traceback" not in out, out
 
 
 def test_a_peer_that_does_not_answer_is_named_with_both_addresses(monkeypatch):
