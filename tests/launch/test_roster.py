@@ -138,6 +138,7 @@ def test_two_launchers_with_one_node_rank_end_every_launcher():
         assert "worker ok" not in out, out
 
 
+@pytest.mark.faults
 def test_a_late_launcher_with_a_running_nodes_rank_ends_alone(tmp_path):
     # Static rendezvous: a third launcher with node 1's rank, once the workers run. Without
     # the running launchers' heartbeat it was taken for a node started again, and joined the
@@ -205,6 +206,7 @@ def test_a_node_that_does_not_sign_in_is_named_within_the_rendezvous_timeout():
     assert "within 10 s (node 0 at 127.0.0.1" in out and "launch every node with fastddp" in out
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("failing", [0, 1])
 def test_a_node_whose_workers_fail_stops_the_others(failing):
     # Two ranks a node; one rank of the failing node exits at start. The other node's workers
@@ -226,6 +228,7 @@ def test_a_node_whose_workers_fail_stops_the_others(failing):
     assert other_rc == 1 and "worker ok" not in other and "Traceback" not in other, other
 
 
+@pytest.mark.faults
 def test_a_node_whose_workers_restart_alone_brings_the_others_along():
     # Static rendezvous, --max-restarts 1: node 1's rank fails once and its agent restarts it
     # into the next round, which torch's static handler never tells node 0 of (its workers
@@ -243,6 +246,7 @@ def test_a_node_whose_workers_restart_alone_brings_the_others_along():
     assert text.count("worker ok") == 4 and "cannot start" in text, text
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("stopped", ["node 1", "both"])
 def test_a_node_stopped_by_a_signal_stops_the_others_unless_they_stop_too(stopped):
     # A scheduler that ends the job signals every node: none must then be signalled again for
@@ -270,6 +274,7 @@ def test_a_node_stopped_by_a_signal_stops_the_others_unless_they_stop_too(stoppe
     assert "worker ok" not in "".join(told) and "Traceback" not in "".join(told), told
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("moment", ["starting", "joining", "running"])
 def test_a_node_whose_launcher_is_killed_stops_the_others(moment):
     # Node 0's launcher SIGKILLed (its host still up): its store closes without a word. Node
