@@ -105,10 +105,9 @@ class _Watcher:
     def release(self) -> None:
         """Tell node 0 that this node no longer needs its store (once)."""
         with self._releasing:  # (the watcher's thread, or the one of ended())
-            if self.released:
-                return
-            self.released = True
-        self.store.add(self.let_go, 1)
+            if not self.released:
+                self.store.add(self.let_go, 1)  # (raises where the store is gone)
+                self.released = True
 
     def _lost(self, error: Exception) -> None:
         """Node 0's store closed without its launch ending there: its launcher is gone."""
