@@ -10,6 +10,12 @@ and otherwise skips it without a word. ``FastDDPStrategy`` registers
     trainer = lightning.Trainer(accelerator="cpu", devices=2, strategy=FastDDPStrategy(state))
     trainer.fit(module)
     state.stats()  # this process's hook calls
+
+Lightning writes a checkpoint from rank 0 alone, and the hook's error-feedback residuals (and a
+pending ``delay=1`` gradient) are each rank's own: ``FastDDPStrategy`` writes each rank's
+``state.state_dict()`` beside the checkpoint, as ``<checkpoint>.fastddp-rank<R>``, and a
+resumed fit loads it into the same rank (regrouped by :meth:`CompressState.reshard` when the
+number of ranks changed), so that a resume ends where an uninterrupted run would.
 """
 
 from typing import Any, Optional
@@ -17,6 +23,7 @@ from typing import Any, Optional
 from torch.nn.parallel import DistributedDataParallel
 
 try:
+    from lightning.fabric.utilities.cloud_io import get_filesystem
     from lightning.pytorch.strategies import DDPStrategy
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
@@ -64,3 +71,48 @@ class FastDDPStrategy(DDPStrategy):
             )
         state = checked(self.model, self.compress_state, "FastDDPStrategy")
         self.model.register_comm_hook(state, compress_hook)
+
+    # -- checkpoints: the hook's state, one file per rank ------------------------------------
+
+    @staticmethod
+    def _beside(filepath: Any, rank: int) -> str:
+        return f"{filepath}{_SUFFIX}{rank}"
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
+    ) -> None:
+        # On every rank (Lightning calls it there): the state dict finishes pending reductions,
+        # a collective with delay=1.
+        state = self.compress_state.state_dict()
+        self.checkpoint_io.save_checkpoint(state, self._beside(filepath, self.global_rank))
+        checkpoint[_KEY] = {"world_size": self.world_size}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Any:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        saved = checkpoint.get(_KEY) if isinstance(checkpoint, dict) else None
+        if saved is None:
+            return checkpoint  # written without FastDDPStrategy: the hook starts afresh
+        paths = [self._beside(checkpoint_path, r) for r in range(saved["world_size"])]
+        missing = [p for p in paths if not get_filesystem(p).exists(p)]
+        if missing:  # (every rank sees the same files, and raises alike)
+            raise FileNotFoundError(
+                f"FastDDPStrategy: {checkpoint_path} was saved by {saved['world_size']} ranks, "
+                f"each with its hook state beside it, but {len(missing)} of those files are "
+                f"missing ({missing[0]}...): copy them with the checkpoint"
+            )
+        if saved["world_size"] == self.world_size:
+            state = self.checkpoint_io.load_checkpoint(paths[self.global_rank])
+        else:
+            states = [self.checkpoint_io.load_checkpoint(p) for p in paths]
+            state = CompressState.reshard(states, self.world_size)[self.global_rank]
+        self.compress_state.load_state_dict(state)
+        return checkpoint
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self.checkpoint_io.remove_checkpoint(self._beside(filepath, self.global_rank))
+        super().remove_checkpoint(filepath)
+
+
+_KEY = "fastddp"
+_SUFFIX = ".fastddp-rank"

@@ -59,6 +59,51 @@ def lightning_fit(out: Path, kind: str) -> None:
     trainer.fit(Module(), loader)
 
 
+def lightning_resume(out: Path, phase: str) -> None:
+    """bf16 summed in fp32 with error feedback, 2 ranks x 8 steps an epoch: "whole" runs 2
+    epochs, "first" 1 and saves a checkpoint at its end, "resumed" the second from it, "alone"
+    too on 1 rank, "lonely" from a copy without the hook's files; each writes its parameters.
+    (Elementwise rounding: the first resumed step's bucket layout, DDP's first, changes
+    nothing, where a block codec's scales would see other blocks.)"""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from fastddp.integrations.lightning import FastDDPStrategy
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    state = fastddp.CompressState.from_preset("bf16-acc-ef")
+    saving = phase == "first"
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1 if phase == "alone" else 2,
+        strategy=FastDDPStrategy(state),
+        max_epochs=1 if saving else 2,
+        logger=False,
+        enable_checkpointing=saving,
+        callbacks=[ModelCheckpoint(dirpath=out, filename="first")] if saving else [],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = torch.utils.data.DataLoader(_data(), batch_size=16)
+    module = Module()
+    ckpt = {"resumed": "first.ckpt", "alone": "first.ckpt", "lonely": "lonely.ckpt"}.get(phase)
+    trainer.fit(module, loader, ckpt_path=None if ckpt is None else out / ckpt)
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    torch.save(flat, out / f"{phase}-rank{trainer.global_rank}.pt")
+
+
 def accelerate_fit(out: Path) -> None:
     from accelerate import Accelerator
 
@@ -92,5 +137,7 @@ if __name__ == "__main__":
 
         dist.destroy_process_group()
         fastddp.distributed.exit_after_shutdown()
+    elif what.startswith("resume-"):
+        lightning_resume(out, what[len("resume-") :])
     else:
         lightning_fit(out, what)
