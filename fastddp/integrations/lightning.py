@@ -88,8 +88,8 @@ class FastDDPStrategy(DDPStrategy):
         checkpoint[_KEY] = {"world_size": self.world_size}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Any:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)  # (any version's)
         saved = checkpoint.get(_KEY) if isinstance(checkpoint, dict) else None
         if saved is None:
             return checkpoint  # written without FastDDPStrategy: the hook starts afresh
