@@ -6,8 +6,14 @@ PyTorch hooks. Register fastddp's after ``prepare()``, before the first backward
     accelerator = Accelerator()
     model, opt, loader = accelerator.prepare(model, opt, loader)
     state = fastddp.integrations.accelerate.register_comm_hook(accelerator, model)
+
+``accelerator.save_state(dir)`` then writes each process's hook state (error-feedback
+residuals, a pending ``delay=1`` gradient: each rank's own) into ``dir`` as
+``fastddp_hook_state_<R>.pt``, and ``accelerator.load_state(dir)`` loads it into the same
+rank (regrouped by :meth:`CompressState.reshard` on another number of processes).
 """
 
+import os
 from typing import Optional
 
 import torch
@@ -46,4 +52,46 @@ def register_comm_hook(
         )
     state = checked(ddp, state if state is not None else CompressState(), where)
     ddp.register_comm_hook(state, compress_hook)
+    _keep_with_checkpoints(accelerator, state)
     return state
+
+
+def _keep_with_checkpoints(accelerator, state: CompressState) -> None:
+    """Save and load ``state`` with ``accelerator.save_state``/``load_state``, which call their
+    pre-hooks on every process (where the Accelerate version has them)."""
+    if not hasattr(accelerator, "register_save_state_pre_hook"):
+        return
+    rank, world = accelerator.process_index, accelerator.num_processes
+
+    def save(models, weights, output_dir) -> None:
+        # On every process: the state dict finishes pending reductions (delay=1: a collective).
+        saved = {"world_size": world, "state": state.state_dict()}
+        torch.save(saved, os.path.join(output_dir, f"{_PREFIX}{rank}.pt"))
+
+    def load(models, input_dir) -> None:
+        paths = [os.path.join(input_dir, f"{_PREFIX}{rank}.pt")]
+        if not os.path.exists(paths[0]):
+            paths[0] = os.path.join(input_dir, f"{_PREFIX}0.pt")  # (fewer processes saved)
+            if not os.path.exists(paths[0]):
+                return  # saved without fastddp's hook: it starts afresh
+        saved = torch.load(paths[0])["world_size"]
+        paths = [os.path.join(input_dir, f"{_PREFIX}{r}.pt") for r in range(saved)]
+        missing = [p for p in paths if not os.path.exists(p)]
+        if missing:  # (every process sees the same files, and raises alike)
+            raise FileNotFoundError(
+                f"{input_dir} was saved by {saved} processes, each with fastddp's hook state, "
+                f"but {len(missing)} of those files are missing ({missing[0]}...): copy them "
+                "with the checkpoint"
+            )
+        if saved == world:
+            loaded = torch.load(paths[rank])["state"]
+        else:
+            states = [torch.load(p)["state"] for p in paths]
+            loaded = CompressState.reshard(states, world)[rank]
+        state.load_state_dict(loaded)
+
+    accelerator.register_save_state_pre_hook(save)
+    accelerator.register_load_state_pre_hook(load)
+
+
+_PREFIX = "fastddp_hook_state_"

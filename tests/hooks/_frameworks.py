@@ -129,10 +129,46 @@ def accelerate_fit(out: Path) -> None:
     accelerator.wait_for_everyone()
 
 
+def accelerate_resume(out: Path, phase: str) -> None:
+    """bf16 summed in fp32 with error feedback: "whole" runs 12 steps, saving the state after
+    6; "resumed" loads it and runs the last 6; each writes its parameters."""
+    from accelerate import Accelerator
+
+    from fastddp.integrations.accelerate import register_comm_hook
+
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = accelerator.prepare(model, opt)
+    register_comm_hook(accelerator, model, fastddp.CompressState.from_preset("bf16-acc-ef"))
+    rank = accelerator.process_index
+
+    def step(i: int) -> None:
+        x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1000 * i + rank))
+        opt.zero_grad()
+        accelerator.backward(nn.functional.mse_loss(model(x), x[:, :4].sin()))
+        opt.step()
+
+    if phase == "resumed":
+        accelerator.load_state(str(out / "ckpt"))
+    for i in range(12):
+        if phase == "whole" and i == 6:
+            accelerator.save_state(str(out / "ckpt"))
+        if phase == "whole" or i >= 6:
+            step(i)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.save(flat, out / f"{phase}-rank{rank}.pt")
+    accelerator.wait_for_everyone()
+
+
 if __name__ == "__main__":
     what, out = sys.argv[1], Path(sys.argv[2])
-    if what == "accelerate":
-        accelerate_fit(out)
+    if what.startswith("accelerate"):
+        if what == "accelerate":
+            accelerate_fit(out)
+        else:
+            accelerate_resume(out, what[len("accelerate-") :])
         import torch.distributed as dist
 
         dist.destroy_process_group()

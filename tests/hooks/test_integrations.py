@@ -102,6 +102,25 @@ def test_accelerate_prepared_model_runs_the_hook(tmp_path):
     assert ranks[0]["checksum"] == ranks[1]["checksum"]
 
 
+@pytest.mark.multiproc
+def test_an_accelerate_resume_keeps_each_ranks_residuals(tmp_path):
+    # accelerator.save_state writes each process's hook state beside the model's; load_state
+    # loads it into the same rank: the resumed steps end bit for bit where the whole run does.
+    pytest.importorskip("accelerate")
+    import torch
+
+    launch = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]
+    for phase in ("whole", "resumed"):
+        cmd = [*launch, str(SCRIPT), f"accelerate-{phase}", str(tmp_path)]
+        _run(cmd, tmp_path, results=False)
+    saved = sorted(p.name for p in (tmp_path / "ckpt").glob("fastddp_hook_state_*"))
+    assert saved == ["fastddp_hook_state_0.pt", "fastddp_hook_state_1.pt"], saved
+    for r in range(2):
+        whole = torch.load(tmp_path / f"whole-rank{r}.pt")
+        resumed = torch.load(tmp_path / f"resumed-rank{r}.pt")
+        assert torch.equal(resumed, whole), (resumed - whole).abs().max()
+
+
 def test_accelerate_helper_refuses_an_unprepared_model():
     pytest.importorskip("accelerate")
     import torch
