@@ -29,6 +29,7 @@ __all__ = [
 
 _env: Optional["DistEnv"] = None
 _watchdog: Optional[PeerWatchdog] = None
+_excepthook = None  # the one before _on_uncaught
 # Joins made by this process: each takes store keys of its own (see joining.store_for).
 _joins = 0
 
@@ -209,8 +210,21 @@ def _start_watchdog(attempt, peer_timeout, rank, world, addr, port, launcher) ->
     )  # fmt: skip
     _watchdog = watchdog.start()
     # A rank that ends without shutdown_distributed() (after destroy_process_group(), or with
-    # its group alive) says it finished, or a rank still at work names it lost.
+    # its group alive) says it finished, or a rank still at work names it lost; one that ends
+    # with an uncaught exception says so first (sys.excepthook runs before atexit).
     atexit.register(watchdog.stop)
+    global _excepthook
+    if _excepthook is None:
+        _excepthook = sys.excepthook
+        sys.excepthook = _on_uncaught
+
+
+def _on_uncaught(kind, value, traceback) -> None:
+    if _watchdog is not None:
+        first = (str(value).splitlines() or [""])[0]
+        with contextlib.suppress(Exception):  # (the store may be gone)
+            _watchdog.stop(failure=f"{kind.__name__}: {first}"[:200] if first else kind.__name__)
+    (_excepthook or sys.__excepthook__)(kind, value, traceback)
 
 
 def shutdown_distributed() -> None:

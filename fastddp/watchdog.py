@@ -5,7 +5,9 @@ vanished without its sockets closing, the others wait until the process group's 
 then report a timeout that does not say which rank is missing. The watchdog gives every rank a
 heartbeat in the job's store, written by a background thread; a rank whose heartbeat has not
 changed for ``timeout`` seconds is named, and the watching rank exits with status
-:data:`EXIT_PEER_LOST`, so that the launcher stops (or restarts) the job.
+:data:`EXIT_PEER_LOST`, so that the launcher stops (or restarts) the job. A rank that ends
+says so: one that finished is not waited for, and one that ended with an uncaught exception
+is named at once (NCCL's collectives would wait for it until their timeout).
 
 Configured by :func:`fastddp.init_distributed` (``peer_timeout=``) or ``FASTDDP_PEER_TIMEOUT``
 (seconds; 0 turns it off).
@@ -29,6 +31,7 @@ __all__ = ["EXIT_PEER_LOST", "PeerWatchdog", "peer_timeout_from_env"]
 
 EXIT_PEER_LOST = 3
 _DONE = "done"
+_FAILED = "failed|"  # + where | what
 
 
 class PeerWatchdog:
@@ -106,9 +109,10 @@ class PeerWatchdog:
         self._deadline.start()
         return self
 
-    def stop(self) -> None:
-        """Stop watching, and tell the others that this rank finished (it is not lost). Once:
-        later calls do nothing."""
+    def stop(self, failure: Optional[str] = None) -> None:
+        """Stop watching, and tell the others that this rank finished (it is not lost), or,
+        with ``failure``, that it ended with that uncaught exception. Once: later calls do
+        nothing."""
         with self._stopping:
             if self._stopped:
                 return
@@ -118,8 +122,9 @@ class PeerWatchdog:
             self._thread.join(timeout=self.interval + 5)
             if self._thread.is_alive():
                 return  # stuck in a store call: the store is unreachable, and so is a write
+        end = _DONE if failure is None else f"{_FAILED}{self._me}|{failure}"
         with contextlib.suppress(Exception):  # the store may be gone at the end of a job
-            self._store.set(self._key(self.rank), _DONE)
+            self._store.set(self._key(self.rank), end)
 
     def _key(self, rank: int) -> str:
         return f"{self._prefix}{rank}"
@@ -144,11 +149,14 @@ class PeerWatchdog:
             try:
                 self._beat(count)
                 now = time.monotonic()
-                lost = []
+                lost, failed = [], []
                 for r in peers:
                     key = self._key(r)
                     value = self._store.get(key).decode() if self._store.check([key]) else ""
                     if value == _DONE:
+                        continue
+                    if value.startswith(_FAILED):
+                        failed.append((r, value[len(_FAILED) :]))
                         continue
                     last = seen.get(r)
                     if last is None or last[0] != value:
@@ -162,6 +170,9 @@ class PeerWatchdog:
                 self._last_error = e
                 continue
             self._last_ok = time.monotonic()
+            if failed:
+                self._report(self._failed_message(failed))
+                return
             if lost:
                 self._report(self._message(lost))
                 return
@@ -183,6 +194,17 @@ class PeerWatchdog:
             "FASTDDP_PEER_TIMEOUT): it is stopped, hung outside Python, or dead. Rank "
             f"{self.rank} exits with status {EXIT_PEER_LOST} instead of waiting in a "
             "collective forever."
+        )
+
+    def _failed_message(self, failed: list[tuple[int, str]]) -> str:
+        parts = []
+        for r, value in failed:
+            where, _, what = value.partition("|")
+            parts.append(f"rank {r} ({where}) ended with an uncaught exception ({what})")
+        return (
+            "fastddp: " + "; ".join(parts) + ": no collective it was part of will finish. "
+            f"Rank {self.rank} exits with status {EXIT_PEER_LOST} instead of waiting in one "
+            "forever."
         )
 
     def _store_message(self, quiet: float, error: Optional[Exception]) -> str:
