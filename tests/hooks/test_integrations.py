@@ -102,7 +102,7 @@ def test_accelerate_prepared_model_runs_the_hook(tmp_path):
     assert ranks[0]["checksum"] == ranks[1]["checksum"]
 
 
-@pytest.mark.multiproc
+@pytest.mark.launcher
 def test_an_accelerate_resume_keeps_each_ranks_residuals(tmp_path):
     # accelerator.save_state writes each process's hook state beside the model's; load_state
     # loads it into the same rank: the resumed steps end bit for bit where the whole run does.
