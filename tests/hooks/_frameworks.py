@@ -16,15 +16,14 @@ def _data(n=256):
     return torch.utils.data.TensorDataset(x, x[:, :4].sin())
 
 
-def lightning_fit(out: Path, kind: str) -> None:
+def _lightning_module():
+    """A small regression LightningModule class, its weights seeded."""
     import lightning as L
-    from lightning.pytorch.strategies import DDPStrategy
-
-    from fastddp.integrations.lightning import FastDDPStrategy
 
     class Module(L.LightningModule):
         def __init__(self):
             super().__init__()
+            torch.manual_seed(0)
             self.net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
 
         def training_step(self, batch, _):
@@ -34,6 +33,16 @@ def lightning_fit(out: Path, kind: str) -> None:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
+    return Module
+
+
+def lightning_fit(out: Path, kind: str) -> None:
+    import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from fastddp.integrations.lightning import FastDDPStrategy
+
+    class Module(_lightning_module()):
         def on_train_end(self):
             flat = torch.cat([p.detach().reshape(-1) for p in self.parameters()])
             (out / f"rank{self.global_rank}.json").write_text(
@@ -70,19 +79,6 @@ def lightning_resume(out: Path, phase: str) -> None:
 
     from fastddp.integrations.lightning import FastDDPStrategy
 
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
-
-        def training_step(self, batch, _):
-            x, y = batch
-            return nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
     state = fastddp.CompressState.from_preset("bf16-acc-ef")
     saving = phase == "first"
     trainer = L.Trainer(
@@ -97,7 +93,7 @@ def lightning_resume(out: Path, phase: str) -> None:
         enable_model_summary=False,
     )
     loader = torch.utils.data.DataLoader(_data(), batch_size=16)
-    module = Module()
+    module = _lightning_module()()
     ckpt = {"resumed": "first.ckpt", "alone": "first.ckpt", "lonely": "lonely.ckpt"}.get(phase)
     trainer.fit(module, loader, ckpt_path=None if ckpt is None else out / ckpt)
     flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
