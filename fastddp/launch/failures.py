@@ -43,6 +43,7 @@ ARRIVALS = "fastddp/round_store/arrivals"
 
 _watcher: Optional["_Watcher"] = None
 _peer_note: Optional[str] = None
+_kept: list = []  # what node 0's rendezvous store lives in, until this launch has ended
 
 
 class _Watcher:
@@ -139,6 +140,12 @@ def watch(store, prefix: str, card: int, node_rank: int, nodes: int, run_id: str
     _watcher = _Watcher(store, prefix, card, node_rank, nodes, run_id, names)
 
 
+def keep(owner) -> None:
+    """Keep ``owner`` (torch's rendezvous handler, whose store node 0 serves) alive until
+    :func:`ended` has told the others: torch lets it go when its launch returns."""
+    _kept.append(owner)
+
+
 def arrived() -> int:
     """How many times nodes have joined a round of this job (as of the last second), or -1
     where that is not watched. A node whose workers failed and restarted has joined the next
@@ -170,6 +177,13 @@ def ended(failure: Optional[str], signalled: bool = False) -> Optional[str]:
     launch ending (its workers' peers here fail with it)."""
     global _watcher
     watcher, _watcher = _watcher, None
+    try:
+        return _end(watcher, failure, signalled)
+    finally:
+        _kept.clear()
+
+
+def _end(watcher: Optional[_Watcher], failure: Optional[str], signalled: bool) -> Optional[str]:
     if watcher is None:
         return None
     watcher.stop()

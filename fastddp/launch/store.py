@@ -155,6 +155,7 @@ class RoundStoreHandler(RendezvousHandler):
             if problem is not None:
                 raise RoundStoreError(problem)
             roll_call.hand_over()
+            failures.keep(self._inner)
         self._server = None  # the previous round's workers are gone: close their store
         store, rank = info.store, info.rank
         # The c10d rendezvous gives a store per round; the static one the same store for the
