@@ -110,15 +110,19 @@ class _Watcher:
                 self.store.add(self.let_go, 1)  # (raises where the store is gone)
                 self.released = True
 
+    def gone(self, error: Exception) -> str:
+        """Node 0 is gone: what its store's ``error`` says."""
+        return (
+            f"{self.master} is gone: the rendezvous store its launcher served closed without "
+            f"that launch ending ({error}; was the launcher killed?)"
+        )
+
     def _lost(self, error: Exception) -> None:
         """Node 0's store closed without its launch ending there: its launcher is gone."""
         global _peer_note
         if self._stop.wait(LOST_GRACE_S) or stop.signalled():
             return  # this node's launch ended meanwhile, or a signal ends it
-        _peer_note = (
-            f"{self.master} is gone: the rendezvous store its launcher served closed without "
-            f"that launch ending ({error}; was the launcher killed?)"
-        )
+        _peer_note = self.gone(error)
         say(
             f"error: {_peer_note}; stopping this node's workers, which cannot go on without "
             "that node (static rendezvous)"
@@ -215,11 +219,7 @@ def _end(watcher: Optional[_Watcher], failure: Optional[str], signalled: bool) -
     error = _bounded(LINGER_S + 1.0, tell)
     if error is None or watcher.released:
         return None
-    return (
-        f"{watcher.master} is gone: the rendezvous store its launcher served closed without "
-        f"that launch ending ({error}; was the launcher killed?), and this node's workers "
-        "failed with it"
-    )
+    return f"{watcher.gone(error)}, and this node's workers failed with it"
 
 
 def _bounded(seconds: float, work) -> Optional[Exception]:

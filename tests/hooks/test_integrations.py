@@ -119,6 +119,17 @@ def test_an_accelerate_resume_keeps_each_ranks_residuals(tmp_path):
         whole = torch.load(tmp_path / f"whole-rank{r}.pt")
         resumed = torch.load(tmp_path / f"resumed-rank{r}.pt")
         assert torch.equal(resumed, whole), (resumed - whole).abs().max()
+    # A checkpoint that lost a process's file is refused on every process, naming it.
+    (tmp_path / "ckpt" / "fastddp_hook_state_1.pt").unlink()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [*launch, str(SCRIPT), "accelerate-resumed", str(tmp_path)]
+    res = slack.run(
+        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=slack.guard(240)
+    )
+    assert res.returncode != 0, res.stdout[-2000:]
+    told = res.stdout + res.stderr
+    assert "was saved by 2 processes, each with fastddp's hook state, but 1 of those" in told
+    assert "fastddp_hook_state_1.pt...): copy them with the checkpoint" in told, told[-3000:]
 
 
 def test_accelerate_helper_refuses_an_unprepared_model():
