@@ -9,11 +9,14 @@ PyTorch hooks. Register fastddp's after ``prepare()``, before the first backward
 
 ``accelerator.save_state(dir)`` then writes each process's hook state (error-feedback
 residuals, a pending ``delay=1`` gradient: each rank's own) into ``dir`` as
-``fastddp_hook_state_<R>.pt``, and ``accelerator.load_state(dir)`` loads it into the same
-rank (regrouped by :meth:`CompressState.reshard` on another number of processes).
+``fastddp_hook_state_model<M>_rank<R>.pt``, ``M`` counting the models given
+``register_comm_hook`` in order, and ``accelerator.load_state(dir)`` loads it into the same
+model and rank (regrouped by :meth:`CompressState.reshard` on another number of processes).
 """
 
+import glob
 import os
+import weakref
 from typing import Optional
 
 import torch
@@ -62,20 +65,32 @@ def _keep_with_checkpoints(accelerator, state: CompressState) -> None:
     if not hasattr(accelerator, "register_save_state_pre_hook"):
         return
     rank, world = accelerator.process_index, accelerator.num_processes
+    # Each model registered on this accelerator gets files of its own, named by the order of
+    # registration (as Accelerate names its models by the order of prepare()): a GAN's two
+    # models must not load each other's residuals.
+    index = _registered.get(accelerator, 0)
+    _registered[accelerator] = index + 1
+
+    def name(r: int) -> str:
+        return f"{_PREFIX}model{index}_rank{r}.pt"
 
     def save(models, weights, output_dir) -> None:
         # On every process: the state dict finishes pending reductions (delay=1: a collective).
         saved = {"world_size": world, "state": state.state_dict()}
-        torch.save(saved, os.path.join(output_dir, f"{_PREFIX}{rank}.pt"))
+        torch.save(saved, os.path.join(output_dir, name(rank)))
 
     def load(models, input_dir) -> None:
-        paths = [os.path.join(input_dir, f"{_PREFIX}{rank}.pt")]
-        if not os.path.exists(paths[0]):
-            paths[0] = os.path.join(input_dir, f"{_PREFIX}0.pt")  # (fewer processes saved)
-            if not os.path.exists(paths[0]):
-                return  # saved without fastddp's hook: it starts afresh
-        saved = torch.load(paths[0])["world_size"]
-        paths = [os.path.join(input_dir, f"{_PREFIX}{r}.pt") for r in range(saved)]
+        ours = sorted(glob.glob(os.path.join(glob.escape(input_dir), name("*"))))
+        if not ours:
+            if glob.glob(os.path.join(glob.escape(input_dir), f"{_PREFIX}*")):
+                raise FileNotFoundError(
+                    f"{input_dir} holds fastddp's hook state, but none for model {index} (the "
+                    f"{_ordinal(index)} model given register_comm_hook): it was saved with "
+                    "fewer models hooked; register the same models, in the same order"
+                )
+            return  # saved without fastddp's hook: it starts afresh
+        saved = torch.load(ours[0])["world_size"]
+        paths = [os.path.join(input_dir, name(r)) for r in range(saved)]
         missing = [p for p in paths if not os.path.exists(p)]
         if missing:  # (every process sees the same files, and raises alike)
             raise FileNotFoundError(
@@ -94,4 +109,9 @@ def _keep_with_checkpoints(accelerator, state: CompressState) -> None:
     accelerator.register_load_state_pre_hook(load)
 
 
+def _ordinal(index: int) -> str:
+    return {0: "first", 1: "second", 2: "third"}.get(index, f"{index + 1}th")
+
+
 _PREFIX = "fastddp_hook_state_"
+_registered: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # accelerator -> models

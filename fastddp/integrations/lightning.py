@@ -18,6 +18,7 @@ resumed fit loads it into the same rank (regrouped by :meth:`CompressState.resha
 number of ranks changed), so that a resume ends where an uninterrupted run would.
 """
 
+import os
 from typing import Any, Optional
 
 from torch.nn.parallel import DistributedDataParallel
@@ -93,7 +94,12 @@ class FastDDPStrategy(DDPStrategy):
         saved = checkpoint.get(_KEY) if isinstance(checkpoint, dict) else None
         if saved is None:
             return checkpoint  # written without FastDDPStrategy: the hook starts afresh
-        paths = [self._beside(checkpoint_path, r) for r in range(saved["world_size"])]
+        # ModelCheckpoint(save_last="link") makes last.ckpt a link to a checkpoint saved under
+        # its own name, without calling save_checkpoint: the files are beside that one.
+        target = str(checkpoint_path)
+        if os.path.islink(target):
+            target = os.path.realpath(target)
+        paths = [self._beside(target, r) for r in range(saved["world_size"])]
         missing = [p for p in paths if not get_filesystem(p).exists(p)]
         if missing:  # (every rank sees the same files, and raises alike)
             raise FileNotFoundError(

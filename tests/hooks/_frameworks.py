@@ -88,13 +88,16 @@ def lightning_resume(out: Path, phase: str) -> None:
         max_epochs=1 if saving else 2,
         logger=False,
         enable_checkpointing=saving,
-        callbacks=[ModelCheckpoint(dirpath=out, filename="first")] if saving else [],
+        # last.ckpt a link to first.ckpt: "resumed" goes on from the link.
+        callbacks=[ModelCheckpoint(dirpath=out, filename="first", save_last="link")]
+        if saving
+        else [],
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     loader = torch.utils.data.DataLoader(_data(), batch_size=16)
     module = _lightning_module()()
-    ckpt = {"resumed": "first.ckpt", "alone": "first.ckpt", "lonely": "lonely.ckpt"}.get(phase)
+    ckpt = {"resumed": "last.ckpt", "alone": "first.ckpt", "lonely": "lonely.ckpt"}.get(phase)
     trainer.fit(module, loader, ckpt_path=None if ckpt is None else out / ckpt)
     flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
     torch.save(flat, out / f"{phase}-rank{trainer.global_rank}.pt")
@@ -126,24 +129,28 @@ def accelerate_fit(out: Path) -> None:
 
 
 def accelerate_resume(out: Path, phase: str) -> None:
-    """bf16 summed in fp32 with error feedback: "whole" runs 12 steps, saving the state after
-    6; "resumed" loads it and runs the last 6; each writes its parameters."""
+    """bf16 summed in fp32 with error feedback on two models, as a GAN has: "whole" runs 12
+    steps, saving the state after 6; "resumed" loads it and runs the last 6; each writes both
+    models' parameters."""
     from accelerate import Accelerator
 
     from fastddp.integrations.accelerate import register_comm_hook
 
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = accelerator.prepare(model, opt)
-    register_comm_hook(accelerator, model, fastddp.CompressState.from_preset("bf16-acc-ef"))
+    a = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+    b = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+    a, b, opt = accelerator.prepare(a, b, opt)
+    for model in (a, b):
+        register_comm_hook(accelerator, model, fastddp.CompressState.from_preset("bf16-acc-ef"))
     rank = accelerator.process_index
 
     def step(i: int) -> None:
         x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1000 * i + rank))
         opt.zero_grad()
-        accelerator.backward(nn.functional.mse_loss(model(x), x[:, :4].sin()))
+        loss = nn.functional.mse_loss(a(x), x[:, :4].sin())
+        accelerator.backward(loss + nn.functional.mse_loss(b(x), 3 * x[:, :4].cos()))
         opt.step()
 
     if phase == "resumed":
@@ -153,7 +160,7 @@ def accelerate_resume(out: Path, phase: str) -> None:
             accelerator.save_state(str(out / "ckpt"))
         if phase == "whole" or i >= 6:
             step(i)
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    flat = torch.cat([p.detach().reshape(-1) for p in [*a.parameters(), *b.parameters()]])
     torch.save(flat, out / f"{phase}-rank{rank}.pt")
     accelerator.wait_for_everyone()
 

@@ -48,7 +48,8 @@ def test_lightning_own_argument_skips_the_hook_on_cpu(tmp_path):
 def test_a_lightning_resume_keeps_each_ranks_residuals(tmp_path):
     # Lightning writes its checkpoint from rank 0; the residuals of error feedback are each
     # rank's own. Saved beside it and loaded into the same rank, a resume ends bit for bit
-    # where the uninterrupted fit does (started from zero residuals: 4e-5 away).
+    # where the uninterrupted fit does (started from zero residuals: 4e-5 away), resumed here
+    # from save_last="link"'s last.ckpt, a link to the checkpoint beside which they are.
     pytest.importorskip("lightning")
     import shutil
 
@@ -104,8 +105,9 @@ def test_accelerate_prepared_model_runs_the_hook(tmp_path):
 
 @pytest.mark.launcher
 def test_an_accelerate_resume_keeps_each_ranks_residuals(tmp_path):
-    # accelerator.save_state writes each process's hook state beside the model's; load_state
-    # loads it into the same rank: the resumed steps end bit for bit where the whole run does.
+    # accelerator.save_state writes each process's hook state of each model beside the models';
+    # load_state loads it into the same rank and model: the resumed steps end bit for bit where
+    # the whole run does (with one file a rank, the second model's residuals went to both).
     pytest.importorskip("accelerate")
     import torch
 
@@ -114,13 +116,13 @@ def test_an_accelerate_resume_keeps_each_ranks_residuals(tmp_path):
         cmd = [*launch, str(SCRIPT), f"accelerate-{phase}", str(tmp_path)]
         _run(cmd, tmp_path, results=False)
     saved = sorted(p.name for p in (tmp_path / "ckpt").glob("fastddp_hook_state_*"))
-    assert saved == ["fastddp_hook_state_0.pt", "fastddp_hook_state_1.pt"], saved
+    assert saved == [f"fastddp_hook_state_model{m}_rank{r}.pt" for m in (0, 1) for r in (0, 1)]
     for r in range(2):
         whole = torch.load(tmp_path / f"whole-rank{r}.pt")
         resumed = torch.load(tmp_path / f"resumed-rank{r}.pt")
         assert torch.equal(resumed, whole), (resumed - whole).abs().max()
     # A checkpoint that lost a process's file is refused on every process, naming it.
-    (tmp_path / "ckpt" / "fastddp_hook_state_1.pt").unlink()
+    (tmp_path / "ckpt" / "fastddp_hook_state_model1_rank1.pt").unlink()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [*launch, str(SCRIPT), "accelerate-resumed", str(tmp_path)]
     res = slack.run(
@@ -129,7 +131,9 @@ def test_an_accelerate_resume_keeps_each_ranks_residuals(tmp_path):
     assert res.returncode != 0, res.stdout[-2000:]
     told = res.stdout + res.stderr
     assert "was saved by 2 processes, each with fastddp's hook state, but 1 of those" in told
-    assert "fastddp_hook_state_1.pt...): copy them with the checkpoint" in told, told[-3000:]
+    assert "fastddp_hook_state_model1_rank1.pt...): copy them with the checkpoint" in told, told[
+        -3000:
+    ]
 
 
 def test_accelerate_helper_refuses_an_unprepared_model():
@@ -143,6 +147,36 @@ def test_accelerate_helper_refuses_an_unprepared_model():
 
     with pytest.raises(TypeError, match="pass the model returned by accelerator.prepare"):
         register_comm_hook(Two(), torch.nn.Linear(2, 2))
+
+
+def test_an_accelerate_resume_refuses_a_model_saved_without_its_state(tmp_path):
+    # Saved with one model hooked, resumed with two: the second model's residuals are not in
+    # the checkpoint, and starting them from zero would go unnoticed.
+    pytest.importorskip("accelerate")
+    import fastddp
+    from fastddp.integrations.accelerate import _keep_with_checkpoints
+
+    class Accelerator:  # what the helper uses of one
+        process_index, num_processes = 0, 1
+
+        def __init__(self):
+            self.save, self.load = [], []
+
+        def register_save_state_pre_hook(self, hook):
+            self.save.append(hook)
+
+        def register_load_state_pre_hook(self, hook):
+            self.load.append(hook)
+
+    saving, resuming = Accelerator(), Accelerator()
+    _keep_with_checkpoints(saving, fastddp.CompressState())
+    saving.save[0]([], [], str(tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == ["fastddp_hook_state_model0_rank0.pt"]
+    for _ in range(2):
+        _keep_with_checkpoints(resuming, fastddp.CompressState())
+    resuming.load[0]([], str(tmp_path))  # the first model's state is there
+    with pytest.raises(FileNotFoundError, match=r"none for model 1 \(the second model given"):
+        resuming.load[1]([], str(tmp_path))
 
 
 class _TwoProcesses:
