@@ -46,6 +46,7 @@ __all__ = [
 Call = tuple[Any, tuple, dict]
 
 _OPS = torch.ops.fastddp
+_AMAX = torch.ops.aten.amax.out
 
 
 def run_calls(calls: list[Call]) -> None:
@@ -205,12 +206,21 @@ class Int8Codec(Codec):
         op, block = _OPS.quantize_int8.default, self.block_size
         if shard % block == 0 or values.shape[0] == 1:
             return [(op, (src, values, scales, block, scale, flag, residual, seed), {})]
-        calls = []
+        calls, (marks, tail) = [], self._row_flags(flag, values.shape[0])
         for piece, r in self._rows(src, shard, values.shape[0]):  # a block may not straddle rows
             extra = None if residual is None else residual[piece]
-            args = (src[piece], values[r], scales[r], block, scale, flag, extra, seed)
+            args = (src[piece], values[r], scales[r], block, scale, marks[r], extra, seed)
             calls.append((op, args, {}))
-        return calls
+        return calls + tail
+
+    @staticmethod
+    def _row_flags(flag, rows):
+        # An op sets its flag to what that call met, so a flag shared by the rows' calls would
+        # say what the last one met: each gets its own, and the flag the largest of them.
+        if flag is None:
+            return [None] * rows, []
+        marks = torch.zeros(rows, dtype=flag.dtype, device=flag.device)
+        return list(marks.split(1)), [(_AMAX, (marks, [0], True), {"out": flag.view(1)})]
 
     @staticmethod
     def _rows(src, shard, rows):
@@ -257,13 +267,13 @@ class PackedCodec(Int8Codec):
         op, bits, block = _OPS.quantize_packed.default, self.bits, self.block_size
         if shard % block == 0 or values.shape[0] == 1:
             return [(op, (src, values, scales, bits, block, scale, flag, residual, seed), {})]
-        calls = []
+        calls, (marks, tail) = [], self._row_flags(flag, values.shape[0])
         for piece, r in self._rows(src, shard, values.shape[0]):  # a block may not straddle rows
             n = piece.stop - piece.start
             extra = None if residual is None else residual[piece]
             q, sc = values[r, : self._bytes(n)], scales[r, : -(-n // block)]
-            calls.append((op, (src[piece], q, sc, bits, block, scale, flag, extra, seed), {}))
-        return calls
+            calls.append((op, (src[piece], q, sc, bits, block, scale, marks[r], extra, seed), {}))
+        return calls + tail
 
     def sum_calls(self, rows, shard, dst, scale):
         values, scales = self._split(rows, shard)

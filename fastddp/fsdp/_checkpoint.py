@@ -12,6 +12,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from fastddp.fsdp._agree import agree, describe
+
 __all__ = ["LoadCheck", "pack", "unpack"]
 
 
@@ -79,26 +81,16 @@ class LoadCheck:
         else:
             self.problem = None
 
-    def agree(self, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> None:
-        """Before the first reduction (one all-reduce of a group's size of int32s on ``device``
-        over ``group``, the default one when None): raise on every rank of ``group`` if a load
-        failed on any."""
+    def agree(
+        self,
+        device: torch.device,
+        group: Optional[dist.ProcessGroup] = None,
+        settings: tuple[int, ...] = (),
+    ) -> None:
+        """At the first reduction, :func:`fastddp.fsdp._agree.agree`: raise on every rank of
+        ``group`` (the default one when None) if a load failed on any, or the ``settings`` (a
+        :func:`~fastddp.fsdp._agree.codec_row`, if any) differ."""
         if self.agreed:
             return
         self.agreed = True
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        failed = torch.zeros(size, dtype=torch.int32, device=device)
-        failed[rank] = int(self.problem is not None)
-        if size > 1:
-            dist.all_reduce(failed, group=group)
-        ranks = [r for r, bad in enumerate(failed.tolist()) if bad]
-        if group is not None:  # named by their rank in the job, as the error of each says
-            ranks = [dist.get_global_rank(group, r) for r in ranks]
-        world = dist.get_world_size()
-        if not ranks:
-            return
-        why = self.problem if self.problem is not None else "each of them raises the reason"
-        raise ValueError(
-            f"{self.where}: load_state_dict failed on rank(s) {ranks} of {world} ({why}); load "
-            "into every rank the state that same rank saved, in a job of the same size"
-        )
+        agree(self.where, device, group, settings, describe, self.problem)

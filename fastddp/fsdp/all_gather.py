@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from fastddp.codecs import codec_for
+from fastddp.fsdp._agree import agree, codec_row, describe
 from fastddp.fsdp._buffers import Buffers
 from fastddp.fsdp._sharded import sharded_modules
 
@@ -50,6 +51,7 @@ class QuantizedAllGather(AllGather):
         self.codec = codec_for(torch.int8, block_size, _WHERE)
         self.block_size = self.codec.block_size
         self._buffers = Buffers()
+        self._agreed = False
         self._counters = dict.fromkeys(("calls", "elements", "wire_bytes", "bf16_wire_bytes"), 0)
 
     def __repr__(self) -> str:
@@ -86,6 +88,9 @@ class QuantizedAllGather(AllGather):
                 f"{_WHERE}: output has {output_tensor.numel()} elements, but gathering {n} from "
                 f"{world} ranks needs {n * world}"
             )
+        if not self._agreed:  # every rank's comm must have the same block size
+            self._agreed = True
+            agree(_WHERE, input_tensor.device, group, codec_row(self.codec), describe)
         if n == 0:
             return None
         codec = self.codec

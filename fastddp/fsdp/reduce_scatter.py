@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from fastddp.codecs import CODECS, codec_for
+from fastddp.codecs import CODECS, HalfCodec, codec_for
+from fastddp.fsdp._agree import codec_row
 from fastddp.fsdp._buffers import Buffers
 from fastddp.fsdp._checkpoint import LoadCheck, pack
 from fastddp.fsdp._sharded import sharded_modules
@@ -161,8 +162,9 @@ class CompressedReduceScatter(ReduceScatter):
         world = dist.get_world_size(group)
         chunk = output_tensor.numel()
         pre, post = self._check(output_tensor, input_tensor, world, op, async_op)
-        if self.error_feedback:  # the same on every rank: only a comm with residuals loads any
-            self._load.agree(input_tensor.device, None if self._agree_on_world else group)
+        # The first call checks that every rank's comm has the same settings and loaded well.
+        checked = None if self._agree_on_world else group
+        self._load.agree(input_tensor.device, checked, codec_row(self.codec, self.error_feedback))
         if chunk == 0:
             return None
         src = input_tensor.view(-1)
@@ -171,6 +173,7 @@ class CompressedReduceScatter(ReduceScatter):
         row = codec.row_elems(chunk)
         wire = (world * row, codec.wire_dtype, src.device)
         flags, count = self._flags(src.device)
+        flags[1:].zero_()  # set only where the sum is rounded to 16 bits, below
         if codec.plain and src.dtype == codec.wire_dtype:
             send = src  # already in the wire dtype, nothing rounded; the scale after the sum
             flags[:1].zero_()
@@ -186,10 +189,10 @@ class CompressedReduceScatter(ReduceScatter):
             codec.sum_into(rows, chunk, dst, post)
         elif codec.plain and dst.dtype == codec.wire_dtype:
             codec.reduce(rows, dst, chunk, post, flags[1:])  # one rounding, of the fp32 sum
-        else:
+        else:  # a 16-bit output of another wire: the fp32 sum rounded once, overflow flagged
             total = self._buffers.get("sum", chunk, torch.float32, src.device)
             codec.sum_into(rows, chunk, total, post)
-            dst.copy_(total)
+            HalfCodec(dst.dtype).encode(total, dst, chunk, 1.0, flags[1:])
         count.add_(flags.amax())
         self._counters["calls"] += 1
         self._counters["elements"] += src.numel()

@@ -55,6 +55,20 @@ def test_all_gather_bit_for_bit_on_three_ranks():
     run_ranks(_direct, 3, timeout=120)
 
 
+def _mismatched(rank, world):
+    # Another block size on one rank would decode its rows with the wrong scales: refused on
+    # every rank at the first call.
+    comm = QuantizedAllGather(block_size=64 if rank == 0 else None)
+    out = torch.empty(world * 256)
+    with pytest.raises(ValueError, match="ranks disagree on the settings") as error:
+        comm(out, out[rank * 256 : (rank + 1) * 256], dist.group.WORLD)
+    assert "  rank 0: dtype=torch.int8, block_size=64" in str(error.value)
+
+
+def test_all_gather_refuses_another_block_size_on_every_rank():
+    run_ranks(_mismatched, 2)
+
+
 def _train(rank, quantize, param_dtype, steps=5):
     torch.manual_seed(0)
     model = Decoder(vocab=61, width=64, heads=4, layers=2)

@@ -116,21 +116,27 @@ def _nonfinite(rank, world):
     # Rank 1's input holds a NaN or inf in rank 0's chunk: its encode meets it, and rank 0,
     # summing in fp32, counts nothing, unless it rounds the sum to a 16-bit output. An fp16
     # input on an fp16 wire is sent as it is: no encode, only that rounding counts, as it
-    # does for a sum past fp16's range. A clean call after adds nothing.
-    chunk, got = 256, []
-    for wire, out_dtype, value in (
-        (torch.bfloat16, torch.float32, float("nan")),
-        (torch.int8, torch.float32, float("inf")),
-        (torch.float16, torch.float16, float("nan")),
-        (torch.float16, torch.float16, 4.0e4),  # each share fits fp16, the sum does not
+    # does for a sum past fp16's range, also from another wire. A clean fp32 call after adds
+    # nothing (the rounding's flag does not linger). A chunk of 100 is encoded one row a call.
+    got = []
+    for wire, in_dtype, value, chunk in (
+        (torch.bfloat16, torch.float32, float("nan"), 256),
+        (torch.int8, torch.float32, float("inf"), 256),
+        (torch.int8, torch.float32, float("nan"), 100),
+        (torch.int4, torch.float32, float("nan"), 100),
+        (torch.float16, torch.float16, float("nan"), 256),
+        (torch.float16, torch.float16, 4.0e4, 256),  # each share fits fp16, the sum does not
+        (torch.int8, torch.float16, 4.0e4, 256),
+        (torch.bfloat16, torch.float16, 4.0e4, 256),
     ):
         comm = CompressedReduceScatter(wire)
-        x = torch.ones(world * chunk, dtype=out_dtype)
+        x = torch.ones(world * chunk, dtype=in_dtype)
         if rank == 1 or value == 4.0e4:
             x[3] = value
-        out = torch.empty(chunk, dtype=out_dtype)
+        out = torch.empty(chunk, dtype=in_dtype)
         comm(out, x, dist.group.WORLD, ReduceOp.SUM)
-        comm(out, torch.ones_like(x), dist.group.WORLD, ReduceOp.SUM)  # a clean call after
+        clean = torch.ones(world * chunk)
+        comm(torch.empty(chunk), clean, dist.group.WORLD, ReduceOp.SUM)
         got.append(comm.stats()["nonfinite_events"])
     return got
 
@@ -138,8 +144,31 @@ def _nonfinite(rank, world):
 @pytest.mark.multiproc
 def test_reduce_scatter_counts_what_its_encodes_met():
     ranks = run_ranks(_nonfinite, 2)
-    want = [[0, 1], [0, 1], [1, 0], [1, 0]]  # per case: rank 0's and rank 1's events
+    want = [[0, 1]] * 4 + [[1, 0]] * 4  # per case: rank 0's and rank 1's events
     assert [list(case) for case in zip(*ranks)] == want, ranks
+
+
+def _mismatched(rank, world):
+    # A comm built with other settings on one rank is refused on every rank at its first call,
+    # before its payloads meet (another dtype: wrong sums; error feedback on one rank only: a
+    # wait in a collective the other never enters).
+    x, out = torch.ones(world * 256), torch.empty(256)
+    for settings in (
+        [{"dtype": torch.bfloat16}, {"dtype": torch.int8}],
+        [{"dtype": torch.int8, "block_size": 64}, {"dtype": torch.int8}],
+        [{"dtype": torch.int8, "error_feedback": True}, {"dtype": torch.int8}],
+    ):
+        comm = CompressedReduceScatter(**settings[rank])
+        with pytest.raises(ValueError, match="ranks disagree on the settings") as error:
+            _GroupDoor(comm, 0)(out, x.clone(), dist.group.WORLD, ReduceOp.AVG)
+        assert "  rank 1: dtype=torch.int8, block_size=128, error_feedback=False" in str(
+            error.value
+        )
+
+
+@pytest.mark.multiproc
+def test_reduce_scatter_refuses_other_settings_on_every_rank():
+    run_ranks(_mismatched, 2)
 
 
 def _accuracy(rank, world):
