@@ -139,9 +139,9 @@ def _tasks_per_node(env: Mapping[str, str]) -> Optional[int]:
 
 def detect_kind(env: Mapping[str, str]) -> str:
     """Name the environment: ``mpi``, ``slurm``, ``env`` or ``none``."""
-    if _first(env, "OMPI_COMM_WORLD_SIZE") or (
-        _first(env, "PMI_SIZE") and not _first(env, "SLURM_PROCID")
-    ):
+    # srun sets PMI_SIZE too (--mpi=pmi2); Intel MPI's or MPICH's mpirun inside an allocation
+    # starts its daemons with srun, and its ranks inherit a daemon's SLURM_PROCID.
+    if _first(env, "OMPI_COMM_WORLD_SIZE") or (_first(env, "PMI_SIZE") and not srun_task(env)):
         return "mpi"
     if _first(env, "SLURM_JOB_ID"):
         return "slurm"

@@ -14,6 +14,7 @@ Configured by :func:`fastddp.init_distributed` (``peer_timeout=``) or ``FASTDDP_
 """
 
 import contextlib
+import math
 import os
 import socket
 import sys
@@ -258,6 +259,8 @@ def peer_timeout_from_env(env: Mapping[str, str], world: int) -> float:
         raise ClusterError(
             f"FASTDDP_PEER_TIMEOUT={raw!r} is not a number of seconds (0 turns it off)"
         ) from None
-    if seconds < 0:
-        raise ClusterError(f"FASTDDP_PEER_TIMEOUT={raw!r} must be 0 (off) or positive")
+    if not 0 <= seconds < math.inf:  # (NaN too)
+        raise ClusterError(
+            f"FASTDDP_PEER_TIMEOUT={raw!r} must be 0 (off) or a positive, finite number of seconds"
+        )
     return seconds

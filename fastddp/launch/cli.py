@@ -75,10 +75,23 @@ def _apply_cluster(parser: argparse.ArgumentParser, pre: argparse.Namespace, arg
     elsewhere = given | {k for k in _ONE_NODE if f"PET_{k.upper()}" in os.environ}
     if pre.standalone:
         elsewhere |= set(_ONE_NODE)
+    # A rendezvous endpoint stands for the master (which is not read, nor checked: Kubernetes'
+    # MASTER_PORT=tcp://IP:PORT is no error), and c10d numbers the nodes itself.
+    unused = set()
+    if not pre.standalone and (pre.rdzv_endpoint or pre.rdzv_backend != "static"):
+        unused = {"master_addr", "master_port"} | (
+            {"node_rank"} if pre.rdzv_backend != "static" else set()
+        )
+    elsewhere |= unused
     kind, settings = launcher_settings(os.environ, pre.cluster, gpus_visible(), elsewhere)
     for key, (value, source) in settings.items():
         pet = f"PET_{key.upper()}"
-        if pre.standalone and key in _ONE_NODE:
+        if key in unused and key not in given:
+            rendezvous = (
+                f"the {pre.rdzv_backend} rendezvous at {pre.rdzv_endpoint or 'its endpoint'}"
+            )
+            say(f"{key}: not used by {rendezvous}; {value} from {source} is not read")
+        elif pre.standalone and key in _ONE_NODE:
             # A Slurm allocation of several nodes would leave the one node waiting for more.
             say(f"{key}: --standalone (one node) wins over {value} from {source}")
         elif key in given:

@@ -67,6 +67,15 @@ def check(args: argparse.Namespace) -> None:
         raise LaunchError(f"--nproc-per-node {nproc}: give at least 1 process per node")
     if args.rdzv_endpoint:
         endpoint(args.rdzv_endpoint)
+    port = args.master_port
+    if port is not None and not 1 <= int(port) <= 65535:  # (torchrun's parser made it an int)
+        raise LaunchError(f"--master-port {port}: give a port from 1 to 65535")
+    if args.standalone and int(parts[-1]) > 1:
+        raise LaunchError(
+            f"--standalone runs one node, and --nnodes {nnodes} asks for more: the others "
+            "would wait for a rendezvous that only this node can reach. Drop --standalone and "
+            "give every node --rdzv-endpoint (or --master-addr and --node-rank)"
+        )
     _check_script(args)
     if args.preflight_timeout is None:
         raw = os.environ.get(PREFLIGHT_TIMEOUT_VAR, "20")

@@ -177,9 +177,17 @@ def preflight(args: argparse.Namespace, network: bool = True) -> tuple[dict, Dec
         return info, decisions
     addr = net.resolve(host.strip("[]"), timeout=10.0)
     loopback = ipaddress.ip_address(addr).is_loopback
-    _warn_loopback(host, addr, max_nodes)
-    local, iface = net.route_to(addr, port)
     is_master = (args.node_rank == 0) if static else net.is_local(addr)
+    # A host's own name often resolves to 127.0.1.1 on that host (Debian's /etc/hosts), and to
+    # its address on the others (Slurm's node lists are such names): they reach it, but the
+    # route to the master here is loopback, where no other node reaches its workers.
+    own_name = loopback and is_master and max_nodes > 1 and _literal(host) is None
+    if own_name:
+        local, iface = _own_interface(host, addr)
+        loopback = False  # for the others, it is not
+    else:
+        _warn_loopback(host, addr, max_nodes)
+        local, iface = net.route_to(addr, port)
     if is_master and static:
         _check_owns_master(host, addr)
     hosts = is_master
@@ -221,10 +229,41 @@ def preflight(args: argparse.Namespace, network: bool = True) -> tuple[dict, Dec
         why = (
             "a loopback master: every node on this machine"
             if loopback
-            else ("the interface that reaches the master")
+            else "this node's interface to the others"
+            if own_name
+            else "the interface that reaches the master"
         )
         _interface(decisions, iface, why, multi_node=max_nodes > 1 and not loopback)
     return info, decisions
+
+
+def _own_interface(host: str, addr: str) -> tuple[str, str]:
+    """The address and interface the other nodes reach this one at, where the master's name,
+    this node's own, resolves to the loopback ``addr`` here: the only interface besides
+    loopback, else the default route's."""
+    others = {a: n for a, n in net.interfaces().items() if not ipaddress.ip_address(a).is_loopback}
+    if len(others) == 1:
+        (local, iface), how = next(iter(others.items())), "its only interface besides loopback"
+    else:
+        try:  # (a UDP connect sends nothing; an address of TEST-NET-1 stands for "elsewhere")
+            local, iface = net.route_to("192.0.2.1", 9)
+        except LaunchError:
+            local, iface = "", None
+        how = "the interface of its default route"
+        if iface is None or ipaddress.ip_address(local).is_loopback:
+            shown = ", ".join(f"{n} {a}" for a, n in sorted(others.items())) or "none"
+            raise LaunchError(
+                f"--master-addr {host} resolves to {addr} on this node, a loopback address, and "
+                f"no interface stands out for the other nodes to reach it (interfaces besides "
+                f"loopback: {shown}): pass --master-addr as this node's address on the "
+                "network the nodes share, or set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME"
+            )
+    say(
+        f"the master {host} resolves to {addr} on this node, as a host's own name often does "
+        f"(/etc/hosts), and to this node's address on the others; its workers use {iface} "
+        f"({local}), {how}"
+    )
+    return local, iface
 
 
 def _check_owns_master(host: str, addr: str) -> None:

@@ -158,6 +158,17 @@ def test_mpi_launcher_settings():
         launcher_settings({"PMI_SIZE": "2", "PMI_RANK": "0"})
     with pytest.raises(ClusterError, match="mpirun started 2 processes per node"):
         launcher_settings({**env, "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+    # Intel MPI's or MPICH's mpirun inside a Slurm allocation: its ranks inherit the SLURM_*
+    # of the srun step that started its daemons, one a node; they are mpirun's ranks.
+    hydra = {"PMI_SIZE": "16", "PMI_RANK": "3", "MPI_LOCALNRANKS": "8", "MASTER_ADDR": "m"}
+    step = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}
+    with pytest.raises(ClusterError, match="mpirun started 8 processes per node"):
+        launcher_settings({**hydra, **step, "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "2"})
+    # srun --mpi=pmi2 sets PMI_SIZE too, to its own number of tasks: a Slurm launch.
+    srun = {**step, "PMI_SIZE": "2", "PMI_RANK": "0", "SLURM_JOB_NUM_NODES": "2"}
+    assert (
+        launcher_settings({**srun, "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "a,b"})[0] == "slurm"
+    )
 
 
 def test_forced_kind_without_its_variables():
@@ -246,7 +257,12 @@ def test_peer_timeout_from_env(raw, world, want):
 
 
 @pytest.mark.parametrize(
-    "raw, message", [("abc", "is not a number of seconds"), ("-1", "must be 0 \\(off\\)")]
+    "raw, message",
+    [
+        ("abc", "is not a number of seconds"),
+        ("-1", "must be 0 \\(off\\)"),
+        ("nan", "must be 0 \\(off\\) or a positive, finite number"),
+    ],
 )
 def test_a_bad_peer_timeout_is_refused_by_the_worker_before_any_group(raw, message):
     # What a worker under plain torchrun meets (fastddp.launch refuses it before starting one).

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from fastddp.testing import slack
+from fastddp.testing import netns, slack
 from fastddp.testing.ports import free_port
 
 from ._netns import lonely_node, two_nodes
@@ -284,9 +284,23 @@ def test_the_master_given_on_the_command_line_under_mpirun_and_kubernetes():
     mpi = dict(OMPI_COMM_WORLD_SIZE=2, OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_LOCAL_SIZE=1)
     res = _launch("--dry-run", "x.py", **mpi)
     assert res.returncode == 2 and "mpirun does not say which host is the master" in res.stderr
-    for how in (["--master-addr", "h0"], ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h0:1"]):
-        res = _launch("--dry-run", *how, "x.py", **mpi)
-        assert res.returncode == 0 and "config node_rank=1" in res.stderr, res.stderr
+    res = _launch("--dry-run", "--master-addr", "h0", "x.py", **mpi)
+    assert res.returncode == 0 and "config node_rank=1" in res.stderr, res.stderr
+    # c10d numbers the nodes itself, and its endpoint stands for the master: Kubernetes'
+    # MASTER_PORT=tcp://IP:PORT is not read (it was refused as no port), nor mpirun's rank.
+    c10d = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h0:1"]
+    res = _launch("--dry-run", *c10d, "x.py", **mpi, MASTER_PORT="tcp://10.96.0.5:29500")
+    assert res.returncode == 0, res.stderr
+    assert (
+        "node_rank: not used by the c10d rendezvous at h0:1; 1 from OMPI_COMM_WORLD_RANK is "
+        "not read"
+        in res.stderr
+        and "--node-rank 1 is ignored" not in res.stderr
+    )
+    assert (
+        "master_port: not used by the c10d rendezvous at h0:1; tcp://10.96.0.5:29500 from "
+        "MASTER_PORT is not read" in res.stderr
+    )
     res = _launch("--dry-run", "x.py", **mpi, PET_MASTER_ADDR="h0")
     assert res.returncode == 0 and "node_rank=1 master_addr=h0" in res.stderr, res.stderr
     # Kubernetes' MASTER_PORT=tcp://IP:PORT, overridden on the command line.
@@ -631,9 +645,35 @@ def _in(ns, cmd):
     return ["ip", "netns", "exec", ns, *cmd]
 
 
+@contextlib.contextmanager
+def _hosts(entries):
+    """``/etc/hosts`` of each namespace (``{ns: text}``), as ``ip netns exec`` mounts it."""
+    made = []
+    try:
+        for ns, text in entries.items():
+            folder = f"/etc/netns/{ns}"
+            os.makedirs(folder, exist_ok=True)
+            made.append(folder)
+            with open(f"{folder}/hosts", "w") as f:
+                f.write(f"127.0.0.1 localhost\n{text}\n")
+        yield
+    finally:
+        for folder in made:
+            with contextlib.suppress(OSError):
+                os.remove(f"{folder}/hosts")
+                os.rmdir(folder)
+
+
 @pytest.mark.netns
-def test_two_nodes_static_with_interface_found():
-    with two_nodes() as (a, b):
+def test_two_nodes_by_a_host_name_that_is_loopback_on_its_own_node():
+    # The master given by its host name, as Slurm's node lists give it, which node 0's
+    # /etc/hosts maps to 127.0.1.1 (Debian's default) and node 1's to node 0's address. Each
+    # node's workers must use the interface between the nodes, node 0's too (on loopback its
+    # workers were out of node 1's reach).
+    with (
+        two_nodes() as (a, b),
+        _hosts({a["ns"]: "127.0.1.1 fdnode0", b["ns"]: f"{a['addr']} fdnode0"}),
+    ):
         port = free_port()
         cmds = [
             _in(
@@ -647,7 +687,7 @@ def test_two_nodes_static_with_interface_found():
                     "--node-rank",
                     str(r),
                     "--master-addr",
-                    a["addr"],
+                    "fdnode0",
                     "--master-port",
                     str(port),
                     WORKER,
@@ -656,9 +696,42 @@ def test_two_nodes_static_with_interface_found():
             for r, n in ((1, b), (0, a))
         ]
         text = _ok(_run_all(cmds, timeout=200), 4)
-        assert f"GLOO_SOCKET_IFNAME={a['dev']} (the interface that reaches the master)" in text
+        assert (
+            f"the master fdnode0 resolves to 127.0.1.1 on this node, as a host's own name often "
+            f"does (/etc/hosts), and to this node's address on the others; its workers use "
+            f"{a['dev']} ({a['addr']}), its only interface besides loopback"
+        ) in text
+        assert f"GLOO_SOCKET_IFNAME={a['dev']} (this node's interface to the others)" in text
         assert f"GLOO_SOCKET_IFNAME={b['dev']} (the interface that reaches the master)" in text
-        assert "nodes=2" in text
+        assert "loopback address" not in text and "nodes=2" in text
+
+
+@pytest.mark.netns
+def test_a_host_name_that_is_loopback_with_several_interfaces_takes_the_default_route():
+    # Node 0 with two interfaces besides loopback: its default route's carries the workers;
+    # without a default route none stands out, and the launch stops naming them.
+    code = (
+        "import importlib\np = importlib.import_module('fastddp.launch.preflight')\n"
+        "try:\n    print('chose', *p._own_interface('fdnode0', '127.0.1.1'))\n"
+        "except p.LaunchError as e:\n    print('error', e)\n"
+    )
+    with lonely_node() as ns:
+        for i, net in ((0, "198.18.7"), (1, "198.18.8")):
+            netns._ip("-n", ns, "link", "add", f"fd{i}", "type", "veth", "peer", f"fd{i}p")
+            netns._ip("-n", ns, "addr", "add", f"{net}.1/24", "dev", f"fd{i}")
+            for dev in (f"fd{i}", f"fd{i}p"):
+                netns._ip("-n", ns, "link", "set", dev, "up")
+        cmd = _in(ns, [sys.executable, "-c", code])
+        res = slack.run(cmd, env=_env(), capture_output=True, text=True, timeout=slack.guard(60))
+        assert (
+            "error --master-addr fdnode0 resolves to 127.0.1.1 on this node, a loopback "
+            "address, and no interface stands out for the other nodes to reach it (interfaces "
+            "besides loopback: fd0 198.18.7.1, fd1 198.18.8.1)" in res.stdout
+        ), res.stdout + res.stderr
+        netns._ip("-n", ns, "route", "add", "default", "via", "198.18.8.2", "dev", "fd1")
+        res = slack.run(cmd, env=_env(), capture_output=True, text=True, timeout=slack.guard(60))
+        assert "chose 198.18.8.1 fd1" in res.stdout, res.stdout + res.stderr
+        assert "the interface of its default route" in res.stderr, res.stderr
 
 
 @pytest.mark.netns

@@ -28,6 +28,9 @@ C10D = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint"]
         ([*C10D, "[::1"], "--rdzv-endpoint [::1: write it as HOST[:PORT]"),
         ([*C10D, ":29400"], "--rdzv-endpoint :29400: no host"),
         (["--preflight-timeout", "0"], "the preflight timeout must be positive seconds, got 0.0"),
+        (["--master-port", "70000"], "--master-port 70000: give a port from 1 to 65535"),
+        (["--master-port", "-5"], "--master-port -5: give a port from 1 to 65535"),
+        (["--standalone", "--nnodes", "2"], "--standalone runs one node, and --nnodes 2 asks for"),
     ],
 )
 def test_a_bad_option_is_refused_with_the_fix(args, message, capsys, monkeypatch):
