@@ -1,5 +1,6 @@
 """``fastddp.all_reduce``: the hooks' compressed reduction for tensors outside DDP."""
 
+import itertools
 import math
 import zlib
 from collections.abc import Iterable
@@ -18,6 +19,7 @@ from fastddp.hooks.settings import outside
 __all__ = ["all_reduce"]
 
 _UNSET = object()
+_STATELESS_CALLS = itertools.count(1)  # seeds the rounding of calls without state=
 
 
 def all_reduce(
@@ -53,14 +55,14 @@ def all_reduce(
         accumulate_dtype (torch.dtype, optional): ``torch.float32`` (default) sums in fp32;
             ``None`` lets the collective sum in the wire dtype.
         stochastic_rounding (bool, optional): round stochastically (default False; with a
-            16-bit dtype only when summed in fp32).
+            16-bit dtype only when summed in fp32), with new numbers each call.
         block_size (int, optional): elements per scale of int8, int4 and int2 (default 128).
         topology (str, optional): ``"auto"`` (default), ``"flat"`` or ``"hierarchical"``, as
             for :class:`CompressState`.
         state (CompressState, optional): a state to reuse across calls instead of the
             arguments above: it keeps buffers, counters and error-feedback residuals (create
             it with ``error_feedback=True`` for that). Give it the same tensors each call;
-            tensors of other sizes, or another ``op``, are refused.
+            tensors of other sizes, another ``op`` or ``bucket_cap_mb``, are refused.
         bucket_cap_mb (float): largest bucket, in MiB of float32.
 
     Example::
@@ -80,6 +82,7 @@ def all_reduce(
         )
     if outside(group):
         return
+    cap = int(bucket_cap_mb * 2**20) // 4  # elements
     if state is None:
         _check_dtype(dtype, where)
         state = CompressState(
@@ -89,6 +92,9 @@ def all_reduce(
             stochastic_rounding=bool(stochastic_rounding),
             block_size=block_size,
             topology="auto" if topology is None else topology,
+            # A state's rounding draws anew with each of its calls; a fresh state per call would
+            # draw the same numbers each time, and round the same tensor alike, biased.
+            seed=next(_STATELESS_CALLS) if stochastic_rounding else 0,
         )
     else:
         if not isinstance(state, CompressState):
@@ -145,15 +151,15 @@ def all_reduce(
         digest = zlib.crc32(",".join(map(str, sizes)).encode())
         layout = (len(sizes), sum(sizes), digest)
         found = problem[:2] if problem else (0, 0)
-        _verify(state, _device(tensors, state), layout, found, 1 if op == "avg" else 2)
-        state._layout = (op, sizes)
+        _verify(state, _device(tensors, state), layout, found, 1 if op == "avg" else 2, cap)
+        state._layout = (op, sizes, cap)
     elif problem:
         # Later calls are not checked across ranks (a collective each): alike on every rank
         # that passes the same.
-        raise (TypeError if problem[0] < 4 else ValueError)(f"{where}: {problem[2]}")
+        raise (TypeError if problem[0] in (1, 2, 3, 7) else ValueError)(f"{where}: {problem[2]}")
     else:
         sizes = tuple(t.numel() for t in tensors)
-        first_op, first = state._layout
+        first_op, first, first_cap = state._layout
         if sizes != first:
             raise ValueError(
                 f"{where}: this state was first given {len(first)} tensor(s) of "
@@ -170,9 +176,15 @@ def all_reduce(
                 f"op={op!r}; a state keeps its op (its residuals are in its units): give each "
                 "op a CompressState of its own"
             )
+        if cap != first_cap:  # its buffers (and residuals) are per bucket
+            raise ValueError(
+                f"{where}: this state was first called with bucket_cap_mb="
+                f"{first_cap * 4 / 2**20:g}, and this call has {bucket_cap_mb:g}; a state keeps "
+                "its buckets (its buffers and residuals are per bucket): pass the same one"
+            )
     if not tensors:
         return
-    buckets = _bucketize(tensors, int(bucket_cap_mb * 2**20) // 4)
+    buckets = _bucketize(tensors, cap)
     with torch.no_grad():
         pending = []
         for index, members in enumerate(buckets):
@@ -216,6 +228,8 @@ def _problem(tensors: list) -> Optional[tuple[int, int, str]]:
             return 1, i, f"tensors[{i}] is None, {TENSOR_PROBLEMS[1]}"
         if not isinstance(t, torch.Tensor):
             return 2, i, f"tensors[{i}] is a {type(t).__name__}, not a Tensor"
+        if t.layout != torch.strided:
+            return 7, i, f"tensors[{i}] is {TENSOR_PROBLEMS[7]}"
         if t.dtype != torch.float32:
             return 3, i, f"tensors[{i}] is {t.dtype}; {TENSOR_PROBLEMS[3]}"
         if i == 0 and t.device.type not in ("cpu", "cuda"):  # the others must be alike

@@ -29,7 +29,9 @@ __all__ = ["PROTOCOL", "TENSOR_PROBLEMS", "check", "exchange", "topology_of"]
 # 9: and all_reduce's tensors whose elements share memory (problem code 5).
 # 10: and all_reduce's op (1 "avg", 2 "sum"; 0 from the hook).
 # 11: and all_reduce's tensors on neither CPU nor CUDA (problem code 6).
-PROTOCOL = 11
+# 12: and all_reduce's bucket size (elements; 0 from the hook), and its sparse tensors
+#     (problem code 7).
+PROTOCOL = 12
 _SHARED = 8  # the first columns of a row, which every rank must share
 
 
@@ -42,6 +44,7 @@ TENSOR_PROBLEMS = {
     4: "on another device than tensors[0]: reduce each device's tensors in a separate call",
     5: "a view whose elements share memory (expand()): pass t.clone() and copy back",
     6: "on neither CPU nor CUDA (a meta tensor has no data to reduce): pass CPU or CUDA tensors",
+    7: "sparse (as nn.Embedding(sparse=True) makes gradients): pass t.to_dense() and copy back",
 }
 
 
@@ -51,13 +54,15 @@ def exchange(
     layout: tuple[int, int, int] = (0, 0, 0),
     problem: tuple[int, int] = (0, 0),
     op: int = 0,
+    bucket: int = 0,
 ) -> list[tuple[int, ...]]:
     """All-gather every rank's row of the group of ``state`` (a collective: every rank calls it).
 
     ``layout``: what ``fastddp.all_reduce`` was given (tensors, elements, a digest of their
     sizes), which every rank must share; ``problem``: the code (:data:`TENSOR_PROBLEMS`, 0 for
     none) and index of the first tensor it cannot take; ``op``: its op (1 ``"avg"``, 2
-    ``"sum"``). DDP's buckets need none of these checks.
+    ``"sum"``); ``bucket``: its largest bucket, in elements. DDP's buckets need none of these
+    checks.
     """
     s = state.settings()
     loaded = state._loaded_from or (-1, -1)
@@ -78,6 +83,7 @@ def exchange(
             *problem,
             *_digest({k: t.numel() for k, t in state._delayed.parked.items()}),
             op,
+            bucket,
         ],
         dtype=torch.int64,
         device=device,
@@ -136,6 +142,14 @@ def check(rows: list[tuple[int, ...]]) -> None:
         raise ValueError(
             "fastddp.all_reduce: ranks passed different ops, so the result would be neither a "
             "sum nor an average:\n" + "\n".join(lines) + "\nPass the same op on every rank."
+        )
+    if len({row[23] for row in rows}) > 1:
+        lines = [f"  rank {r}: bucket_cap_mb={row[23] * 4 / 2**20:g}" for r, row in enumerate(rows)]
+        raise ValueError(
+            "fastddp.all_reduce: ranks passed different bucket_cap_mb, so their buckets, and "
+            "the collectives that carry them, would not line up:\n"
+            + "\n".join(lines)
+            + "\nPass the same bucket_cap_mb on every rank."
         )
     if len({row[11:14] for row in rows}) > 1:
         same = len({row[11:13] for row in rows}) == 1

@@ -25,10 +25,11 @@ def _verify(
     layout: tuple[int, int, int] = (0, 0, 0),
     problem: tuple[int, int] = (0, 0),
     op: int = 0,
+    bucket: int = 0,
 ) -> None:
-    """Check every rank's settings (and ``all_reduce``'s ``layout``, tensor ``problem`` and
-    ``op``) alike, the handshake; then find the nodes and make groups."""
-    rows = handshake.exchange(state, device, layout, problem, op)
+    """Check every rank's settings (and ``all_reduce``'s ``layout``, tensor ``problem``, ``op``
+    and ``bucket`` size) alike, the handshake; then find the nodes and make groups."""
+    rows = handshake.exchange(state, device, layout, problem, op, bucket)
     handshake.check(rows)
     topo = handshake.topology_of(rows, dist.get_rank(state.process_group))
     resolved = resolve(state.topology, topo)

@@ -112,8 +112,23 @@ def _with_state(rank, world):
     # Its residuals are shares of an average: a sum would repay a world-th of what it owes.
     with pytest.raises(ValueError, match="first called with op='avg', and this call has op='sum'"):
         fastddp.all_reduce(x.clone(), op="sum", state=state)
+    with pytest.raises(ValueError, match="first called with bucket_cap_mb=25, and this call has 1"):
+        fastddp.all_reduce(x.clone(), state=state, bucket_cap_mb=1)
     fastddp.all_reduce(x.clone(), state=state)
     assert state.stats()["calls"] == calls + 1
+    # Stochastic rounding without a state draws new numbers each call: the mean of many calls
+    # comes closer to the exact mean than one call (with the same numbers, it would not).
+    total = torch.zeros_like(x)
+    for i in range(calls):
+        y = x.clone()
+        fastddp.all_reduce(y, stochastic_rounding=True)
+        total += y
+        if i == 0:
+            first = y
+    assert not torch.equal(first, y)
+    err_sr = ((total / calls - mean).abs().max() / mean.abs().max()).item()
+    err_once = ((first - mean).abs().max() / mean.abs().max()).item()
+    assert err_sr < err_once / 3, (err_sr, err_once)
 
 
 def test_all_reduce_with_error_feedback_state():
@@ -207,6 +222,18 @@ def _bad_input(rank, world):
             "rank 0: tensors[1] is a view whose elements share memory (expand()): pass t.clone()",
         ),
         (lambda: fastddp.all_reduce({"w": torch.ones(3)}), "tensors is a dict; pass its tensors"),
+        (
+            lambda: fastddp.all_reduce([torch.ones(3), torch.ones(3).to_sparse() if rank else 0]),
+            "rank 1: tensors[1] is sparse (as nn.Embedding(sparse=True) makes gradients): pass "
+            "t.to_dense() and copy back",
+        ),
+        (
+            # Buckets of other sizes on each rank: collectives that would not line up.
+            lambda: fastddp.all_reduce([torch.ones(2**17)] * 3, bucket_cap_mb=(1, 0.5)[rank]),
+            "ranks passed different bucket_cap_mb, so their buckets, and the collectives that "
+            "carry them, would not line up:\n  rank 0: bucket_cap_mb=1\n  rank 1: "
+            "bucket_cap_mb=0.5",
+        ),
         (
             lambda: fastddp.all_reduce(torch.ones(3), op=("avg", "sum")[rank]),
             "ranks passed different ops, so the result would be neither a sum nor an average:\n"
