@@ -159,7 +159,7 @@ class AutoState(CompressState):
         if not self._checked:  # every rank must run the same trial: raise on every rank alike
             self._checked, cpp = True, self._switch is not None  # the turns' order depends on cpp
             plan = None if self._plan is None else candidates.spelled(self._using, self._plan)
-            trial.agree(self.allow, _rules(), cpp, self.process_group, device, plan)
+            trial.agree(self.allow, _rules(), cpp, self.process_group, device, plan, self.topology)
             candidates.verify(self._states, device, self._plan, self._using)  # fails now
             self._stamp = links.stamper(device, self.process_group)
         if last is not None:

@@ -30,9 +30,11 @@ __all__ = ["PROTOCOL", "TENSOR_PROBLEMS", "check", "exchange", "topology_of"]
 # 10: and all_reduce's op (1 "avg", 2 "sum"; 0 from the hook).
 # 11: and all_reduce's tensors on neither CPU nor CUDA (problem code 6).
 # 12: and all_reduce's bucket size (elements; 0 from the hook), and its sparse tensors
-#     (problem code 7).
+#     (problem code 7); a dtype="auto" state sends a row too (codec code AUTO).
 PROTOCOL = 12
 _SHARED = 8  # the first columns of a row, which every rank must share
+_COLUMNS = 24  # columns of a row
+AUTO = 0  # the codec code of a dtype="auto" state's row (no codec's)
 
 
 # What a rank's all_reduce tensors can be wrong by (code: the rest of the sentence).
@@ -66,7 +68,7 @@ def exchange(
     """
     s = state.settings()
     loaded = state._loaded_from or (-1, -1)
-    mine = torch.tensor(
+    return _gather(
         [
             PROTOCOL,
             state.codec.code,
@@ -85,11 +87,23 @@ def exchange(
             op,
             bucket,
         ],
-        dtype=torch.int64,
-        device=device,
+        state.process_group,
+        device,
     )
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(state.process_group))]
-    dist.all_gather(everyone, mine, group=state.process_group)
+
+
+def exchange_auto(topology: str, group, device: torch.device) -> list[tuple[int, ...]]:
+    """The handshake of a ``dtype="auto"`` state, its first collective (before its trial's):
+    a row as long as a fixed mode's, so that a rank of either kind meets the other's in it and
+    :func:`check` raises on both, where their first collectives would not line up."""
+    row = [PROTOCOL, AUTO, 0, 0, 0, 0, TOPOLOGIES.index(topology), 0, -1, -1, node_hash()]
+    return _gather(row + [0] * (_COLUMNS - len(row)), group, device)
+
+
+def _gather(row: list[int], group, device: torch.device) -> list[tuple[int, ...]]:
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
     return [tuple(t.tolist()) for t in everyone]
 
 
@@ -112,10 +126,14 @@ def check(rows: list[tuple[int, ...]]) -> None:
     if len({row[:_SHARED] for row in rows}) > 1:
         names = {entry.code: str(d).removeprefix("torch.") for d, entry in CODECS.items()}
         lines = [
-            f"  rank {rank}: dtype={names.get(row[1], '?')}, accumulate_dtype="
-            f"{'float32' if row[2] else None}, error_feedback={bool(row[3])}, "
-            f"stochastic_rounding={bool(row[4])}, block_size={row[5] or None}, "
-            f"topology={TOPOLOGIES[row[6]]!r}, delay={row[7]}"
+            (
+                f"  rank {rank}: dtype='auto', topology={TOPOLOGIES[row[6]]!r}"
+                if row[1] == AUTO
+                else f"  rank {rank}: dtype={names.get(row[1], '?')}, accumulate_dtype="
+                f"{'float32' if row[2] else None}, error_feedback={bool(row[3])}, "
+                f"stochastic_rounding={bool(row[4])}, block_size={row[5] or None}, "
+                f"topology={TOPOLOGIES[row[6]]!r}, delay={row[7]}"
+            )
             + (f", fastddp protocol {row[0]}" if row[0] != PROTOCOL else "")
             for rank, row in enumerate(rows)
         ]

@@ -23,6 +23,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from fastddp.hooks import handshake
 from fastddp.hooks.candidates import MIXED, NONE
 from fastddp.hooks.measured import StepRecord
 
@@ -153,10 +154,14 @@ def agree(
     group,
     device: torch.device,
     plan: Optional[str] = None,
+    topology: str = "auto",
 ) -> None:
     """Raise, on every rank alike, unless every rank runs the same trial (``cpp``: registered
     with :func:`fastddp.register_comm_hook`, which orders the turns) or the same ``plan`` (what
     a loaded state dict runs, None for none)."""
+    # First the handshake a fixed mode's first bucket makes: a rank given a fixed mode meets
+    # this one there, and both raise (in the trial's own check below, they would not meet).
+    handshake.check(handshake.exchange_auto(topology, group, device))
     # A rank with other candidates would issue other collectives.
     mine = zlib.crc32(",".join(allow).encode())
     figures = [mine, rules.trial_rounds, rules.verify_rounds, rules.check_every, int(cpp)]

@@ -284,11 +284,19 @@ def _allow_differs(rank, world):
     )
     with pytest.raises(ValueError, match=r"ranks disagree on CompressState\(dtype='auto'"):
         model(torch.ones(2, 24)).sum().backward()
+    # "auto" on one rank, a fixed mode on the other: their first collectives (the trial's
+    # check, the handshake) did not line up, and Gloo aborted; now both meet in a handshake.
+    model = DDP(_Net(depth=2), bucket_cap_mb=0.01)
+    state = fastddp.CompressState(dtype="auto") if rank == 0 else fastddp.CompressState()
+    model.register_comm_hook(state, fastddp.compress_hook)
+    with pytest.raises(ValueError, match="ranks disagree on the compression settings") as error:
+        model(torch.ones(2, 24)).sum().backward()
+    assert "  rank 0: dtype='auto', topology='auto'\n  rank 1: dtype=bfloat16," in str(error.value)
     dist.barrier()
 
 
 @pytest.mark.multiproc
-def test_ranks_that_disagree_on_allow_fail_alike():
+def test_ranks_that_disagree_on_allow_or_auto_fail_alike():
     run_ranks(_allow_differs, 2)
 
 
