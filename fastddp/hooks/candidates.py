@@ -10,7 +10,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from fastddp.hooks import native
+from fastddp.hooks import native, settings
 from fastddp.hooks.hook import _verify
 from fastddp.hooks.presets import PRESETS
 from fastddp.hooks.state import CompressState
@@ -72,6 +72,8 @@ def _known(name) -> bool:
 def make(allow: tuple[str, ...], process_group, topology: str, seed: int) -> dict:
     """The fixed state of each candidate but ``"none"``: a preset, with the path after a colon
     if one is named."""
+    # Checked as a candidate's state checks them, for an allow of "none" alone too.
+    settings.checked(torch.bfloat16, process_group, None, False, False, None, seed, topology)
     states = {}
     for name in allow:
         if name != NONE:

@@ -135,8 +135,8 @@ def load(state: Any, state_dict: dict[str, Any]) -> None:
     # Only residuals belong to one rank of one world size; counters fit any job.
     if state_dict.get("rank") is not None and holds_residuals(state_dict):
         state._loaded_from = (int(state_dict["rank"]), int(state_dict["world_size"]))
-    for index, saved in state_dict["buckets"].items():
-        state._table.saved[int(saved.get("index", index))] = saved
+    for index, saved in state_dict["buckets"].items():  # (two models: an index twice)
+        state._table.keep(int(saved.get("index", index)), saved)
     for index, counts in state_dict.get("retired_buckets", {}).items():
         state._table.saved.setdefault(int(index), dict(counts))
     with_shards = state.error_feedback and state.accumulate_dtype == torch.float32

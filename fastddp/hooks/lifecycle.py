@@ -31,7 +31,7 @@ def slot_for(state, key, signature, index, buffer, parameters, params, world) ->
         retire(state, old_key, rank)
     slot = Slot(index, buffer.numel(), buffer.device, world)
     slot.params, slot.signature = params, signature
-    events = slot.resume(table.saved.pop(index, None))
+    events = slot.resume(table.take(index))
     slot.path = state._path()
     slot.path.allocate(slot, state.codec, state._topology)
     slot.give_buffers(state.codec, state.error_feedback, events, state._topology.per_node)

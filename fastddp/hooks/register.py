@@ -74,13 +74,16 @@ def register_comm_hook(
     # What DDP's own register_comm_hook does around the reducer's registration.
     model._check_comm_hook(compress_hook)
     model.logger._set_comm_hook_name(compress_hook.__qualname__)
-    model._comm_hooks.append((compress_hook, state))
     if runner is not None:
         _extension.load().register_native_hook(model.reducer, runner, state, compress_hook)
-        return state
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
-    control = _extension.load().register_switch_hook(model.reducer, group, state, compress_hook)
-    state._switch = Switch(control)
+    else:
+        group = state.process_group if state.process_group is not None else dist.group.WORLD
+        extension = _extension.load()
+        state._switch = Switch(
+            extension.register_switch_hook(model.reducer, group, state, compress_hook)
+        )
+    # Once the reducer took it (a second registration raises there, and is not kept).
+    model._comm_hooks.append((compress_hook, state))
     return state
 
 

@@ -161,6 +161,9 @@ class SlotTable:
         # its key.
         self.param_keys = WeakIdKeyDictionary() if param_keys is None else param_keys
         self.saved: dict[int, dict[str, Any]] = {}
+        # Counters loaded for an index already saved: another model's bucket of that index
+        # (two models sharing a state), for the next slot that takes it.
+        self.queued: dict[int, list[dict[str, Any]]] = {}
 
     def keys_of(self, parameters: list[torch.Tensor]) -> tuple:
         keys = self.param_keys
@@ -212,12 +215,28 @@ class SlotTable:
             counts[name] = int(counts.get(name, 0)) + value
         return slot
 
+    def keep(self, index: int, saved: dict[str, Any]) -> None:
+        """Keep loaded counters of bucket ``index`` for the slot that takes it (a second entry
+        of one index for the slot that takes it after that one)."""
+        if index in self.saved:
+            self.queued.setdefault(index, []).append(saved)
+        else:
+            self.saved[index] = saved
+
+    def take(self, index: int) -> Optional[dict[str, Any]]:
+        """The counters kept for ``index``, for a new slot of that index; None if none."""
+        saved = self.saved.pop(index, None)
+        if self.queued.get(index):
+            self.saved[index] = self.queued[index].pop(0)
+        return saved
+
     def retired(self) -> dict[int, dict[str, int]]:
         """Counters of retired (or loaded) buckets that no live bucket has taken, by index."""
-        return {
-            index: {name: int(saved.get(name, 0)) for name in SLOT_COUNTERS}
-            for index, saved in sorted(self.saved.items())
-        }
+        out = {}
+        for index, saved in sorted(self.saved.items()):
+            entries = [saved, *self.queued.get(index, ())]
+            out[index] = {n: sum(int(e.get(n, 0)) for e in entries) for n in SLOT_COUNTERS}
+        return out
 
     def by_index(self) -> list[tuple[Any, Slot]]:
         """Live slots in bucket order, keyed by index (``(index, k)`` for the k-th other model)."""

@@ -355,6 +355,10 @@ def test_ranks_that_loaded_different_plans_fail_alike():
         (dict(error_feedback=True), ValueError, "error_feedback belongs to a fixed mode"),
         (dict(dtype="fast"), ValueError, "dtype must be a torch.dtype or 'auto'"),
         (dict(alow=["bf16"]), TypeError, "unexpected keyword argument 'alow'"),
+        # With "none" alone no candidate's state checks them: checked all the same.
+        (dict(allow=["none"], topology="ring"), ValueError, "topology must be one of"),
+        (dict(allow=["none"], seed="x"), TypeError, "seed must be an int, got 'x'"),
+        (dict(allow=["none"], process_group=42), TypeError, "process_group must be a torch"),
     ],
 )
 def test_bad_auto_settings(kwargs, error, message):

@@ -143,6 +143,20 @@ def _two_models_one_state(rank, world, settings):
     assert allocations[1] == allocations[-1], allocations
     assert len(state.stats()["buckets"]) >= 6
     _buckets_add_up(state.stats())
+    # Loaded into a state of two models again, each bucket index's counters of both models
+    # are kept (they were each other's: the second overwrote the first), and go on.
+    saved = state.stats()
+    loaded = fastddp.CompressState(**(settings or {}))
+    loaded.load_state_dict(state.state_dict())
+    for name in SLOT_COUNTERS:
+        assert loaded.stats()[name] == saved[name], (name, loaded.stats(), saved)
+    _buckets_add_up(loaded.stats())
+    again = [_ddp(_Net(seed=1)), _ddp(_Net(seed=2))]
+    for m in again:
+        m.register_comm_hook(loaded, fastddp.compress_hook)
+    (again[0](x).square().mean() + again[1](x).abs().mean()).backward()
+    assert loaded.stats()["calls"] > saved["calls"]
+    _buckets_add_up(loaded.stats())
 
 
 @pytest.mark.multiproc

@@ -116,6 +116,7 @@ def _registration(rank, world):
     state = fastddp.register_comm_hook(model, fastddp.CompressState(dtype="auto"))
     with pytest.raises(RuntimeError, match="can only be called once"):
         fastddp.register_comm_hook(model, fastddp.CompressState(dtype="auto"))
+    assert [s for _, s in model._comm_hooks] == [state]  # the refused one is not kept
     with pytest.raises(RuntimeError, match="registered on another model"):
         fastddp.register_comm_hook(DDP(_Net(), bucket_cap_mb=0.002), state)
     # A fixed mode is DDP's own registration of compress_hook.
