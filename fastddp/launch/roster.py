@@ -15,9 +15,10 @@ store and reads everyone's:
 - the workers start only once every node of the round has signed in and been checked.
 
 Nodes that join a running job (c10d) check their card against every card of the job. Under
-the static rendezvous, a launcher that signs in once the job's workers run is not one of its
-nodes: what it finds wrong (its node rank taken by a running launcher, whose heartbeat goes on)
-ends it alone, and the job goes on.
+the static rendezvous, a launcher that signs in once every node's roll call has confirmed the
+round (and stopped reading cards) is not one of its nodes: what it finds wrong (its node rank
+taken by a running launcher, whose heartbeat goes on) ends it alone, and the job goes on.
+Before that, a node still reading cards would end the job for it, and so it ends with them.
 """
 
 import contextlib
@@ -72,7 +73,8 @@ class RollCall:
         self._mine = 0  # this card's number, from 1
         self._beats: dict[int, tuple[int, float, bool]] = {}  # number: (beat, when, moved)
         self._undecided = False  # two cards of one node rank, one not yet known to be waiting
-        self._late = False  # signed in after the job's workers started
+        self._late = False  # signed in after every node's workers started
+        self._confirmed = False  # confirm() found the round complete
         self._broken: Optional[str] = None
         self._prober: Optional[reach.Prober] = None
         self._said = False
@@ -117,6 +119,8 @@ class RollCall:
                         "launch every node with fastddp.launch of the same version"
                     )
                 self._cond.wait(min(left, 1.0))
+        with self._cond:
+            self._confirmed = True  # cards read from now on are late launchers' to judge
         self._stopping.set()
         if self._said:
             say(f"all {world_size} nodes have signed in; the workers start")
@@ -136,7 +140,7 @@ class RollCall:
             master = next((c.name() for c in self._cards.values() if c.node_rank == 0), None)
             names = (self.card.name(), master or f"node 0 at {self._endpoint[0]}")
             with contextlib.suppress(RuntimeError, OSError):  # (the watcher finds out)
-                self.store.set(self._prefix + "running", "1")
+                self.store.add(self._prefix + "handed", 1)
             rank = self.card.node_rank
             failures.watch(self.store, prefix, self._mine, rank, nodes, self._run_id, names)
 
@@ -178,7 +182,9 @@ class RollCall:
         self._prober = reach.Prober(self.card.name(), self._address())
         # A launcher that comes after the job's workers started is not one of its nodes: what
         # it finds wrong ends it alone.
-        self._late = store.check([self._prefix + "running"])
+        # Late only once every node's roll call has confirmed the round: until then one of
+        # them may still read this card and end the job for it.
+        self._late = int(store.add(self._prefix + "handed", 0)) >= self.card.max_nodes
         self._mine = int(store.add(self._prefix + "count", 1))
         store.set(self._prefix + f"card/{self._mine}", json.dumps(dataclasses.asdict(self.card)))
         return store
@@ -284,6 +290,9 @@ class RollCall:
         say(line)
 
     def _end(self, problem: str, post: bool = True) -> None:
+        with self._cond:
+            if self._confirmed:  # the thread's last poll, after the round was confirmed
+                return
         say(f"error: {problem}")
         # For the nodes that cannot see it themselves: past their roll call (failures.py), or
         # not reading the card that shows it.
