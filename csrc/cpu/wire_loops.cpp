@@ -236,12 +236,14 @@ bool use_avx2_f16c() {
 
 const bool kHaveAvx2F16C = use_avx2_f16c();
 
-// Runs `loop(Bool<stream>{})`, one of the vector loops over part of an op of n fp32 values:
-// streaming its stores when n is large, and then fencing them, since streaming stores are
-// weakly ordered and must be published before this thread's part of the op counts as done.
-template <class F>
-decltype(auto) vectorised(int64_t n, F&& loop) {
-  if (n * 4 < stream_min_bytes()) {
+// Runs `loop(Bool<stream>{})`, one of the vector loops over part of an op of n fp32 values
+// written to dst: streaming its stores when n is large, and then fencing them, since streaming
+// stores are weakly ordered and must be published before this thread's part of the op counts
+// as done. Only where dst is aligned to its element size (a tensor of torch.frombuffer with an
+// odd offset is not): otherwise no element starts at a 32-byte boundary, as streaming needs.
+template <typename T, class F>
+decltype(auto) vectorised(int64_t n, const T* dst, F&& loop) {
+  if (n * 4 < stream_min_bytes() || reinterpret_cast<uintptr_t>(dst) % sizeof(T) != 0) {
     return loop(Bool<false>{});
   }
   struct Fence {
@@ -261,7 +263,7 @@ bool run(const CompressArgs& a, int64_t begin, int64_t end) {
     constexpr WireKind K = decltype(kind)::value;
 #ifdef FASTDDP_HAVE_AVX2_PATH
     if (kHaveAvx2F16C && !mode.feedback && !mode.stochastic) {
-      return vectorised(a.n, [&](auto stream) {
+      return vectorised(a.n, a.dst, [&](auto stream) {
         return compress_avx2<K, decltype(stream)::value>(a.src, a.dst, begin, end, a.scale);
       });
     }
@@ -278,7 +280,7 @@ bool run(const DecompressArgs& a, int64_t begin, int64_t end) {
     constexpr WireKind K = decltype(kind)::value;
 #ifdef FASTDDP_HAVE_AVX2_PATH
     if (kHaveAvx2F16C) {
-      vectorised(a.n, [&](auto stream) {
+      vectorised(a.n, a.dst, [&](auto stream) {
         decompress_avx2<K, decltype(stream)::value>(a.src, a.dst, begin, end, a.scale);
       });
       return;

@@ -19,6 +19,18 @@ for n in (0, 1, 7, 17, 1000, 2**20 + 3):
             y = torch.empty(n + 5)[offset : offset + n]
             fastddp.ops.decompress(w, y, 2.0)
             assert torch.equal(y, w.float() * 2.0), (n, offset, dt)
+# Outputs at an odd byte address (torch.frombuffer with an offset): no element of them lies on
+# a 32-byte boundary, where the streaming stores write; they crashed there.
+x = torch.randn(1000, generator=g)
+raw = bytearray(4 * 1000 + 64)
+start = torch.frombuffer(raw, dtype=torch.uint8).data_ptr()
+for dt, wide in ((torch.float16, torch.float32), (torch.bfloat16, torch.float32)):
+    w = torch.frombuffer(raw, dtype=dt, count=1000, offset=(1 - start) % 32)
+    fastddp.ops.compress(x, w, 1.0)
+    assert torch.equal(w.view(torch.int16), x.to(dt).view(torch.int16)), dt
+    y = torch.frombuffer(raw, dtype=wide, count=1000, offset=(2 - start) % 32)
+    fastddp.ops.decompress(x.to(dt), y, 1.0)
+    assert torch.equal(y, x.to(dt).float()), dt
 bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
 for dt in (torch.float16, torch.bfloat16):
     y = torch.empty(2**16)
