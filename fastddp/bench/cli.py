@@ -45,7 +45,8 @@ def _steps_options(p, steps, warmup):
 
 def _parser():
     p = argparse.ArgumentParser(prog="python -m fastddp.bench", description=__doc__)
-    sub = p.add_subparsers(dest="what", required=True)
+    names = "{allreduce,ddp,fsdp,convergence,hook-cost}"  # (the message of none given)
+    sub = p.add_subparsers(dest="what", required=True, metavar=names)
 
     p.commands = {}  # each subcommand's parser, for refusals that name its options
 
@@ -66,7 +67,7 @@ def _parser():
     a.add_argument("--min-seconds", type=float, default=1.0, help="time per size and mode")
     a.add_argument("--max-iters", type=int, default=100)
     _pretend_option(a)
-    add_common_options(a)
+    add_common_options(a, plot=True, topologies=True)
     d = command("ddp", ddp, "DDP step time per hook")
     d.add_argument(
         "--model",
@@ -86,7 +87,7 @@ def _parser():
     _steps_options(d, steps=30, warmup=5)
     d.add_argument("--modes", nargs="+", default=ddp.MODES, choices=ddp.CHOICES)
     _pretend_option(d)
-    add_common_options(d)
+    add_common_options(d, topologies=True)
     f = command("fsdp", fsdp, "FSDP2 step time per gradient reduction")
     _decoder_options(f, width=512, layers=8, batch=4)
     f.add_argument(

@@ -1,6 +1,7 @@
 """What the benchmarks share: rank setup (any launcher, own spawn, or a two-node link), and
 fastddp's modes, one per preset."""
 
+import argparse
 import math
 import os
 import sys
@@ -214,7 +215,10 @@ def human(nbytes):
     return str(nbytes)
 
 
-def add_common_options(p, nproc=2):
+def add_common_options(p, nproc=2, *, plot=False, topologies=False):
+    """The options every benchmark takes; ``--plot`` and ``--topologies`` are listed only
+    where they apply (``plot``, ``topologies``), and refused elsewhere by name."""
+    hidden = argparse.SUPPRESS
     p.add_argument(
         "--nproc", type=int, default=nproc, help=f"ranks to spawn without a launcher ({nproc})"
     )
@@ -233,7 +237,11 @@ def add_common_options(p, nproc=2):
         default=["auto"],
         choices=["auto", "flat", "hierarchical"],
         help="run each fastddp mode with each CompressState topology (default: auto); "
-        "modes other than auto are named mode/flat, mode/hier",
+        "modes other than auto are named mode/flat, mode/hier"
+        if topologies
+        else hidden,
     )
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
+    p.add_argument(
+        "--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)" if plot else hidden
+    )

@@ -116,6 +116,11 @@ class CompressState:
     def __new__(cls, dtype: Any = torch.bfloat16, *args: Any, **kwargs: Any) -> "CompressState":
         if cls is CompressState and isinstance(dtype, str) and cls._named is not None:
             return object.__new__(cls._named)
+        if "allow" in kwargs and not isinstance(dtype, str):
+            raise TypeError(
+                f"CompressState: allow= lists the modes dtype='auto' chooses from; pass "
+                f"dtype='auto' with it (dtype is {dtype})"
+            )
         return object.__new__(cls)
 
     def __init__(

@@ -262,6 +262,20 @@ def test_sizes_and_counts_read_as_their_help_writes_them():
     assert cli._parser().parse_args(["ddp", "--params", "2M"]).params == 2_000_000
 
 
+def test_the_help_lists_what_each_benchmark_takes(capsys):
+    # Without a benchmark, the error names them all; --plot and --topologies are listed only
+    # where they apply (and still refused by name elsewhere).
+    parser = cli._parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args([])
+    listed = capsys.readouterr().err.rsplit("required: ", 1)[1].strip()
+    assert listed == "{" + ",".join(parser.commands) + "}", listed
+    for name, command in parser.commands.items():
+        shown = command.format_help()
+        assert ("--plot" in shown) == (name == "allreduce"), name
+        assert ("--topologies" in shown) == (name in ("allreduce", "ddp")), name
+
+
 @pytest.mark.parametrize(
     "args,message",
     [

@@ -366,6 +366,11 @@ def test_bad_auto_settings(kwargs, error, message):
         fastddp.CompressState(**{"dtype": "auto", **kwargs})
 
 
+def test_allow_without_auto_is_refused_by_name():
+    with pytest.raises(TypeError, match="allow= lists the modes dtype='auto' chooses from"):
+        fastddp.CompressState(allow=["none", "bf16"])
+
+
 def test_auto_is_refused_by_all_reduce_and_by_another_allow():
     with pytest.raises(ValueError, match="state has dtype='auto'"):
         fastddp.all_reduce(torch.ones(4), state=fastddp.CompressState(dtype="auto"))
