@@ -21,6 +21,7 @@
 // one, or the end of the backward pass), so that nothing runs on Gloo's threads. A bucket whose buffer has
 // no plan is declined (Python runs it) after everything pending here is issued, so every rank
 // issues its collectives in the same order.
+#include <algorithm>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -358,9 +359,7 @@ class Runner : public std::enable_shared_from_this<Runner> {
         // the jobs taken above): issue them all before this one's first stage, newest first
         // as everywhere, as Python's settle does. What decides this is which stages were
         // issued, the same on every rank, so every rank issues its collectives in one order.
-        for (auto it = earlier.rbegin(); it != earlier.rend(); ++it) {
-          step(*it);
-        }
+        step_newest_first(earlier);
         earlier.clear();
         issue_pending();
       }
@@ -396,9 +395,9 @@ class Runner : public std::enable_shared_from_this<Runner> {
       plan->job = job;
       ++plan->runs;
       step(job);
-      for (auto it = earlier.rbegin(); it != earlier.rend(); ++it) {
-        step(*it);  // newest first, as the Python pipeline steps them
-      }
+    }, &earlier);
+    guarded([&] {
+      step_newest_first(earlier);  // as the Python pipeline steps them
       earlier.clear();
       poll();
       if (bucket.isLast()) {
@@ -406,8 +405,14 @@ class Runner : public std::enable_shared_from_this<Runner> {
       } else if (!pending_.empty() || !completing_.empty()) {
         finish_by_end_of_backward();
       }
-    }, &earlier);
+    });
     return job->result;
+  }
+
+  // The Python pipeline of the same state failed (a bucket reduced there): refuse further
+  // work too, as it does. Its collectives and this runner's are one sequence on every rank.
+  void fail_with(const std::string& why) {
+    fail(std::make_exception_ptr(std::runtime_error(why)));
   }
 
   // Issue everything pending and wait for every reduction started here.
@@ -521,20 +526,37 @@ class Runner : public std::enable_shared_from_this<Runner> {
         "into a new state)");
   }
 
-  // Run `fn`; on failure, fail every unfinished job (and those of `earlier`), then rethrow.
+  // Run `fn`; on failure, fail every unfinished job, then rethrow. The next stages of the jobs
+  // of `earlier` (pending before the bucket `fn` starts) are issued first, as Python's
+  // pipeline issues them: the other ranks issue them too, whatever failed here alone.
   template <typename Fn>
   void guarded(Fn&& fn, std::vector<std::shared_ptr<Job>>* earlier = nullptr) {
     try {
       fn();
     } catch (const std::exception& e) {
       if (earlier != nullptr) {
-        for (auto& job : *earlier) {
-          pending_.push_back(job);
+        try {
+          step_newest_first(*earlier);
+        } catch (const std::exception&) {
+          // the first failure is the one to report
         }
         earlier->clear();
       }
       fail(std::current_exception());
       throw;
+    }
+  }
+
+  // The next stage of each of `jobs`, the newest (last submitted) first, as the Python
+  // pipeline orders them: a young job's quick collective is issued before this thread waits
+  // for an older job's slow one. The order depends only on the submissions, alike on every
+  // rank.
+  void step_newest_first(std::vector<std::shared_ptr<Job>> jobs) {
+    std::stable_sort(jobs.begin(), jobs.end(), [](const auto& a, const auto& b) {
+      return a->order > b->order;
+    });
+    for (const auto& job : jobs) {
+      step(job);
     }
   }
 
@@ -675,9 +697,7 @@ class Runner : public std::enable_shared_from_this<Runner> {
     while (!pending_.empty()) {
       std::vector<std::shared_ptr<Job>> jobs(pending_.begin(), pending_.end());
       pending_.clear();
-      for (auto it = jobs.rbegin(); it != jobs.rend(); ++it) {
-        step(*it);
-      }
+      step_newest_first(std::move(jobs));
     }
   }
 
@@ -727,7 +747,7 @@ class Runner : public std::enable_shared_from_this<Runner> {
 
   std::mutex mu_;  // plans_, in_flight_ and failure_: completion callbacks run on other threads
   std::unordered_map<c10::TensorImpl*, std::shared_ptr<Plan>> plans_;
-  std::deque<std::shared_ptr<Job>> pending_;  // jobs with stages left, oldest first
+  std::deque<std::shared_ptr<Job>> pending_;  // jobs with stages left (stepped by `order`)
   std::deque<std::shared_ptr<Job>> completing_;  // on_caller jobs whose last collective runs
   std::vector<c10::intrusive_ptr<Future>> in_flight_;
   std::string failure_;
@@ -771,6 +791,7 @@ void define_native_hook(py::module_& m) {
            py::arg("finish"), py::arg("wait_in_callback"), py::arg("on_caller"))
       .def("remove", &Runner::remove, py::arg("buffer"))
       .def("take_runs", &Runner::take_runs)
+      .def("fail", &Runner::fail_with, py::arg("why"))
       .def("flush", &Runner::flush, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("busy", &Runner::busy)
       .def("_plant_defect", &Runner::plant_defect, py::arg("defect"))

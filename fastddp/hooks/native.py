@@ -113,7 +113,7 @@ class Native:
 
 def turn_off(state: Any) -> None:
     """Run every bucket of ``state`` (not yet used) on the Python path."""
-    state._native = state._runner = None
+    state._native = state._runner = state._pipeline.on_fail = None
 
 
 def make(state: Any) -> Optional[Native]:

@@ -109,6 +109,7 @@ class Pipeline:
         "_submitted",
         "waited",
         "on_issue",
+        "on_fail",
     )
 
     def __init__(self) -> None:
@@ -123,6 +124,9 @@ class Pipeline:
         # Called as on_issue(job, stage) once a stage's collective is issued (``dtype="auto"``
         # times the collectives of its measured steps).
         self.on_issue: Optional[Callable[[Job, int], None]] = None
+        # Called as on_fail(message) at the first failure: the state's native runner, whose
+        # collectives and these are one sequence, refuses further work too.
+        self.on_fail: Optional[Callable[[str], None]] = None
 
     def check(self) -> None:
         """Raise if an earlier reduction failed."""
@@ -292,6 +296,8 @@ class Pipeline:
         job.result.set_result(job.bucket)
 
     def _fail(self, error: BaseException) -> None:
+        if self._failure is None and self.on_fail is not None:
+            self.on_fail(f"{type(error).__name__}: {error}")
         self._failure = self._failure or error
         for job in (*self._pending, *self._earlier, *self._completing):
             if not job.result.done():

@@ -181,8 +181,9 @@ class CompressState:
         keys = getattr(self, "_table", None)
         self._table = SlotTable(keys.param_keys if keys is not None else None)
         self._verified = False
-        self._layout: Optional[tuple] = None  # all_reduce's (op, sizes) at its handshake
+        self._layout: Optional[tuple] = None  # all_reduce's (op, sizes, bucket) at its handshake
         self._pipeline = Pipeline()
+        self._pipeline.on_fail = None if self._runner is None else self._runner.fail
         self._residuals = Residuals()
         self._loaded_from: Optional[tuple[int, int]] = None
         self._topology: Optional[Topology] = None  # found at the first reduction

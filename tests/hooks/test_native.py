@@ -10,6 +10,7 @@ registration order, so that DDP's rebuilt buckets all differ from its first ones
 is replaced once.
 """
 
+import contextlib
 import copy
 import gc
 import os
@@ -20,6 +21,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import profile
 
@@ -235,3 +237,95 @@ def _plan_holds_its_group_weakly(rank, world):
 
 def test_a_plan_does_not_keep_its_process_group_alive():
     run_ranks(_plan_holds_its_group_weakly, 2)
+
+
+class _Recorded(dist.ProcessGroup):
+    """This rank alone, through a real Gloo group, recording the tag each all-reduce carries
+    (its first element: bucket * 10 + stage); the one tagged ``fail_at`` raises instead."""
+
+    def __init__(self, inner, log, fail_at=None):
+        super().__init__(inner.rank(), inner.size())
+        self.inner, self.log, self.fail_at = inner, log, fail_at
+
+    def getBackendName(self):
+        return "recorded"
+
+    def allreduce(self, tensors, opts=None):
+        tag = int(tensors[0][0].item())
+        self.log.append(tag)
+        if tag == self.fail_at:
+            raise RuntimeError(f"the collective tagged {tag} failed on this rank")
+        return self.inner.allreduce(tensors, opts or dist.AllreduceOptions())
+
+
+class _TaggedPath:
+    """A path of ``stages`` stages, each one all-reduce of a tag over ``group``."""
+
+    def __init__(self, group, stages):
+        self.group, self.stages = group, stages
+
+    def stage(self, job, i):
+        return self.group.allreduce([torch.tensor([float(job.slot * 10 + i)])])
+
+    def finish(self, job):
+        pass
+
+
+def _issue_order(rank, world, stages):
+    # The runner and the Python pipeline issue a step's stages in one order: each new bucket's
+    # first stage, then every pending job's next, newest first (so that the slow link never
+    # idles while this thread waits on an older job's collective). And where a new bucket
+    # fails, the stages pending before it are still issued, as the other ranks issue them.
+    from fastddp.hooks.pipeline import Job, Pipeline
+
+    inner = dist.new_group([0])
+    orders = {}
+    for fail_at in (None, 20):
+        log = []
+        group = _Recorded(inner, log, fail_at)
+        pipeline, path = Pipeline(), _TaggedPath(group, stages)
+        with contextlib.suppress(RuntimeError):
+            for i in range(4):
+                job = Job(path, i, torch.zeros(1), (dist.group.WORLD,), 1, True, (), None)
+                pipeline.submit(lambda job=job: job, is_last=i == 3)
+        orders["python", fail_at] = list(log)
+        runner = _extension.load().NativeRunner()
+
+        def hook(state, bucket):
+            runner, group = state
+            future = runner.run(bucket)
+            if future is not None:
+                return future
+            tags = [torch.tensor([float(bucket.index() * 10 + s)]) for s in range(stages)]
+            plan = [([], ("allreduce", group, t, None, None, None, None)) for t in tags]
+            runner.add(bucket.index(), bucket.buffer(), plan, [], False, True)
+            done = torch.futures.Future()
+            done.set_result(bucket.buffer())
+            return done
+
+        model = DDP(nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]), bucket_cap_mb=0.004)
+        model.register_comm_hook((runner, group), hook)
+        for _ in range(3):  # planned at the first step, and again after DDP's rebuild
+            log.clear()
+            with contextlib.suppress(RuntimeError):
+                model(torch.ones(2, 32)).sum().backward()
+        orders["native", fail_at] = list(log)
+    return orders
+
+
+def test_native_issues_stages_in_the_python_order():
+    orders = run_ranks(_issue_order, 1, 3)[0]
+    newest_first = [0, 10, 1, 20, 11, 2, 30, 21, 12, 31, 22, 32]
+    assert orders["python", None] == orders["native", None] == newest_first, orders
+    assert orders["python", 20] == orders["native", 20] == [0, 10, 1, 20, 11, 2], orders
+
+
+def test_a_failure_on_the_python_path_stops_the_runner_too():
+    # A bucket reduced on the Python path (a first or rebuilt one) that fails leaves the ranks'
+    # collectives out of step: the planned buckets must refuse further work too, as Python's.
+    state = fastddp.CompressState()
+    assert state._runner is not None
+    state._runner.flush()
+    state._pipeline._fail(RuntimeError("out of memory, say"))
+    with pytest.raises(RuntimeError, match=r"earlier reduction failed on this rank \(Runtime"):
+        state._runner.flush()

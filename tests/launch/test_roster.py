@@ -313,7 +313,10 @@ def test_a_node_whose_launcher_is_killed_stops_the_others(moment):
     if "error: workers failed" in out:  # (they were in the store)
         assert moment == "joining" and "and this node's workers failed with it" in out, out
     else:
-        assert "stopping this node's workers" in out and "Traceback" not in out, out
+        assert "stopping this node's workers" in out, out
+        # A worker that waited in the store may fail as it closes, with its own traceback,
+        # before its agent has noticed (on a busy machine): "joining" only.
+        assert "Traceback" not in out or moment == "joining", out
 
 
 def test_a_peer_that_does_not_answer_is_named_with_both_addresses(monkeypatch):
