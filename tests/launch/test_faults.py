@@ -248,9 +248,13 @@ def _hand_started(argv):
     return procs
 
 
-@pytest.mark.parametrize("value, message", [("abc", "is not a number of seconds"),
-                                            ("-1", "must be 0 (off) or a positive, finite"),
-                                            ("nan", "must be 0 (off) or a positive, finite")])  # fmt: skip
+_FINITE = "must be 0 (off) or a positive, finite"
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [("abc", "is not a number of seconds"), ("-1", _FINITE), ("nan", _FINITE)],
+)
 def test_bad_peer_timeout_is_refused(value, message, tmp_path):
     # By the launcher, on its configuration's exit status, before any worker has started.
     job = _launch(["--steps", "1", "--ckpt-dir", str(tmp_path)],
