@@ -96,8 +96,9 @@ def check_compress(emu: Emu, n: int, dtype, variant: str, offset: bool, special=
         outs.append((whole, r, f))
     what = f"compress n={n} {dtype} {variant} offset={offset}"
     # CUDA's fp32 -> fp16/bf16 instructions give the canonical NaN 0x7fff (sign dropped); the
-    # CPU keeps a quiet copy. The kernels that round in software (error feedback, stochastic
-    # rounding) agree on NaN too.
+    # CPU keeps a quiet copy. The inputs here hold no NaN: where one is met, the GPU's fp32
+    # multiply and add (the software rounding of error feedback and stochastic rounding) make
+    # it positive too, which the emulator, multiplying on the host, would not show.
     _same(what, outs[0][0], outs[1][0], nan_equal=variant in ("plain", "flag"))
     if residual is not None:
         _same(what + " residual", outs[0][1], outs[1][1])
