@@ -14,18 +14,29 @@ go. So a store that closes without that word means node 0's launcher is gone (ki
 crashed) while its host still answers: the others then stop their workers, which would wait
 for its ranks, in ``init_process_group`` or a collective, until their timeouts.
 
+A node that goes silent (its link or its host down: no connection closes) is named within the
+peer timeout (``FASTDDP_PEER_TIMEOUT``, 300 s by default) plus :data:`QUIET_MARGIN_S`: node 0
+watches every other node's heartbeat in its store (a node whose launch ended is not waited
+for), and the other nodes watch that node 0's store still answers. Running workers' own
+watchdogs (:mod:`fastddp.watchdog`) name a silent rank first; this covers the workers that
+have not started watching yet, still loading data or waiting for the others' ranks.
+
 The c10d rendezvous is left to torch: a node that fails there can be started again and
 rejoin, and the others' agents wait for it (``--max-restarts``, ``--nnodes MIN:MAX``).
 """
 
+import os
 import threading
 import time
 from typing import Optional
 
 import torch.distributed as dist
 
+from fastddp.cluster import ClusterError
 from fastddp.launch import stop
+from fastddp.launch.cards import read
 from fastddp.launch.preflight import say
+from fastddp.watchdog import peer_timeout_from_env
 
 __all__ = ["ARRIVALS", "arrived", "ended", "note_from", "peer_failure", "post", "watch"]
 
@@ -36,6 +47,9 @@ LINGER_S = 5.0
 SIGNAL_GRACE_S = 3.0
 # Node 0's store lost: how long this node's own end (its workers done too) may take to show.
 LOST_GRACE_S = 2.0
+# A silent node is named this long after the peer timeout: running workers' watchdogs, which
+# name the silent ranks themselves, speak first.
+QUIET_MARGIN_S = 10.0
 
 # Counted by every node as it joins a round (store.py); read here too, off the agent's
 # thread, for :func:`arrived`.
@@ -50,7 +64,7 @@ class _Watcher:
     def __init__(
         self, store, prefix: str, card: int, node_rank: int, nodes: int, run_id: str, names
     ):
-        self.store = store
+        self.store, self.prefix, self.card = store, prefix, card
         self.rounds = dist.PrefixStore(run_id, store)  # where the static rendezvous's keys are
         self.arrived = -1
         self.key = prefix + "failed"
@@ -65,8 +79,19 @@ class _Watcher:
         self.released = node_rank == 0  # this node needs node 0's store no more
         self._releasing = threading.Lock()
         self._stop = threading.Event()
+        try:
+            timeout = peer_timeout_from_env(os.environ, world=1)  # (checked by the preflight)
+        except ClusterError:
+            timeout = 0.0
+        self.quiet_limit = timeout + QUIET_MARGIN_S if timeout > 0 else 0.0
+        self.last_ok = time.monotonic()  # the last loop that reached node 0's store
+        self.peers: dict[int, tuple[int, str]] = {}  # node 0: card -> (node rank, name)
+        self.beats: dict[int, tuple[int, float]] = {}  # card -> (beat, when it last moved)
         self._thread = threading.Thread(target=self._run, name="fastddp-failures", daemon=True)
         self._thread.start()
+        if self.quiet_limit and node_rank != 0:
+            name = "fastddp-failures-quiet"
+            threading.Thread(target=self._watch_quiet, name=name, daemon=True).start()
 
     def _run(self) -> None:
         global _peer_note
@@ -77,7 +102,12 @@ class _Watcher:
                 if not self.released and self.store.check([self.over]):
                     self.release()
                     return  # node 0's launch ended well: its store goes, and nothing is lost
+                self.last_ok = time.monotonic()
                 if not self.store.check([self.key]):
+                    silent = self._silent() if self.quiet_limit and self.node_rank == 0 else None
+                    if silent is not None:
+                        self._quiet(silent)
+                        return
                     continue
                 value = self.store.get(self.key).decode()
                 self.release()
@@ -107,8 +137,68 @@ class _Watcher:
         """Tell node 0 that this node no longer needs its store (once)."""
         with self._releasing:  # (the watcher's thread, or the one of ended())
             if not self.released:
+                self.store.set(self.prefix + f"done/{self.card}", "1")  # no longer beats
                 self.store.add(self.let_go, 1)  # (raises where the store is gone)
                 self.released = True
+
+    def _silent(self) -> Optional[str]:
+        """Node 0: the first other node whose launcher's heartbeat has not moved for the quiet
+        limit (its launch not ended), said as such; None if there is none."""
+        self._read_cards()
+        now, last = time.monotonic(), {}  # node rank -> (when a card of it last beat, name)
+        for number, (rank, name) in sorted(self.peers.items()):
+            if self.store.check([self.prefix + f"done/{number}"]):
+                last[rank] = (now, name)  # that node's launch ended: nothing to wait for
+                continue
+            beat = int(self.store.add(self.prefix + f"beat/{number}", 0))
+            seen, when = self.beats.get(number, (beat, now))
+            self.beats[number] = (beat, now if beat != seen else when)
+            if rank not in last or self.beats[number][1] > last[rank][0]:
+                last[rank] = (self.beats[number][1], name)  # (a node started again: its newest)
+        for when, name in (v for _, v in sorted(last.items())):
+            if now - when > self.quiet_limit:
+                return f"{name} has not answered node 0's launcher for {now - when:.0f} s"
+        return None
+
+    def _read_cards(self) -> None:
+        # The other nodes' cards, those of nodes started again after the roll call too.
+        count = int(self.store.add(self.prefix + "count", 0))
+        for number in range(1, count + 1):
+            key = self.prefix + f"card/{number}"
+            if number != self.card and number not in self.peers and self.store.check([key]):
+                card = read(self.store.get(key))
+                if card.node_rank is not None:
+                    self.peers[number] = (card.node_rank, card.name())
+
+    def _watch_quiet(self) -> None:
+        """The other nodes: node 0's store must keep answering the watcher's loop."""
+        while not self._stop.wait(WATCH_S):
+            quiet = time.monotonic() - self.last_ok
+            if self.released:
+                return
+            if quiet > self.quiet_limit:
+                what = f"{self.master} has not answered this node's launcher for {quiet:.0f} s"
+                self._quiet(what)
+                return
+
+    def _quiet(self, what: str) -> None:
+        """A node went silent: say so, tell the others (node 0), stop this node's workers."""
+        global _peer_note
+        if stop.signalled() or self._stop.is_set():
+            return
+        limit = self.quiet_limit - QUIET_MARGIN_S
+        _peer_note = (
+            f"{what} (peer timeout {limit:g} s + {QUIET_MARGIN_S:g}, FASTDDP_PEER_TIMEOUT): the "
+            "network to it, or that node, is down"
+        )
+        if self.node_rank == 0:  # the others read it in its store, as a failure's note
+            note = f"f{self.name} stopped: {_peer_note}"
+            _bounded(WATCH_S, lambda: self.store.set(self.key, note))
+        say(
+            f"error: {_peer_note}; stopping this node's workers, which cannot go on without "
+            "that node (static rendezvous)"
+        )
+        stop.stop_self(1)
 
     def gone(self, error: Exception) -> str:
         """Node 0 is gone: what its store's ``error`` says."""

@@ -303,6 +303,39 @@ def test_a_lasting_outage_names_the_lost_node_within_the_peer_timeout(bed, tmp_p
     assert took[0] < slack.guard(60) and took[1] < slack.guard(60), took
 
 
+def test_a_node_silent_while_the_workers_start_is_named_by_the_launchers(bed):
+    # Node 1's link goes down while its workers still load (SLOW_NODE), before any of them
+    # watches its peers: node 0's workers wait in init_distributed for node 1's ranks (for its
+    # 10 minutes), and node 1's launcher calls node 0's store in silence (no connection
+    # closes). The launchers name the silent node within the peer timeout and a margin.
+    worker = ROOT / "tests" / "launch" / "_failing_worker.py"
+    env = {**os.environ, "FASTDDP_PEER_TIMEOUT": "5", "SLOW_NODE": "1", "HOLD_S": "120"}
+    job = _Launchers()
+    with _reset_after(bed) as made:
+        try:
+            started = netns.start(made, "2", [str(worker)], stdout=subprocess.PIPE, env=env)
+            for proc in started[::-1]:  # node 0's first
+                job.add(proc)
+            deadline = time.monotonic() + slack.guard(60)
+            while len(netns._ip("netns", "pids", made[1].ns).stdout.split()) < 3:  # + 2 workers
+                assert time.monotonic() < deadline, "node 1's workers did not start"
+                time.sleep(0.1)
+            time.sleep(1.0)
+            netns.set_link(made[1], up=False)
+            start = time.monotonic()
+            codes = job.wait(timeout=slack.guard(90))
+            took = time.monotonic() - start
+        finally:
+            netns.stop(job.procs)
+    assert codes == [1, 1], _said(codes, job.outs)
+    limit = "(peer timeout 5 s + 10, FASTDDP_PEER_TIMEOUT): the network to it, or that node, is"
+    assert f"error: node 1 at {made[1].addr}" in job.outs[0], _said(codes, job.outs)
+    assert "has not answered node 0's launcher for" in job.outs[0] and limit in job.outs[0]
+    assert f"error: node 0 at {made[0].addr}" in job.outs[1], _said(codes, job.outs)
+    assert "has not answered this node's launcher for" in job.outs[1] and limit in job.outs[1]
+    assert "worker ok" not in "".join(job.outs) and took < slack.guard(45), took
+
+
 # -- a lost node, under torchrun's elastic rendezvous -------------------------------------------
 
 # A launcher missing 6 heartbeats of 1 s is dropped: a lost node is noticed in seconds, and a
