@@ -107,6 +107,10 @@ class DiLoCo:
         self.inner_steps = 0  # step() calls
         self.nodes, self.per_node = len(topo.nodes), topo.per_node
         self._intra, self._cross = topo.groups["intra"], topo.groups["cross"]
+        # This rank's peer on the first node, whose parameters start everyone (the cross
+        # group's lowest rank is on another node where the nodes' ranks interleave).
+        first = topo.nodes[0][topo.local_rank]
+        self._first = first if group is None else dist.get_global_rank(group, first)
         self._wire = CrossAverage(compress, self._cross, self.nodes)
         module = inner.module if isinstance(inner, DDP) else inner
         params = [p for p in module.parameters() if p.requires_grad]
@@ -129,8 +133,7 @@ class DiLoCo:
         with torch.no_grad():
             self._shards.read(self._global)
             if self.nodes > 1:
-                src = dist.get_global_rank(self._cross, 0)
-                dist.broadcast(self._global, src=src, group=self._cross)
+                dist.broadcast(self._global, src=self._first, group=self._cross)
             self._shards.write(self._global, self._intra)
 
     def step(self) -> bool:

@@ -202,6 +202,8 @@ def _copy_between_nodes(rank, world):
     return flat(model)
 
 
-def test_every_rank_starts_from_the_first_nodes_parameters():
-    out = run_ranks(_copy_between_nodes, 4, nodes=[0, 0, 1, 1])
+@pytest.mark.parametrize("nodes", [[0, 0, 1, 1], [0, 1, 1, 0]], ids=["grouped", "interleaved"])
+def test_every_rank_starts_from_the_first_nodes_parameters(nodes):
+    # Interleaved, the second half's cross-node group {1, 3} has its lowest rank on node 1.
+    out = run_ranks(_copy_between_nodes, 4, nodes=nodes)
     assert all(torch.equal(o, flat(net())) for o in out)
