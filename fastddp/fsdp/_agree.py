@@ -15,7 +15,7 @@ import torch.distributed as dist
 from fastddp.codecs import CODECS, Codec
 from fastddp.hooks.handshake import PROTOCOL
 
-__all__ = ["agree", "codec_row", "describe"]
+__all__ = ["agree", "agree_setup", "codec_row", "describe"]
 
 
 def agree(
@@ -67,3 +67,52 @@ def describe(row: tuple[int, ...]) -> str:
     version = f", fastddp protocol {protocol}" if protocol != PROTOCOL else ""
     block_size = f", block_size={block}" if block else ""
     return f"dtype={names.get(code, '?')}{block_size}, error_feedback={bool(feedback)}{version}"
+
+
+def agree_setup(where, group, shard_ranks, state, reduce_scatter, problem) -> None:
+    """:func:`fastddp.fsdp.hybrid`'s set-up, one all-gather over the job: raise alike on every
+    rank if a rank's set-up failed (``problem``, raised there), if the replicate ``group``
+    pairs ranks of different positions in their shard groups (one node's shard 0 summed with
+    another's shard 1), or if the ranks' settings (``state``, ``reduce_scatter``) differ."""
+    rank, replicate = dist.get_rank(), dist.get_process_group_ranks(group)
+    position = shard_ranks.index(rank) if rank in shard_ranks else -1
+    mine = [position, min(replicate), int(problem is not None)]
+    if state is not None:
+        s = state.settings()
+        mine += [state.codec.code, s["block_size"] or 0, int(s["error_feedback"])]
+        mine += [int(s["accumulate_dtype"] is not None), int(s["stochastic_rounding"])]
+        entry = CODECS.get(reduce_scatter) if isinstance(reduce_scatter, torch.dtype) else None
+        mine.append(entry.code if entry else 0 if reduce_scatter is None else -1)
+    mine += [0] * (9 - len(mine))
+    on = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    row = torch.tensor(mine, dtype=torch.int64, device=on)
+    rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, row)
+    rows = [tuple(r.tolist()) for r in rows]
+    if problem is not None:
+        raise problem
+    failed = [r for r, row in enumerate(rows) if row[2]]
+    if failed:
+        raise ValueError(f"{where}: the set-up failed on rank(s) {failed}, each saying why")
+    positions: dict[int, set] = {}
+    for row in rows:
+        positions.setdefault(row[1], set()).add(row[0])
+    if any(len(p) > 1 for p in positions.values()):
+        raise ValueError(
+            f"{where}: replicate_group pairs ranks of different positions in their shard "
+            'groups (each would sum its shard with another shard): pass mesh["replicate"] '
+            'of the mesh whose mesh["shard"] you sharded with (fastddp.fsdp.node_mesh())'
+        )
+    if len({row[3:] for row in rows}) > 1:
+        names = {e.code: str(d) for d, e in CODECS.items()}
+        lines = [
+            f"  rank {r}: dtype={names.get(row[3], '?')}, block_size={row[4] or None}, "
+            f"error_feedback={bool(row[5])}, accumulate_dtype={'float32' if row[6] else None}, "
+            f"stochastic_rounding={bool(row[7])}, reduce_scatter={names.get(row[8])}"
+            for r, row in enumerate(rows)
+        ]
+        raise ValueError(
+            f"{where}: ranks disagree on the settings, so their payloads cannot be combined:\n"
+            + "\n".join(lines)
+            + "\nGive every rank the same arguments."
+        )

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from fastddp.codecs import CODECS
+from fastddp.fsdp._agree import agree_setup
 from fastddp.fsdp._checkpoint import LoadCheck, pack
 from fastddp.fsdp._sharded import sharded_modules
 from fastddp.fsdp.reduce_scatter import CompressedReduceScatter, compress_reduce_scatter
@@ -219,7 +220,20 @@ def hybrid(
     modules = sharded_modules(model, _WHERE, 'fully_shard(layer, mesh=mesh["shard"])')
     group = _replicate_group(replicate_group)
     shard_ranks = _shard_ranks(modules)
-    _check_groups(group, shard_ranks)
+    # What each rank was given may be wrong on some ranks only: found here, and raised on
+    # every rank after one all-gather (agree_setup), before FSDP2's first collective.
+    state, problem = None, None
+    try:
+        _check_groups(group, shard_ranks)
+        state = _state(group, dtype, reduce_scatter, settings)
+    except (TypeError, ValueError) as error:
+        problem = error
+    agree_setup(_WHERE, group, shard_ranks, state, reduce_scatter, problem)
+    rs = None if reduce_scatter is None else compress_reduce_scatter(model, reduce_scatter)
+    return HybridAllReduce(modules, state, len(shard_ranks), rs)
+
+
+def _state(group, dtype, reduce_scatter, settings: dict) -> CompressState:
     for name in ("process_group", "topology", "delay"):
         if name in settings:
             raise TypeError(f"{_WHERE}: {name} is not a setting here (the group is given)")
@@ -232,11 +246,8 @@ def hybrid(
         )
     # The replicate group holds one rank per node: the flat path is the cross-node path.
     if isinstance(dtype, str):
-        state = CompressState.from_preset(dtype, group, topology="flat", **settings)
-    else:
-        state = CompressState(dtype, group, topology="flat", **settings)
-    rs = None if reduce_scatter is None else compress_reduce_scatter(model, reduce_scatter)
-    return HybridAllReduce(modules, state, len(shard_ranks), rs)
+        return CompressState.from_preset(dtype, group, topology="flat", **settings)
+    return CompressState(dtype, group, topology="flat", **settings)
 
 
 def _replicate_group(given) -> dist.ProcessGroup:

@@ -165,6 +165,28 @@ def _mesh_and_errors(rank, world):
         comm._reduce_shard(0, sharded, torch.ones(32))
     with pytest.raises(TypeError, match="topology is not a setting"):
         fastddp.fsdp.hybrid(sharded, mesh["replicate"], torch.int8, topology="flat")
+    # What differs between ranks is refused on every rank, in one all-gather before FSDP2's
+    # first collective (other settings on one rank: other payloads, or a hang where only some
+    # replicate groups' handshakes saw it; another reduce-scatter on one rank: a hang).
+    other = nn.Linear(8, 8)
+    fully_shard(other, mesh=mesh["shard"])
+    for mine in ({"dtype": "bf16-acc"}, {"reduce_scatter": torch.bfloat16}, {"block_size": 64}):
+        given = {"dtype": "int8-ef", **mine} if rank == 0 else {"dtype": "int8-ef"}
+        with pytest.raises(ValueError, match="ranks disagree on the settings") as error:
+            fastddp.fsdp.hybrid(other, mesh["replicate"], **given)
+        assert "\n  rank 3: dtype=torch.int8, block_size=128, error_feedback=True" in str(
+            error.value
+        )
+    # A bad argument on one rank: that rank raises it, the others that it failed there.
+    with pytest.raises(ValueError) as error:
+        fastddp.fsdp.hybrid(other, mesh["replicate"], "int7" if rank == 1 else "bf16-acc")
+    said = "unknown fastddp preset" if rank == 1 else "the set-up failed on rank(s) [1]"
+    assert said in str(error.value), str(error.value)
+    # Replicate groups that pair position 0 of one node with position 1 of the other (ranks
+    # 0 and 3, 1 and 2): each would sum one shard with another (0.75 of the norm off).
+    crossed = [dist.new_group([0, 3]), dist.new_group([1, 2])]
+    with pytest.raises(ValueError, match="pairs ranks of different positions in their shard"):
+        fastddp.fsdp.hybrid(other, crossed[0] if rank in (0, 3) else crossed[1])
 
 
 def test_node_mesh_and_bad_inputs():
