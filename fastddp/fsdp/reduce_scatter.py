@@ -173,7 +173,6 @@ class CompressedReduceScatter(ReduceScatter):
         row = codec.row_elems(chunk)
         wire = (world * row, codec.wire_dtype, src.device)
         flags, count = self._flags(src.device)
-        flags[1:].zero_()  # set only where the sum is rounded to 16 bits, below
         if codec.plain and src.dtype == codec.wire_dtype:
             send = src  # already in the wire dtype, nothing rounded; the scale after the sum
             flags[:1].zero_()
@@ -185,15 +184,17 @@ class CompressedReduceScatter(ReduceScatter):
         recv = self._buffers.get("recv", *wire)
         dist.all_to_all_single(recv, send, group=group)
         rows = recv.view(world, row)
+        met = flags  # the flags this call's ops set: the encode's, and a 16-bit rounding's
         if dst.dtype == torch.float32:
             codec.sum_into(rows, chunk, dst, post)
+            met = flags[:1]  # (nothing rounded: the rounding's flag is an earlier call's)
         elif codec.plain and dst.dtype == codec.wire_dtype:
             codec.reduce(rows, dst, chunk, post, flags[1:])  # one rounding, of the fp32 sum
         else:  # a 16-bit output of another wire: the fp32 sum rounded once, overflow flagged
             total = self._buffers.get("sum", chunk, torch.float32, src.device)
             codec.sum_into(rows, chunk, total, post)
             HalfCodec(dst.dtype).encode(total, dst, chunk, 1.0, flags[1:])
-        count.add_(flags.amax())
+        count.add_(met.amax())
         self._counters["calls"] += 1
         self._counters["elements"] += src.numel()
         self._counters["wire_bytes"] += (world - 1) * codec.payload_bytes(chunk)
