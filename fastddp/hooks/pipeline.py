@@ -26,8 +26,9 @@ Rules, in one place:
   calling thread, once ``Work.wait()`` returns. With CPU tensors no fastddp callback runs on a
   Gloo thread, so none can be left for one to run at interpreter exit (Gloo with CUDA tensors
   runs the ``then`` callback on its own thread).
-- :meth:`Pipeline.flush` leaves the current stream ordered after everything queued, so that
-  host reads (``state_dict()``, ``stats()``) see finished values.
+- :meth:`Pipeline.flush` leaves the current stream ordered after everything queued, the
+  decodes in callbacks included (their results' events), so that host reads see finished
+  values.
 - After a failure every later call raises the same error: the ranks' collectives no longer
   match, and carrying on would hang or mix payloads.
 """
@@ -103,6 +104,7 @@ class Pipeline:
         "_pending",
         "_earlier",
         "_completing",
+        "_in_flight",
         "_failure",
         "_graph_task",
         "_runtimes",
@@ -116,6 +118,8 @@ class Pipeline:
         self._pending: deque[Job] = deque()  # jobs with stages left, oldest first
         self._earlier: list[Job] = []  # pending jobs set aside while a new bucket starts
         self._completing: deque[Job] = deque()  # CPU jobs whose last collective is in flight
+        # Asynchronous jobs whose decode no reader here has waited for yet: flush() waits.
+        self._in_flight: list[Job] = []
         self._failure: Optional[BaseException] = None
         self._graph_task = -1
         self._runtimes: dict[tuple, Runtime] = {}
@@ -189,6 +193,11 @@ class Pipeline:
             self._run_earlier()
         while self._completing:
             self._complete(self._completing.popleft())
+        # On CUDA each decode ran in a callback, on a stream of torch's pool: the side
+        # stream's wait below does not cover it, its result's events do.
+        in_flight, self._in_flight = self._in_flight, []
+        for job in in_flight:
+            job.runtime.wait_result(job.result)
         self.synchronize()
 
     def drain(self, jobs) -> None:
@@ -232,6 +241,8 @@ class Pipeline:
         while job in self._completing:
             self._complete(self._completing.popleft())
         job.runtime.wait_result(job.result)  # on CUDA: the current stream waits for its decode
+        if job in self._in_flight:
+            self._in_flight.remove(job)
 
     # -- internals ------------------------------------------------------------------------
 
@@ -260,6 +271,7 @@ class Pipeline:
             self._pending.append(job)
         elif runtime.asynchronous:
             runtime.then(job.work, lambda fut, job=job: self._complete_async(job, fut))
+            self._in_flight.append(job)
         else:
             self._completing.append(job)
 
@@ -305,6 +317,7 @@ class Pipeline:
         self._pending.clear()
         self._earlier.clear()
         self._completing.clear()
+        self._in_flight.clear()
 
     def _finish_by_end_of_backward(self) -> None:
         # DDP waits for every bucket's future at the end of backward. If the bucket marked

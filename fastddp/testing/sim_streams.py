@@ -28,11 +28,10 @@ ordered after the compute stream's writes, or after a collective the compute str
 for, goes unnoticed); reads are not recorded, only writes (a buffer overwritten while a
 stream may still read it is caught only through the values that come out); the caching
 allocator and ``record_stream``; a reader ordered after part of a stream's work between two
-collectives is treated as ordered after all of it. :meth:`SimRuntime.synchronize` also lands
-the callbacks' writes: it stands in for the wait DDP (and every other reader of a hook's
-future) makes on each future, which this module cannot intercept; CUDA's orders after the
-side stream only, so a host read after ``flush()`` of a buffer a callback wrote, with no wait
-on its result, goes unnoticed.
+collectives is treated as ordered after all of it; the wait DDP (or any other reader of a
+hook's future) makes on a result, from C++: a callback's writes land only at
+:meth:`SimRuntime.wait_result`, so fastddp must wait for every result it hands out before
+its own reads and before DDP's (the pipeline's ``flush()``, at the last bucket, does).
 """
 
 import contextlib
@@ -297,10 +296,6 @@ class SimRuntime(runtimes.Runtime):
             self.pools.remove(pool)
 
     def synchronize(self):
+        # As CUDA's: the side stream only. The callbacks' streams land at wait_result.
         self.stream.land()
-        # Stands in for DDP's wait on each bucket's future too (it orders the reader after
-        # the callbacks' streams), which this module cannot see.
-        for pool in self.pools:
-            pool.land()
-        self.pools.clear()
         self.dirty = False

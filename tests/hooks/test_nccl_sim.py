@@ -57,6 +57,14 @@ MUTATIONS = {
         "job.runtime.wait_result(job.result)",
         "pass",
     ),
+    # flush() that orders host reads after the side stream but not after the decodes that
+    # ran in callbacks (on CUDA, on streams of torch's pool).
+    "flush-without-waiting-decodes": (
+        Pipeline,
+        "flush",
+        "job.runtime.wait_result(job.result)\n",
+        "pass\n",
+    ),
     # stats() reading the flags the side stream adds to without ordering after it.
     "stats-without-synchronize": (
         CompressState,
@@ -216,6 +224,36 @@ def _load_mid_run(rank, world, mode):
 
 def test_a_load_mid_run_finishes_the_reductions_in_flight():
     run_ranks(_load_mid_run, 2, "int8-ef")  # two stages: the second waits for the next step
+
+
+def _host_read_after_flush(rank, world):
+    nccl_sim.install()
+    sim = dist.new_group(backend=nccl_sim.BACKEND)
+    torch.manual_seed(0)
+    model = DDP(_Net(), process_group=sim, bucket_cap_mb=0.002)
+    state = fastddp.CompressState(process_group=sim, **preset("int8-ef"))
+    seen = []
+
+    def hook(state, bucket):
+        fut = fastddp.compress_hook(state, bucket)
+        # What flush() promises: the bucket can be read here, before anyone waits on fut.
+        state.flush()
+        seen.append(bucket.buffer().clone())
+        return fut
+
+    model.register_comm_hook(state, hook)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2):  # the second step has DDP's rebuilt buckets, several of them
+        seen.clear()
+        model.zero_grad()
+        model(torch.randn(8, 24, generator=gen)).sum().backward()
+    assert len(seen) > 2, len(seen)
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert torch.equal(torch.cat(seen).sort().values, grads.sort().values), "read before decode"
+
+
+def test_a_host_read_after_flush_sees_the_decoded_bucket():
+    run_ranks(_host_read_after_flush, 2)
 
 
 @pytest.mark.parametrize("mutation", [*MUTATIONS, *NATIVE_MUTATIONS])

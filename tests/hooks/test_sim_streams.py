@@ -86,10 +86,13 @@ def _callbacks(rank, world):
     out.zero_()
     with pytest.raises(SimRace, match="written on a side stream"):
         runtime.wait_result(result)
-    # synchronize() lands every callback's writes (it stands in for DDP's own wait too).
+    # synchronize() orders after the side stream only, as on CUDA: a callback's stream is
+    # one of torch's pool, which only its result's events reach.
     t, out, result = torch.ones(3), torch.zeros(3), torch.futures.Future()
     runtime.then(dist.all_reduce(t, group=sim, async_op=True), _completion(out, result))
     runtime.synchronize()
+    assert out.isnan().all(), "synchronize() must not land a callback's writes"
+    runtime.wait_result(result)
     assert torch.equal(out, torch.full((3,), 2.0))
 
 
