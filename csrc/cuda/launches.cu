@@ -11,6 +11,22 @@
 #include "launches.h"
 
 namespace fastddp::cuda {
+
+cudaError_t new_stream(int device, bool high_priority, cudaStream_t* out) {
+  int was = 0;
+  cudaError_t e = cudaGetDevice(&was);
+  if (e != cudaSuccess || (e = cudaSetDevice(device)) != cudaSuccess) {
+    return e;
+  }
+  int least = 0, greatest = 0;  // (numerically: greatest priority is the lowest number)
+  e = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+  if (e == cudaSuccess) {
+    e = cudaStreamCreateWithPriority(out, cudaStreamNonBlocking, high_priority ? greatest : least);
+  }
+  const cudaError_t back = cudaSetDevice(was);
+  return e != cudaSuccess ? e : back;
+}
+
 namespace {
 
 // Runs launch.h's calls on `stream` and keeps the first error; after one it launches nothing.

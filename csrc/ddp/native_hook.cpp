@@ -206,6 +206,9 @@ struct Plan {
   c10::IValue python_value;
   int64_t runs = 0;    // reductions run here since Python last took the count
   std::shared_ptr<Job> job;  // the latest reduction
+  // The Python path's last reduction of this bucket, until the first one here: its decode
+  // read the slot's tensors that this plan's first stage overwrites.
+  c10::intrusive_ptr<Future> previous;
 };
 
 struct Job {
@@ -266,15 +269,21 @@ class Runner : public std::enable_shared_from_this<Runner> {
   // the thread that calls the hook, once the collective is done, rather than in a callback
   // of its future (CPU tensors: then nothing of fastddp's, and nothing chained on its
   // futures, runs on Gloo's threads, where it could be left running at interpreter exit).
+  // `previous`: the result future of the Python path's last reduction of the bucket, or None.
   void add(
       int64_t id,
       const at::Tensor& buffer,
       const py::list& stages,
       const py::list& finish,
       bool wait_in_callback,
-      bool on_caller) {
+      bool on_caller,
+      const py::object& previous) {
     auto plan = std::make_shared<Plan>();
     plan->id = id;
+    if (!previous.is_none()) {
+      plan->previous =
+          torch::jit::toIValue(previous, c10::FutureType::create(c10::AnyType::get())).toFuture();
+    }
     plan->buffer = buffer;
     plan->wait_in_callback = wait_in_callback;
     plan->on_caller = on_caller;
@@ -292,18 +301,27 @@ class Runner : public std::enable_shared_from_this<Runner> {
     plans_[buffer.unsafeGetTensorImpl()] = std::move(plan);
   }
 
-  // Drop the plan of `buffer` (its slot was retired); returns its uncounted runs.
+  // Drop the plan of `buffer` (its slot was retired); returns its uncounted runs. The current
+  // stream is ordered after its last decode first: the Python path, or the allocator, may
+  // hand the slot's tensors out next.
   int64_t remove(const at::Tensor& buffer) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = plans_.find(buffer.unsafeGetTensorImpl());
-    if (it == plans_.end()) {
-      return 0;
+    std::shared_ptr<Job> last;
+    int64_t runs = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = plans_.find(buffer.unsafeGetTensorImpl());
+      if (it == plans_.end()) {
+        return 0;
+      }
+      runs = it->second->runs;
+      // A plan and its latest job hold each other: without this, neither would be freed, nor
+      // the bucket buffer and slot tensors the plan's calls hold (1-2x the bucket on a GPU).
+      last = std::move(it->second->job);
+      plans_.erase(it);
     }
-    int64_t runs = it->second->runs;
-    // A plan and its latest job hold each other: without this, neither would be freed, nor
-    // the bucket buffer and slot tensors the plan's calls hold (1-2x the bucket on a GPU).
-    it->second->job.reset();
-    plans_.erase(it);
+    if (last && last->result) {
+      wait_future(last->result);
+    }
     return runs;
   }
 
@@ -371,6 +389,9 @@ class Runner : public std::enable_shared_from_this<Runner> {
         // residual). On CUDA that decode ran on a pool stream and its future completed at
         // once: wait() makes this stream wait for its events (no host wait once completed).
         wait_future(plan->job->result);
+      } else if (plan->previous) {
+        wait_future(plan->previous);  // the same, for the Python path's last decode
+        plan->previous.reset();
       }
       job->plan = plan;
       job->bucket = buffer;
@@ -415,7 +436,9 @@ class Runner : public std::enable_shared_from_this<Runner> {
     fail(std::make_exception_ptr(std::runtime_error(why)));
   }
 
-  // Issue everything pending and wait for every reduction started here.
+  // Issue everything pending and wait for every reduction started here. On CUDA the current
+  // stream is then ordered after every decode: those of completed futures too, which ran on
+  // streams of their own (each plan's latest; earlier ones were waited for by the next).
   void flush() {
     check();
     guarded([&] { finish_all(); });
@@ -423,6 +446,11 @@ class Runner : public std::enable_shared_from_this<Runner> {
     {
       std::lock_guard<std::mutex> lock(mu_);
       results.swap(in_flight_);
+      for (auto& [key, plan] : plans_) {
+        if (plan->job && plan->job->result) {
+          results.push_back(plan->job->result);
+        }
+      }
     }
     for (auto& r : results) {
       wait_future(r);
@@ -433,6 +461,12 @@ class Runner : public std::enable_shared_from_this<Runner> {
   // Tests plant these defects to prove that the simulated NCCL catches them.
   static constexpr int kNoWaitBeforeLaterStage = 1;  // read a collective's output unwaited
   static constexpr int kDecodeAtOnce = 2;  // decode when issued, not when the output is ready
+
+  // Run later stages on `stream` (the Python pipeline's side stream, fastddp's own) rather
+  // than on one of torch's pool, whose streams the completion callbacks take in turn.
+  void use_side_stream(c10::Stream stream) {
+    given_side_ = stream;
+  }
 
   void plant_defect(int defect) {
     defect_ = defect;
@@ -728,6 +762,9 @@ class Runner : public std::enable_shared_from_this<Runner> {
   }
 
   c10::Stream side_stream(c10::Device device) {
+    if (given_side_ && given_side_->device() == device) {
+      return *given_side_;
+    }
     if (!side_ || side_->device() != device) {
       c10::impl::VirtualGuardImpl impl(device.type());
       side_ = impl.getStreamFromGlobalPool(device);
@@ -754,6 +791,7 @@ class Runner : public std::enable_shared_from_this<Runner> {
   int64_t submitted_ = 0;
   int graph_task_ = -1;
   std::optional<c10::Stream> side_;
+  std::optional<c10::Stream> given_side_;  // the Python pipeline's (use_side_stream)
   int defect_ = 0;
 };
 
@@ -788,12 +826,14 @@ void define_native_hook(py::module_& m) {
   py::class_<Runner, std::shared_ptr<Runner>>(m, "NativeRunner")
       .def(py::init<>())
       .def("add", &Runner::add, py::arg("id"), py::arg("buffer"), py::arg("stages"),
-           py::arg("finish"), py::arg("wait_in_callback"), py::arg("on_caller"))
+           py::arg("finish"), py::arg("wait_in_callback"), py::arg("on_caller"),
+           py::arg("previous") = py::none())
       .def("remove", &Runner::remove, py::arg("buffer"))
       .def("take_runs", &Runner::take_runs)
       .def("fail", &Runner::fail_with, py::arg("why"))
       .def("flush", &Runner::flush, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("busy", &Runner::busy)
+      .def("use_side_stream", &Runner::use_side_stream, py::arg("stream"))
       .def("_plant_defect", &Runner::plant_defect, py::arg("defect"))
       .def("__len__", &Runner::size)
       .def(

@@ -29,6 +29,10 @@
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
 
+#if defined(FASTDDP_WITH_CUDA) && FASTDDP_WITH_CUDA
+#include "../cuda/launches.h"
+#endif
+
 namespace fastddp::ddp {
 
 // The tensor a hook's future holds: the tensor itself, the output list of an all-reduce (the
@@ -257,6 +261,19 @@ int add_ddp_hooks(PyObject* module) {
     py::class_<CompletionStamp, std::shared_ptr<CompletionStamp>>(m, "CompletionStamp")
         .def_property_readonly("done", &CompletionStamp::done);
     m.def("stamp_completion", &stamp_completion, py::arg("future"));
+#if defined(FASTDDP_WITH_CUDA) && FASTDDP_WITH_CUDA
+    // fastddp/hooks/runtime.py wraps it in torch.cuda.ExternalStream.
+    m.def(
+        "new_stream",
+        [](int device, bool high_priority) {
+          cudaStream_t stream = nullptr;
+          const cudaError_t e = fastddp::cuda::new_stream(device, high_priority, &stream);
+          TORCH_CHECK(e == cudaSuccess, "fastddp: could not create a CUDA stream on device ",
+                      device, ": ", cudaGetErrorString(e));
+          return reinterpret_cast<std::intptr_t>(stream);
+        },
+        py::arg("device"), py::arg("high_priority"));
+#endif
     m.def(
         "register_switch_hook",
         &register_switch_hook,

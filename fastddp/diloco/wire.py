@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fastddp.hooks import CompressState
+from fastddp.hooks.runtime import own_stream
 from fastddp.hooks.topology import ring_bytes
 from fastddp.reduce import all_reduce
 
@@ -81,7 +82,9 @@ class Background:
     def __init__(self, device: torch.device) -> None:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._job: Optional[Future] = None
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # (fastddp's own stream: on one of torch's pools a DDP decode could queue behind this
+        # stream's slow outer reduction)
+        self._stream = own_stream(device, "diloco", False) if device.type == "cuda" else None
 
     @property
     def busy(self) -> bool:

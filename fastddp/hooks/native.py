@@ -83,7 +83,13 @@ class Native:
         finish = _calls(path.finish_calls(template))
         runtime = job.runtime
         on_caller = not runtime.asynchronous  # as the pipeline completes its jobs
-        self.runner.add(self._ids, job.bucket, stages, finish, runtime.waits_in_then, on_caller)
+        side = getattr(runtime, "side_stream", None)
+        if side is not None:  # later stages on the pipeline's side stream
+            self.runner.use_side_stream(side())
+        # The runner's first run of it waits for this job's decode, as the pipeline's would.
+        self.runner.add(
+            self._ids, job.bucket, stages, finish, runtime.waits_in_then, on_caller, job.result
+        )
         self.slots[self._ids] = slot
         slot.plan = (self._ids, job.bucket)
 
@@ -112,10 +118,14 @@ class Native:
 
 
 def turn_off(state: Any) -> None:
-    """Run every bucket of ``state`` (not yet used) on the Python path."""
+    """Run every bucket of ``state`` (not yet used) on the Python path, after a load too."""
     state._native = state._runner = state._pipeline.on_fail = None
+    state._python_only = True
 
 
 def make(state: Any) -> Optional[Native]:
-    """A runner for ``state``, or None where its buckets cannot be planned."""
+    """A runner for ``state``, or None where its buckets cannot be planned (or must not be:
+    :func:`turn_off`)."""
+    if getattr(state, "_python_only", False):
+        return None
     return Native() if plannable(state) else None

@@ -22,7 +22,33 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["CpuRuntime", "CudaRuntime", "Runtime", "register", "runtime_for"]
+from fastddp import _extension
+
+__all__ = ["CpuRuntime", "CudaRuntime", "Runtime", "own_stream", "register", "runtime_for"]
+
+_OWN_STREAMS: dict[tuple[int, str], Any] = {}
+
+
+def own_stream(device: torch.device, purpose: str, high_priority: bool) -> "torch.cuda.Stream":
+    """fastddp's own stream on ``device`` for ``purpose``, made once a process.
+
+    Not one of torch's stream pools: torch hands their streams out in turn, and each ``then``
+    callback takes the next of the low-priority pool, so a decode could land on a stream that
+    also waits for a slow collective, and wait behind it.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _OWN_STREAMS.get((index, purpose))
+    if stream is None:
+        module = _extension.load()
+        if not hasattr(module, "new_stream"):
+            raise RuntimeError(
+                "fastddp was built without CUDA, so it cannot reduce CUDA tensors; rebuild it "
+                f"where nvcc is found (or with FORCE_CUDA=1): {_extension.REBUILD}"
+            )
+        handle = module.new_stream(index, high_priority)
+        stream = torch.cuda.ExternalStream(handle, device=torch.device("cuda", index))
+        _OWN_STREAMS[(index, purpose)] = stream
+    return stream
 
 
 class Runtime:
@@ -72,7 +98,11 @@ class CpuRuntime(Runtime):
 
 
 class CudaRuntime(Runtime):
-    """CUDA tensors: a side stream per device for later stages, completion by ``then``."""
+    """CUDA tensors: a side stream per device for later stages, completion by ``then``.
+
+    The side stream is fastddp's own (:func:`own_stream`), at the device's highest priority:
+    the collectives wait for what it queues.
+    """
 
     asynchronous = True
     native = True
@@ -81,10 +111,13 @@ class CudaRuntime(Runtime):
         self.device = device
         self._side: Optional[torch.cuda.Stream] = None
 
-    def side(self):
+    def side_stream(self) -> "torch.cuda.Stream":
         if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
-        return torch.cuda.stream(self._side)
+            self._side = own_stream(self.device, "side", high_priority=True)
+        return self._side
+
+    def side(self):
+        return torch.cuda.stream(self.side_stream())
 
     def then(self, work, callback):
         # torch runs the callback with its stream waiting for the future's CUDA events.

@@ -41,6 +41,7 @@ class Slot:
         "flag",
         "shard_flag",
         "nonfinite",
+        "carried_events",
         "residual",
         "shard_residual",
         "node_shard",
@@ -77,6 +78,9 @@ class Slot:
         self.flag: Optional[torch.Tensor] = None
         self.shard_flag: Optional[torch.Tensor] = None
         self.nonfinite: Optional[torch.Tensor] = None  # events, counted on the bucket's device
+        # Events of retired buckets this one took over, on the host: an add to ``nonfinite``
+        # on this stream could race with the side stream's adds of a reduction in flight.
+        self.carried_events = 0
         self.residual: Optional[torch.Tensor] = None
         self.shard_residual: Optional[torch.Tensor] = None
         # Two-level path: residuals taken over from another layout wait in ``residual`` to be
@@ -98,7 +102,8 @@ class Slot:
         return self.shard or self.row
 
     def nonfinite_events(self) -> int:
-        return 0 if self.nonfinite is None else int(self.nonfinite.item())
+        own = 0 if self.nonfinite is None else int(self.nonfinite.item())
+        return own + self.carried_events
 
     def counts(self) -> dict[str, int]:
         """The counters of :data:`SLOT_COUNTERS` (reads the device's event count)."""
@@ -119,8 +124,7 @@ class Slot:
         """Add a retired bucket's counters to this one's (a bucket that took its index)."""
         for name in SLOT_COUNTERS[:-1]:
             setattr(self, name, getattr(self, name) + int(counts.get(name, 0)))
-        if self.nonfinite is not None:
-            self.nonfinite.add_(int(counts.get("nonfinite_events", 0)))
+        self.carried_events += int(counts.get("nonfinite_events", 0))
 
     def give_buffers(self, codec: Codec, error_feedback: bool, events: int, per_node: int) -> None:
         """Give the flags and, with ``error_feedback``, the residuals (after the path's buffers).
@@ -132,7 +136,8 @@ class Slot:
         self.codec = codec
         flags = torch.zeros(2, dtype=torch.int32, **on)
         self.flag, self.shard_flag = flags[:1], flags[1:]
-        self.nonfinite = torch.tensor([events], dtype=torch.int64, **on)
+        # (a fill, where a tensor from a Python list would wait for a host-to-device copy)
+        self.nonfinite = torch.full((1,), events, dtype=torch.int64, **on)
         if error_feedback:
             self.residual = torch.zeros(max(self.numel, per_node * self.node_shard), **on)
             if self.shard > 0:

@@ -106,6 +106,7 @@ class CompressState:
         "_delayed",
         "_native",
         "_runner",
+        "_python_only",  # set by native.turn_off: no runner, a load included
     )
 
     # The class a dtype given by name makes (``"auto"``: AutoState). It builds on this class, so

@@ -176,6 +176,8 @@ def _plan_alike(rank, world, trial, cpp):
     saved = pickle.loads(pickle.dumps(state.state_dict()))
     again = fastddp.CompressState(dtype="auto")
     again.load_state_dict(saved)
+    # (its candidates stay on the Python path, where the collectives are timed, loaded too)
+    assert saved["candidates"] and all(s._runner is None for s in again._states.values())
     resumed = again.stats()
     assert resumed["plan"] == plan and resumed["mode"] == plan["mode"], (resumed, plan)
 

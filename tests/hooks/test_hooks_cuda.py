@@ -230,3 +230,36 @@ def test_a_one_bit_difference_is_reported():
         assert_same_bits([a, a], [a])
     nan = torch.full((3,), float("nan"))
     assert_same_bits([nan], [nan.clone()])
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_fastddp_streams_are_its_own_not_torchs_pool():
+    from fastddp.hooks.runtime import CudaRuntime, own_stream
+
+    device = torch.device("cuda", 0)
+    side = CudaRuntime(device).side_stream()
+    assert side is CudaRuntime(device).side_stream(), "one side stream a device and process"
+    assert side.priority == torch.cuda.Stream.priority_range()[1], "the highest priority"
+    # Every stream of torch's pools (32 of each priority, handed out in turn) differs from it.
+    pool = {torch.cuda.Stream(device, priority=p).cuda_stream for p in (0, -1) for _ in range(64)}
+    diloco = own_stream(device, "diloco", high_priority=False)
+    assert side.cuda_stream not in pool and diloco.cuda_stream not in pool
+    assert diloco.cuda_stream != side.cuda_stream and diloco.device == device
+    with torch.cuda.stream(side):
+        x = torch.ones(1 << 20, device=device).mul_(3)
+    torch.cuda.current_stream(device).wait_stream(side)
+    assert x.sum().item() == 3 * (1 << 20)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="a CUDA machine builds the extension with CUDA"
+)
+def test_a_build_without_cuda_names_itself_when_asked_for_a_stream():
+    from fastddp import _extension
+    from fastddp.hooks.runtime import own_stream
+
+    if _extension.build_info()["with_cuda"]:
+        pytest.skip("this build has CUDA")
+    with pytest.raises(RuntimeError, match="built without CUDA.*rebuild it where nvcc"):
+        own_stream(torch.device("cuda", 0), "side", high_priority=True)
