@@ -101,7 +101,7 @@ class AutoState(CompressState):
         self._task = None
         self._plan: Optional[dict[str, Any]] = None
         self._owed = Owed()  # residuals of buckets a candidate left (owed.py)
-        self._checked = False
+        self._checked, self._load_problem = False, None
         self._steps_in = dict.fromkeys((*self.allow, MIXED), 0)  # steps each plan reduced
         self._switch: Optional[Switch] = None  # where fastddp.register_comm_hook set it
         self._stamp = None  # the extension's completion stamp, where levels are timed
@@ -159,7 +159,10 @@ class AutoState(CompressState):
         if not self._checked:  # every rank must run the same trial: raise on every rank alike
             self._checked, cpp = True, self._switch is not None  # the turns' order depends on cpp
             plan = None if self._plan is None else candidates.spelled(self._using, self._plan)
-            trial.agree(self.allow, _rules(), cpp, self.process_group, device, plan, self.topology)
+            trial.agree(
+                self.allow, _rules(), cpp, self.process_group, device, plan, self.topology,
+                self._load_problem,
+            )  # fmt: skip
             candidates.verify(self._states, device, self._plan, self._using)  # fails now
             self._stamp = links.stamper(device, self.process_group)
         if last is not None:
@@ -320,22 +323,16 @@ class AutoState(CompressState):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = checkpoint.checked(state_dict, ("settings", "candidates"), "auto")["settings"]
-        if saved.get("dtype") != "auto" or saved.get("allow") != list(self.allow):
-            raise ValueError(
-                f"CompressState.load_state_dict: saved settings {saved} do not match this "
-                f"state's {self.settings()}; build the state with the settings it was saved with"
-            )
-        plan = state_dict.get("plan")
-        using = choice.restored(plan, self.allow)
-        for name, sd in state_dict["candidates"].items():
-            self._states[name].load_state_dict(sd)
-        self._owed, self._checked = Owed(), False  # the loaded plan is agreed on again
-        self._restart()
-        self._plan = None if plan is None else {**choice.plain(plan), "trial": False}
-        self._using = using
-        if self._plan is not None:
-            self._plan["summary"] = candidates.summary(self._using, self.allow)
+        def forget() -> None:
+            self._owed, self._checked = Owed(), False  # the loaded plan is agreed on again
+            self._restart()
+
+        def load() -> None:
+            plan, using = choice.load(self._states, self.allow, self.settings(), state_dict)
+            forget()
+            self._plan, self._using = plan, using
+
+        checkpoint.deferred(self, load, forget)  # (what fails on one rank, every rank raises)
 
     def __getstate__(self) -> dict:  # the settings (no topology from older fastddp), the state
         kept = {"allow": self.allow, "topology": self.topology, "seed": self.seed}

@@ -4,9 +4,15 @@ A state dict holds the settings (checked on load), the counters, and each bucket
 error-feedback residuals on the CPU, stored with the parameters they belong to, so that they
 find their parameters again when the resumed DDP lays its buckets out differently; with
 ``delay=1`` also the reduced gradients in waiting, by parameter (the same on every rank).
+
+A load that fails on some ranks only (one rank given another's file) must not raise there
+alone: the others would wait for it in the first reduction's handshake until the process
+group's timeout. :func:`deferred` keeps the error instead, and that handshake raises it on
+every rank (``handshake.check``).
 """
 
-from typing import Any, Optional
+import warnings
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,7 +22,7 @@ from fastddp.hooks.reshard import holds_residuals, parked
 from fastddp.hooks.settings import mismatch
 from fastddp.hooks.stats import COUNTERS
 
-__all__ = ["STATE_VERSION", "checked", "load", "save"]
+__all__ = ["STATE_VERSION", "checked", "deferred", "load", "save"]
 
 # Version of the state_dict() layout: 2 adds rank, world_size and per-rank parked pieces.
 STATE_VERSION = 2
@@ -120,6 +126,24 @@ def _intact(state_dict: dict[str, Any]) -> None:
                     f"{where}: bucket entry {position}'s {key} {problem}: the state dict is "
                     "damaged; load the one state.state_dict() returned, unchanged"
                 )
+
+
+def deferred(state: Any, load: Callable[[], None], forget: Callable[[], None]) -> None:
+    """Run ``load`` (of ``state``); if it fails where other ranks may be waiting, call
+    ``forget`` (the state will agree with the others again at its first reduction) and keep
+    the error in ``state._load_problem`` for that reduction to raise on every rank. Without
+    peers (no process group yet, or a group of one) it raises here."""
+    try:
+        load()
+    except Exception as error:
+        group = state.process_group
+        if not dist.is_initialized() or dist.get_world_size(group) == 1:
+            raise
+        forget()
+        state._load_problem = f"{type(error).__name__}: {error}"
+        warnings.warn(f"{error} (every rank raises at this state's next reduction)", stacklevel=3)
+    else:
+        state._load_problem = None
 
 
 def load(state: Any, state_dict: dict[str, Any]) -> None:

@@ -25,11 +25,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from fastddp.hooks import links, measured, planner
+from fastddp.hooks import candidates, checkpoint, links, measured, planner
 from fastddp.hooks.candidates import MIXED, Assignment
 from fastddp.hooks.trial import Rules, Trial, ranked
 
-__all__ = ["confirmed", "log", "make", "plain", "restored", "settle"]
+__all__ = ["confirmed", "load", "log", "make", "plain", "restored", "settle"]
 
 logger = logging.getLogger("fastddp")
 
@@ -192,6 +192,26 @@ def confirmed(
     modelled = plan["model"]["modelled_ms"]
     predicted = (modelled[uniform] - modelled[MIXED]) / 1e3
     return planner.confirms(mixed, alone, predicted, rules.prefer)
+
+
+def load(
+    states: dict[str, Any], allow: tuple[str, ...], mine: dict, state_dict: Any
+) -> tuple[Optional[dict[str, Any]], Assignment]:
+    """Load a ``dtype="auto"`` state dict's candidates into ``states``; return its plan (to
+    run, not to try) and the assignment it runs. ``mine``: the loading state's settings."""
+    saved = checkpoint.checked(state_dict, ("settings", "candidates"), "auto")["settings"]
+    if saved.get("dtype") != "auto" or saved.get("allow") != list(allow):
+        raise ValueError(
+            f"CompressState.load_state_dict: saved settings {saved} do not match this "
+            f"state's {mine}; build the state with the settings it was saved with"
+        )
+    plan = state_dict.get("plan")
+    using = restored(plan, allow)
+    for name, sd in state_dict["candidates"].items():
+        checkpoint.load(states[name], sd)
+    if plan is None:
+        return None, using
+    return {**plain(plan), "trial": False, "summary": candidates.summary(using, allow)}, using
 
 
 def restored(plan: Optional[dict[str, Any]], allow: tuple[str, ...]) -> Assignment:

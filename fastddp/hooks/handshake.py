@@ -8,7 +8,7 @@ another rank left; the rows also give every rank the same
 """
 
 import zlib
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,9 +31,11 @@ __all__ = ["PROTOCOL", "TENSOR_PROBLEMS", "check", "exchange", "topology_of"]
 # 11: and all_reduce's tensors on neither CPU nor CUDA (problem code 6).
 # 12: and all_reduce's bucket size (elements; 0 from the hook), and its sparse tensors
 #     (problem code 7); a dtype="auto" state sends a row too (codec code AUTO).
-PROTOCOL = 12
+# 13: and whether the rank's last load_state_dict failed.
+PROTOCOL = 13
 _SHARED = 8  # the first columns of a row, which every rank must share
-_COLUMNS = 24  # columns of a row
+_COLUMNS = 25  # columns of a row
+_LOAD = 24  # the column of a failed load
 AUTO = 0  # the codec code of a dtype="auto" state's row (no codec's)
 
 
@@ -86,18 +88,23 @@ def exchange(
             *_digest({k: t.numel() for k, t in state._delayed.parked.items()}),
             op,
             bucket,
+            int(state._load_problem is not None),
         ],
         state.process_group,
         device,
     )
 
 
-def exchange_auto(topology: str, group, device: torch.device) -> list[tuple[int, ...]]:
+def exchange_auto(
+    topology: str, group, device: torch.device, load_failed: bool = False
+) -> list[tuple[int, ...]]:
     """The handshake of a ``dtype="auto"`` state, its first collective (before its trial's):
     a row as long as a fixed mode's, so that a rank of either kind meets the other's in it and
     :func:`check` raises on both, where their first collectives would not line up."""
     row = [PROTOCOL, AUTO, 0, 0, 0, 0, TOPOLOGIES.index(topology), 0, -1, -1, node_hash()]
-    return _gather(row + [0] * (_COLUMNS - len(row)), group, device)
+    row += [0] * (_COLUMNS - len(row))
+    row[_LOAD] = int(load_failed)
+    return _gather(row, group, device)
 
 
 def _gather(row: list[int], group, device: torch.device) -> list[tuple[int, ...]]:
@@ -120,9 +127,18 @@ def _digest(sizes: dict[int, int]) -> tuple[int, int, int]:
     return (len(sizes), sum(n for _, n in sizes), zlib.crc32(repr(sizes).encode()))
 
 
-def check(rows: list[tuple[int, ...]]) -> None:
-    """Raise the same ``ValueError`` on every rank if the rows disagree or residuals are amiss."""
+def check(rows: list[tuple[int, ...]], load_problem: Optional[str] = None) -> None:
+    """Raise the same ``ValueError`` on every rank if the rows disagree, a rank's load failed
+    (``load_problem``: this rank's error, if it is one of them) or residuals are amiss."""
     world = len(rows)
+    failed = [r for r, row in enumerate(rows) if len(row) > _LOAD and row[_LOAD]]
+    if failed and all(row[0] == PROTOCOL for row in rows):
+        why = f"here: {load_problem}" if load_problem else "each of them warned why as it loaded"
+        raise ValueError(
+            f"CompressState.load_state_dict failed on rank(s) {failed} of {world} ({why}); "
+            "load into every rank the state dict that same rank saved, into a CompressState "
+            "built with the settings it was saved with"
+        )
     if len({row[:_SHARED] for row in rows}) > 1:
         names = {entry.code: str(d).removeprefix("torch.") for d, entry in CODECS.items()}
         lines = [

@@ -30,7 +30,7 @@ def _verify(
     """Check every rank's settings (and ``all_reduce``'s ``layout``, tensor ``problem``, ``op``
     and ``bucket`` size) alike, the handshake; then find the nodes and make groups."""
     rows = handshake.exchange(state, device, layout, problem, op, bucket)
-    handshake.check(rows)
+    handshake.check(rows, state._load_problem)
     topo = handshake.topology_of(rows, dist.get_rank(state.process_group))
     resolved = resolve(state.topology, topo)
     topo.make_groups(state.process_group, resolved == "hierarchical")

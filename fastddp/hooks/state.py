@@ -107,6 +107,7 @@ class CompressState:
         "_native",
         "_runner",
         "_python_only",  # set by native.turn_off: no runner, a load included
+        "_load_problem",  # why the last load_state_dict failed (checkpoint.deferred)
     )
 
     # The class a dtype given by name makes (``"auto"``: AutoState). It builds on this class, so
@@ -187,6 +188,7 @@ class CompressState:
         self._pipeline.on_fail = None if self._runner is None else self._runner.fail
         self._residuals = Residuals()
         self._loaded_from: Optional[tuple[int, int]] = None
+        self._load_problem: Optional[str] = None
         self._topology: Optional[Topology] = None  # found at the first reduction
         self._resolved: Optional[str] = None  # "flat" or "hierarchical", from the topology
         self._delayed = Delayed()  # with delay=1: each bucket's reduced gradient in waiting
@@ -283,8 +285,10 @@ class CompressState:
         parameters at their first reduction, whatever the bucket layout (moving shard residuals
         costs one reduce-scatter per bucket then). Call it on every rank, with that rank's own
         state dict: the first reduction checks, on every rank, that each rank loaded its own.
+        A state dict that does not load (another state's, damaged) raises here only without
+        other ranks; with them, at the first reduction, on every rank.
         """
-        checkpoint.load(self, state_dict)
+        checkpoint.deferred(self, lambda: checkpoint.load(self, state_dict), self._reset)
 
     @staticmethod
     def reshard(state_dicts: list[dict[str, Any]], world_size: int) -> list[dict[str, Any]]:

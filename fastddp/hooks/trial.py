@@ -155,13 +155,15 @@ def agree(
     device: torch.device,
     plan: Optional[str] = None,
     topology: str = "auto",
+    load_problem: Optional[str] = None,
 ) -> None:
     """Raise, on every rank alike, unless every rank runs the same trial (``cpp``: registered
     with :func:`fastddp.register_comm_hook`, which orders the turns) or the same ``plan`` (what
-    a loaded state dict runs, None for none)."""
+    a loaded state dict runs, None for none), or if a rank's load failed (``load_problem``)."""
     # First the handshake a fixed mode's first bucket makes: a rank given a fixed mode meets
     # this one there, and both raise (in the trial's own check below, they would not meet).
-    handshake.check(handshake.exchange_auto(topology, group, device))
+    rows = handshake.exchange_auto(topology, group, device, load_problem is not None)
+    handshake.check(rows, load_problem)
     # A rank with other candidates would issue other collectives.
     mine = zlib.crc32(",".join(allow).encode())
     figures = [mine, rules.trial_rounds, rules.verify_rounds, rules.check_every, int(cpp)]

@@ -437,6 +437,39 @@ def test_mismatched_settings_fail_on_every_rank():
     run_ranks(_mismatched_settings, 3)
 
 
+def _bad_load_on_one_rank(rank, world, mode):
+    # Rank 1 loads a state dict of other settings: it warns at once, and every rank raises at
+    # the first reduction (raised on rank 1 alone, the others would wait there for it).
+    model = DDP(_model(), bucket_cap_mb=0.01)
+    state = fastddp.CompressState.from_preset(mode) if mode != "auto" else None
+    state = state or fastddp.CompressState(dtype="auto", allow=["none", "bf16"])
+    model.register_comm_hook(state, fastddp.compress_hook)
+    saved = state.state_dict()
+    if rank == 1:
+        other = fastddp.CompressState.from_preset("int4-ef" if mode != "int4-ef" else "bf16")
+        with pytest.warns(UserWarning, match="every rank raises at this state's next reduction"):
+            state.load_state_dict(other.state_dict())
+    else:
+        state.load_state_dict(saved)
+    x, y = _batch(torch.Generator().manual_seed(rank))
+    with pytest.raises(ValueError) as info:
+        _backward(model, x, y)
+    text = str(info.value)
+    assert "load_state_dict failed on rank(s) [1] of 2" in text, text
+    assert ("here: ValueError: " in text) == (rank == 1), text
+    # A sound load lifts it (in a new DDP model: one whose backward raised cannot go on).
+    state.load_state_dict(saved)
+    model = DDP(_model(), bucket_cap_mb=0.01)
+    model.register_comm_hook(state, fastddp.compress_hook)
+    _backward(model, x, y)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("mode", ["int8-ef", "auto"])
+def test_a_load_that_fails_on_one_rank_fails_on_every_rank(mode):
+    run_ranks(_bad_load_on_one_rank, 2, mode)
+
+
 def _train(model, state, gen, steps, opt):
     for _ in range(steps):
         x, y = _batch(gen)
