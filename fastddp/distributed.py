@@ -115,16 +115,19 @@ def init_distributed(
     local_rank = settings["local_rank"].value
     if not 0 <= rank < world:
         raise ClusterError(f"rank {rank} is outside world size {world} ({settings['rank'].source})")
-    peer_timeout = _peer_timeout(env, peer_timeout, world)
     use_cuda = torch.cuda.is_available() if backend is None else backend == "nccl"
     # Problems of this rank's node alone: raised on every rank (joining.agree), not here.
     problem = None
-    if use_cuda and not torch.cuda.is_available():
+    try:  # (FASTDDP_PEER_TIMEOUT may be set on one node only)
+        peer_timeout = _peer_timeout(env, peer_timeout, world)
+    except ClusterError as error:
+        peer_timeout, problem = 0.0, str(error)
+    if problem is None and use_cuda and not torch.cuda.is_available():
         problem = (
             "backend='nccl' needs a GPU, and torch sees none; pass backend='gloo' for the CPU, "
             "or leave backend=None to choose by the device"
         )
-    elif use_cuda and local_rank >= torch.cuda.device_count():
+    elif problem is None and use_cuda and local_rank >= torch.cuda.device_count():
         problem = (
             f"local rank {local_rank} needs cuda:{local_rank} but {torch.cuda.device_count()} "
             f"GPU(s) are visible on {socket.gethostname()}; start at most one process per GPU "

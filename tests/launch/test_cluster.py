@@ -265,13 +265,13 @@ def test_peer_timeout_from_env(raw, world, want):
     ],
 )
 def test_a_bad_peer_timeout_is_refused_by_the_worker_before_any_group(raw, message):
-    # What a worker under plain torchrun meets (fastddp.launch refuses it before starting one).
+    # What a worker under plain torchrun meets (fastddp.launch refuses it before starting one);
+    # alone here: with other ranks, every rank raises it (test_launch.py).
     import torch.distributed as dist
 
     import fastddp
 
-    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
-    env.update(MASTER_PORT="1", FASTDDP_PEER_TIMEOUT=raw)
+    env = {"FASTDDP_PEER_TIMEOUT": raw}
     with pytest.raises(ClusterError, match=f"FASTDDP_PEER_TIMEOUT='{raw}' {message}"):
         fastddp.init_distributed(backend="gloo", environ=env)
     assert not dist.is_initialized()
@@ -289,8 +289,7 @@ def test_bad_init_arguments_are_refused_before_any_group(kwargs, message):
 
     import fastddp
 
-    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
-    env.update(MASTER_PORT="1")
+    env = {}  # alone: with other ranks, every rank raises it (test_launch.py)
     with pytest.raises(ClusterError, match=message):
         fastddp.init_distributed(**{"backend": "gloo", **kwargs}, environ=env)
     assert not dist.is_initialized()

@@ -585,6 +585,25 @@ def test_a_rank_that_cannot_start_fails_every_rank():
         assert "chose different backends (1 rank(s) gloo, 1 rank(s) nccl)" in out, out
 
 
+def test_a_bad_peer_timeout_on_one_rank_fails_every_rank():
+    # FASTDDP_PEER_TIMEOUT set wrong on one node only: rank 0 must not wait for rank 1.
+    code = (
+        "import fastddp\n"
+        "try:\n"
+        "    fastddp.init_distributed(backend='gloo')\n"
+        "except fastddp.ClusterError as e:\n"
+        "    print('refused:', e)\n"
+        "    raise SystemExit(3)\n"
+        "print('started')\n"
+    )
+    cmds, envs = _plain_env_ranks(2)
+    cmds = [[sys.executable, "-c", code]] * 2
+    envs[1]["FASTDDP_PEER_TIMEOUT"] = "5m"
+    for rc, out in _run_all(cmds, timeout=120, envs=envs):
+        assert rc == 3, out
+        assert "1 of 2 rank(s) cannot start (1); rank 1: FASTDDP_PEER_TIMEOUT='5m' is not" in out
+
+
 def test_init_distributed_single_process_is_idempotent():
     code = (
         "import fastddp, torch.distributed as dist\n"
