@@ -83,6 +83,12 @@ def _start(
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     passthrough = buffer.dtype in _PASSTHROUGH_DTYPES
+    if buffer.layout != torch.strided:
+        raise TypeError(
+            "fastddp.compress_hook: DDP handed it a sparse gradient (nn.Embedding(sparse=True) "
+            "and nn.EmbeddingBag(sparse=True) make them); it compresses dense buckets. Build "
+            "the module with sparse=False, or register no hook for this model"
+        )
     if not passthrough and buffer.dtype != torch.float32:
         raise TypeError(
             f"fastddp.compress_hook: gradient bucket dtype {buffer.dtype} is not supported; it "

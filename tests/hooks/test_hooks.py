@@ -282,6 +282,12 @@ def _sixteen_bit_and_float64(rank, world):
     with pytest.raises(Exception, match="bucket dtype torch.float64 is not supported"):
         _backward(model, x, y)
 
+    # Sparse gradients: named as such on every rank (the dispatcher's message named no cause).
+    model = DDP(torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1)))
+    model.register_comm_hook(fastddp.CompressState(), fastddp.compress_hook)
+    with pytest.raises(Exception, match=r"a sparse gradient \(nn.Embedding\(sparse=True\)"):
+        model(torch.tensor([1, 2, 3])).sum().backward()
+
 
 @pytest.mark.multiproc
 def test_16bit_buckets_pass_through_and_float64_is_refused():
