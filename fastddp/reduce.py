@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from fastddp.codecs import CODECS
 from fastddp.hooks import CompressState, _reduce
-from fastddp.hooks.handshake import TENSOR_PROBLEMS
+from fastddp.hooks.handshake import ARGUMENTS, TENSOR_PROBLEMS, exchange
 from fastddp.hooks.hook import _verify
 from fastddp.hooks.presets import named_preset
 from fastddp.hooks.settings import outside
@@ -72,76 +72,16 @@ def all_reduce(
         >>> fastddp.all_reduce(big, dtype=torch.int8, op="sum")
     """
     where = "fastddp.all_reduce"
-    if op not in ("avg", "sum"):
-        raise ValueError(f'{where}: op must be "avg" or "sum", got {op!r}')
-    number = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
-    if not (number and 0 < bucket_cap_mb < math.inf):
-        raise ValueError(
-            f"{where}: bucket_cap_mb must be a positive, finite number of MiB, got "
-            f"{bucket_cap_mb!r}"
-        )
     if outside(group):
         return
-    cap = int(bucket_cap_mb * 2**20) // 4  # elements
-    if state is None:
-        _check_dtype(dtype, where)
-        state = CompressState(
-            torch.bfloat16 if dtype is None else dtype,
-            group,
-            accumulate_dtype=torch.float32 if accumulate_dtype is _UNSET else accumulate_dtype,
-            stochastic_rounding=bool(stochastic_rounding),
-            block_size=block_size,
-            topology="auto" if topology is None else topology,
-            # A state's rounding draws anew with each of its calls; a fresh state per call would
-            # draw the same numbers each time, and round the same tensor alike, biased.
-            seed=next(_STATELESS_CALLS) if stochastic_rounding else 0,
-        )
-    else:
-        if not isinstance(state, CompressState):
-            raise TypeError(
-                f"{where}: state must be a fastddp.CompressState, got {type(state).__name__}"
-            )
-        given = {
-            "dtype": dtype,
-            "stochastic_rounding": stochastic_rounding,
-            "block_size": block_size,
-            "topology": topology,
-        }
-        clash = [k for k, v in given.items() if v is not None]
-        if accumulate_dtype is not _UNSET:  # None is a setting here (sum in the wire dtype)
-            clash.append("accumulate_dtype")
-        if clash:
-            raise ValueError(
-                f"{where}: pass either state= or the settings ({', '.join(clash)}), not both: "
-                "the state already holds its settings"
-            )
-        if state.dtype == "auto":
-            raise ValueError(
-                f"{where}: state has dtype='auto', which plans by DDP's step time; give "
-                "all_reduce a state of one mode (CompressState.from_preset(...))"
-            )
-        if state.delay:
-            raise ValueError(
-                f"{where}: state has delay=1, which only DDP's compress_hook applies (it hands "
-                "back the previous step's gradient); give all_reduce a state with delay=0"
-            )
-        if state._verified and state._layout is None:
-            raise ValueError(
-                f"{where}: this state reduces a DDP model's buckets (compress_hook) or an FSDP2 "
-                "module's gradients; its buffers and residuals belong to them. Give all_reduce "
-                "a CompressState of its own"
-            )
-        ours = state.process_group if state.process_group is not None else dist.group.WORLD
-        if group is not None and group is not ours:
-            raise ValueError(
-                f"{where}: group differs from state.process_group; build the CompressState "
-                "with the group you want to reduce over"
-            )
-    if isinstance(tensors, dict):
-        raise TypeError(f"{where}: tensors is a dict; pass its tensors, list(tensors.values())")
-    if isinstance(tensors, torch.Tensor):
-        tensors = [tensors]
-    tensors = list(tensors)
+    try:
+        state, cap, tensors = _settled(
+            tensors, dtype, op, group, accumulate_dtype, stochastic_rounding, block_size,
+            topology, state, bucket_cap_mb,
+        )  # fmt: skip
+    except (TypeError, ValueError):
+        _refused(tensors, group, state)
+        raise
     problem = _problem(tensors)
     if not state._verified:
         # The first call of a state checks that every rank passed the same tensors, and
@@ -205,6 +145,108 @@ def all_reduce(
                     n = tensors[i].numel()
                     tensors[i].copy_(flat[offset : offset + n].view_as(tensors[i]))
                     offset += n
+
+
+def _settled(
+    tensors, dtype, op, group, accumulate_dtype, stochastic_rounding, block_size, topology,
+    state, bucket_cap_mb,
+) -> tuple[CompressState, int, list]:  # fmt: skip
+    """all_reduce's arguments checked: its state (a new one without ``state=``), its bucket
+    size in elements and its tensors as a list."""
+    where = "fastddp.all_reduce"
+    if op not in ("avg", "sum"):
+        raise ValueError(f'{where}: op must be "avg" or "sum", got {op!r}')
+    number = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
+    if not (number and 0 < bucket_cap_mb < math.inf):
+        raise ValueError(
+            f"{where}: bucket_cap_mb must be a positive, finite number of MiB, got "
+            f"{bucket_cap_mb!r}"
+        )
+    cap = int(bucket_cap_mb * 2**20) // 4  # elements
+    if state is None:
+        _check_dtype(dtype, where)
+        state = CompressState(
+            torch.bfloat16 if dtype is None else dtype,
+            group,
+            accumulate_dtype=torch.float32 if accumulate_dtype is _UNSET else accumulate_dtype,
+            stochastic_rounding=bool(stochastic_rounding),
+            block_size=block_size,
+            topology="auto" if topology is None else topology,
+            # A state's rounding draws anew with each of its calls; a fresh state per call would
+            # draw the same numbers each time, and round the same tensor alike, biased.
+            seed=next(_STATELESS_CALLS) if stochastic_rounding else 0,
+        )
+    else:
+        if not isinstance(state, CompressState):
+            raise TypeError(
+                f"{where}: state must be a fastddp.CompressState, got {type(state).__name__}"
+            )
+        given = {
+            "dtype": dtype,
+            "stochastic_rounding": stochastic_rounding,
+            "block_size": block_size,
+            "topology": topology,
+        }
+        clash = [k for k, v in given.items() if v is not None]
+        if accumulate_dtype is not _UNSET:  # None is a setting here (sum in the wire dtype)
+            clash.append("accumulate_dtype")
+        if clash:
+            raise ValueError(
+                f"{where}: pass either state= or the settings ({', '.join(clash)}), not both: "
+                "the state already holds its settings"
+            )
+        if state.dtype == "auto":
+            raise ValueError(
+                f"{where}: state has dtype='auto', which plans by DDP's step time; give "
+                "all_reduce a state of one mode (CompressState.from_preset(...))"
+            )
+        if state.delay:
+            raise ValueError(
+                f"{where}: state has delay=1, which only DDP's compress_hook applies (it hands "
+                "back the previous step's gradient); give all_reduce a state with delay=0"
+            )
+        if state._verified and state._layout is None:
+            raise ValueError(
+                f"{where}: this state reduces a DDP model's buckets (compress_hook) or an FSDP2 "
+                "module's gradients; its buffers and residuals belong to them. Give all_reduce "
+                "a CompressState of its own"
+            )
+        ours = state.process_group if state.process_group is not None else dist.group.WORLD
+        if group is not None and group is not ours:
+            raise ValueError(
+                f"{where}: group differs from state.process_group; build the CompressState "
+                "with the group you want to reduce over"
+            )
+    if isinstance(tensors, dict):
+        raise TypeError(f"{where}: tensors is a dict; pass its tensors, list(tensors.values())")
+    if isinstance(tensors, torch.Tensor):
+        tensors = [tensors]
+    return state, cap, list(tensors)
+
+
+def _refused(tensors, group, state: Optional[CompressState]) -> None:
+    """An argument was refused on this rank: where the other ranks make the first call's
+    handshake (every call's, without ``state=``), make it too, marked, so that they raise
+    instead of waiting for this rank; then the caller raises why, here."""
+    if not dist.is_initialized():
+        return
+    if isinstance(state, CompressState) and state.dtype != "auto":
+        if state._verified:
+            return  # (later calls make no handshake: each rank raises what it meets)
+        stand_in = state
+    else:
+        try:
+            stand_in = CompressState(process_group=group)
+        except (TypeError, ValueError):
+            return  # (the group itself: no handshake could be made over it)
+    if dist.get_world_size(stand_in.process_group) == 1:
+        return
+    items = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+    items = list(items) if isinstance(items, (list, tuple)) else []
+    try:  # (this rank raises its own error after it, the others theirs in it)
+        exchange(stand_in, _device(items, stand_in), problem=(ARGUMENTS, 0))
+    except Exception:
+        return  # (the error this rank raises says more than the handshake's)
 
 
 def _bucketize(tensors: list[torch.Tensor], cap: int) -> list[list[int]]:

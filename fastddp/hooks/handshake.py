@@ -16,7 +16,7 @@ import torch.distributed as dist
 from fastddp.codecs import CODECS
 from fastddp.hooks.topology import TOPOLOGIES, Topology, node_hash
 
-__all__ = ["PROTOCOL", "TENSOR_PROBLEMS", "check", "exchange", "topology_of"]
+__all__ = ["ARGUMENTS", "PROTOCOL", "TENSOR_PROBLEMS", "check", "exchange", "topology_of"]
 
 # Bumped whenever the bytes exchanged between ranks change meaning; part of the settings check,
 # so that ranks running different fastddp versions refuse to mix.
@@ -31,7 +31,8 @@ __all__ = ["PROTOCOL", "TENSOR_PROBLEMS", "check", "exchange", "topology_of"]
 # 11: and all_reduce's tensors on neither CPU nor CUDA (problem code 6).
 # 12: and all_reduce's bucket size (elements; 0 from the hook), and its sparse tensors
 #     (problem code 7); a dtype="auto" state sends a row too (codec code AUTO).
-# 13: and whether the rank's last load_state_dict failed.
+# 13: and whether the rank's last load_state_dict failed; all_reduce's refused arguments
+#     (problem code 8).
 PROTOCOL = 13
 _SHARED = 8  # the first columns of a row, which every rank must share
 _COLUMNS = 25  # columns of a row
@@ -50,6 +51,9 @@ TENSOR_PROBLEMS = {
     6: "on neither CPU nor CUDA (a meta tensor has no data to reduce): pass CPU or CUDA tensors",
     7: "sparse (as nn.Embedding(sparse=True) makes gradients): pass t.to_dense() and copy back",
 }
+# The problem code of a rank that refused another of all_reduce's arguments (its row is a
+# stand-in's: it raises its own error, the others this one).
+ARGUMENTS = 8
 
 
 def exchange(
@@ -138,6 +142,12 @@ def check(rows: list[tuple[int, ...]], load_problem: Optional[str] = None) -> No
             f"CompressState.load_state_dict failed on rank(s) {failed} of {world} ({why}); "
             "load into every rank the state dict that same rank saved, into a CompressState "
             "built with the settings it was saved with"
+        )
+    refused = [r for r, row in enumerate(rows) if row[17] == ARGUMENTS]
+    if refused:
+        raise ValueError(
+            f"fastddp.all_reduce: rank(s) {refused} of {world} refused their arguments, each "
+            "raising why; pass the same, valid arguments on every rank"
         )
     if len({row[:_SHARED] for row in rows}) > 1:
         names = {entry.code: str(d).removeprefix("torch.") for d, entry in CODECS.items()}

@@ -240,6 +240,21 @@ def _bad_input(rank, world):
             '  rank 0: op="avg"\n  rank 1: op="sum"',
         ),
     ]
+    # An argument refused on one rank only: that rank raises why, the other names it, rather
+    # than waiting for it in the handshake (with and without a state, before its first call).
+    refused = "rank(s) [1] of 2 refused their arguments, each raising why"
+    cases += [
+        (lambda: fastddp.all_reduce(torch.ones(3), op=("avg", "max")[rank]), 'op must be "avg"'),
+        (lambda: fastddp.all_reduce(torch.ones(3), dtype=(None, torch.float64)[rank]), "dtype m"),
+        (lambda: fastddp.all_reduce(torch.ones(3), bucket_cap_mb=(1, -1)[rank]), "bucket_cap_"),
+        (
+            lambda: fastddp.all_reduce(
+                torch.ones(3), dtype=(None, torch.int8)[rank], state=fastddp.CompressState()
+            ),
+            "pass either state= or the settings (dtype), not both",
+        ),
+    ]
+    cases[-4:] = [(make, (refused, message)[rank]) for make, message in cases[-4:]]
     # One state for a model's buckets and for all_reduce: their buffers and residuals would
     # mix. Refused both ways, on every rank (each rank's state has the same history).
     model = DDP(torch.nn.Linear(4, 4))
@@ -264,7 +279,8 @@ def _bad_input(rank, world):
         with pytest.raises((ValueError, TypeError)) as info:
             make()
         assert message in str(info.value), str(info.value)
-    # Every rank raised before any collective, so the group still works.
+    # Every rank raised where the others did (in the same handshake, or before any
+    # collective), so the group still works.
     t = torch.ones(4)
     dist.all_reduce(t)
     assert torch.equal(t, torch.full((4,), float(world)))
