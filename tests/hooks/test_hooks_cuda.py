@@ -240,7 +240,8 @@ def test_fastddp_streams_are_its_own_not_torchs_pool():
     device = torch.device("cuda", 0)
     side = CudaRuntime(device).side_stream()
     assert side is CudaRuntime(device).side_stream(), "one side stream a device and process"
-    assert side.priority == torch.cuda.Stream.priority_range()[1], "the highest priority"
+    # The device's highest priority (torch's pools stop at their own highest, or above it).
+    assert side.priority <= torch.cuda.Stream(device, priority=-99).priority < 0
     # Every stream of torch's pools (32 of each priority, handed out in turn) differs from it.
     pool = {torch.cuda.Stream(device, priority=p).cuda_stream for p in (0, -1) for _ in range(64)}
     diloco = own_stream(device, "diloco", high_priority=False)
