@@ -15,7 +15,7 @@ import torch.distributed as dist
 from fastddp.codecs import CODECS, Codec
 from fastddp.hooks.handshake import PROTOCOL
 
-__all__ = ["agree", "agree_setup", "codec_row", "describe"]
+__all__ = ["agree", "agree_install", "agree_setup", "codec_row", "describe"]
 
 
 def agree(
@@ -67,6 +67,28 @@ def describe(row: tuple[int, ...]) -> str:
     version = f", fastddp protocol {protocol}" if protocol != PROTOCOL else ""
     block_size = f", block_size={block}" if block else ""
     return f"dtype={names.get(code, '?')}{block_size}, error_feedback={bool(feedback)}{version}"
+
+
+def agree_install(where: str, modules: list, problem: Optional[Exception]) -> None:
+    """Where a comm is installed on FSDP2's ``modules``: raise ``problem`` (its arguments, refused
+    on this rank) here, and name the ranks that refused theirs on the others, after one
+    all-gather of a flag over the modules' shard group (whose ranks install alike), rather than
+    leave those others to wait for this rank in FSDP2's next collective."""
+    groups = [m._get_fsdp_state()._fsdp_param_group for _, m in modules]
+    group = next((g.mesh_info.shard_process_group for g in groups if g is not None), None)
+    if group is None or dist.get_world_size(group) == 1:  # nothing to reduce, or no peers
+        if problem is not None:
+            raise problem
+        return
+    on = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    mine = torch.tensor([int(problem is not None)], dtype=torch.int64, device=on)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, mine, group=group)
+    if problem is not None:
+        raise problem
+    failed = [dist.get_global_rank(group, r) for r, row in enumerate(rows) if int(row.item())]
+    if failed:
+        raise ValueError(f"{where}: rank(s) {failed} refused their arguments, each saying why")
 
 
 def agree_setup(where, group, shard_ranks, state, reduce_scatter, problem) -> None:

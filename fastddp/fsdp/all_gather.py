@@ -18,7 +18,6 @@ import torch.distributed as dist
 from fastddp.codecs import codec_for
 from fastddp.fsdp._agree import agree, codec_row, describe
 from fastddp.fsdp._buffers import Buffers
-from fastddp.fsdp._sharded import sharded_modules
 
 try:
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
@@ -27,7 +26,7 @@ except ImportError as error:  # pragma: no cover - depends on the installed torc
         f"fastddp.fsdp needs FSDP2's custom all-gather (torch >= 2.9): {error}"
     ) from error
 
-__all__ = ["QuantizedAllGather", "quantize_all_gather"]
+__all__ = ["QuantizedAllGather"]
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated); older releases have only that.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -122,18 +121,3 @@ class QuantizedAllGather(AllGather):
         self._counters["wire_bytes"] += (world - 1) * codec.payload_bytes(n)
         self._counters["bf16_wire_bytes"] += (world - 1) * n * 2
         return None
-
-
-def quantize_all_gather(
-    module: torch.nn.Module, *, block_size: Optional[int] = None
-) -> QuantizedAllGather:
-    """Give every ``fully_shard``-ed module in ``module`` one :class:`QuantizedAllGather`.
-
-    Call it after ``fully_shard`` and before the first forward; it works with plain sharding
-    and with :func:`fastddp.fsdp.hybrid` (whose all-gathers stay inside the node). Returns the
-    comm, whose :meth:`~QuantizedAllGather.stats` count what it sent.
-    """
-    comm = QuantizedAllGather(block_size)
-    for _, m in sharded_modules(module, "quantize_all_gather"):
-        m.set_custom_all_gather(comm)
-    return comm

@@ -26,7 +26,8 @@ from fastddp.codecs import CODECS
 from fastddp.fsdp._agree import agree_setup
 from fastddp.fsdp._checkpoint import LoadCheck, pack
 from fastddp.fsdp._sharded import sharded_modules
-from fastddp.fsdp.reduce_scatter import CompressedReduceScatter, compress_reduce_scatter
+from fastddp.fsdp.install import compress_reduce_scatter
+from fastddp.fsdp.reduce_scatter import CompressedReduceScatter
 from fastddp.hooks import CompressState, _reduce
 
 __all__ = ["HybridAllReduce", "hybrid"]

@@ -11,8 +11,9 @@ grow with the number of ranks (a 16-bit ring rounds at every hop).
 
 With error feedback, what each rank's encoding dropped is kept and added to the next encoding
 of the same parameter group. FSDP2 does not tell a reduce-scatter which group it reduces, so
-:func:`compress_reduce_scatter` gives each module a door of its own to the shared comm, which
-names the module; the residual is as large as the group's unsharded gradient, on every rank.
+:func:`compress_reduce_scatter` (``install.py``) gives each module a door of its own to the
+shared comm, which names the module; the residual is as large as the group's unsharded
+gradient, on every rank.
 """
 
 from collections.abc import Sequence
@@ -26,7 +27,6 @@ from fastddp.codecs import CODECS, HalfCodec, codec_for
 from fastddp.fsdp._agree import codec_row
 from fastddp.fsdp._buffers import Buffers
 from fastddp.fsdp._checkpoint import LoadCheck, pack
-from fastddp.fsdp._sharded import sharded_modules
 
 try:  # FSDP2's comm interfaces (torch >= 2.9 have set_custom_reduce_scatter)
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
@@ -35,7 +35,7 @@ except ImportError as error:  # pragma: no cover - depends on the installed torc
         f"fastddp.fsdp needs FSDP2's custom reduce-scatter (torch >= 2.9): {error}"
     ) from error
 
-__all__ = ["CompressedReduceScatter", "compress_reduce_scatter", "premul_factor"]
+__all__ = ["CompressedReduceScatter", "ReduceScatter", "premul_factor"]
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -299,51 +299,3 @@ class CompressedReduceScatter(ReduceScatter):
         staged = self._buffers.get("stage", src.numel(), torch.float32, src.device)
         staged.copy_(src)
         return staged
-
-
-class _GroupDoor(ReduceScatter):
-    """One module's way into a shared :class:`CompressedReduceScatter`: it names the module's
-    parameter group for the call, so that error feedback finds the group's residual."""
-
-    def __init__(self, comm: CompressedReduceScatter, key: int) -> None:
-        self.comm, self.key = comm, key
-
-    def allocate(self, size, *, dtype, device) -> torch.Tensor:
-        return self.comm.allocate(size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op=ReduceOp.SUM, async_op=False):
-        self.comm.group_key = self.key
-        try:
-            return self.comm(output_tensor, input_tensor, group, op, async_op)
-        finally:
-            self.comm.group_key = None
-
-
-def compress_reduce_scatter(
-    module: torch.nn.Module,
-    dtype: torch.dtype = torch.bfloat16,
-    *,
-    block_size: Optional[int] = None,
-    error_feedback: bool = False,
-) -> CompressedReduceScatter:
-    """Give every ``fully_shard``-ed module in ``module`` one :class:`CompressedReduceScatter`.
-
-    Call it after ``fully_shard`` and before the first backward. Returns the comm, whose
-    :meth:`~CompressedReduceScatter.stats` count what it did; with ``error_feedback``, save it
-    with the model (``dcp.save({..., "fastddp": comm})``) to resume exactly.
-    """
-    sharded = sharded_modules(module, "compress_reduce_scatter")
-    if any(hasattr(m, _INSTALLED) for _, m in sharded):
-        # A second comm would take over silently, and the first's stats() stop counting.
-        raise ValueError(
-            "compress_reduce_scatter: this model's modules reduce-scatter through a fastddp "
-            "comm already (an earlier call, or fastddp.fsdp.hybrid's); keep the comm it returned"
-        )
-    comm = CompressedReduceScatter(dtype, block_size=block_size, error_feedback=error_feedback)
-    for index, (_, m) in enumerate(sharded):  # the same order on every rank
-        m.set_custom_reduce_scatter(_GroupDoor(comm, index))
-        setattr(m, _INSTALLED, comm)
-    return comm
-
-
-_INSTALLED = "_fastddp_reduce_scatter"

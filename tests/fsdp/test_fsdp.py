@@ -17,7 +17,7 @@ import fastddp.fsdp
 from fastddp import ops
 from fastddp.bench.models import Decoder
 from fastddp.fsdp import CompressedReduceScatter, compress_reduce_scatter
-from fastddp.fsdp.reduce_scatter import _GroupDoor
+from fastddp.fsdp.install import _GroupDoor
 from fastddp.testing import slack
 
 from .._dist import run_ranks
@@ -164,6 +164,17 @@ def _mismatched(rank, world):
         assert "  rank 1: dtype=torch.int8, block_size=128, error_feedback=False" in str(
             error.value
         )
+    # Arguments refused on one rank where a comm is installed: named on every rank there,
+    # rather than leave the other waiting for it in FSDP2's first collective.
+    for install, bad in (
+        (compress_reduce_scatter, {"dtype": torch.int2}),  # int2 needs error feedback
+        (fastddp.fsdp.quantize_all_gather, {"block_size": 0}),
+    ):
+        model = fully_shard(nn.Linear(4, 4))
+        with pytest.raises((TypeError, ValueError)) as error:
+            install(model, **(bad if rank == 1 else {}))
+        text = str(error.value)
+        assert ("rank(s) [1] refused their arguments" in text) == (rank == 0), text
 
 
 @pytest.mark.multiproc
