@@ -73,8 +73,17 @@ else
 	# Memory in 16-byte accesses: a loop of each vector kernel holds LDG.E.128 and STG.E.128;
 	# no LDL or STL anywhere.
 	$(BIN)/python benchmarks/sass_check.py --build-dir build-cmake
+	# The DDP hooks' code for CUDA builds only (FASTDDP_WITH_CUDA in csrc/ddp), which the build
+	# above leaves out: checked against torch's, pybind11's and CUDA's headers.
+	$(CXX) -std=c++17 -fsyntax-only -w -DFASTDDP_WITH_CUDA=1 -Icsrc/include \
+		$$($(NVCC) --dryrun -x cu -c /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$$ INCLUDES="\(.*\)"/\1/p') \
+		$$($(BIN)/python -c 'import sysconfig, pybind11; \
+		from torch.utils import cpp_extension as c; print(" ".join("-I" + p for p in \
+		c.include_paths() + [sysconfig.get_paths()["include"], pybind11.get_include()]))') \
+		csrc/ddp/switch_hook.cpp csrc/ddp/native_hook.cpp
 	@echo "CUDA sources compiled and linked for sm_80 and sm_90; their PTX keeps CPU parity;"
-	@echo "their sm_90 SASS moves memory 16 bytes at a time and uses no local memory"
+	@echo "their sm_90 SASS moves memory 16 bytes at a time and uses no local memory;"
+	@echo "the DDP hooks' CUDA-only code compiles"
 endif
 
 # Eight concurrent pytest streams (tests/streams.py): the multi-node jobs on namespaces and the

@@ -13,18 +13,22 @@
 namespace fastddp::cuda {
 
 cudaError_t new_stream(int device, bool high_priority, cudaStream_t* out) {
-  int was = 0;
-  cudaError_t e = cudaGetDevice(&was);
-  if (e != cudaSuccess || (e = cudaSetDevice(device)) != cudaSuccess) {
+  // The caller makes `device` current (fastddp/hooks/runtime.py): a cudaSetDevice here, to
+  // another device and back, would make a context on a device this process may not use.
+  int current = 0;
+  cudaError_t e = cudaGetDevice(&current);
+  if (e != cudaSuccess) {
     return e;
+  }
+  if (current != device) {
+    return cudaErrorInvalidDevice;
   }
   int least = 0, greatest = 0;  // (numerically: greatest priority is the lowest number)
   e = cudaDeviceGetStreamPriorityRange(&least, &greatest);
-  if (e == cudaSuccess) {
-    e = cudaStreamCreateWithPriority(out, cudaStreamNonBlocking, high_priority ? greatest : least);
+  if (e != cudaSuccess) {
+    return e;
   }
-  const cudaError_t back = cudaSetDevice(was);
-  return e != cudaSuccess ? e : back;
+  return cudaStreamCreateWithPriority(out, cudaStreamNonBlocking, high_priority ? greatest : least);
 }
 
 namespace {

@@ -26,9 +26,9 @@ extern template cudaError_t run(int, cudaStream_t, const QuantizeArgs&);
 extern template cudaError_t run(int, cudaStream_t, const DequantizeArgs&);
 extern template cudaError_t run(int, cudaStream_t, const UnpackArgs&);
 
-// A new stream of fastddp's own on `device`, not blocking on the legacy default stream, at the
-// device's highest priority or its lowest, in `out`. Never destroyed: one per purpose and
-// device a process (fastddp/hooks/runtime.py).
+// A new stream of fastddp's own on `device` (which must be current: cudaErrorInvalidDevice
+// otherwise), not blocking on the legacy default stream, at the device's highest priority or
+// its lowest, in `out`. Never destroyed: a few a device and process (fastddp/hooks/runtime.py).
 cudaError_t new_stream(int device, bool high_priority, cudaStream_t* out);
 
 }  // namespace fastddp::cuda

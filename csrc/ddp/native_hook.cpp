@@ -604,6 +604,13 @@ class Runner : public std::enable_shared_from_this<Runner> {
       if (failure_.empty()) {
         failure_ = describe(error);
       }
+      // And each plan's latest: the job that was being stepped, and those set aside to step
+      // after it, are in neither list. Nothing may wait for them forever (remove(), flush()).
+      for (auto& [key, plan] : plans_) {
+        if (plan->job) {
+          jobs.push_back(plan->job);
+        }
+      }
     }
     for (auto& job : jobs) {
       if (job->result && !job->result->completed()) {

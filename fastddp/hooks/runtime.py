@@ -16,6 +16,7 @@ its last collective, and how host reads see the device's work. Three implementat
 """
 
 import contextlib
+import threading
 from contextlib import AbstractContextManager
 from typing import Any, Callable, Optional
 
@@ -26,10 +27,11 @@ from fastddp import _extension
 
 __all__ = ["CpuRuntime", "CudaRuntime", "Runtime", "own_stream", "register", "runtime_for"]
 
-_OWN_STREAMS: dict[tuple[int, str], Any] = {}
+_OWN_STREAMS: dict[tuple[int, Any], Any] = {}
+_MAKING = threading.Lock()
 
 
-def own_stream(device: torch.device, purpose: str, high_priority: bool) -> "torch.cuda.Stream":
+def own_stream(device: torch.device, purpose: Any, high_priority: bool) -> "torch.cuda.Stream":
     """fastddp's own stream on ``device`` for ``purpose``, made once a process.
 
     Not one of torch's stream pools: torch hands their streams out in turn, and each ``then``
@@ -38,16 +40,22 @@ def own_stream(device: torch.device, purpose: str, high_priority: bool) -> "torc
     """
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = _OWN_STREAMS.get((index, purpose))
-    if stream is None:
-        module = _extension.load()
-        if not hasattr(module, "new_stream"):
-            raise RuntimeError(
-                "fastddp was built without CUDA, so it cannot reduce CUDA tensors; rebuild it "
-                f"where nvcc is found (or with FORCE_CUDA=1): {_extension.REBUILD}"
-            )
-        handle = module.new_stream(index, high_priority)
-        stream = torch.cuda.ExternalStream(handle, device=torch.device("cuda", index))
-        _OWN_STREAMS[(index, purpose)] = stream
+    if stream is not None:
+        return stream
+    module = _extension.load()
+    if not hasattr(module, "new_stream"):
+        raise RuntimeError(
+            "fastddp was built without CUDA, so it cannot reduce CUDA tensors; rebuild it "
+            f"where nvcc is found (or with FORCE_CUDA=1): {_extension.REBUILD}"
+        )
+    with _MAKING:
+        stream = _OWN_STREAMS.get((index, purpose))
+        if stream is None:
+            # torch's device guard, which makes no context on a device this process never used
+            with torch.cuda.device(index):
+                handle = module.new_stream(index, high_priority)
+            stream = torch.cuda.ExternalStream(handle, device=torch.device("cuda", index))
+            _OWN_STREAMS[(index, purpose)] = stream
     return stream
 
 
@@ -100,8 +108,11 @@ class CpuRuntime(Runtime):
 class CudaRuntime(Runtime):
     """CUDA tensors: a side stream per device for later stages, completion by ``then``.
 
-    The side stream is fastddp's own (:func:`own_stream`), at the device's highest priority:
-    the collectives wait for what it queues.
+    The side stream is fastddp's own (:func:`own_stream`), at the device's highest priority
+    (the collectives wait for what it queues), one for each thread that issues stages:
+    pipelines of one thread issue in one order on every rank, but two threads (the backward's
+    hooks and DiLoCo's outer reduction) may interleave differently on each rank, and on one
+    stream their waits could form a cycle across ranks.
     """
 
     asynchronous = True
@@ -113,7 +124,8 @@ class CudaRuntime(Runtime):
 
     def side_stream(self) -> "torch.cuda.Stream":
         if self._side is None:
-            self._side = own_stream(self.device, "side", high_priority=True)
+            purpose = ("side", threading.get_ident())
+            self._side = own_stream(self.device, purpose, high_priority=True)
         return self._side
 
     def side(self):

@@ -16,6 +16,7 @@ here on the CPU, CPU path against CPU path, so that a fault in it shows without 
 
 import contextlib
 import os
+import threading
 
 import pytest
 import torch
@@ -239,7 +240,12 @@ def test_fastddp_streams_are_its_own_not_torchs_pool():
 
     device = torch.device("cuda", 0)
     side = CudaRuntime(device).side_stream()
-    assert side is CudaRuntime(device).side_stream(), "one side stream a device and process"
+    assert side is CudaRuntime(device).side_stream(), "one side stream a device and thread"
+    other = []
+    thread = threading.Thread(target=lambda: other.append(CudaRuntime(device).side_stream()))
+    thread.start()
+    thread.join()
+    assert other[0].cuda_stream != side.cuda_stream, "another thread's stages, another stream"
     # The device's highest priority (torch's pools stop at their own highest, or above it).
     assert side.priority <= torch.cuda.Stream(device, priority=-99).priority < 0
     # Every stream of torch's pools (32 of each priority, handed out in turn) differs from it.

@@ -292,24 +292,31 @@ def _issue_order(rank, world, stages):
         runner = _extension.load().NativeRunner()
 
         def hook(state, bucket):
-            runner, group = state
+            runner, group, buffers = state
             future = runner.run(bucket)
             if future is not None:
                 return future
             tags = [torch.tensor([float(bucket.index() * 10 + s)]) for s in range(stages)]
             plan = [([], ("allreduce", group, t, None, None, None, None)) for t in tags]
             runner.add(bucket.index(), bucket.buffer(), plan, [], False, True)
+            buffers.append(bucket.buffer())
             done = torch.futures.Future()
             done.set_result(bucket.buffer())
             return done
 
         model = DDP(nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]), bucket_cap_mb=0.004)
-        model.register_comm_hook((runner, group), hook)
+        buffers = []
+        model.register_comm_hook((runner, group, buffers), hook)
         for _ in range(3):  # planned at the first step, and again after DDP's rebuild
             log.clear()
             with contextlib.suppress(RuntimeError):
                 model(torch.ones(2, 32)).sum().backward()
         orders["native", fail_at] = list(log)
+        # Dropping the plans waits for their last reductions: after a failure, for none that
+        # can no longer finish (the failed bucket's, those set aside to issue after it).
+        for buffer in buffers:
+            runner.remove(buffer)
+        assert len(runner) == 0
     return orders
 
 
