@@ -32,11 +32,13 @@ __all__ = ["ARGUMENTS", "PROTOCOL", "TENSOR_PROBLEMS", "check", "exchange", "top
 # 12: and all_reduce's bucket size (elements; 0 from the hook), and its sparse tensors
 #     (problem code 7); a dtype="auto" state sends a row too (codec code AUTO).
 # 13: and whether the rank's last load_state_dict failed; all_reduce's refused arguments
-#     (problem code 8).
+#     (problem code 8); the dtype of the hook's first bucket (16-bit ones shake hands too).
 PROTOCOL = 13
 _SHARED = 8  # the first columns of a row, which every rank must share
-_COLUMNS = 25  # columns of a row
+_COLUMNS = 26  # columns of a row
 _LOAD = 24  # the column of a failed load
+_DTYPE = 25  # the column of the first bucket's dtype (BUCKET_DTYPES, 9 another; 0: none given)
+BUCKET_DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
 AUTO = 0  # the codec code of a dtype="auto" state's row (no codec's)
 
 
@@ -63,6 +65,7 @@ def exchange(
     problem: tuple[int, int] = (0, 0),
     op: int = 0,
     bucket: int = 0,
+    dtype: Optional[torch.dtype] = None,
 ) -> list[tuple[int, ...]]:
     """All-gather every rank's row of the group of ``state`` (a collective: every rank calls it).
 
@@ -70,7 +73,8 @@ def exchange(
     sizes), which every rank must share; ``problem``: the code (:data:`TENSOR_PROBLEMS`, 0 for
     none) and index of the first tensor it cannot take; ``op``: its op (1 ``"avg"``, 2
     ``"sum"``); ``bucket``: its largest bucket, in elements. DDP's buckets need none of these
-    checks.
+    checks, but the first one's ``dtype``: a model in bf16 on one rank and fp16 on another
+    would sum their bits.
     """
     s = state.settings()
     loaded = state._loaded_from or (-1, -1)
@@ -93,6 +97,7 @@ def exchange(
             op,
             bucket,
             int(state._load_problem is not None),
+            0 if dtype is None else BUCKET_DTYPES.get(dtype, 9),
         ],
         state.process_group,
         device,
@@ -175,6 +180,16 @@ def check(rows: list[tuple[int, ...]], load_problem: Optional[str] = None) -> No
         for r, row in enumerate(rows)
         if row[17]
     ]
+    dtypes = {row[_DTYPE] for row in rows if len(row) > _DTYPE and row[_DTYPE]}
+    if len(dtypes) > 1:
+        names = {code: str(d).removeprefix("torch.") for d, code in BUCKET_DTYPES.items()}
+        lines = [f"  rank {r}: {names.get(row[_DTYPE], 'another')}" for r, row in enumerate(rows)]
+        raise ValueError(
+            "fastddp: the ranks' DDP models hand the hook gradients of different dtypes, so "
+            "their payloads cannot be combined (their first buckets):\n"
+            + "\n".join(lines)
+            + "\nGive every rank the same model in the same dtype (one cast on some ranks only?)"
+        )
     if troubled:
         raise ValueError(
             "fastddp.all_reduce: some ranks passed tensors it cannot reduce:\n"

@@ -26,10 +26,12 @@ def _verify(
     problem: tuple[int, int] = (0, 0),
     op: int = 0,
     bucket: int = 0,
+    dtype: Optional[torch.dtype] = None,
 ) -> None:
     """Check every rank's settings (and ``all_reduce``'s ``layout``, tensor ``problem``, ``op``
-    and ``bucket`` size) alike, the handshake; then find the nodes and make groups."""
-    rows = handshake.exchange(state, device, layout, problem, op, bucket)
+    and ``bucket`` size; a hook's first bucket ``dtype``) alike, the handshake; then find the
+    nodes and make groups."""
+    rows = handshake.exchange(state, device, layout, problem, op, bucket, dtype)
     handshake.check(rows, state._load_problem)
     topo = handshake.topology_of(rows, dist.get_rank(state.process_group))
     resolved = resolve(state.topology, topo)
@@ -89,6 +91,8 @@ def _start(
             "and nn.EmbeddingBag(sparse=True) make them); it compresses dense buckets. Build "
             "the module with sparse=False, or register no hook for this model"
         )
+    if not state._verified:  # (any dtype: a model cast on one rank only is named on every rank)
+        _verify(state, buffer.device, dtype=buffer.dtype)
     if not passthrough and buffer.dtype != torch.float32:
         raise TypeError(
             f"fastddp.compress_hook: gradient bucket dtype {buffer.dtype} is not supported; it "
@@ -103,8 +107,6 @@ def _start(
         job = Job(PASSTHROUGH, None, buffer, (group,), world, average, (), None)
         pipeline.submit(lambda: job, is_last, defer)
         return job.result, job
-    if not state._verified:
-        _verify(state, buffer.device)
     key, signature = state._table.identify(index, buffer, parameters, params)
     previous = state._table.slots.get(key)
     if previous is not None and pipeline.is_pending(previous.job):
@@ -143,7 +145,7 @@ def _reduce_delayed(state: CompressState, bucket: dist.GradBucket) -> torch.futu
 
     def swap_and_start() -> None:
         if not state._verified:  # before a loaded gradient in waiting can raise on one rank
-            _verify(state, buffer.device)
+            _verify(state, buffer.device, dtype=buffer.dtype)
         entry = delayed.entry_for(params, buffer, pipeline.settle)
         pipeline.settle(entry.job)
         send = delayed.start(entry, buffer)

@@ -275,7 +275,7 @@ def _sixteen_bit_and_float64(rank, world):
     assert stats["passthrough_calls"] == stats["calls"] > 0
     assert stats["allocations"] == 0
 
-    # float64 model: a clear error on every rank, raised before any collective.
+    # float64 model: a clear error on every rank, raised after the first bucket's handshake.
     model = DDP(_model(torch.float64))
     model.register_comm_hook(fastddp.CompressState(), fastddp.compress_hook)
     x, y = _batch(gen, torch.float64)
@@ -292,6 +292,25 @@ def _sixteen_bit_and_float64(rank, world):
 @pytest.mark.multiproc
 def test_16bit_buckets_pass_through_and_float64_is_refused():
     run_ranks(_sixteen_bit_and_float64, 2)
+
+
+def _dtypes_differ(rank, world):
+    # A model cast on one rank only: its first bucket's dtype is in the handshake, so every
+    # rank raises, naming each rank's, where fp16 against bf16 summed their bits silently
+    # (DDP's own broadcast at construction copies the bytes: init_sync=False leaves that out).
+    for dtypes in ((torch.float16, torch.bfloat16), (torch.float32, torch.float64)):
+        model = DDP(_model(dtypes[rank]), init_sync=False)
+        model.register_comm_hook(fastddp.CompressState(), fastddp.compress_hook)
+        x, y = _batch(torch.Generator().manual_seed(rank), dtypes[rank])
+        with pytest.raises(ValueError, match="hand the hook gradients of different dtypes") as e:
+            _backward(model, x, y)
+        names = [str(d).removeprefix("torch.") for d in dtypes]
+        assert f"rank 0: {names[0]}\n  rank 1: {names[1]}" in str(e.value), str(e.value)
+
+
+@pytest.mark.multiproc
+def test_models_of_other_dtypes_on_other_ranks_fail_on_every_rank():
+    run_ranks(_dtypes_differ, 2)
 
 
 def _empty_and_direct(rank, world):
