@@ -145,19 +145,24 @@ def detect_kind(env: Mapping[str, str]) -> str:
         return "mpi"
     if _first(env, "SLURM_JOB_ID"):
         return "slurm"
-    if _first(
-        env, "NNODES", "NODE_RANK", "NPROC_PER_NODE", "ADDR", "PORT", "MASTER_ADDR", "MASTER_PORT"
-    ):
+    if _xtuner(env) or _first(env, "MASTER_ADDR", "MASTER_PORT"):
         return "env"
     return "none"
 
 
+def _xtuner(env: Mapping[str, str]) -> bool:
+    # XTuner's variables. Its ADDR and PORT are read only beside one of these: alone, names
+    # that common (a web server's PORT) say nothing of a training job.
+    return bool(_first(env, "NNODES", "NODE_RANK", "NPROC_PER_NODE"))
+
+
 def _master_overlay(env: Mapping[str, str], out: dict[str, Setting], given=frozenset()) -> None:
     # Explicit variables beat what a cluster implies: XTuner's ADDR/PORT, then MASTER_*.
-    name = _first(env, "ADDR", "MASTER_ADDR")
+    xtuner = _xtuner(env)
+    name = _first(env, *(["ADDR"] if xtuner else []), "MASTER_ADDR")
     if name:
         out["master_addr"] = Setting(env[name], name)
-    name = _first(env, "PORT", "MASTER_PORT")
+    name = _first(env, *(["PORT"] if xtuner else []), "MASTER_PORT")
     if name:  # a port set elsewhere (``given``) wins: this one is not read, nor checked
         port = env[name] if "master_port" in given else _int(env, name)
         out["master_port"] = Setting(port, name)

@@ -148,6 +148,10 @@ def test_xtuner_and_plain_variables():
     _, s = launcher_settings({"MASTER_ADDR": "h1", "MASTER_PORT": "5"})
     assert s["master_addr"].value == "h1" and s["master_port"].value == 5
     assert launcher_settings({}) == ("none", {})
+    # ADDR and PORT alone (a web server's PORT) are not XTuner's: not read.
+    assert launcher_settings({"PORT": "8080", "ADDR": "0.0.0.0"}) == ("none", {})
+    _, s = launcher_settings({"PORT": "8080", "MASTER_PORT": "5"})
+    assert s["master_port"].value == 5 and s["master_port"].source == "MASTER_PORT"
 
 
 def test_mpi_launcher_settings():
