@@ -8,7 +8,7 @@ another rank left; the rows also give every rank the same
 """
 
 import zlib
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -123,6 +123,21 @@ def _gather(row: list[int], group, device: torch.device) -> list[tuple[int, ...]
     return [tuple(t.tolist()) for t in everyone]
 
 
+def _alike(
+    rows: list[tuple[int, ...]],
+    column: int,
+    show: Callable[[int], str],
+    message: str,
+    fix: str,
+    given_only: bool = False,
+) -> None:
+    """Raise ``message``, each rank's ``show(value)`` and the ``fix`` if the ranks' ``column``
+    differs (``given_only``: among the rows that give it, not 0)."""
+    if len({row[column] for row in rows if row[column] or not given_only}) > 1:
+        lines = [f"  rank {r}: {show(row[column])}" for r, row in enumerate(rows)]
+        raise ValueError(message + ":\n" + "\n".join(lines) + "\n" + fix)
+
+
 def _digest(sizes: dict[int, int]) -> tuple[int, int, int]:
     """Tensors, elements and a digest of the sizes (by parameter key) that parked residuals or
     delayed gradients are for (zeros if none).
@@ -180,36 +195,32 @@ def check(rows: list[tuple[int, ...]], load_problem: Optional[str] = None) -> No
         for r, row in enumerate(rows)
         if row[17]
     ]
-    dtypes = {row[_DTYPE] for row in rows if len(row) > _DTYPE and row[_DTYPE]}
-    if len(dtypes) > 1:
-        names = {code: str(d).removeprefix("torch.") for d, code in BUCKET_DTYPES.items()}
-        lines = [f"  rank {r}: {names.get(row[_DTYPE], 'another')}" for r, row in enumerate(rows)]
-        raise ValueError(
-            "fastddp: the ranks' DDP models hand the hook gradients of different dtypes, so "
-            "their payloads cannot be combined (their first buckets):\n"
-            + "\n".join(lines)
-            + "\nGive every rank the same model in the same dtype (one cast on some ranks only?)"
-        )
+    names = {code: str(d).removeprefix("torch.") for d, code in BUCKET_DTYPES.items()}
+    _alike(
+        rows, _DTYPE, lambda v: names.get(v, "another"),
+        "fastddp: the ranks' DDP models hand the hook gradients of different dtypes, so their "
+        "payloads cannot be combined (their first buckets)",
+        "Give every rank the same model in the same dtype (one cast on some ranks only?)",
+        given_only=True,
+    )  # fmt: skip
     if troubled:
         raise ValueError(
             "fastddp.all_reduce: some ranks passed tensors it cannot reduce:\n"
             + "\n".join(troubled)
         )
-    if len({row[22] for row in rows}) > 1:
-        ops = {0: "none", 1: '"avg"', 2: '"sum"'}
-        lines = [f"  rank {r}: op={ops.get(row[22], '?')}" for r, row in enumerate(rows)]
-        raise ValueError(
-            "fastddp.all_reduce: ranks passed different ops, so the result would be neither a "
-            "sum nor an average:\n" + "\n".join(lines) + "\nPass the same op on every rank."
-        )
-    if len({row[23] for row in rows}) > 1:
-        lines = [f"  rank {r}: bucket_cap_mb={row[23] * 4 / 2**20:g}" for r, row in enumerate(rows)]
-        raise ValueError(
-            "fastddp.all_reduce: ranks passed different bucket_cap_mb, so their buckets, and "
-            "the collectives that carry them, would not line up:\n"
-            + "\n".join(lines)
-            + "\nPass the same bucket_cap_mb on every rank."
-        )
+    ops = {0: "none", 1: '"avg"', 2: '"sum"'}
+    _alike(
+        rows, 22, lambda v: f"op={ops.get(v, '?')}",
+        "fastddp.all_reduce: ranks passed different ops, so the result would be neither a sum "
+        "nor an average",
+        "Pass the same op on every rank.",
+    )  # fmt: skip
+    _alike(
+        rows, 23, lambda v: f"bucket_cap_mb={v * 4 / 2**20:g}",
+        "fastddp.all_reduce: ranks passed different bucket_cap_mb, so their buckets, and the "
+        "collectives that carry them, would not line up",
+        "Pass the same bucket_cap_mb on every rank.",
+    )  # fmt: skip
     if len({row[11:14] for row in rows}) > 1:
         same = len({row[11:13] for row in rows}) == 1
         lines = [
