@@ -118,8 +118,9 @@ class Pipeline:
         self._pending: deque[Job] = deque()  # jobs with stages left, oldest first
         self._earlier: list[Job] = []  # pending jobs set aside while a new bucket starts
         self._completing: deque[Job] = deque()  # CPU jobs whose last collective is in flight
-        # Asynchronous jobs whose decode no reader here has waited for yet: flush() waits.
-        self._in_flight: list[Job] = []
+        # Asynchronous jobs whose decode no reader here has waited for yet, in submission order
+        # (a dict: settle() takes one out per bucket): flush() waits for them.
+        self._in_flight: dict[Job, None] = {}
         self._failure: Optional[BaseException] = None
         self._graph_task = -1
         self._runtimes: dict[tuple, Runtime] = {}
@@ -195,7 +196,7 @@ class Pipeline:
             self._complete(self._completing.popleft())
         # On CUDA each decode ran in a callback, on a stream of torch's pool: the side
         # stream's wait below does not cover it, its result's events do.
-        in_flight, self._in_flight = self._in_flight, []
+        in_flight, self._in_flight = self._in_flight, {}
         for job in in_flight:
             job.runtime.wait_result(job.result)
         self.synchronize()
@@ -241,8 +242,7 @@ class Pipeline:
         while job in self._completing:
             self._complete(self._completing.popleft())
         job.runtime.wait_result(job.result)  # on CUDA: the current stream waits for its decode
-        if job in self._in_flight:
-            self._in_flight.remove(job)
+        self._in_flight.pop(job, None)
 
     # -- internals ------------------------------------------------------------------------
 
@@ -271,7 +271,7 @@ class Pipeline:
             self._pending.append(job)
         elif runtime.asynchronous:
             runtime.then(job.work, lambda fut, job=job: self._complete_async(job, fut))
-            self._in_flight.append(job)
+            self._in_flight[job] = None
         else:
             self._completing.append(job)
 
