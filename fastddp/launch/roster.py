@@ -112,6 +112,8 @@ class RollCall:
                     say(f"warning: the roll call stopped ({self._broken}); nodes not checked")
                     return None
                 left = deadline - time.monotonic()
+                if left <= 0 and self._prober is not None and self._prober.problems:
+                    return self._prober.problems[0]
                 if left <= 0:
                     return (
                         f"{self._signed_in()} of the round's {world_size} nodes signed in at "
@@ -302,7 +304,10 @@ class RollCall:
         stop.end(2)
 
     def _probing(self) -> bool:
-        return self._prober is not None and self._prober.pending()
+        # A failed probe counts too, until the thread's next poll ends the launch with it: a
+        # round confirmed in between would start workers that wait for Gloo's connections.
+        prober = self._prober
+        return prober is not None and (prober.pending() or bool(prober.problems))
 
     def _address(self) -> str:
         host, port = self._endpoint

@@ -74,21 +74,34 @@ def _run_all(cmds, timeout=150, envs=None):
 
 def _finish(procs, timeout):
     """``(exit code, output)`` of every process, killing them all once ``timeout`` seconds (a
-    hang guard, scaled to the machine) have passed."""
+    hang guard, scaled to the machine) have passed; a process killed so fails the test with
+    every process's output (each launcher's side of the hang)."""
     deadline = time.monotonic() + slack.guard(timeout)
-    outs = []
+    outs, killed = [], []
     try:
-        for p in procs:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        for i, p in enumerate(procs):
+            try:
+                out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _stop(p)
+                out, _ = p.communicate()
+                killed.append(i)
             outs.append(out)
     finally:
         for p in procs:
             if p.poll() is None:
-                # Its workers too: torch starts them in sessions of their own, and a killed
-                # launcher's workers would hold its output open.
-                _kill([*_children(p.pid), p.pid])
+                _stop(p)
                 p.communicate()
+    if killed:
+        said = "".join(f"\n--- process {i} ({procs[i].args}):\n{out}" for i, out in enumerate(outs))
+        raise AssertionError(f"process(es) {killed} ran past {slack.guard(timeout):.0f} s:{said}")
     return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
+def _stop(proc):
+    # Its workers too: torch starts them in sessions of their own, and a killed launcher's
+    # workers would hold its output open.
+    _kill([*_children(proc.pid), proc.pid])
 
 
 def _children(pid):

@@ -61,6 +61,27 @@ def test_a_node_started_again_counts_once():
     assert elastic._signed_in() == 2 and elastic.confirm(2) is None
 
 
+def test_a_failed_probe_holds_the_round_until_the_roll_call_ends_the_launch():
+    # A probe's thread records its failure between two polls of the roll call, and the next
+    # poll ends the launch with it: the round must not be confirmed in between, or every
+    # node's workers would wait for Gloo's dropped connections until their timeout.
+    from datetime import timedelta
+
+    from fastddp.launch import reach
+
+    def roll_call(problem):
+        roll = roster.RollCall(("127.0.0.1", 1), "job", _card(node_rank=0), timedelta())
+        roll._cards = {1: _card(node_rank=0), 2: _card()}
+        roll._prober = reach.Prober("node 0 at 198.18.0.1", "127.0.0.1:1")
+        if problem:
+            roll._prober.problems.append(problem)
+        return roll
+
+    assert roll_call(None).confirm(2) is None
+    failed = "node 0 at 198.18.0.1 cannot reach node 1 at 198.18.0.2 on 198.18.0.2:40000"
+    assert roll_call(failed).confirm(2) == failed
+
+
 def _launcher(args, patch=""):
     """A launcher, its roster module patched first (``patch``: lines run after importing it)."""
     code = (
