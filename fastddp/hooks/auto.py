@@ -75,7 +75,7 @@ class AutoState(CompressState):
 
     __slots__ = (
         "allow", "_states", "_using", "_task", "_step", "_trial", "_record", "_recent",
-        "_strikes", "_plan", "_proposal", "_owed", "_checked", "_steps_in", "_held", "_switch",
+        "_checks", "_plan", "_proposal", "_owed", "_checked", "_steps_in", "_held", "_switch",
         "_stamp", "_nodes",
     )  # fmt: skip
 
@@ -114,7 +114,7 @@ class AutoState(CompressState):
         self._trial = Trial(self.allow)
         self._record: Optional[StepRecord] = None
         self._recent: list[float] = []
-        self._strikes = 0
+        self._checks = replan.Checks()
         self._proposal: Optional[tuple[str, ...]] = None
         self._held: dict[str, set[int]] = {}  # parameter keys each mode reduced a step ago
         if self._switch is not None:
@@ -247,22 +247,18 @@ class AutoState(CompressState):
         self._using = self._proposal if label == MIXED else label
         self._owed.settle_plan(self._states, self._using, self.process_group)
         self._proposal = None
-        self._recent, self._strikes = [], 0
+        self._recent, self._checks = [], replan.Checks()
         self._plan["summary"] = candidates.summary(self._using, self.allow)
         choice.log(self._plan, self._step)
 
     def _check_plan(self, device: torch.device) -> None:
-        ratio, self._strikes = replan.check(
-            self._recent,
-            self._plan["planned_ms"],
-            self._strikes,
-            MARGIN,
-            self.process_group,
-            device,
-        )
+        group, planned_ms = self.process_group, self._plan["planned_ms"]
+        ratio = self._checks.check(self._recent, planned_ms, MARGIN, group, device)
         self._recent = []
+        if ratio is None:
+            return
         self._plan["last_check_ratio"] = ratio
-        if self._strikes >= 2:
+        if self._checks.strikes >= 2:
             self._plan["trial"] = True
             step = self._step
             self._restart()

@@ -56,7 +56,7 @@ def make(
     ``verify_ms`` has the turns of a mixed plan against the uniform choice; ``proposed`` the
     model's mixed plan where it was not kept (its modelled gain under ``mix_gain``, or not
     confirmed by its turns). ``last_check_ratio`` is the step over ``planned_ms`` at the last
-    check (``replan.py``). ``at``: ``made_at_step`` and ``plans``, and ``nodes`` (those the
+    check judged (``replan.py``). ``at``: ``made_at_step`` and ``plans``, and ``nodes`` (those the
     trial's collectives spanned).
     """
     plan, step_s, profile = _decide(trial, alive, states, group, device, rules, **at)

@@ -4,33 +4,75 @@ Every ``check_every`` steps the median period is held against the planned figure
 rank's, as in the trial); off by more than ``margin`` at two checks in a row (a link that
 degrades, or recovers), the trial runs again. At a new plan the residuals of every bucket a
 candidate no longer reduces are owed to their parameters (``owed.py``).
+
+A check runs on the first bucket of a step, on the autograd thread: reading an all-reduced
+figure there at once would make the host wait for every kernel queued before it (on a GPU, a
+bubble every ``check_every`` steps). So the slowest median is all-reduced in the background
+and read at the next check, long done by then: a drift is judged one check late, alike on
+every rank.
 """
 
 import logging
 import statistics
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["check"]
+__all__ = ["Checks"]
 
 logger = logging.getLogger("fastddp")
 
 
-def check(
-    recent: list[float], planned_ms: float, strikes: int, margin: float, group, device
-) -> tuple[float, int]:
-    """The slowest rank's median of the ``recent`` periods over the planned step, and the
-    checks in a row off by more than ``margin``, this one included (two: plan again)."""
-    now = torch.tensor([statistics.median(recent)], dtype=torch.float64, device=device)
-    dist.all_reduce(now, op=dist.ReduceOp.MAX, group=group)
-    planned = planned_ms / 1e3
-    ratio = now.item() / planned
-    strikes = strikes + 1 if abs(ratio - 1) > margin else 0
-    if strikes >= 2:
-        logger.info(
-            "fastddp auto: the step takes %.2fx the planned %.1f ms; trying every mode again",
-            ratio,
-            planned * 1e3,
-        )
-    return ratio, strikes
+class _Slowest:
+    """The slowest rank's median period, all-reduced without a host wait."""
+
+    def __init__(self, recent: list[float], group, device: torch.device) -> None:
+        now = torch.tensor([statistics.median(recent)], dtype=torch.float64, device=device)
+        self._work = dist.all_reduce(now, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        self._event = None
+        self._host = now
+        if now.is_cuda:
+            # NCCL: a stream wait (Gloo with CUDA tensors waits on the host, as it must).
+            self._work.wait()
+            self._host = torch.empty(1, dtype=torch.float64, pin_memory=True)
+            self._host.copy_(now, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def seconds(self) -> float:
+        if self._event is None:
+            self._work.wait()
+        else:
+            self._event.synchronize()  # (recorded a check ago: done)
+        return self._host.tolist()[0]
+
+
+class Checks:
+    """The checks of one plan: the reduction in flight and the checks off in a row."""
+
+    __slots__ = ("strikes", "_pending")
+
+    def __init__(self) -> None:
+        self.strikes = 0
+        self._pending: Optional[_Slowest] = None
+
+    def check(
+        self, recent: list[float], planned_ms: float, margin: float, group, device
+    ) -> Optional[float]:
+        """Start the reduction of ``recent``'s median, and judge the previous check's: return
+        its slowest median over the planned step (None at a plan's first check), counting
+        :attr:`strikes`, the checks in a row off by more than ``margin`` (two: plan again)."""
+        previous, self._pending = self._pending, _Slowest(recent, group, device)
+        if previous is None:
+            return None
+        planned = planned_ms / 1e3
+        ratio = previous.seconds() / planned
+        self.strikes = self.strikes + 1 if abs(ratio - 1) > margin else 0
+        if self.strikes >= 2:
+            logger.info(
+                "fastddp auto: the step takes %.2fx the planned %.1f ms; trying every mode again",
+                ratio,
+                planned * 1e3,
+            )
+        return ratio

@@ -192,9 +192,39 @@ def test_a_plan_of_none_runs_in_cpp_on_cuda(backend, world):
     run_ranks(_none_in_cpp_on_cuda, world, backend, 30)
 
 
+def _checks_wait_for_nothing(rank, world, cpp):
+    # Under a plan, the steps (checks of the plan included) read no device value on the host:
+    # on a GPU that read would wait for every kernel queued before the step's first bucket.
+    from collections import Counter
+
+    from torch.profiler import profile
+
+    auto.MARGIN = float("inf")  # (no re-plan on noise: the checks run, and judge nothing)
+    model = DDP(_Net(depth=2), bucket_cap_mb=0.002)
+    state = fastddp.CompressState(dtype="auto", allow=["none", "bf16"])
+    if cpp:
+        fastddp.register_comm_hook(model, state)
+    else:
+        model.register_comm_hook(state, fastddp.compress_hook)
+    _train(model, state.trial_steps + 1, rank, opt=False)
+    assert state._plan is not None and not state._plan["trial"], state._plan
+    with profile() as prof:
+        _train(model, 2 * auto.CHECK_EVERY + 1, rank, opt=False)
+    assert state._plan["last_check_ratio"] > 0, state._plan  # a check was judged in there
+    seen = Counter(e.name for e in prof.events())
+    assert seen["aten::_local_scalar_dense"] == 0 and seen["aten::item"] == 0, seen
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("cpp", [False, True], ids=["python", "register_comm_hook"])
+def test_the_checks_of_a_plan_make_no_host_wait(cpp):
+    run_ranks(_checks_wait_for_nothing, 2, cpp)
+
+
 def _strikes(rank, world):
     # The plan is held against the step every CHECK_EVERY steps: one check off by more than
-    # MARGIN is noise, two in a row start a trial, an on-plan check in between forgives.
+    # MARGIN is noise, two in a row start a trial, an on-plan check in between forgives. Each
+    # check's figure is all-reduced in the background and judged at the next check.
     model = DDP(_Net(depth=2), bucket_cap_mb=0.002)
     state = fastddp.CompressState(dtype="auto", allow=["none"])
     model.register_comm_hook(state, fastddp.compress_hook)
@@ -202,10 +232,12 @@ def _strikes(rank, world):
     assert state._plan is not None and not state._plan["trial"], state._plan
     planned = state._plan["planned_ms"] / 1e3
     off, on = [planned * (1 + 2 * auto.MARGIN)] * 5, [planned] * 5
-    for periods, trial in ((off, False), (on, False), (off, False), (off, True)):
+    checks = ((off, False), (on, False), (off, False), (off, False), (on, True))
+    for periods, trial in checks:
         state._recent = list(periods)
         state._check_plan(torch.device("cpu"))
-        assert state._plan["trial"] is trial, (periods[0] / planned, state._strikes)
+        assert state._plan["trial"] is trial, (periods[0] / planned, state._checks.strikes)
+    assert state._plan["last_check_ratio"] == pytest.approx(1 + 2 * auto.MARGIN)
 
 
 @pytest.mark.multiproc
