@@ -8,18 +8,13 @@ import dataclasses
 import json
 import os
 import socket
-import time
 from typing import Optional
 
 import torch
 
 from fastddp._version import __version__
-from fastddp.launch import stop
-from fastddp.launch.preflight import say
 
-__all__ = ["Card", "disagreement", "read", "this_node", "warnings"]
-
-GRACE_S = 2.0  # a launcher that ends on an unreadable card lingers, as the roll call's do
+__all__ = ["Card", "disagreement", "read", "this_node", "unreadable", "warnings"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,18 +80,21 @@ def warnings(mine: Card, other: Card) -> list[str]:
     return said
 
 
-def read(raw: bytes) -> Card:
-    """The card written as ``raw``; ends the launch where this version cannot read it."""
+def read(raw: bytes) -> Optional[Card]:
+    """The card written as ``raw``; None where this version cannot read it (:func:`unreadable`
+    says so)."""
     try:
         return Card(**json.loads(raw))
     except (TypeError, ValueError):
-        say(
-            f"error: a node signed in with a card this fastddp {__version__} cannot read "
-            f"({raw[:120]!r}): run the same fastddp on every node"
-        )
-        time.sleep(GRACE_S)
-        stop.end(2)
-        raise  # not reached
+        return None
+
+
+def unreadable(raw: bytes) -> str:
+    """What is wrong with a card :func:`read` cannot read."""
+    return (
+        f"a node signed in with a card this fastddp {__version__} cannot read "
+        f"({raw[:120]!r}): run the same fastddp on every node"
+    )
 
 
 def this_node(

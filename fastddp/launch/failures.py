@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from fastddp.cluster import ClusterError
 from fastddp.launch import stop
-from fastddp.launch.cards import read
+from fastddp.launch.cards import read, unreadable
 from fastddp.launch.preflight import say
 from fastddp.watchdog import peer_timeout_from_env
 
@@ -87,6 +87,7 @@ class _Watcher:
         self.last_ok = time.monotonic()  # the last loop that reached node 0's store
         self.peers: dict[int, tuple[int, str]] = {}  # node 0: card -> (node rank, name)
         self.beats: dict[int, tuple[int, float]] = {}  # card -> (beat, when it last moved)
+        self.ignored: set[int] = set()  # cards this version cannot read
         self._thread = threading.Thread(target=self._run, name="fastddp-failures", daemon=True)
         self._thread.start()
         if self.quiet_limit and node_rank != 0:
@@ -165,9 +166,15 @@ class _Watcher:
         count = int(self.store.add(self.prefix + "count", 0))
         for number in range(1, count + 1):
             key = self.prefix + f"card/{number}"
-            if number != self.card and number not in self.peers and self.store.check([key]):
-                card = read(self.store.get(key))
-                if card.node_rank is not None:
+            if number == self.card or number in self.peers or number in self.ignored:
+                continue
+            if self.store.check([key]):
+                raw = self.store.get(key)
+                card = read(raw)
+                if card is None:  # a late launcher of another version, which ends alone
+                    say(f"warning: {unreadable(raw)}; the job goes on without it")
+                    self.ignored.add(number)
+                elif card.node_rank is not None:
                     self.peers[number] = (card.node_rank, card.name())
 
     def _watch_quiet(self) -> None:

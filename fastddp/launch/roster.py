@@ -33,7 +33,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from fastddp.launch import failures, reach, stop
-from fastddp.launch.cards import Card, disagreement, read, warnings
+from fastddp.launch.cards import Card, disagreement, read, unreadable, warnings
 from fastddp.launch.preflight import say
 
 __all__ = ["RollCall"]
@@ -196,7 +196,13 @@ class RollCall:
         new = [i for i in range(1, count + 1) if i not in self._cards]
         ready = [i for i in new if store.check([self._prefix + f"card/{i}"])]
         values = store.multi_get([self._prefix + f"card/{i}" for i in ready]) if ready else []
-        cards = {i: read(v) for i, v in zip(ready, values)}
+        cards = {}
+        for i, raw in zip(ready, values):
+            card = read(raw)
+            if card is None:  # ends this launch alone (the job goes on, if it runs)
+                self._end(unreadable(raw), post=False)
+            else:
+                cards[i] = card
         note = failures.note_from(store, self._prefix)
         if note is not None:
             self._end(f"{note}; this launch ends too", post=False)

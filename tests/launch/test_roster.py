@@ -82,6 +82,50 @@ def test_a_failed_probe_holds_the_round_until_the_roll_call_ends_the_launch():
     assert roll_call(failed).confirm(2) == failed
 
 
+class _Ended(Exception):
+    pass
+
+
+def test_a_card_this_version_cannot_read_ends_the_roll_call_not_a_running_job(monkeypatch, capsys):
+    # In the roll call such a card ends this launch (run the same fastddp everywhere); once
+    # the job runs, node 0's watcher reads late launchers' cards too, and one of another
+    # version ends alone: node 0's launcher used to end there, leaving its workers behind.
+    import dataclasses
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from fastddp.launch import failures, reach, stop
+
+    def ended(self, problem, post=True):
+        raise _Ended(problem)
+
+    def exited(code):
+        raise _Ended(f"exit {code}")
+
+    monkeypatch.setattr(roster.RollCall, "_end", ended)
+    monkeypatch.setattr(stop, "end", exited)
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30))
+    prefix, odd = "fastddp/roster/job/", b'{"address": "198.18.0.9", "shoe_size": 44}'
+    for card in (_card(node_rank=0), _card(node_rank=1)):
+        number = store.add(prefix + "count", 1)
+        store.set(prefix + f"card/{number}", json.dumps(dataclasses.asdict(card)))
+    store.set(prefix + f"card/{store.add(prefix + 'count', 1)}", odd)
+    roll = roster.RollCall(("127.0.0.1", store.port), "job", _card(node_rank=0), timedelta())
+    roll._mine, roll._prober = 1, reach.Prober("node 0 at 198.18.0.1", "127.0.0.1:1")
+    with pytest.raises(_Ended, match=r"a node signed in with a card this fastddp .* cannot read"):
+        roll._poll(store)
+    names = ("node 0 at 198.18.0.1", "node 0 at 198.18.0.1")
+    watcher = failures._Watcher(store, prefix, 1, 0, 2, "job", names)
+    watcher._stop.set()
+    for _ in range(2):
+        watcher._read_cards()
+    assert watcher.peers == {2: (1, _card(node_rank=1).name())} and watcher.ignored == {3}
+    said = capsys.readouterr().err
+    assert said.count("cannot read") == 1 and "the job goes on without it" in said, said
+
+
 def _launcher(args, patch=""):
     """A launcher, its roster module patched first (``patch``: lines run after importing it)."""
     code = (
