@@ -4,12 +4,16 @@ import gc
 import signal
 import sys
 
-from fastddp.launch import stop
+from fastddp.launch import failures, stop
 from fastddp.launch.cli import main, say
 
 
 def _report(signum: int) -> None:
-    say(f"stopped by {signal.Signals(signum).name}")
+    # (Also where stop.py's thread ends the process while the main thread waits in C++: the
+    # other nodes read the note at once, rather than wait for this node's silence.)
+    name = signal.Signals(signum).name
+    failures.ended(f"stopped by {name}", signalled=True)
+    say(f"stopped by {name}")
 
 
 stop.install(_report)

@@ -56,6 +56,7 @@ QUIET_MARGIN_S = 10.0
 ARRIVALS = "fastddp/round_store/arrivals"
 
 _watcher: Optional["_Watcher"] = None
+_ending = threading.Lock()
 _peer_note: Optional[str] = None
 _kept: list = []  # what node 0's rendezvous store lives in, until this launch has ended
 
@@ -277,7 +278,8 @@ def ended(failure: Optional[str], signalled: bool = False) -> Optional[str]:
     was stopped for another's. Returns what to say where node 0's store is gone without its
     launch ending (its workers' peers here fail with it)."""
     global _watcher
-    watcher, _watcher = _watcher, None
+    with _ending:  # (the main thread, or stop.py's that ends the process)
+        watcher, _watcher = _watcher, None
     try:
         return _end(watcher, failure, signalled)
     finally:

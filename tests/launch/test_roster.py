@@ -340,6 +340,37 @@ def test_a_node_stopped_by_a_signal_stops_the_others_unless_they_stop_too(stoppe
 
 
 @pytest.mark.faults
+def test_a_node_stopped_by_a_signal_before_its_workers_start_tells_the_others():
+    # Node 1's launcher waits in C++ for node 0's round (node 0 held after its roll call), so
+    # stop.py's thread ends it; it used to end it without a note, and node 0 waited for node
+    # 1's silence (the peer timeout, 300 s) to blame the network.
+    port = free_port()
+    hold = (
+        "import time\n_confirm = roster.RollCall.confirm\n"
+        "def confirm(self, n):\n    found = _confirm(self, n)\n    time.sleep(6.0)\n"
+        "    return found\nroster.RollCall.confirm = confirm\n"
+    )
+    handed = (
+        "_hand_over = roster.RollCall.hand_over\n"
+        "def hand_over(self):\n    _hand_over(self)\n    print('handed over', flush=True)\n"
+        "roster.RollCall.hand_over = hand_over\n"
+    )
+    node0 = _launcher(_static(port, 2, 0), hold)
+    node1 = _launcher(_static(port, 2, 1), handed)
+    lines = []
+    try:
+        _wait_for(node1, "handed over", lines)
+        time.sleep(1.0)  # (into the C++ wait)
+        node1.send_signal(signal.SIGTERM)
+    finally:
+        (rc1, out1), (rc0, out0) = _finish([node1, node0], timeout=60)
+    assert rc1 == 128 + signal.SIGTERM, "".join(lines) + out1
+    # (Node 0 reads the note in its roll call or after it: its launch ends either way.)
+    assert rc0 in (1, 2) and "node 1 at 127.0.0.1" in out0, out0
+    assert "failed: stopped by SIGTERM" in out0 and "has not answered" not in out0, out0
+
+
+@pytest.mark.faults
 @pytest.mark.parametrize("moment", ["starting", "joining", "running"])
 def test_a_node_whose_launcher_is_killed_stops_the_others(moment):
     # Node 0's launcher SIGKILLed (its host still up): its store closes without a word. Node
