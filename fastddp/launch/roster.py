@@ -90,7 +90,8 @@ class RollCall:
         self._thread.start()
 
     def checked_in(self) -> None:
-        """Wait until this node has signed in and checked the cards already there.
+        """Wait until this node has signed in and checked the cards already there, and
+        reached their nodes.
 
         Under c10d, before torch's rendezvous: a node that would end on a running job's cards
         must not join that job's next round first (the others would restart their workers
@@ -153,7 +154,8 @@ class RollCall:
             store = self.store = self._sign_in()
             while not self._stopping.is_set():
                 self._poll(store)
-                self._polled.set()
+                if not self._probing():  # (its probes judged: a failed one ends it first)
+                    self._polled.set()
                 self._say_progress()
                 self._stopping.wait(POLL_S)
         except (RuntimeError, OSError) as e:  # the store is gone: torch's rendezvous says why
@@ -219,12 +221,13 @@ class RollCall:
         if self._prober.problems:
             self._end(self._prober.problems[0])
         store.add(self._prefix + f"beat/{self._mine}", 1)
-        with self._cond:
-            self._cards.update(cards)
-            by_rank: dict[int, list[int]] = {}
-            for i, card in self._cards.items():
-                if card.node_rank is not None:
-                    by_rank.setdefault(card.node_rank, []).append(i)
+        # The new cards count for confirm() only with their verdict: a node rank taken twice
+        # is undecided (or ends the launch) before confirm() sees the count it completes.
+        known = {**self._cards, **cards}  # (this thread alone writes _cards)
+        by_rank: dict[int, list[int]] = {}
+        for i, card in known.items():
+            if card.node_rank is not None:
+                by_rank.setdefault(card.node_rank, []).append(i)
         undecided = False
         for rank, numbers in sorted(by_rank.items()):
             if len(numbers) < 2:
@@ -232,9 +235,9 @@ class RollCall:
             states = [self._alive(store, i) for i in numbers]
             undecided = undecided or None in states
             alive_at = [i for i, alive in zip(numbers, states) if alive]
-            live = [self._cards[i] for i in alive_at]
+            live = [known[i] for i in alive_at]
             if len(live) >= 2 and self._late and self._mine in alive_at:
-                other = self._cards[next(i for i in alive_at if i != self._mine)]
+                other = known[next(i for i in alive_at if i != self._mine)]
                 self._end(
                     f"--node-rank {rank} is taken: the job running at {self._address()} has a "
                     f"launcher with it at {self._who(other)}; this launch ends and the job goes "
@@ -248,6 +251,7 @@ class RollCall:
                     f"{self.card.max_nodes - 1}"
                 )
         with self._cond:
+            self._cards.update(cards)
             self._undecided = undecided
             self._cond.notify_all()
 

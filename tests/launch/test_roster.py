@@ -126,6 +126,93 @@ def test_a_card_this_version_cannot_read_ends_the_roll_call_not_a_running_job(mo
     assert said.count("cannot read") == 1 and "the job goes on without it" in said, said
 
 
+def test_a_node_checks_in_only_once_it_has_reached_the_nodes_already_there(monkeypatch):
+    # Under c10d a node joins the job's next round once checked in, and the running job
+    # restarts its workers for it: one that cannot reach the job's nodes must end before.
+    import dataclasses
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from fastddp.launch import reach
+
+    ended = []
+
+    def end(self, problem, post=True):
+        ended.append(problem)
+        raise RuntimeError("ended")  # (the thread stops, as the process would)
+
+    def no_answer(address, port):
+        time.sleep(1.0)
+        return "no answer within 5 s"
+
+    monkeypatch.setattr(roster.RollCall, "_end", end)
+    monkeypatch.setattr(reach.Prober, "_connect", staticmethod(no_answer))
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30))
+    prefix, running = "fastddp/roster/job/", _card(node_rank=None, listen_port=40000)
+    store.set(
+        prefix + f"card/{store.add(prefix + 'count', 1)}", json.dumps(dataclasses.asdict(running))
+    )
+    roll = roster.RollCall(
+        ("127.0.0.1", store.port), "job", _card(node_rank=None), timedelta(seconds=30)
+    )
+    roll.start()
+    try:
+        roll.checked_in()
+        assert ended and "cannot reach the node at 198.18.0.2" in ended[0], ended
+    finally:
+        roll.stop()
+
+
+def test_a_node_rank_taken_twice_is_judged_before_its_cards_complete_the_round(monkeypatch):
+    # Two live launchers with --node-rank 1 complete a round of 2 with node 0: the roll call
+    # judges them (slow store round trips here) before confirm() may count them.
+    import dataclasses
+    import json
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    ended, alive = [], roster.RollCall._alive
+
+    def end(self, problem, post=True):
+        ended.append(problem)
+        raise RuntimeError("ended")  # (the thread stops, as the process would)
+
+    def slow_alive(self, store, number):
+        time.sleep(0.0 if number == self._mine else 1.5)
+        return alive(self, store, number)
+
+    monkeypatch.setattr(roster.RollCall, "_end", end)
+    monkeypatch.setattr(roster.RollCall, "_alive", slow_alive)
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30))
+    prefix, numbers, beating = "fastddp/roster/job/", [], threading.Event()
+    for pid in (101, 102):
+        numbers.append(store.add(prefix + "count", 1))
+        card = dataclasses.asdict(_card(node_rank=1, pid=pid))
+        store.set(prefix + f"card/{numbers[-1]}", json.dumps(card))
+
+    def beat():
+        while not beating.wait(0.1):
+            for number in numbers:
+                store.add(prefix + f"beat/{number}", 1)
+
+    threading.Thread(target=beat, daemon=True).start()
+    roll = roster.RollCall(
+        ("127.0.0.1", store.port), "job", _card(node_rank=0), timedelta(seconds=30)
+    )
+    roll.start()
+    try:
+        roll.confirm(2)
+        assert not roll._confirmed, "the round was confirmed with node rank 1 taken twice"
+        assert ended and ended[0].startswith("two launchers wait with --node-rank 1"), ended
+    finally:
+        beating.set()
+        roll.stop()
+
+
 def _launcher(args, patch=""):
     """A launcher, its roster module patched first (``patch``: lines run after importing it)."""
     code = (
