@@ -106,6 +106,12 @@ class HybridAllReduce:
         self._load.agree(output.device)
         if self.nodes == 1:
             return
+        if output.is_cuda:
+            # FSDP2 made this buffer on its reduce-scatter stream and, with a reduce_dtype
+            # other than the parameters', drops it once this hook's work is queued on the
+            # all-reduce stream (the current one): the next module's reduce-scatter could then
+            # take the block while that work still reads and writes it. (Native HSDP holds it.)
+            output.record_stream(torch.cuda.current_stream(output.device))
         if not _param_group(module).all_reduce_grads:
             # set_requires_all_reduce(False): as native HSDP, keep the node's sum for the
             # next reduction and leave nothing for FSDP2 to add to the gradient now.

@@ -95,7 +95,10 @@ class Path(ABC):
         of the network with them)."""
 
     def stage(self, job: Any, i: int) -> dist.Work:
-        """Do stage ``i``'s local work and issue its collective."""
+        """Do stage ``i``'s local work and issue its collective (a later stage: on the side
+        stream, which holds the slot's buffers)."""
+        if i > 0:
+            job.slot.hold(job.runtime)
         calls, collective = self.stage_calls(job, i)
         run_calls(calls)
         return issue(collective)

@@ -27,8 +27,7 @@ Rules, in one place:
   Gloo thread, so none can be left for one to run at interpreter exit (Gloo with CUDA tensors
   runs the ``then`` callback on its own thread).
 - :meth:`Pipeline.flush` leaves the current stream ordered after everything queued, the
-  decodes in callbacks included (their results' events), so that host reads see finished
-  values.
+  decodes in callbacks included (their results' events): host reads see finished values.
 - After a failure every later call raises the same error: the ranks' collectives no longer
   match, and carrying on would hang or mix payloads.
 """
@@ -71,6 +70,7 @@ class Job:
         "work",
         "result",
         "runtime",
+        "deferred",
     )
 
     def __init__(self, path: Path, slot, bucket, groups, world, average, seeds, topo) -> None:
@@ -90,7 +90,8 @@ class Job:
         # With devices set, the future records CUDA events when its value is set, so that
         # whoever waits on it also waits for the kernels that produced it.
         self.result = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
-        self.runtime: Optional[Runtime] = None  # set by the pipeline
+        self.runtime: Optional[Runtime] = None  # set by the pipeline, as is:
+        self.deferred = False  # left in flight past the backward pass (delay=1)
 
     @property
     def started_all(self) -> bool:
@@ -163,7 +164,7 @@ class Pipeline:
         try:
             job = start()
             if job is not None:
-                job.runtime = self._runtime_of(job)
+                job.runtime, job.deferred = self._runtime_of(job), defer
                 self._submitted += 1
                 job.order = self._submitted
                 self._step(job)
@@ -288,6 +289,8 @@ class Pipeline:
         try:
             fut.value()  # re-raises a failed collective
             job.path.finish(job)
+            if job.deferred:  # the bucket is the state's, which may be dropped meanwhile
+                job.runtime.hold((job.bucket,))
             job.result.set_result(job.bucket)
         except Exception as e:
             self._failure = self._failure or e

@@ -98,6 +98,11 @@ class Runtime:
     def synchronize(self) -> None:
         """Order the current stream after the side stream, before the host reads results."""
 
+    def hold(self, tensors) -> None:
+        """Keep ``tensors``' memory from reuse until the work queued so far on the current
+        stream is done, should they be freed before (on CUDA the caching allocator hands a
+        freed block out again at once, on the stream that made it)."""
+
 
 class CpuRuntime(Runtime):
     """Gloo on CPU tensors: the calling thread waits; there is no other stream."""
@@ -138,6 +143,11 @@ class CudaRuntime(Runtime):
     def synchronize(self):
         if self._side is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._side)
+
+    def hold(self, tensors):
+        stream = torch.cuda.current_stream(self.device)
+        for t in tensors:
+            t.record_stream(stream)
 
 
 _BY_BACKEND: dict[str, Callable[[torch.device], Runtime]] = {}

@@ -54,6 +54,7 @@ class Slot:
         "cross_node_bytes",
         "job",
         "plan",
+        "held",
     )
 
     def __init__(self, index: int, numel: int, device: torch.device, world: int) -> None:
@@ -93,6 +94,7 @@ class Slot:
         self.payload_bytes = 0
         self.wire_bytes = 0
         self.cross_node_bytes = 0
+        self.held = False  # its buffers are held on the side stream (Pipeline._step)
         self.job = None  # the latest reduction of this bucket (pipeline.Job)
         self.plan: Optional[tuple] = None  # (id, bucket buffer) of its native plan (native.py)
 
@@ -142,6 +144,20 @@ class Slot:
             self.residual = torch.zeros(max(self.numel, per_node * self.node_shard), **on)
             if self.shard > 0:
                 self.shard_residual = torch.zeros(self.shard, **on)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer of this slot: what a side stream may write."""
+        named = (self.wire, self.recv, self.out, self.node_recv, self.node_sum, self.gathered,
+                 self.flag, self.nonfinite, self.residual, self.shard_residual)  # fmt: skip
+        return [t for t in (*named, *self.scratch.values()) if t is not None]
+
+    def hold(self, runtime) -> None:
+        """Hold the buffers on ``runtime``'s current stream (a side stream), once: a state
+        dropped while that stream still writes them (``delay=1`` leaves reductions in flight)
+        must not hand their memory to new tensors."""
+        if not self.held:
+            runtime.hold(self.tensors())
+            self.held = True
 
     def free_buffers(self) -> None:
         """Let the communication buffers go (the residuals stay)."""

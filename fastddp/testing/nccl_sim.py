@@ -141,6 +141,7 @@ class SimNccl(dist.ProcessGroup):
             except BaseException as e:  # handed to the waiter
                 coll.error = e
             coll.done.set()
+            del coll  # (held while the next wait blocks, it would keep its streams' tensors)
 
     def _issue(self, name: str, inputs: list, outputs: list, run: Callable) -> SimWork:
         with internal():
@@ -180,7 +181,7 @@ class SimNccl(dist.ProcessGroup):
         if stream is not None:
             # Real for this side stream only: the compute stream waits on its own.
             for t in coll.outputs:
-                stream.wrote(t)
+                stream.wrote(t, coll.name)
             coll.landed_on = stream
 
     # -- the collectives fastddp and DDP issue ------------------------------------------------

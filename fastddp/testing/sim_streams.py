@@ -23,13 +23,19 @@ A hidden tensor written by another stream before it is ordered after the writer 
 :class:`SimRace` when the writer's contents come back; one read that early reads poison,
 which the tests see in their results.
 
+A tensor freed while a side stream's write to it is still hidden from the compute stream is
+an *early free* (:func:`early_frees`): on CUDA the caching allocator hands its block to the
+next tensor made on the stream that made it, while the writer's kernels may still run, unless
+the writer's stream held it (:meth:`SimRuntime.hold`, ``record_stream`` on CUDA; a callback's
+stream holds its collective's output, as torch's futures do).
+
 What this cannot see: a side stream reads the host's latest values (so a side stream not
 ordered after the compute stream's writes, or after a collective the compute stream waited
 for, goes unnoticed); reads are not recorded, only writes (a buffer overwritten while a
-stream may still read it is caught only through the values that come out); the caching
-allocator and ``record_stream``; a reader ordered after part of a stream's work between two
-collectives is treated as ordered after all of it; the wait DDP (or any other reader of a
-hook's future) makes on a result, from C++: a callback's writes land only at
+stream may still read it is caught only through the values that come out, and one freed
+while a stream may still read it not at all); a reader ordered after part of a stream's work
+between two collectives is treated as ordered after all of it; the wait DDP (or any other
+reader of a hook's future) makes on a result, from C++: a callback's writes land only at
 :meth:`SimRuntime.wait_result`, so fastddp must wait for every result it hands out before
 its own reads and before DDP's (the pipeline's ``flush()``, at the last bucket, does).
 """
@@ -41,8 +47,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastddp.hooks import runtime as runtimes
+from fastddp.testing.sim_lifetimes import Life, early_frees, track
 
-__all__ = ["SideStream", "SimRace", "SimRuntime", "current", "internal"]
+__all__ = ["SideStream", "SimRace", "SimRuntime", "current", "early_frees", "internal"]
 
 
 class SimRace(RuntimeError):
@@ -105,13 +112,24 @@ def _overlap(a: tuple, b: tuple) -> bool:
 
 
 class _Write:
-    __slots__ = ("tensor", "tick", "value", "gone")
+    __slots__ = ("tensor", "tick", "value", "_life")
 
-    def __init__(self, tensor: torch.Tensor, tick: int) -> None:
+    def __init__(self, tensor: torch.Tensor, tick: int, held: set, by: str) -> None:
         self.tensor = tensor
         self.tick = tick  # the writing stream's clock at the write
         self.value = None  # the real contents while hidden (None while a stream that sees it runs)
-        self.gone = False  # landed for the compute stream, or written over by its stream
+        self._life = Life(tensor, held, by)
+        track(tensor, self._life)
+
+    @property
+    def gone(self) -> bool:
+        """Landed for the compute stream, or written over by its stream."""
+        return not self._life.hidden
+
+    @gone.setter
+    def gone(self, value: bool) -> None:
+        if value:
+            self._life.seen()
 
 
 class SideStream:
@@ -121,16 +139,21 @@ class SideStream:
     def __init__(self) -> None:
         self.clock = 0
         self._writes: dict[tuple, _Write] = {}
+        self.held: set[int] = set()  # pointers of the storages this stream holds
 
-    def wrote(self, t: torch.Tensor) -> None:
-        """Record that ``t`` was written on this stream (while it runs)."""
+    def hold(self, tensors) -> None:
+        """Hold ``tensors``' storages: freeing them waits for this stream's work."""
+        self.held.update(t.untyped_storage().data_ptr() for t in tensors)
+
+    def wrote(self, t: torch.Tensor, by: str) -> None:
+        """Record that ``t`` was written on this stream (while it runs), by ``by``."""
         self.clock += 1
         span = _span(t)
         for w in self._live():
             # Written over (in part): streams that saw it must not put its old contents back.
             if _overlap(span, _span(w.tensor)):
                 w.gone = True
-        self._writes[_key(t)] = _Write(t, self.clock)
+        self._writes[_key(t)] = _Write(t, self.clock, self.held, by)
 
     def writes_to(self, storages: set) -> bool:
         """Whether a write this stream sees, still hidden, lies in one of ``storages``."""
@@ -233,7 +256,7 @@ class _Recorder(TorchDispatchMode):
                 value = args[i] if i < len(args) else kwargs.get(arg.name)
                 for t in value if isinstance(value, (list, tuple)) else [value]:
                     if isinstance(t, torch.Tensor):
-                        self.stream.wrote(t)
+                        self.stream.wrote(t, func.name())
         return func(*args, **kwargs)
 
 
@@ -282,8 +305,15 @@ class SimRuntime(runtimes.Runtime):
         pool = SideStream()
         with running(pool):
             work.wait()
+            # torch records the future's value (the collective's output) on this stream.
+            pool.hold(t for t in work.get_future().value() if isinstance(t, torch.Tensor))
             callback(work.get_future())
         self.pools.append(pool)
+
+    def hold(self, tensors):
+        stream = current()
+        if stream is not None:  # (the compute stream's writes are done when the host goes on)
+            stream.hold(tensors)
 
     def wait_result(self, result):
         result.wait()

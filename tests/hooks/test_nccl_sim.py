@@ -11,6 +11,7 @@ the same kind in the native runner: each must make the run differ.
 """
 
 import copy
+import gc
 import inspect
 import os
 import textwrap
@@ -24,10 +25,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fastddp
 from fastddp.hooks import native
 from fastddp.hooks import pipeline as pipeline_module
+from fastddp.hooks.paths import Path
 from fastddp.hooks.presets import PRESETS, preset
 from fastddp.hooks.state import CompressState
 from fastddp.hooks.topology import NODE_ENV
-from fastddp.testing import nccl_sim
+from fastddp.testing import nccl_sim, sim_streams
 
 from .._dist import run_ranks
 
@@ -73,6 +75,16 @@ MUTATIONS = {
         "pass",
     ),
 }
+# Holds taken away: a buffer a stream still writes, freed with a state dropped in flight.
+LIFETIME_MUTATIONS = {
+    "no-hold-of-a-delayed-bucket": (
+        Pipeline,
+        "_complete_async",
+        "job.runtime.hold((job.bucket,))",
+        "pass",
+    ),
+    "no-hold-of-a-slot-on-the-side-stream": (Path, "stage", "job.slot.hold(job.runtime)", "pass"),
+}
 # The same defects in the native runner (csrc/ddp/native_hook.cpp), which runs from step 2 on.
 NATIVE_MUTATIONS = {"native-no-wait-before-later-stage": 1, "native-decode-at-once": 2}
 
@@ -108,8 +120,8 @@ def _train(base, group, settings, rank, steps=4):
     return grads, dirty, state, len(stats["buckets"]), stats["nonfinite_events"]
 
 
-def _mutate(name):
-    owner, where, old, new = MUTATIONS[name]
+def _mutate(name, table=MUTATIONS):
+    owner, where, old, new = table[name]
     source = textwrap.dedent(inspect.getsource(getattr(owner, where)))
     assert old in source, f"the mutation {name} no longer applies: {old!r} not in {where}"
     scope = {}
@@ -254,6 +266,35 @@ def _host_read_after_flush(rank, world):
 
 def test_a_host_read_after_flush_sees_the_decoded_bucket():
     run_ranks(_host_read_after_flush, 2)
+
+
+def _dropped_in_flight(rank, world, planted):
+    # delay=1 leaves reductions in flight past every step; a state dropped then (the end of
+    # a phase, a rebuilt model) must not free buffers that its streams still write.
+    nccl_sim.install()
+    sim = dist.new_group(backend=nccl_sim.BACKEND)
+    if planted is not None:
+        _mutate(planted, LIFETIME_MUTATIONS)
+    torch.manual_seed(0)
+    model = DDP(_Net(), process_group=sim, bucket_cap_mb=0.002)
+    state = fastddp.CompressState(process_group=sim, **{**preset("int8-ef"), "delay": 1})
+    model.register_comm_hook(state, fastddp.compress_hook)
+    gen = torch.Generator().manual_seed(rank)
+    sim_streams.early_frees()  # (what earlier calls in this process left)
+    for _ in range(3):
+        model(torch.randn(8, 24, generator=gen)).square().mean().backward()
+    del model, state
+    gc.collect()
+    found = sim_streams.early_frees()
+    if planted is None:
+        assert found == [], found
+    else:
+        assert found, f"the planted {planted} went unseen"
+
+
+@pytest.mark.parametrize("planted", [None, *LIFETIME_MUTATIONS])
+def test_a_state_dropped_in_flight_frees_nothing_a_stream_still_writes(planted):
+    run_ranks(_dropped_in_flight, 2, planted)
 
 
 @pytest.mark.parametrize("mutation", [*MUTATIONS, *NATIVE_MUTATIONS])
