@@ -162,7 +162,7 @@ class DiLoCo:
             self._background.wait()
             previous = self._pending if self._has_pending else None
             self._delta, self._pending = self._pending, delta
-            self._background.start(lambda: self._wire(delta))
+            self._background.start(lambda: self._wire(delta), uses=(delta,))
             self._has_pending = True
             if previous is not None:
                 self._apply(previous)

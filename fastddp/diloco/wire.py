@@ -90,8 +90,9 @@ class Background:
     def busy(self) -> bool:
         return self._job is not None
 
-    def start(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the thread, after the work queued so far on the current stream."""
+    def start(self, fn: Callable[[], None], uses: tuple = ()) -> None:
+        """Run ``fn`` on the thread, after the work queued so far on the current stream;
+        ``uses``: tensors of this stream that ``fn``'s work reads or writes."""
         assert self._job is None, "wait() for the job in flight first"
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="fastddp-diloco")
@@ -99,6 +100,8 @@ class Background:
         if self._stream is not None:
             ready = torch.cuda.Event()
             ready.record()
+            for t in uses:  # (dropped before the job ends, their memory must wait for it)
+                t.record_stream(self._stream)
         self._job = self._pool.submit(self._run, fn, ready)
 
     def _run(self, fn: Callable[[], None], ready: Any) -> Any:
