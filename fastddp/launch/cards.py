@@ -14,7 +14,7 @@ import torch
 
 from fastddp._version import __version__
 
-__all__ = ["Card", "disagreement", "read", "this_node", "unreadable", "warnings"]
+__all__ = ["Card", "disagreement", "read", "still_missing", "this_node", "unreadable", "warnings"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +87,23 @@ def read(raw: bytes) -> Optional[Card]:
         return Card(**json.loads(raw))
     except (TypeError, ValueError):
         return None
+
+
+def still_missing(mine: Card, cards: list) -> str:
+    """What the roll call's progress line adds about the nodes not signed in yet."""
+    if mine.node_rank is None:
+        return (
+            "; start the others with this --rdzv-endpoint and --nnodes, and check that they "
+            "reach it"
+        )
+    missing = sorted(set(range(mine.max_nodes)) - {c.node_rank for c in cards})
+    if not missing:
+        return "; checking them"
+    return (
+        f"; missing node rank(s) {', '.join(map(str, missing))}: start them with --nnodes "
+        f"{mine.nodes()} and this --master-addr and --master-port, and check that they reach "
+        "this address"
+    )
 
 
 def unreadable(raw: bytes) -> str:

@@ -12,7 +12,8 @@ store and reads everyone's:
 - another torch or fastddp version, or other ``--max-restarts``, is warned of;
 - every so often it says who has signed in and, under the static rendezvous, which node ranks
   are missing;
-- the workers start only once every node of the round has signed in and been checked.
+- the workers start only once every node of the round has signed in and been checked, by
+  this node and by every other (each says in the store that its checks passed).
 
 Nodes that join a running job (c10d) check their card against every card of the job. Under
 the static rendezvous, a launcher that signs in once every node's roll call has confirmed the
@@ -33,7 +34,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from fastddp.launch import failures, reach, stop
-from fastddp.launch.cards import Card, disagreement, read, unreadable, warnings
+from fastddp.launch.cards import Card, disagreement, read, still_missing, unreadable, warnings
 from fastddp.launch.preflight import say
 
 __all__ = ["RollCall"]
@@ -75,6 +76,8 @@ class RollCall:
         self._undecided = False  # two cards of one node rank, one not yet known to be waiting
         self._late = False  # signed in after every node's workers started
         self._confirmed = False  # confirm() found the round complete
+        # Two phases: this node's check passed (it says so in the store), then every node's.
+        self._ready, self._posted, self._ready_nodes = False, False, 0
         self._broken: Optional[str] = None
         self._prober: Optional[reach.Prober] = None
         self._said = False
@@ -103,18 +106,31 @@ class RollCall:
         self._thread.join(timeout=10.0)
 
     def confirm(self, world_size: int) -> Optional[str]:
-        """Wait until ``world_size`` nodes have signed in and agree; return None then, else
-        what went wrong: too few nodes signed in within the timeout (a node started by plain
-        torchrun, or an older fastddp, does not sign in)."""
+        """Wait until ``world_size`` nodes have signed in, agree, and found each other
+        reachable; return None then, else what went wrong: too few nodes signed in within the
+        timeout (a node started by plain torchrun, or an older fastddp, does not sign in).
+
+        A node whose check passed waits for the others' too: one that cannot reach this node
+        ends its launch with a note, which this node's roll call reads and ends on (torch's
+        c10d rendezvous would otherwise leave it waiting for that node's workers)."""
         deadline = time.monotonic() + self._timeout
         with self._cond:
-            while self._signed_in() < world_size or self._undecided or self._probing():
+            while True:
+                checked = self._signed_in() >= world_size and not self._undecided
+                self._ready = self._ready or (checked and not self._probing())
+                if self._ready and self._ready_nodes >= world_size:
+                    break
                 if self._broken is not None:
                     say(f"warning: the roll call stopped ({self._broken}); nodes not checked")
                     return None
                 left = deadline - time.monotonic()
                 if left <= 0 and self._prober is not None and self._prober.problems:
                     return self._prober.problems[0]
+                if left <= 0 and checked:
+                    return (
+                        f"{self._ready_nodes} of the round's {world_size} nodes found the "
+                        f"others reachable within {self._timeout:.0f} s ({self._names()})"
+                    )
                 if left <= 0:
                     return (
                         f"{self._signed_in()} of the round's {world_size} nodes signed in at "
@@ -250,10 +266,26 @@ class RollCall:
                     f"at {self._who(live[1])}; give every node its own --node-rank, from 0 to "
                     f"{self.card.max_nodes - 1}"
                 )
+        ready = self._ready_nodes_in(store, known)
         with self._cond:
             self._cards.update(cards)
             self._undecided = undecided
+            self._ready_nodes = ready
             self._cond.notify_all()
+
+    def _ready_nodes_in(self, store: dist.Store, known: dict[int, Card]) -> int:
+        """Once this node's check passed (it says so first): the nodes whose check passed,
+        once each (static: by node rank)."""
+        with self._cond:
+            if not self._ready:
+                return 0
+        if not self._posted:
+            store.set(self._prefix + f"ready/{self._mine}", "1")
+            self._posted = True
+        ready = [i for i in known if store.check([self._prefix + f"ready/{i}"])]
+        return len(
+            {i if c.node_rank is None else c.node_rank for i, c in known.items() if i in ready}
+        )
 
     def _alive(self, store: dist.Store, number: int) -> Optional[bool]:
         """Whether card ``number``'s launcher still waits (or runs its workers); None while
@@ -285,21 +317,7 @@ class RollCall:
             f"waiting for the other nodes at {self._address()} for {waited:.0f} s: "
             f"{self._signed_in()} of {self.card.nodes()} signed in ({self._names()})"
         )
-        missing = sorted(set(range(self.card.max_nodes)) - {c.node_rank for c in cards})
-        if self.card.node_rank is not None and missing:
-            line += (
-                f"; missing node rank(s) {', '.join(map(str, missing))}: start them with "
-                f"--nnodes {self.card.nodes()} and this --master-addr and --master-port, and "
-                "check that they reach this address"
-            )
-        elif self.card.node_rank is None:
-            line += (
-                "; start the others with this --rdzv-endpoint and --nnodes, and check that "
-                "they reach it"
-            )
-        else:
-            line += "; checking them"
-        say(line)
+        say(line + still_missing(self.card, cards))
 
     def _end(self, problem: str, post: bool = True) -> None:
         with self._cond:

@@ -58,6 +58,7 @@ def test_a_node_started_again_counts_once():
     assert roll.confirm(3).startswith("2 of the round's 3 nodes signed in at 127.0.0.1:1 within")
     elastic = roster.RollCall(("h", 1), "job", _card(node_rank=None), timedelta())
     elastic._cards = {1: _card(node_rank=None), 2: _card(node_rank=None)}
+    elastic._ready_nodes = 2  # (the thread's count of the nodes whose check passed)
     assert elastic._signed_in() == 2 and elastic.confirm(2) is None
 
 
@@ -73,6 +74,7 @@ def test_a_failed_probe_holds_the_round_until_the_roll_call_ends_the_launch():
         roll = roster.RollCall(("127.0.0.1", 1), "job", _card(node_rank=0), timedelta())
         roll._cards = {1: _card(node_rank=0), 2: _card()}
         roll._prober = reach.Prober("node 0 at 198.18.0.1", "127.0.0.1:1")
+        roll._ready_nodes = 2  # (the thread's count of the nodes whose check passed)
         if problem:
             roll._prober.problems.append(problem)
         return roll
@@ -211,6 +213,62 @@ def test_a_node_rank_taken_twice_is_judged_before_its_cards_complete_the_round(m
     finally:
         beating.set()
         roll.stop()
+
+
+def test_a_node_waits_for_the_others_check_and_ends_on_the_note_of_one_that_failed(monkeypatch):
+    # Under c10d no watcher follows the roll call: node A, whose probe of B passed, used to
+    # start at once and wait in torch's rendezvous for B's workers (60 s, then a traceback),
+    # while B, which could not reach A, ended with the reason. Now A waits for B's check.
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from fastddp.launch import failures, reach
+
+    ended, refused, real = {}, [], reach.Prober._connect
+
+    def end(self, problem, post=True):
+        ended[self.card.host] = problem
+        if post:
+            failures.post(self.store, self._prefix, problem, 5.0)
+        raise RuntimeError("ended")  # (the thread stops, as the process would)
+
+    def connect(address, port):
+        if port in refused:  # (A's port, from B: a firewall that drops)
+            time.sleep(0.5)
+            return "no answer within 5 s"
+        return real(address, port)
+
+    monkeypatch.setattr(roster.RollCall, "_end", end)
+    monkeypatch.setattr(reach.Prober, "_connect", staticmethod(connect))
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30))
+    rolls = {
+        host: roster.RollCall(
+            ("127.0.0.1", store.port), "job", _card(node_rank=None, host=host), timedelta(30)
+        )
+        for host in ("a", "b")
+    }
+    rolls["a"].start()
+    rolls["a"].checked_in()
+    refused.append(rolls["a"].card.listen_port)
+    rolls["b"].start()
+    confirmed = {}
+    threads = [
+        threading.Thread(target=lambda h=h: confirmed.update({h: rolls[h].confirm(2)}))
+        for h in rolls
+    ]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(slack.guard(30))
+    finally:
+        for roll in rolls.values():
+            roll.stop()
+    assert not rolls["a"]._confirmed and not rolls["b"]._confirmed, (confirmed, ended)
+    assert "cannot reach the node at 127.0.0.1 (a)" in ended["b"], ended
+    assert ended["a"].startswith(ended["b"]) and "this launch ends too" in ended["a"], ended
 
 
 def _launcher(args, patch=""):
