@@ -36,6 +36,7 @@ import torch.distributed as dist
 from fastddp.launch import failures, reach, stop
 from fastddp.launch.cards import Card, disagreement, read, still_missing, unreadable, warnings
 from fastddp.launch.preflight import say
+from fastddp.launch.ready import Readiness, gone_line
 
 __all__ = ["RollCall"]
 
@@ -77,7 +78,8 @@ class RollCall:
         self._late = False  # signed in after every node's workers started
         self._confirmed = False  # confirm() found the round complete
         # Two phases: this node's check passed (it says so in the store), then every node's.
-        self._ready, self._posted, self._ready_nodes = False, False, 0
+        self._ready = Readiness(self._prefix, card.node_rank is not None)
+        self._ready_nodes = 0
         self._broken: Optional[str] = None
         self._prober: Optional[reach.Prober] = None
         self._said = False
@@ -117,15 +119,18 @@ class RollCall:
         with self._cond:
             while True:
                 checked = self._signed_in() >= world_size and not self._undecided
-                self._ready = self._ready or (checked and not self._probing())
-                if self._ready and self._ready_nodes >= world_size:
+                self._ready.mine = self._ready.mine or (checked and not self._probing())
+                if self._ready.mine and self._ready_nodes >= world_size:
                     break
+                problems = [] if self._prober is None else self._prober.problems
+                if self._broken is not None and problems:  # (found before the store went)
+                    return problems[0]
                 if self._broken is not None:
                     say(f"warning: the roll call stopped ({self._broken}); nodes not checked")
                     return None
                 left = deadline - time.monotonic()
-                if left <= 0 and self._prober is not None and self._prober.problems:
-                    return self._prober.problems[0]
+                if left <= 0 and problems:
+                    return problems[0]
                 if left <= 0 and checked:
                     return (
                         f"{self._ready_nodes} of the round's {world_size} nodes found the "
@@ -266,26 +271,16 @@ class RollCall:
                     f"at {self._who(live[1])}; give every node its own --node-rank, from 0 to "
                     f"{self.card.max_nodes - 1}"
                 )
-        ready = self._ready_nodes_in(store, known)
+        with self._cond:
+            mine = self._ready.mine
+        ready, gone = self._ready.count(store, self._mine, known) if mine else (0, None)
+        if gone is not None:
+            self._end(gone_line(gone))
         with self._cond:
             self._cards.update(cards)
             self._undecided = undecided
             self._ready_nodes = ready
             self._cond.notify_all()
-
-    def _ready_nodes_in(self, store: dist.Store, known: dict[int, Card]) -> int:
-        """Once this node's check passed (it says so first): the nodes whose check passed,
-        once each (static: by node rank)."""
-        with self._cond:
-            if not self._ready:
-                return 0
-        if not self._posted:
-            store.set(self._prefix + f"ready/{self._mine}", "1")
-            self._posted = True
-        ready = [i for i in known if store.check([self._prefix + f"ready/{i}"])]
-        return len(
-            {i if c.node_rank is None else c.node_rank for i, c in known.items() if i in ready}
-        )
 
     def _alive(self, store: dist.Store, number: int) -> Optional[bool]:
         """Whether card ``number``'s launcher still waits (or runs its workers); None while

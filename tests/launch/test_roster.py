@@ -271,6 +271,41 @@ def test_a_node_waits_for_the_others_check_and_ends_on_the_note_of_one_that_fail
     assert ended["a"].startswith(ended["b"]) and "this launch ends too" in ended["a"], ended
 
 
+def test_a_node_that_stopped_before_its_checks_passed_ends_the_round(monkeypatch):
+    # Static: node 1 signed in, then stopped (killed, or a signal before its failures note
+    # could be posted). Node 0 waits for its checks: the round ends once node 1's heartbeat
+    # has stopped, rather than at the rendezvous timeout (600 s by default).
+    import dataclasses
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from fastddp.launch import ready
+
+    ended = []
+
+    def end(self, problem, post=True):
+        ended.append(problem)
+        raise RuntimeError("ended")  # (the thread stops, as the process would)
+
+    monkeypatch.setattr(roster.RollCall, "_end", end)
+    monkeypatch.setattr(ready, "GONE_S", 1.0)
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30))
+    prefix, stopped = "fastddp/roster/job/", _card(node_rank=1, listen_port=0)
+    store.set(
+        prefix + f"card/{store.add(prefix + 'count', 1)}", json.dumps(dataclasses.asdict(stopped))
+    )
+    roll = roster.RollCall(("127.0.0.1", store.port), "job", _card(node_rank=0), timedelta(30))
+    roll.start()
+    try:
+        assert roll.confirm(2) is None and not roll._confirmed  # (ended: the thread stopped)
+    finally:
+        roll.stop()
+    assert ended == [ready.gone_line(stopped.name())], ended
+    assert "the launcher of node 1 at 198.18.0.2 (gpu2) stopped before its checks" in ended[0]
+
+
 def _launcher(args, patch=""):
     """A launcher, its roster module patched first (``patch``: lines run after importing it)."""
     code = (
