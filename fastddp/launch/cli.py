@@ -243,10 +243,13 @@ def _launch(args, run_args, plan, local, config, cmd, cmd_args) -> int:
     except SignalException as e:  # Ctrl-C, or a scheduler's SIGTERM: torch stopped the workers
         if failures.peer_failure() is not None:
             return stop.requested() or 1  # another node failed, and this one stopped (said)
+        # Claimed first: stop.py's thread would otherwise end the process a second after the
+        # signal, cutting node 0's wait for the others to read its note (failures.ended).
+        claimed = isinstance(e, stop.Stopped) and stop.taken()
         failures.ended(f"stopped by {e.sigval.name}", signalled=True)
         if not isinstance(e, stop.Stopped):
             say(f"stopped by {e.sigval.name}; the workers were stopped")
-        elif stop.taken():  # before any worker started (stop.py)
+        elif claimed:  # before any worker started (stop.py)
             say(f"stopped by {e.sigval.name}")
         return 128 + int(e.sigval)
     except Exception as e:
