@@ -89,6 +89,7 @@ class _Watcher:
         self.peers: dict[int, tuple[int, str]] = {}  # node 0: card -> (node rank, name)
         self.beats: dict[int, tuple[int, float]] = {}  # card -> (beat, when it last moved)
         self.ignored: set[int] = set()  # cards this version cannot read
+        self.noted = False  # node 0 posted the note of a silent node (_quiet)
         self._thread = threading.Thread(target=self._run, name="fastddp-failures", daemon=True)
         self._thread.start()
         if self.quiet_limit and node_rank != 0:
@@ -201,7 +202,7 @@ class _Watcher:
         )
         if self.node_rank == 0:  # the others read it in its store, as a failure's note
             note = f"f{self.name} stopped: {_peer_note}"
-            _bounded(WATCH_S, lambda: self.store.set(self.key, note))
+            self.noted = _bounded(WATCH_S, lambda: self.store.set(self.key, note)) is None
         say(
             f"error: {_peer_note}; stopping this node's workers, which cannot go on without "
             "that node (static rendezvous)"
@@ -291,6 +292,8 @@ def _end(watcher: Optional[_Watcher], failure: Optional[str], signalled: bool) -
         return None
     watcher.stop()
     if _peer_note is not None:
+        if watcher.noted:  # node 0's own note: its store must outlive the others' reading
+            _bounded(LINGER_S + 1.0, lambda: _linger(watcher))
         return None
     if failure is None and watcher.node_rank != 0:
         _bounded(WATCH_S, watcher.release)
@@ -307,18 +310,22 @@ def _end(watcher: Optional[_Watcher], failure: Optional[str], signalled: bool) -
         if watcher.node_rank != 0:
             watcher.release()
             return
-        # Node 0 stays until the others are done with its store (most read the note within
-        # a second; those that ended already are), for a while.
-        deadline = time.monotonic() + LINGER_S
-        while int(watcher.store.add(watcher.let_go, 0)) < watcher.nodes - 1:
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.1)
+        _linger(watcher)
 
     error = _bounded(LINGER_S + 1.0, tell)
     if error is None or watcher.released:
         return None
     return f"{watcher.gone(error)}, and this node's workers failed with it"
+
+
+def _linger(watcher: _Watcher) -> None:
+    # Node 0 stays until the others are done with its store (most read the note within a
+    # second; those that ended already are), for a while.
+    deadline = time.monotonic() + LINGER_S
+    while int(watcher.store.add(watcher.let_go, 0)) < watcher.nodes - 1:
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.1)
 
 
 def _bounded(seconds: float, work) -> Optional[Exception]:

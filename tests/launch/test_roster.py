@@ -306,6 +306,36 @@ def test_a_node_that_stopped_before_its_checks_passed_ends_the_round(monkeypatch
     assert "the launcher of node 1 at 198.18.0.2 (gpu2) stopped before its checks" in ended[0]
 
 
+def test_node_0_keeps_its_store_until_the_others_read_its_note_of_a_silent_node(monkeypatch):
+    # Node 0 names a silent node (the peer timeout) and stops; in a job of three nodes the
+    # third reads node 0's note in its store, which must outlive that read (it would say
+    # "node 0 is gone ... killed?" instead).
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from fastddp.launch import failures, stop
+
+    monkeypatch.setattr(stop, "stop_self", lambda code: None)  # (the test's own process)
+    monkeypatch.setattr(failures, "_peer_note", None)
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30))
+    prefix, names = "fastddp/roster/job/", ("node 0 at 198.18.0.1", "node 0 at 198.18.0.1")
+    watcher = failures._Watcher(store, prefix, 1, 0, 3, "job", names)
+    watcher._quiet("node 2 at 198.18.0.3 has not answered node 0's launcher for 310 s")
+    read = threading.Event()
+
+    def the_others():  # node 1 reads the note, then node 2's launch ends
+        assert store.get(prefix + "failed").decode().startswith("fnode 0 at 198.18.0.1 stopped")
+        time.sleep(0.5)
+        store.add(prefix + "let_go", 2)
+        read.set()
+
+    threading.Thread(target=the_others, daemon=True).start()
+    failures._end(watcher, None, False)
+    assert read.is_set(), "node 0's launch ended before the others were done with its store"
+
+
 def _launcher(args, patch=""):
     """A launcher, its roster module patched first (``patch``: lines run after importing it)."""
     code = (
