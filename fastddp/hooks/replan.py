@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from fastddp.hooks.runtime import own_stream
+
 __all__ = ["Checks"]
 
 logger = logging.getLogger("fastddp")
@@ -28,23 +30,27 @@ class _Slowest:
     """The slowest rank's median period, all-reduced without a host wait."""
 
     def __init__(self, recent: list[float], group, device: torch.device) -> None:
-        now = torch.tensor([statistics.median(recent)], dtype=torch.float64, device=device)
+        # (a fill: a tensor from a Python list waits for a host-to-device copy)
+        now = torch.full((1,), statistics.median(recent), dtype=torch.float64, device=device)
         self._work = dist.all_reduce(now, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        self._event = None
-        self._host = now
+        self._event, self._host = None, now
         if now.is_cuda:
-            # NCCL: a stream wait (Gloo with CUDA tensors waits on the host, as it must).
-            self._work.wait()
-            self._host = torch.empty(1, dtype=torch.float64, pin_memory=True)
-            self._host.copy_(now, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
+            # A stream of its own waits for the reduction (on NCCL a stream wait, which the
+            # compute stream would make for the slowest rank), then copies it to the host.
+            stream = own_stream(now.device, "replan", high_priority=False)
+            now.record_stream(stream)
+            with torch.cuda.stream(stream):
+                self._work.wait()
+                self._host = torch.empty(1, dtype=torch.float64, pin_memory=True)
+                self._host.copy_(now, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record(stream)
 
     def seconds(self) -> float:
         if self._event is None:
             self._work.wait()
-        else:
-            self._event.synchronize()  # (recorded a check ago: done)
+        elif not self._event.query():  # (recorded a check ago: done, but for a slow device)
+            self._event.synchronize()
         return self._host.tolist()[0]
 
 

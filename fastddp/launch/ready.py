@@ -2,9 +2,11 @@
 the others' (:mod:`fastddp.launch.roster`).
 
 A node that cannot reach another, or be reached, ends with a note that the others read while
-they wait, rather than in torch's rendezvous, waiting for workers that never come. Under the
-static rendezvous a node rank whose every launcher stopped before its checks passed (killed,
-or stopped by a signal, with no note) ends the round at once: it cannot form.
+they wait, rather than in torch's rendezvous, waiting for workers that never come. Each card
+promises at sign-in that its launcher will say so (a launcher without this phase promises
+nothing and is not waited for). Under the static rendezvous a node rank whose every launcher
+stopped before its checks passed (killed, or stopped by a signal, with no note) ends the
+round: it cannot form. Under c10d such a launcher is left out (torch's rendezvous decides).
 """
 
 import time
@@ -12,15 +14,21 @@ from typing import Optional
 
 import torch.distributed as dist
 
-__all__ = ["GONE_S", "Readiness", "gone_line"]
+__all__ = ["GONE_S", "Readiness", "gone_line", "promise"]
 
-# A launcher whose heartbeat has not moved for this long has stopped (a loaded machine can
-# hold a roll call's thread for a few seconds).
-GONE_S = 10.0
+# A launcher whose heartbeat has not moved for this long has stopped (well past what a loaded
+# machine, or a store's hiccup, holds a roll call's thread for).
+GONE_S = 30.0
+
+
+def promise(store: dist.Store, prefix: str, number: int) -> None:
+    """Promise, before card ``number`` is written, that its launcher will say when its checks
+    passed."""
+    store.set(prefix + f"will-confirm/{number}", "1")
 
 
 class Readiness:
-    """This node's word that its checks passed, and the count of the nodes that said so.
+    """This node's word that its checks passed, and the nodes still to give theirs.
 
     Args:
         prefix: the roll call's keys in the rendezvous store.
@@ -31,28 +39,33 @@ class Readiness:
         self._prefix, self._static = prefix, static
         self.mine = False  # this node's checks passed (set by confirm())
         self._said = False
+        self._promised: set[int] = set()  # (keys are never removed: each is read once)
+        self._ready: set[int] = set()
         self._moved: dict[int, tuple[int, float]] = {}  # card: (beat, when it last moved)
 
-    def count(self, store: dist.Store, number: int, known: dict) -> tuple[int, Optional[str]]:
-        """Once this node's checks passed (written first, as card ``number``): the nodes of
-        ``known`` (card number: Card) whose checks passed, once each, and the name of a node
-        gone before (static), if any."""
-        if not self.mine:
-            return 0, None
+    def waiting(self, store: dist.Store, number: int, known: dict) -> tuple[int, Optional[str]]:
+        """Once this node's checks passed (said first, as card ``number``): how many nodes of
+        ``known`` (card number: Card) promised to say so and have not, and the name of one
+        that stopped first (static), if any."""
         if not self._said:
             store.set(self._prefix + f"ready/{number}", "1")
             self._said = True
-        ready = {i for i in known if store.check([self._prefix + f"ready/{i}"])}
+        self._promised |= self._found("will-confirm", store, set(known) - self._promised)
+        self._ready |= self._found("ready", store, self._promised - self._ready)
         if not self._static:
-            return len(ready), None
+            left = [i for i in self._promised - self._ready if not self._stopped(store, i)]
+            return len(left), None
         ranks: dict[int, list[int]] = {}
         for i, card in known.items():
             ranks.setdefault(card.node_rank, []).append(i)
-        waiting = [n for _, n in sorted(ranks.items()) if ready.isdisjoint(n)]
-        # (every card of a node rank checked each poll: the heartbeats are followed)
-        stopped = [n for n in waiting if all([self._stopped(store, i) for i in n])]
-        gone = known[stopped[0][-1]].name() if stopped else None
-        return len(ranks) - len(waiting), gone
+        left = [n for _, n in sorted(ranks.items()) if self._ready.isdisjoint(n)]
+        left = [n for n in left if not self._promised.isdisjoint(n)]
+        # (every card of a node rank followed each poll: the heartbeats are timed)
+        stopped = [n for n in left if all([self._stopped(store, i) for i in n])]
+        return len(left), known[stopped[0][-1]].name() if stopped else None
+
+    def _found(self, name: str, store: dist.Store, numbers: set) -> set:
+        return {i for i in numbers if store.check([self._prefix + f"{name}/{i}"])}
 
     def _stopped(self, store: dist.Store, number: int) -> bool:
         beat = int(store.add(self._prefix + f"beat/{number}", 0))
@@ -67,6 +80,6 @@ class Readiness:
 def gone_line(name: str) -> str:
     """What a node says when ``name``'s launcher stopped before its checks passed."""
     return (
-        f"the launcher of {name} stopped before its checks passed (its heartbeat has not moved for "
-        f"{GONE_S:g} s, and it left no note): the round cannot form; start that node again"
+        f"the launcher of {name} stopped before its checks passed (its heartbeat has not moved "
+        f"for {GONE_S:g} s, and it left no note): the round cannot form; start that node again"
     )

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from fastddp.launch import failures, reach, stop
 from fastddp.launch.cards import Card, disagreement, read, still_missing, unreadable, warnings
 from fastddp.launch.preflight import say
-from fastddp.launch.ready import Readiness, gone_line
+from fastddp.launch.ready import Readiness, gone_line, promise
 
 __all__ = ["RollCall"]
 
@@ -79,7 +79,7 @@ class RollCall:
         self._confirmed = False  # confirm() found the round complete
         # Two phases: this node's check passed (it says so in the store), then every node's.
         self._ready = Readiness(self._prefix, card.node_rank is not None)
-        self._ready_nodes = 0
+        self._waiting = -1  # nodes still to say their checks passed (-1: not counted yet)
         self._broken: Optional[str] = None
         self._prober: Optional[reach.Prober] = None
         self._said = False
@@ -119,8 +119,9 @@ class RollCall:
         with self._cond:
             while True:
                 checked = self._signed_in() >= world_size and not self._undecided
-                self._ready.mine = self._ready.mine or (checked and not self._probing())
-                if self._ready.mine and self._ready_nodes >= world_size:
+                checked = checked and not self._probing()
+                self._ready.mine = self._ready.mine or checked
+                if checked and self._waiting == 0:
                     break
                 problems = [] if self._prober is None else self._prober.problems
                 if self._broken is not None and problems:  # (found before the store went)
@@ -133,7 +134,7 @@ class RollCall:
                     return problems[0]
                 if left <= 0 and checked:
                     return (
-                        f"{self._ready_nodes} of the round's {world_size} nodes found the "
+                        f"{self._waiting} of the round's {world_size} nodes did not find the "
                         f"others reachable within {self._timeout:.0f} s ({self._names()})"
                     )
                 if left <= 0:
@@ -211,6 +212,7 @@ class RollCall:
         # them may still read this card and end the job for it.
         self._late = int(store.add(self._prefix + "handed", 0)) >= self.card.max_nodes
         self._mine = int(store.add(self._prefix + "count", 1))
+        promise(store, self._prefix, self._mine)
         store.set(self._prefix + f"card/{self._mine}", json.dumps(dataclasses.asdict(self.card)))
         return store
 
@@ -273,13 +275,13 @@ class RollCall:
                 )
         with self._cond:
             mine = self._ready.mine
-        ready, gone = self._ready.count(store, self._mine, known) if mine else (0, None)
+        waiting, gone = self._ready.waiting(store, self._mine, known) if mine else (-1, None)
         if gone is not None:
             self._end(gone_line(gone))
         with self._cond:
             self._cards.update(cards)
             self._undecided = undecided
-            self._ready_nodes = ready
+            self._waiting = waiting
             self._cond.notify_all()
 
     def _alive(self, store: dist.Store, number: int) -> Optional[bool]:

@@ -29,10 +29,13 @@ class Life:
         """The write landed for the compute stream (or was written over): nothing to check."""
         self.hidden = False
         with _lock:
-            _lives.get(self.pointer, {}).pop(id(self), None)
+            lives = _lives.get(self.pointer)
+            if lives is not None:
+                lives.pop(id(self), None)
 
 
-_lock = threading.Lock()
+# Reentrant: a free can run inside track() (an allocation there may start the cycle collector).
+_lock = threading.RLock()
 _lives: dict[int, dict[int, Life]] = {}  # storage pointer -> the hidden writes to it
 _early: list[str] = []
 
@@ -51,13 +54,16 @@ def track(t: torch.Tensor, life: Life) -> None:
 
 def _freed(pointer: int) -> None:
     with _lock:
-        for life in _lives.pop(pointer, {}).values():
-            if life.hidden and pointer not in life.held:
-                _early.append(
-                    f"nccl-sim: {life.what} written on a side stream was freed before the "
-                    "compute stream was ordered after that write, and that stream did not hold "
-                    "it (on CUDA its memory may go to a new tensor while the write runs)"
-                )
+        lives = list(_lives.pop(pointer, {}).values())
+        early = [life for life in lives if life.hidden and pointer not in life.held]
+        for life in lives:
+            life.held.discard(pointer)  # (the next storage at this address is not held)
+        for life in early:
+            _early.append(
+                f"nccl-sim: {life.what} written on a side stream was freed before the "
+                "compute stream was ordered after that write, and that stream did not hold "
+                "it (on CUDA its memory may go to a new tensor while the write runs)"
+            )
 
 
 def early_frees() -> list[str]:

@@ -192,6 +192,38 @@ def test_a_plan_of_none_runs_in_cpp_on_cuda(backend, world):
     run_ranks(_none_in_cpp_on_cuda, world, backend, 30)
 
 
+def _checks_on_cuda_wait_for_nothing(rank, world):
+    # On NCCL the checks of a plan synchronize no stream with the host: a tensor made from a
+    # Python list, or read with .item(), would wait for every kernel queued before it.
+    from torch.profiler import ProfilerActivity, profile
+
+    group = dist.new_group([0], backend="nccl")
+    auto.MARGIN = float("inf")
+    torch.cuda.set_device(0)
+    model = DDP(_Net(depth=2).cuda(), bucket_cap_mb=0.002, process_group=group)
+    state = fastddp.CompressState(dtype="auto", allow=["none", "bf16"], process_group=group)
+    model.register_comm_hook(state, fastddp.compress_hook)
+    x = torch.randn(8, 24, device="cuda")
+    for _ in range(state.trial_steps + 1):
+        model(x).square().mean().backward()
+    assert state._plan is not None and not state._plan["trial"], state._plan
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2 * auto.CHECK_EVERY + 1):
+            model(x).square().mean().backward()
+    assert state._plan["last_check_ratio"] > 0, state._plan
+    waits = [e.name for e in prof.events() if "Synchronize" in e.name or e.name == "aten::item"]
+    assert waits == [], waits
+    dist.destroy_process_group(group)
+
+
+@pytest.mark.cuda
+@pytest.mark.multiproc
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_checks_of_a_plan_make_no_host_wait_on_nccl():
+    run_ranks(_checks_on_cuda_wait_for_nothing, 1)
+
+
 def _checks_wait_for_nothing(rank, world, cpp):
     # Under a plan, the steps (checks of the plan included) read no device value on the host:
     # on a GPU that read would wait for every kernel queued before the step's first bucket.

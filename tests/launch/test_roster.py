@@ -58,7 +58,7 @@ def test_a_node_started_again_counts_once():
     assert roll.confirm(3).startswith("2 of the round's 3 nodes signed in at 127.0.0.1:1 within")
     elastic = roster.RollCall(("h", 1), "job", _card(node_rank=None), timedelta())
     elastic._cards = {1: _card(node_rank=None), 2: _card(node_rank=None)}
-    elastic._ready_nodes = 2  # (the thread's count of the nodes whose check passed)
+    elastic._waiting = 0  # (the thread's count of the nodes still to say their checks passed)
     assert elastic._signed_in() == 2 and elastic.confirm(2) is None
 
 
@@ -74,7 +74,7 @@ def test_a_failed_probe_holds_the_round_until_the_roll_call_ends_the_launch():
         roll = roster.RollCall(("127.0.0.1", 1), "job", _card(node_rank=0), timedelta())
         roll._cards = {1: _card(node_rank=0), 2: _card()}
         roll._prober = reach.Prober("node 0 at 198.18.0.1", "127.0.0.1:1")
-        roll._ready_nodes = 2  # (the thread's count of the nodes whose check passed)
+        roll._waiting = 0  # (the thread's count of the nodes still to say their checks passed)
         if problem:
             roll._prober.problems.append(problem)
         return roll
@@ -245,7 +245,10 @@ def test_a_node_waits_for_the_others_check_and_ends_on_the_note_of_one_that_fail
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30))
     rolls = {
         host: roster.RollCall(
-            ("127.0.0.1", store.port), "job", _card(node_rank=None, host=host), timedelta(30)
+            ("127.0.0.1", store.port),
+            "job",
+            _card(node_rank=None, host=host),
+            timedelta(seconds=30),
         )
         for host in ("a", "b")
     }
@@ -255,7 +258,7 @@ def test_a_node_waits_for_the_others_check_and_ends_on_the_note_of_one_that_fail
     rolls["b"].start()
     confirmed = {}
     threads = [
-        threading.Thread(target=lambda h=h: confirmed.update({h: rolls[h].confirm(2)}))
+        threading.Thread(target=lambda h=h: confirmed.update({h: rolls[h].confirm(2)}), daemon=True)
         for h in rolls
     ]
     try:
@@ -271,10 +274,12 @@ def test_a_node_waits_for_the_others_check_and_ends_on_the_note_of_one_that_fail
     assert ended["a"].startswith(ended["b"]) and "this launch ends too" in ended["a"], ended
 
 
-def test_a_node_that_stopped_before_its_checks_passed_ends_the_round(monkeypatch):
+@pytest.mark.parametrize("promised", [True, False])
+def test_a_node_that_stopped_before_its_checks_passed_ends_the_round(monkeypatch, promised):
     # Static: node 1 signed in, then stopped (killed, or a signal before its failures note
     # could be posted). Node 0 waits for its checks: the round ends once node 1's heartbeat
-    # has stopped, rather than at the rendezvous timeout (600 s by default).
+    # has stopped, rather than at the rendezvous timeout (600 s by default). A card that
+    # did not promise to say so (a launcher without this phase) is not waited for.
     import dataclasses
     import json
     from datetime import timedelta
@@ -293,16 +298,22 @@ def test_a_node_that_stopped_before_its_checks_passed_ends_the_round(monkeypatch
     monkeypatch.setattr(ready, "GONE_S", 1.0)
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30))
     prefix, stopped = "fastddp/roster/job/", _card(node_rank=1, listen_port=0)
-    store.set(
-        prefix + f"card/{store.add(prefix + 'count', 1)}", json.dumps(dataclasses.asdict(stopped))
+    number = store.add(prefix + "count", 1)
+    if promised:
+        ready.promise(store, prefix, number)  # (what its launcher did at sign-in)
+    store.set(prefix + f"card/{number}", json.dumps(dataclasses.asdict(stopped)))
+    roll = roster.RollCall(
+        ("127.0.0.1", store.port), "job", _card(node_rank=0), timedelta(seconds=30)
     )
-    roll = roster.RollCall(("127.0.0.1", store.port), "job", _card(node_rank=0), timedelta(30))
     roll.start()
     try:
-        assert roll.confirm(2) is None and not roll._confirmed  # (ended: the thread stopped)
+        assert roll.confirm(2) is None  # (ended: the thread stopped; or confirmed)
     finally:
         roll.stop()
-    assert ended == [ready.gone_line(stopped.name())], ended
+    if not promised:
+        assert roll._confirmed and ended == [], ended
+        return
+    assert not roll._confirmed and ended == [ready.gone_line(stopped.name())], ended
     assert "the launcher of node 1 at 198.18.0.2 (gpu2) stopped before its checks" in ended[0]
 
 
