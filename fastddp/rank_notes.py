@@ -64,8 +64,8 @@ def check_ranks(
             seen.setdefault(key, rank)
         if info["settings"] != everyone[0]["settings"]:
             problems.append(
-                f"rank {rank} runs with different fastddp settings than rank 0: "
-                f"{info['settings']} vs {everyone[0]['settings']}; start every rank with the "
+                f"rank {rank} runs with different fastddp settings than rank 0: rank {rank} "
+                f"{info['settings']}, rank 0 {everyone[0]['settings']}; start every rank with the "
                 "same fastddp/torch versions and FASTDDP_* variables"
             )
     problems += _merged_nodes(everyone)

@@ -75,6 +75,11 @@ def reshard(state_dicts: Sequence[dict[str, Any]], world_size: int) -> list[dict
                 f"{where}: entry {rank} is not a CompressState.state_dict() (got {got})"
             )
     saved_world = state_dicts[0].get("world_size")
+    if saved_world is None:
+        raise ValueError(
+            f"{where}: the state dicts were saved before any process group, so they name no "
+            "world size to reshard from; save them in the job, after init_process_group"
+        )
     if saved_world != old:
         raise ValueError(
             f"{where}: the state dicts were saved by a job of {saved_world} ranks, and {old} "

@@ -59,9 +59,10 @@ def check(args: argparse.Namespace) -> None:
     try:
         count = torchrun.determine_local_world_size(nproc)
     except ValueError as e:
+        others = [k for k in ("auto", "cpu", "gpu") if k != nproc]  # (not the one that failed)
         raise LaunchError(
-            f"--nproc-per-node {nproc}: {str(e).rstrip('.')}; give a number of processes, or auto, "
-            "cpu or gpu"
+            f"--nproc-per-node {nproc}: {str(e).rstrip('.')}; give a number of processes, or "
+            f"{', '.join(others[:-1])} or {others[-1]}"
         ) from None
     if count < 1:
         raise LaunchError(f"--nproc-per-node {nproc}: give at least 1 process per node")

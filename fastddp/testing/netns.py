@@ -212,12 +212,14 @@ def drop(node: Node, percent: float) -> None:
         raise ValueError(f"fastddp.netns: loss must be in (0, 100] percent, got {percent}")
     if shutil.which("nft") is None:
         raise NetnsError("packet loss needs nft (the nftables package)")
-    # numgen draws 0..9999 per packet: below percent * 100 drops that share.
+    # numgen draws 0..9999 per packet: below percent * 100 drops that share (nft refuses a
+    # bound of 10000, so a share that rounds to every packet drops them all without a draw).
+    share = int(round(percent * 100))
+    draw = "" if share >= 10000 else f"numgen random mod 10000 < {share} "
     rules = (
         "add table inet fastddp_loss\n"
         "add chain inet fastddp_loss input { type filter hook input priority 0; }\n"
-        f"add rule inet fastddp_loss input iifname {node.dev} "
-        f"numgen random mod 10000 < {int(round(percent * 100))} counter drop\n"
+        f"add rule inet fastddp_loss input iifname {node.dev} {draw}counter drop\n"
     )
     subprocess.run(
         ["ip", "netns", "exec", node.ns, "nft", "-f", "-"],

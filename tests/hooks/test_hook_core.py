@@ -535,6 +535,8 @@ def test_reshard_refuses_what_is_not_one_jobs_state_dicts():
         fastddp.CompressState.reshard([], 2)
     with pytest.raises(ValueError, match=r"saved by a job of 3 ranks, and 2 were given"):
         fastddp.CompressState.reshard([full[0], full[2]], 2)
+    with pytest.raises(ValueError, match="saved before any process group, so they name no"):
+        fastddp.CompressState.reshard([saved(None, None)], 2)
     with pytest.raises(ValueError, match=r"entry 1 was saved by rank 2 of 3; give the 3"):
         fastddp.CompressState.reshard([full[0], full[2], full[1]], 2)
     with pytest.raises(ValueError, match="not one job's state dicts"):

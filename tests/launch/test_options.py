@@ -5,6 +5,7 @@ import importlib
 import re
 
 import pytest
+import torch
 
 from fastddp.launch import cli, options
 from fastddp.launch.net import LaunchError
@@ -22,6 +23,12 @@ C10D = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint"]
         (["--nproc-per-node", "0"], "--nproc-per-node 0: give at least 1 process per node"),
         (["--nproc-per-node", "-2"], "--nproc-per-node -2: give at least 1 process per node"),
         (["--nproc-per-node", "lots"], "--nproc-per-node lots: Unsupported nproc_per_node value"),
+        pytest.param(
+            ["--nproc-per-node", "gpu"],
+            "--nproc-per-node gpu: Cuda is not available; give a number of processes, or auto or "
+            "cpu",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there"),
+        ),
         ([*C10D, "host1:abc"], "--rdzv-endpoint host1:abc: the port 'abc' must be a number"),
         ([*C10D, "host1:70000"], "host1:70000: the port '70000' must be a number from 0 to 65535"),
         ([*C10D, "::1"], "--rdzv-endpoint ::1: an IPv6 address goes in brackets"),

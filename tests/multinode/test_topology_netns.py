@@ -8,6 +8,7 @@ estimate against plain DDP's measured traffic. Needs root; skipped cleanly other
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -242,6 +243,26 @@ def test_a_wired_pair_refuses_a_negative_delay_or_full_loss():
         refused = pytest.raises(ValueError, match=r"delay >= 0 ms and loss in \[0, 100\) %")
         with refused, netns.wired_pair(delay, loss):
             pass
+
+
+def test_a_full_loss_drops_every_packet():
+    # nft refuses a draw bound of 10000: 100 % (or a share that rounds to it) drops without one.
+    if shutil.which("nft") is None:
+        pytest.skip("packet loss needs nft (nftables)")
+    connect = (
+        "import socket, sys\n"
+        "try:\n    socket.create_connection((sys.argv[1], 9), timeout=2)\n"
+        "except ConnectionRefusedError:\n    print('refused')\n"
+        "except TimeoutError:\n    print('no answer')\n"
+    )
+    with netns.nodes(2) as made:
+        netns.drop(made[1], 99.999)
+        said = subprocess.run(
+            ["ip", "netns", "exec", made[0].ns, sys.executable, "-c", connect, made[1].addr],
+            capture_output=True, text=True, timeout=slack.guard(30),
+        )  # fmt: skip
+        assert said.stdout.strip() == "no answer", said
+        assert netns.dropped(made[1]) >= 1
 
 
 def test_nodes_refuses_a_count_out_of_range():
