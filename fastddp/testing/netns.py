@@ -205,15 +205,13 @@ def stop(procs: list) -> None:
 def drop(node: Node, percent: float) -> None:
     """Drop ``percent`` % of the packets ``node`` receives on its link, at random (nftables).
 
-    Loopback is left alone. Needs ``nft`` (Debian package ``nftables``); this kernel has no
-    ``tc netem`` to emulate loss or delay with. :func:`dropped` reads the count.
-    """
+    Loopback is left alone. Needs ``nft`` (package ``nftables``): this kernel has no ``tc
+    netem``. :func:`dropped` reads the count."""
     if not 0 < percent <= 100:
         raise ValueError(f"fastddp.netns: loss must be in (0, 100] percent, got {percent}")
     if shutil.which("nft") is None:
         raise NetnsError("packet loss needs nft (the nftables package)")
-    # numgen draws 0..9999 per packet: below percent * 100 drops that share (nft refuses a
-    # bound of 10000, so a share that rounds to every packet drops them all without a draw).
+    # numgen draws 0..9999 per packet: below percent * 100 drops that share (nft refuses 10000).
     share = int(round(percent * 100))
     draw = "" if share >= 10000 else f"numgen random mod 10000 < {share} "
     rules = (
