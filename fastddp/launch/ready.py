@@ -9,8 +9,7 @@ stopped before its checks passed (killed, or stopped by a signal, with no note) 
 round: it cannot form. Under c10d such a launcher is left out (torch's rendezvous decides).
 """
 
-import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -41,19 +40,21 @@ class Readiness:
         self._said = False
         self._promised: set[int] = set()  # (keys are never removed: each is read once)
         self._ready: set[int] = set()
-        self._moved: dict[int, tuple[int, float]] = {}  # card: (beat, when it last moved)
 
-    def waiting(self, store: dist.Store, number: int, known: dict) -> tuple[int, Optional[str]]:
+    def waiting(
+        self, store: dist.Store, number: int, known: dict, still: Callable[[int], float]
+    ) -> tuple[int, Optional[str]]:
         """Once this node's checks passed (said first, as card ``number``): how many nodes of
         ``known`` (card number: Card) promised to say so and have not, and the name of one
-        that stopped first (static), if any."""
+        that stopped first (static), if any. ``still(card)``: seconds since that card's
+        heartbeat last moved (the roll call's reading)."""
         if not self._said:
             store.set(self._prefix + f"ready/{number}", "1")
             self._said = True
         self._promised |= self._found("will-confirm", store, set(known) - self._promised)
         self._ready |= self._found("ready", store, self._promised - self._ready)
         if not self._static:
-            left = [i for i in self._promised - self._ready if not self._stopped(store, i)]
+            left = [i for i in self._promised - self._ready if still(i) < GONE_S]
             return len(left), None
         ranks: dict[int, list[int]] = {}
         for i, card in known.items():
@@ -61,20 +62,11 @@ class Readiness:
         left = [n for _, n in sorted(ranks.items()) if self._ready.isdisjoint(n)]
         left = [n for n in left if not self._promised.isdisjoint(n)]
         # (every card of a node rank followed each poll: the heartbeats are timed)
-        stopped = [n for n in left if all([self._stopped(store, i) for i in n])]
+        stopped = [n for n in left if all([still(i) >= GONE_S for i in n])]
         return len(left), known[stopped[0][-1]].name() if stopped else None
 
     def _found(self, name: str, store: dist.Store, numbers: set) -> set:
         return {i for i in numbers if store.check([self._prefix + f"{name}/{i}"])}
-
-    def _stopped(self, store: dist.Store, number: int) -> bool:
-        beat = int(store.add(self._prefix + f"beat/{number}", 0))
-        now = time.monotonic()
-        last, when = self._moved.get(number, (beat, now))
-        if beat != last:
-            last, when = beat, now
-        self._moved[number] = (last, when)
-        return now - when >= GONE_S
 
 
 def gone_line(name: str) -> str:

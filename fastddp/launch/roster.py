@@ -240,7 +240,7 @@ class RollCall:
             for line in warnings(self.card, card):
                 say(line)
             self._prober.probe(card.name(), card.listen_at, card.listen_port, i)
-        self._prober.judge_refused(lambda number: self._alive(store, number))
+        self._prober.judge_refused(self._alive)
         if self._prober.problems:
             self._end(self._prober.problems[0])
         store.add(self._prefix + f"beat/{self._mine}", 1)
@@ -255,7 +255,7 @@ class RollCall:
         for rank, numbers in sorted(by_rank.items()):
             if len(numbers) < 2:
                 continue
-            states = [self._alive(store, i) for i in numbers]
+            states = [self._alive(i) for i in numbers]
             undecided = undecided or None in states
             alive_at = [i for i, alive in zip(numbers, states) if alive]
             live = [known[i] for i in alive_at]
@@ -275,7 +275,9 @@ class RollCall:
                 )
         with self._cond:
             mine = self._ready.mine
-        waiting, gone = self._ready.waiting(store, self._mine, known) if mine else (-1, None)
+        waiting, gone = -1, None
+        if mine:
+            waiting, gone = self._ready.waiting(store, self._mine, known, self._still)
         if gone is not None:
             self._end(gone_line(gone))
         with self._cond:
@@ -284,20 +286,24 @@ class RollCall:
             self._waiting = waiting
             self._cond.notify_all()
 
-    def _alive(self, store: dist.Store, number: int) -> Optional[bool]:
+    def _alive(self, number: int) -> Optional[bool]:
         """Whether card ``number``'s launcher still waits (or runs its workers); None while
         that is not known."""
         if number == self._mine:
             return True
-        beat = int(store.add(self._prefix + f"beat/{number}", 0))
+        if self._still(number) >= LIVE_S:
+            return False
+        return True if self._beats[number][2] else None
+
+    def _still(self, number: int) -> float:
+        """Seconds since card ``number``'s heartbeat last moved (from its first reading)."""
+        beat = int(self.store.add(self._prefix + f"beat/{number}", 0))
         now = time.monotonic()
         last, when, moved = self._beats.get(number, (beat, now, False))
         if beat != last:
             last, when, moved = beat, now, True
         self._beats[number] = (last, when, moved)
-        if now - when >= LIVE_S:
-            return False
-        return True if moved else None
+        return now - when
 
     def _who(self, card: Card) -> str:
         return f"{card.where()}, pid {card.pid}"

@@ -183,9 +183,9 @@ def test_a_node_rank_taken_twice_is_judged_before_its_cards_complete_the_round(m
         ended.append(problem)
         raise RuntimeError("ended")  # (the thread stops, as the process would)
 
-    def slow_alive(self, store, number):
+    def slow_alive(self, number):
         time.sleep(0.0 if number == self._mine else 1.5)
-        return alive(self, store, number)
+        return alive(self, number)
 
     monkeypatch.setattr(roster.RollCall, "_end", end)
     monkeypatch.setattr(roster.RollCall, "_alive", slow_alive)
