@@ -162,10 +162,13 @@ def _print_dry_run(args: argparse.Namespace, config, cmd, cmd_args: list[str]) -
         "local_addr",
     ):
         say(f"config {field}={getattr(config, field)!r}")
-    say(
-        f"config node_rank={args.node_rank} master_addr={args.master_addr} "
-        f"master_port={args.master_port}"
-    )
+    if args.rdzv_backend == "static":
+        say(
+            f"config node_rank={args.node_rank} master_addr={args.master_addr} "
+            f"master_port={args.master_port}"
+        )
+    else:  # the rendezvous at rdzv_endpoint gives node ranks; no master address is used
+        say(f"config node_rank assigned by the {args.rdzv_backend} rendezvous")
     worker = [cmd if isinstance(cmd, str) else getattr(cmd, "__name__", str(cmd))]
     say("worker command: " + " ".join(worker + list(cmd_args)))
 

@@ -274,6 +274,9 @@ def test_c10d_without_an_endpoint_is_checked_where_torch_goes():
     assert res.returncode == 0, res.stderr
     assert "rendezvous c10d at localhost:29400" in res.stderr  # torch's default endpoint
     assert "warning: the master localhost is a loopback address" in res.stderr
+    # c10d numbers the nodes and meets at its endpoint: the static master is not printed.
+    assert "config node_rank assigned by the c10d rendezvous" in res.stderr
+    assert "master_port=" not in res.stderr, res.stderr
 
 
 def test_command_line_beats_pet_beats_detection():
