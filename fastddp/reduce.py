@@ -1,7 +1,6 @@
 """``fastddp.all_reduce``: the hooks' compressed reduction for tensors outside DDP."""
 
 import itertools
-import math
 import zlib
 from collections.abc import Iterable
 from typing import Optional, Union
@@ -19,6 +18,7 @@ from fastddp.hooks.settings import outside
 __all__ = ["all_reduce"]
 
 _UNSET = object()
+_MAX_CAP_MB = 2.0**30  # 2**48 elements, well inside the handshake's int64
 _STATELESS_CALLS = itertools.count(1)  # seeds the rounding of calls without state=
 
 
@@ -88,6 +88,11 @@ def all_reduce(
         # tensors it can reduce, in the handshake it makes anyway: a rank that raised alone
         # (a None gradient on one rank) would leave the others waiting in it.
         sizes = () if problem else tuple(t.numel() for t in tensors)
+        # A state loaded from a state dict keeps the op and buckets its residuals were saved in.
+        unlike = None if problem or state._layout is None else _unlike(state, sizes, op, cap)
+        if unlike is not None:
+            _refused(tensors, group, state)
+            raise ValueError(f"{where}: {unlike}")
         digest = zlib.crc32(",".join(map(str, sizes)).encode())
         layout = (len(sizes), sum(sizes), digest)
         found = problem[:2] if problem else (0, 0)
@@ -98,32 +103,55 @@ def all_reduce(
         # that passes the same.
         raise (TypeError if problem[0] in (1, 2, 3, 7) else ValueError)(f"{where}: {problem[2]}")
     else:
-        sizes = tuple(t.numel() for t in tensors)
-        first_op, first, first_cap = state._layout
-        if sizes != first:
-            raise ValueError(
-                f"{where}: this state was first given {len(first)} tensor(s) of "
-                f"{sum(first)} elements, and this call {len(sizes)} of {sum(sizes)}"
-                f"{' (as many, but of other sizes)' if len(sizes) == len(first) else ''}"
-                ": its buffers and residuals belong to the first ones. Give each set of tensors "
-                "a CompressState of its own (or call all_reduce without state=)"
-            )
-        if op != first_op:
-            # Only the first call compares op across ranks; a state keeps it, as its residuals
-            # are in its units (an average's share, or the sum's).
-            raise ValueError(
-                f"{where}: this state was first called with op={first_op!r}, and this call has "
-                f"op={op!r}; a state keeps its op (its residuals are in its units): give each "
-                "op a CompressState of its own"
-            )
-        if cap != first_cap:  # its buffers (and residuals) are per bucket
-            raise ValueError(
-                f"{where}: this state was first called with bucket_cap_mb="
-                f"{first_cap * 4 / 2**20:g}, and this call has {bucket_cap_mb:g}; a state keeps "
-                "its buckets (its buffers and residuals are per bucket): pass the same one"
-            )
+        unlike = _unlike(state, tuple(t.numel() for t in tensors), op, cap)
+        if unlike is not None:
+            raise ValueError(f"{where}: {unlike}")
     if not tensors:
         return
+    if torch.is_inference_mode_enabled():
+        # A state's buffers, made at its first call, must not be inference tensors (a call
+        # outside inference mode could not write them), and inference tensors may be written
+        # only inside it: reduce outside it, into copies of those, and copy back here.
+        with torch.inference_mode(False):
+            work = [t.clone() if t.is_inference() else t for t in tensors]
+            _reduce_all(state, work, cap, op)
+        for t, done in zip(tensors, work):
+            if done is not t:
+                t.copy_(done)
+        return
+    _reduce_all(state, tensors, cap, op)
+
+
+def _unlike(state: CompressState, sizes: tuple, op: str, cap: int) -> Optional[str]:
+    """How this call differs from the tensors, op and buckets the state was first called with
+    (or saved with), which its buffers and residuals belong to; None if it does not."""
+    first_op, first, first_cap = state._layout
+    if sizes != first:
+        return (
+            f"this state was first given {len(first)} tensor(s) of {sum(first)} elements, and "
+            f"this call {len(sizes)} of {sum(sizes)}"
+            f"{' (as many, but of other sizes)' if len(sizes) == len(first) else ''}: its "
+            "buffers and residuals belong to the first ones. Give each set of tensors a "
+            "CompressState of its own (or call all_reduce without state=)"
+        )
+    if op != first_op:
+        # Only the first call compares op across ranks; a state keeps it, as its residuals are
+        # in its units (an average's share, or the sum's).
+        return (
+            f"this state was first called with op={first_op!r}, and this call has op={op!r}; "
+            "a state keeps its op (its residuals are in its units): give each op a "
+            "CompressState of its own"
+        )
+    if cap != first_cap:  # its buffers (and residuals) are per bucket
+        return (
+            f"this state was first called with bucket_cap_mb={first_cap * 4 / 2**20:g}, and "
+            f"this call has {cap * 4 / 2**20:g}; a state keeps its buckets (its buffers and "
+            "residuals are per bucket): pass the same one"
+        )
+    return None
+
+
+def _reduce_all(state: CompressState, tensors: list, cap: int, op: str) -> None:
     buckets = _bucketize(tensors, cap)
     with torch.no_grad():
         pending = []
@@ -157,10 +185,10 @@ def _settled(
     if op not in ("avg", "sum"):
         raise ValueError(f'{where}: op must be "avg" or "sum", got {op!r}')
     number = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
-    if not (number and 0 < bucket_cap_mb < math.inf):
+    if not (number and 0 < bucket_cap_mb <= _MAX_CAP_MB):
         raise ValueError(
-            f"{where}: bucket_cap_mb must be a positive, finite number of MiB, got "
-            f"{bucket_cap_mb!r}"
+            f"{where}: bucket_cap_mb must be a positive number of MiB, at most {_MAX_CAP_MB:g} "
+            f"(a bucket's elements are counted in int64), got {bucket_cap_mb!r}"
         )
     cap = int(bucket_cap_mb * 2**20) // 4  # elements
     if state is None:

@@ -56,7 +56,13 @@ def save(state: Any) -> dict[str, Any]:
         "retired_buckets": state._table.retired(),  # counters no live bucket took
         "carry": state._residuals.state(),
         "delayed": state._delayed.state(state._pipeline.settle),
+        # fastddp.all_reduce's op, tensor sizes and bucket size, which its residuals belong to
+        "all_reduce": None if state._layout is None else _layout(*state._layout),
     }
+
+
+def _layout(op: str, sizes: tuple, cap: int) -> dict[str, Any]:
+    return {"op": op, "sizes": list(sizes), "bucket_elements": cap}
 
 
 def checked(state_dict: Any, keys: tuple[str, ...], dtype: str) -> dict[str, Any]:
@@ -166,6 +172,9 @@ def load(state: Any, state_dict: dict[str, Any]) -> None:
     with_shards = state.error_feedback and state.accumulate_dtype == torch.float32
     state._residuals = parked(state_dict, with_shards)
     state._delayed.load(state_dict.get("delayed"))
+    layout = state_dict.get("all_reduce")
+    if layout is not None:  # all_reduce's first call after the load must be of the same kind
+        state._layout = (layout["op"], tuple(layout["sizes"]), int(layout["bucket_elements"]))
 
 
 def _cpu(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -116,6 +116,28 @@ def _with_state(rank, world):
         fastddp.all_reduce(x.clone(), state=state, bucket_cap_mb=1)
     fastddp.all_reduce(x.clone(), state=state)
     assert state.stats()["calls"] == calls + 1
+    # Loaded, the state keeps the op its residuals were saved in: refused at the first call
+    # (on every rank, in its handshake), and the same call with the saved op goes through.
+    loaded = fastddp.CompressState(dtype=torch.int8, error_feedback=True)
+    loaded.load_state_dict(state.state_dict())
+    with pytest.raises(ValueError, match="first called with op='avg', and this call has op='sum'"):
+        fastddp.all_reduce(x.clone(), op="sum", state=loaded)
+    y, z = x.clone(), x.clone()
+    fastddp.all_reduce(y, state=loaded)
+    fastddp.all_reduce(z, state=state)
+    assert torch.equal(y, z)  # the same residuals, repaid alike
+    # A state's first call under inference_mode (an evaluation's metrics): its buffers are
+    # made outside it, so later calls outside it still write them; inference tensors are
+    # written in place all the same.
+    metrics = fastddp.CompressState(dtype=torch.int8, error_feedback=True)
+    with torch.inference_mode():
+        m = x.clone()
+        fastddp.all_reduce(m, state=metrics)
+    assert m.is_inference() and not torch.equal(m, x)
+    fastddp.all_reduce(x.clone(), state=metrics)
+    with torch.inference_mode():
+        fastddp.all_reduce(m, state=metrics)
+    assert metrics.stats()["calls"] == 3
     # Stochastic rounding without a state draws new numbers each call: the mean of many calls
     # comes closer to the exact mean than one call (with the same numbers, it would not).
     total = torch.zeros_like(x)
@@ -153,7 +175,8 @@ def _bad_input(rank, world):
         (lambda: fastddp.all_reduce(torch.ones(3), bucket_cap_mb=0), "bucket_cap_mb must be"),
         (
             lambda: fastddp.all_reduce(torch.ones(3), bucket_cap_mb=float("inf")),
-            "bucket_cap_mb must be a positive, finite number of MiB, got inf",
+            "bucket_cap_mb must be a positive number of MiB, at most 1.07374e+09 (a bucket's "
+            "elements are counted in int64), got inf",
         ),
         (
             lambda: fastddp.all_reduce(
@@ -247,6 +270,8 @@ def _bad_input(rank, world):
         (lambda: fastddp.all_reduce(torch.ones(3), op=("avg", "max")[rank]), 'op must be "avg"'),
         (lambda: fastddp.all_reduce(torch.ones(3), dtype=(None, torch.float64)[rank]), "dtype m"),
         (lambda: fastddp.all_reduce(torch.ones(3), bucket_cap_mb=(1, -1)[rank]), "bucket_cap_"),
+        # Too large to count in the handshake's int64 (it overflowed there, on this rank only).
+        (lambda: fastddp.all_reduce(torch.ones(3), bucket_cap_mb=(1, 1e14)[rank]), "at most"),
         (
             lambda: fastddp.all_reduce(
                 torch.ones(3), dtype=(None, torch.int8)[rank], state=fastddp.CompressState()
@@ -254,7 +279,7 @@ def _bad_input(rank, world):
             "pass either state= or the settings (dtype), not both",
         ),
     ]
-    cases[-4:] = [(make, (refused, message)[rank]) for make, message in cases[-4:]]
+    cases[-5:] = [(make, (refused, message)[rank]) for make, message in cases[-5:]]
     # One state for a model's buckets and for all_reduce: their buffers and residuals would
     # mix. Refused both ways, on every rank (each rank's state has the same history).
     model = DDP(torch.nn.Linear(4, 4))
