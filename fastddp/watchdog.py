@@ -33,6 +33,7 @@ __all__ = ["EXIT_PEER_LOST", "PeerWatchdog", "peer_timeout_from_env"]
 EXIT_PEER_LOST = 3
 _DONE = "done"
 _FAILED = "failed|"  # + where | what
+_TOLD = "told"  # how many ranks' watchdogs named a peer (rank 0 waits for them; see _linger)
 
 
 class PeerWatchdog:
@@ -102,6 +103,7 @@ class PeerWatchdog:
         self._last_error: Optional[Exception] = None
         self._reported = threading.Lock()
         self._stopping, self._stopped = threading.Lock(), False
+        self._others = world_size - 1  # peers that will name the same problem (see _linger)
 
     def start(self) -> "PeerWatchdog":
         self._beat(0)
@@ -133,15 +135,34 @@ class PeerWatchdog:
     def _beat(self, count: int) -> None:
         self._store.set(self._key(self.rank), f"{count}|{self._me}")
 
-    def _report(self, message: str) -> None:
-        # Once, from whichever thread finds a problem first.
-        if self._reported.acquire(blocking=False) and not self._stop.is_set():
-            self._on_lost(message)
+    def _report(self, message: str, told: bool = False) -> None:
+        # Once, from whichever thread finds a problem first. ``told``: found in the store,
+        # which still answers (not the deadline thread's finding that it does not).
+        if not self._reported.acquire(blocking=False) or self._stop.is_set():
+            return
+        if told:
+            with contextlib.suppress(Exception):
+                self._store.add(self._prefix + _TOLD, 1)
+            if self.store_in_rank0 and self.rank == 0:
+                self._linger()
+        self._on_lost(message)
+
+    def _linger(self) -> None:
+        # Rank 0's exit takes the store away: a peer that had not yet read the failure there
+        # would then blame rank 0 and the store. Stay until every rank still running has named
+        # it too (each reads the store once an interval), or two intervals have passed.
+        deadline = time.monotonic() + 2 * self.interval + 2.0
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                if int(self._store.add(self._prefix + _TOLD, 0)) >= self._others + 1:
+                    return
+            time.sleep(0.05)
 
     def _run(self) -> None:
         seen: dict[int, tuple[str, float]] = {}
         count = 0
         peers = [r for r in range(self.world_size) if r != self.rank]
+        done: set[int] = set()
         while not self._stop.wait(self.interval):
             if self._alive is not None and not self._alive():
                 self.stop()  # no collective of this rank can wait for anyone now
@@ -155,6 +176,7 @@ class PeerWatchdog:
                     key = self._key(r)
                     value = self._store.get(key).decode() if self._store.check([key]) else ""
                     if value == _DONE:
+                        done.add(r)
                         continue
                     if value.startswith(_FAILED):
                         failed.append((r, value[len(_FAILED) :]))
@@ -171,11 +193,10 @@ class PeerWatchdog:
                 self._last_error = e
                 continue
             self._last_ok = time.monotonic()
-            if failed:
-                self._report(self._failed_message(failed))
-                return
-            if lost:
-                self._report(self._message(lost))
+            if failed or lost:
+                self._others = len(peers) - len(done) - len(failed) - len(lost)
+                message = self._failed_message(failed) if failed else self._message(lost)
+                self._report(message, told=True)
                 return
 
     def _watch_progress(self) -> None:

@@ -197,6 +197,46 @@ def test_a_rank_that_ends_with_an_exception_is_named_at_once():
     assert "ended with an uncaught exception (ValueError: a bad batch on rank 1)" in out0, out0
 
 
+_TOLD = """
+import sys, time
+import torch.distributed as dist
+import fastddp
+fastddp.init_distributed(peer_timeout=20)
+print("ready", flush=True)
+if dist.get_rank() == 1:
+    sys.stdin.readline()
+    raise ValueError("a bad batch on rank 1")
+time.sleep(float(sys.argv[1]))  # waiting in a collective rank 1 never joins (NCCL's wait)
+print("waited it out", flush=True)
+"""
+
+
+@pytest.mark.faults
+def test_rank_0_that_serves_the_store_stays_until_the_others_read_the_failure():
+    # Rank 0's process serves the store, and its exit takes it away: a rank that had not yet
+    # read rank 1's failure there (here: stopped meanwhile) then blamed rank 0 and the store.
+    procs = _hand_started(["-c", _TOLD, str(slack.guard(120))], world=3)
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        os.kill(procs[2].pid, signal.SIGSTOP)
+        procs[1].stdin.write("go\n")
+        procs[1].stdin.flush()
+        procs[1].wait(timeout=slack.guard(30))
+        # Rank 0 names rank 1 within one heartbeat (5 s), then waits for rank 2's word.
+        time.sleep(7)
+        os.kill(procs[2].pid, signal.SIGCONT)
+        (rc0, out0), (rc2, out2) = _finish(procs[0], 60), _finish(procs[2], 60)
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+            p.communicate()
+    named = "ended with an uncaught exception (ValueError: a bad batch on rank 1)"
+    for rc, out in ((rc0, out0), (rc2, out2)):
+        assert rc == 3 and named in out and "has not answered" not in out, out
+
+
 _WAITING = """
 import sys, time
 import fastddp
@@ -226,15 +266,15 @@ def test_a_stopped_rank_0_that_serves_the_store_is_named():
     assert "rank 0 is stopped, hung outside Python or dead" in out, out
 
 
-def _hand_started(argv):
-    """Two ranks from hand-set variables, each running ``python argv...``."""
+def _hand_started(argv, world=2):
+    """``world`` ranks from hand-set variables, each running ``python argv...``."""
     port = free_port()
     procs = []
-    for rank in range(2):
+    for rank in range(world):
         env = {
             **os.environ,
             "RANK": str(rank),
-            "WORLD_SIZE": "2",
+            "WORLD_SIZE": str(world),
             "LOCAL_RANK": str(rank),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
@@ -243,8 +283,8 @@ def _hand_started(argv):
         for k in ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "GROUP_RANK", "FASTDDP_PEER_TIMEOUT"):
             env.pop(k, None)
         procs.append(subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))  # fmt: skip
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))  # fmt: skip
     return procs
 
 
