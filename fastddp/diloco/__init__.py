@@ -7,6 +7,7 @@ Each module has one job:
 - ``groups``: the node's group (for the DDP model) and the cross-node groups, from the
   two-level reduction's topology;
 - ``shards``: each local rank's slice of the flat parameters, and the node's all-gather;
+- ``start``: the first node's frozen parameters and buffers, sent where they differ;
 - ``wire``: a slice's average across nodes (a preset's codec, or fp32), now or on a thread;
 - ``core``: :class:`DiLoCo`, its rounds, outer step and state dict.
 """

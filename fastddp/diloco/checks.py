@@ -21,7 +21,7 @@ from fastddp.hooks.topology import Topology, node_hash
 
 __all__ = [
     "PARAM_DTYPES", "WHERE", "exchange", "gather", "load_problems", "local_problems",
-    "raise_problems", "settings_of", "verdict",
+    "raise_other_steps", "raise_problems", "saved_at", "settings_of", "verdict",
 ]  # fmt: skip
 
 WHERE = "fastddp.DiLoCo"
@@ -110,11 +110,23 @@ def exchange(
     """Every rank's row of ``group`` (a collective: every rank calls it)."""
     mine = {
         "settings": settings,
+        "shapes": _shapes(model),
         "node": node_hash(),
         "model_group": _model_group(model),
         "problems": problems,
     }
     return gather(mine, group)
+
+
+def _shapes(model: Any) -> list[tuple[str, tuple, str, bool]]:
+    """The model's parameters and buffers in order: name, shape, dtype, whether it requires a
+    gradient (nothing for what is not a module)."""
+    if not isinstance(model, nn.Module):
+        return []
+    return [
+        (name, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.requires_grad)
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+    ]
 
 
 def gather(obj: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
@@ -132,6 +144,7 @@ def verdict(rows: list[dict[str, Any]], rank: int, group: Optional[dist.ProcessG
     """
     _raise_problems(rows)
     _raise_disagreement(rows)
+    _raise_other_models(rows)
     topo = Topology([row["node"] for row in rows], rank)
     if not topo.even:
         raise ValueError(
@@ -193,6 +206,27 @@ def load_problems(saved: Any, version: int, settings: dict, layout: dict) -> lis
     return found
 
 
+def saved_at(saved: Any) -> Optional[tuple[int, int]]:
+    """The round and inner step ``saved`` (a state dict) was saved at; None if it has none."""
+    try:
+        return int(saved["round"]), int(saved["inner_steps"])
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def raise_other_steps(per_rank: list[Optional[tuple[int, int]]]) -> None:
+    """One ``ValueError`` on every rank where the ranks' state dicts were saved at different
+    steps (their rounds would pair with other rounds: a checkpoint cut short on some ranks)."""
+    if len(set(per_rank)) <= 1:
+        return
+    lines = [f"  rank {r}: round {at[0]}, inner step {at[1]}" for r, at in enumerate(per_rank)]
+    raise ValueError(
+        f"{WHERE}.load_state_dict: the ranks' state dicts were saved at different steps, so "
+        "their outer rounds would not pair up:\n" + "\n".join(lines) + "\nLoad state dicts "
+        "that every rank saved at the same step (one checkpoint of the whole job)"
+    )
+
+
 def _raise_disagreement(rows: list[dict[str, Any]]) -> None:
     first = rows[0]["settings"]
     if all(row["settings"] == first for row in rows):
@@ -207,6 +241,36 @@ def _raise_disagreement(rows: list[dict[str, Any]]) -> None:
         "match:\n" + "\n".join(lines) + "\nGive every rank the same DiLoCo arguments and the "
         "same model"
     )
+
+
+def _raise_other_models(rows: list[dict[str, Any]]) -> None:
+    # The same count and size of trainable parameters, in another order or of other shapes,
+    # would average unrelated elements across nodes. (Names are not compared: a node of one
+    # rank may pass the bare module, whose names lack DDP's "module.".)
+    first = [entry[1:] for entry in rows[0]["shapes"]]
+    lines = []
+    for r, row in enumerate(rows):
+        mine = [entry[1:] for entry in row["shapes"]]
+        if mine == first:
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(mine, first)) if a != b), None)
+        if at is None:
+            lines.append(f"  rank {r}: {len(mine)} parameters and buffers, rank 0 {len(first)}")
+            continue
+        lines.append(
+            f"  rank {r}: {_said(row['shapes'][at])}, rank 0: {_said(rows[0]['shapes'][at])}"
+        )
+    if lines:
+        raise ValueError(
+            f"{WHERE}: the ranks' models differ (parameters and buffers in order: shape, "
+            "dtype, whether it requires a gradient), so their outer rounds would average "
+            "unrelated elements:\n" + "\n".join(lines) + "\nBuild the same model on every rank"
+        )
+
+
+def _said(entry: tuple[str, tuple, str, bool]) -> str:
+    name, shape, dtype, grad = entry
+    return f"{name} {list(shape)} {dtype}{'' if grad else ' (no gradient)'}"
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fastddp.diloco import checks
+from fastddp.diloco import checks, start
 from fastddp.diloco.groups import node_group
 from fastddp.diloco.shards import Shards
 from fastddp.diloco.wire import Background, CrossAverage
@@ -34,8 +34,9 @@ class DiLoCo:
 
     Call :meth:`step` after every inner ``optimizer.step()``; the inner optimizer is left as
     it is (its state stays local, as in DiLoCo). Construction is a collective over ``group``:
-    it checks that every rank has the same settings and a model of the same size, then sets
-    every rank's parameters to those of the first node's (as DDP broadcasts rank 0's).
+    it checks that every rank has the same settings and a model of the same layout, then sets
+    every rank's parameters, frozen ones and buffers included, to those of the first node's
+    (as DDP broadcasts rank 0's).
 
     Args:
         model (nn.Module): DDP over this rank's node (``process_group=DiLoCo.node_group()``);
@@ -126,15 +127,19 @@ class DiLoCo:
         self._outer = torch.optim.SGD(
             [self._global], lr=outer_lr, momentum=momentum, nesterov=nesterov and momentum > 0
         )
-        self._start()
+        self._start(module)
 
-    def _start(self) -> None:
-        # The first node's parameters are everyone's start, as DDP starts from rank 0's.
+    def _start(self, module: nn.Module) -> None:
+        # The first node's parameters are everyone's start, as DDP starts from rank 0's; so
+        # are its frozen parameters and buffers, which the outer step does not move.
         with torch.no_grad():
             self._shards.read(self._global)
             if self.nodes > 1:
                 dist.broadcast(self._global, src=self._first, group=self._cross)
             self._shards.write(self._global, self._intra)
+        if self.nodes > 1:
+            states = start.start_states(module)
+            start.from_first_node(states, self._cross, self._first, self._shards.device)
 
     def step(self) -> bool:
         """Count one inner step; every ``sync_every``-th call runs an outer round.
@@ -235,12 +240,14 @@ class DiLoCo:
         # Checked on every rank and shared, so that a state dict that fits some ranks only
         # (rank 0's loaded everywhere) fails on all of them, not while the others go on.
         problems = checks.load_problems(state_dict, STATE_VERSION, self.settings, self._layout())
+        rows = checks.gather((problems, checks.saved_at(state_dict)), self._group)
         checks.raise_problems(
-            checks.gather(problems, self._group),
+            [row[0] for row in rows],
             f"{checks.WHERE}.load_state_dict: this state dict does not fit",
             "Load each rank's own state dict into a DiLoCo built with the same arguments, on "
             "the same number of nodes and ranks per node",
         )
+        checks.raise_other_steps([row[1] for row in rows])
         self.wait()
         self.round, self.inner_steps = int(state_dict["round"]), int(state_dict["inner_steps"])
         self._global.copy_(state_dict["global"])

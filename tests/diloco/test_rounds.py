@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
+from fastddp.diloco import start
 from fastddp.hooks.topology import NODE_ENV
 
 from .._dist import run_ranks
@@ -190,20 +191,47 @@ def test_overlap_applies_each_round_one_round_late():
     assert torch.equal(a, b)
 
 
-def _copy_between_nodes(rank, world):
-    # Nodes that start from different weights all start from the first node's.
+def _with_frozen() -> nn.Module:
     module = net()
+    module.add_module("frozen", nn.Linear(3, 3).requires_grad_(False))  # (an adapter's base)
+    module.register_buffer("steps", torch.tensor(0))
+    module.register_buffer("mask", torch.arange(5) % 2 == 0)
+    return module
+
+
+def _states(module: nn.Module) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in module.state_dict().values()]
+
+
+def _copy_between_nodes(rank, world):
+    # Nodes that start from different weights all start from the first node's: the trained
+    # parameters, and the frozen ones and buffers, which the outer step does not move.
+    module = _with_frozen()
     if node_of_rank() == 1:
         with torch.no_grad():
             for p in module.parameters():
                 p.add_(1.0)
+            module.frozen.bias.sub_(3.0)
+            module.steps.fill_(7)
+            module.mask.logical_not_()
     model = DDP(module, process_group=fastddp.DiLoCo.node_group())
     fastddp.DiLoCo(model, sync_every=4)
-    return flat(model)
+    return _states(module)
 
 
 @pytest.mark.parametrize("nodes", [[0, 0, 1, 1], [0, 1, 1, 0]], ids=["grouped", "interleaved"])
 def test_every_rank_starts_from_the_first_nodes_parameters(nodes):
     # Interleaved, the second half's cross-node group {1, 3} has its lowest rank on node 1.
     out = run_ranks(_copy_between_nodes, 4, nodes=nodes)
-    assert all(torch.equal(o, flat(net())) for o in out)
+    want = _states(_with_frozen())
+    assert all(len(o) == len(want) and all(map(torch.equal, o, want)) for o in out)
+
+
+def test_fingerprints_tell_every_byte_and_its_place():
+    a = torch.randn(1000)
+    b = a.clone()
+    b[17] = torch.nextafter(b[17], torch.tensor(2.0))  # one bit of one element
+    swapped = a.clone()
+    swapped[[3, 4]] = a[[4, 3]]
+    prints = [start._fingerprint(t).tolist() for t in (a, a.clone(), b, swapped)]
+    assert prints[0] == prints[1] and len({tuple(p) for p in prints[1:]}) == 3

@@ -95,6 +95,11 @@ def _refused(rank, world, cases):
             model = DDP(module)
         elif case == "compiled DDP over its node":
             model = torch.compile(DDP(module, process_group=fastddp.DiLoCo.node_group()))
+        elif case == "layers in another order on node 1":
+            # As many parameters and elements, laid out otherwise: slices of unrelated weights.
+            if rank >= 2:
+                module = torch.nn.Sequential(module[2], module[1], module[0])
+            model = DDP(module, process_group=fastddp.DiLoCo.node_group())
         else:
             model = DDP(module, process_group=fastddp.DiLoCo.node_group())
             name, where, value = case
@@ -136,6 +141,13 @@ def test_bad_settings_fail_alike_on_every_rank():
         assert text is not None and expected in text, (expected, text)
         assert text.startswith("fastddp.DiLoCo: ")
     assert "rank 0: compress='int4-ef'" in out[0][7] and "rank 1: compress='int8-ef'" in out[0][7]
+
+
+def test_models_laid_out_otherwise_fail_alike_on_every_rank():
+    out = run_ranks(_refused, 4, ["layers in another order on node 1"], nodes=[0, 0, 1, 1])
+    assert len({o[0] for o in out}) == 1, out
+    assert "the ranks' models differ" in out[0][0], out[0][0]
+    assert "rank 2: module.0.weight [3, 40] float32, rank 0: module.0.weight [40, 12]" in out[0][0]
 
 
 def test_numbers_of_other_types_are_taken():
@@ -185,6 +197,13 @@ def _mismatched_load(rank, world):
     assert "local_rank: saved 0, here 1)" in str(info.value) and "(rank 1, 3)" in str(info.value)
     with pytest.raises(ValueError, match=r"version \d+ \(got 'NoneType'\) \(rank 2\)"):
         diloco.load_state_dict(None if rank == 2 else diloco.state_dict())
+    # Each rank's own, but saved at another step on rank 2 (a checkpoint cut short there):
+    # its rounds would pair with the others' other rounds.
+    late = diloco.state_dict()
+    late["round"] += rank == 2
+    with pytest.raises(ValueError, match="saved at different steps") as info:
+        diloco.load_state_dict(late)
+    assert "rank 1: round 0, inner step 0\n  rank 2: round 1, inner step 0" in str(info.value)
     diloco.load_state_dict(diloco.state_dict())  # and the group still works
 
 
