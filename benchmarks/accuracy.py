@@ -122,6 +122,8 @@ def main(argv=None):
     p.add_argument("--plot")
     args = p.parse_args(argv)
     options.check_outputs(p, args)  # before the runs, not after
+    if args.trials < 1 or min(args.worlds) < 1:
+        p.error("--trials and every --worlds must be at least 1")
     for world in args.worlds:
         if args.nodes < 1 or world % args.nodes:
             p.error(f"--nodes {args.nodes} does not divide a world of {world} ranks")

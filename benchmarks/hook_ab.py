@@ -44,4 +44,8 @@ def main(nbytes):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        sys.exit(print(__doc__))
+    if len(sys.argv) > 2 or len(sys.argv) == 2 and not sys.argv[1].isdigit():
+        sys.exit(__doc__)  # (its one argument: the bucket's bytes)
     main(int(sys.argv[1]) if len(sys.argv) > 1 else 25_000_000)

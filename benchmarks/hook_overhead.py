@@ -60,6 +60,9 @@ def main(argv=None) -> None:
     )
     p.add_argument("--json")
     args = p.parse_args(argv)
+    for name in ("rounds", "steps", "width", "depth"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1")
     options.check_outputs(p, args)  # before the runs, not after
     with fastddp.distributed_session(backend="gloo", timeout=timedelta(seconds=300)) as env:
         torch.set_num_threads(1)

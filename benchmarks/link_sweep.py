@@ -17,14 +17,17 @@ the fastest measured rate at which PowerSGD's step is the shorter.
 """
 
 import argparse
+import contextlib
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from fastddp.bench import convergence, options, report
+from fastddp.bench import convergence, ddp, options, report
 from fastddp.bench.common import AUTO
 from fastddp.testing import netns
 
@@ -43,13 +46,42 @@ def _one(rate, modes, args, tmp) -> dict:
         cmd += ["--link", rate, "--nproc-per-node", str(args.nproc_per_node)]
     else:  # the same ranks on one machine
         cmd += ["--nproc", str(2 * args.nproc_per_node)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    res = _run(cmd, args.timeout, rate)
     if res.returncode != 0:
         raise SystemExit(f"link_sweep: {rate} failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
     data = json.loads(out.read_text())
     for row in data["rows"]:  # the shape it ran in
         row["world_size"], row["nodes"] = data["world_size"], data["nodes"]
     return data
+
+
+def _run(cmd, timeout: float, rate: str) -> subprocess.CompletedProcess:
+    """``cmd`` in a process group of its own: past ``timeout`` the whole group (its ranks,
+    their fork server) is stopped, not the first process alone, which left the others behind."""
+    job = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop(job)
+        raise SystemExit(
+            f"link_sweep: the job at {rate} ran past --timeout {timeout:g} s and was stopped"
+        ) from None
+    except BaseException:  # Ctrl-C: the job, in a session of its own, was not sent it
+        _stop(job)
+        raise
+    return subprocess.CompletedProcess(cmd, job.returncode, out, err)
+
+
+def _stop(job: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(job.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        job.communicate(timeout=10)
+    with contextlib.suppress(ProcessLookupError):  # what did not stop (a rank starting up)
+        os.killpg(job.pid, signal.SIGKILL)
+    job.communicate()
 
 
 def _rate(rate, args, tmp) -> dict:
@@ -119,7 +151,7 @@ def _crossover(table, rates) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rates", nargs="+", default=RATES)
-    p.add_argument("--modes", nargs="+", default=MODES)
+    p.add_argument("--modes", nargs="+", default=MODES, choices=ddp.CHOICES, metavar="MODE")
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=4)

@@ -33,4 +33,8 @@ def main(path, stat="median"):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        sys.exit(print(__doc__))
+    if not 2 <= len(sys.argv) <= 3 or sys.argv[1].startswith("-"):
+        sys.exit(__doc__.split("\n\n")[1].strip())
     main(*sys.argv[1:3])

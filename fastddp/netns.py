@@ -30,6 +30,12 @@ _SET_HERE = {"--nnodes", "--node-rank", "--node_rank", "--master-addr", "--maste
              "--master-port", "--master_port", "--standalone"}  # fmt: skip
 
 
+def valid_rate(text: str) -> bool:
+    """Whether ``text`` is a positive rate in bits per second, as tc reads it (``1gbit``)."""
+    rate = _RATE.fullmatch(text.strip())
+    return rate is not None and float(rate[1]) > 0
+
+
 def _interrupt(signum, frame):
     # From the first signal on, the clean-up runs to its end: a second one (a caller passing
     # Ctrl-C on, see run_job, or a second Ctrl-C) would leave namespaces and nodes behind.
@@ -135,8 +141,7 @@ def main(argv=None) -> int:
         p.error("--loss must be between 0 and 100 (percent)")
     if not 0 <= args.delay <= 10_000:  # (nan fails both)
         p.error("--delay must be between 0 and 10000 (ms)")
-    rate = _RATE.fullmatch(args.rate.strip())
-    if rate is None or float(rate[1]) <= 0:
+    if not valid_rate(args.rate):
         p.error(f"--rate {args.rate}: give a positive rate in bits per second: 100mbit, 1gbit "
                 "(tc's 'bps' means bytes)")  # fmt: skip
     given = [a.split("=", 1)[0] for a in launch if a.startswith("--")]

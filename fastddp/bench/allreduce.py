@@ -138,10 +138,11 @@ def _bytes(mode, state, count, topo):
 
 
 def message_sizes(args):
-    """The fp32 message sizes of the sweep: min, min x factor, ... up to max."""
+    """The fp32 message sizes of the sweep: min, min x factor, ... up to max (each rounded
+    down to whole float32 elements, which is what is reduced and timed)."""
     sizes, size = [], parse_size(args.min_size)
     while size <= parse_size(args.max_size):
-        sizes.append(size)
+        sizes.append(size - size % 4)
         size *= args.factor
     return sizes
 

@@ -2,6 +2,7 @@
 fastddp's modes, one per preset."""
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -10,6 +11,7 @@ from datetime import timedelta
 import torch
 
 import fastddp
+from fastddp.bench.report import OPTIONS_ENV
 from fastddp.distributed import exit_after_shutdown
 from fastddp.hooks.presets import PRESETS, preset
 from fastddp.testing.pool import RankError
@@ -150,7 +152,11 @@ def _over_link(args, argv):
     why = netns.unavailable_reason()
     if why:
         raise SystemExit(f"fastddp.bench: --link needs network namespaces: {why}")
-    return run_job(module, env={**os.environ, "FASTDDP_BENCH_COMMAND": args.command})
+    # The nodes record the caller's command and options in --json, not their own (which lack
+    # --link, --nodes and --nproc).
+    given = {k: v for k, v in vars(args).items() if k != "command"}
+    env = {"FASTDDP_BENCH_COMMAND": args.command, OPTIONS_ENV: json.dumps(given, default=str)}
+    return run_job(module, env={**os.environ, **env})
 
 
 def drop_option(argv, name):

@@ -70,6 +70,12 @@ def _val_loss(model, val_batches, device, group=None) -> float:
     return mean.item() / dist.get_world_size()
 
 
+def _slowest(seconds: float, group) -> float:
+    most = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+    return most.item()
+
+
 def _warmup(args) -> int:
     # PowerSGD's and post-local SGD's warm-up (plain all-reduce first): a tenth of the fp32
     # run, as PyTorch advises.
@@ -111,9 +117,10 @@ def run_mode(env, args, mode, data, val_batches, target, pacer=None, topo=None):
         trained += time.perf_counter() - start
         if step % every == 0 or step == limit:
             loss = _val_loss(model, val_batches, env.device, pacer)
-            curve.append((step, trained, loss))
+            at = _slowest(trained, pacer)  # the slowest rank sets the pace, as for "seconds"
+            curve.append((step, at, loss))
             if target is not None and loss <= target:
-                reached = (step, trained)
+                reached = (step, at)
                 break
     slowest = torch.tensor([trained, rounds_s], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)

@@ -10,6 +10,7 @@ import torch
 
 from fastddp.bench.common import parse_size
 from fastddp.bench.models import Decoder
+from fastddp.netns import valid_rate
 
 __all__ = ["check", "check_outputs"]
 
@@ -17,21 +18,49 @@ __all__ = ["check", "check_outputs"]
 def check_outputs(p, args):
     """Refuse outputs that could not be written, before the sweep rather than after it (the
     benchmark scripts' ``--json``, ``--plot`` and ``--markdown`` too)."""
+    seen: dict[str, str] = {}
     for option in ("json", "plot", "markdown"):
         path = getattr(args, option, None)
         path = None if path is None else str(path)
         if path is not None and not path.strip():
             p.error(f"--{option} needs a file name")
-        if path:
-            folder = os.path.dirname(os.path.abspath(path))
-            if not os.path.isdir(folder):
-                p.error(f"--{option} {path}: the folder {folder} does not exist; make it first")
-            if os.path.isdir(path):
-                p.error(f"--{option} {path} is a folder; name a file in it")
-            if not os.access(folder, os.W_OK):
-                p.error(f"--{option} {path}: the folder {folder} is not writable")
-    if getattr(args, "plot", None) and importlib.util.find_spec("matplotlib") is None:
-        p.error("--plot needs matplotlib (pip install matplotlib)")
+        if not path:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            p.error(f"--{option} {path}: the folder {folder} does not exist; make it first")
+        if os.path.isdir(path):
+            p.error(f"--{option} {path} is a folder; name a file in it")
+        same = seen.setdefault(os.path.realpath(path), option)
+        if same != option:
+            p.error(f"--{option} and --{same} name the same file, {path}; name two files")
+        _writable(p, option, path)
+    plot = getattr(args, "plot", None)
+    if plot:
+        if importlib.util.find_spec("matplotlib") is None:
+            p.error("--plot needs matplotlib (pip install matplotlib)")
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        kinds = FigureCanvasBase.get_supported_filetypes()
+        suffix = os.path.splitext(str(plot))[1].lstrip(".").lower()
+        if suffix and suffix not in kinds:
+            p.error(
+                f"--plot {plot}: matplotlib cannot write .{suffix} files; end the name with "
+                f"one of .{', .'.join(sorted(kinds))} (.png, say)"
+            )
+
+
+def _writable(p, option: str, path: str) -> None:
+    # Opened for appending, as its writer will open it (a read-only file, or root's /proc, that
+    # the folder's permissions do not show); a file made only to try is removed.
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        p.error(f"--{option} {path}: cannot be written ({e.strerror})")
+    if not existed:
+        os.remove(path)
 
 
 # What fp32's curve depends on, besides the model's size and the ranks.
@@ -100,6 +129,11 @@ def _check_ddp_model(p, args):
         if layers > MAX_MLP_LAYERS:
             p.error(f"--params {args.params} at --width {args.width} is {layers} layers (at "
                     f"most {MAX_MLP_LAYERS}): give a larger --width, or leave it out")  # fmt: skip
+        if layers < 1:  # one layer at least: a model far larger than asked
+            one = args.width * args.width + args.width
+            p.error(f"--params {args.params} is less than half of one layer at --width "
+                    f"{args.width} ({one} parameters): give a smaller --width, or leave it "
+                    "out")  # fmt: skip
 
 
 def check(p, args):
@@ -163,6 +197,8 @@ def check(p, args):
         p.error("--nproc-per-node needs --link (without it, --nproc ranks on this machine)")
     if args.link is not None and not args.link.strip():
         p.error("--link needs a rate (1gbit, 100mbit, ...)")
+    if args.link and not valid_rate(args.link):
+        p.error(f"--link {args.link}: give a positive rate in bits per second (1gbit, 100mbit)")
     if args.plot and args.what != "allreduce":
         p.error(f"--plot draws the allreduce sweep; {args.what} writes --json")
     if args.what in ("fsdp", "convergence", "hook-cost") and args.topologies != ["auto"]:

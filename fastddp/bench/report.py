@@ -4,6 +4,9 @@ import contextlib
 import json
 import os
 
+# A --link run's options, as its caller was given them, for its nodes' --json
+OPTIONS_ENV = "FASTDDP_BENCH_OPTIONS"
+
 
 def table(title, columns, rows):
     """Print ``rows`` (lists of strings) under ``columns``, with rich when it is installed."""
@@ -38,7 +41,10 @@ def record(args, env, nodes) -> dict:
 
     from fastddp._version import __version__
 
-    options = {k: v for k, v in vars(args).items() if k != "command"}
+    given = os.environ.get(OPTIONS_ENV)  # a --link run's node: its caller's options
+    options = (
+        json.loads(given) if given else {k: v for k, v in vars(args).items() if k != "command"}
+    )
     return {
         "command": args.command,
         "options": options,

@@ -1,11 +1,13 @@
 """python -m fastddp.bench: the sweep's columns, JSON and plot, the DDP benchmark, --link."""
 
+import argparse
 import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -173,6 +175,9 @@ def test_time_to_target(tmp_path, capsys):
         # Every run stops at the target or at the limit (2 x 20 steps), and says which.
         assert r["reached"] == (r["final_val_loss"] <= fp32["target"])
         assert r["steps"] <= 40 and r["curve"][-1][0] == r["steps"]
+        # Times are the slowest rank's, the curve's too: a run stops at the target.
+        assert r["curve"][-1][1] == r["seconds"]
+        assert r["seconds_to_target"] in (None, r["seconds"]) or r["mode"] == "fp32"
         assert [c[0] for c in r["curve"]][:2] == [5, 10]
     per_step = {m: r["sent_mb"] / r["steps"] for m, r in rows.items()}
     assert per_step["powersgd-r1"] < per_step["fastddp-bf16"] < per_step["fp32"]
@@ -293,6 +298,16 @@ def test_the_help_lists_what_each_benchmark_takes(capsys):
         (["convergence", "--fp32-from", "/nonexistent/x.json"], "x.json: No such file"),
         (["convergence", "--fp32-from", __file__], "not the --json of a convergence run"),
         (["allreduce", "--json", "/tmp"], "--json /tmp is a folder; name a file in it"),
+        # A folder that looks writable (to root, all do) holding a file that cannot be made.
+        (["allreduce", "--json", "/proc/x.json"], "--json /proc/x.json: cannot be written"),
+        (
+            ["allreduce", "--plot", "/tmp/x.pdfx"],
+            "matplotlib cannot write .pdfx files; end the name",
+        ),
+        (
+            ["allreduce", "--json", "/tmp/o.png", "--plot", "/tmp/o.png"],
+            "--plot and --json name the same",
+        ),
         (["ddp", "--params", "-5"], "--params must be at least 1"),
         (["ddp", "--warmup", "-1"], "--warmup must be at least 0"),
         (["ddp", "--bucket-cap-mb", "-1"], "--bucket-cap-mb must be a positive, finite number"),
@@ -302,12 +317,14 @@ def test_the_help_lists_what_each_benchmark_takes(capsys):
         (["ddp", "--plot", "x.png"], "--plot draws the allreduce sweep; ddp writes --json"),
         (["ddp", "--nproc-per-node", "3"], "--nproc-per-node needs --link"),
         (["ddp", "--link="], "--link needs a rate"),
+        (["ddp", "--link", "foo"], "--link foo: give a positive rate in bits per second"),
         (["fsdp", "--topologies", "flat"], "--topologies applies to allreduce and ddp"),
         (["hook-cost", "--modes", "fp32", "fp32"], "--modes names one twice"),
         (["allreduce", "--topologies", "flat", "flat"], "--topologies names one twice"),
         (["ddp", "--params", "infM"], "argument --params: invalid count value: 'infM'"),
         (["allreduce", "--min-size", "infK"], "--min-size infK: give bytes"),
         (["ddp", "--params", "1M", "--width", "1"], "is 500000 layers (at most 1024)"),
+        (["ddp", "--params", "100K", "--width", "1024"], "is less than half of one layer"),
         (["ddp", "--layers", "3"], "--layers sizes the transformer (--model transformer)"),
         (["ddp", "--model", "transformer", "--params", "5M"], "--params sizes the mlp"),
         (["convergence", "--lr", "nan"], "--lr must be a finite number"),
@@ -424,6 +441,8 @@ def test_allreduce_over_a_two_node_link(tmp_path):
     data = json.loads(out.read_text())
     assert data["nodes"] == 2 and data["world_size"] == 2
     assert "2 nodes" in res.stdout
+    # The options it was given, not its nodes' (which run without --link and --nodes).
+    assert data["options"]["link"] == "1gbit" and data["options"]["min_size"] == "256K"
 
 
 @pytest.mark.netns
@@ -544,12 +563,36 @@ def test_link_sweep_refuses_bad_rounds_and_ranks(bad, capsys):
         (["--rates", "loopback", "1gbitt"], "--rates 1gbitt: give tc rates"),
         (["--json", "/nonexistent/x.json"], "the folder /nonexistent does not exist"),
         (["--plot", "/tmp"], "--plot /tmp is a folder"),
+        (["--plot", "/tmp/sweep.pdfx"], "matplotlib cannot write .pdfx files"),
+        (["--modes", "fp32", "bogus"], "argument --modes: invalid choice: 'bogus'"),
     ],
 )
 def test_link_sweep_refuses_what_would_fail_after_its_runs(bad, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         _module("link_sweep").main(["--modes", "fp32", *bad])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_link_sweep_stops_the_whole_job_past_its_timeout(tmp_path):
+    # A job's ranks are its children: stopping the first process alone left them running.
+    pid = tmp_path / "pid"
+    child = f"import os, time; open({str(pid)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    job = (
+        "import subprocess, sys, time; "
+        f"subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"
+    )
+    started = time.monotonic()
+    with pytest.raises(SystemExit, match="the job at 1gbit ran past --timeout 5 s and was stopped"):
+        _module("link_sweep")._run([sys.executable, "-c", job], 5, "1gbit")
+    assert time.monotonic() - started < 30
+    assert pid.exists()
+    gone = Path(f"/proc/{pid.read_text()}")
+    for _ in range(50):  # (reaped by init a moment later)
+        if not gone.exists() or "Z" in (gone / "stat").read_text().split()[2]:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the job's child still runs")
 
 
 def test_convergence_run_runs(tmp_path, capsys):
@@ -651,3 +694,9 @@ def test_every_script_refuses_an_output_it_could_not_write_before_it_runs(name, 
         module.main(["--json", "/nonexistent/folder/x.json"])
     assert e.value.code == 2
     assert "--json /nonexistent/folder/x.json: the folder" in capsys.readouterr().err
+
+
+def test_allreduce_sizes_are_whole_float32_elements():
+    # What is reduced and timed: a row's size (and its algbw) must not count a part element.
+    args = argparse.Namespace(min_size="7", max_size="30", factor=2)
+    assert allreduce.message_sizes(args) == [4, 12, 28]
