@@ -96,8 +96,10 @@ def agree_setup(where, group, shard_ranks, state, reduce_scatter, problem) -> No
     rank if a rank's set-up failed (``problem``, raised there), if the replicate ``group``
     pairs ranks of different positions in their shard groups (one node's shard 0 summed with
     another's shard 1), or if the ranks' settings (``state``, ``reduce_scatter``) differ."""
-    rank, replicate = dist.get_rank(), dist.get_process_group_ranks(group)
-    position = shard_ranks.index(rank) if rank in shard_ranks else -1
+    # (group and shard_ranks are None where this rank's set-up failed before finding them)
+    rank = dist.get_rank()
+    replicate = [rank] if group is None else dist.get_process_group_ranks(group)
+    position = shard_ranks.index(rank) if shard_ranks and rank in shard_ranks else -1
     mine = [position, min(replicate), int(problem is not None)]
     if state is not None:
         s = state.settings()

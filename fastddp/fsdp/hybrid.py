@@ -224,13 +224,14 @@ def hybrid(
         >>> fully_shard(model, mesh=mesh["shard"])
         >>> comm = fastddp.fsdp.hybrid(model, mesh["replicate"], "int8-ef")
     """
-    modules = sharded_modules(model, _WHERE, 'fully_shard(layer, mesh=mesh["shard"])')
-    group = _replicate_group(replicate_group)
-    shard_ranks = _shard_ranks(modules)
-    # What each rank was given may be wrong on some ranks only: found here, and raised on
-    # every rank after one all-gather (agree_setup), before FSDP2's first collective.
-    state, problem = None, None
+    # What each rank was given may be wrong on some ranks only (the model, the group, the
+    # settings): found here, and raised on every rank after one all-gather over the job
+    # (agree_setup), before FSDP2's first collective.
+    group = shard_ranks = state = problem = None
     try:
+        modules = sharded_modules(model, _WHERE, 'fully_shard(layer, mesh=mesh["shard"])')
+        group = _replicate_group(replicate_group)
+        shard_ranks = _shard_ranks(modules)
         _check_groups(group, shard_ranks)
         state = _state(group, dtype, reduce_scatter, settings)
     except (TypeError, ValueError) as error:

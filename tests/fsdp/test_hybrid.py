@@ -182,6 +182,18 @@ def _mesh_and_errors(rank, world):
         fastddp.fsdp.hybrid(other, mesh["replicate"], "int7" if rank == 1 else "bf16-acc")
     said = "unknown fastddp preset" if rank == 1 else "the set-up failed on rank(s) [1]"
     assert said in str(error.value), str(error.value)
+    # So are a bad group or model on one rank, found before the settings (the others waited
+    # in the all-gather for a rank that had raised alone).
+    for wrong, why in (
+        (lambda: (other, None), "ProcessGroup or a 1-D DeviceMesh"),
+        (lambda: (other, mesh), "2-D mesh; pass its replicate"),
+        (lambda: (nn.Linear(8, 8), mesh["replicate"]), "no module in this model is sharded"),
+    ):
+        args = wrong() if rank == 2 else (other, mesh["replicate"])
+        with pytest.raises((TypeError, ValueError)) as error:
+            fastddp.fsdp.hybrid(*args)
+        said = why if rank == 2 else "the set-up failed on rank(s) [2]"
+        assert said in str(error.value), str(error.value)
     # Replicate groups that pair position 0 of one node with position 1 of the other (ranks
     # 0 and 3, 1 and 2): each would sum one shard with another (0.75 of the norm off).
     crossed = [dist.new_group([0, 3]), dist.new_group([1, 2])]
