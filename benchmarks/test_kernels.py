@@ -156,3 +156,18 @@ def test_fastddp_unpack(benchmark, bucket_bytes, bits):
     benchmark(unpack, out)
     step = scales.repeat_interleave(_BLOCK)[: src.numel()]
     assert ((out - src).abs() <= step * 0.5001).all()
+
+
+def test_diloco_fingerprint(benchmark, bucket_bytes):
+    # What DiLoCo reads of each frozen parameter and buffer at construction, on every rank,
+    # so that only those unlike the first node's cross the link (fastddp/diloco/start.py).
+    from fastddp.diloco.start import _fingerprint
+
+    label, nbytes = bucket_bytes
+    src = _bucket(nbytes)
+    _group(benchmark, label, "DiLoCo start fingerprint", nbytes)
+    prints = benchmark(_fingerprint, src)
+    other = src.clone()
+    other[-1] = -other[-1]
+    assert torch.equal(prints, _fingerprint(src.clone()))
+    assert not torch.equal(prints, _fingerprint(other))

@@ -3,12 +3,16 @@ rank 0's.
 
 The outer step moves only the parameters that require a gradient; the others (a frozen base
 under adapters, embeddings kept fixed) and the buffers must still start the same on every
-node, or the nodes train different models from the first step. Each rank takes an exact
-fingerprint of each such tensor (integer sums of its bytes, plain and weighted by position),
-the nodes compare them, and only the tensors that differ from the first node's cross the
-link: a model loaded alike everywhere, however large its frozen part, sends a few bytes.
+node, or the nodes train different models from the first step. Each rank takes a
+fingerprint of each such tensor (SHA-256 of its bytes on the CPU; on a GPU, where the bytes
+would first cross to the host, two integer sums of them, plain and weighted by position, at
+memory speed), the nodes compare them, and only the tensors that differ from the first
+node's cross the link: a model loaded alike everywhere, however large its frozen part, sends
+a few bytes. Fingerprints that differ where the bytes do not (another device) cost a send,
+never a wrong start.
 """
 
+import hashlib
 from typing import Optional
 
 import torch
@@ -53,13 +57,22 @@ def from_first_node(
 
 
 def _fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """Two int64 sums of ``t``'s bytes, the second weighted by position (wrapping alike on
-    every device): equal for equal bytes, whatever the reduction order."""
+    """Two int64 of ``t``'s bytes: the first 16 bytes of their SHA-256 on the CPU, elsewhere
+    two sums of them, the second weighted by position (integer sums wrap alike whatever the
+    reduction order): equal for equal bytes."""
     data = t.detach().reshape(-1).contiguous().view(torch.uint8)
-    total = torch.zeros(2, dtype=torch.int64, device=t.device)
+    if data.device.type == "cpu":
+        digest = hashlib.sha256(data.numpy()).digest()[:16]
+        return torch.frombuffer(bytearray(digest), dtype=torch.int64)
+    return _sums(data)
+
+
+def _sums(data: torch.Tensor) -> torch.Tensor:
+    """The device's fingerprint of ``data`` (bytes): its plain and position-weighted sums."""
+    total = torch.zeros(2, dtype=torch.int64, device=data.device)
     for lo in range(0, data.numel(), _CHUNK):
         part = data[lo : lo + _CHUNK].to(torch.int64)
-        where = torch.arange(lo + 1, lo + 1 + part.numel(), dtype=torch.int64, device=t.device)
+        where = torch.arange(lo + 1, lo + 1 + part.numel(), dtype=torch.int64, device=data.device)
         total[0] += part.sum()
         total[1] += (part * where).sum()
     return total
