@@ -32,6 +32,17 @@ def _check_pair(op: str, bucket: torch.Tensor, wire: torch.Tensor) -> None:
     torch._check(bucket.numel() == wire.numel(), lambda: f"fastddp.{op}: lengths differ")
 
 
+def _one_device(op: str, *tensors: Optional[torch.Tensor]) -> None:
+    # A meta tensor among real ones sends the call here, not to the kernels' device checks:
+    # without this, a meta flag, residual or scales made a CPU call do nothing at all.
+    devices = {t.device for t in tensors if t is not None}
+    torch._check(
+        len(devices) <= 1,
+        lambda: f"fastddp.{op}: the tensors are on {', '.join(sorted(map(str, devices)))}; "
+        "allocate them on one device",
+    )
+
+
 def _named(wrapper, name: str, doc: str):
     # The public name and docstring of a wrapper that one of the factories below made.
     wrapper.__name__ = wrapper.__qualname__ = name
@@ -94,6 +105,7 @@ compress = _rounding_op(
 @torch.library.register_fake("fastddp::compress")
 def _compress_fake(src, dst, scale, found_nonfinite=None, residual=None, seed=-1):
     _check_pair("compress", src, dst)
+    _one_device("compress", src, dst, found_nonfinite, residual)
     return None
 
 
@@ -111,6 +123,7 @@ def decompress(src: torch.Tensor, dst: torch.Tensor, scale: float = 1.0) -> None
 @torch.library.register_fake("fastddp::decompress")
 def _decompress_fake(src, dst, scale):
     _check_pair("decompress", dst, src)
+    _one_device("decompress", src, dst)
     return None
 
 
@@ -134,6 +147,7 @@ def _sum_chunks_fake(src, dst, scale, found_nonfinite=None, residual=None, seed=
     torch._check(src.dim() == 2, lambda: "fastddp.sum_chunks: src must be [chunks, m]")
     torch._check(src.dtype == dst.dtype, lambda: "fastddp.sum_chunks: dtypes differ")
     torch._check(dst.numel() == src.shape[1], lambda: "fastddp.sum_chunks: lengths differ")
+    _one_device("sum_chunks", src, dst, found_nonfinite, residual)
     return None
 
 
@@ -157,6 +171,7 @@ def _widen_sum_fake(src, dst, scale):
     torch._check(src.dtype in _WIRE_DTYPES, lambda: "fastddp.widen_sum: src must be fp16/bf16")
     torch._check(dst.dtype == torch.float32, lambda: "fastddp.widen_sum: dst must be float32")
     torch._check(dst.numel() == src.shape[1], lambda: "fastddp.widen_sum: lengths differ")
+    _one_device("widen_sum", src, dst)
     return None
 
 
@@ -203,6 +218,7 @@ def _quantize_int8_fake(
         torch._check(src.numel() == dst.numel(), lambda: "fastddp.quantize_int8: lengths differ")
     else:
         torch._check(src.numel() <= dst.numel(), lambda: "fastddp.quantize_int8: too long")
+    _one_device("quantize_int8", src, dst, scales, found_nonfinite, residual)
     return None
 
 
@@ -229,6 +245,7 @@ def _dequantize_int8_fake(src, scales, dst, block_size, scale):
         lambda: "fastddp.dequantize_int8: src must be [chunks, m] with at least one row",
     )
     torch._check(dst.numel() == src.shape[1], lambda: "fastddp.dequantize_int8: lengths differ")
+    _one_device("dequantize_int8", src, scales, dst)
     return None
 
 
@@ -253,6 +270,7 @@ unpack_int8 = _dequantizing_op(
 def _unpack_int8_fake(src, scales, dst, block_size, scale):
     torch._check(src.dtype == torch.int8, lambda: "fastddp.unpack_int8: src must be int8")
     torch._check(dst.numel() <= src.numel(), lambda: "fastddp.unpack_int8: too long")
+    _one_device("unpack_int8", src, scales, dst)
     return None
 
 
@@ -276,6 +294,7 @@ def _quantize_packed_fake(
 ):
     torch._check(dst.dtype == torch.uint8, lambda: "fastddp.quantize_packed: dst must be uint8")
     torch._check(bits in (4, 2), lambda: "fastddp.quantize_packed: bits must be 4 or 2")
+    _one_device("quantize_packed", src, dst, scales, found_nonfinite, residual)
     return None
 
 
@@ -296,10 +315,12 @@ def _dequantize_packed_fake(src, scales, dst, bits, block_size, scale):
         src.dim() == 2 and src.shape[0] >= 1,
         lambda: "fastddp.dequantize_packed: src must be [chunks, bytes] with at least one row",
     )
+    _one_device("dequantize_packed", src, scales, dst)
     return None
 
 
 @torch.library.register_fake("fastddp::unpack_packed")
 def _unpack_packed_fake(src, scales, dst, bits, block_size, scale):
     torch._check(src.dtype == torch.uint8, lambda: "fastddp.unpack_packed: src must be uint8")
+    _one_device("unpack_packed", src, scales, dst)
     return None

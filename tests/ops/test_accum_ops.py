@@ -619,6 +619,30 @@ def test_codes_ops_refuse_tensors_that_overlap():
             "dst overlaps src",
         ),
     ]
+    # Rows spaced apart in one byte buffer (the wire's [codes | scales] rows), where torch's
+    # check cannot tell: compared row by row, both ways.
+    wire = torch.zeros(2, 12, dtype=torch.uint8)
+    spaced, floats = torch.randn(16), torch.zeros(16)
+    cases += [
+        (
+            lambda: ops.quantize_int8(
+                spaced, wire[:, :8].view(torch.int8), wire[:, 4:8].view(torch.float32), 8
+            ),
+            "dst overlaps scales",
+        ),
+        (
+            lambda: ops.quantize_int8(
+                spaced, wire[:, :8].view(torch.int8), wire[:, 8:12].view(torch.float32), 8
+            ),
+            None,
+        ),
+        (
+            lambda: ops.dequantize_int8(
+                floats.view(torch.int8).view(2, 32)[:, :8], torch.ones(2, 1), floats[8:16], 8
+            ),
+            "dst overlaps src",
+        ),
+    ]
     packed = torch.zeros(2, 64, dtype=torch.uint8)
     cases += [
         (lambda: ops.quantize_packed(src, packed.view(-1), buf[:2], 4, 128), "scales overlaps src"),
@@ -656,3 +680,15 @@ def test_residual_sharing_storage_is_refused():
                        1.0, None, buf[:4])  # fmt: skip
     # Apart in one buffer is fine: the wire in floats 0-3, the flag in 4, the residual in 8-15.
     ops.compress(x, wire, 1.0, buf[4:5].view(torch.int32), buf[8:16])
+
+
+def test_a_meta_tensor_beside_real_ones_is_refused():
+    # The call goes to the ops' fake kernels, not to the device checks of the kernels: the
+    # CPU outputs were left as they were, without a word.
+    x, meta = torch.randn(8), torch.zeros(1, dtype=torch.int32, device="meta")
+    with pytest.raises(RuntimeError, match="the tensors are on cpu, meta; allocate them on one"):
+        ops.compress(x, torch.empty(8, dtype=torch.bfloat16), 1.0, meta)
+    with pytest.raises(RuntimeError, match="fastddp.quantize_int8: the tensors are on cpu, meta"):
+        ops.quantize_int8(x, torch.empty(8, dtype=torch.int8), torch.empty(1, device="meta"), 8)
+    with pytest.raises(RuntimeError, match="fastddp.unpack_packed: the tensors are on cpu, meta"):
+        ops.unpack_packed(torch.empty(4, dtype=torch.uint8), torch.empty(1, device="meta"), x, 4, 8)

@@ -178,6 +178,11 @@ def _bad(**kw):
 
 BAD = [
     (_bad(bits=8), "bits must be 4 or 2, got 8; int8 codes use the int8 ops"),
+    # Rows' lengths were counted from bits before bits were checked: a division by zero.
+    (_bad(bits=0, dst=torch.empty(2, 16, dtype=torch.uint8)), "bits must be 4 or 2, got 0"),
+    (lambda: ops.unpack_packed(torch.empty(2, 16, dtype=torch.uint8), torch.empty(2, 1),
+                               torch.empty(64), 0, 32), "bits must be 4 or 2, got 0"),
+    (_bad(dst=torch.tensor(0, dtype=torch.uint8)), "must be 1-D or [rows, bytes], got []"),
     (_bad(bits=2, block=6), "block_size must be a multiple of 4 for 2-bit codes"),
     (_bad(dst=torch.empty(32, dtype=torch.int8)), "the quantised tensor must be uint8"),
     (_bad(dst=torch.empty(31, dtype=torch.uint8)), "64 codes of 4 bits take 32 bytes a row"),

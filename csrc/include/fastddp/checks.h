@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <cstdint>
 #include <initializer_list>
 #include <optional>
 #include <utility>
@@ -41,19 +42,64 @@ inline void check_own_storage(
       "fastddp.", op, ": ", out_name, " shares storage with ", in_name, "; give it its own buffer");
 }
 
+// A tensor's bytes as `count` spans of `len` bytes, `stride` bytes apart (stride >= len, so
+// the spans are sorted and disjoint): one span when contiguous, one a row for 2-D rows each
+// contiguous and spaced apart (the codes ops' layouts).
+struct Spans {
+  uintptr_t base = 0, len = 0, stride = 0;
+  int64_t count = 0;
+  uintptr_t lo(int64_t i) const { return base + static_cast<uintptr_t>(i) * stride; }
+};
+
+// `t`'s spans, or nothing for other layouts.
+inline std::optional<Spans> spans_of(const at::Tensor& t) {
+  const auto size = static_cast<uintptr_t>(t.element_size());
+  const auto base = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  if (t.is_contiguous()) {
+    const auto len = static_cast<uintptr_t>(t.numel()) * size;
+    return Spans{base, len, len, t.numel() > 0 ? 1 : 0};
+  }
+  if (t.dim() != 2 || (t.size(1) > 1 && t.stride(1) != 1) || t.stride(0) < t.size(1)) {
+    return std::nullopt;
+  }
+  return Spans{
+      base, static_cast<uintptr_t>(t.size(1)) * size,
+      static_cast<uintptr_t>(t.stride(0)) * size, t.size(1) > 0 ? t.size(0) : 0};
+}
+
+// Whether any span of `a` shares a byte with one of `b` (both sorted: one walk).
+inline bool spans_meet(const Spans& a, const Spans& b) {
+  int64_t i = 0, j = 0;
+  while (i < a.count && j < b.count) {
+    if (a.lo(i) + a.len <= b.lo(j)) {
+      ++i;
+    } else if (b.lo(j) + b.len <= a.lo(i)) {
+      ++j;
+    } else {
+      return true;
+    }
+  }
+  return false;
+}
+
 // No two of `tensors` (an op's outputs and inputs; null: not given) may overlap in memory: a
 // kernel would read one while writing the other. The codes ops' tensors may be views of one
-// buffer (a wire row is [codes | scales]), so ranges are compared, not storages; a layout too
-// hard to compare (rows spaced apart) is let through, as torch's own ops do.
+// buffer (a wire row is [codes | scales], rows spaced apart), so byte ranges are compared,
+// not storages: torch's check where it can tell, else row by row; a layout of neither kind
+// is let through, as torch's own ops do.
 inline void check_apart(
     const char* op, std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors) {
   for (auto a = tensors.begin(); a != tensors.end(); ++a) {
     for (auto b = a + 1; b != tensors.end(); ++b) {
       if (a->second == nullptr || b->second == nullptr) continue;
       const auto status = at::get_overlap_status(*a->second, *b->second);
+      bool meet = status == at::MemOverlapStatus::Full || status == at::MemOverlapStatus::Partial;
+      if (status == at::MemOverlapStatus::TooHard) {
+        const auto sa = spans_of(*a->second), sb = spans_of(*b->second);
+        meet = sa && sb && spans_meet(*sa, *sb);
+      }
       TORCH_CHECK(
-          status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial,
-          "fastddp.", op, ": ", a->first, " overlaps ", b->first,
+          !meet, "fastddp.", op, ": ", a->first, " overlaps ", b->first,
           " in memory; give each its own memory");
     }
   }

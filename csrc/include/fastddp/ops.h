@@ -141,8 +141,9 @@ void unpack_int8(
 }
 
 // 1-D packed tensors hold the flat side's `n` codes; [rows, bytes] ones 8 / bits codes a byte.
+// (Other shapes and bits are refused by packed_rows, which this runs before: `n` then.)
 inline int64_t packed_row_len(const Tensor& q, int64_t n, int64_t bits) {
-  return q.dim() == 1 ? n : q.size(1) * (8 / bits);
+  return q.dim() == 2 && (bits == 4 || bits == 2) ? q.size(1) * (8 / bits) : n;
 }
 
 template <class Backend>
