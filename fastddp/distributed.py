@@ -4,6 +4,7 @@ import atexit
 import contextlib
 import dataclasses
 import gc
+import math
 import os
 import socket
 import sys
@@ -108,8 +109,17 @@ def init_distributed(
             "fastddp.init_distributed: torch.distributed was initialised elsewhere; call "
             "init_distributed() instead of init_process_group(), or not at all"
         )
+    if not isinstance(timeout, timedelta):
+        raise TypeError(
+            f"fastddp.init_distributed: timeout must be a datetime.timedelta, got "
+            f"{type(timeout).__name__} (timedelta(minutes=10), say)"
+        )
     env = os.environ if environ is None else environ
-    launcher, settings = process_settings(env)
+    try:
+        launcher, settings = process_settings(env)
+    except ClusterError as error:
+        _tell_the_others(env, str(error), backend, timeout)
+        raise
     rank = settings["rank"].value
     world = settings["world_size"].value
     local_rank = settings["local_rank"].value
@@ -145,6 +155,11 @@ def init_distributed(
         attempt = ""
     else:
         addr, port = settings["master_addr"].value, int(settings["master_port"].value)
+        if not 0 < port < 65536:
+            raise ClusterError(
+                f"fastddp.init_distributed: MASTER_PORT={port} is not a TCP port; give one "
+                f"from 1 to 65535 ({settings['master_port'].source})"
+            )
         # A launcher reports its own waits; a job started by hand has only this line.
         waiting = joining.said_while_waiting if launcher == "env" else _quiet
         with waiting(rank, world, addr, port):
@@ -166,10 +181,10 @@ def init_distributed(
         local_world, node_rank, num_nodes = check_ranks(
             rank, device, None if known is None else known.value
         )
+        _start_watchdog(attempt, peer_timeout, rank, world, addr, int(port), launcher)
     except BaseException:
         dist.destroy_process_group()
         raise
-    _start_watchdog(attempt, peer_timeout, rank, world, addr, int(port), launcher)
     sources = {k: s.source for k, s in settings.items() if s is not None}
     sources.setdefault("node_rank", "host names of all ranks")
     sources["local_world_size"] = "ranks on the same node"
@@ -194,9 +209,10 @@ def _peer_timeout(env, peer_timeout, world) -> float:
     if peer_timeout is None:
         return peer_timeout_from_env(env, world)
     number = isinstance(peer_timeout, (int, float)) and not isinstance(peer_timeout, bool)
-    if not number or not peer_timeout >= 0:
+    if not number or not 0 <= peer_timeout < math.inf:
         raise ClusterError(
-            f"peer_timeout must be a number of seconds, 0 (off) or positive, got {peer_timeout!r}"
+            "peer_timeout must be a number of seconds, 0 (off) or positive and finite, got "
+            f"{peer_timeout!r}"
         )
     return peer_timeout
 
@@ -223,11 +239,37 @@ def _start_watchdog(attempt, peer_timeout, rank, world, addr, port, launcher) ->
 
 
 def _on_uncaught(kind, value, traceback) -> None:
-    if _watchdog is not None:
-        first = (str(value).splitlines() or [""])[0]
-        with contextlib.suppress(Exception):  # (the store may be gone)
-            _watchdog.stop(failure=f"{kind.__name__}: {first}"[:200] if first else kind.__name__)
+    _report(value)
     (_excepthook or sys.__excepthook__)(kind, value, traceback)
+
+
+def _report(error: BaseException) -> None:
+    """Tell the other ranks' watchdogs that this rank ends with ``error`` (a ``SystemExit``
+    of status 0 or None is a finish)."""
+    if _watchdog is None or isinstance(error, SystemExit) and error.code in (None, 0):
+        return
+    first = (str(error).splitlines() or [""])[0]
+    name = type(error).__name__
+    with contextlib.suppress(Exception):  # (the store may be gone)
+        _watchdog.stop(failure=f"{name}: {first}"[:200] if first else name)
+
+
+def _tell_the_others(env, problem: str, backend: Optional[str], timeout: timedelta) -> None:
+    """This rank's variables are refused (``problem``): where it can still find the job's
+    store, say so there, so that the others raise it too rather than wait for this rank."""
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    except (KeyError, ValueError):
+        return  # nothing to find the others by
+    if not (0 <= rank < world and world > 1 and 0 < port < 65536) or env.get("TORCHELASTIC_RUN_ID"):
+        return  # (a launcher's workers: it reports the failure itself)
+    global _joins
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    with contextlib.suppress(Exception):  # this rank raises its own error all the same
+        store, _ = joining.store_for("env", env, addr, port, rank, world, timeout, _joins)
+        _joins += 1
+        joining.agree(store, rank, world, backend, problem)
 
 
 def shutdown_distributed() -> None:
@@ -272,6 +314,10 @@ def distributed_session(**kwargs) -> Iterator[DistEnv]:
     env = init_distributed(**kwargs)
     try:
         yield env
+    except BaseException as error:
+        if made:  # the group goes now: the others must hear why, not that this rank finished
+            _report(error)
+        raise
     finally:
         if made:
             shutdown_distributed()

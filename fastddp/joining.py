@@ -113,8 +113,18 @@ def agree(store: dist.Store, rank: int, world: int, backend: str, problem: Optio
     Raises the same :class:`ClusterError` on every rank if any rank has a problem or the ranks
     chose different backends. A collective over the store: every rank calls it once.
     """
+    if store.add(f"{_KEY}rank/{rank}", 1) > 1:
+        # Posted nothing: the job whose store this is goes on without a word from this rank.
+        raise ClusterError(
+            f"fastddp.init_distributed: another process joined the store at MASTER_ADDR:"
+            f"MASTER_PORT as RANK {rank} already: two processes were given the same RANK, or "
+            "another job uses that port; give each process its own RANK, and each job its own "
+            "port"
+        )
     if store.add(f"{_KEY}backend/{backend}", 1) == 1:
         store.append(f"{_KEY}backends", backend + "\n")
+    if store.add(f"{_KEY}world/{world}", 1) == 1:
+        store.append(f"{_KEY}worlds", f"{world}\n")
     if problem is not None:
         store.append(f"{_KEY}ranks", f"{rank} ")
         store.compare_set(f"{_KEY}first", "", f"rank {rank}: {problem}")
@@ -122,10 +132,18 @@ def agree(store: dist.Store, rank: int, world: int, backend: str, problem: Optio
         store.set(f"{_KEY}all", "1")
     store.wait([f"{_KEY}all"])
     backends = store.get(f"{_KEY}backends").decode().split()
+    worlds = store.get(f"{_KEY}worlds").decode().split()
     bad = store.get(f"{_KEY}ranks").decode().split() if store.check([f"{_KEY}ranks"]) else []
-    if not bad and len(backends) == 1:
+    if not bad and len(backends) == 1 and len(worlds) == 1:
         return
     lines = []
+    if len(worlds) > 1:
+        counts = ", ".join(
+            f"{store.add(f'{_KEY}world/{w}', 0)} rank(s) WORLD_SIZE={w}" for w in sorted(worlds)
+        )
+        lines.append(
+            f"the ranks were started with different WORLD_SIZE ({counts}); give all the same"
+        )
     if bad:
         shown = ", ".join(sorted(bad, key=int)[:16]) + (", ..." if len(bad) > 16 else "")
         lines.append(

@@ -38,8 +38,10 @@ def _one_device(op: str, *tensors: Optional[torch.Tensor]) -> None:
     devices = {t.device for t in tensors if t is not None}
     torch._check(
         len(devices) <= 1,
-        lambda: f"fastddp.{op}: the tensors are on {', '.join(sorted(map(str, devices)))}; "
-        "allocate them on one device",
+        lambda: (
+            f"fastddp.{op}: the tensors are on {', '.join(sorted(map(str, devices)))}; "
+            "allocate them on one device"
+        ),
     )
 
 

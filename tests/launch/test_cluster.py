@@ -285,15 +285,21 @@ def test_a_bad_peer_timeout_is_refused_by_the_worker_before_any_group(raw, messa
     "kwargs, message",
     [
         ({"peer_timeout": "60"}, "peer_timeout must be a number of seconds, .* got '60'"),
-        ({"peer_timeout": -1.0}, "a number of seconds, 0 \\(off\\) or positive, got -1.0"),
+        ({"peer_timeout": -1.0}, "0 \\(off\\) or positive and finite, got -1.0"),
+        # (inf overflowed in the watchdog, after the group was made: a group left behind)
+        ({"peer_timeout": float("inf")}, "0 \\(off\\) or positive and finite, got inf"),
+        ({"timeout": 30}, "timeout must be a datetime.timedelta, got int"),
+        ({"environ": {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"}},
+         "MASTER_PORT=99999 is not a TCP port; give one from 1 to 65535"),
     ],
-)
+)  # fmt: skip
 def test_bad_init_arguments_are_refused_before_any_group(kwargs, message):
     import torch.distributed as dist
 
     import fastddp
 
     env = {}  # alone: with other ranks, every rank raises it (test_launch.py)
-    with pytest.raises(ClusterError, match=message):
-        fastddp.init_distributed(**{"backend": "gloo", **kwargs}, environ=env)
+    with pytest.raises((ClusterError, TypeError), match=message):
+        fastddp.init_distributed(**{"backend": "gloo", "environ": env, **kwargs})
     assert not dist.is_initialized()

@@ -177,19 +177,27 @@ _RAISING = """
 import sys, time
 import torch.distributed as dist
 import fastddp
-fastddp.init_distributed(peer_timeout=60)
-if dist.get_rank() == 1:
-    raise ValueError("a bad batch on rank 1")
-time.sleep(float(sys.argv[1]))  # rank 0 waits in a collective rank 1 never joins (NCCL's wait)
+if sys.argv[2] == "session":  # the exception leaves the session, which shuts the group down
+    with fastddp.distributed_session(peer_timeout=60):
+        if dist.get_rank() == 1:
+            raise ValueError("a bad batch on rank 1")
+        time.sleep(float(sys.argv[1]))
+else:
+    fastddp.init_distributed(peer_timeout=60)
+    if dist.get_rank() == 1:
+        raise ValueError("a bad batch on rank 1")
+    time.sleep(float(sys.argv[1]))  # waiting in a collective rank 1 never joins (NCCL's wait)
 print("rank 0 waited it out", flush=True)
 """
 
 
 @pytest.mark.faults
-def test_a_rank_that_ends_with_an_exception_is_named_at_once():
+@pytest.mark.parametrize("how", ["init", "session"])
+def test_a_rank_that_ends_with_an_exception_is_named_at_once(how):
     # Its process exits, which Gloo's sockets tell at once but NCCL's collectives do not: the
-    # others waited until their timeout, since the rank said at exit that it had finished.
-    procs = _hand_started(["-c", _RAISING, str(slack.guard(60))])
+    # others waited until their timeout, since the rank said at exit that it had finished
+    # (in a session, at the shutdown the exception passed through).
+    procs = _hand_started(["-c", _RAISING, str(slack.guard(60)), how])
     (rc1, out1), (rc0, out0) = (_finish(p, 120) for p in procs[::-1])
     assert rc1 == 1 and "ValueError: a bad batch on rank 1" in out1, out1
     assert rc0 == 3 and "rank 0 waited it out" not in out0, out0

@@ -601,8 +601,19 @@ def test_a_rank_that_cannot_start_fails_every_rank():
         assert "chose different backends (1 rank(s) gloo, 1 rank(s) nccl)" in out, out
 
 
-def test_a_bad_peer_timeout_on_one_rank_fails_every_rank():
-    # FASTDDP_PEER_TIMEOUT set wrong on one node only: rank 0 must not wait for rank 1.
+@pytest.mark.parametrize(
+    "name, value, said",
+    [
+        ("FASTDDP_PEER_TIMEOUT", "5m", "1 of 2 rank(s) cannot start (1); rank 1: "
+         "FASTDDP_PEER_TIMEOUT='5m' is not"),
+        # Refused before this rank knew its settings: it still finds the store to say so.
+        ("LOCAL_RANK", "x", "LOCAL_RANK='x' is not an integer"),
+        ("WORLD_SIZE", "3", "the ranks were started with different WORLD_SIZE (1 rank(s) "
+         "WORLD_SIZE=2, 1 rank(s) WORLD_SIZE=3)"),
+    ],
+)  # fmt: skip
+def test_a_bad_variable_on_one_rank_fails_every_rank(name, value, said):
+    # Set wrong on one node only: rank 0 must not wait for rank 1 until its timeout.
     code = (
         "import fastddp\n"
         "try:\n"
@@ -614,10 +625,30 @@ def test_a_bad_peer_timeout_on_one_rank_fails_every_rank():
     )
     cmds, envs = _plain_env_ranks(2)
     cmds = [[sys.executable, "-c", code]] * 2
-    envs[1]["FASTDDP_PEER_TIMEOUT"] = "5m"
+    envs[1][name] = value
     for rc, out in _run_all(cmds, timeout=120, envs=envs):
         assert rc == 3, out
-        assert "1 of 2 rank(s) cannot start (1); rank 1: FASTDDP_PEER_TIMEOUT='5m' is not" in out
+        assert said in out, out
+
+
+def test_one_rank_given_twice_is_refused_by_the_second():
+    # Two processes with RANK 1 (or a rank of another job on this port): the one that comes
+    # second says so, the job goes on with the first.
+    code = (
+        "import fastddp\n"
+        "try:\n"
+        "    fastddp.init_distributed(backend='gloo')\n"
+        "except fastddp.ClusterError as e:\n"
+        "    print('refused:', e)\n"
+        "    raise SystemExit(3)\n"
+        "print('started')\n"
+        "fastddp.shutdown_distributed()\n"
+    )
+    _, envs = _plain_env_ranks(2)
+    results = _run_all([[sys.executable, "-c", code]] * 3, timeout=120, envs=[*envs, envs[1]])
+    refused = [out for rc, out in results if rc == 3]
+    assert len(refused) == 1 and [rc for rc, _ in results].count(0) == 2, results
+    assert "another process joined the store at MASTER_ADDR:MASTER_PORT as RANK 1" in refused[0]
 
 
 def test_init_distributed_single_process_is_idempotent():
