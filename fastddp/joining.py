@@ -159,7 +159,8 @@ def agree(store: dist.Store, rank: int, world: int, backend: str, problem: Optio
             "picks gloo; check CUDA_VISIBLE_DEVICES and the driver on every node, or pass the "
             "same backend= on every rank"
         )
-    if store.add(f"{_KEY}read", 1) == world:
+    # (ranks of different WORLD_SIZE: the smallest is as many as arrived before "all")
+    if store.add(f"{_KEY}read", 1) >= min(map(int, worlds)):
         store.set(f"{_KEY}read-all", "1")
     if rank == 0:
         # This process may serve the store: stay until every rank has read why, or a while.
