@@ -29,6 +29,8 @@ def main(argv=None):
         p.error("--steps must be at least 1")
     if args.pretend_nodes < 0:
         p.error("--pretend-nodes must be 0 (the real nodes) or more")
+    if args.sync_every < 1:
+        p.error("--sync-every must be at least 1")
     with fastddp.distributed_session() as env:
         if args.pretend_nodes and env.local_world_size % args.pretend_nodes:
             raise SystemExit(  # on every rank alike, before any collective

@@ -9,6 +9,7 @@ No DDP either: after each backward the gradients are averaged with ``fastddp.all
 """
 
 import argparse
+import sys
 
 import torch
 import torch.distributed as dist
@@ -47,8 +48,11 @@ def main(argv=None):
         everyone = [torch.empty_like(flat) for _ in range(env.world_size)]
         dist.all_gather(everyone, flat)
         same = all(torch.equal(everyone[0], f) for f in everyone)
-        print(f"rank {env.rank}/{env.world_size} ({env.launcher}): final loss "
-              f"{loss.item():.4f}, weights identical on all ranks: {same}", flush=True)  # fmt: skip
+        # One write a line: the ranks share the launcher's output, and print() writes the
+        # text and its newline apart.
+        line = f"rank {env.rank}/{env.world_size} ({env.launcher}): final loss {loss.item():.4f}"
+        sys.stdout.write(f"{line}, weights identical on all ranks: {same}\n")
+        sys.stdout.flush()
         if not same:
             raise SystemExit("ranks diverged")
 

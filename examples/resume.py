@@ -9,7 +9,11 @@ the directory appears under its final name only once every rank has written its 
 crash during a save leaves the previous checkpoint as the latest. With ``--resume latest`` a
 (re)started job continues from there; ``--resume none`` starts over, its checkpoints
 replacing those of the same step. Batches depend only on (seed, step, rank), so a resumed
-run sees exactly the data the uninterrupted run would have, and ends with the same parameters.
+run sees exactly the data the uninterrupted run would have, and with the 16-bit modes (the
+default bf16-acc-ef, fp16, bf16) ends with the same parameters, bit for bit. The block codes
+(int8, int4, int2) come within their rounding, not bit for bit: a fresh DDP's first step
+lays its buckets out in another order than the steps after, and blocks of other elements
+share a scale (docs/hooks.md, on state dicts).
 
 A job resumed on another number of ranks (an elastic job, ``--nnodes MIN:MAX``, that lost or
 gained a node) regroups the saved hook states with ``CompressState.reshard``, which keeps

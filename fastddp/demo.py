@@ -34,7 +34,7 @@ from fastddp.bench import report
 from fastddp.bench.common import AUTO, FASTDDP_MODES, auto_bytes, drop_option, fastddp_state
 from fastddp.bench.models import mlp
 from fastddp.distributed import exit_after_shutdown
-from fastddp.netns import quietly, run_job
+from fastddp.netns import quietly, run_job, valid_rate
 from fastddp.testing import netns
 
 # Plain DDP, then fastddp's hook with presets and auto (named as in fastddp.bench).
@@ -205,6 +205,8 @@ def main(argv=None):
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.nproc is not None and args.nproc < 1:
         p.error("--nproc must be at least 1")
+    if args.link != "none" and not valid_rate(args.link):
+        p.error(f"--link {args.link}: give a rate in bits per second (1gbit, 100mbit) or none")
     if "RANK" in os.environ:  # started by a launcher
         # Gloo on CPU even where GPUs exist: this demo compares the CPU paths.
         timeout = timedelta(seconds=120)

@@ -366,9 +366,14 @@ def test_cuda_without_a_gpu_is_refused(capsys):
 def test_demo_refuses_bad_options(capsys):
     # In this process: the check runs before any rank or link is made, and `python -m
     # fastddp.demo` itself is run by test_demo_on_loopback.
-    with pytest.raises(SystemExit) as exit_:
-        demo.main(["--steps", "0"])
-    assert exit_.value.code == 2 and "--steps must be at least 1" in capsys.readouterr().err
+    for bad, said in (
+        (["--steps", "0"], "--steps must be at least 1"),
+        # (checked here, not by the namespace tool, whose usage names its own --rate)
+        (["--link", "1gbps"], "--link 1gbps: give a rate in bits per second (1gbit, 100mbit)"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            demo.main(bad)
+        assert exit_.value.code == 2 and said in capsys.readouterr().err
 
 
 def _demo(*args):
