@@ -601,6 +601,18 @@ def test_a_rank_that_cannot_start_fails_every_rank():
         assert "chose different backends (1 rank(s) gloo, 1 rank(s) nccl)" in out, out
 
 
+# A rank that prints whether init_distributed started it, or why not (and exits 3).
+_STARTED_OR_REFUSED = (
+    "import fastddp\n"
+    "try:\n"
+    "    fastddp.init_distributed(backend='gloo')\n"
+    "except fastddp.ClusterError as e:\n"
+    "    print('refused:', e)\n"
+    "    raise SystemExit(3)\n"
+    "print('started')\n"
+)
+
+
 @pytest.mark.parametrize(
     "name, value, said",
     [
@@ -614,17 +626,8 @@ def test_a_rank_that_cannot_start_fails_every_rank():
 )  # fmt: skip
 def test_a_bad_variable_on_one_rank_fails_every_rank(name, value, said):
     # Set wrong on one node only: rank 0 must not wait for rank 1 until its timeout.
-    code = (
-        "import fastddp\n"
-        "try:\n"
-        "    fastddp.init_distributed(backend='gloo')\n"
-        "except fastddp.ClusterError as e:\n"
-        "    print('refused:', e)\n"
-        "    raise SystemExit(3)\n"
-        "print('started')\n"
-    )
     cmds, envs = _plain_env_ranks(2)
-    cmds = [[sys.executable, "-c", code]] * 2
+    cmds = [[sys.executable, "-c", _STARTED_OR_REFUSED]] * 2
     envs[1][name] = value
     for rc, out in _run_all(cmds, timeout=120, envs=envs):
         assert rc == 3, out
@@ -634,16 +637,7 @@ def test_a_bad_variable_on_one_rank_fails_every_rank(name, value, said):
 def test_one_rank_given_twice_is_refused_by_the_second():
     # Two processes with RANK 1 (or a rank of another job on this port): the one that comes
     # second says so, the job goes on with the first.
-    code = (
-        "import fastddp\n"
-        "try:\n"
-        "    fastddp.init_distributed(backend='gloo')\n"
-        "except fastddp.ClusterError as e:\n"
-        "    print('refused:', e)\n"
-        "    raise SystemExit(3)\n"
-        "print('started')\n"
-        "fastddp.shutdown_distributed()\n"
-    )
+    code = _STARTED_OR_REFUSED + "fastddp.shutdown_distributed()\n"
     _, envs = _plain_env_ranks(2)
     results = _run_all([[sys.executable, "-c", code]] * 3, timeout=120, envs=[*envs, envs[1]])
     refused = [out for rc, out in results if rc == 3]
