@@ -1,6 +1,7 @@
 """``python -m fastddp.bench``'s options checked before any rank starts or any sweep runs, so
 that a typo or an output that cannot be written costs seconds, not a sweep."""
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -59,8 +60,9 @@ def _writable(p, option: str, path: str) -> None:
             pass
     except OSError as e:
         p.error(f"--{option} {path}: cannot be written ({e.strerror})")
-    if not existed:
-        os.remove(path)
+    if not existed:  # (every rank checks under a launcher: another may have removed it)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 # What fp32's curve depends on, besides the model's size and the ranks.
