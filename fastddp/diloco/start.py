@@ -52,7 +52,8 @@ def from_first_node(
             if t.device != torch.device(device):
                 flat = flat.to(device)
             dist.broadcast(flat.view(torch.uint8), src=src, group=cross)
-            t.copy_(flat.view_as(t))
+            if flat.data_ptr() != t.data_ptr():  # (a contiguous t was received in place)
+                t.copy_(flat.view_as(t))
     return len(differ)
 
 
