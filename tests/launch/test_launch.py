@@ -635,14 +635,29 @@ def test_a_bad_variable_on_one_rank_fails_every_rank(name, value, said):
 
 
 def test_one_rank_given_twice_is_refused_by_the_second():
-    # Two processes with RANK 1 (or a rank of another job on this port): the one that comes
-    # second says so, the job goes on with the first.
-    code = _STARTED_OR_REFUSED + "fastddp.shutdown_distributed()\n"
+    # A second process with RANK 1 (or a rank of another job on this port) joins a running
+    # job's store: it says so, and the job goes on. (Started together, the second could come
+    # after the job had ended and its store was gone, and wait for it.)
+    code = _STARTED_OR_REFUSED + "input()\nfastddp.shutdown_distributed()\n"
     _, envs = _plain_env_ranks(2)
-    results = _run_all([[sys.executable, "-c", code]] * 3, timeout=120, envs=[*envs, envs[1]])
-    refused = [out for rc, out in results if rc == 3]
-    assert len(refused) == 1 and [rc for rc, _ in results].count(0) == 2, results
-    assert "another process joined the store at MASTER_ADDR:MASTER_PORT as RANK 1" in refused[0]
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+    job = [subprocess.Popen([sys.executable, "-c", code], env=e, text=True, **pipes) for e in envs]
+    try:
+        for p in job:  # (torch's warnings may come first)
+            while (line := p.stdout.readline()) and line.strip() != "started":
+                pass
+            assert line, "a rank of the job ended before it started"
+        late = slack.run([sys.executable, "-c", code], env=envs[1], capture_output=True,
+                         text=True, timeout=slack.guard(60))  # fmt: skip
+    finally:
+        for p in job:
+            with contextlib.suppress(OSError):
+                p.stdin.write("\n")
+                p.stdin.flush()
+    results = _finish(job, 60)
+    assert [rc for rc, _ in results] == [0, 0], results
+    assert late.returncode == 3, late.stdout + late.stderr
+    assert "another process joined the store at MASTER_ADDR:MASTER_PORT as RANK 1" in late.stdout
 
 
 def test_init_distributed_single_process_is_idempotent():
