@@ -195,9 +195,10 @@ def demangle(name: str) -> str:
         name = rest[arg.end() : arg.end() + int(arg.group(1))]
         inner = re.match(r"ILi(\d+)E", rest[arg.end() + len(name) :])  # its int argument
         short += f"<{name}<{inner.group(1)}>>" if inner else f"<{name}>"
-    bits = re.match(r"ILi(\d+)E", rest)  # an int template argument
+    bits = re.match(r"ILi(\d+)E((?:Lb[01]E)*)", rest)  # an int template argument, then bools
     if bits:
-        short += f"<{bits.group(1)}>"
+        flags = re.findall(r"Lb([01])E", bits.group(2))
+        short += f"<{bits.group(1)}{''.join(', true' if b == '1' else ', false' for b in flags)}>"
     kind = re.match(r"ILNS_4math8WireKindE(\d+)E", rest)  # a math::WireKind value
     if kind:
         short += f"<{_WIRE_KINDS.get(kind.group(1), kind.group(1))}>"

@@ -143,9 +143,12 @@ def short_name(mangled: str) -> str:
 def template_args(mangled: str, name: str) -> str:
     """The template arguments of an instance, enough to tell instances apart."""
     rest = mangled.split(name, 1)[-1]
-    ints = re.match(r"ILi(\d+)EE", rest)
+    ints = re.match(r"ILi(\d+)E((?:Lb[01]E)*)E", rest)  # an int, then any bools
     if ints:
-        return f"<{ints.group(1)}>"
+        flags = "".join(
+            ", true" if b == "1" else ", false" for b in re.findall(r"Lb([01])E", ints.group(2))
+        )
+        return f"<{ints.group(1)}{flags}>"
     kind = re.match(r"ILNS_4math8WireKindE(\d)E", rest)
     if kind:
         return "<kBf16>" if kind.group(1) == "1" else "<kFp16>"

@@ -185,10 +185,17 @@ __device__ __forceinline__ float piece_code(uint32_t piece, int j) {
   return static_cast<float>(top >> (32 - kBits));
 }
 
+// Chunk c of a quantize's n elements; kWhole: the caller knows it is whole.
+template <bool kWhole>
+__device__ __forceinline__ Chunk quantize_chunk_at(int64_t n, int64_t c) {
+  return kWhole ? Chunk{c, c * kChunk, kChunk, true} : chunk_at(0, n, c);
+}
+
 // The rounding inputs of chunk c of a quantize: 4c .. 4c + 3, zeros past n.
+template <bool kWhole = false>
 __device__ __forceinline__ Chunk quantize_inputs(
     const QuantizeArgs& a, const math::Mode& mode, int64_t c, float (&v)[kChunk]) {
-  const Chunk k = chunk_at(0, a.n, c);
+  const Chunk k = quantize_chunk_at<kWhole>(a.n, c);
   float x[kChunk];
   float r[kChunk] = {0.0f, 0.0f, 0.0f, 0.0f};
   load_chunk(a.src, k, x);
@@ -205,14 +212,12 @@ __device__ __forceinline__ Chunk quantize_inputs(
 // Quantises chunk c (inputs v) of a block with the given scale: its codes, its residuals
 // (16 bytes at a time), and the block's scale if c is the block's first chunk. Every lane of
 // the warp must call it.
-template <int kBits>
+template <int kBits, bool kWhole = false>
 __device__ __forceinline__ void quantize_chunk(
-    const QuantizeArgs& a, const Codes& codes, const math::Mode& mode, int64_t c,
+    const QuantizeArgs& a, const Place& place, const math::Mode& mode, int64_t c,
     const float (&v)[kChunk], float step, float inverse, bool block_bad) {
   const float qmax = code_max(kBits);
-  const Chunk k = chunk_at(0, a.n, c);
-  auto* q = reinterpret_cast<uint8_t*>(a.dst);
-  const Place place = place_of<kBits>(codes, q, c, a.n);
+  const Chunk k = quantize_chunk_at<kWhole>(a.n, c);
   const CodeSpot& spot = place.spot;
   // The first chunk of a block stores its scale.
   if (k.count > 0 && place.block_first) {
@@ -237,47 +242,118 @@ __device__ __forceinline__ void quantize_chunk(
   store_piece<kBits>(spot.at, piece, c, k.count, spot.group_whole);
 }
 
+// Where a step of quantize lies whole in one row (its kCodeUnroll runs of 32 chunks below n,
+// starting at a block's first element, codes 16-byte aligned), each chunk's place follows from
+// the step's, with shifts: `row_q` is the step's first code byte, `scale0` the index of its first
+// scale, `per_block_log2` the chunks of a block (a power of two) as a shift. `whole` is false
+// where the step is not such a step (the same for every lane); then each chunk goes by place_of.
+struct WholeStep {
+  bool whole;
+  uint8_t* row_q;
+  int64_t scale0;
+};
+
+template <int kBits>
+__device__ __forceinline__ WholeStep whole_step_of(
+    const QuantizeArgs& a, const Codes& codes, int64_t first) {
+  const int64_t e0 = first * kChunk;
+  const int64_t e1 = e0 + 32 * kCodeUnroll * kChunk;
+  if (e1 > a.n) {
+    return {false, nullptr, 0};
+  }
+  const int64_t row = codes.by_row.div(e0);
+  const int64_t offset = e0 - row * a.rows.row_len;
+  const int64_t b0 = codes.by_block.div(offset);
+  uint8_t* at = reinterpret_cast<uint8_t*>(a.dst) + row * a.rows.q_stride + offset * kBits / 8;
+  const bool whole = offset + (e1 - e0) <= a.rows.row_len && b0 * a.block == offset &&
+                     reinterpret_cast<uintptr_t>(at) % 16 == 0;
+  return {whole, at, row * a.rows.s_stride + b0};
+}
+
+// The place of the chunk `index` chunks into a whole step (per_block_log2: as WholeStep says).
+template <int kBits>
+__device__ __forceinline__ Place whole_place(const WholeStep& w, int index, int per_block_log2) {
+  return {{w.row_q + index * Pieces<kBits>::kBytes, true}, w.scale0 + (index >> per_block_log2),
+          (index & ((1 << per_block_log2) - 1)) == 0};
+}
+
+// A step of quantize for blocks of `width` chunks (a power of two up to 32): kCodeUnroll runs of
+// 32 chunks from `first`, all loaded before any is reduced, each block's absolute maximum shared
+// by shuffles among its lanes. place(index, c) places chunk c, `index` chunks into the step;
+// kWhole: every chunk of the step is whole. Returns whether a block held inf or NaN. Every lane
+// of the warp must call it.
+template <int kBits, bool kWhole, class PlaceOf>
+__device__ __forceinline__ bool quantize_runs(
+    const QuantizeArgs& a, const math::Mode& mode, int64_t first, int width, PlaceOf place) {
+  const float qmax = code_max(kBits);
+  float v[kCodeUnroll][kChunk];
+  uint32_t absmax[kCodeUnroll];
+  FASTDDP_UNROLL
+  for (int u = 0; u < kCodeUnroll; ++u) {
+    quantize_inputs<kWhole>(a, mode, first + 32 * u + lane_index(), v[u]);
+    absmax[u] = 0;
+    FASTDDP_UNROLL
+    for (int j = 0; j < kChunk; ++j) {
+      absmax[u] = math::abs_bits_max(absmax[u], v[u][j]);
+    }
+  }
+  for (int offset = width / 2; offset > 0; offset /= 2) {
+    FASTDDP_UNROLL
+    for (int u = 0; u < kCodeUnroll; ++u) {
+      const uint32_t other = __shfl_xor_sync(kAllLanes, absmax[u], offset);
+      absmax[u] = other > absmax[u] ? other : absmax[u];
+    }
+  }
+  bool bad = false;
+  FASTDDP_UNROLL
+  for (int u = 0; u < kCodeUnroll; ++u) {
+    const bool block_bad = math::block_nonfinite(absmax[u]);
+    bad |= block_bad;
+    const int64_t c = first + 32 * u + lane_index();
+    quantize_chunk<kBits, kWhole>(a, place(32 * u + lane_index(), c), mode, c, v[u],
+                          math::block_scale(absmax[u], qmax), math::block_inverse(absmax[u], qmax),
+                          block_bad);
+  }
+  return bad;
+}
+
 // quantize (int8, int4, int2): the lanes of a block share its absolute maximum by shuffles.
 // A block of up to 128 elements (block / 4 lanes, a power of two) takes part of a warp, so that
 // a warp quantises 128 elements at a time, kCodeUnroll such runs a step, all loaded before any
-// is reduced; a longer block (a multiple of 128) takes a warp, each lane block / 128 chunks,
+// is reduced; a step that lies whole in one row (nearly all of them) places its chunks without
+// a division. A longer block (a multiple of 128) takes a warp, each lane block / 128 chunks,
 // which it reads again after the maximum is known.
-// At most 64 registers, so that 4 blocks fit on a multiprocessor (66 gave 3).
-template <int kBits>
+// At most 64 registers, so that 4 blocks fit on a multiprocessor (66 gave 3). An instance for
+// each mode (kFeedback: error feedback; kStochastic: stochastic rounding), which the launch
+// picks: as constants they leave no branch on the mode, and no other mode's code, in the loop.
+template <int kBits, bool kFeedback, bool kStochastic>
 __global__ void __launch_bounds__(kThreads, 4) quantize_vec_kernel(QuantizeArgs a, Codes codes) {
-  const math::Mode mode = a.rounding.mode();
+  math::Mode mode = a.rounding.mode();
+  mode.feedback = kFeedback;
+  mode.stochastic = kStochastic;
   const float qmax = code_max(kBits);
   const int64_t per_block = a.block / kChunk;
   const int64_t chunks = (a.n + kChunk - 1) / kChunk;
+  auto* q = reinterpret_cast<uint8_t*>(a.dst);
   bool bad = false;
   if (per_block <= 32) {
     const int width = static_cast<int>(per_block);
+    int per_block_log2 = 0;
+    while ((1 << per_block_log2) < width) {
+      ++per_block_log2;
+    }
     warp_loop(chunks, 32 * kCodeUnroll, [&](int64_t first) {
-      float v[kCodeUnroll][kChunk];
-      uint32_t absmax[kCodeUnroll];
-      FASTDDP_UNROLL
-      for (int u = 0; u < kCodeUnroll; ++u) {
-        quantize_inputs(a, mode, first + 32 * u + lane_index(), v[u]);
-        absmax[u] = 0;
-        FASTDDP_UNROLL
-        for (int j = 0; j < kChunk; ++j) {
-          absmax[u] = math::abs_bits_max(absmax[u], v[u][j]);
-        }
-      }
-      for (int offset = width / 2; offset > 0; offset /= 2) {
-        FASTDDP_UNROLL
-        for (int u = 0; u < kCodeUnroll; ++u) {
-          const uint32_t other = __shfl_xor_sync(kAllLanes, absmax[u], offset);
-          absmax[u] = other > absmax[u] ? other : absmax[u];
-        }
-      }
-      FASTDDP_UNROLL
-      for (int u = 0; u < kCodeUnroll; ++u) {
-        const bool block_bad = math::block_nonfinite(absmax[u]);
-        bad |= block_bad;
-        quantize_chunk<kBits>(a, codes, mode, first + 32 * u + lane_index(), v[u],
-                              math::block_scale(absmax[u], qmax),
-                              math::block_inverse(absmax[u], qmax), block_bad);
+      // Two copies of the step, so that each is register-allocated alone: one that holds both
+      // ways of placing a chunk spilled to local memory for int4 and int2.
+      const WholeStep w = whole_step_of<kBits>(a, codes, first);
+      if (w.whole) {
+        bad |= quantize_runs<kBits, true>(a, mode, first, width, [&](int index, int64_t) {
+          return whole_place<kBits>(w, index, per_block_log2);
+        });
+      } else {
+        bad |= quantize_runs<kBits, false>(a, mode, first, width, [&](int, int64_t c) {
+          return place_of<kBits>(codes, q, c, a.n);
+        });
       }
     });
     raise_flag(bad, a.rounding.flag);
@@ -309,11 +385,13 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_vec_kernel(QuantizeArgs 
     const float inverse = math::block_inverse(absmax, qmax);
     const bool block_bad = math::block_nonfinite(absmax);
     bad |= block_bad;
-    quantize_chunk<kBits>(a, codes, mode, c, v, step, inverse, block_bad);
+    quantize_chunk<kBits>(a, place_of<kBits>(codes, q, c, a.n), mode, c, v, step, inverse,
+                          block_bad);
     for (int64_t more = c + 32; more < first + per_block; more += 32) {
       float w[kChunk];
       quantize_inputs(a, mode, more, w);
-      quantize_chunk<kBits>(a, codes, mode, more, w, step, inverse, block_bad);
+      quantize_chunk<kBits>(a, place_of<kBits>(codes, q, more, a.n), mode, more, w, step,
+                            inverse, block_bad);
     }
   });
   raise_flag(bad, a.rounding.flag);

@@ -145,6 +145,17 @@ inline bool codes_vectorise(const void* q, const Int8Rows& rows, int64_t block, 
          (rows.rows == 1 || (rows.q_stride % piece == 0 && rows.row_len % kChunk == 0));
 }
 
+// The instance of quantize_vec_kernel for kBits and the mode of `r`.
+template <int kBits>
+auto quantize_vec_for(const Rounding& r) {
+  const bool feedback = r.residual != nullptr;
+  const bool stochastic = r.seed >= 0;
+  return feedback ? (stochastic ? quantize_vec_kernel<kBits, true, true>
+                                : quantize_vec_kernel<kBits, true, false>)
+                  : (stochastic ? quantize_vec_kernel<kBits, false, true>
+                                : quantize_vec_kernel<kBits, false, false>);
+}
+
 // quantize: quantize_vec_kernel where the layout allows it and a block is a power of two of
 // chunks up to a warp's, or whole warps of chunks; else one warp per block of elements.
 template <class Rt>
@@ -160,8 +171,8 @@ void run(Rt& rt, const QuantizeArgs& a) {
     const int64_t chunks = (a.n + kChunk - 1) / kChunk;
     const int64_t span = per_block <= 32 ? 32 * kCodeUnroll : per_block;
     launch_over(rt, (chunks + span - 1) / span * 32,
-                for_bits(a.bits, quantize_vec_kernel<8>, quantize_vec_kernel<4>,
-                         quantize_vec_kernel<2>),
+                for_bits(a.bits, quantize_vec_for<8>(r), quantize_vec_for<4>(r),
+                         quantize_vec_for<2>(r)),
                 a, Codes::of(a.rows, a.block));
     return;
   }

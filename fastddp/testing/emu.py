@@ -34,15 +34,22 @@ def load(path: Optional[Path] = None, *, sms: int = 2, seed: int = 0) -> "Emu":
 
 
 def _kernel_name(symbol: str) -> str:
-    """A kernel's name and its bits, if it has some, from its symbol:
-    ``_ZN7fastddp7kernels19quantize_vec_kernelILi4EEEv...`` -> ``quantize_vec_kernel<4>``,
+    """A kernel's name and its bits (and the bools after them), if it has some, from its symbol:
+    ``_ZN7fastddp7kernels19unpack_vec_kernelILi4EEEv...`` -> ``unpack_vec_kernel<4>``,
+    ``..._kernelILi8ELb1ELb0EEEv...`` -> ``..._kernel<8, true, false>``,
     ``..._kernelINS0_11PackedCodesILi2EEEEEv...`` -> ``..._kernel<2>``."""
     m = re.match(r"_ZN7fastddp7kernels(\d+)", symbol)
     if not m:
         return symbol
     name = symbol[m.end() : m.end() + int(m.group(1))]
-    bits = re.match(r"I(?:NS0_\d+\w+?)?ILi(\d)E|ILi(\d)E", symbol[m.end() + len(name) :])
-    return f"{name}<{bits.group(1) or bits.group(2)}>" if bits else name
+    rest = symbol[m.end() + len(name) :]
+    bits = re.match(r"I(?:NS0_\d+\w+?)?ILi(\d)E|ILi(\d)E((?:Lb[01]E)*)", rest)
+    if not bits:
+        return name
+    flags = "".join(
+        ", true" if b == "1" else ", false" for b in re.findall(r"Lb([01])E", bits.group(3) or "")
+    )
+    return f"{name}<{bits.group(1) or bits.group(2)}{flags}>"
 
 
 def _kind(t: torch.Tensor) -> int:

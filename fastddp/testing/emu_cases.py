@@ -75,8 +75,8 @@ CHECKS = [
       for m, off in ((sizes(VEC, (8,))[0], True), (sizes(VEC, (7,))[0], False))]),
     # Blocks of 32 (a quarter warp), 100 (the scalar kernel), 256 (a warp, 2 chunks a lane).
     ("quantize_int8", check_quantize_int8,
-     [(_codes_n(b), b, v, r, pad, off) for b in (32, 100, 256) for v in ("plain", "ef", "sr")
-      for r, pad, off in LAYOUTS]),
+     [(_codes_n(b), b, v, r, pad, off) for b in (32, 100, 256)
+      for v in ("plain", "ef", "sr", "ef-sr") for r, pad, off in LAYOUTS]),
     ("dequantize_int8", check_dequantize_int8,
      [(_codes_n(b, b, 4), b, 3, pad, off) for b in (32, 100)
       for pad, off in ((16, False), (4, False), (16, True))]),
@@ -90,7 +90,7 @@ CHECKS = [
     ("quantize_packed", check_quantize_packed,
      [(2, _codes_n(32), 32, "plain", 3, 8, False)]
      + [(bits, _codes_n(b), b, v, r, pad, off) for bits in (4, 2) for b in (32, 128, 6 * (6 - bits))
-        for v in ("plain", "ef", "sr") for r, pad, off in LAYOUTS]),
+        for v in ("plain", "ef", "sr", "ef-sr") for r, pad, off in LAYOUTS]),
     ("dequantize_packed", check_decode_packed,
      [("dequantize", bits, _codes_n(b, b, 4), b, 3, pad, off) for bits in (4, 2)
       for b in (32, 128, 6 * (6 - bits)) for pad, off in ((16, False), (4, False), (16, True))]),
@@ -104,8 +104,10 @@ CHECKS = [
 KERNELS = frozenset(
     ["compress_kernel", "compress_feedback_kernel", "decompress_kernel", "sum_chunks_kernel",
      "widen_sum_kernel", "quantize_int8_kernel", "dequantize_kernel", "unpack_kernel"]
-    + [f"{k}<{bits}>" for k in ("quantize_vec_kernel", "dequantize_vec_kernel",
-                               "unpack_vec_kernel") for bits in (8, 4, 2)]
+    + [f"quantize_vec_kernel<{bits}, {feedback}, {stochastic}>" for bits in (8, 4, 2)
+       for feedback in ("false", "true") for stochastic in ("false", "true")]
+    + [f"{k}<{bits}>" for k in ("dequantize_vec_kernel", "unpack_vec_kernel")
+       for bits in (8, 4, 2)]
     + [f"{k}<{bits}>" for k in ("quantize_packed_kernel", "dequantize_kernel", "unpack_kernel")
        for bits in (4, 2)]
 )  # fmt: skip

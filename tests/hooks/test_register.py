@@ -195,7 +195,7 @@ def test_a_plan_of_none_runs_in_cpp_on_cuda(backend, world):
 def _checks_on_cuda_wait_for_nothing(rank, world):
     # On NCCL the checks of a plan synchronize no stream with the host: a tensor made from a
     # Python list, or read with .item(), would wait for every kernel queued before it.
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     group = dist.new_group([0], backend="nccl")
     auto.MARGIN = float("inf")
@@ -209,10 +209,19 @@ def _checks_on_cuda_wait_for_nothing(rank, world):
     assert state._plan is not None and not state._plan["trial"], state._plan
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(2 * auto.CHECK_EVERY + 1):
-            model(x).square().mean().backward()
+        with record_function("steps"):
+            for _ in range(2 * auto.CHECK_EVERY + 1):
+                model(x).square().mean().backward()
     assert state._plan["last_check_ratio"] > 0, state._plan
-    waits = [e.name for e in prof.events() if "Synchronize" in e.name or e.name == "aten::item"]
+    # Only the steps count: the profiler synchronizes the device itself when it stops.
+    events = prof.events()
+    steps = next(e.time_range for e in events if e.name == "steps")
+    waits = [
+        e.name
+        for e in events
+        if ("Synchronize" in e.name or e.name == "aten::item")
+        and steps.start <= e.time_range.start <= steps.end
+    ]
     assert waits == [], waits
     dist.destroy_process_group(group)
 
