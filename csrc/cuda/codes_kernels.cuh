@@ -245,8 +245,8 @@ __device__ __forceinline__ void quantize_chunk(
 // Where a step of quantize lies whole in one row (its kCodeUnroll runs of 32 chunks below n,
 // starting at a block's first element, codes 16-byte aligned), each chunk's place follows from
 // the step's, with shifts: `row_q` is the step's first code byte, `scale0` the index of its first
-// scale, `per_block_log2` the chunks of a block (a power of two) as a shift. `whole` is false
-// where the step is not such a step (the same for every lane); then each chunk goes by place_of.
+// scale. `whole` is false where the step is not such a step (the same for every lane); then each
+// chunk goes by place_of. Blocks here are a power of two of elements, 2^block_log2.
 struct WholeStep {
   bool whole;
   uint8_t* row_q;
@@ -255,22 +255,23 @@ struct WholeStep {
 
 template <int kBits>
 __device__ __forceinline__ WholeStep whole_step_of(
-    const QuantizeArgs& a, const Codes& codes, int64_t first) {
+    const QuantizeArgs& a, const Codes& codes, int64_t first, int block_log2) {
   const int64_t e0 = first * kChunk;
   const int64_t e1 = e0 + 32 * kCodeUnroll * kChunk;
   if (e1 > a.n) {
     return {false, nullptr, 0};
   }
-  const int64_t row = codes.by_row.div(e0);
+  // One row (a flat bucket, the usual case) needs no division.
+  const int64_t row = a.rows.rows == 1 ? 0 : codes.by_row.div(e0);
   const int64_t offset = e0 - row * a.rows.row_len;
-  const int64_t b0 = codes.by_block.div(offset);
+  const int64_t b0 = offset >> block_log2;
   uint8_t* at = reinterpret_cast<uint8_t*>(a.dst) + row * a.rows.q_stride + offset * kBits / 8;
-  const bool whole = offset + (e1 - e0) <= a.rows.row_len && b0 * a.block == offset &&
+  const bool whole = offset + (e1 - e0) <= a.rows.row_len && (b0 << block_log2) == offset &&
                      reinterpret_cast<uintptr_t>(at) % 16 == 0;
   return {whole, at, row * a.rows.s_stride + b0};
 }
 
-// The place of the chunk `index` chunks into a whole step (per_block_log2: as WholeStep says).
+// The place of the chunk `index` chunks into a whole step, in blocks of 2^per_block_log2 chunks.
 template <int kBits>
 __device__ __forceinline__ Place whole_place(const WholeStep& w, int index, int per_block_log2) {
   return {{w.row_q + index * Pieces<kBits>::kBytes, true}, w.scale0 + (index >> per_block_log2),
@@ -345,7 +346,7 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_vec_kernel(QuantizeArgs 
     warp_loop(chunks, 32 * kCodeUnroll, [&](int64_t first) {
       // Two copies of the step, so that each is register-allocated alone: one that holds both
       // ways of placing a chunk spilled to local memory for int4 and int2.
-      const WholeStep w = whole_step_of<kBits>(a, codes, first);
+      const WholeStep w = whole_step_of<kBits>(a, codes, first, per_block_log2 + 2);
       if (w.whole) {
         bad |= quantize_runs<kBits, true>(a, mode, first, width, [&](int index, int64_t) {
           return whole_place<kBits>(w, index, per_block_log2);
@@ -497,7 +498,7 @@ __device__ __forceinline__ void dequantize_whole_step(
     const Int8Source& s, const Codes& codes, int64_t first, float* __restrict__ dst, float scale) {
   using P = Pieces<kBits>;
   constexpr int kU = kDequantUnroll;
-  constexpr int kR = kDequantRows;
+  constexpr int kR = kDequantRows<kBits>;
   const int lane = lane_index();
   const int byte = (lane & (P::kGroup - 1)) * P::kBytes;
   // Where the lane's first group starts in a row; its u-th lies u * 16 * kBits bytes on.
