@@ -208,10 +208,10 @@ def _checks_on_cuda_wait_for_nothing(rank, world):
         model(x).square().mean().backward()
     assert state._plan is not None and not state._plan["trial"], state._plan
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        with record_function("steps"):
-            for _ in range(2 * auto.CHECK_EVERY + 1):
-                model(x).square().mean().backward()
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof, record_function("steps"):
+        for _ in range(2 * auto.CHECK_EVERY + 1):
+            model(x).square().mean().backward()
     assert state._plan["last_check_ratio"] > 0, state._plan
     # Only the steps count: the profiler synchronizes the device itself when it stops.
     events = prof.events()
