@@ -10,6 +10,7 @@ to the store, waits for all, and all raise the same error if any rank cannot sta
 import contextlib
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Optional
@@ -101,17 +102,24 @@ def _store_for(launcher, env, addr, port, rank, world, timeout) -> tuple[dist.St
     # join of this process keeps the first join's store (its keys under a prefix): a new one
     # would make rank 0 close its server and open another, and a rank that connected to the
     # old one in between would wait on a closed store.
+    # No world size for torch's own count of workers: rank 0 would wait in it for as many as
+    # its own WORLD_SIZE, so ranks given different ones would never reach agree(), which says
+    # so (and waits for the others with the same timeout).
     key = (addr, port, world, rank)
     if key not in _JOINED:
-        _JOINED[key] = dist.TCPStore(addr, port, world, rank == 0, timeout, multi_tenant=True)
+        _JOINED[key] = dist.TCPStore(
+            addr, port, None, rank == 0, timeout, wait_for_workers=False, multi_tenant=True
+        )
     return _JOINED[key], attempt
 
 
 def agree(store: dist.Store, rank: int, world: int, backend: str, problem: Optional[str]) -> None:
     """Post this rank's backend and ``problem`` (None: it can start); wait for every rank.
 
-    Raises the same :class:`ClusterError` on every rank if any rank has a problem or the ranks
-    chose different backends. A collective over the store: every rank calls it once.
+    Raises the same :class:`ClusterError` on every rank if any rank has a problem, or the ranks
+    chose different backends or were given different ``WORLD_SIZE``; and a
+    :class:`ClusterError` naming the ranks that never came if the store's timeout runs out
+    first. A collective over the store: every rank calls it once.
     """
     if store.add(f"{_KEY}rank/{rank}", 1) > 1:
         # Posted nothing: the job whose store this is goes on without a word from this rank.
@@ -128,9 +136,17 @@ def agree(store: dist.Store, rank: int, world: int, backend: str, problem: Optio
     if problem is not None:
         store.append(f"{_KEY}ranks", f"{rank} ")
         store.compare_set(f"{_KEY}first", "", f"rank {rank}: {problem}")
-    if store.add(f"{_KEY}arrived", 1) == world:
+    # Each rank posts its WORLD_SIZE before it arrives, so the worlds read after arriving hold
+    # those of all who arrived. Where they differ, the smallest is as many as are sure to come
+    # (counted up to its own WORLD_SIZE, a rank could wait for ranks that do not exist).
+    arrived = store.add(f"{_KEY}arrived", 1)
+    if arrived >= min(map(int, store.get(f"{_KEY}worlds").decode().split())):
         store.set(f"{_KEY}all", "1")
-    store.wait([f"{_KEY}all"])
+    start = time.monotonic()
+    try:
+        store.wait([f"{_KEY}all"])
+    except dist.DistStoreError:
+        raise ClusterError(_never_came(store, rank, world, time.monotonic() - start)) from None
     backends = store.get(f"{_KEY}backends").decode().split()
     worlds = store.get(f"{_KEY}worlds").decode().split()
     bad = store.get(f"{_KEY}ranks").decode().split() if store.check([f"{_KEY}ranks"]) else []
@@ -167,3 +183,19 @@ def agree(store: dist.Store, rank: int, world: int, backend: str, problem: Optio
         with contextlib.suppress(Exception):  # a rank gone meanwhile: raise anyway
             store.wait([f"{_KEY}read-all"], _LINGER)
     raise ClusterError("fastddp.init_distributed: " + "; ".join(lines))
+
+
+def _never_came(store: dist.Store, rank: int, world: int, waited: float) -> str:
+    """The refusal of a rank whose wait in :func:`agree` ran out: which ranks never came."""
+    missing: list[str] = []
+    with contextlib.suppress(Exception):  # (the store may be gone): say what is known
+        missing = [str(r) for r in range(world) if not store.check([f"{_KEY}rank/{r}"])]
+    who = "not every rank came"
+    if missing:
+        shown = ", ".join(missing[:16]) + (", ..." if len(missing) > 16 else "")
+        who = f"{len(missing)} of {world} rank(s) never came ({shown})"
+    return (
+        f"fastddp.init_distributed: rank {rank} waited {waited:.0f} s for the others, and {who}; "
+        "start every rank with the same WORLD_SIZE, MASTER_ADDR and MASTER_PORT (and RANK 0 to "
+        "WORLD_SIZE-1), or give init_distributed a longer timeout"
+    )

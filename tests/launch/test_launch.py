@@ -163,7 +163,8 @@ def test_help_without_the_compiled_extension():
 
 def test_a_rank_started_by_hand_says_it_waits_for_the_others():
     # Rank 0 serves the store and waits for rank 1, which never comes; then rank 1 of another
-    # job waits for a rank 0 that never serves. Each says so before its timeout.
+    # job waits for a rank 0 that never serves. Each says so before its timeout, and rank 0
+    # names the missing rank at it.
     code = (
         "import os, sys\n"
         "from datetime import timedelta\n"
@@ -175,11 +176,14 @@ def test_a_rank_started_by_hand_says_it_waits_for_the_others():
         "    try:\n"
         "        fastddp.init_distributed(backend='gloo', timeout=timedelta(seconds=3))\n"
         "    except Exception as e:\n"
-        "        print('raised', type(e).__name__, flush=True)\n"
+        "        print('raised', type(e).__name__, e, flush=True)\n"
     )
     ports = [str(free_port()), str(free_port())]
     res = slack.run([sys.executable, "-c", code, *ports], env=_env(), timeout=slack.guard(60))
     assert res.stdout.count("raised") == 2, res.stdout + res.stderr
+    said = "s for the others, and 1 of 2 rank(s) never came (1); start every rank"
+    assert "raised ClusterError fastddp.init_distributed: rank 0 waited" in res.stdout, res.stdout
+    assert said in res.stdout, res.stdout
     for rank, port in zip((0, 1), ports):
         line = f"rank {rank} has waited 0.5 s for the other 1 rank(s) at 127.0.0.1:{port}; start"
         assert line in res.stderr, res.stderr
@@ -620,6 +624,8 @@ _STARTED_OR_REFUSED = (
          "FASTDDP_PEER_TIMEOUT='5m' is not"),
         # Refused before this rank knew its settings: it still finds the store to say so.
         ("LOCAL_RANK", "x", "LOCAL_RANK='x' is not an integer"),
+        ("WORLD_SIZE", "3", "the ranks were started with different WORLD_SIZE (1 rank(s) "
+         "WORLD_SIZE=2, 1 rank(s) WORLD_SIZE=3)"),
     ],
 )  # fmt: skip
 def test_a_bad_variable_on_one_rank_fails_every_rank(name, value, said):
