@@ -351,12 +351,14 @@ def versions(python: str) -> dict:
 
 
 def _failed_tests(logs: Path) -> list:
-    """The ``FAILED``/``ERROR`` lines gpu_cuda_tests.py printed, if it ran."""
+    """The ``FAILED``/``ERROR``/``CRASHED`` lines gpu_cuda_tests.py printed, if it ran."""
     try:
         text = (logs / "cuda-tests.log").read_text(errors="replace")
     except OSError:
         return []
-    return [line for line in text.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    return [
+        line for line in text.splitlines() if line.startswith(("FAILED ", "ERROR ", "CRASHED "))
+    ]
 
 
 def write_summary(out: Path, info: dict, steps: list, planned=(), logs: "Path | None" = None):

@@ -52,6 +52,7 @@ class Shard:
     outcome: str = "not run"
     counts: dict = field(default_factory=dict)
     failures: list = field(default_factory=list)
+    crash: str = ""  # how the process died before pytest reported, if it did
 
 
 class _Collector:
@@ -154,8 +155,20 @@ def finish(shard: Shard, logs: Path, timed_out: "float | None" = None) -> None:
         shard.outcome = f"timed out after {timed_out:.0f} s"
     elif shard.rc == 0:
         shard.outcome = "pass"
+    elif not summary:  # the process died before pytest could report: say how, and in what
+        shard.crash = _crash(text)
+        shard.outcome = f"FAIL (exit {shard.rc}: {shard.crash})"
+        shard.failures.append(f"CRASHED {shard.name}: {shard.crash}")
     else:
         shard.outcome = f"FAIL (exit {shard.rc})"
+
+
+def _crash(log: str) -> str:
+    """How a pytest process died, from its log: Python's fatal error and the test it was in."""
+    fatal = next((ln for ln in log.splitlines() if "Fatal Python error:" in ln), "")
+    what = fatal.split("Fatal Python error:", 1)[1].strip() if fatal else "no summary in its log"
+    test = re.findall(r'File "[^"]*", line \d+ in (test_\w+)', log)  # innermost first
+    return f"{what} in {test[0]}" if test else what
 
 
 def run(shards, python, logs: Path, marker, limit, process_limit, per_test, jobs, say=print):
@@ -210,6 +223,12 @@ def report(shards, seconds: float) -> "tuple[bool, str]":
     tests = sum(len(s.tests) for s in shards)
     counts = ", ".join(f"{n} {what}" for what, n in totals.items()) or "nothing ran"
     text = f"cuda-tests: {tests} tests in {len(shards)} processes: {counts}"
+    reported = sum(totals.values())
+    if reported < tests:
+        text += f"; {tests - reported} not reported"
+    crashed = [s for s in shards if s.crash]
+    if crashed:
+        text += "; crashed: " + ", ".join(f"{s.name} ({s.crash})" for s in crashed)
     if unfinished:
         text += f"; did not finish: {', '.join(s.name for s in unfinished)}"
     return not failed, f"{text}; {seconds:.1f} s"

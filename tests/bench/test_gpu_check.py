@@ -523,6 +523,13 @@ def test_hangs():
     time.sleep(600)
 """,
     "test_not_cuda.py": "def test_plain():\n    pass\n",
+    # A process that dies before pytest can report (as a segfault in an extension does).
+    "test_crashes.py": """
+import ctypes, pytest
+pytestmark = pytest.mark.cuda
+def test_reads_address_zero():
+    ctypes.string_at(0)
+""",
 }
 
 
@@ -562,12 +569,17 @@ def test_cuda_tests_run_at_once_each_within_its_limit(tmp_path):
     )  # fmt: skip
     assert res.returncode == 1, res.stdout + res.stderr
     lines = res.stdout.splitlines()
-    assert "cuda-tests: 9 tests collected" in res.stdout and "5 processes" in res.stdout
+    assert "cuda-tests: 10 tests collected" in res.stdout and "6 processes" in res.stdout
     last = lines[-1]
-    assert last.startswith("cuda-tests: 9 tests in 5 processes: ")
+    assert last.startswith("cuda-tests: 10 tests in 6 processes: ")
     assert "6 passed" in last and "1 failed" in last and "1 skipped" in last
     assert "did not finish: 03-test_ranks_like" in last  # test_hangs, cut at the limit
     assert any(line.startswith("FAILED ") and "test_value[3]" in line for line in lines)
+    # The crash is named, with the test it was in, and its test counted as not reported.
+    assert "2 not reported" in last, last
+    crashed = "Segmentation fault in test_reads_address_zero"
+    assert f"crashed: 06-test_crashes ({crashed})" in last, last
+    assert any(line.startswith("CRASHED 06-test_crashes") for line in lines), lines
     # Not one after another, not to the end of the hang.
     assert time.monotonic() - started < slack.guard(60)
     # The hung process went, with what it started.

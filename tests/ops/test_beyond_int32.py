@@ -63,11 +63,11 @@ def test_block_codecs_past_two_to_the_31(src, bits):
     if bits == 8:
         codes = torch.empty(N, dtype=torch.int8, device="cuda")
         ops.quantize_int8(src, codes, scales, BLOCK)
-        ops.dequantize_int8(codes, scales, wide, BLOCK)
+        ops.dequantize_int8(codes.view(1, -1), scales.view(1, -1), wide, BLOCK)
     else:
         codes = torch.empty(-(-N * bits // 8), dtype=torch.uint8, device="cuda")
         ops.quantize_packed(src, codes, scales, bits, BLOCK)
-        ops.dequantize_packed(codes, scales, wide, bits, BLOCK)
+        ops.dequantize_packed(codes.view(1, -1), scales.view(1, -1), wide, bits, BLOCK)
     for w in _windows():
         part = src[w].contiguous()
         b = slice(w.start // BLOCK, -(-w.stop // BLOCK))
@@ -76,12 +76,12 @@ def test_block_codecs_past_two_to_the_31(src, bits):
         if bits == 8:
             got = torch.empty(part.numel(), dtype=torch.int8, device="cuda")
             ops.quantize_int8(part, got, got_scales, BLOCK)
-            ops.dequantize_int8(got, got_scales, got_wide, BLOCK)
+            ops.dequantize_int8(got.view(1, -1), got_scales.view(1, -1), got_wide, BLOCK)
             assert torch.equal(codes[w], got), w
         else:
             got = torch.empty(-(-part.numel() * bits // 8), dtype=torch.uint8, device="cuda")
             ops.quantize_packed(part, got, got_scales, bits, BLOCK)
-            ops.dequantize_packed(got, got_scales, got_wide, bits, BLOCK)
+            ops.dequantize_packed(got.view(1, -1), got_scales.view(1, -1), got_wide, bits, BLOCK)
             per_byte = 8 // bits
             assert torch.equal(codes[w.start // per_byte : -(-w.stop // per_byte)], got), w
         assert torch.equal(scales[b], got_scales), w

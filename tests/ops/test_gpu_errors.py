@@ -1,5 +1,5 @@
 """Errors that need a GPU to happen: tensors on two devices, a local rank beyond the visible
-GPUs, two ranks on one GPU. Each must be a clear error, never a crash or a hang."""
+GPUs, two ranks on one GPU, a refused shape. Each must be a clear error, never a crash or a hang."""
 
 import pytest
 import torch
@@ -25,6 +25,18 @@ def test_ops_refuse_tensors_on_two_devices():
     q = torch.empty(1000, dtype=torch.int8, device="cuda")
     with pytest.raises(RuntimeError, match="device"):
         ops.quantize_int8(src, q, torch.empty(8), 128)
+
+
+def test_a_refused_shape_raises_on_cuda_tensors():
+    # Codes of one flat row given to dequantize, which takes [chunks, m]: the check's error, as
+    # on the CPU (on an H200 such a call in test_beyond_int32 once ended the process).
+    codes = torch.zeros(1024, dtype=torch.int8, device="cuda")
+    scales = torch.ones(8, device="cuda")
+    with pytest.raises(RuntimeError, match=r"must have shape \[chunks, m\]"):
+        ops.dequantize_int8(codes, scales, torch.empty(1024, device="cuda"), 128)
+    packed = torch.zeros(512, dtype=torch.uint8, device="cuda")
+    with pytest.raises(RuntimeError, match=r"must have shape \[chunks, bytes\]"):
+        ops.dequantize_packed(packed, scales, torch.empty(1024, device="cuda"), 4, 128)
 
 
 def test_a_local_rank_beyond_the_visible_gpus_is_refused():
