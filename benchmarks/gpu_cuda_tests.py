@@ -9,7 +9,9 @@ processes of ``--tests-per-process`` tests, so that no process runs much longer 
 
 Each process writes ``NN-<file>.log`` and a JUnit ``NN-<file>.xml`` into ``--logs``. This
 prints one line per process and a last line ``cuda-tests: ...`` with the counts, and exits 1
-if a test failed or a process did not finish, 0 otherwise (a test skipped is no failure).
+if a test failed or a process did not finish, 0 otherwise (a test skipped is no failure). A
+process that dies before pytest reports (a segfault in an extension) is named in that line,
+with Python's fatal error and the test it was in, and its tests are counted as not reported.
 
     python benchmarks/gpu_cuda_tests.py --logs LOGS [--limit 180] [tests]
     python benchmarks/gpu_cuda_tests.py --dry-run     # collect and print the processes

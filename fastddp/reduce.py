@@ -100,8 +100,9 @@ def all_reduce(
         state._layout = (op, sizes, cap)
     elif problem:
         # Later calls are not checked across ranks (a collective each): alike on every rank
-        # that passes the same.
-        raise (TypeError if problem[0] in (1, 2, 3, 7) else ValueError)(f"{where}: {problem[2]}")
+        # that passes the same. A ValueError, as the first call's handshake raises, so that
+        # one except clause catches the same bad tensors at every call.
+        raise ValueError(f"{where}: {problem[2]}")
     else:
         unlike = _unlike(state, tuple(t.numel() for t in tensors), op, cap)
         if unlike is not None:

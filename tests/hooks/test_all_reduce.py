@@ -107,7 +107,7 @@ def _with_state(rank, world):
         assert said in str(e.value) and "a CompressState of its own" in str(e.value)
     with pytest.raises(ValueError, match="as many, but of other sizes"):
         fastddp.all_reduce(torch.ones(4097), state=state)
-    with pytest.raises(TypeError, match="tensors\\[0\\] is None, a parameter without a grad"):
+    with pytest.raises(ValueError, match="tensors\\[0\\] is None, a parameter without a grad"):
         fastddp.all_reduce([None], state=state)
     # Its residuals are shares of an average: a sum would repay a world-th of what it owes.
     with pytest.raises(ValueError, match="first called with op='avg', and this call has op='sum'"):
