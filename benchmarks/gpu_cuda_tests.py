@@ -157,18 +157,30 @@ def finish(shard: Shard, logs: Path, timed_out: "float | None" = None) -> None:
         shard.outcome = f"timed out after {timed_out:.0f} s"
     elif shard.rc == 0:
         shard.outcome = "pass"
-    elif not summary:  # the process died before pytest could report: say how, and in what
-        shard.crash = _crash(text)
+    elif not summary and (shard.rc < 0 or "Fatal Python error:" in text):
+        # The process died before pytest could report: say how, and in what.
+        shard.crash = _crash(text, shard.rc)
         shard.outcome = f"FAIL (exit {shard.rc}: {shard.crash})"
         shard.failures.append(f"CRASHED {shard.name}: {shard.crash}")
+    elif not summary:  # pytest ended without counts (a test not found, an internal error)
+        last = next((ln for ln in reversed(text.splitlines()) if ln.strip()), "an empty log")
+        shard.outcome = f"FAIL (exit {shard.rc}: {last.strip()[:120]})"
+        shard.failures.append(f"ERROR {shard.name}: {shard.outcome[5:-1]}")
     else:
         shard.outcome = f"FAIL (exit {shard.rc})"
 
 
-def _crash(log: str) -> str:
-    """How a pytest process died, from its log: Python's fatal error and the test it was in."""
+def _crash(log: str, rc: int) -> str:
+    """How a pytest process died, from its log and exit status: Python's fatal error (or the
+    signal that killed it), and the test it was in."""
     fatal = next((ln for ln in log.splitlines() if "Fatal Python error:" in ln), "")
-    what = fatal.split("Fatal Python error:", 1)[1].strip() if fatal else "no summary in its log"
+    if fatal:
+        what = fatal.split("Fatal Python error:", 1)[1].strip()
+    else:
+        try:
+            what = f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            what = f"killed by signal {-rc}"
     test = re.findall(r'File "[^"]*", line \d+ in (test_\w+)', log)  # innermost first
     return f"{what} in {test[0]}" if test else what
 

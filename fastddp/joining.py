@@ -136,17 +136,23 @@ def agree(store: dist.Store, rank: int, world: int, backend: str, problem: Optio
     if problem is not None:
         store.append(f"{_KEY}ranks", f"{rank} ")
         store.compare_set(f"{_KEY}first", "", f"rank {rank}: {problem}")
-    # Each rank posts its WORLD_SIZE before it arrives, so the worlds read after arriving hold
-    # those of all who arrived. Where they differ, the smallest is as many as are sure to come
-    # (counted up to its own WORLD_SIZE, a rank could wait for ranks that do not exist).
-    arrived = store.add(f"{_KEY}arrived", 1)
-    if arrived >= min(map(int, store.get(f"{_KEY}worlds").decode().split())):
-        store.set(f"{_KEY}all", "1")
     start = time.monotonic()
     try:
+        # Each rank posts its WORLD_SIZE before it arrives, so the worlds read after arriving
+        # hold those of all who arrived. Where they differ, the smallest is as many as are sure
+        # to come (counted up to its own WORLD_SIZE, a rank could wait for ranks that do not
+        # exist).
+        arrived = store.add(f"{_KEY}arrived", 1)
+        if arrived >= min(map(int, store.get(f"{_KEY}worlds").decode().split())):
+            store.set(f"{_KEY}all", "1")
         store.wait([f"{_KEY}all"])
-    except dist.DistStoreError:
-        raise ClusterError(_never_came(store, rank, world, time.monotonic() - start)) from None
+        gave_up = store.get(f"{_KEY}gave-up") if store.check([f"{_KEY}gave-up"]) else None
+    except dist.DistError as e:  # the timeout ran out, or the store's server went away
+        raise ClusterError(_gave_up(store, rank, world, time.monotonic() - start, e)) from None
+    if gave_up is not None:  # rank 0 gave up waiting first: its reason, here too
+        with contextlib.suppress(Exception):
+            store.add(f"{_KEY}gave-up-reads", 1)
+        raise ClusterError(gave_up.decode())
     backends = store.get(f"{_KEY}backends").decode().split()
     worlds = store.get(f"{_KEY}worlds").decode().split()
     bad = store.get(f"{_KEY}ranks").decode().split() if store.check([f"{_KEY}ranks"]) else []
@@ -185,17 +191,35 @@ def agree(store: dist.Store, rank: int, world: int, backend: str, problem: Optio
     raise ClusterError("fastddp.init_distributed: " + "; ".join(lines))
 
 
-def _never_came(store: dist.Store, rank: int, world: int, waited: float) -> str:
-    """The refusal of a rank whose wait in :func:`agree` ran out: which ranks never came."""
+def _gave_up(store: dist.Store, rank: int, world: int, waited: float, error: Exception) -> str:
+    """The refusal of a rank whose wait in :func:`agree` failed: which ranks never came.
+
+    Rank 0, whose process serves the store where the ranks were started by hand, posts it for
+    the ranks that came, and stays until they have read it (or a while): its exit would take
+    the store away from them, and they would fail in torch's terms.
+    """
     missing: list[str] = []
     with contextlib.suppress(Exception):  # (the store may be gone): say what is known
         missing = [str(r) for r in range(world) if not store.check([f"{_KEY}rank/{r}"])]
     who = "not every rank came"
-    if missing:
+    if isinstance(error, dist.DistNetworkError):
+        who = "the store went away (rank 0's process ended?)"
+    elif missing:
         shown = ", ".join(missing[:16]) + (", ..." if len(missing) > 16 else "")
         who = f"{len(missing)} of {world} rank(s) never came ({shown})"
-    return (
+    message = (
         f"fastddp.init_distributed: rank {rank} waited {waited:.0f} s for the others, and {who}; "
         "start every rank with the same WORLD_SIZE, MASTER_ADDR and MASTER_PORT (and RANK 0 to "
         "WORLD_SIZE-1), or give init_distributed a longer timeout"
     )
+    with contextlib.suppress(Exception):  # a store gone meanwhile: raise anyway
+        if rank != 0:
+            store.add(f"{_KEY}gave-up-reads", 1)  # (knows why: rank 0 need not wait for it)
+            return message
+        came = store.add(f"{_KEY}arrived", 0) - 1  # the others, waiting for "all"
+        store.set(f"{_KEY}gave-up", message)
+        store.set(f"{_KEY}all", "1")
+        end = time.monotonic() + _LINGER.total_seconds()
+        while store.add(f"{_KEY}gave-up-reads", 0) < came and time.monotonic() < end:
+            time.sleep(0.05)
+    return message

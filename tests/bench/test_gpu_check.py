@@ -554,6 +554,31 @@ def test_cuda_tests_are_split_by_file_and_multiproc_files_further():
     ]
 
 
+@pytest.mark.parametrize(
+    "rc, log, outcome, crash",
+    [
+        (-9, "..", "FAIL (exit -9: killed by SIGKILL)", "killed by SIGKILL"),
+        (
+            4,
+            "ERROR: not found: /t/a.py::t[1]\n",
+            "FAIL (exit 4: ERROR: not found: /t/a.py::t[1])",
+            "",
+        ),
+        (1, ".F\n1 failed, 1 passed in 0.1s\n", "FAIL (exit 1)", ""),
+    ],
+    ids=["killed", "not-found", "failed"],
+)
+def test_a_process_without_counts_is_told_apart_from_a_crash(tmp_path, rc, log, outcome, crash):
+    # A process killed (the OOM killer's SIGKILL writes no fatal line) is a crash; pytest
+    # ending without counts (a test it could not find) is not, and says why.
+    shard = gpu_cuda_tests.Shard(0, "/t/a.py", ["/t/a.py::t[1]"], False, 1.0, name="01-a")
+    (tmp_path / "01-a.log").write_text(log)
+    shard.rc, shard.started = rc, time.monotonic()
+    gpu_cuda_tests.finish(shard, tmp_path)
+    assert (shard.outcome, shard.crash) == (outcome, crash)
+    assert bool(shard.failures) == (rc != 1)  # (the failed test's own line: none in this log)
+
+
 @pytest.mark.multiproc  # runs the check in processes of its own
 def test_cuda_tests_run_at_once_each_within_its_limit(tmp_path):
     tree, logs, pids = _fake_test_tree(tmp_path), tmp_path / "logs", tmp_path / "hang.pids"

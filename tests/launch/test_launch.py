@@ -189,6 +189,47 @@ def test_a_rank_started_by_hand_says_it_waits_for_the_others():
         assert line in res.stderr, res.stderr
 
 
+def test_every_rank_that_came_names_the_rank_that_never_did(tmp_path):
+    # Ranks 0 and 1 of 3 started by hand, rank 2 never. Rank 0, whose process serves the
+    # store, waits first (rank 1 starts once rank 0 says it waits), so it gives up first: it
+    # posts why and stays until rank 1 has read it, and both raise the same ClusterError.
+    # Rank 1 would otherwise find the store gone, and fail in torch's terms.
+    code = (
+        "import os, sys\n"
+        "from datetime import timedelta\n"
+        "import fastddp, fastddp.joining as j\n"
+        "j.WAIT_SAY_S = 0.5\n"
+        "os.environ.update(RANK=sys.argv[1], WORLD_SIZE='3', LOCAL_RANK=sys.argv[1],\n"
+        "                  MASTER_ADDR='127.0.0.1', MASTER_PORT=sys.argv[2])\n"
+        "try:\n"
+        "    fastddp.init_distributed(backend='gloo', timeout=timedelta(seconds=4))\n"
+        "except Exception as e:\n"
+        "    print('raised', type(e).__name__, e, flush=True)\n"
+    )
+    port, procs, errs = str(free_port()), [], []
+    for rank in (0, 1):
+        errs.append(tmp_path / f"rank{rank}.err")
+        with open(errs[-1], "w") as err:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", code, str(rank), port],
+                    env=_env(),
+                    text=True,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                )
+            )
+        deadline = time.monotonic() + slack.guard(30)
+        while rank == 0 and "rank 0 has waited 0.5 s" not in errs[0].read_text():
+            assert time.monotonic() < deadline and procs[0].poll() is None, errs[0].read_text()
+            time.sleep(0.05)
+    outs = [p.communicate(timeout=slack.guard(60))[0] for p in procs]
+    said = "rank 0 waited 4 s for the others, and 1 of 3 rank(s) never came (2); start every rank"
+    for p, out, err in zip(procs, outs, errs):
+        assert p.returncode == 0 and out.startswith("raised ClusterError "), out + err.read_text()
+        assert said in out, out + err.read_text()
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
 def test_a_launcher_waiting_for_the_other_nodes_stops_on_a_signal(tmp_path, signum):
     # Node 0 of 2 waits in the rendezvous store's C++ wait for node 1, which never comes: no
