@@ -93,7 +93,9 @@ CHECKS = [
         for v in ("plain", "ef", "sr", "ef-sr") for r, pad, off in LAYOUTS]),
     ("dequantize_packed", check_decode_packed,
      [("dequantize", bits, _codes_n(b, b, 4), b, 3, pad, off) for bits in (4, 2)
-      for b in (32, 128, 6 * (6 - bits)) for pad, off in ((16, False), (4, False), (16, True))]),
+      for b in (32, 128, 6 * (6 - bits)) for pad, off in ((16, False), (4, False), (16, True))]
+     # 5 rows: a second batch of the whole step's rows (4 at a time), part past the last row
+     + [("dequantize", bits, _codes_n(32, 32, 4), 32, 5, 16, False) for bits in (4, 2)]),
     ("unpack_packed", check_decode_packed,
      [("unpack", 2, _codes_n(32, 7, 4), 32, 3, 8, False)]
      + [("unpack", bits, _codes_n(b, 7, 4), b, r, pad, off) for bits in (4, 2)

@@ -93,6 +93,8 @@ def test_int8_block_sizes(emu, block):
     for n in (1, block - 1, block + 1, _codes_n(block, 3)):
         if n >= 1:
             check_quantize_int8(emu, n, block, "ef-sr", rows=1, special=True)
+    if block % 4 == 0 and 128 % block == 0:  # rows of whole steps, placed by shifts
+        check_quantize_int8(emu, _codes_n(block, 3), block, "ef-sr", rows=3, special=True)
 
 
 @pytest.mark.parametrize("bits", [4, 2])
@@ -101,6 +103,8 @@ def test_packed_block_sizes_and_short_last_bytes(emu, bits, block):
     for n in (1, 2, 3, block - 1, block + 1, _codes_n(block, 3)):
         check_quantize_packed(emu, bits, n, block, "ef-sr", rows=1, special=True)
         check_decode_packed(emu, "unpack", bits, n, block, 1)
+    if block % 4 == 0 and 128 % block == 0:  # rows of whole steps, placed by shifts
+        check_quantize_packed(emu, bits, _codes_n(block, 3), block, "ef-sr", rows=3, special=True)
 
 
 def test_thread_and_block_order_do_not_change_the_bits():
