@@ -248,6 +248,13 @@ class CompressedReduceScatter(ReduceScatter):
             return 1.0, scale
         return scale, 1.0
 
+    def discard_feedback(self) -> None:
+        """Drop the error-feedback residuals, after a step the optimizer skipped: the next
+        reductions owe nothing, as a new comm's do (see ``CompressState.discard_feedback``).
+        Call it on every rank, between steps."""
+        for residual in self._residuals.values():
+            residual.zero_()
+
     def _residual(self, src: torch.Tensor) -> torch.Tensor:
         where = "CompressedReduceScatter"
         if self.group_key is None:

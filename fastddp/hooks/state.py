@@ -233,6 +233,23 @@ class CompressState:
         self._sync_native()
         self._pipeline.flush()
 
+    def discard_feedback(self) -> None:
+        """Drop the error-feedback residuals, after a step the optimizer skipped.
+
+        Error feedback owes the next step what this step's rounding dropped, including what
+        a skipped step's finite values dropped: after a loss spike whose gradients held inf
+        (so GradScaler skipped the step) and huge finite values as well, the next step would
+        apply a share of those. Call it on every rank, after the skipped step (with
+        GradScaler: where ``scaler.get_scale()`` fell in ``scaler.update()``). The next step
+        starts owing nothing, as a new state does. Pending reductions are finished first, a
+        collective as in :meth:`flush`. A state without error feedback has nothing to drop.
+        """
+        self.flush()
+        for slot in self._table.slots.values():
+            for residual in (slot.residual, slot.shard_residual):
+                if residual is not None:
+                    residual.zero_()
+
     def _sync_native(self) -> None:
         if self._native is not None:
             self._native.sync(self)

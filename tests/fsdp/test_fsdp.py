@@ -336,6 +336,24 @@ def _feedback(rank, world):
             total += out
         errors[feedback] = ((total - exact).norm() / exact.norm()).item()
     assert errors[True] < 0.1 * errors[False], errors
+    # A skipped spike (huge values and an inf): dropped, its residual leaves the next
+    # reduction as a new comm's; kept, that reduction carries a share of the spike.
+    spike = x * 1e30
+    spike[0] = float("inf")
+    outs = []
+    for discard in (True, False, None):  # None: a new comm
+        comm = CompressedReduceScatter(torch.int8, error_feedback=True)
+        door = _GroupDoor(comm, 0)
+        out = torch.empty(chunk)
+        if discard is not None:
+            door(out, spike.clone(), dist.group.WORLD, ReduceOp.AVG)
+            # (the inf lies in rank 0's shard; rank 1's is huge, and as poisonous kept)
+            assert not torch.isfinite(out).all() or out.abs().max() > 1e28
+            if discard:
+                comm.discard_feedback()
+        door(out, x.clone(), dist.group.WORLD, ReduceOp.AVG)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[2]) and outs[1].abs().max() > 1e20, outs[1].abs().max()
     comm = CompressedReduceScatter(torch.int8, error_feedback=True)
     with pytest.raises(ValueError, match="does not say which group it reduces"):
         comm(torch.empty(chunk), x.clone(), dist.group.WORLD, ReduceOp.AVG)

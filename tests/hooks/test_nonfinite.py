@@ -100,3 +100,43 @@ def test_a_sum_that_overflows_in_the_collective_counts_nowhere():
     results = run_ranks(_sum_overflow, 2)
     assert [r["fp16"] for r in results] == [(float("inf"), 0)] * 2
     assert [r["fp16-acc"] for r in results] == [(float("inf"), 1), (float("inf"), 0)]
+
+
+SPIKE_MODES = ("bf16-acc-ef", "int8-ef")
+
+
+def _after_a_skipped_spike(rank, world, discard):
+    # A loss spike on rank 1: its gradient is huge (1e30) and holds an inf, so every rank's
+    # reduced gradient holds the inf and the step is skipped, as GradScaler skips it. Error
+    # feedback keeps what the spike's finite values dropped, unless the state drops it.
+    out = {}
+    for mode in SPIKE_MODES:
+        torch.manual_seed(0)
+        model = DDP(_Weights())
+        state = fastddp.CompressState.from_preset(mode)
+        fastddp.register_comm_hook(model, state)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(6):
+            g = torch.randn(N, generator=torch.Generator().manual_seed(10 * step + rank))
+            if step == 2 and rank == 1:
+                g = g * 1e30
+                g[0] = float("inf")
+            opt.zero_grad()
+            model(g).backward()
+            if torch.isfinite(model.module.p.grad).all():
+                opt.step()
+            elif discard:
+                state.discard_feedback()
+        out[mode] = model.module.p.detach().abs().max().item()
+    return out
+
+
+@pytest.mark.multiproc
+def test_feedback_dropped_after_a_skipped_spike_keeps_training_bounded():
+    # Steps of unit gradients move p by about 0.1 each: 5 steps stay well below 10. Kept, the
+    # spike's dropped values (about 2^-9 or 1/254 of 1e30) reach p at the next step.
+    kept = run_ranks(_after_a_skipped_spike, 2, False)
+    dropped = run_ranks(_after_a_skipped_spike, 2, True)
+    for mode in SPIKE_MODES:
+        assert all(r[mode] > 1e20 for r in kept), (mode, kept)
+        assert all(r[mode] < 10 for r in dropped), (mode, dropped)
