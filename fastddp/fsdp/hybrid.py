@@ -74,6 +74,13 @@ class HybridAllReduce:
         for index, (_, module) in enumerate(modules):
             module.set_all_reduce_hook(self._hook_for(index, module))
 
+    def discard_feedback(self) -> None:
+        """Drop the error-feedback residuals of both halves, after a step the optimizer
+        skipped (see ``CompressState.discard_feedback``). Call it on every rank."""
+        self.state.discard_feedback()
+        if self.reduce_scatter is not None:
+            self.reduce_scatter.discard_feedback()
+
     def __repr__(self) -> str:
         return f"HybridAllReduce(nodes={self.nodes}, {self.state!r})"
 

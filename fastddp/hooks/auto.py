@@ -287,6 +287,14 @@ class AutoState(CompressState):
         for state in self._states.values():
             state.flush()
 
+    def discard_feedback(self) -> None:
+        """:meth:`CompressState.discard_feedback` for every candidate, and the residuals
+        owed to parameters that moved between candidates."""
+        self.flush()
+        for state in self._states.values():
+            state._drop_residuals()
+        self._owed = Owed()
+
     def stats(self) -> dict[str, Any]:
         """Settings, ``mode`` (the candidate now in use, or ``"mixed"``), ``steps_in`` (steps
         per candidate and mixed plan), ``plan`` and each candidate's ``stats()`` once checked.

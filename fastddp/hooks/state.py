@@ -240,15 +240,26 @@ class CompressState:
         a skipped step's finite values dropped: after a loss spike whose gradients held inf
         (so GradScaler skipped the step) and huge finite values as well, the next step would
         apply a share of those. Call it on every rank, after the skipped step (with
-        GradScaler: where ``scaler.get_scale()`` fell in ``scaler.update()``). The next step
-        starts owing nothing, as a new state does. Pending reductions are finished first, a
-        collective as in :meth:`flush`. A state without error feedback has nothing to drop.
+        GradScaler: where ``scaler.get_scale()`` fell in ``scaler.update()``); every model
+        sharing the state loses its residuals. The next step starts owing nothing, as a new
+        state does. With ``delay=1`` the gradient reduced during the skipped step (which
+        carried the spike's residual) is dropped as well: the next step applies none. Pending
+        reductions are finished first, a collective as in :meth:`flush`, so the ranks must
+        agree on the skip (as GradScaler's does, on the reduced gradients).
         """
         self.flush()
+        self._drop_residuals()
+
+    def _drop_residuals(self) -> None:
         for slot in self._table.slots.values():
             for residual in (slot.residual, slot.shard_residual):
                 if residual is not None:
                     residual.zero_()
+        self._residuals = Residuals()  # (parked: loaded or moved, not yet taken up)
+        for entry in self._delayed.entries.values():
+            entry.buffers[entry.reduced].zero_()  # what the next step would apply
+        for waiting in self._delayed.parked.values():
+            waiting.zero_()
 
     def _sync_native(self) -> None:
         if self._native is not None:

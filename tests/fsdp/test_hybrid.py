@@ -99,6 +99,13 @@ def _resume(rank, world, path):
     resumed = w.params_of(model)
     for name, value in straight.items():
         assert torch.equal(resumed[name], value), f"{name}: the resumed run differs"
+    # After a skipped step: both halves' residuals dropped.
+    kept = [s.residual for s in comm.state._table.slots.values() if s.residual is not None]
+    if comm.reduce_scatter is not None:
+        kept += list(comm.reduce_scatter._residuals.values())
+    assert any(r.any() for r in kept)
+    comm.discard_feedback()
+    assert not any(r.any() for r in kept)
 
     # Without its residuals the same resume is another run: the test sees what they carry.
     model, opt, comm = w.build(mesh, "int8-ef")

@@ -102,7 +102,22 @@ def test_a_sum_that_overflows_in_the_collective_counts_nowhere():
     assert [r["fp16-acc"] for r in results] == [(float("inf"), 1), (float("inf"), 0)]
 
 
-SPIKE_MODES = ("bf16-acc-ef", "int8-ef")
+# (name, the state's arguments); with delay=1 the spike reaches .grad a step later, and the
+# gradient reduced meanwhile carries its residual.
+SPIKE_STATES = [
+    ("bf16-acc-ef", {"dtype": "bf16-acc-ef"}),
+    ("int8-ef", {"dtype": "int8-ef"}),
+    ("int8-ef, delay=1", {"dtype": "int8-ef", "delay": 1}),
+    ("auto", {"dtype": "auto", "allow": ["int8-ef"]}),
+]
+
+
+def _state(kwargs):
+    kwargs = dict(kwargs)
+    mode = kwargs.pop("dtype")
+    if mode == "auto":
+        return fastddp.CompressState(dtype="auto", **kwargs)
+    return fastddp.CompressState.from_preset(mode, **kwargs)
 
 
 def _after_a_skipped_spike(rank, world, discard):
@@ -110,13 +125,17 @@ def _after_a_skipped_spike(rank, world, discard):
     # reduced gradient holds the inf and the step is skipped, as GradScaler skips it. Error
     # feedback keeps what the spike's finite values dropped, unless the state drops it.
     out = {}
-    for mode in SPIKE_MODES:
+    for name, kwargs in SPIKE_STATES:
         torch.manual_seed(0)
         model = DDP(_Weights())
-        state = fastddp.CompressState.from_preset(mode)
-        fastddp.register_comm_hook(model, state)
+        state = _state(kwargs)
+        if name == "int8-ef":
+            fastddp.register_comm_hook(model, state)  # from the second step, in C++
+        else:
+            model.register_comm_hook(state, fastddp.compress_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(6):
+        skipped = 0
+        for step in range(7):
             g = torch.randn(N, generator=torch.Generator().manual_seed(10 * step + rank))
             if step == 2 and rank == 1:
                 g = g * 1e30
@@ -125,18 +144,22 @@ def _after_a_skipped_spike(rank, world, discard):
             model(g).backward()
             if torch.isfinite(model.module.p.grad).all():
                 opt.step()
-            elif discard:
-                state.discard_feedback()
-        out[mode] = model.module.p.detach().abs().max().item()
+            else:
+                skipped += 1
+                if discard:
+                    state.discard_feedback()
+        state.flush()
+        assert skipped == 1, (name, skipped)
+        out[name] = model.module.p.detach().abs().max().item()
     return out
 
 
 @pytest.mark.multiproc
 def test_feedback_dropped_after_a_skipped_spike_keeps_training_bounded():
-    # Steps of unit gradients move p by about 0.1 each: 5 steps stay well below 10. Kept, the
+    # Steps of unit gradients move p by about 0.1 each: 6 steps stay well below 10. Kept, the
     # spike's dropped values (about 2^-9 or 1/254 of 1e30) reach p at the next step.
     kept = run_ranks(_after_a_skipped_spike, 2, False)
     dropped = run_ranks(_after_a_skipped_spike, 2, True)
-    for mode in SPIKE_MODES:
-        assert all(r[mode] > 1e20 for r in kept), (mode, kept)
-        assert all(r[mode] < 10 for r in dropped), (mode, dropped)
+    for name, _ in SPIKE_STATES:
+        assert all(r[name] > 1e20 for r in kept), (name, kept)
+        assert all(r[name] < 10 for r in dropped), (name, dropped)
