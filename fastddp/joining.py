@@ -25,6 +25,7 @@ __all__ = ["agree", "said_while_waiting", "store_for"]
 _KEY = "fastddp/join/"
 # How long rank 0, whose process serves the store, stays for the others to read a failure.
 _LINGER = timedelta(seconds=30)
+_GO = "go"  # the verdict of a roll every rank came to
 # How long a rank started by hand waits for the others before it says so.
 WAIT_SAY_S = 20.0
 # The stores this process joined through, by (address, port, world size, rank).
@@ -136,6 +137,9 @@ def agree(store: dist.Store, rank: int, world: int, backend: str, problem: Optio
     if problem is not None:
         store.append(f"{_KEY}ranks", f"{rank} ")
         store.compare_set(f"{_KEY}first", "", f"rank {rank}: {problem}")
+    # The verdict is the value of "all", set once (compare_set): "go" by the rank whose arrival
+    # completes the roll, or the reason of a rank that gave up waiting first; every rank acts
+    # on the one value, so none starts while another gives up.
     start = time.monotonic()
     try:
         # Each rank posts its WORLD_SIZE before it arrives, so the worlds read after arriving
@@ -144,15 +148,14 @@ def agree(store: dist.Store, rank: int, world: int, backend: str, problem: Optio
         # exist).
         arrived = store.add(f"{_KEY}arrived", 1)
         if arrived >= min(map(int, store.get(f"{_KEY}worlds").decode().split())):
-            store.set(f"{_KEY}all", "1")
+            store.compare_set(f"{_KEY}all", "", _GO)
         store.wait([f"{_KEY}all"])
-        gave_up = store.get(f"{_KEY}gave-up") if store.check([f"{_KEY}gave-up"]) else None
+        verdict = store.get(f"{_KEY}all")
     except dist.DistError as e:  # the timeout ran out, or the store's server went away
-        raise ClusterError(_gave_up(store, rank, world, time.monotonic() - start, e)) from None
-    if gave_up is not None:  # rank 0 gave up waiting first: its reason, here too
-        with contextlib.suppress(Exception):
-            store.add(f"{_KEY}gave-up-reads", 1)
-        raise ClusterError(gave_up.decode())
+        verdict = _gave_up(store, rank, world, time.monotonic() - start, e)
+    if verdict != _GO.encode():
+        _told(store, rank)
+        raise ClusterError(verdict.decode())
     backends = store.get(f"{_KEY}backends").decode().split()
     worlds = store.get(f"{_KEY}worlds").decode().split()
     bad = store.get(f"{_KEY}ranks").decode().split() if store.check([f"{_KEY}ranks"]) else []
@@ -191,19 +194,16 @@ def agree(store: dist.Store, rank: int, world: int, backend: str, problem: Optio
     raise ClusterError("fastddp.init_distributed: " + "; ".join(lines))
 
 
-def _gave_up(store: dist.Store, rank: int, world: int, waited: float, error: Exception) -> str:
-    """The refusal of a rank whose wait in :func:`agree` failed: which ranks never came.
-
-    Rank 0, whose process serves the store where the ranks were started by hand, posts it for
-    the ranks that came, and stays until they have read it (or a while): its exit would take
-    the store away from them, and they would fail in torch's terms.
-    """
+def _gave_up(store: dist.Store, rank: int, world: int, waited: float, error: Exception) -> bytes:
+    """The verdict of a rank whose wait in :func:`agree` failed: ``_GO`` where the roll was
+    completed meanwhile, else its reason (which ranks never came), posted as the verdict for
+    every rank that came, where the store is still there."""
     missing: list[str] = []
     with contextlib.suppress(Exception):  # (the store may be gone): say what is known
         missing = [str(r) for r in range(world) if not store.check([f"{_KEY}rank/{r}"])]
     who = "not every rank came"
     if isinstance(error, dist.DistNetworkError):
-        who = "the store went away (rank 0's process ended?)"
+        who = "the store went away (the process that served it ended?)"
     elif missing:
         shown = ", ".join(missing[:16]) + (", ..." if len(missing) > 16 else "")
         who = f"{len(missing)} of {world} rank(s) never came ({shown})"
@@ -212,14 +212,23 @@ def _gave_up(store: dist.Store, rank: int, world: int, waited: float, error: Exc
         "start every rank with the same WORLD_SIZE, MASTER_ADDR and MASTER_PORT (and RANK 0 to "
         "WORLD_SIZE-1), or give init_distributed a longer timeout"
     )
+    try:
+        return store.compare_set(f"{_KEY}all", "", message)
+    except Exception:  # the store is gone: this rank says so alone
+        return message.encode()
+
+
+def _told(store: dist.Store, rank: int) -> None:
+    """Count this rank as told why the ranks stop; rank 0, whose process serves the store
+    where the ranks were started by hand, stays until every rank that came is told (or a
+    while): its exit would take the store away from them, and they would fail in torch's
+    terms."""
     with contextlib.suppress(Exception):  # a store gone meanwhile: raise anyway
+        store.add(f"{_KEY}told", 1)
         if rank != 0:
-            store.add(f"{_KEY}gave-up-reads", 1)  # (knows why: rank 0 need not wait for it)
-            return message
-        came = store.add(f"{_KEY}arrived", 0) - 1  # the others, waiting for "all"
-        store.set(f"{_KEY}gave-up", message)
-        store.set(f"{_KEY}all", "1")
+            return
         end = time.monotonic() + _LINGER.total_seconds()
-        while store.add(f"{_KEY}gave-up-reads", 0) < came and time.monotonic() < end:
+        while store.add(f"{_KEY}told", 0) < store.add(f"{_KEY}arrived", 0):
+            if time.monotonic() >= end:
+                break
             time.sleep(0.05)
-    return message

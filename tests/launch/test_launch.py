@@ -202,17 +202,19 @@ def test_every_rank_that_came_names_the_rank_that_never_did(tmp_path):
         "os.environ.update(RANK=sys.argv[1], WORLD_SIZE='3', LOCAL_RANK=sys.argv[1],\n"
         "                  MASTER_ADDR='127.0.0.1', MASTER_PORT=sys.argv[2])\n"
         "try:\n"
-        "    fastddp.init_distributed(backend='gloo', timeout=timedelta(seconds=4))\n"
+        "    wait = timedelta(seconds=int(sys.argv[3]))\n"
+        "    fastddp.init_distributed(backend='gloo', timeout=wait)\n"
         "except Exception as e:\n"
         "    print('raised', type(e).__name__, e, flush=True)\n"
     )
-    port, procs, errs = str(free_port()), [], []
+    # Long enough for rank 1's start on a loaded machine: it must arrive before rank 0 gives up.
+    port, procs, errs, wait = str(free_port()), [], [], round(slack.guard(8))
     for rank in (0, 1):
         errs.append(tmp_path / f"rank{rank}.err")
         with open(errs[-1], "w") as err:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-c", code, str(rank), port],
+                    [sys.executable, "-c", code, str(rank), port, str(wait)],
                     env=_env(),
                     text=True,
                     stdout=subprocess.PIPE,
@@ -224,7 +226,7 @@ def test_every_rank_that_came_names_the_rank_that_never_did(tmp_path):
             assert time.monotonic() < deadline and procs[0].poll() is None, errs[0].read_text()
             time.sleep(0.05)
     outs = [p.communicate(timeout=slack.guard(60))[0] for p in procs]
-    said = "rank 0 waited 4 s for the others, and 1 of 3 rank(s) never came (2); start every rank"
+    said = f"rank 0 waited {wait} s for the others, and 1 of 3 rank(s) never came (2); start"
     for p, out, err in zip(procs, outs, errs):
         assert p.returncode == 0 and out.startswith("raised ClusterError "), out + err.read_text()
         assert said in out, out + err.read_text()
