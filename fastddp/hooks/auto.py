@@ -288,8 +288,7 @@ class AutoState(CompressState):
             state.flush()
 
     def discard_feedback(self) -> None:
-        """:meth:`CompressState.discard_feedback` for every candidate, and the residuals
-        owed to parameters that moved between candidates."""
+        """:meth:`CompressState.discard_feedback` of every candidate, and what they owe."""
         self.flush()
         for state in self._states.values():
             state._drop_residuals()
