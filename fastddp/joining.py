@@ -111,6 +111,8 @@ def _store_for(launcher, env, addr, port, rank, world, timeout) -> tuple[dist.St
         _JOINED[key] = dist.TCPStore(
             addr, port, None, rank == 0, timeout, wait_for_workers=False, multi_tenant=True
         )
+    else:
+        _JOINED[key].set_timeout(timeout)  # this join's, for its waits and its group's
     return _JOINED[key], attempt
 
 
@@ -184,8 +186,8 @@ def agree(store: dist.Store, rank: int, world: int, backend: str, problem: Optio
             "picks gloo; check CUDA_VISIBLE_DEVICES and the driver on every node, or pass the "
             "same backend= on every rank"
         )
-    # (ranks of different WORLD_SIZE: the smallest is as many as arrived before "all")
-    if store.add(f"{_KEY}read", 1) >= min(map(int, worlds)):
+    # (every rank that arrived, of whatever WORLD_SIZE, reads why)
+    if store.add(f"{_KEY}read", 1) >= store.add(f"{_KEY}arrived", 0):
         store.set(f"{_KEY}read-all", "1")
     if rank == 0:
         # This process may serve the store: stay until every rank has read why, or a while.

@@ -258,8 +258,9 @@ class CompressState:
         self._residuals = Residuals()  # (parked: loaded or moved, not yet taken up)
         for entry in self._delayed.entries.values():
             entry.buffers[entry.reduced].zero_()  # what the next step would apply
-        for waiting in self._delayed.parked.values():
-            waiting.zero_()
+        # (parked ones may be a loaded state dict's own tensors: dropped, not zeroed; a bucket
+        # with nothing parked starts from zeros)
+        self._delayed.parked.clear()
 
     def _sync_native(self) -> None:
         if self._native is not None:

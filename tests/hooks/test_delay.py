@@ -152,3 +152,14 @@ def test_saved_delay_must_match():
     saved = fastddp.CompressState(delay=1).state_dict()
     with pytest.raises(ValueError, match="saved delay 1 does not match this state's 0"):
         fastddp.CompressState().load_state_dict(saved)
+
+
+def test_discard_feedback_leaves_a_loaded_state_dict_as_it_was():
+    # The gradients in waiting of a loaded state dict are its own tensors: dropped, not zeroed.
+    saved = fastddp.CompressState(delay=1).state_dict()
+    saved["delayed"] = {0: torch.ones(4)}
+    state = fastddp.CompressState(delay=1)
+    state.load_state_dict(saved)
+    state.discard_feedback()
+    assert torch.equal(saved["delayed"][0], torch.ones(4))
+    assert not state._delayed.parked
