@@ -186,13 +186,7 @@ def agree(store: dist.Store, rank: int, world: int, backend: str, problem: Optio
             "picks gloo; check CUDA_VISIBLE_DEVICES and the driver on every node, or pass the "
             "same backend= on every rank"
         )
-    # (every rank that arrived, of whatever WORLD_SIZE, reads why)
-    if store.add(f"{_KEY}read", 1) >= store.add(f"{_KEY}arrived", 0):
-        store.set(f"{_KEY}read-all", "1")
-    if rank == 0:
-        # This process may serve the store: stay until every rank has read why, or a while.
-        with contextlib.suppress(Exception):  # a rank gone meanwhile: raise anyway
-            store.wait([f"{_KEY}read-all"], _LINGER)
+    _told(store, rank)
     raise ClusterError("fastddp.init_distributed: " + "; ".join(lines))
 
 
@@ -225,12 +219,9 @@ def _told(store: dist.Store, rank: int) -> None:
     where the ranks were started by hand, stays until every rank that came is told (or a
     while): its exit would take the store away from them, and they would fail in torch's
     terms."""
-    with contextlib.suppress(Exception):  # a store gone meanwhile: raise anyway
-        store.add(f"{_KEY}told", 1)
-        if rank != 0:
-            return
-        end = time.monotonic() + _LINGER.total_seconds()
-        while store.add(f"{_KEY}told", 0) < store.add(f"{_KEY}arrived", 0):
-            if time.monotonic() >= end:
-                break
-            time.sleep(0.05)
+    with contextlib.suppress(Exception):  # a store gone, or a rank gone: raise anyway
+        # (every rank that arrived, of whatever WORLD_SIZE, is told)
+        if store.add(f"{_KEY}told", 1) >= store.add(f"{_KEY}arrived", 0):
+            store.set(f"{_KEY}told-all", "1")
+        if rank == 0:
+            store.wait([f"{_KEY}told-all"], _LINGER)
