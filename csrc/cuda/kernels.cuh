@@ -260,7 +260,7 @@ __device__ __forceinline__ void store_wire(uint16_t* p, const Chunk& k, const ui
 }
 
 // The vector loop of the 16-bit ops over elements [head, n): chunks of 4, kUnroll a lane. The
-// lane loads all its chunks, load(chunk, values), before it finishes any, finish(chunk,
+// lane loads all its chunks, load(chunks, values), before it finishes any, finish(chunk,
 // values), so that its 16-byte loads are in flight together. T: the type of the values loaded
 // (float, or uint16_t wire values). Every lane of the warp calls finish.
 template <class T, class Load, class Finish>
@@ -271,13 +271,24 @@ __device__ __forceinline__ void unrolled_chunks(int64_t head, int64_t n, Load lo
     FASTDDP_UNROLL
     for (int u = 0; u < kUnroll; ++u) {
       k[u] = chunk_at(head, n, first + 32 * u + lane_index());
-      load(k[u], x[u]);
     }
+    load(k, x);
     FASTDDP_UNROLL
     for (int u = 0; u < kUnroll; ++u) {
       finish(k[u], x[u]);
     }
   });
+}
+
+// A load for unrolled_chunks from one that loads a chunk, load(chunk, values).
+template <class T, class Load>
+__device__ __forceinline__ auto chunk_by_chunk(Load load) {
+  return [=](const Chunk (&k)[kUnroll], T (&x)[kUnroll][kChunk]) {
+    FASTDDP_UNROLL
+    for (int u = 0; u < kUnroll; ++u) {
+      load(k[u], x[u]);
+    }
+  };
 }
 
 // compress to nearest: n fp32 values times scale to wire format K. Elements [0, head) go one by
@@ -297,7 +308,8 @@ __global__ void compress_kernel(
     bad |= math::wire_nonfinite(K, w);
   });
   unrolled_chunks<float>(
-      head, n, [&](const Chunk& k, float (&x)[kChunk]) { load_chunk(src, k, x); },
+      head, n,
+      chunk_by_chunk<float>([&](const Chunk& k, float (&x)[kChunk]) { load_chunk(src, k, x); }),
       [&](const Chunk& k, const float (&x)[kChunk]) {
         uint16_t w[kChunk];
         FASTDDP_UNROLL
@@ -319,7 +331,8 @@ __global__ void decompress_kernel(
     int64_t head) {
   grid_stride_loop(0, head, [&](int64_t i) { dst[i] = from_wire<K>(src[i]) * scale; });
   unrolled_chunks<uint16_t>(
-      head, n, [&](const Chunk& k, uint16_t (&w)[kChunk]) { load_wire(src, k, w); },
+      head, n,
+      chunk_by_chunk<uint16_t>([&](const Chunk& k, uint16_t (&w)[kChunk]) { load_wire(src, k, w); }),
       [&](const Chunk& k, const uint16_t (&w)[kChunk]) {
         float x[kChunk];
         FASTDDP_UNROLL
@@ -387,7 +400,7 @@ __global__ void compress_feedback_kernel(
   round_all(
       kind, mode_of(residual, seed), n, scale, head, dst, flag,
       [&](int64_t i) { return src[i]; },
-      [&](const Chunk& k, float (&x)[kChunk]) { load_chunk(src, k, x); });
+      chunk_by_chunk<float>([&](const Chunk& k, float (&x)[kChunk]) { load_chunk(src, k, x); }));
 }
 
 // Element i of the P rows of length m, summed in fp32 in order p = 0..P-1.
@@ -400,28 +413,40 @@ __device__ __forceinline__ float sum_rows(
   return acc;
 }
 
-// The chunk's elements of the P rows, summed as sum_rows does, each row read 16 bytes at a time.
-__device__ __forceinline__ void sum_chunk(
-    WireKind kind, const uint16_t* __restrict__ src, int64_t chunks, int64_t m, const Chunk& k,
-    float (&acc)[kChunk]) {
-  uint16_t w[kChunk];
-  load_wire(src, k, w);
-  FASTDDP_UNROLL
-  for (int j = 0; j < kChunk; ++j) {
-    acc[j] = math::wire_to_float(kind, w[j]);
-  }
-  for (int64_t p = 1; p < chunks; ++p) {
-    load_wire(src + p * m, k, w);
+// The elements of a lane's kUnroll chunks in the P rows, summed as sum_rows does (in row order),
+// each row read 16 bytes at a time. The loads of both chunks in two rows are issued before any
+// is added: a loop of one load at a time left a lane one load in flight, and the kernel waiting
+// on memory at 0.40-0.46 of a copy (H200). Past the last row a lane loads the last row again,
+// so that no branch comes before the loads, and adds nothing of it.
+__device__ __forceinline__ void sum_lane_chunks(
+    WireKind kind, const uint16_t* __restrict__ src, int64_t chunks, int64_t m,
+    const Chunk (&k)[kUnroll], float (&acc)[kUnroll][kChunk]) {
+  for (int64_t p = 0; p < chunks; p += 2) {
+    const int64_t next = p + 1 < chunks ? p + 1 : p;
+    uint16_t a[kUnroll][kChunk];
+    uint16_t b[kUnroll][kChunk];
     FASTDDP_UNROLL
-    for (int j = 0; j < kChunk; ++j) {
-      acc[j] = math::add(acc[j], math::wire_to_float(kind, w[j]));
+    for (int u = 0; u < kUnroll; ++u) {
+      load_wire(src + p * m, k[u], a[u]);
+      load_wire(src + next * m, k[u], b[u]);
+    }
+    FASTDDP_UNROLL
+    for (int u = 0; u < kUnroll; ++u) {
+      FASTDDP_UNROLL
+      for (int j = 0; j < kChunk; ++j) {
+        const float x = math::wire_to_float(kind, a[u][j]);
+        acc[u][j] = p == 0 ? x : math::add(acc[u][j], x);
+        if (next != p) {
+          acc[u][j] = math::add(acc[u][j], math::wire_to_float(kind, b[u][j]));
+        }
+      }
     }
   }
 }
 
 // sum_chunks: the row sum and its rounding in one pass. Rows start 16-byte aligned at `head`
 // together (m is a multiple of 8, or there is one row) or head is m.
-__global__ void sum_chunks_kernel(
+__global__ void __launch_bounds__(kThreads, 4) sum_chunks_kernel(
     WireKind kind,
     const uint16_t* __restrict__ src,
     int64_t chunks,
@@ -435,10 +460,12 @@ __global__ void sum_chunks_kernel(
   round_all(
       kind, mode_of(residual, seed), m, scale, head, dst, flag,
       [&](int64_t i) { return sum_rows(kind, src, chunks, m, i); },
-      [&](const Chunk& k, float (&acc)[kChunk]) { sum_chunk(kind, src, chunks, m, k, acc); });
+      [&](const Chunk (&k)[kUnroll], float (&acc)[kUnroll][kChunk]) {
+        sum_lane_chunks(kind, src, chunks, m, k, acc);
+      });
 }
 
-__global__ void widen_sum_kernel(
+__global__ void __launch_bounds__(kThreads, 4) widen_sum_kernel(
     WireKind kind,
     const uint16_t* __restrict__ src,
     int64_t chunks,
@@ -451,7 +478,9 @@ __global__ void widen_sum_kernel(
   });
   unrolled_chunks<float>(
       head, m,
-      [&](const Chunk& k, float (&acc)[kChunk]) { sum_chunk(kind, src, chunks, m, k, acc); },
+      [&](const Chunk (&k)[kUnroll], float (&acc)[kUnroll][kChunk]) {
+        sum_lane_chunks(kind, src, chunks, m, k, acc);
+      },
       [&](const Chunk& k, const float (&acc)[kChunk]) {
         float x[kChunk];
         FASTDDP_UNROLL

@@ -68,10 +68,11 @@ CHECKS = [
     # m % 8 == 0: every row aligns at the same element (a vector body after a head); else the
     # rows cannot align together (all scalar).
     ("sum_chunks", check_sum_chunks,
-     [(m, dt, c, v, off) for dt in WIRES for c in (1, 3) for v in ("plain", "ef", "sr")
+     # Rows are read two at a time: 1 and 3 rows end on a lone row, 4 on a pair.
+     [(m, dt, c, v, off) for dt in WIRES for c in (1, 3, 4) for v in ("plain", "ef", "sr")
       for m, off in ((sizes(VEC, (8,))[0], True), (sizes(VEC, (5,))[0], False))]),
     ("widen_sum", check_widen_sum,
-     [(m, dt, 3, off) for dt in WIRES
+     [(m, dt, c, off) for dt in WIRES for c in (2, 3)
       for m, off in ((sizes(VEC, (8,))[0], True), (sizes(VEC, (7,))[0], False))]),
     # Blocks of 32 (a quarter warp), 100 (the scalar kernel), 256 (a warp, 2 chunks a lane).
     ("quantize_int8", check_quantize_int8,

@@ -71,6 +71,13 @@ DEFECTS = [
     ("the residual of a rounded chunk not written", "cuda/kernels.cuh",
      "    store_chunk(mode.residual, k, r);\n  }\n  store_wire(dst, k, w);",
      "  }\n  store_wire(dst, k, w);", "sum_chunks"),
+    # The row sum, two rows a step: the lone last row added twice; the second row of a pair
+    # read from the first.
+    ("the lone last row of a sum added twice", "cuda/kernels.cuh",
+     "        if (next != p) {\n", "        if (true) {\n", "sum_chunks"),
+    ("the second row of a pair read from the first", "cuda/kernels.cuh",
+     "load_wire(src + next * m, k[u], b[u]);", "load_wire(src + p * m, k[u], b[u]);",
+     "widen_sum"),
     ("the codes of a packed byte in reverse order", "cuda/packed_kernels.cuh",
      "byte |= pack_code(math::quantize_element(mode, v, inverse, step, i, qmax), kBits, j);",
      "byte |= pack_code(math::quantize_element(mode, v, inverse, step, i, qmax), kBits, "
