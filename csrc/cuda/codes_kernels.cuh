@@ -261,8 +261,14 @@ __device__ __forceinline__ WholeStep whole_step_of(
   if (e1 > a.n) {
     return {false, nullptr, 0};
   }
-  // One row (a flat bucket, the usual case) needs no division.
-  const int64_t row = a.rows.rows == 1 ? 0 : codes.by_row.div(e0);
+  if (a.rows.rows == 1) {  // a flat bucket, the usual case: no row to find, nothing to multiply
+    uint8_t* at = reinterpret_cast<uint8_t*>(a.dst) + e0 * kBits / 8;
+    const int64_t b0 = e0 >> block_log2;
+    const bool whole = e1 <= a.rows.row_len && (b0 << block_log2) == e0 &&
+                       reinterpret_cast<uintptr_t>(at) % 16 == 0;
+    return {whole, at, b0};
+  }
+  const int64_t row = codes.by_row.div(e0);
   const int64_t offset = e0 - row * a.rows.row_len;
   const int64_t b0 = offset >> block_log2;
   uint8_t* at = reinterpret_cast<uint8_t*>(a.dst) + row * a.rows.q_stride + offset * kBits / 8;
@@ -278,15 +284,45 @@ __device__ __forceinline__ Place whole_place(const WholeStep& w, int index, int 
           (index & ((1 << per_block_log2) - 1)) == 0};
 }
 
-// A step of quantize for blocks of `width` chunks (a power of two up to 32): kCodeUnroll runs of
-// 32 chunks from `first`, all loaded before any is reduced, each block's absolute maximum shared
+// The scales (absmax / qmax) and inverses of a step's blocks, each worked out once: lane L
+// divides for value L of the step (block L / 2; its scale when L is even, its inverse when
+// odd), and the lanes of block b take its two from lanes 2b and 2b + 1 (step_value). Every lane
+// dividing for its own block took 2 * kCodeUnroll IEEE divisions a lane, a quarter of
+// quantize's instructions. A run of 32 chunks holds 32 / width blocks: this needs
+// 2 * kCodeUnroll * 32 / width <= 32 values, blocks of at least 2 * kCodeUnroll chunks. Every
+// lane of the warp must call it.
+template <int kBits>
+__device__ __forceinline__ float step_values(const uint32_t (&absmax)[kCodeUnroll], int width_log2) {
+  const int lane = lane_index();
+  const int per_run_log2 = 5 - width_log2;  // blocks in a run, as a power of two
+  const int block = lane >> 1;
+  const int lead = (block & ((1 << per_run_log2) - 1)) << width_log2;  // its first lane
+  uint32_t bits = 0;
+  FASTDDP_UNROLL
+  for (int u = 0; u < kCodeUnroll; ++u) {
+    const uint32_t other = __shfl_sync(kAllLanes, absmax[u], lead);
+    bits = (block >> per_run_log2) == u ? other : bits;
+  }
+  return math::block_scale_or_inverse(bits, code_max(kBits), (lane & 1) != 0);
+}
+
+// The scale (odd false) or inverse (odd true) of the lane's block in run u, from step_values'
+// `values`. Every lane of the warp must call it.
+__device__ __forceinline__ float step_value(float values, int u, int width_log2, bool odd) {
+  const int block = (u << (5 - width_log2)) + (lane_index() >> width_log2);
+  return __shfl_sync(kAllLanes, values, 2 * block + (odd ? 1 : 0));
+}
+
+// A step of quantize for blocks of 2^width_log2 chunks (up to 32): kCodeUnroll runs of 32
+// chunks from `first`, all loaded before any is reduced, each block's absolute maximum shared
 // by shuffles among its lanes. place(index, c) places chunk c, `index` chunks into the step;
-// kWhole: every chunk of the step is whole. Returns whether a block held inf or NaN. Every lane
-// of the warp must call it.
-template <int kBits, bool kWhole, class PlaceOf>
+// kWhole: every chunk of the step is whole; kShare: whole steps take their scales from
+// step_values. Returns whether a block held inf or NaN. Every lane of the warp must call it.
+template <int kBits, bool kWhole, bool kShare, class PlaceOf>
 __device__ __forceinline__ bool quantize_runs(
-    const QuantizeArgs& a, const math::Mode& mode, int64_t first, int width, PlaceOf place) {
+    const QuantizeArgs& a, const math::Mode& mode, int64_t first, int width_log2, PlaceOf place) {
   const float qmax = code_max(kBits);
+  const int width = 1 << width_log2;
   float v[kCodeUnroll][kChunk];
   uint32_t absmax[kCodeUnroll];
   FASTDDP_UNROLL
@@ -305,15 +341,20 @@ __device__ __forceinline__ bool quantize_runs(
       absmax[u] = other > absmax[u] ? other : absmax[u];
     }
   }
+  const bool shared = kShare && kWhole && width >= 2 * kCodeUnroll;  // the same in every lane
+  const float values = shared ? step_values<kBits>(absmax, width_log2) : 0.0f;
   bool bad = false;
   FASTDDP_UNROLL
   for (int u = 0; u < kCodeUnroll; ++u) {
     const bool block_bad = math::block_nonfinite(absmax[u]);
     bad |= block_bad;
+    const float step = shared ? step_value(values, u, width_log2, false)
+                              : math::block_scale(absmax[u], qmax);
+    const float inverse = shared ? step_value(values, u, width_log2, true)
+                                 : math::block_inverse(absmax[u], qmax);
     const int64_t c = first + 32 * u + lane_index();
-    quantize_chunk<kBits, kWhole>(a, place(32 * u + lane_index(), c), mode, c, v[u],
-                          math::block_scale(absmax[u], qmax), math::block_inverse(absmax[u], qmax),
-                          block_bad);
+    quantize_chunk<kBits, kWhole>(a, place(32 * u + lane_index(), c), mode, c, v[u], step,
+                                  inverse, block_bad);
   }
   return bad;
 }
@@ -327,8 +368,11 @@ __device__ __forceinline__ bool quantize_runs(
 // At most 64 registers, so that 4 blocks fit on a multiprocessor (66 gave 3). An instance for
 // each mode (kFeedback: error feedback; kStochastic: stochastic rounding), which the launch
 // picks: as constants they leave no branch on the mode, and no other mode's code, in the loop.
+// Error feedback with stochastic rounding keeps a division per lane (kShare false): with
+// step_values it needed a 65th register, and spilled one to local memory.
 template <int kBits, bool kFeedback, bool kStochastic>
 __global__ void __launch_bounds__(kThreads, 4) quantize_vec_kernel(QuantizeArgs a, Codes codes) {
+  constexpr bool kShare = !(kFeedback && kStochastic);
   math::Mode mode = a.rounding.mode();
   mode.feedback = kFeedback;
   mode.stochastic = kStochastic;
@@ -348,11 +392,13 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_vec_kernel(QuantizeArgs 
       // ways of placing a chunk spilled to local memory for int4 and int2.
       const WholeStep w = whole_step_of<kBits>(a, codes, first, per_block_log2 + 2);
       if (w.whole) {
-        bad |= quantize_runs<kBits, true>(a, mode, first, width, [&](int index, int64_t) {
+        bad |= quantize_runs<kBits, true, kShare>(a, mode, first, per_block_log2,
+                                                  [&](int index, int64_t) {
           return whole_place<kBits>(w, index, per_block_log2);
         });
       } else {
-        bad |= quantize_runs<kBits, false>(a, mode, first, width, [&](int, int64_t c) {
+        bad |= quantize_runs<kBits, false, kShare>(a, mode, first, per_block_log2,
+                                                   [&](int, int64_t c) {
           return place_of<kBits>(codes, q, c, a.n);
         });
       }

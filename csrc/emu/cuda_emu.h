@@ -83,6 +83,20 @@ inline uint32_t __shfl_xor_sync(uint32_t mask, uint32_t v, int lane_mask, int wi
   // A source outside the caller's width segment reads the caller's own value, as on CUDA.
   return ::fastddp::emu::shuffle(mask, v, (src / width == lane / width) ? src : lane);
 }
+inline float __shfl_sync(uint32_t mask, float v, int src, int width = 32) {
+  return ::fastddp::math::float_of(
+      __shfl_sync(mask, ::fastddp::math::bits_of(v), src, width));
+}
+inline float __shfl_xor_sync(uint32_t mask, float v, int lane_mask, int width = 32) {
+  return ::fastddp::math::float_of(
+      __shfl_xor_sync(mask, ::fastddp::math::bits_of(v), lane_mask, width));
+}
+// Any other type is refused at compile time: converted to uint32_t, a float or a 64-bit value
+// would lose what CUDA's overloads keep.
+template <class T>
+T __shfl_sync(uint32_t mask, T v, int src, int width = 32) = delete;
+template <class T>
+T __shfl_xor_sync(uint32_t mask, T v, int lane_mask, int width = 32) = delete;
 
 struct alignas(16) float4 {
   float x, y, z, w;

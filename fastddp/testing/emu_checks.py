@@ -67,9 +67,23 @@ def _same(what: str, cpu: torch.Tensor, emu: torch.Tensor, nan_equal: bool = Fal
         )
 
 
-def _data(n: int, seed: int, special: bool = False) -> torch.Tensor:
+# Runs of 128 elements, so that every block of up to 128 lies in one: all zeros; so small
+# that qmax / absmax overflows (its inverse is 0); FLT_MAX, whose absmax / qmax times qmax
+# rounds past it (the scale is taken one step down); one inf; one NaN; ordinary values.
+_EXTREMES = (0.0, 1e-38, torch.finfo(torch.float32).max, float("inf"), float("nan"), None)
+
+
+def _data(n: int, seed: int, special: bool = False, extreme: bool = False) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 4)
+    if extreme:
+        for run, start in enumerate(range(0, n, 128)):
+            kind = _EXTREMES[run % len(_EXTREMES)]
+            part = x[start : start + 128]
+            if kind in (0.0, 1e-38):
+                part.copy_(torch.randn(part.shape, generator=gen) * kind)
+            elif kind is not None:
+                part[len(part) // 2] = kind
     if special and n > 10:
         # Past fp16's range, tiny (subnormal in fp16), and one non-finite value in a thread
         # other than thread 0 of its block.
@@ -167,11 +181,14 @@ def _int8_layout(n: int, block: int, rows: int, spaced: bool, pad: int = 16):
 
 
 def check_quantize_int8(
-    emu: Emu, n: int, block: int, variant: str, rows: int = 1, pad=16, offset=False, special=False
-) -> None:
+    emu: Emu, n: int, block: int, variant: str, rows: int = 1, pad=16, offset=False, special=False,
+    extreme=False,
+) -> None:  # fmt: skip
     """``variant``: plain, ef, sr or ef-sr; ``rows`` > 1 writes rows ``pad`` bytes apart;
-    ``offset`` shifts the fp32 tensors one element; ``special`` puts inf in a block."""
-    src = _data(n, n, special=special)
+    ``offset`` shifts the fp32 tensors one element; ``special`` puts inf in a block;
+    ``extreme`` gives runs of 128 elements the extreme blocks of ``_EXTREMES`` (scale 1)."""
+    src = _data(n, n, special=special, extreme=extreme)
+    scale = 1.0 if extreme else 0.5
     residual = _data(n, n + 3) * 1e-3 if "ef" in variant else None
     seed = 99 + n if "sr" in variant else -1
     outs = []
@@ -179,9 +196,10 @@ def check_quantize_int8(
         q, s, qw, sw = _int8_layout(n, block, rows, spaced=True, pad=pad)
         r = _twin(residual, offset)[0] if residual is not None else None
         f = torch.zeros(1, dtype=torch.int32)
-        run(_twin(src, offset)[0], q, s, block, 0.5, f, r, seed)
+        run(_twin(src, offset)[0], q, s, block, scale, f, r, seed)
         outs.append((qw, sw, r, f))
-    what = f"quantize_int8 n={n} block={block} {variant} rows={rows} pad={pad} offset={offset}"
+    what = (f"quantize_int8 n={n} block={block} {variant} rows={rows} pad={pad} offset={offset} "
+            f"extreme={extreme}")  # fmt: skip
     _same(what + " values", outs[0][0], outs[1][0])
     _same(what + " scales", outs[0][1], outs[1][1])
     if residual is not None:
@@ -231,10 +249,11 @@ def _packed_layout(n: int, bits: int, block: int, rows: int, pad: int = 16):
 
 def check_quantize_packed(
     emu: Emu, bits: int, n: int, block: int, variant: str, rows=1, pad=16, offset=False,
-    special=False,
+    special=False, extreme=False,
 ) -> None:  # fmt: skip
     """quantize_packed as :func:`check_quantize_int8`, for ``bits`` 4 or 2."""
-    src = _data(n, n, special=special)
+    src = _data(n, n, special=special, extreme=extreme)
+    scale = 1.0 if extreme else 0.5
     residual = _data(n, n + 3) * 1e-3 if "ef" in variant else None
     seed = 99 + n if "sr" in variant else -1
     outs = []
@@ -242,10 +261,10 @@ def check_quantize_packed(
         q, s, qw, sw = _packed_layout(n, bits, block, rows, pad)
         r = _twin(residual, offset)[0] if residual is not None else None
         f = torch.zeros(1, dtype=torch.int32)
-        run(_twin(src, offset)[0], q, s, bits, block, 0.5, f, r, seed)
+        run(_twin(src, offset)[0], q, s, bits, block, scale, f, r, seed)
         outs.append((qw, sw, r, f))
     what = (f"quantize_packed bits={bits} n={n} block={block} {variant} rows={rows} pad={pad} "
-            f"offset={offset}")  # fmt: skip
+            f"offset={offset} extreme={extreme}")  # fmt: skip
     for k, part in enumerate(("values", "scales", "residual", "flag")):
         if outs[0][k] is not None:
             _same(f"{what} {part}", outs[0][k], outs[1][k])

@@ -78,6 +78,17 @@ DEFECTS = [
     ("the second row of a pair read from the first", "cuda/kernels.cuh",
      "load_wire(src + next * m, k[u], b[u]);", "load_wire(src + p * m, k[u], b[u]);",
      "widen_sum"),
+    # Each block's scale and inverse worked out once and shared (step_values, step_value).
+    ("a block's inverse taken from its scale's lane", "cuda/codes_kernels.cuh",
+     "2 * block + (odd ? 1 : 0)", "2 * block + (odd ? 0 : 0)", "quantize_int8"),
+    ("every block's maximum taken from the first run", "cuda/codes_kernels.cuh",
+     "bits = (block >> per_run_log2) == u ? other : bits;", "bits = u == 0 ? other : bits;",
+     "quantize_packed"),
+    ("a shared scale near FLT_MAX not taken one step down", "include/fastddp/rounding.h",
+     "bits_of(mul(quotient, qmax)) < 0x7f800000u ? quotient : float_of(q - 1u)", "quotient",
+     "quantize_int8"),
+    ("a shared inverse past FLT_MAX kept", "include/fastddp/rounding.h",
+     "absmax_bits == 0 || q >= 0x7f800000u", "absmax_bits == 0", "quantize_int8"),
     ("the codes of a packed byte in reverse order", "cuda/packed_kernels.cuh",
      "byte |= pack_code(math::quantize_element(mode, v, inverse, step, i, qmax), kBits, j);",
      "byte |= pack_code(math::quantize_element(mode, v, inverse, step, i, qmax), kBits, "

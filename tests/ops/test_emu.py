@@ -107,6 +107,20 @@ def test_packed_block_sizes_and_short_last_bytes(emu, bits, block):
         check_quantize_packed(emu, bits, _codes_n(block, 3), block, "ef-sr", rows=3, special=True)
 
 
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("block", [8, 16, 32, 128])
+def test_extreme_blocks_quantize_as_on_the_cpu(emu, bits, block):
+    # Zero, tiny (an inverse past FLT_MAX), FLT_MAX (a scale one step down), inf and NaN blocks,
+    # for the quantize whose lanes share their blocks' scales (plain, sr; blocks of at least 16
+    # elements) and the one whose lanes each divide (ef-sr; blocks of 8).
+    n = 6 * 128 * 3 + 5
+    for variant in ("plain", "sr", "ef-sr"):
+        if bits == 8:
+            check_quantize_int8(emu, n, block, variant, extreme=True)
+        else:
+            check_quantize_packed(emu, bits, n, block, variant, extreme=True)
+
+
 def test_thread_and_block_order_do_not_change_the_bits():
     results = []
     src = torch.randn(3 * 2048 * 8 + 5, generator=torch.Generator().manual_seed(0))

@@ -174,6 +174,21 @@ FASTDDP_HD float block_inverse(uint32_t absmax_bits, float qmax = kInt8Max) {
   return bits_of(inverse) < 0x7f800000u ? inverse : 0.0f;
 }
 
+// block_scale(absmax_bits, qmax) when `inverse` is false, block_inverse(absmax_bits, qmax) when
+// true, bit for bit, with one division whose operands the flag picks: the GPU's quantize has
+// each lane work out one of a step's values, its scales and inverses alike.
+FASTDDP_HD float block_scale_or_inverse(uint32_t absmax_bits, float qmax, bool inverse) {
+  const float absmax = float_of(absmax_bits);
+  const float quotient = (inverse ? qmax : absmax) / (inverse ? absmax : qmax);
+  const uint32_t q = bits_of(quotient);
+  if (inverse) {
+    const bool zero = block_nonfinite(absmax_bits) || absmax_bits == 0 || q >= 0x7f800000u;
+    return zero ? 0.0f : quotient;
+  }
+  const float step = bits_of(mul(quotient, qmax)) < 0x7f800000u ? quotient : float_of(q - 1u);
+  return block_nonfinite(absmax_bits) ? float_of(0x7fc00000u) : step;
+}
+
 FASTDDP_HD int8_t quantize_code(float v, float inverse, float qmax, bool stochastic, uint32_t r) {
   const float x = mul(v, inverse);
   float q;
