@@ -51,7 +51,8 @@ constexpr int kUnroll = 2;  // chunks a lane of the 16-bit ops loads before it s
 constexpr int kDequantUnroll = 4;  // chunks of each row a lane of dequantize takes a step
 // and rows whose codes of them it loads before it adds: on an H200, 4 rows took the packed
 // codes from 0.30-0.48 of a copy to 0.44-0.62 (100 MB, 1 GB), and int8's from 0.43-0.64 down
-// to 0.32-0.39 (80 registers: 3 blocks an SM, not 4).
+// to 0.32-0.39 (80 registers: 3 blocks an SM, not 4). Measured with a group's 16-byte loads;
+// with a lane's own piece (load_own_piece) int8 takes 78 registers for 4 rows, 64 for 2.
 template <int kBits>
 constexpr int kDequantRows = kBits == 8 ? 2 : 4;
 constexpr int kCodeUnroll = 2;    // steps of 32 chunks a warp of quantize takes at once
@@ -127,6 +128,15 @@ __device__ __forceinline__ float4 load16(const float4* p) {
 __device__ __forceinline__ uint4 load16(const uint4* p) {
   return __ldg(p);
 }
+__device__ __forceinline__ uint32_t load4(const uint32_t* p) {
+  return __ldg(p);
+}
+__device__ __forceinline__ uint32_t load2(const uint16_t* p) {
+  return __ldg(p);
+}
+__device__ __forceinline__ uint32_t load1(const uint8_t* p) {
+  return __ldg(p);
+}
 // Volatile, with a memory clobber: the asm's read of *p is invisible to nvcc, which could
 // otherwise move it past a store to the same place or reuse an earlier load's value.
 __device__ __forceinline__ float4 load16_rw(const float4* p) {
@@ -152,6 +162,15 @@ __device__ __forceinline__ void store16(uint4* p, const uint4& v) {
 #else
 template <class V>
 V load16(const V* p) {
+  return *p;
+}
+inline uint32_t load4(const uint32_t* p) {
+  return *p;
+}
+inline uint32_t load2(const uint16_t* p) {
+  return *p;
+}
+inline uint32_t load1(const uint8_t* p) {
   return *p;
 }
 template <class V>

@@ -76,6 +76,14 @@ def test_a_planted_narrow_loop_fails(body, missing):
     assert f"no 128-bit {missing} in any loop" in v.lines[-1]
 
 
+def test_a_kernel_that_needs_only_wide_stores_says_why_and_fails_without_them():
+    name = "_ZN7fastddp7kernels21dequantize_vec_kernelILi8EEEvNS_10Int8SourceENS0_5CodesEPff"
+    verdicts, _ = sass_check.check(_listing(name, _loop("LDG.E", "STG.E.128")))
+    assert verdicts[0].ok and verdicts[0].lines[-1].startswith("loads narrower: each lane")
+    verdicts, _ = sass_check.check(_listing(name, _loop("LDG.E", "STG.E")))
+    assert not verdicts[0].ok and "no 128-bit STG in any loop" in verdicts[0].lines[-1]
+
+
 def test_an_unknown_kernel_fails_and_a_missing_one_is_named():
     listing = _listing("_ZN7fastddp7kernels10new_kernelEv", WIDE)
     verdicts, missing = sass_check.check(listing)
