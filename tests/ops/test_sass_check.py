@@ -6,6 +6,7 @@ header with its vector loop planted away test them on nvcc's own machine code (a
 ``make cuda-check`` runs the checker on the whole build.
 """
 
+import re
 import shutil
 import subprocess
 import sys
@@ -153,6 +154,18 @@ def _compile(tmp_path, source: str, includes=()) -> str:
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=slack.guard(300))
     assert res.returncode == 0, res.stderr
     return sass_check.sass_of_cubin(cubin)
+
+
+def test_the_count_of_a_quantize_step_compiles_against_the_kernels(capsys):
+    # benchmarks/sass_path.py's probe calls the kernels' internals: it must follow them.
+    _tools()
+    import sass_path
+
+    assert sass_path.main([]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(",")[0] for line in lines] == [f"quantize int{b}" for b in (2, 4, 8)]
+    counts = [int(re.search(r": (\d+) instructions", line).group(1)) for line in lines]
+    assert all(100 < c < 1000 for c in counts), lines
 
 
 TINY = r"""
