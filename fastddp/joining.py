@@ -125,13 +125,17 @@ def agree(store: dist.Store, rank: int, world: int, backend: str, problem: Optio
     first. A collective over the store: every rank calls it once.
     """
     if store.add(f"{_KEY}rank/{rank}", 1) > 1:
-        # Posted nothing: the job whose store this is goes on without a word from this rank.
+        # Posted nothing but this: the job whose store this is goes on without this rank, and
+        # its ranks name the RANK given twice if they time out waiting for another.
+        with contextlib.suppress(Exception):
+            store.append(f"{_KEY}twice", f"{rank} ")
         raise ClusterError(
             f"fastddp.init_distributed: another process joined the store at MASTER_ADDR:"
             f"MASTER_PORT as RANK {rank} already: two processes were given the same RANK, or "
             "another job uses that port; give each process its own RANK, and each job its own "
             "port"
         )
+    store.append(f"{_KEY}came", f"{rank} ")  # read in one request by a rank that gives up
     if store.add(f"{_KEY}backend/{backend}", 1) == 1:
         store.append(f"{_KEY}backends", backend + "\n")
     if store.add(f"{_KEY}world/{world}", 1) == 1:
@@ -195,14 +199,24 @@ def _gave_up(store: dist.Store, rank: int, world: int, waited: float, error: Exc
     completed meanwhile, else its reason (which ranks never came), posted as the verdict for
     every rank that came, where the store is still there."""
     missing: list[str] = []
+    twice: list[str] = []
     with contextlib.suppress(Exception):  # (the store may be gone): say what is known
-        missing = [str(r) for r in range(world) if not store.check([f"{_KEY}rank/{r}"])]
+        if store.check([f"{_KEY}all"]):  # another rank gave up first, or the roll completed
+            return store.get(f"{_KEY}all")
+        # Two requests whatever the world size: thousands of ranks giving up together would
+        # make millions of one rank's checks.
+        came = set(store.get(f"{_KEY}came").decode().split())
+        missing = [str(r) for r in range(world) if str(r) not in came]
+        if store.check([f"{_KEY}twice"]):
+            twice = sorted(set(store.get(f"{_KEY}twice").decode().split()), key=int)
     who = "not every rank came"
     if isinstance(error, dist.DistNetworkError):
         who = "the store went away (the process that served it ended?)"
     elif missing:
         shown = ", ".join(missing[:16]) + (", ..." if len(missing) > 16 else "")
         who = f"{len(missing)} of {world} rank(s) never came ({shown})"
+    if twice and not isinstance(error, dist.DistNetworkError):
+        who += f", and RANK {', '.join(twice)} was given to two processes (the second raised)"
     message = (
         f"fastddp.init_distributed: rank {rank} waited {waited:.0f} s for the others, and {who}; "
         "start every rank with the same WORLD_SIZE, MASTER_ADDR and MASTER_PORT (and RANK 0 to "
