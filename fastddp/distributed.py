@@ -163,11 +163,11 @@ def init_distributed(
         # A launcher reports its own waits; a job started by hand has only this line.
         waiting = joining.said_while_waiting if launcher == "env" else _quiet
         with waiting(rank, world, addr, port):
-            store, attempt = joining.store_for(
+            store, attempt, hint = joining.store_for(
                 launcher, env, addr, port, rank, world, timeout, _joins
             )
             _joins += 1
-            joining.agree(store, rank, world, backend, problem)
+            joining.agree(store, rank, world, backend, problem, hint)
         kwargs = {"store": store}
     if use_cuda:
         device = torch.device("cuda", local_rank)
@@ -267,7 +267,7 @@ def _tell_the_others(env, problem: str, backend: Optional[str], timeout: timedel
     global _joins
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     with contextlib.suppress(Exception):  # this rank raises its own error all the same
-        store, _ = joining.store_for("env", env, addr, port, rank, world, timeout, _joins)
+        store, _, _ = joining.store_for("env", env, addr, port, rank, world, timeout, _joins)
         _joins += 1
         joining.agree(store, rank, world, backend, problem)
 

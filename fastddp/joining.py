@@ -70,21 +70,34 @@ def store_for(
     world: int,
     timeout: timedelta,
     join: int = 0,
-) -> tuple[dist.Store, str]:
-    """The store of this launch attempt, and the attempt's name (for the peer watchdog).
+) -> tuple[dist.Store, str, Optional[str]]:
+    """The store of this launch attempt, the attempt's name (for the peer watchdog), and what
+    :func:`agree` should add where a rank never comes (or None).
 
     ``join`` counts this process's earlier joins (a session after
     :func:`~fastddp.shutdown_distributed`): from the second on, the keys get a prefix of their
     own, as the first join's are still in the store, and torch names the new group as it
     named the old one.
     """
-    store, attempt = _store_for(launcher, env, addr, port, rank, world, timeout)
+    store, attempt, hint = _store_for(launcher, env, addr, port, rank, world, timeout)
     if join == 0:
-        return store, attempt
-    return dist.PrefixStore(f"fastddp/join-{join}/", store), f"{attempt}/join-{join}"
+        return store, attempt, hint
+    return dist.PrefixStore(f"fastddp/join-{join}/", store), f"{attempt}/join-{join}", hint
 
 
-def _store_for(launcher, env, addr, port, rank, world, timeout) -> tuple[dist.Store, str]:
+def _apart_hint(env, world: int) -> Optional[str]:
+    """Under plain torchrun on several nodes: why ranks that were all started may never meet."""
+    if int(env.get("LOCAL_WORLD_SIZE", world)) >= world:
+        return None  # one node: every rank counts the same restarts
+    return (
+        f"under torchrun, this node's workers have restarted "
+        f"{env.get('TORCHELASTIC_RESTART_COUNT', 0)} time(s), and ranks of nodes restarted a "
+        "different number of times wait apart (torchrun keeps one store across restarts); "
+        "python -m fastddp.launch gives every round a store of its own"
+    )
+
+
+def _store_for(launcher, env, addr, port, rank, world, timeout):
     attempt = f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', 0)}"
     if launcher == "torchrun" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's agent already serves the store on MASTER_PORT: every rank is a client.
@@ -93,12 +106,13 @@ def _store_for(launcher, env, addr, port, rank, world, timeout) -> tuple[dist.St
             # fastddp.launch serves a fresh store per round: it holds this attempt's keys only,
             # and the restart count may differ between nodes (a node started again counts
             # from 0), so no prefix.
-            return client, env.get("TORCHELASTIC_RUN_ID", "")
+            return client, env.get("TORCHELASTIC_RUN_ID", ""), None
         # Plain torchrun keeps one store across restarts (--max-restarts) and torch's env://
         # adds no per-attempt prefix, so a restarted rank could read the previous attempt's
         # Gloo addresses and connect to a dead process. A prefix per attempt avoids it on
         # one node (the restart count is per node).
-        return dist.PrefixStore(f"fastddp/attempt/{attempt}/", client), attempt
+        prefixed = dist.PrefixStore(f"fastddp/attempt/{attempt}/", client)
+        return prefixed, attempt, _apart_hint(env, world)
     # As torch's env:// and tcp:// make it: rank 0 serves, for this attempt alone. A later
     # join of this process keeps the first join's store (its keys under a prefix): a new one
     # would make rank 0 close its server and open another, and a rank that connected to the
@@ -113,16 +127,24 @@ def _store_for(launcher, env, addr, port, rank, world, timeout) -> tuple[dist.St
         )
     else:
         _JOINED[key].set_timeout(timeout)  # this join's, for its waits and its group's
-    return _JOINED[key], attempt
+    return _JOINED[key], attempt, None
 
 
-def agree(store: dist.Store, rank: int, world: int, backend: str, problem: Optional[str]) -> None:
+def agree(
+    store: dist.Store,
+    rank: int,
+    world: int,
+    backend: str,
+    problem: Optional[str],
+    hint: Optional[str] = None,
+) -> None:
     """Post this rank's backend and ``problem`` (None: it can start); wait for every rank.
 
     Raises the same :class:`ClusterError` on every rank if any rank has a problem, or the ranks
     chose different backends or were given different ``WORLD_SIZE``; and a
-    :class:`ClusterError` naming the ranks that never came if the store's timeout runs out
-    first. A collective over the store: every rank calls it once.
+    :class:`ClusterError` naming the ranks that never came (and ``hint``, from
+    :func:`store_for`) if the store's timeout runs out first. A collective over the store:
+    every rank calls it once.
     """
     if store.add(f"{_KEY}rank/{rank}", 1) > 1:
         # Posted nothing but this: the job whose store this is goes on without this rank, and
@@ -158,7 +180,7 @@ def agree(store: dist.Store, rank: int, world: int, backend: str, problem: Optio
         store.wait([f"{_KEY}all"])
         verdict = store.get(f"{_KEY}all")
     except dist.DistError as e:  # the timeout ran out, or the store's server went away
-        verdict = _gave_up(store, rank, world, time.monotonic() - start, e)
+        verdict = _gave_up(store, rank, world, time.monotonic() - start, e, hint)
     if verdict != _GO.encode():
         _told(store, rank)
         raise ClusterError(verdict.decode())
@@ -194,7 +216,9 @@ def agree(store: dist.Store, rank: int, world: int, backend: str, problem: Optio
     raise ClusterError("fastddp.init_distributed: " + "; ".join(lines))
 
 
-def _gave_up(store: dist.Store, rank: int, world: int, waited: float, error: Exception) -> bytes:
+def _gave_up(
+    store: dist.Store, rank: int, world: int, waited: float, error: Exception, hint: Optional[str]
+) -> bytes:
     """The verdict of a rank whose wait in :func:`agree` failed: ``_GO`` where the roll was
     completed meanwhile, else its reason (which ranks never came), posted as the verdict for
     every rank that came, where the store is still there."""
@@ -217,6 +241,8 @@ def _gave_up(store: dist.Store, rank: int, world: int, waited: float, error: Exc
         who = f"{len(missing)} of {world} rank(s) never came ({shown})"
     if twice and not isinstance(error, dist.DistNetworkError):
         who += f", and RANK {', '.join(twice)} was given to two processes (the second raised)"
+    if missing and hint:
+        who += f"; {hint}"
     message = (
         f"fastddp.init_distributed: rank {rank} waited {waited:.0f} s for the others, and {who}; "
         "start every rank with the same WORLD_SIZE, MASTER_ADDR and MASTER_PORT (and RANK 0 to "

@@ -237,6 +237,49 @@ def test_every_rank_that_came_names_the_rank_that_never_did(tmp_path):
     assert "as RANK 1 already: two processes were given the same RANK" in outs[2], outs[2]
 
 
+def test_ranks_of_torchrun_nodes_restarted_apart_are_told_why():
+    # Plain torchrun keeps one store across restarts, so fastddp keys each restart count
+    # apart, and two nodes restarted a different number of times wait apart. The test serves
+    # the store as torchrun's agent would; two one-rank nodes come with counts 0 and 1.
+    from torch import distributed as dist
+
+    code = (
+        "import os, sys\n"
+        "from datetime import timedelta\n"
+        "import fastddp\n"
+        "rank = sys.argv[1]\n"
+        "os.environ.update(RANK=rank, WORLD_SIZE='2', LOCAL_RANK='0', LOCAL_WORLD_SIZE='1',\n"
+        "                  GROUP_RANK=rank, MASTER_ADDR='127.0.0.1', MASTER_PORT=sys.argv[2],\n"
+        "                  TORCHELASTIC_RUN_ID='job', TORCHELASTIC_USE_AGENT_STORE='True',\n"
+        "                  TORCHELASTIC_RESTART_COUNT=rank)\n"
+        "try:\n"
+        "    wait = timedelta(seconds=int(sys.argv[3]))\n"
+        "    fastddp.init_distributed(backend='gloo', timeout=wait)\n"
+        "except Exception as e:\n"
+        "    print('raised', type(e).__name__, e, flush=True)\n"
+    )
+    port, wait = free_port(), round(slack.guard(3))
+    agent = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(rank), str(port), str(wait)],
+                         env=_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for rank in (0, 1)
+    ]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=slack.guard(60)) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        del agent
+    for rank, (out, err) in enumerate(outs):
+        assert out.startswith("raised ClusterError "), out + err
+        assert (
+            f"1 of 2 rank(s) never came ({1 - rank}); under torchrun, this node's workers "
+            f"have restarted {rank} time(s)" in out
+        ), out
+        assert "python -m fastddp.launch gives every round a store of its own" in out, out
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
 def test_a_launcher_waiting_for_the_other_nodes_stops_on_a_signal(tmp_path, signum):
     # Node 0 of 2 waits in the rendezvous store's C++ wait for node 1, which never comes: no
