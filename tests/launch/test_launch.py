@@ -191,10 +191,11 @@ def test_a_rank_started_by_hand_says_it_waits_for_the_others():
 
 def test_every_rank_that_came_names_the_rank_that_never_did(tmp_path):
     # Ranks 0 and 1 of 3 started by hand, rank 2 never, and a second process given RANK 1.
-    # Rank 0, whose process serves the store, waits first (rank 1 starts once rank 0 says it
-    # waits, the second RANK 1 once rank 1 does), so it gives up first: it posts why and stays
-    # until rank 1 has read it, and both raise the same ClusterError, which names the RANK
-    # given twice. Rank 1 would otherwise find the store gone, and fail in torch's terms.
+    # Rank 0, whose process serves the store, waits first (both RANK 1 start once rank 0 says
+    # it waits), so it gives up first: it posts why and stays until rank 1 has read it, and
+    # both raise the same ClusterError, which names the RANK given twice; the RANK 1 that came
+    # second raises at once. Rank 1 would otherwise find the store gone, and fail in torch's
+    # terms.
     code = (
         "import os, sys\n"
         "from datetime import timedelta\n"
@@ -209,7 +210,7 @@ def test_every_rank_that_came_names_the_rank_that_never_did(tmp_path):
         "    print('raised', type(e).__name__, e, flush=True)\n"
     )
     # Long enough for two starts on a loaded machine: they must arrive before rank 0 gives up.
-    port, procs, errs, wait = str(free_port()), [], [], round(slack.guard(10))
+    port, procs, errs, wait = str(free_port()), [], [], round(slack.guard(12))
     for n, rank in enumerate((0, 1, 1)):
         errs.append(tmp_path / f"process{n}.err")
         with open(errs[-1], "w") as err:
@@ -223,7 +224,7 @@ def test_every_rank_that_came_names_the_rank_that_never_did(tmp_path):
                 )
             )
         deadline = time.monotonic() + slack.guard(30)
-        while n < 2 and f"rank {rank} has waited 0.5 s" not in errs[n].read_text():
+        while n == 0 and "rank 0 has waited 0.5 s" not in errs[0].read_text():
             assert time.monotonic() < deadline and procs[n].poll() is None, errs[n].read_text()
             time.sleep(0.05)
     outs = [p.communicate(timeout=slack.guard(60))[0] for p in procs]
@@ -233,8 +234,9 @@ def test_every_rank_that_came_names_the_rank_that_never_did(tmp_path):
     )
     for p, out, err in zip(procs, outs, errs):
         assert p.returncode == 0 and out.startswith("raised ClusterError "), out + err.read_text()
-    assert said in outs[0] and said in outs[1], outs[0] + outs[1]
-    assert "as RANK 1 already: two processes were given the same RANK" in outs[2], outs[2]
+    second = [n for n in (1, 2) if "as RANK 1 already: two processes were given" in outs[n]]
+    assert len(second) == 1, outs
+    assert said in outs[0] and said in outs[3 - second[0]], outs
 
 
 def test_ranks_of_torchrun_nodes_restarted_apart_are_told_why():
