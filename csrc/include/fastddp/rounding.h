@@ -189,16 +189,21 @@ FASTDDP_HD float block_scale_or_inverse(uint32_t absmax_bits, float qmax, bool i
   return block_nonfinite(absmax_bits) ? float_of(0x7fc00000u) : step;
 }
 
+// The code of v in a block whose absmax is finite and at least |v|, inverse its
+// block_inverse. To nearest, it needs no clamp: inverse = RN(qmax / absmax) is at most
+// (qmax / absmax)(1 + 2^-24), so |v| * inverse rounds to qmax plus at most one ulp of qmax
+// (qmax * 2^-24 is below that ulp for qmax 127, 7 and 1), which rounds to qmax. A stochastic
+// draw can carry that ulp up to qmax + 1: clamped.
 FASTDDP_HD int8_t quantize_code(float v, float inverse, float qmax, bool stochastic, uint32_t r) {
   const float x = mul(v, inverse);
   float q;
   if (stochastic) {
     const float whole = floor_of(x);
     q = whole + ((x - whole) > random_unit(r) ? 1.0f : 0.0f);
+    q = q > qmax ? qmax : (q < -qmax ? -qmax : q);
   } else {
     q = round_even(x);
   }
-  q = q > qmax ? qmax : (q < -qmax ? -qmax : q);
   return static_cast<int8_t>(static_cast<int32_t>(q));
 }
 
