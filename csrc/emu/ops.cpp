@@ -123,6 +123,9 @@ const char* fastddp_emu_decompress(int k, const uint16_t* in, float* out, int64_
 const char* fastddp_emu_sum_chunks(int k, const uint16_t* in, int64_t chunks, int64_t m,
                                    uint16_t* out, float* residual, float scale, int64_t seed,
                                    int* flag) {
+  if (chunks < 1) {  // (the op refuses it before any launch: its kernels read row 0)
+    return "sum_chunks needs at least one row";
+  }
   return run(SumChunksArgs{{kind(k), in, chunks, m, out, scale}, {residual, seed, flag}});
 }
 #endif
@@ -130,6 +133,9 @@ const char* fastddp_emu_sum_chunks(int k, const uint16_t* in, int64_t chunks, in
 #if !defined(FASTDDP_EMU_ONLY) || defined(FASTDDP_EMU_OP_widen_sum)
 const char* fastddp_emu_widen_sum(int k, const uint16_t* in, int64_t chunks, int64_t m,
                                   float* out, float scale) {
+  if (chunks < 1) {
+    return "widen_sum needs at least one row";
+  }
   return run(WidenSumArgs{kind(k), in, chunks, m, out, scale});
 }
 #endif

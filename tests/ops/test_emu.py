@@ -121,6 +121,15 @@ def test_extreme_blocks_quantize_as_on_the_cpu(emu, bits, block):
             check_quantize_packed(emu, bits, n, block, variant, extreme=True)
 
 
+def test_a_sum_of_no_rows_is_refused(emu):
+    # As the op refuses it: the kernels read row 0 of the rows they sum.
+    rows = torch.empty(0, 64, dtype=torch.bfloat16)
+    with pytest.raises(emulator.EmuError, match="sum_chunks needs at least one row"):
+        emu.sum_chunks(rows, torch.empty(64, dtype=torch.bfloat16))
+    with pytest.raises(emulator.EmuError, match="widen_sum needs at least one row"):
+        emu.widen_sum(rows, torch.empty(64))
+
+
 def test_thread_and_block_order_do_not_change_the_bits():
     results = []
     src = torch.randn(3 * 2048 * 8 + 5, generator=torch.Generator().manual_seed(0))
