@@ -69,8 +69,11 @@ def _same(what: str, cpu: torch.Tensor, emu: torch.Tensor, nan_equal: bool = Fal
 
 # Runs of 128 elements, so that every block of up to 128 lies in one: all zeros; so small
 # that qmax / absmax overflows (its inverse is 0); FLT_MAX, whose absmax / qmax times qmax
-# rounds past it (the scale is taken one step down); one inf; one NaN; ordinary values.
-_EXTREMES = (0.0, 1e-38, torch.finfo(torch.float32).max, float("inf"), float("nan"), None)
+# rounds past it (the scale is taken one step down); one inf; one NaN; ordinary values; and
+# all of magnitude 1.0008252859 (then 1.0008854866), whose own code before rounding is an ulp
+# past 127 (then 7): rounded to nearest, 127 (7) again.
+_EXTREMES = (0.0, 1e-38, torch.finfo(torch.float32).max, float("inf"), float("nan"), None,
+             "edge")  # fmt: skip
 
 
 def _data(n: int, seed: int, special: bool = False, extreme: bool = False) -> torch.Tensor:
@@ -82,6 +85,11 @@ def _data(n: int, seed: int, special: bool = False, extreme: bool = False) -> to
             part = x[start : start + 128]
             if kind in (0.0, 1e-38):
                 part.copy_(torch.randn(part.shape, generator=gen) * kind)
+            elif kind == "edge":
+                sign = torch.randint(0, 2, part.shape, generator=gen) * 2.0 - 1.0
+                half = len(part) // 2
+                part[:half] = sign[:half] * 1.0008252859115601
+                part[half:] = sign[half:] * 1.0008854866027832
             elif kind is not None:
                 part[len(part) // 2] = kind
     if special and n > 10:

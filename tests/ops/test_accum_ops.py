@@ -283,6 +283,30 @@ def test_quantize_int8_divides_once_and_rounds_half_to_even(device):
     assert quantize_ref(v, 2)[0].tolist() == [127, -64]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)], indirect=True)
+@pytest.mark.parametrize("bits, absmax", [(8, 1.0008252859115601), (4, 1.0008854866027832)])
+def test_a_code_to_nearest_stays_in_range_where_the_inverse_rounds_up(device, bits, absmax):
+    # RN(qmax / absmax) times absmax is qmax plus an ulp for these absmax (found by a search
+    # over every float in [1, 8)): rounding to nearest must give qmax again, as it does without
+    # a clamp; a code past qmax would wrap (128 is -128 in int8, 8 is -8 in int4).
+    qmax = (1 << (bits - 1)) - 1
+    x = torch.tensor([absmax, -absmax, absmax, 0.5] * 8, device=device)
+    scales = torch.empty(8, device=device)
+    out = torch.empty(32, device=device)
+    if bits == 8:
+        q = torch.empty(32, dtype=torch.int8, device=device)
+        ops.quantize_int8(x, q, scales, 4)
+        ops.unpack_int8(q, scales, out, 4)
+    else:
+        q = torch.empty(16, dtype=torch.uint8, device=device)
+        ops.quantize_packed(x, q, scales, bits, 4)
+        ops.unpack_packed(q, scales, out, bits, 4)
+    step = scales.cpu()[0].item()
+    assert abs(step * qmax - absmax) <= absmax * 2**-23, (step, absmax)
+    want = torch.tensor([qmax, -qmax, qmax, round(0.5 / step)] * 8) * torch.tensor(step)
+    assert torch.equal(out.cpu(), want), (out, want)
+
+
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_a_block_at_the_largest_float_stays_finite(bits):
     # 127 * (FLT_MAX / 127) rounds past FLT_MAX: the stored scale must be the float below, or
