@@ -86,13 +86,16 @@ def store_for(
 
 
 def _apart_hint(env, world: int) -> Optional[str]:
-    """Under plain torchrun on several nodes: why ranks that were all started may never meet."""
-    if int(env.get("LOCAL_WORLD_SIZE", world)) >= world:
+    """Under plain torchrun on several nodes: why ranks that were all started may never meet,
+    or meet the keys of an earlier round."""
+    local = env.get("LOCAL_WORLD_SIZE") or ""
+    if local.isdigit() and int(local) >= world:
         return None  # one node: every rank counts the same restarts
     return (
         f"under torchrun, this node's workers have restarted "
-        f"{env.get('TORCHELASTIC_RESTART_COUNT', 0)} time(s), and ranks of nodes restarted a "
-        "different number of times wait apart (torchrun keeps one store across restarts); "
+        f"{env.get('TORCHELASTIC_RESTART_COUNT', 0)} time(s); torchrun keeps one store across "
+        "restarts and counts a restart only on a node whose workers failed, so ranks of nodes "
+        "that counted differently wait apart, or meet an earlier round's keys; "
         "python -m fastddp.launch gives every round a store of its own"
     )
 
@@ -155,7 +158,7 @@ def agree(
             f"fastddp.init_distributed: another process joined the store at MASTER_ADDR:"
             f"MASTER_PORT as RANK {rank} already: two processes were given the same RANK, or "
             "another job uses that port; give each process its own RANK, and each job its own "
-            "port"
+            "port" + (f"; {hint}" if hint else "")
         )
     store.append(f"{_KEY}came", f"{rank} ")  # read in one request by a rank that gives up
     if store.add(f"{_KEY}backend/{backend}", 1) == 1:
