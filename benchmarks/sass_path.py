@@ -3,8 +3,8 @@
 Nsight Compute found quantize bound by its instruction count (355 warp instructions per 256
 elements for int8 on an H200), so the count is a figure to track where no GPU is at hand.
 This compiles a probe kernel that runs one whole step of ``quantize_vec_kernel`` (one row, a
-block of 128 elements, to nearest, no error feedback: the path a flat bucket takes) for each
-code width, and counts the machine instructions from the kernel's entry to its first
+block of 128 elements, to nearest: the path a flat bucket takes) for each code width, without
+and with error feedback, and counts the machine instructions from the kernel's entry to its first
 unconditional ``EXIT``: a step's straight line, with the branches around the rare paths (an
 IEEE division's slow path) counted but not their targets. A warp's step is 256 elements, so
 the count compares with Nsight Compute's instructions per 256 elements; it leaves out the
@@ -30,12 +30,12 @@ PROBE = """
 using namespace fastddp;
 using namespace fastddp::kernels;
 
-template <int kBits>
+template <int kBits, bool kFeedback>
 __global__ void __launch_bounds__(kThreads, 4) whole_step(QuantizeArgs a, Codes codes,
                                                           int64_t first, int* out) {
   constexpr int kBlockLog2 = 5;  // 32 chunks: a block of 128 elements
   math::Mode mode = a.rounding.mode();
-  mode.feedback = false;
+  mode.feedback = kFeedback;
   mode.stochastic = false;
   const WholeStep w = whole_step_of<kBits>(a, codes, first, kBlockLog2 + 2);
   const bool bad = quantize_runs<kBits, true, true>(a, mode, first, kBlockLog2,
@@ -44,9 +44,12 @@ __global__ void __launch_bounds__(kThreads, 4) whole_step(QuantizeArgs a, Codes 
     *out = 1;
   }
 }
-template __global__ void whole_step<8>(QuantizeArgs, Codes, int64_t, int*);
-template __global__ void whole_step<4>(QuantizeArgs, Codes, int64_t, int*);
-template __global__ void whole_step<2>(QuantizeArgs, Codes, int64_t, int*);
+template __global__ void whole_step<8, false>(QuantizeArgs, Codes, int64_t, int*);
+template __global__ void whole_step<4, false>(QuantizeArgs, Codes, int64_t, int*);
+template __global__ void whole_step<2, false>(QuantizeArgs, Codes, int64_t, int*);
+template __global__ void whole_step<8, true>(QuantizeArgs, Codes, int64_t, int*);
+template __global__ void whole_step<4, true>(QuantizeArgs, Codes, int64_t, int*);
+template __global__ void whole_step<2, true>(QuantizeArgs, Codes, int64_t, int*);
 """
 
 
@@ -76,14 +79,15 @@ def main(argv=None) -> int:
             raise SystemExit(f"sass_path: {' '.join(cmd)} failed:\n{res.stderr}")
         kernels = sass_check.parse(sass_check.sass_of_cubin(cubin))
     for kernel in sorted(kernels, key=lambda k: k.name):
-        m = re.search(r"whole_stepILi(\d)E", kernel.name)
+        m = re.search(r"whole_stepILi(\d)ELb([01])E", kernel.name)
         if not m:
             continue
         ops = straight_line(kernel)
         kinds = Counter(op.split(".")[0] for op in ops)
         top = ", ".join(f"{op} {n}" for op, n in kinds.most_common(6))
-        print(f"quantize int{m.group(1)}, a whole step of 256 elements: {len(ops)} instructions "
-              f"({top})")  # fmt: skip
+        mode = " with error feedback" if m.group(2) == "1" else ""
+        print(f"quantize int{m.group(1)}{mode}, a whole step of 256 elements: {len(ops)} "
+              f"instructions ({top})")  # fmt: skip
     return 0
 
 
