@@ -114,15 +114,18 @@ def test_torch_fp16_hook_cpu_work(benchmark, bucket_bytes):
 _BLOCK = 128
 
 
-def _block_codec(n, bits):
-    """(scales, quantize(src, scale), unpack(out)) over the codes of ``n`` elements."""
+def _block_codec(n, bits, residual=None):
+    """(scales, quantize(src, scale), unpack(out)) over the codes of ``n`` elements; with error
+    feedback into ``residual`` where one is given."""
     scales = torch.empty(-(-n // _BLOCK))
     if bits == 8:
         q = torch.empty(n, dtype=torch.int8)
-        return (scales, lambda src, s=1.0: ops.quantize_int8(src, q, scales, _BLOCK, s),
+        return (scales,
+                lambda src, s=1.0: ops.quantize_int8(src, q, scales, _BLOCK, s, None, residual),
                 lambda out: ops.unpack_int8(q, scales, out, _BLOCK))  # fmt: skip
     q = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
-    return (scales, lambda src, s=1.0: ops.quantize_packed(src, q, scales, bits, _BLOCK, s),
+    return (scales,
+            lambda src, s=1.0: ops.quantize_packed(src, q, scales, bits, _BLOCK, s, None, residual),
             lambda out: ops.unpack_packed(q, scales, out, bits, _BLOCK))  # fmt: skip
 
 
@@ -143,6 +146,26 @@ def test_fastddp_quantize(benchmark, bucket_bytes, bits):
     unpack(out)
     step = scales.repeat_interleave(_BLOCK)[: src.numel()]
     assert ((out - src / WORLD).abs() <= step * 0.5001).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2], ids=["int8", "int4", "int2"])
+def test_fastddp_quantize_feedback(benchmark, bucket_bytes, bits):
+    # As above, with error feedback (the int8-ef preset's encode): the residual read and
+    # written too. Each call adds the residual the last one left, as a training step does.
+    label, nbytes = bucket_bytes
+    src = _bucket(nbytes)
+    residual = torch.zeros_like(src)
+    scales, quantize, unpack = _block_codec(src.numel(), bits, residual)
+    _group(benchmark, label, f"fastddp quantize int{bits} ef",
+           _codec_bytes(nbytes, bits) + 2 * nbytes)  # fmt: skip
+    benchmark(quantize, src, 1.0 / WORLD)
+    residual.zero_()
+    quantize(src, 1.0 / WORLD)
+    out = torch.empty_like(src)
+    unpack(out)
+    # What was sent plus what was kept is the input, to a rounding.
+    tol = 1e-6 * src.abs().max().item()
+    torch.testing.assert_close(out + residual, src / WORLD, rtol=1e-6, atol=tol)
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2], ids=["int8", "int4", "int2"])
