@@ -368,8 +368,8 @@ __device__ __forceinline__ bool quantize_runs(
 // At most 64 registers, so that 4 blocks fit on a multiprocessor (66 gave 3). An instance for
 // each mode (kFeedback: error feedback; kStochastic: stochastic rounding), which the launch
 // picks: as constants they leave no branch on the mode, and no other mode's code, in the loop.
-// Error feedback with stochastic rounding keeps a division per lane (kShare false): with
-// step_values it needed a 65th register, and spilled one to local memory.
+// Error feedback with stochastic rounding keeps its divisions in every lane (kShare false):
+// with step_values it needed a 65th register, and spilled one to local memory.
 template <int kBits, bool kFeedback, bool kStochastic>
 __global__ void __launch_bounds__(kThreads, 4) quantize_vec_kernel(QuantizeArgs a, Codes codes) {
   constexpr bool kShare = !(kFeedback && kStochastic);
