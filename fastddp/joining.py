@@ -72,7 +72,7 @@ def store_for(
     join: int = 0,
 ) -> tuple[dist.Store, str, Optional[str]]:
     """The store of this launch attempt, the attempt's name (for the peer watchdog), and what
-    :func:`agree` should add where a rank never comes (or None).
+    :func:`agree` should add where a rank never comes or a RANK is taken (or None).
 
     ``join`` counts this process's earlier joins (a session after
     :func:`~fastddp.shutdown_distributed`): from the second on, the keys get a prefix of their
@@ -236,13 +236,14 @@ def _gave_up(
         missing = [str(r) for r in range(world) if str(r) not in came]
         if store.check([f"{_KEY}twice"]):
             twice = sorted(set(store.get(f"{_KEY}twice").decode().split()), key=int)
+    gone = isinstance(error, dist.DistNetworkError)
     who = "not every rank came"
-    if isinstance(error, dist.DistNetworkError):
+    if gone:
         who = "the store went away (the process that served it ended?)"
     elif missing:
         shown = ", ".join(missing[:16]) + (", ..." if len(missing) > 16 else "")
         who = f"{len(missing)} of {world} rank(s) never came ({shown})"
-    if twice and not isinstance(error, dist.DistNetworkError):
+    if twice and not gone:
         who += f", and RANK {', '.join(twice)} was given to two processes (the second raised)"
     if missing and hint:
         who += f"; {hint}"
