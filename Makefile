@@ -53,6 +53,9 @@ demo: build
 # local memory (benchmarks/sass_check.py).
 # Without nvcc this is skipped with a message, unless REQUIRE_CUDA_CHECK=1 (as in CI).
 NVCC := $(shell command -v nvcc 2>/dev/null)
+# cuobjdump from PATH, else the one make setup installs (expanded when used, after setup).
+CUOBJDUMP = $(firstword $(shell command -v cuobjdump 2>/dev/null) \
+	$(wildcard $(VENV)/lib/python3*/site-packages/nvidia/cu*/bin/cuobjdump))
 cuda-check: setup
 ifeq ($(NVCC),)
 	@if [ "$(REQUIRE_CUDA_CHECK)" = 1 ]; then echo "nvcc not found; the CUDA check is required"; exit 1; fi
@@ -63,9 +66,10 @@ else
 		-DFASTDDP_UNITY=ON -DFASTDDP_DDP_HOOKS=OFF
 	$(BIN)/cmake --build build-cmake
 	readelf -S build-cmake/_C.so | grep -q .nv_fatbin
-	# The cubins embedded for each architecture record the ptxas options they were made with.
-	strings build-cmake/_C.so | grep -q -- '-arch sm_80'
-	strings build-cmake/_C.so | grep -q -- '-arch sm_90'
+	# A cubin for each architecture (cuobjdump lists them; nvcc compresses a large fatbin, so
+	# their text is not in the file as it is).
+	$(CUOBJDUMP) -lelf build-cmake/_C.so | grep -q 'sm_80\.cubin'
+	$(CUOBJDUMP) -lelf build-cmake/_C.so | grep -q 'sm_90\.cubin'
 	! nm -uC build-cmake/_C.so | grep -q 'fastddp::'
 	# Bit parity with the CPU: no FMA nvcc or ptxas could contract, no approximate math, in the
 	# PTX of every kernel, compiled with the flags of the build above.

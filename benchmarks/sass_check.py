@@ -46,8 +46,12 @@ VECTOR = (
     "unpack_vec_kernel",
 )
 
-# Kernels of VECTOR that need only the 128-bit store in a loop, and why their loads are narrower.
+# Kernels of VECTOR that need only the 128-bit store in a loop, and why their loads are narrower;
+# `name (requantize)` for a kernel's instances that sum rows of codes (values.cuh SummedRows).
 STORES_ONLY = {
+    "quantize_vec_kernel (requantize)": "it reads rows of codes as dequantize_vec_kernel does, "
+    "each lane its own piece of each row; with error feedback the residual is loaded 16 bytes "
+    "a lane",
     "dequantize_vec_kernel": "each lane loads its own piece of codes (4, 2 or 1 bytes), so that "
     "a warp's load is 32 consecutive pieces, every byte used; the group's shared 16 bytes cost "
     "4 registers a load, which left 2 of int8's 8 loads in flight. Its codes are a fifth of "
@@ -152,12 +156,14 @@ def short_name(mangled: str) -> str:
 def template_args(mangled: str, name: str) -> str:
     """The template arguments of an instance, enough to tell instances apart."""
     rest = mangled.split(name, 1)[-1]
-    ints = re.match(r"ILi(\d+)E((?:Lb[01]E)*)E", rest)  # an int, then any bools
+    # An int, then any bools, then what quantize_vec_kernel rounds (values.cuh).
+    ints = re.match(r"ILi(\d+)E((?:Lb[01]E)*)(?:NS0_\d+(FlatValues|SummedRows))?", rest)
     if ints:
         flags = "".join(
             ", true" if b == "1" else ", false" for b in re.findall(r"Lb([01])E", ints.group(2))
         )
-        return f"<{ints.group(1)}{flags}>"
+        values = f", {ints.group(3)}" if ints.group(3) else ""
+        return f"<{ints.group(1)}{flags}{values}>"
     kind = re.match(r"ILNS_4math8WireKindE(\d)E", rest)
     if kind:
         return "<kBf16>" if kind.group(1) == "1" else "<kFp16>"
@@ -213,9 +219,10 @@ def judge(kernel: Kernel, vector=VECTOR, exempt=None) -> Verdict:
     if name not in vector:
         return Verdict(label, False, ["not in VECTOR or EXEMPT: say what it must do"])
     needed = ("LDG", "STG")
-    if name in STORES_ONLY:
+    key = f"{name} (requantize)" if "10SummedRows" in kernel.name else name
+    if key in STORES_ONLY:
         needed = ("STG",)
-        lines.append(f"loads narrower: {STORES_ONLY[name]}")
+        lines.append(f"loads narrower: {STORES_ONLY[key]}")
     missing = [op for op in needed if op not in wide_in_loop]
     if missing:
         lines.append(f"FAILED: no 128-bit {' or '.join(missing)} in any loop")

@@ -8,7 +8,7 @@ the results, so the suite cannot rot. ``python benchmarks/ratios.py out.json`` t
 import pytest
 import torch
 
-from fastddp import ops
+from fastddp import codecs, ops
 
 WORLD = 2  # the division by world size that each hook folds in
 
@@ -166,6 +166,42 @@ def test_fastddp_quantize_feedback(benchmark, bucket_bytes, bits):
     # What was sent plus what was kept is the input, to a rounding.
     tol = 1e-6 * src.abs().max().item()
     torch.testing.assert_close(out + residual, src / WORLD, rtol=1e-6, atol=tol)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2], ids=["int8", "int4", "int2"])
+@pytest.mark.parametrize("way", ["requantize", "two-step"])
+def test_fastddp_reduce_codes(benchmark, bucket_bytes, bits, way):
+    # The reduce step of the codecs' reduce-scatter, with error feedback (int8-ef's): the
+    # bucket's WORLD rows of codes received, summed in fp32, times 1 / WORLD, and quantised
+    # again into one row. requantize does it in one pass; two-step dequantizes into an fp32
+    # shard and quantizes that, as the codecs did before it. Both write the same bits.
+    label, nbytes = bucket_bytes
+    codec = codecs.codec_for({8: torch.int8, 4: torch.int4, 2: torch.int2}[bits])
+    shard = nbytes // 4 // WORLD
+    rows = torch.empty(WORLD, codec.row_elems(shard), dtype=codec.wire_dtype)
+    codec.encode(_bucket(nbytes), rows, shard)
+    outs, residuals = {}, {}
+    for w in ("requantize", "two-step"):
+        out = torch.zeros(codec.row_elems(shard), dtype=codec.wire_dtype)  # padding too
+        residual = torch.zeros(shard)
+        total = torch.empty(shard)
+
+        def reduce(w=w, out=out, residual=residual, total=total):
+            if w == "requantize":
+                codec.reduce(rows, out, shard, 1.0 / WORLD, None, residual)
+            else:
+                codec.sum_into(rows, shard, total, 1.0 / WORLD)
+                codec.encode(total, out.view(1, -1), shard, 1.0, None, residual)
+
+        outs[w], residuals[w] = (out, reduce), residual
+    moved = nbytes * bits // 32 + shard * bits // 8 + 8 * shard  # codes in and out, residual
+    _group(benchmark, label, f"fastddp reduce int{bits} ef {way}", moved)
+    benchmark(outs[way][1])
+    for w in outs:
+        residuals[w].zero_()
+        outs[w][1]()
+    assert torch.equal(outs["requantize"][0], outs["two-step"][0])
+    assert torch.equal(residuals["requantize"], residuals["two-step"])
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2], ids=["int8", "int4", "int2"])

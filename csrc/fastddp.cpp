@@ -60,6 +60,14 @@ TORCH_LIBRARY(fastddp, m) {
   m.def(
       "unpack_packed(Tensor src, Tensor scales, Tensor(a!) dst, int bits, int block_size, "
       "float scale) -> ()");
+  // dequantize_int8 / _packed (`bits` 8, 4 or 2) of the P rows of `src` [P, bytes] in fp32,
+  // times `scale`, then quantize_int8 / _packed of that sum with scale 1 into the one row
+  // `dst` (and `dst_scales`), in one pass: the same bits, without the fp32 sum in memory. A row
+  // of `src` holds bytes * 8 / bits codes, as does `dst` (and `residual`, when given).
+  m.def(
+      "requantize(Tensor src, Tensor src_scales, Tensor(a!) dst, Tensor(b!) dst_scales, int bits, "
+      "int block_size, float scale, Tensor(c!)? found_nonfinite=None, "
+      "Tensor(d!)? residual=None, int seed=-1) -> ()");
 }
 
 namespace fastddp {
@@ -125,7 +133,7 @@ void bump_versions(
 constexpr const char* kOps[] = {
     "compress",        "decompress",      "sum_chunks",        "widen_sum",
     "quantize_int8",   "dequantize_int8", "unpack_int8",       "quantize_packed",
-    "dequantize_packed", "unpack_packed"};
+    "dequantize_packed", "unpack_packed", "requantize"};
 
 }  // namespace
 }  // namespace fastddp

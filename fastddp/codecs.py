@@ -101,10 +101,6 @@ class Codec(ABC):
         """Bytes that carry ``n`` values (with their side data)."""
         return self.row_elems(n) * self.wire_dtype.itemsize
 
-    def scratch(self, shard: int, device: torch.device) -> dict[str, torch.Tensor]:
-        """Persistent work buffers for :meth:`reduce`."""
-        return {}
-
     def encode(self, src, rows, shard, scale=1.0, flag=None, residual=None, seed=-1) -> None:
         """Write ``src * scale`` (+ ``residual``) into ``rows``, end to end."""
         run_calls(self.encode_calls(src, rows, shard, scale, flag, residual, seed))
@@ -113,10 +109,10 @@ class Codec(ABC):
         """Sum the rows in fp32, times ``scale``, into the fp32 ``dst`` of ``shard`` values."""
         run_calls(self.sum_calls(rows, shard, dst, scale))
 
-    def reduce(self, rows, out, shard, scale=1.0, flag=None, residual=None, seed=-1, scratch=None):
+    def reduce(self, rows, out, shard, scale=1.0, flag=None, residual=None, seed=-1) -> None:
         """Sum the rows in fp32, times ``scale``, and encode the sum, rounded once, into the
         row ``out``."""
-        run_calls(self.reduce_calls(rows, out, shard, scale, flag, residual, seed, scratch))
+        run_calls(self.reduce_calls(rows, out, shard, scale, flag, residual, seed))
 
     def decode(self, rows, shard, dst) -> None:
         """Read ``dst.numel()`` values back from ``rows``, end to end, into the fp32 ``dst``."""
@@ -131,7 +127,7 @@ class Codec(ABC):
         """The calls of :meth:`sum_into`."""
 
     @abstractmethod
-    def reduce_calls(self, rows, out, shard, scale, flag, residual, seed, scratch) -> list[Call]:
+    def reduce_calls(self, rows, out, shard, scale, flag, residual, seed) -> list[Call]:
         """The calls of :meth:`reduce`."""
 
     @abstractmethod
@@ -157,7 +153,7 @@ class HalfCodec(Codec):
     def sum_calls(self, rows, shard, dst, scale):
         return [(_OPS.widen_sum.default, (rows.view(-1, shard), dst, scale), {})]
 
-    def reduce_calls(self, rows, out, shard, scale, flag, residual, seed, scratch):
+    def reduce_calls(self, rows, out, shard, scale, flag, residual, seed):
         src = rows.view(-1, shard)
         return [(_OPS.sum_chunks.default, (src, out.view(-1), scale, flag, residual, seed), {})]
 
@@ -171,6 +167,7 @@ class Int8Codec(Codec):
     name = "int8"
     code = 3
     wire_dtype = torch.int8
+    _bits = 8  # bits per code, as requantize takes them
     sums_on_wire = False  # int8 values of different scales cannot be added as they are
     plain = False
 
@@ -189,9 +186,6 @@ class Int8Codec(Codec):
         # rows of a gathered payload then start 16-byte aligned, as the GPU kernels' 16-byte
         # accesses to a group of codes need.
         return _round16(_round16(self._bytes(shard)) + 4 * -(-shard // self.block_size))
-
-    def scratch(self, shard: int, device: torch.device) -> dict[str, torch.Tensor]:
-        return {"sum": torch.empty(shard, device=device)}
 
     def _split(self, rows: torch.Tensor, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Views of the values and the scales of every row; rows stay where they are.
@@ -235,12 +229,13 @@ class Int8Codec(Codec):
         values, scales = self._split(rows, shard)
         return [(_OPS.dequantize_int8.default, (values, scales, dst, self.block_size, scale), {})]
 
-    def reduce_calls(self, rows, out, shard, scale, flag, residual, seed, scratch):
-        total = scratch["sum"] if scratch else torch.empty(shard, device=rows.device)
-        return [
-            *self.sum_calls(rows, shard, total, scale),
-            *self.encode_calls(total, out.view(1, -1), shard, 1.0, flag, residual, seed),
-        ]
+    def reduce_calls(self, rows, out, shard, scale, flag, residual, seed):
+        # One pass: the rows' codes summed in fp32 and quantised again, the sum never stored.
+        values, scales = self._split(rows, shard)
+        out_values, out_scales = self._split(out.view(1, -1), shard)
+        args = (values, scales, out_values, out_scales, self._bits, self.block_size, scale, flag,
+                residual, seed)  # fmt: skip
+        return [(_OPS.requantize.default, args, {})]
 
     def decode_calls(self, rows, shard, dst):
         values, scales = self._split(rows, shard)
@@ -255,7 +250,7 @@ class PackedCodec(Int8Codec):
 
     def __init__(self, bits: int, block_size: int) -> None:
         super().__init__(block_size)
-        self.bits = bits
+        self.bits = self._bits = bits
         self.name = f"int{bits}"
         self.code = CODECS[torch.int4 if bits == 4 else torch.int2].code
 

@@ -5,6 +5,7 @@ from typing import Optional
 import torch
 
 from fastddp import _extension
+from fastddp._ops_support import named, one_device
 
 __all__ = [
     "compress",
@@ -13,6 +14,7 @@ __all__ = [
     "dequantize_packed",
     "quantize_int8",
     "quantize_packed",
+    "requantize",
     "sum_chunks",
     "unpack_int8",
     "unpack_packed",
@@ -20,6 +22,9 @@ __all__ = [
 ]
 
 _extension.load()
+
+# The packed codes' ops and requantize, in a module of their own (loaded after the extension).
+from fastddp._ops_packed import dequantize_packed, quantize_packed, requantize, unpack_packed  # noqa: E402
 
 _WIRE_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -30,26 +35,6 @@ def _check_pair(op: str, bucket: torch.Tensor, wire: torch.Tensor) -> None:
     torch._check(wire.dtype in _WIRE_DTYPES, lambda: f"fastddp.{op}: wire must be fp16/bf16")
     torch._check(bucket.device == wire.device, lambda: f"fastddp.{op}: devices differ")
     torch._check(bucket.numel() == wire.numel(), lambda: f"fastddp.{op}: lengths differ")
-
-
-def _one_device(op: str, *tensors: Optional[torch.Tensor]) -> None:
-    # A meta tensor among real ones sends the call here, not to the kernels' device checks:
-    # without this, a meta flag, residual or scales made a CPU call do nothing at all.
-    devices = {t.device for t in tensors if t is not None}
-    torch._check(
-        len(devices) <= 1,
-        lambda: (
-            f"fastddp.{op}: the tensors are on {', '.join(sorted(map(str, devices)))}; "
-            "allocate them on one device"
-        ),
-    )
-
-
-def _named(wrapper, name: str, doc: str):
-    # The public name and docstring of a wrapper that one of the factories below made.
-    wrapper.__name__ = wrapper.__qualname__ = name
-    wrapper.__doc__ = doc
-    return wrapper
 
 
 def _rounding_op(name: str, doc: str):
@@ -66,7 +51,7 @@ def _rounding_op(name: str, doc: str):
     ) -> None:
         op(src, dst, scale, found_nonfinite, residual, seed)
 
-    return _named(wrapper, name, doc)
+    return named(wrapper, name, doc)
 
 
 def _dequantizing_op(name: str, doc: str):
@@ -82,7 +67,7 @@ def _dequantizing_op(name: str, doc: str):
     ) -> None:
         op(src, scales, dst, block_size, scale)
 
-    return _named(wrapper, name, doc)
+    return named(wrapper, name, doc)
 
 
 compress = _rounding_op(
@@ -107,7 +92,7 @@ compress = _rounding_op(
 @torch.library.register_fake("fastddp::compress")
 def _compress_fake(src, dst, scale, found_nonfinite=None, residual=None, seed=-1):
     _check_pair("compress", src, dst)
-    _one_device("compress", src, dst, found_nonfinite, residual)
+    one_device("compress", src, dst, found_nonfinite, residual)
     return None
 
 
@@ -125,7 +110,7 @@ def decompress(src: torch.Tensor, dst: torch.Tensor, scale: float = 1.0) -> None
 @torch.library.register_fake("fastddp::decompress")
 def _decompress_fake(src, dst, scale):
     _check_pair("decompress", dst, src)
-    _one_device("decompress", src, dst)
+    one_device("decompress", src, dst)
     return None
 
 
@@ -149,7 +134,7 @@ def _sum_chunks_fake(src, dst, scale, found_nonfinite=None, residual=None, seed=
     torch._check(src.dim() == 2, lambda: "fastddp.sum_chunks: src must be [chunks, m]")
     torch._check(src.dtype == dst.dtype, lambda: "fastddp.sum_chunks: dtypes differ")
     torch._check(dst.numel() == src.shape[1], lambda: "fastddp.sum_chunks: lengths differ")
-    _one_device("sum_chunks", src, dst, found_nonfinite, residual)
+    one_device("sum_chunks", src, dst, found_nonfinite, residual)
     return None
 
 
@@ -173,7 +158,7 @@ def _widen_sum_fake(src, dst, scale):
     torch._check(src.dtype in _WIRE_DTYPES, lambda: "fastddp.widen_sum: src must be fp16/bf16")
     torch._check(dst.dtype == torch.float32, lambda: "fastddp.widen_sum: dst must be float32")
     torch._check(dst.numel() == src.shape[1], lambda: "fastddp.widen_sum: lengths differ")
-    _one_device("widen_sum", src, dst)
+    one_device("widen_sum", src, dst)
     return None
 
 
@@ -220,7 +205,7 @@ def _quantize_int8_fake(
         torch._check(src.numel() == dst.numel(), lambda: "fastddp.quantize_int8: lengths differ")
     else:
         torch._check(src.numel() <= dst.numel(), lambda: "fastddp.quantize_int8: too long")
-    _one_device("quantize_int8", src, dst, scales, found_nonfinite, residual)
+    one_device("quantize_int8", src, dst, scales, found_nonfinite, residual)
     return None
 
 
@@ -247,7 +232,7 @@ def _dequantize_int8_fake(src, scales, dst, block_size, scale):
         lambda: "fastddp.dequantize_int8: src must be [chunks, m] with at least one row",
     )
     torch._check(dst.numel() == src.shape[1], lambda: "fastddp.dequantize_int8: lengths differ")
-    _one_device("dequantize_int8", src, scales, dst)
+    one_device("dequantize_int8", src, scales, dst)
     return None
 
 
@@ -272,57 +257,5 @@ unpack_int8 = _dequantizing_op(
 def _unpack_int8_fake(src, scales, dst, block_size, scale):
     torch._check(src.dtype == torch.int8, lambda: "fastddp.unpack_int8: src must be int8")
     torch._check(dst.numel() <= src.numel(), lambda: "fastddp.unpack_int8: too long")
-    _one_device("unpack_int8", src, scales, dst)
-    return None
-
-
-def quantize_packed(src, dst, scales, bits: int, block_size: int, scale: float = 1.0,
-                    found_nonfinite=None, residual=None, seed: int = -1) -> None:  # fmt: skip
-    """:func:`quantize_int8` for ``bits`` = 4 or 2: codes in ``[-7, 7]`` or ``[-1, 1]``
-    (``scales[b] = absmax / 7`` or ``absmax``), packed ``8 / bits`` to a byte of the uint8
-    ``dst``, code ``j`` of a byte in bits ``[j * bits, (j + 1) * bits)``, two's complement.
-
-    ``dst`` is 1-D with ``ceil(n * bits / 8)`` bytes, or ``[R, m]`` rows of ``m * 8 / bits``
-    codes; ``block_size`` is a multiple of ``8 / bits``, so that a block holds whole bytes.
-    """
-    torch.ops.fastddp.quantize_packed.default(
-        src, dst, scales, bits, block_size, scale, found_nonfinite, residual, seed
-    )
-
-
-@torch.library.register_fake("fastddp::quantize_packed")
-def _quantize_packed_fake(
-    src, dst, scales, bits, block_size, scale, found_nonfinite=None, residual=None, seed=-1
-):
-    torch._check(dst.dtype == torch.uint8, lambda: "fastddp.quantize_packed: dst must be uint8")
-    torch._check(bits in (4, 2), lambda: "fastddp.quantize_packed: bits must be 4 or 2")
-    _one_device("quantize_packed", src, dst, scales, found_nonfinite, residual)
-    return None
-
-
-def dequantize_packed(src, scales, dst, bits: int, block_size: int, scale: float = 1.0) -> None:
-    """:func:`dequantize_int8` for the packed codes of :func:`quantize_packed`: ``src`` is
-    ``[chunks, ceil(m * bits / 8)]`` bytes, ``dst`` the ``m`` fp32 sums."""
-    torch.ops.fastddp.dequantize_packed.default(src, scales, dst, bits, block_size, scale)
-
-
-def unpack_packed(src, scales, dst, bits: int, block_size: int, scale: float = 1.0) -> None:
-    """:func:`unpack_int8` for the packed codes of :func:`quantize_packed`."""
-    torch.ops.fastddp.unpack_packed.default(src, scales, dst, bits, block_size, scale)
-
-
-@torch.library.register_fake("fastddp::dequantize_packed")
-def _dequantize_packed_fake(src, scales, dst, bits, block_size, scale):
-    torch._check(
-        src.dim() == 2 and src.shape[0] >= 1,
-        lambda: "fastddp.dequantize_packed: src must be [chunks, bytes] with at least one row",
-    )
-    _one_device("dequantize_packed", src, scales, dst)
-    return None
-
-
-@torch.library.register_fake("fastddp::unpack_packed")
-def _unpack_packed_fake(src, scales, dst, bits, block_size, scale):
-    torch._check(src.dtype == torch.uint8, lambda: "fastddp.unpack_packed: src must be uint8")
-    _one_device("unpack_packed", src, scales, dst)
+    one_device("unpack_int8", src, scales, dst)
     return None

@@ -1,6 +1,7 @@
-// The CPU loops of the int8 ops: quantize_int8, dequantize_int8, unpack_int8, over the element
-// math of fastddp/rounding.h that the CUDA kernels share. quantize_int8 is one template over the
-// rounding mode; each loop is cloned per ISA (AVX-512, AVX2, baseline) and picked at load time.
+// The CPU loops of the int8 ops: quantize_int8, dequantize_int8, unpack_int8 and requantize's
+// int8 codes, over the element math of fastddp/rounding.h that the CUDA kernels share.
+// quantize_int8 is one template over the rounding mode and what it rounds; each loop is cloned
+// per ISA (AVX-512, AVX2, baseline) and picked at load time.
 #include <algorithm>
 
 #include "fastddp/dispatch.h"
@@ -9,20 +10,23 @@
 namespace fastddp::cpu {
 namespace {
 
-template <bool kFeedback, bool kStochastic>
+// Blocks [first, last) of the n values that values(lo, hi) gives (FlatBlocks, SummedBlocks).
+template <bool kFeedback, bool kStochastic, class Values>
 FASTDDP_CLONES bool quantize_loop(
-    const float* __restrict src, int8_t* __restrict q, float* __restrict scales,
-    float* __restrict residual, int64_t n, int64_t block, Int8Rows rows, int64_t first,
-    int64_t last, float scale, uint64_t seed) {
+    Values&& values, int8_t* __restrict q, float* __restrict scales, float* __restrict residual,
+    int64_t n, int64_t block, Int8Rows rows, int64_t first, int64_t last, float scale,
+    uint64_t seed) {
   const math::Mode mode{kFeedback, residual, kStochastic, seed};
   bool bad = false;
   for (int64_t b = first; b < last; ++b) {
     const Int8Block blk = int8_block(rows, n, block, b, q, scales);
+    const float* __restrict x = values(blk.lo, blk.hi);  // x[j]: element blk.lo + j
+    const int64_t len = blk.hi - blk.lo;
     // Pass 1 finds the block's absolute maximum; pass 2 recomputes v (bit-identically, the
     // block is in cache) rather than storing it.
     uint32_t absmax = 0;
-    for (int64_t i = blk.lo; i < blk.hi; ++i) {
-      absmax = math::abs_bits_max(absmax, math::rounding_input(mode, src[i], scale, i));
+    for (int64_t j = 0; j < len; ++j) {
+      absmax = math::abs_bits_max(absmax, math::rounding_input(mode, x[j], scale, blk.lo + j));
     }
     const float step = math::block_scale(absmax);
     const float inverse = math::block_inverse(absmax);
@@ -33,8 +37,9 @@ FASTDDP_CLONES bool quantize_loop(
       std::fill(blk.q + blk.lo, blk.q + blk.hi, int8_t{0});
       continue;
     }
-    for (int64_t i = blk.lo; i < blk.hi; ++i) {
-      const float v = math::rounding_input(mode, src[i], scale, i);
+    for (int64_t j = 0; j < len; ++j) {
+      const int64_t i = blk.lo + j;
+      const float v = math::rounding_input(mode, x[j], scale, i);
       blk.q[i] = math::quantize_element(mode, v, inverse, step, i);
     }
   }
@@ -44,9 +49,10 @@ FASTDDP_CLONES bool quantize_loop(
 // Rows are summed a tile at a time into a small fp32 array, as in wire_loops.cpp.
 constexpr int64_t kTile = 1024;
 
+// Columns [begin, end) of the rows, summed, into out[0 .. end - begin).
 FASTDDP_CLONES void dequantize_loop(
     const int8_t* __restrict src, const float* __restrict scales, int64_t block, Int8Rows rows,
-    float* __restrict dst, int64_t begin, int64_t end, float scale) {
+    float* __restrict out, int64_t begin, int64_t end, float scale) {
   float acc[kTile];
   for (int64_t t = begin; t < end; t += kTile) {
     const int64_t len = std::min(end - t, kTile);
@@ -73,7 +79,7 @@ FASTDDP_CLONES void dequantize_loop(
       }
     }
     for (int64_t j = 0; j < len; ++j) {
-      dst[t + j] = math::mul(acc[j], scale);
+      out[t - begin + j] = math::mul(acc[j], scale);
     }
   }
 }
@@ -99,25 +105,42 @@ FASTDDP_CLONES void unpack_loop(
   }
 }
 
+template <class Values>
+bool quantize(const QuantizeArgs& a, Values&& values, int64_t first_block, int64_t last_block) {
+  const math::Mode mode = a.rounding.mode();
+  return with_mode(mode, [&](auto feedback, auto stochastic) {
+    return quantize_loop<decltype(feedback)::value, decltype(stochastic)::value>(
+        values, a.dst, a.scales, mode.residual, a.n, a.block, a.rows, first_block, last_block,
+        a.scale, mode.seed);
+  });
+}
+
 }  // namespace
 
 bool run(const QuantizeArgs& a, int64_t first_block, int64_t last_block) {
   if (a.bits != 8) {
     return run_packed(a, first_block, last_block);
   }
-  const math::Mode mode = a.rounding.mode();
-  return with_mode(mode, [&](auto feedback, auto stochastic) {
-    return quantize_loop<decltype(feedback)::value, decltype(stochastic)::value>(
-        a.src, a.dst, a.scales, mode.residual, a.n, a.block, a.rows, first_block, last_block,
-        a.scale, mode.seed);
-  });
+  return quantize(a, FlatBlocks{a.src}, first_block, last_block);
+}
+
+bool run(const RequantizeArgs& a, int64_t first_block, int64_t last_block) {
+  if (a.src.bits != 8) {
+    return run_packed(a, first_block, last_block);
+  }
+  const Int8Source& s = a.src;
+  auto sum = [&](float* out, int64_t begin, int64_t end) {
+    dequantize_loop(s.q, s.scales, s.block, s.rows, out, begin, end, a.scale);
+  };
+  return quantize(a.out, SummedBlocks(sum, a.out.n, a.out.block), first_block, last_block);
 }
 
 bool run(const DequantizeArgs& a, int64_t begin, int64_t end) {
   if (a.src.bits != 8) {
     return run_packed(a, begin, end);
   }
-  dequantize_loop(a.src.q, a.src.scales, a.src.block, a.src.rows, a.dst, begin, end, a.scale);
+  dequantize_loop(
+      a.src.q, a.src.scales, a.src.block, a.src.rows, a.dst + begin, begin, end, a.scale);
   return false;
 }
 

@@ -9,7 +9,9 @@
 // or NaN (for an op without found_nonfinite, false).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "fastddp/layout.h"
 
@@ -53,6 +55,47 @@ inline Work work(const DequantizeArgs& a) {
 inline Work work(const UnpackArgs& a) {
   return {a.n, 1, nullptr};
 }
+inline Work work(const RequantizeArgs& a) {
+  return {blocks_of(a.out.n, a.out.block), a.out.block * a.src.rows.rows, a.out.rounding.flag};
+}
+
+// What a quantize loop rounds, a block at a time: values(lo, hi) points at elements [lo, hi).
+// This is quantize's: its fp32 src.
+struct FlatBlocks {
+  const float* src;
+
+  const float* operator()(int64_t lo, int64_t) const {
+    return src + lo;
+  }
+};
+
+// requantize's: the sums of rows of codes, which sum(out, begin, end) (the op's dequantize
+// loop) writes for elements [begin, end) of n, worked out a tile of kTile elements (or a
+// block, where longer) at a time into a buffer: a call per block cost its set-up, per row and
+// segment, for 128 elements.
+template <class Sum>
+class SummedBlocks {
+ public:
+  static constexpr int64_t kTile = 4096;
+
+  SummedBlocks(Sum sum, int64_t n, int64_t block)
+      : sum_(sum), n_(n), buffer_(static_cast<size_t>(std::min(n, std::max(kTile, block)))) {}
+
+  const float* operator()(int64_t lo, int64_t hi) {
+    if (lo < begin_ || hi > end_) {
+      begin_ = lo;
+      end_ = std::min(n_, lo + static_cast<int64_t>(buffer_.size()));
+      sum_(buffer_.data(), begin_, end_);
+    }
+    return buffer_.data() + (lo - begin_);
+  }
+
+ private:
+  Sum sum_;
+  int64_t n_;
+  std::vector<float> buffer_;
+  int64_t begin_ = 0, end_ = 0;  // the elements in the buffer
+};
 
 bool run(const CompressArgs& a, int64_t begin, int64_t end);
 bool run(const DecompressArgs& a, int64_t begin, int64_t end);
@@ -61,10 +104,12 @@ bool run(const WidenSumArgs& a, int64_t begin, int64_t end);
 bool run(const QuantizeArgs& a, int64_t first_block, int64_t last_block);
 bool run(const DequantizeArgs& a, int64_t begin, int64_t end);
 bool run(const UnpackArgs& a, int64_t begin, int64_t end);
+bool run(const RequantizeArgs& a, int64_t first_block, int64_t last_block);
 
 // The int4 and int2 loops (packed_loops.cpp), which the int8 ops' `run` hands bits < 8 to.
 bool run_packed(const QuantizeArgs& a, int64_t first_block, int64_t last_block);
 bool run_packed(const DequantizeArgs& a, int64_t begin, int64_t end);
 bool run_packed(const UnpackArgs& a, int64_t begin, int64_t end);
+bool run_packed(const RequantizeArgs& a, int64_t first_block, int64_t last_block);
 
 }  // namespace fastddp::cpu

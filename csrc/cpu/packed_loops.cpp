@@ -1,5 +1,6 @@
-// The CPU loops of the packed ops (quantize_packed, dequantize_packed, unpack_packed): int4 and
-// int2 codes, 8 / bits to a byte, with one fp32 scale per block. The element math is
+// The CPU loops of the packed ops (quantize_packed, dequantize_packed, unpack_packed, and
+// requantize's packed codes): int4 and int2 codes, 8 / bits to a byte, with one fp32 scale per
+// block. The element math is
 // fastddp/rounding.h's, shared with the CUDA kernels; a block holds whole bytes, so the threads
 // that quantise different blocks never write the same byte.
 #include <algorithm>
@@ -16,11 +17,12 @@ FASTDDP_INLINE int64_t byte_of(int64_t i, int64_t row_first) {
   return (i - row_first) / (8 / kBits);
 }
 
-template <int kBits, bool kFeedback, bool kStochastic>
+// Blocks [first, last) of the n values that values(lo, hi) gives (FlatBlocks, SummedBlocks).
+template <int kBits, bool kFeedback, bool kStochastic, class Values>
 FASTDDP_CLONES bool quantize_loop(
-    const float* __restrict src, uint8_t* __restrict q, float* __restrict scales,
-    float* __restrict residual, int64_t n, int64_t block, Int8Rows rows, int64_t first,
-    int64_t last, float scale, uint64_t seed) {
+    Values&& values, uint8_t* __restrict q, float* __restrict scales, float* __restrict residual,
+    int64_t n, int64_t block, Int8Rows rows, int64_t first, int64_t last, float scale,
+    uint64_t seed) {
   constexpr int kPer = 8 / kBits;
   constexpr int64_t kChunk = 256;  // a multiple of kPer
   const float qmax = code_max(kBits);
@@ -34,9 +36,10 @@ FASTDDP_CLONES bool quantize_loop(
     const int64_t row_first = row * rows.row_len;
     uint8_t* bytes = q + row * rows.q_stride;
     float* scale_out = scales + row * rows.s_stride + (lo - row_first) / block;
+    const float* __restrict x = values(lo, hi);  // x[j]: element lo + j
     uint32_t absmax = 0;
     for (int64_t i = lo; i < hi; ++i) {
-      absmax = math::abs_bits_max(absmax, math::rounding_input(mode, src[i], scale, i));
+      absmax = math::abs_bits_max(absmax, math::rounding_input(mode, x[i - lo], scale, i));
     }
     const float step = math::block_scale(absmax, qmax);
     const float inverse = math::block_inverse(absmax, qmax);
@@ -55,7 +58,7 @@ FASTDDP_CLONES bool quantize_loop(
       const int64_t len = std::min(kChunk, hi - c0);
       for (int64_t j = 0; j < len; ++j) {
         const int64_t i = c0 + j;
-        const float v = math::rounding_input(mode, src[i], scale, i);
+        const float v = math::rounding_input(mode, x[i - lo], scale, i);
         codes[j] = math::quantize_element(mode, v, inverse, step, i, qmax);
       }
       const int64_t nbytes = (len + kPer - 1) / kPer;
@@ -141,9 +144,10 @@ FASTDDP_INLINE const uint8_t* row_bytes(const Int8Source& s, int64_t row) {
 // fp32 array (columns [begin, end) of every row lie in one "row" of the segment walk).
 constexpr int64_t kTile = 1024;
 
+// Columns [begin, end) of the rows, summed, into out[0 .. end - begin).
 template <int kBits>
 FASTDDP_CLONES void dequantize_loop(
-    const Int8Source s, float* __restrict dst, int64_t begin, int64_t end, float scale) {
+    const Int8Source s, float* __restrict out, int64_t begin, int64_t end, float scale) {
   float acc[kTile];
   for (int64_t t = begin; t < end; t += kTile) {
     const int64_t len = std::min(end - t, kTile);
@@ -163,7 +167,7 @@ FASTDDP_CLONES void dequantize_loop(
       }
     }
     for (int64_t j = 0; j < len; ++j) {
-      dst[t + j] = math::mul(acc[j], scale);
+      out[t - begin + j] = math::mul(acc[j], scale);
     }
   }
 }
@@ -186,23 +190,41 @@ decltype(auto) with_bits(int bits, F&& f) {
   return f(std::integral_constant<int, 2>{});
 }
 
-}  // namespace
-
-bool run_packed(const QuantizeArgs& a, int64_t first_block, int64_t last_block) {
+// values(bits) (an integral_constant) gives what the loop rounds.
+template <class ValuesOf>
+bool quantize(const QuantizeArgs& a, ValuesOf values, int64_t first_block, int64_t last_block) {
   const math::Mode mode = a.rounding.mode();
   return with_bits(a.bits, [&](auto bits) {
     return with_mode(mode, [&](auto feedback, auto stochastic) {
       return quantize_loop<decltype(bits)::value, decltype(feedback)::value,
                            decltype(stochastic)::value>(
-          a.src, reinterpret_cast<uint8_t*>(a.dst), a.scales, mode.residual, a.n, a.block, a.rows,
-          first_block, last_block, a.scale, mode.seed);
+          values(bits), reinterpret_cast<uint8_t*>(a.dst), a.scales, mode.residual, a.n, a.block,
+          a.rows, first_block, last_block, a.scale, mode.seed);
     });
   });
 }
 
+}  // namespace
+
+bool run_packed(const QuantizeArgs& a, int64_t first_block, int64_t last_block) {
+  return quantize(a, [&](auto) { return FlatBlocks{a.src}; }, first_block, last_block);
+}
+
+bool run_packed(const RequantizeArgs& a, int64_t first_block, int64_t last_block) {
+  return quantize(
+      a.out,
+      [&](auto bits) {
+        auto sum = [&](float* out, int64_t begin, int64_t end) {
+          dequantize_loop<decltype(bits)::value>(a.src, out, begin, end, a.scale);
+        };
+        return SummedBlocks(sum, a.out.n, a.out.block);
+      },
+      first_block, last_block);
+}
+
 bool run_packed(const DequantizeArgs& a, int64_t begin, int64_t end) {
   with_bits(a.src.bits, [&](auto bits) {
-    dequantize_loop<decltype(bits)::value>(a.src, a.dst, begin, end, a.scale);
+    dequantize_loop<decltype(bits)::value>(a.src, a.dst + begin, begin, end, a.scale);
   });
   return false;
 }

@@ -191,14 +191,16 @@ __device__ __forceinline__ Chunk quantize_chunk_at(int64_t n, int64_t c) {
   return kWhole ? Chunk{c, c * kChunk, kChunk, true} : chunk_at(0, n, c);
 }
 
-// The rounding inputs of chunk c of a quantize: 4c .. 4c + 3, zeros past n.
-template <bool kWhole = false>
+// The rounding inputs of chunk c of a quantize: 4c .. 4c + 3, zeros past n. `source` gives
+// what is rounded (values.cuh: a.src, or the sums of requantize's rows).
+template <bool kWhole = false, class Values>
 __device__ __forceinline__ Chunk quantize_inputs(
-    const QuantizeArgs& a, const math::Mode& mode, int64_t c, float (&v)[kChunk]) {
+    const QuantizeArgs& a, const Values& source, const math::Mode& mode, int64_t c,
+    float (&v)[kChunk]) {
   const Chunk k = quantize_chunk_at<kWhole>(a.n, c);
   float x[kChunk];
   float r[kChunk] = {0.0f, 0.0f, 0.0f, 0.0f};
-  load_chunk(a.src, k, x);
+  source.load(k, x);
   if (mode.feedback) {
     load_chunk<true>(mode.residual, k, r);
   }
@@ -314,20 +316,22 @@ __device__ __forceinline__ float step_value(float values, int u, int width_log2,
 }
 
 // A step of quantize for blocks of 2^width_log2 chunks (up to 32): kCodeUnroll runs of 32
-// chunks from `first`, all loaded before any is reduced, each block's absolute maximum shared
-// by shuffles among its lanes. place(index, c) places chunk c, `index` chunks into the step;
+// chunks from `first` (of `source`), all loaded before any is reduced, each block's absolute
+// maximum shared by shuffles among its lanes. place(index, c) places chunk c, `index` chunks
+// into the step;
 // kWhole: every chunk of the step is whole; kShare: whole steps take their scales from
 // step_values. Returns whether a block held inf or NaN. Every lane of the warp must call it.
-template <int kBits, bool kWhole, bool kShare, class PlaceOf>
+template <int kBits, bool kWhole, bool kShare, class Values, class PlaceOf>
 __device__ __forceinline__ bool quantize_runs(
-    const QuantizeArgs& a, const math::Mode& mode, int64_t first, int width_log2, PlaceOf place) {
+    const QuantizeArgs& a, const Values& source, const math::Mode& mode, int64_t first,
+    int width_log2, PlaceOf place) {
   const float qmax = code_max(kBits);
   const int width = 1 << width_log2;
   float v[kCodeUnroll][kChunk];
   uint32_t absmax[kCodeUnroll];
   FASTDDP_UNROLL
   for (int u = 0; u < kCodeUnroll; ++u) {
-    quantize_inputs<kWhole>(a, mode, first + 32 * u + lane_index(), v[u]);
+    quantize_inputs<kWhole>(a, source, mode, first + 32 * u + lane_index(), v[u]);
     absmax[u] = 0;
     FASTDDP_UNROLL
     for (int j = 0; j < kChunk; ++j) {
@@ -365,13 +369,16 @@ __device__ __forceinline__ bool quantize_runs(
 // is reduced; a step that lies whole in one row (nearly all of them) places its chunks without
 // a division. A longer block (a multiple of 128) takes a warp, each lane block / 128 chunks,
 // which it reads again after the maximum is known.
-// At most 64 registers, so that 4 blocks fit on a multiprocessor (66 gave 3). An instance for
+// At most 64 registers, so that 4 blocks fit on a multiprocessor (66 gave 3; requantize's
+// instances, whose sums hold more, take 3 blocks: see values.cuh). An instance for
 // each mode (kFeedback: error feedback; kStochastic: stochastic rounding), which the launch
 // picks: as constants they leave no branch on the mode, and no other mode's code, in the loop.
 // Error feedback with stochastic rounding keeps its divisions in every lane (kShare false):
-// with step_values it needed a 65th register, and spilled one to local memory.
-template <int kBits, bool kFeedback, bool kStochastic>
-__global__ void __launch_bounds__(kThreads, 4) quantize_vec_kernel(QuantizeArgs a, Codes codes) {
+// with step_values it needed a 65th register, and spilled one to local memory. Values
+// (values.cuh) is what is rounded: quantize's fp32 src, or requantize's sums of rows.
+template <int kBits, bool kFeedback, bool kStochastic, class Values>
+__global__ void __launch_bounds__(kThreads, Values::kBlocksPerSm)
+    quantize_vec_kernel(QuantizeArgs a, Codes codes, Values source) {
   constexpr bool kShare = !(kFeedback && kStochastic);
   math::Mode mode = a.rounding.mode();
   mode.feedback = kFeedback;
@@ -392,12 +399,12 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_vec_kernel(QuantizeArgs 
       // ways of placing a chunk spilled to local memory for int4 and int2.
       const WholeStep w = whole_step_of<kBits>(a, codes, first, per_block_log2 + 2);
       if (w.whole) {
-        bad |= quantize_runs<kBits, true, kShare>(a, mode, first, per_block_log2,
+        bad |= quantize_runs<kBits, true, kShare>(a, source, mode, first, per_block_log2,
                                                   [&](int index, int64_t) {
           return whole_place<kBits>(w, index, per_block_log2);
         });
       } else {
-        bad |= quantize_runs<kBits, false, kShare>(a, mode, first, per_block_log2,
+        bad |= quantize_runs<kBits, false, kShare>(a, source, mode, first, per_block_log2,
                                                    [&](int, int64_t c) {
           return place_of<kBits>(codes, q, c, a.n);
         });
@@ -410,14 +417,14 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_vec_kernel(QuantizeArgs 
     const int64_t c = first + lane_index();
     float v[kChunk];
     uint32_t absmax = 0;
-    quantize_inputs(a, mode, c, v);
+    quantize_inputs(a, source, mode, c, v);
     FASTDDP_UNROLL
     for (int j = 0; j < kChunk; ++j) {
       absmax = math::abs_bits_max(absmax, v[j]);
     }
     for (int64_t more = c + 32; more < first + per_block; more += 32) {
       float w[kChunk];
-      quantize_inputs(a, mode, more, w);
+      quantize_inputs(a, source, mode, more, w);
       FASTDDP_UNROLL
       for (int j = 0; j < kChunk; ++j) {
         absmax = math::abs_bits_max(absmax, w[j]);
@@ -436,7 +443,7 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_vec_kernel(QuantizeArgs 
                           block_bad);
     for (int64_t more = c + 32; more < first + per_block; more += 32) {
       float w[kChunk];
-      quantize_inputs(a, mode, more, w);
+      quantize_inputs(a, source, mode, more, w);
       quantize_chunk<kBits>(a, place_of<kBits>(codes, q, more, a.n), mode, more, w, step,
                             inverse, block_bad);
     }
@@ -666,14 +673,16 @@ __global__ void dequantize_vec_kernel(
 
 // ------------------------------------------------------------------ scalar kernels
 
-// The absolute maximum (as bits) of the rounding inputs of elements [lo, hi), for one warp: the
-// lanes stride over the range, then a butterfly of shuffles gives every lane the result.
+// The absolute maximum (as bits) of the rounding inputs of elements [lo, hi) of `source`, for
+// one warp: the lanes stride over the range, then a butterfly of shuffles gives every lane the
+// result.
+template <class Values>
 __device__ __forceinline__ uint32_t warp_absmax(
-    const math::Mode& mode, const float* __restrict__ src, float scale, int64_t lo, int64_t hi,
+    const math::Mode& mode, const Values& source, float scale, int64_t lo, int64_t hi,
     int lane) {
   uint32_t absmax = 0;
   for (int64_t i = lo + lane; i < hi; i += 32) {
-    absmax = math::abs_bits_max(absmax, math::rounding_input(mode, src[i], scale, i));
+    absmax = math::abs_bits_max(absmax, math::rounding_input(mode, source.at(i), scale, i));
   }
   FASTDDP_UNROLL
   for (int offset = 16; offset > 0; offset /= 2) {
@@ -687,8 +696,9 @@ __device__ __forceinline__ uint32_t warp_absmax(
 // every lane gets the block's absolute maximum (warp_absmax), then each lane quantises its
 // elements. Rows of q and scales may lie apart (see Int8Rows in layout.h); a block lies in one
 // row.
+template <class Values>
 __global__ void quantize_int8_kernel(
-    const float* __restrict__ src,
+    Values source,
     int8_t* __restrict__ q,
     float* __restrict__ scales,
     float* __restrict__ residual,
@@ -705,7 +715,7 @@ __global__ void quantize_int8_kernel(
   bool bad = false;
   for (int64_t b = thread_index() / 32; b < nblocks; b += warps) {
     const Int8Block blk = int8_block(rows, n, block, b, q, scales);
-    const uint32_t absmax = warp_absmax(mode, src, scale, blk.lo, blk.hi, lane);
+    const uint32_t absmax = warp_absmax(mode, source, scale, blk.lo, blk.hi, lane);
     const float step = math::block_scale(absmax);
     const float inverse = math::block_inverse(absmax);
     const bool block_bad = math::block_nonfinite(absmax);
@@ -715,7 +725,7 @@ __global__ void quantize_int8_kernel(
     bad |= block_bad;
     // A block holding inf or NaN gets zeros (and a NaN scale); its residual is left alone.
     for (int64_t i = blk.lo + lane; i < blk.hi; i += 32) {
-      const float v = math::rounding_input(mode, src[i], scale, i);
+      const float v = math::rounding_input(mode, source.at(i), scale, i);
       blk.q[i] = block_bad ? int8_t{0} : math::quantize_element(mode, v, inverse, step, i);
     }
   }

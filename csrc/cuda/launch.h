@@ -13,10 +13,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "codes_kernels.cuh"
 #include "kernels.cuh"
 #include "packed_kernels.cuh"
+#include "values.cuh"
 
 namespace fastddp::kernels {
 
@@ -145,44 +147,79 @@ inline bool codes_vectorise(const void* q, const Int8Rows& rows, int64_t block, 
          (rows.rows == 1 || (rows.q_stride % piece == 0 && rows.row_len % kChunk == 0));
 }
 
-// The instance of quantize_vec_kernel for kBits and the mode of `r`.
-template <int kBits>
+// The instance of quantize_vec_kernel for kBits, the mode of `r` and what it rounds.
+template <int kBits, class Values>
 auto quantize_vec_for(const Rounding& r) {
   const bool feedback = r.residual != nullptr;
   const bool stochastic = r.seed >= 0;
-  return feedback ? (stochastic ? quantize_vec_kernel<kBits, true, true>
-                                : quantize_vec_kernel<kBits, true, false>)
-                  : (stochastic ? quantize_vec_kernel<kBits, false, true>
-                                : quantize_vec_kernel<kBits, false, false>);
+  return feedback ? (stochastic ? quantize_vec_kernel<kBits, true, true, Values>
+                                : quantize_vec_kernel<kBits, true, false, Values>)
+                  : (stochastic ? quantize_vec_kernel<kBits, false, true, Values>
+                                : quantize_vec_kernel<kBits, false, false, Values>);
 }
 
-// quantize: quantize_vec_kernel where the layout allows it and a block is a power of two of
-// chunks up to a warp's, or whole warps of chunks; else one warp per block of elements.
-template <class Rt>
-void run(Rt& rt, const QuantizeArgs& a) {
+template <int kBits>
+using Bits = std::integral_constant<int, kBits>;
+
+// quantize for codes of kBits bits: quantize_vec_kernel when `vector`, else one warp per block
+// of elements. `values` is what the kernels round (values.cuh).
+template <int kBits, class Rt, class Values>
+void quantize_with(Rt& rt, const QuantizeArgs& a, bool vector, const Values& values) {
   const Rounding& r = a.rounding;
-  if (!start(rt, a.n, r.flag)) {
+  if (vector) {
+    const int64_t per_block = a.block / kChunk;
+    const int64_t chunks = (a.n + kChunk - 1) / kChunk;
+    const int64_t span = per_block <= 32 ? 32 * kCodeUnroll : per_block;
+    launch_over(rt, (chunks + span - 1) / span * 32, quantize_vec_for<kBits, Values>(r), a,
+                Codes::of(a.rows, a.block), values);
+    return;
+  }
+  const int64_t warps = blocks_of(a.n, a.block) * 32;
+  if constexpr (kBits == 8) {
+    launch_over(rt, warps, quantize_int8_kernel<Values>, values, a.dst, a.scales, r.residual, a.n,
+                a.block, a.rows, a.scale, r.seed, r.flag);
+  } else {
+    launch_over(rt, warps, quantize_packed_kernel<kBits, Values>, a, values);
+  }
+}
+
+// quantize: the vector kernel where `vectorise` (the layout allows it) and a block is a power of
+// two of chunks up to a warp's, or whole warps of chunks. values(Bits<b>{}) is what the kernels
+// round for codes of b bits.
+template <class Rt, class ValuesOf>
+void quantize(Rt& rt, const QuantizeArgs& a, bool vectorise, ValuesOf values) {
+  if (!start(rt, a.n, a.rounding.flag)) {
     return;
   }
   const int64_t per_block = a.block / kChunk;
   const bool grouped = per_block <= 32 && 32 % std::max<int64_t>(per_block, 1) == 0;
-  if (codes_vectorise(a.dst, a.rows, a.block, a.bits, a.src, r.residual) &&
-      (grouped || per_block % 32 == 0)) {
-    const int64_t chunks = (a.n + kChunk - 1) / kChunk;
-    const int64_t span = per_block <= 32 ? 32 * kCodeUnroll : per_block;
-    launch_over(rt, (chunks + span - 1) / span * 32,
-                for_bits(a.bits, quantize_vec_for<8>(r), quantize_vec_for<4>(r),
-                         quantize_vec_for<2>(r)),
-                a, Codes::of(a.rows, a.block));
-    return;
-  }
-  const int64_t warps = blocks_of(a.n, a.block) * 32;
+  const bool vector = vectorise && (grouped || per_block % 32 == 0);
   if (a.bits == 8) {
-    launch_over(rt, warps, quantize_int8_kernel, a.src, a.dst, a.scales, r.residual, a.n,
-                a.block, a.rows, a.scale, r.seed, r.flag);
-    return;
+    quantize_with<8>(rt, a, vector, values(Bits<8>{}));
+  } else if (a.bits == 4) {
+    quantize_with<4>(rt, a, vector, values(Bits<4>{}));
+  } else {
+    quantize_with<2>(rt, a, vector, values(Bits<2>{}));
   }
-  launch_over(rt, warps, a.bits == 4 ? quantize_packed_kernel<4> : quantize_packed_kernel<2>, a);
+}
+
+template <class Rt>
+void run(Rt& rt, const QuantizeArgs& a) {
+  const bool vectorise = codes_vectorise(a.dst, a.rows, a.block, a.bits, a.src, a.rounding.residual);
+  quantize(rt, a, vectorise, [&](auto) { return FlatValues{a.src}; });
+}
+
+// requantize: the vector kernel where both the rows read and the row written allow it.
+template <class Rt>
+void run(Rt& rt, const RequantizeArgs& a) {
+  const QuantizeArgs& out = a.out;
+  const bool vectorise =
+      codes_vectorise(out.dst, out.rows, out.block, out.bits, nullptr, out.rounding.residual) &&
+      codes_vectorise(a.src.q, a.src.rows, a.src.block, a.src.bits, nullptr);
+  const Divider by_block = Divider::of(a.src.block);
+  quantize(rt, out, vectorise, [&](auto bits) {
+    return SummedRows<decltype(bits)::value>{a.src, by_block, a.scale};
+  });
 }
 
 // f(codes) with the reader of s's codes: Int8Codes, or PackedCodes of 4 or 2 bits.

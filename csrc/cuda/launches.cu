@@ -100,6 +100,7 @@ template cudaError_t run(int, cudaStream_t, const DecompressArgs&);
 template cudaError_t run(int, cudaStream_t, const SumChunksArgs&);
 template cudaError_t run(int, cudaStream_t, const WidenSumArgs&);
 template cudaError_t run(int, cudaStream_t, const QuantizeArgs&);
+template cudaError_t run(int, cudaStream_t, const RequantizeArgs&);
 template cudaError_t run(int, cudaStream_t, const DequantizeArgs&);
 template cudaError_t run(int, cudaStream_t, const UnpackArgs&);
 

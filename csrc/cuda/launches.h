@@ -23,6 +23,7 @@ extern template cudaError_t run(int, cudaStream_t, const DecompressArgs&);
 extern template cudaError_t run(int, cudaStream_t, const SumChunksArgs&);
 extern template cudaError_t run(int, cudaStream_t, const WidenSumArgs&);
 extern template cudaError_t run(int, cudaStream_t, const QuantizeArgs&);
+extern template cudaError_t run(int, cudaStream_t, const RequantizeArgs&);
 extern template cudaError_t run(int, cudaStream_t, const DequantizeArgs&);
 extern template cudaError_t run(int, cudaStream_t, const UnpackArgs&);
 

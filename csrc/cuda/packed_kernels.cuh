@@ -11,8 +11,8 @@ namespace fastddp::kernels {
 
 // One warp per block, as quantize_int8_kernel (warp_absmax), then each lane packs whole bytes
 // of the block. A block holds whole bytes, so no two warps write one byte.
-template <int kBits>
-__global__ void quantize_packed_kernel(QuantizeArgs a) {
+template <int kBits, class Values>
+__global__ void quantize_packed_kernel(QuantizeArgs a, Values source) {
   constexpr int kPer = 8 / kBits;
   const float qmax = code_max(kBits);
   const math::Mode mode = a.rounding.mode();
@@ -26,7 +26,7 @@ __global__ void quantize_packed_kernel(QuantizeArgs a) {
     const int64_t hi = lo + a.block < a.n ? lo + a.block : a.n;
     const int64_t row = lo / rows.row_len;
     const int64_t row_first = row * rows.row_len;
-    const uint32_t absmax = warp_absmax(mode, a.src, a.scale, lo, hi, lane);
+    const uint32_t absmax = warp_absmax(mode, source, a.scale, lo, hi, lane);
     const float step = math::block_scale(absmax, qmax);
     const float inverse = math::block_inverse(absmax, qmax);
     const bool block_bad = math::block_nonfinite(absmax);
@@ -43,7 +43,7 @@ __global__ void quantize_packed_kernel(QuantizeArgs a) {
       for (int j = 0; j < kPer; ++j) {
         const int64_t i = row_first + k * kPer + j;
         if (i < hi && !block_bad) {  // the last byte of the last block may be short
-          const float v = math::rounding_input(mode, a.src[i], a.scale, i);
+          const float v = math::rounding_input(mode, source.at(i), a.scale, i);
           byte |= pack_code(math::quantize_element(mode, v, inverse, step, i, qmax), kBits, j);
         }
       }

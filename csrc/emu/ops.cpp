@@ -194,4 +194,19 @@ const char* fastddp_emu_unpack_packed(int bits, const uint8_t* in, const float* 
 }
 #endif
 
+#if !defined(FASTDDP_EMU_ONLY) || defined(FASTDDP_EMU_OP_requantize)
+// requantize: `bits` 8, 4 or 2; `in_rows` and `out_rows` the layouts of src and dst, n codes a
+// row.
+const char* fastddp_emu_requantize(int bits, const uint8_t* in, const float* in_scales,
+                                   const int64_t* in_rows, uint8_t* out, float* out_scales,
+                                   const int64_t* out_rows, float* residual, int64_t n,
+                                   int64_t block, float scale, int64_t seed, int* flag) {
+  const Int8Source src{reinterpret_cast<const int8_t*>(in), in_scales, block, rows_of(in_rows),
+                       bits};
+  return run(RequantizeArgs{src, scale,
+                            {nullptr, reinterpret_cast<int8_t*>(out), out_scales, n, block,
+                             rows_of(out_rows), 1.0f, {residual, seed, flag}, bits}});
+}
+#endif
+
 }  // extern "C"

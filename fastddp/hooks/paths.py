@@ -183,7 +183,6 @@ class AllToAllPath(Path):
         slot.wire = torch.zeros(world, slot.row, **on)
         slot.recv = torch.empty(world, slot.row, **on)
         slot.out = torch.empty(slot.row, **on)
-        slot.scratch = codec.scratch(slot.shard, slot.device)
 
     def unit(self, codec, world):
         return codec.align() * world
@@ -219,9 +218,8 @@ class AllToAllPath(Path):
     def gather(job: Any, group) -> tuple[list[Call], Collective]:
         slot = job.slot
         calls = slot.codec.reduce_calls(
-            slot.recv, slot.out, slot.shard, 1.0, slot.shard_flag, slot.shard_residual,
-            job.seeds[1], slot.scratch,
-        )  # fmt: skip
+            slot.recv, slot.out, slot.shard, 1.0, slot.shard_flag, slot.shard_residual, job.seeds[1]
+        )
         # One event per reduction, whether this rank's payload or its shard's sum met it.
         calls += [
             (_or_, (slot.flag, slot.shard_flag), {}),

@@ -37,7 +37,6 @@ class Slot:
         "wire",
         "recv",
         "out",
-        "scratch",
         "flag",
         "shard_flag",
         "nonfinite",
@@ -73,7 +72,6 @@ class Slot:
         self.wire: Optional[torch.Tensor] = None
         self.recv: Optional[torch.Tensor] = None
         self.out: Optional[torch.Tensor] = None
-        self.scratch: dict[str, torch.Tensor] = {}
         # Set by the encode of this rank's payload and by that of the shard sum it reduces
         # (summed in fp32); a reduction that met inf or NaN in either counts once.
         self.flag: Optional[torch.Tensor] = None
@@ -149,7 +147,7 @@ class Slot:
         """Every buffer of this slot: what a side stream may write."""
         named = (self.wire, self.recv, self.out, self.node_recv, self.node_sum, self.gathered,
                  self.flag, self.nonfinite, self.residual, self.shard_residual)  # fmt: skip
-        return [t for t in (*named, *self.scratch.values()) if t is not None]
+        return [t for t in named if t is not None]
 
     def hold(self, runtime) -> None:
         """Hold the buffers on ``runtime``'s current stream (a side stream), once: a state
@@ -163,7 +161,6 @@ class Slot:
         """Let the communication buffers go (the residuals stay)."""
         self.wire = self.recv = self.out = None
         self.node_recv = self.node_sum = self.gathered = None
-        self.scratch = {}
 
 
 class SlotTable:

@@ -37,7 +37,8 @@ def _kernel_name(symbol: str) -> str:
     """A kernel's name and its bits (and the bools after them), if it has some, from its symbol:
     ``_ZN7fastddp7kernels19unpack_vec_kernelILi4EEEv...`` -> ``unpack_vec_kernel<4>``,
     ``..._kernelILi8ELb1ELb0EEEv...`` -> ``..._kernel<8, true, false>``,
-    ``..._kernelINS0_11PackedCodesILi2EEEEEv...`` -> ``..._kernel<2>``."""
+    ``..._kernelINS0_11PackedCodesILi2EEEEEv...`` -> ``..._kernel<2>``; requantize's
+    instances (over ``SummedRows``) end in ``, summed``: ``quantize_int8_kernel<8, summed>``."""
     m = re.match(r"_ZN7fastddp7kernels(\d+)", symbol)
     if not m:
         return symbol
@@ -49,7 +50,8 @@ def _kernel_name(symbol: str) -> str:
     flags = "".join(
         ", true" if b == "1" else ", false" for b in re.findall(r"Lb([01])E", bits.group(3) or "")
     )
-    return f"{name}<{bits.group(1) or bits.group(2)}{flags}>"
+    summed = ", summed" if "10SummedRows" in rest else ""
+    return f"{name}<{bits.group(1) or bits.group(2)}{flags}{summed}>"
 
 
 def _kind(t: torch.Tensor) -> int:
@@ -161,6 +163,15 @@ class Emu:
         rows = _packed_rows(src, scales, block_size, dst.numel())
         self._call("dequantize_packed", ctypes.c_int(bits), self._ptr(src), self._ptr(scales),
                    int(block_size), rows, self._ptr(dst), float(scale))  # fmt: skip
+
+    def requantize(self, src, src_scales, dst, dst_scales, bits, block_size, scale=1.0,
+                   found_nonfinite=None, residual=None, seed=-1):  # fmt: skip
+        n = src.size(1) * (8 // bits if bits < 8 else 1)
+        self._call("requantize", ctypes.c_int(bits), self._ptr(src), self._ptr(src_scales),
+                   _packed_rows(src, src_scales, block_size, n), self._ptr(dst),
+                   self._ptr(dst_scales), _packed_rows(dst, dst_scales, block_size, n),
+                   self._ptr(residual), n, int(block_size), float(scale), int(seed),
+                   self._ptr(found_nonfinite))  # fmt: skip
 
     def unpack_packed(self, src, scales, dst, bits, block_size, scale=1.0):
         rows = _packed_rows(src, scales, block_size, _packed_row_len(src, dst.numel(), bits))

@@ -30,13 +30,14 @@ CSRC = Path(__file__).resolve().parents[2] / "csrc"
 _SOURCES = {
     "emu/emu.cpp": ("emu/cuda_emu.h", "include/fastddp/rounding.h"),
     "emu/ops.cpp": ("emu/cuda_emu.h", "cuda/kernels.cuh", "cuda/codes_kernels.cuh",
-                    "cuda/packed_kernels.cuh", "cuda/launch.h", "include/fastddp/rounding.h",
-                    "include/fastddp/layout.h"),
+                    "cuda/packed_kernels.cuh", "cuda/values.cuh", "cuda/launch.h",
+                    "include/fastddp/rounding.h", "include/fastddp/layout.h"),
 }  # fmt: skip
 SHARED_CACHE = Path(tempfile.gettempdir()) / "fastddp-emu"
 # The ops of the library's C interface (``fastddp_emu_<op>`` in emu/ops.cpp).
 OPS = ("compress", "decompress", "sum_chunks", "widen_sum", "quantize_int8", "dequantize_int8",
-       "unpack_int8", "quantize_packed", "dequantize_packed", "unpack_packed")  # fmt: skip
+       "unpack_int8", "quantize_packed", "dequantize_packed", "unpack_packed",
+       "requantize")  # fmt: skip
 
 
 class EmuError(RuntimeError):

@@ -25,6 +25,7 @@ from fastddp.testing.emu_checks import (
     check_dequantize_int8,
     check_quantize_int8,
     check_quantize_packed,
+    check_requantize,
     check_sum_chunks,
     check_unpack_int8,
     check_widen_sum,
@@ -105,6 +106,17 @@ CHECKS = [
      [("unpack", 2, _codes_n(32, 7, 4), 32, 3, 8, False)]
      + [("unpack", bits, _codes_n(b, 7, 4), b, r, pad, off) for bits in (4, 2)
         for b in (32, 128, 6 * (6 - bits)) for r, pad, off in LAYOUTS]),
+    # Rows of codes summed and quantised again: first (the planted defects show there) 3 rows
+    # (a pair, then a lone row) and a few blocks' scales inf or NaN; every mode's vector kernel
+    # for each width; the scalar kernels (blocks of 100, 6 and 12), fp32 one element into its
+    # buffer (scalar too), 2 rows 4 bytes apart (int8: vector; a row's codes stay 4-byte
+    # aligned), a warp-long block (256), one row.
+    ("requantize", check_requantize,
+     [(bits, _codes_n(32, 4), 32, "ef", 3, 16, False, True) for bits in (8, 4, 2)]
+     + [(bits, _codes_n(32, 4), 32, v, 3) for bits in (8, 4, 2) for v in ("plain", "sr", "ef-sr")]
+     + [(bits, _codes_n(32, 7), b, "ef", 3) for bits, b in ((8, 100), (4, 6), (2, 12))]
+     + [(8, _codes_n(32), 32, "ef", 3, 16, True), (8, _codes_n(32, 4), 32, "plain", 2, 4),
+        (8, _codes_n(256, 4), 256, "ef", 3), (4, _codes_n(32), 32, "plain", 1)]),
 ]  # fmt: skip
 
 # Every kernel of csrc/cuda (by name and bits), which the checks of CHECKS must launch.
@@ -117,6 +129,11 @@ KERNELS = frozenset(
        for bits in (8, 4, 2)]
     + [f"{k}<{bits}>" for k in ("quantize_packed_kernel", "dequantize_kernel", "unpack_kernel")
        for bits in (4, 2)]
+    # requantize's instances: every mode's vector kernel for each width, and the scalar ones
+    + [f"quantize_vec_kernel<{bits}, {feedback}, {stochastic}, summed>" for bits in (8, 4, 2)
+       for feedback in ("false", "true") for stochastic in ("false", "true")]
+    + ["quantize_int8_kernel<8, summed>", "quantize_packed_kernel<4, summed>",
+       "quantize_packed_kernel<2, summed>"]
 )  # fmt: skip
 
 

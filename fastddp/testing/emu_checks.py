@@ -20,6 +20,7 @@ __all__ = [
     "check_dequantize_int8",
     "check_quantize_int8",
     "check_quantize_packed",
+    "check_requantize",
     "check_sum_chunks",
     "check_unpack_int8",
     "check_widen_sum",
@@ -299,3 +300,48 @@ def check_decode_packed(
         outs.append(whole)
     what = f"{op}_packed bits={bits} n={n} block={block} rows={rows} pad={pad} offset={offset}"
     _same(what, *outs)
+
+
+def _code_rows(rows: int, nbytes: int, nb: int, dtype, pad: int, gen, special: bool):
+    """Input rows of random codes (``nbytes`` a row) and scales (``nb``), each row ``pad``
+    elements past the last, between canaries (codes 1, scales NaN); ``special`` gives a few
+    blocks an inf or NaN scale."""
+    qw = torch.ones(rows * (nbytes + pad) + 2 * _CANARY, dtype=dtype)
+    sw = torch.full((rows * (nb + pad) + 2 * _CANARY,), float("nan"))
+    q = qw[_CANARY : _CANARY + rows * (nbytes + pad)].view(rows, nbytes + pad)[:, :nbytes]
+    s = sw[_CANARY : _CANARY + rows * (nb + pad)].view(rows, nb + pad)[:, :nb]
+    low = -127 if dtype == torch.int8 else 0
+    q.copy_(torch.randint(low, 128 if low else 256, q.shape, generator=gen, dtype=dtype))
+    s.copy_(torch.rand(s.shape, generator=gen) * 2.0 ** torch.randint(-20, 20, s.shape))
+    if special:
+        s[0, nb // 3] = float("inf")
+        s[-1, nb // 2] = float("nan")
+    return q, s
+
+
+def check_requantize(
+    emu: Emu, bits: int, n: int, block: int, variant: str, rows=3, pad=16, offset=False,
+    special=False,
+) -> None:  # fmt: skip
+    """requantize of ``rows`` rows of ``n`` codes of ``bits`` bits (rounded up to whole bytes),
+    ``pad`` bytes apart, into one row; ``variant`` and ``offset`` as for quantize;
+    ``special`` gives a few blocks an inf or NaN scale."""
+    per = 8 // bits if bits < 8 else 1
+    nbytes, dtype = -(-n // per), torch.int8 if bits == 8 else torch.uint8
+    n, nb = nbytes * per, -(-nbytes * per // block)
+    q, s = _code_rows(rows, nbytes, nb, dtype, pad, torch.Generator().manual_seed(n), special)
+    residual = _data(n, n + 3) * 1e-3 if "ef" in variant else None
+    seed = 99 + n if "sr" in variant else -1
+    outs = []
+    for run in (ops.requantize, emu.requantize):
+        d, dw = _buffer(nbytes, dtype, False)
+        ds, dsw = _buffer(nb, torch.float32, False)
+        r = _twin(residual, offset)[0] if residual is not None else None
+        f = torch.zeros(1, dtype=torch.int32)
+        run(q, s, d, ds, bits, block, 0.75, f, r, seed)
+        outs.append((dw, dsw, r, f))
+    what = (f"requantize bits={bits} n={n} block={block} {variant} rows={rows} pad={pad} "
+            f"offset={offset} special={special}")  # fmt: skip
+    for k, part in enumerate(("values", "scales", "residual", "flag")):
+        if outs[0][k] is not None:
+            _same(f"{what} {part}", outs[0][k], outs[1][k])

@@ -147,6 +147,16 @@ DEFECTS = [
     ("a vector access at an offset that is not a multiple of its width", "cuda/launch.h",
      "if ((aligned_at(i, p) && ...)) {", "if (((aligned_at(i, p) || true) && ...)) {",
      "compress"),
+    # requantize's sums of rows (values.cuh): rows two at a time in the vector kernel, one at a
+    # time in the scalar ones.
+    ("the lone last row of a requantized sum added twice", "cuda/values.cuh",
+     "if (p0 + 1 < rows) {", "if (p0 + 1 <= rows) {", "requantize"),
+    ("the second row of a requantized pair read from the first", "cuda/values.cuh",
+     "const uint32_t piece1 = piece_at(p1);", "const uint32_t piece1 = piece_at(p0);",
+     "requantize"),
+    ("a row of codes left out of the scalar kernels' sums", "cuda/values.cuh",
+     "for (int64_t p = 1; p < src.rows.rows; ++p) {",
+     "for (int64_t p = 2; p < src.rows.rows; ++p) {", "requantize"),
     ("a vector kernel for unaligned fp32 codes' data", "cuda/launch.h",
      "return aligned16(fp32) && (residual == nullptr",
      "return fp32 != nullptr && (residual == nullptr", "unpack_int8"),

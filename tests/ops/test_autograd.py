@@ -39,6 +39,12 @@ def _args(name, device):
         codes = torch.ones(N, dtype=torch.int8, device=device)
         shape = (1, N) if name == "dequantize_int8" else (N,)
         return (codes.view(shape), scales.view(shape[:-1] + (-1,)), f32, BLOCK, 1.0), (2,)
+    if name == "requantize":
+        codes = torch.ones(2, N, dtype=torch.int8, device=device)
+        out = torch.empty(N, dtype=torch.int8, device=device)
+        src_scales = scales.expand(2, -1).contiguous()
+        args = (codes, src_scales, out, torch.empty_like(scales), 8, BLOCK, 0.5, flag, residual)
+        return args, (2, 3, 7, 8)
     if name == "quantize_packed":
         packed = torch.empty(N // 2, dtype=torch.uint8, device=device)
         return (f32, packed, torch.empty_like(scales), 4, BLOCK, 1.0, flag, residual), (1, 2, 6, 7)
@@ -62,6 +68,7 @@ OPS = [
     "quantize_packed",
     "dequantize_packed",
     "unpack_packed",
+    "requantize",
 ]
 
 

@@ -156,11 +156,13 @@ inline void check_row_sum(
 }
 
 // The found_nonfinite, residual and seed of a rounding op, checked and as raw pointers: the flag
-// one int32 on the device of `data`, the residual one contiguous fp32 per element of `data`,
-// in memory of its own.
+// one int32 on the device of `data`, the residual one contiguous fp32 per element rounded (`n`
+// of them; data.numel() when not given), in memory of its own.
 inline Rounding rounding_of(
     const char* op, const std::optional<at::Tensor>& flag,
-    const std::optional<at::Tensor>& residual, int64_t seed, const at::Tensor& data) {
+    const std::optional<at::Tensor>& residual, int64_t seed, const at::Tensor& data,
+    int64_t n = -1) {
+  n = n < 0 ? data.numel() : n;
   if (flag.has_value()) {
     TORCH_CHECK(
         flag->scalar_type() == c10::ScalarType::Int && flag->numel() == 1 &&
@@ -175,8 +177,8 @@ inline Rounding rounding_of(
         "fastddp.", op, ": residual must be a contiguous float32 tensor, got ",
         residual->scalar_type());
     TORCH_CHECK(
-        residual->numel() == data.numel(),
-        "fastddp.", op, ": residual has ", residual->numel(), " elements but ", data.numel(),
+        residual->numel() == n,
+        "fastddp.", op, ": residual has ", residual->numel(), " elements but ", n,
         " are rounded; allocate one residual per element");
     check_same_device(op, "residual", *residual, "the data", data);
     check_own_storage(op, "residual", *residual, "the data", data);

@@ -190,4 +190,14 @@ struct UnpackArgs {
   float scale;
 };
 
+// requantize: the rows of `src` (src.rows.rows rows of n = src.rows.row_len codes) summed per
+// column in fp32, times scale, as dequantize sums them, then quantised as `out` says (one row
+// of n codes of src.bits bits; its src null, its scale 1): the bits of a dequantize into fp32
+// followed by a quantize of them with scale 1.
+struct RequantizeArgs {
+  Int8Source src;
+  float scale;
+  QuantizeArgs out;
+};
+
 }  // namespace fastddp

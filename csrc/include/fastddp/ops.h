@@ -197,6 +197,54 @@ void unpack_packed(
       dst.data_ptr<float>(), dst.numel(), static_cast<float>(scale)});
 }
 
+// The codes of requantize's rows (`what`: src or dst) of `bits` bits: int8, or packed int4 or
+// int2 holding row_len codes a row.
+inline Int8Rows requantize_rows(
+    const Tensor& q, const Tensor& scales, int64_t bits, int64_t block, int64_t row_len) {
+  TORCH_CHECK(
+      bits == 8 || bits == 4 || bits == 2, "fastddp.requantize: bits must be 8, 4 or 2, got ",
+      bits);
+  return bits == 8 ? int8_rows("requantize", q, scales, block)
+                   : packed_rows("requantize", q, scales, block, bits, row_len);
+}
+
+template <class Backend>
+void requantize(
+    const Tensor& src, const Tensor& src_scales, const Tensor& dst, const Tensor& dst_scales,
+    int64_t bits, int64_t block, double scale, const OptionalTensor& found_nonfinite,
+    const OptionalTensor& residual, int64_t seed) {
+  const char* op = "requantize";
+  TORCH_CHECK(
+      src.dim() == 2 && src.size(0) >= 1,
+      "fastddp.requantize: src must have shape [chunks, bytes] with at least one row (one row "
+      "per rank), got ",
+      src.sizes());
+  // A row of src holds n codes, whole bytes of them; dst holds them once.
+  const int64_t n = src.size(1) * (bits == 4 || bits == 2 ? 8 / bits : 1);
+  const Int8Rows in = requantize_rows(src, src_scales, bits, block, n);
+  TORCH_CHECK(
+      (dst.dim() == 1 || (dst.dim() == 2 && dst.size(0) == 1)) && dst.numel() == src.size(1),
+      "fastddp.requantize: dst must be one row of the ", n, " codes a row of src holds (",
+      src.size(1), " bytes), got ", dst.sizes());
+  const Int8Rows out = requantize_rows(dst, dst_scales, bits, block, n);
+  check_same_device(op, "src", src, "dst", dst);
+  const Rounding rounding = rounding_of(op, found_nonfinite, residual, seed, dst, n);
+  check_apart(
+      op, {{"dst", &dst},
+           {"dst_scales", &dst_scales},
+           {"found_nonfinite", found_nonfinite.has_value() ? &*found_nonfinite : nullptr},
+           {"residual", residual.has_value() ? &*residual : nullptr},
+           {"src", &src},
+           {"src_scales", &src_scales}});
+  const auto b = static_cast<int>(bits);
+  Backend(src).run(RequantizeArgs{
+      {static_cast<const int8_t*>(src.const_data_ptr()), src_scales.const_data_ptr<float>(), block,
+       in, b},
+      static_cast<float>(scale),
+      {nullptr, static_cast<int8_t*>(dst.data_ptr()), dst_scales.data_ptr<float>(), n, block, out,
+       1.0f, rounding, b}});
+}
+
 // Every op of the library on one backend:
 //   TORCH_LIBRARY_IMPL(fastddp, CPU, m) { ops::register_ops<CpuBackend>(m); }
 template <class Backend>
@@ -211,6 +259,7 @@ void register_ops(torch::Library& m) {
   m.impl("quantize_packed", &quantize_packed<Backend>);
   m.impl("dequantize_packed", &dequantize_packed<Backend>);
   m.impl("unpack_packed", &unpack_packed<Backend>);
+  m.impl("requantize", &requantize<Backend>);
 }
 
 }  // namespace fastddp::ops
