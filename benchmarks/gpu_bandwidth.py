@@ -3,10 +3,11 @@
 For fp32 buckets of 1 MB, 25 MB, 100 MB and 1 GB (random data), every op is timed with CUDA
 events (median of several calls) and reported in GB/s counting the bytes it reads and writes;
 ``ratio`` divides that by the copy's GB/s. Target from 25 MB up: every op >= 0.85 of the
-copy. The ops: compress, decompress, sum_chunks, the int8 codes (quantize, dequantize, unpack)
-and the packed 4- and 2-bit codes (``quantize_packed4`` ... ``unpack_packed2``), with blocks of
-128. PyTorch's own ``to(dtype).div_()`` + ``copy_`` (what its fp16 hook does) is timed next to
-compress + decompress. ``--device cpu`` runs the same on the CPU (perf_counter), for testing
+copy. The ops: compress, decompress, sum_chunks, the int8 codes (quantize, dequantize, unpack,
+requantize with error feedback: the int8-ef preset's reduce step) and the packed 4- and 2-bit
+codes (``quantize_packed4`` ... ``requantize_packed2``), with blocks of 128. PyTorch's own
+``to(dtype).div_()`` + ``copy_`` (what its fp16 hook does) is timed next to compress +
+decompress. ``--device cpu`` runs the same on the CPU (perf_counter), for testing
 the script.
 
     python benchmarks/gpu_bandwidth.py --json bw.json --markdown bw.md
@@ -24,7 +25,7 @@ from fastddp import ops
 from fastddp.bench import options
 
 SIZES = {"1MB": 1 << 20, "25MB": 25 << 20, "100MB": 100 << 20, "1GB": 1 << 30}
-RANKS = 4  # rows summed by sum_chunks and dequantize_int8
+RANKS = 4  # rows summed by sum_chunks, dequantize_int8 and requantize
 BLOCK = 128
 BITS = (4, 2)  # the packed codes
 OPS = (
@@ -34,10 +35,11 @@ OPS = (
     "quantize_int8",
     "dequantize_int8",
     "unpack_int8",
+    "requantize_int8",
     *(
         f"{op}{bits}"
         for bits in BITS
-        for op in ("quantize_packed", "dequantize_packed", "unpack_packed")
+        for op in ("quantize_packed", "dequantize_packed", "unpack_packed", "requantize_packed")
     ),
 )
 TARGETS = dict.fromkeys(OPS, 0.85)
@@ -96,6 +98,8 @@ def cases(device, nbytes):
     s_rows = torch.rand(RANKS, -(-m // BLOCK), generator=g, device=device)
     summed = torch.empty(m, device=device)
     flag = torch.zeros(1, dtype=torch.int32, device=device)
+    residual = torch.zeros(m, device=device)
+    q_out, s_out = torch.empty(m, dtype=torch.int8, device=device), torch.empty_like(s_rows[0])
     return {
         "copy (d2d)": (lambda: dst.copy_(src), 8 * n),
         "compress": (lambda: ops.compress(src, wire, 0.25, flag), 6 * n),
@@ -110,6 +114,11 @@ def cases(device, nbytes):
             RANKS * m + 4 * s_rows.numel() + 4 * m,
         ),
         "unpack_int8": (lambda: ops.unpack_int8(q, scales, dst, BLOCK), n + 4 * n),
+        # the rows and their scales read; one row and its scales written; the residual both
+        "requantize_int8": (
+            lambda: ops.requantize(q_rows, s_rows, q_out, s_out, 8, BLOCK, 0.25, flag, residual),
+            RANKS * m + 4 * s_rows.numel() + m + 4 * s_out.numel() + 8 * m,
+        ),
         **_packed_cases(src, dst, m, g, device),
         # read fp32, write bf16; div_ in place; read bf16, write fp32
         "torch to(bf16).div_ + copy_": (
@@ -159,6 +168,8 @@ def _packed_cases(src, dst, m, g, device):
         q_rows = q_rows.to(torch.uint8)
         s_rows = torch.rand(RANKS, -(-m // BLOCK), generator=g, device=device)
         summed = torch.empty(m, device=device)
+        q_out, s_out = torch.empty(row_bytes, dtype=torch.uint8, device=device), s_rows[0].clone()
+        residual = torch.zeros(row_bytes * 8 // bits, device=device)
 
         def quantize(q=q, scales=scales, bits=bits):
             ops.quantize_packed(src, q, scales, bits, BLOCK)
@@ -169,12 +180,19 @@ def _packed_cases(src, dst, m, g, device):
         def unpack(q=q, scales=scales, bits=bits):
             ops.unpack_packed(q, scales, dst, bits, BLOCK)
 
+        def requantize(q_rows=q_rows, s_rows=s_rows, out=(q_out, s_out, residual), bits=bits):
+            ops.requantize(q_rows, s_rows, out[0], out[1], bits, BLOCK, 0.25, None, out[2])
+
         cases[f"quantize_packed{bits}"] = (quantize, 4 * n + nbytes + 4 * scales.numel())
         cases[f"dequantize_packed{bits}"] = (
             dequantize,
             RANKS * row_bytes + 4 * s_rows.numel() + 4 * m,
         )
         cases[f"unpack_packed{bits}"] = (unpack, nbytes + 4 * scales.numel() + 4 * n)
+        cases[f"requantize_packed{bits}"] = (
+            requantize,
+            (RANKS + 1) * row_bytes + 4 * (s_rows.numel() + s_out.numel()) + 8 * residual.numel(),
+        )
     return cases
 
 

@@ -2,7 +2,8 @@
 
 The ops: compress, decompress, sum_chunks, widen_sum, the int8 codes (quantize_int8,
 unpack_int8, dequantize_int8) and the packed 4- and 2-bit codes (quantize_packed,
-unpack_packed, dequantize_packed), flat and in rows that lie apart. Run under
+unpack_packed, dequantize_packed), flat and in rows that lie apart, and requantize of both
+(against dequantize then quantize, bit for bit). Run under
 ``compute-sanitizer`` by ``benchmarks/gpu_check.py`` (memcheck, racecheck, synccheck,
 initcheck): sizes around the vector width and the block size, one long enough for three passes
 of every grid-stride loop, views that start off a 16-byte boundary, random data (never zeros),
@@ -60,6 +61,33 @@ def _check(what, got, want, tol):
         raise AssertionError(f"{what}: off by {err:.3e} (bound {bound:.3e})")
 
 
+def _requantized(rows, row_scales, bits, block, flag, what) -> int:
+    """requantize of ``rows`` against their dequantized sum quantized, with error feedback and
+    stochastic rounding: the same bits. The op calls made."""
+    device, m = rows.device, rows.shape[1] * (8 // bits if bits < 8 else 1)  # whole bytes
+    summed = torch.empty(m, device=device)
+    if bits == 8:
+        ops.dequantize_int8(rows, row_scales, summed, block)
+    else:
+        ops.dequantize_packed(rows, row_scales, summed, bits, block)
+    outs = []
+    for fused in (True, False):
+        q = torch.empty(rows.shape[1], dtype=rows.dtype, device=device)
+        scales = torch.empty(row_scales.shape[1], device=device)
+        residual = torch.full((m,), 1e-3, device=device)
+        if fused:
+            ops.requantize(rows, row_scales, q, scales, bits, block, 1.0, flag, residual, 9)
+        elif bits == 8:
+            ops.quantize_int8(summed, q, scales, block, 1.0, flag, residual, 9)
+        else:
+            ops.quantize_packed(summed, q, scales, bits, block, 1.0, flag, residual, 9)
+        outs.append((q.view(torch.uint8), scales, residual))
+    for got, want in zip(*outs):
+        if not torch.equal(got, want):
+            raise AssertionError(f"requantize {what}: not the bits of dequantize, quantize")
+    return 4
+
+
 def _packed(src, n, off, bits, block, flag, device) -> int:
     """quantize_packed, unpack_packed and dequantize_packed on ``n`` codes; the op calls made.
 
@@ -79,12 +107,13 @@ def _packed(src, n, off, bits, block, flag, device) -> int:
     rows, row_scales = torch.stack([q, q]), torch.stack([scales, scales])
     ops.dequantize_packed(rows, row_scales, summed, bits, block, 0.5)
     _check(f"dequantize_packed{bits} n={n}", summed, whole, 0)
+    calls = _requantized(rows, row_scales, bits, block, flag, f"packed{bits} n={n}")
     ops.quantize_packed(src, q, scales, bits, block)  # to nearest, no residual
     ops.unpack_packed(q, scales, whole, bits, block)
     step = scales.repeat_interleave(block)[:n]
     if not bool(((whole - src).abs() <= step * 0.5001).all()):
         raise AssertionError(f"quantize_packed{bits} n={n} off={off}: off by more than a half step")
-    return 5
+    return 6 + calls
 
 
 def _rows_apart(device, flag) -> int:
@@ -115,7 +144,8 @@ def _rows_apart(device, flag) -> int:
         if not bool(((back - src).abs() <= step * 0.5001).all()):
             raise AssertionError(f"{bits}-bit rows: off by more than a half step")
         _check(f"{bits}-bit rows summed", summed, back.view(world, shard).sum(0), 1e-6)
-        calls += 3
+        rows = values.view(torch.int8) if bits == 8 else values
+        calls += 3 + _requantized(rows, row_scales, bits, block, flag, f"{bits}-bit rows")
     return calls
 
 
@@ -159,9 +189,10 @@ def run(device: torch.device, sms: Optional[int] = None) -> int:
         ops.unpack_int8(q, scales, whole, BLOCK)
         _check(f"quantize+unpack int8 n={n} off={off}", whole + residual, src, 1e-6)
         summed = torch.empty(n, device=device)
-        ops.dequantize_int8(torch.stack([q, q]), torch.stack([scales, scales]), summed, BLOCK)
+        rows, row_scales = torch.stack([q, q]), torch.stack([scales, scales])
+        ops.dequantize_int8(rows, row_scales, summed, BLOCK)
         _check(f"dequantize_int8 n={n}", summed, 2 * whole, 1e-6)
-        calls += 3
+        calls += 3 + _requantized(rows, row_scales, 8, BLOCK, flag, f"int8 n={n}")
         for bits, block in PACKED:
             calls += _packed(src, n, off, bits, block, flag, device)
     calls += _rows_apart(device, flag)

@@ -31,9 +31,10 @@ from pathlib import Path
 import gpu_check
 
 HERE = Path(__file__).resolve().parent
-# A kernel's line: its name (and template arguments), parameters, grid and block.
+# A kernel's line: its name (and template arguments, one of them a template's instance at
+# most: quantize_vec_kernel<8, 1, 0, SummedRows<8>>), parameters, grid and block.
 _KERNEL = re.compile(
-    r"^  (?:void )?(?P<name>[A-Za-z_][\w:]*(?:<[^>]*>)?)\(.*\) "
+    r"^  (?:void )?(?P<name>[A-Za-z_][\w:]*(?:<(?:[^<>]|<[^<>]*>)*>)?)\(.*\) "
     r"\((?P<grid>\d+), \d+, \d+\)x\((?P<block>\d+), \d+, \d+\), Context"
 )
 # A metric's line: its name, its unit (if any) and a number, columns two spaces apart or more.

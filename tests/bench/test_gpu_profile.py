@@ -47,6 +47,10 @@ def test_units_of_time_and_missing_metrics():
     assert row["waves_per_sm"] == 0.25 and row["dram_pct"] is None
     assert row["instructions_per_256"] is None
     assert "| k<2> | 4 | 1500.0 |  |" in gpu_profile.markdown([row], "1MB")
+    # A template's instance among the arguments (requantize's instances of quantize).
+    page = page.replace("k<2>", "quantize_vec_kernel<8, 1, 0, SummedRows<8>>")
+    (row,) = gpu_profile.parse_details(page)
+    assert row["kernel"] == "quantize_vec_kernel<8, 1, 0, SummedRows<8>>"
 
 
 @pytest.mark.multiproc  # runs the script in processes of its own
