@@ -230,6 +230,14 @@ class Int8Codec(Codec):
         return [(_OPS.dequantize_int8.default, (values, scales, dst, self.block_size, scale), {})]
 
     def reduce_calls(self, rows, out, shard, scale, flag, residual, seed):
+        if self._bytes(shard) * 8 != shard * self._bits:
+            # requantize takes whole bytes of packed codes a row (the hooks' shards are): a
+            # shard whose last byte is part full is summed into fp32, then quantised.
+            total = torch.empty(shard, device=rows.device)
+            return [
+                *self.sum_calls(rows, shard, total, scale),
+                *self.encode_calls(total, out.view(1, -1), shard, 1.0, flag, residual, seed),
+            ]
         # One pass: the rows' codes summed in fp32 and quantised again, the sum never stored.
         values, scales = self._split(rows, shard)
         out_values, out_scales = self._split(out.view(1, -1), shard)

@@ -132,7 +132,8 @@ bool run(const RequantizeArgs& a, int64_t first_block, int64_t last_block) {
   auto sum = [&](float* out, int64_t begin, int64_t end) {
     dequantize_loop(s.q, s.scales, s.block, s.rows, out, begin, end, a.scale);
   };
-  return quantize(a.out, SummedBlocks(sum, a.out.n, a.out.block), first_block, last_block);
+  const int64_t limit = std::min(a.out.n, last_block * a.out.block);
+  return quantize(a.out, SummedBlocks(sum, limit, a.out.block), first_block, last_block);
 }
 
 bool run(const DequantizeArgs& a, int64_t begin, int64_t end) {

@@ -70,21 +70,23 @@ struct FlatBlocks {
 };
 
 // requantize's: the sums of rows of codes, which sum(out, begin, end) (the op's dequantize
-// loop) writes for elements [begin, end) of n, worked out a tile of kTile elements (or a
-// block, where longer) at a time into a buffer: a call per block cost its set-up, per row and
-// segment, for 128 elements.
+// loop) writes for elements [begin, end) below `limit` (the end of a thread's blocks), worked
+// out a tile of kTile elements (or a block, where longer) at a time into a buffer: a call per
+// block cost its set-up, per row and segment, for 128 elements.
 template <class Sum>
 class SummedBlocks {
  public:
   static constexpr int64_t kTile = 4096;
 
-  SummedBlocks(Sum sum, int64_t n, int64_t block)
-      : sum_(sum), n_(n), buffer_(static_cast<size_t>(std::min(n, std::max(kTile, block)))) {}
+  SummedBlocks(Sum sum, int64_t limit, int64_t block)
+      : sum_(sum),
+        limit_(limit),
+        buffer_(static_cast<size_t>(std::min(limit, std::max(kTile, block)))) {}
 
   const float* operator()(int64_t lo, int64_t hi) {
     if (lo < begin_ || hi > end_) {
       begin_ = lo;
-      end_ = std::min(n_, lo + static_cast<int64_t>(buffer_.size()));
+      end_ = std::min(limit_, lo + static_cast<int64_t>(buffer_.size()));
       sum_(buffer_.data(), begin_, end_);
     }
     return buffer_.data() + (lo - begin_);
@@ -92,7 +94,7 @@ class SummedBlocks {
 
  private:
   Sum sum_;
-  int64_t n_;
+  int64_t limit_;
   std::vector<float> buffer_;
   int64_t begin_ = 0, end_ = 0;  // the elements in the buffer
 };

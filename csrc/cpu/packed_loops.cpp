@@ -217,7 +217,7 @@ bool run_packed(const RequantizeArgs& a, int64_t first_block, int64_t last_block
         auto sum = [&](float* out, int64_t begin, int64_t end) {
           dequantize_loop<decltype(bits)::value>(a.src, out, begin, end, a.scale);
         };
-        return SummedBlocks(sum, a.out.n, a.out.block);
+        return SummedBlocks(sum, std::min(a.out.n, last_block * a.out.block), a.out.block);
       },
       first_block, last_block);
 }

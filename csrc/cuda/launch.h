@@ -209,13 +209,16 @@ void run(Rt& rt, const QuantizeArgs& a) {
   quantize(rt, a, vectorise, [&](auto) { return FlatValues{a.src}; });
 }
 
-// requantize: the vector kernel where both the rows read and the row written allow it.
+// requantize: the vector kernel where the row written allows it and each row read starts
+// aligned to a chunk's piece of codes (the rows line up by column, whatever their length).
 template <class Rt>
 void run(Rt& rt, const RequantizeArgs& a) {
   const QuantizeArgs& out = a.out;
+  const int64_t piece = a.src.bits / 2;
   const bool vectorise =
       codes_vectorise(out.dst, out.rows, out.block, out.bits, nullptr, out.rounding.residual) &&
-      codes_vectorise(a.src.q, a.src.rows, a.src.block, a.src.bits, nullptr);
+      reinterpret_cast<uintptr_t>(a.src.q) % piece == 0 &&
+      (a.src.rows.rows == 1 || a.src.rows.q_stride % piece == 0);
   const Divider by_block = Divider::of(a.src.block);
   quantize(rt, out, vectorise, [&](auto bits) {
     return SummedRows<decltype(bits)::value>{a.src, by_block, a.scale};

@@ -110,13 +110,15 @@ CHECKS = [
     # (a pair, then a lone row) and a few blocks' scales inf or NaN; every mode's vector kernel
     # for each width; the scalar kernels (blocks of 100, 6 and 12), fp32 one element into its
     # buffer (scalar too), 2 rows 4 bytes apart (int8: vector; a row's codes stay 4-byte
-    # aligned), a warp-long block (256), one row.
+    # aligned), a warp-long block (256), one row, rows of 2 mod 4 codes (vector: rows line up
+    # by column).
     ("requantize", check_requantize,
      [(bits, _codes_n(32, 4), 32, "ef", 3, 16, False, True) for bits in (8, 4, 2)]
      + [(bits, _codes_n(32, 4), 32, v, 3) for bits in (8, 4, 2) for v in ("plain", "sr", "ef-sr")]
      + [(bits, _codes_n(32, 7), b, "ef", 3) for bits, b in ((8, 100), (4, 6), (2, 12))]
      + [(8, _codes_n(32), 32, "ef", 3, 16, True), (8, _codes_n(32, 4), 32, "plain", 2, 4),
-        (8, _codes_n(256, 4), 256, "ef", 3), (4, _codes_n(32), 32, "plain", 1)]),
+        (8, _codes_n(256, 4), 256, "ef", 3), (4, _codes_n(32), 32, "plain", 1),
+        (4, _codes_n(32, 2), 32, "ef", 3, 15)]),
 ]  # fmt: skip
 
 # Every kernel of csrc/cuda (by name and bits), which the checks of CHECKS must launch.

@@ -324,7 +324,8 @@ def check_requantize(
     special=False,
 ) -> None:  # fmt: skip
     """requantize of ``rows`` rows of ``n`` codes of ``bits`` bits (rounded up to whole bytes),
-    ``pad`` bytes apart, into one row; ``variant`` and ``offset`` as for quantize;
+    ``pad`` bytes apart, into one row; ``variant`` as for quantize; ``offset`` shifts the
+    residual and the row written (codes and scales) one element into their buffers;
     ``special`` gives a few blocks an inf or NaN scale."""
     per = 8 // bits if bits < 8 else 1
     nbytes, dtype = -(-n // per), torch.int8 if bits == 8 else torch.uint8
@@ -334,8 +335,8 @@ def check_requantize(
     seed = 99 + n if "sr" in variant else -1
     outs = []
     for run in (ops.requantize, emu.requantize):
-        d, dw = _buffer(nbytes, dtype, False)
-        ds, dsw = _buffer(nb, torch.float32, False)
+        d, dw = _buffer(nbytes, dtype, offset)
+        ds, dsw = _buffer(nb, torch.float32, offset)
         r = _twin(residual, offset)[0] if residual is not None else None
         f = torch.zeros(1, dtype=torch.int32)
         run(q, s, d, ds, bits, block, 0.75, f, r, seed)

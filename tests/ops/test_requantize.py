@@ -9,7 +9,7 @@ test_accum_ops.py and test_packed_ops.py. On CUDA it is checked against the CPU 
 import pytest
 import torch
 
-from fastddp import ops
+from fastddp import codecs, ops
 
 from ._grid import _CUDA
 from .test_accum_ops import _grads
@@ -108,8 +108,10 @@ def test_requantize_refuses_bad_input():
         call(dst=out[:128])
     with pytest.raises(RuntimeError, match="dst must be one row"):
         call(dst=torch.empty(2, 256, dtype=torch.int8), dst_scales=torch.empty(2, 8))
-    with pytest.raises(RuntimeError, match="quantised tensor must be int8"):
+    with pytest.raises(RuntimeError, match="dst must be int8 for 8-bit codes, got Byte"):
         call(dst=out.view(torch.uint8))
+    with pytest.raises(RuntimeError, match="each row of src must be contiguous"):
+        call(src=torch.zeros(256, 3, dtype=torch.int8).t())
     with pytest.raises(RuntimeError, match="residual has 100 elements but 256"):
         call(residual=torch.zeros(100))
     with pytest.raises(RuntimeError, match="need 8 scales"):
@@ -119,6 +121,29 @@ def test_requantize_refuses_bad_input():
     packed = torch.zeros(3, 128, dtype=torch.uint8)  # 256 int4 codes a row
     with pytest.raises(RuntimeError, match="block_size must be a multiple of 2"):
         call(src=packed, dst=torch.empty(128, dtype=torch.uint8), bits=4, block_size=31)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int4, torch.int2])
+@pytest.mark.parametrize("shard", [30, 64, 1000])
+def test_a_codec_s_reduce_is_its_sum_then_its_encode(dtype, shard):
+    # One requantize where a row is whole bytes; int4 and int2 shards whose last byte is part
+    # full (30 int4 or int2 codes) are summed into fp32 and quantised, as before requantize.
+    codec = codecs.codec_for(dtype, 8 if dtype == torch.int8 else 32)
+    rows = torch.zeros(3, codec.row_elems(shard), dtype=codec.wire_dtype)
+    codec.encode(_grads(3 * shard, seed=shard), rows, shard)
+    outs = []
+    for fused in (True, False):
+        out = torch.zeros(codec.row_elems(shard), dtype=codec.wire_dtype)
+        residual = _grads(shard, seed=1) * 1e-2
+        flag = torch.zeros(1, dtype=torch.int32)
+        if fused:
+            codec.reduce(rows, out, shard, 0.5, flag, residual)
+        else:
+            total = torch.empty(shard)
+            codec.sum_into(rows, shard, total, 0.5)
+            codec.encode(total, out.view(1, -1), shard, 1.0, flag, residual)
+        outs.append([out, residual, flag])
+    _same_bits(*outs)
 
 
 def test_opcheck_requantize(device):

@@ -241,12 +241,13 @@ inline Int8Rows code_rows(
   return {rows, row_len, q_stride, s_stride};
 }
 
-// The layout of an int8 tensor `q` and of its scales (code_rows: one byte a code).
+// The layout of an int8 tensor `q` (named `tensor` in messages) and of its scales (code_rows:
+// one byte a code).
 inline Int8Rows int8_rows(
-    const char* op, const at::Tensor& q, const at::Tensor& scales, int64_t block) {
+    const char* op, const at::Tensor& q, const at::Tensor& scales, int64_t block,
+    const char* tensor = "the int8 tensor") {
   const int64_t m = q.dim() == 1 ? q.numel() : q.dim() == 2 ? q.size(1) : 0;
-  return code_rows(
-      op, q, scales, block, c10::ScalarType::Char, "the int8 tensor", "m", "int8 values", m);
+  return code_rows(op, q, scales, block, c10::ScalarType::Char, tensor, "m", "int8 values", m);
 }
 
 // The flat fp32 side of an int8 layout: `n` elements spread over the rows in order. Several
@@ -273,11 +274,12 @@ inline void check_flat_side(
       rows.row_len);
 }
 
-// The layout of packed int4/int2 codes `q` (uint8, 8 / bits codes a byte) holding `row_len`
-// codes a row, and of its scales (code_rows). A block holds whole bytes.
+// The layout of packed int4/int2 codes `q` (uint8, 8 / bits codes a byte; named `tensor` in
+// messages) holding `row_len` codes a row, and of its scales (code_rows). A block holds whole
+// bytes.
 inline Int8Rows packed_rows(
     const char* op, const at::Tensor& q, const at::Tensor& scales, int64_t block, int64_t bits,
-    int64_t row_len) {
+    int64_t row_len, const char* tensor = "the packed tensor") {
   TORCH_CHECK(
       bits == 4 || bits == 2,
       "fastddp.", op, ": bits must be 4 or 2, got ", bits, "; int8 codes use the int8 ops");
@@ -286,14 +288,13 @@ inline Int8Rows packed_rows(
       block % per == 0,
       "fastddp.", op, ": block_size must be a multiple of ", per, " for ", bits,
       "-bit codes (a block holds whole bytes), got ", block);
-  const Int8Rows rows = code_rows(
-      op, q, scales, block, c10::ScalarType::Byte, "the packed tensor", "bytes", "codes",
-      row_len);
+  const Int8Rows rows =
+      code_rows(op, q, scales, block, c10::ScalarType::Byte, tensor, "bytes", "codes", row_len);
   const int64_t bytes = q.dim() == 1 ? q.numel() : q.size(1);
   TORCH_CHECK(
       bytes == (row_len + per - 1) / per,
       "fastddp.", op, ": ", row_len, " codes of ", bits, " bits take ", (row_len + per - 1) / per,
-      " bytes a row, but the packed tensor has ", bytes);
+      " bytes a row, but ", tensor, " has ", bytes);
   return rows;
 }
 

@@ -197,15 +197,18 @@ void unpack_packed(
       dst.data_ptr<float>(), dst.numel(), static_cast<float>(scale)});
 }
 
-// The codes of requantize's rows (`what`: src or dst) of `bits` bits: int8, or packed int4 or
-// int2 holding row_len codes a row.
+// The layout of requantize's codes `q` of `bits` bits (int8, or packed int4 or int2) holding
+// row_len codes a row, named `tensor` (src or dst) in messages.
 inline Int8Rows requantize_rows(
-    const Tensor& q, const Tensor& scales, int64_t bits, int64_t block, int64_t row_len) {
+    const Tensor& q, const Tensor& scales, int64_t bits, int64_t block, int64_t row_len,
+    const char* tensor) {
+  const auto want = bits == 8 ? c10::ScalarType::Char : c10::ScalarType::Byte;
   TORCH_CHECK(
-      bits == 8 || bits == 4 || bits == 2, "fastddp.requantize: bits must be 8, 4 or 2, got ",
-      bits);
-  return bits == 8 ? int8_rows("requantize", q, scales, block)
-                   : packed_rows("requantize", q, scales, block, bits, row_len);
+      q.scalar_type() == want, "fastddp.requantize: ", tensor, " must be ",
+      bits == 8 ? "int8" : "uint8 (packed codes)", " for ", bits, "-bit codes, got ",
+      q.scalar_type());
+  return bits == 8 ? int8_rows("requantize", q, scales, block, tensor)
+                   : packed_rows("requantize", q, scales, block, bits, row_len, tensor);
 }
 
 template <class Backend>
@@ -215,18 +218,21 @@ void requantize(
     const OptionalTensor& residual, int64_t seed) {
   const char* op = "requantize";
   TORCH_CHECK(
+      bits == 8 || bits == 4 || bits == 2, "fastddp.requantize: bits must be 8, 4 or 2, got ",
+      bits);
+  TORCH_CHECK(
       src.dim() == 2 && src.size(0) >= 1,
       "fastddp.requantize: src must have shape [chunks, bytes] with at least one row (one row "
       "per rank), got ",
       src.sizes());
   // A row of src holds n codes, whole bytes of them; dst holds them once.
   const int64_t n = src.size(1) * (bits == 4 || bits == 2 ? 8 / bits : 1);
-  const Int8Rows in = requantize_rows(src, src_scales, bits, block, n);
+  const Int8Rows in = requantize_rows(src, src_scales, bits, block, n, "src");
   TORCH_CHECK(
       (dst.dim() == 1 || (dst.dim() == 2 && dst.size(0) == 1)) && dst.numel() == src.size(1),
       "fastddp.requantize: dst must be one row of the ", n, " codes a row of src holds (",
       src.size(1), " bytes), got ", dst.sizes());
-  const Int8Rows out = requantize_rows(dst, dst_scales, bits, block, n);
+  const Int8Rows out = requantize_rows(dst, dst_scales, bits, block, n, "dst");
   check_same_device(op, "src", src, "dst", dst);
   const Rounding rounding = rounding_of(op, found_nonfinite, residual, seed, dst, n);
   check_apart(
