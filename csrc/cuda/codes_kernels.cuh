@@ -382,7 +382,8 @@ __global__ void __launch_bounds__(kThreads, Values::kBlocksPerSm)
   constexpr bool kShare = !(kFeedback && kStochastic);
   math::Mode mode = a.rounding.mode();
   mode.feedback = kFeedback;
-  mode.stochastic = kStochastic;
+  // (Values::kStochasticAtRun: one instance rounds either way, as a.rounding says.)
+  mode.stochastic = Values::kStochasticAtRun ? mode.stochastic : kStochastic;
   const float qmax = code_max(kBits);
   const int64_t per_block = a.block / kChunk;
   const int64_t chunks = (a.n + kChunk - 1) / kChunk;

@@ -147,15 +147,21 @@ inline bool codes_vectorise(const void* q, const Int8Rows& rows, int64_t block, 
          (rows.rows == 1 || (rows.q_stride % piece == 0 && rows.row_len % kChunk == 0));
 }
 
-// The instance of quantize_vec_kernel for kBits, the mode of `r` and what it rounds.
+// The instance of quantize_vec_kernel for kBits, the mode of `r` and what it rounds: where
+// Values::kStochasticAtRun, one instance rounds either way (the kStochastic false one).
 template <int kBits, class Values>
 auto quantize_vec_for(const Rounding& r) {
   const bool feedback = r.residual != nullptr;
-  const bool stochastic = r.seed >= 0;
-  return feedback ? (stochastic ? quantize_vec_kernel<kBits, true, true, Values>
-                                : quantize_vec_kernel<kBits, true, false, Values>)
-                  : (stochastic ? quantize_vec_kernel<kBits, false, true, Values>
-                                : quantize_vec_kernel<kBits, false, false, Values>);
+  if constexpr (Values::kStochasticAtRun) {
+    return feedback ? quantize_vec_kernel<kBits, true, false, Values>
+                    : quantize_vec_kernel<kBits, false, false, Values>;
+  } else {
+    const bool stochastic = r.seed >= 0;
+    return feedback ? (stochastic ? quantize_vec_kernel<kBits, true, true, Values>
+                                  : quantize_vec_kernel<kBits, true, false, Values>)
+                    : (stochastic ? quantize_vec_kernel<kBits, false, true, Values>
+                                  : quantize_vec_kernel<kBits, false, false, Values>);
+  }
 }
 
 template <int kBits>

@@ -13,11 +13,15 @@ namespace fastddp::kernels {
 
 // The blocks of quantize_vec_kernel a multiprocessor holds (kBlocksPerSm, its launch bounds),
 // by what it rounds: 4 (64 registers) for fp32 values; 3 (80) for sums of rows, whose rows'
-// pieces and scales in flight spilled 4 to 24 bytes a lane to local memory at 64.
+// pieces and scales in flight spilled 4 to 24 bytes a lane to local memory at 64. And whether
+// one instance rounds to nearest or stochastically, as the call says (kStochasticAtRun): for
+// the sums, so that they add 6 instances to the build rather than 12 (nvcc took twice as long
+// for launches.cu with 12); stochastic rounding of a reduce step is the rarer setting.
 
 // n fp32 values.
 struct FlatValues {
   static constexpr int kBlocksPerSm = 4;
+  static constexpr bool kStochasticAtRun = false;
 
   const float* src;
 
@@ -36,6 +40,7 @@ struct FlatValues {
 template <int kBits>
 struct SummedRows {
   static constexpr int kBlocksPerSm = 3;
+  static constexpr bool kStochasticAtRun = true;
 
   Int8Source src;
   Divider by_block;

@@ -107,8 +107,8 @@ CHECKS = [
      + [("unpack", bits, _codes_n(b, 7, 4), b, r, pad, off) for bits in (4, 2)
         for b in (32, 128, 6 * (6 - bits)) for r, pad, off in LAYOUTS]),
     # Rows of codes summed and quantised again: first (the planted defects show there) 3 rows
-    # (a pair, then a lone row) and a few blocks' scales inf or NaN; every mode's vector kernel
-    # for each width; the scalar kernels (blocks of 100, 6 and 12), fp32 one element into its
+    # (a pair, then a lone row) and a few blocks' scales inf or NaN; every mode of the vector
+    # kernels of each width; the scalar kernels (blocks of 100, 6 and 12), fp32 one element into its
     # buffer (scalar too), 2 rows 4 bytes apart (int8: vector; a row's codes stay 4-byte
     # aligned), a warp-long block (256), one row, rows of 2 mod 4 codes (vector: rows line up
     # by column).
@@ -131,9 +131,10 @@ KERNELS = frozenset(
        for bits in (8, 4, 2)]
     + [f"{k}<{bits}>" for k in ("quantize_packed_kernel", "dequantize_kernel", "unpack_kernel")
        for bits in (4, 2)]
-    # requantize's instances: every mode's vector kernel for each width, and the scalar ones
-    + [f"quantize_vec_kernel<{bits}, {feedback}, {stochastic}, summed>" for bits in (8, 4, 2)
-       for feedback in ("false", "true") for stochastic in ("false", "true")]
+    # requantize's instances: the vector kernel with and without error feedback for each width
+    # (one instance rounds either way), and the scalar ones
+    + [f"quantize_vec_kernel<{bits}, {feedback}, false, summed>" for bits in (8, 4, 2)
+       for feedback in ("false", "true")]
     + ["quantize_int8_kernel<8, summed>", "quantize_packed_kernel<4, summed>",
        "quantize_packed_kernel<2, summed>"]
 )  # fmt: skip
