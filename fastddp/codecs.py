@@ -230,9 +230,7 @@ class Int8Codec(Codec):
         return [(_OPS.dequantize_int8.default, (values, scales, dst, self.block_size, scale), {})]
 
     def reduce_calls(self, rows, out, shard, scale, flag, residual, seed):
-        if self._bytes(shard) * 8 != shard * self._bits:
-            # requantize takes whole bytes of packed codes a row (the hooks' shards are): a
-            # shard whose last byte is part full is summed into fp32, then quantised.
+        if self._bytes(shard) * 8 != shard * self._bits:  # requantize takes whole bytes
             total = torch.empty(shard, device=rows.device)
             return [
                 *self.sum_calls(rows, shard, total, scale),
