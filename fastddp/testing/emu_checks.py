@@ -68,6 +68,13 @@ def _same(what: str, cpu: torch.Tensor, emu: torch.Tensor, nan_equal: bool = Fal
         )
 
 
+def _same_codes(what: str, cpu: tuple, emu: tuple) -> None:
+    """A quantize's (values, scales, residual, flag), each compared where given."""
+    for part, a, b in zip(("values", "scales", "residual", "flag"), cpu, emu):
+        if a is not None:
+            _same(f"{what} {part}", a, b)
+
+
 # Runs of 128 elements, so that every block of up to 128 lies in one: all zeros; so small
 # that qmax / absmax overflows (its inverse is 0); FLT_MAX, whose absmax / qmax times qmax
 # rounds past it (the scale is taken one step down); one inf; one NaN; ordinary values; and
@@ -209,11 +216,7 @@ def check_quantize_int8(
         outs.append((qw, sw, r, f))
     what = (f"quantize_int8 n={n} block={block} {variant} rows={rows} pad={pad} offset={offset} "
             f"extreme={extreme}")  # fmt: skip
-    _same(what + " values", outs[0][0], outs[1][0])
-    _same(what + " scales", outs[0][1], outs[1][1])
-    if residual is not None:
-        _same(what + " residual", outs[0][2], outs[1][2])
-    _same(what + " flag", outs[0][3], outs[1][3])
+    _same_codes(what, *outs)
 
 
 def check_dequantize_int8(emu: Emu, m: int, block: int, chunks: int, pad=16, offset=False) -> None:
@@ -274,9 +277,7 @@ def check_quantize_packed(
         outs.append((qw, sw, r, f))
     what = (f"quantize_packed bits={bits} n={n} block={block} {variant} rows={rows} pad={pad} "
             f"offset={offset} extreme={extreme}")  # fmt: skip
-    for k, part in enumerate(("values", "scales", "residual", "flag")):
-        if outs[0][k] is not None:
-            _same(f"{what} {part}", outs[0][k], outs[1][k])
+    _same_codes(what, *outs)
 
 
 def _random_codes(q: torch.Tensor, s: torch.Tensor, seed: int) -> None:
@@ -343,6 +344,4 @@ def check_requantize(
         outs.append((dw, dsw, r, f))
     what = (f"requantize bits={bits} n={n} block={block} {variant} rows={rows} pad={pad} "
             f"offset={offset} special={special}")  # fmt: skip
-    for k, part in enumerate(("values", "scales", "residual", "flag")):
-        if outs[0][k] is not None:
-            _same(f"{what} {part}", outs[0][k], outs[1][k])
+    _same_codes(what, *outs)
