@@ -8,6 +8,7 @@ torch already installed, not a fresh copy pulled into an isolated build environm
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -38,6 +39,23 @@ def _one_unit(name: str, sources: list[Path]) -> Path:
         unit.parent.mkdir(parents=True, exist_ok=True)
         unit.write_text(text)
     return unit
+
+
+def _cxx_runtime() -> list[str]:
+    """The C++ runtime torch runs with, as a link input: its ``libstdc++.so.6``, or nothing.
+
+    Some toolchains link libstdc++ statically unless told otherwise (a g++ built under ``/opt``,
+    as in the images torch's own wheels are built in). The extension then carries a second copy
+    of the locale and stream code, which shares its facet ids with torch's copy but not its
+    locale: the first error message that formats a number crashed on a null facet. Naming
+    torch's shared runtime first gives the linker every C++ runtime symbol from it, so the
+    process has one runtime.
+    """
+    if not sys.platform.startswith("linux"):
+        return []
+    with open("/proc/self/maps") as maps:  # torch, imported above, has loaded it
+        loaded = sorted({line.split()[-1] for line in maps if "/libstdc++.so" in line})
+    return loaded[:1]
 
 
 def _extension():
@@ -72,7 +90,7 @@ def _extension():
         sources=[str(s.relative_to(ROOT)) for s in sources],
         include_dirs=[str(CSRC / "include")],
         define_macros=macros,
-        extra_link_args=["-fopenmp"],
+        extra_link_args=["-fopenmp", *_cxx_runtime()],
     )
     if with_cuda:
         nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-Xcompiler=-ffp-contract=off"]

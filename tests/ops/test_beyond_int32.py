@@ -11,7 +11,7 @@ import torch
 
 from fastddp import ops
 
-N = 2**31 + 37  # odd: the tail past the last 16-byte group too
+N = 2**31 + 2**16 + 37  # odd: the tail past the last 16-byte group too; the windows apart
 BLOCK = 128
 WINDOW = 64 * BLOCK
 
@@ -25,7 +25,9 @@ def _windows() -> list[slice]:
     """Block-aligned windows: the start, across 2**31, the end (with the short last block)."""
     middle = (2**31 // BLOCK - 32) * BLOCK
     last = (N // BLOCK - 32) * BLOCK
-    return [slice(0, WINDOW), slice(middle, middle + WINDOW), slice(last, N)]
+    windows = [slice(0, WINDOW), slice(middle, middle + WINDOW), slice(last, N)]
+    assert all(a.stop <= b.start for a, b in zip(windows, windows[1:])), windows
+    return windows
 
 
 @pytest.fixture(scope="module")
