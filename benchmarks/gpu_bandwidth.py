@@ -7,8 +7,10 @@ copy. The ops: compress, decompress, sum_chunks, the int8 codes (quantize, dequa
 requantize with error feedback: the int8-ef preset's reduce step) and the packed 4- and 2-bit
 codes (``quantize_packed4`` ... ``requantize_packed2``), with blocks of 128. PyTorch's own
 ``to(dtype).div_()`` + ``copy_`` (what its fp16 hook does) is timed next to compress +
-decompress. ``--device cpu`` runs the same on the CPU (perf_counter), for testing
-the script.
+decompress, and each requantize's two-op equivalent (``dequantize+quantize_*``: dequantize
+into an fp32 shard, quantize it with error feedback) at its shape, counted with requantize's
+bytes so that the two rows' ratios compare their times. ``--device cpu`` runs the same on the
+CPU (perf_counter), for testing the script.
 
     python benchmarks/gpu_bandwidth.py --json bw.json --markdown bw.md
 """
@@ -43,6 +45,11 @@ OPS = (
     ),
 )
 TARGETS = dict.fromkeys(OPS, 0.85)
+# Rows timed beside the ops, without a target: what an op replaces or competes with.
+REFERENCES = (
+    *(f"dequantize+quantize_{codes}" for codes in ("int8", *(f"packed{b}" for b in BITS))),
+    "torch to(bf16).div_ + copy_",
+)
 
 
 def _timer(device):
@@ -100,7 +107,13 @@ def cases(device, nbytes):
     flag = torch.zeros(1, dtype=torch.int32, device=device)
     residual = torch.zeros(m, device=device)
     q_out, s_out = torch.empty(m, dtype=torch.int8, device=device), torch.empty_like(s_rows[0])
-    return {
+
+    def int8_pair():
+        ops.dequantize_int8(q_rows, s_rows, summed, BLOCK, 0.25)
+        ops.quantize_int8(summed, q_out, s_out, BLOCK, 1.0, flag, residual)
+
+    requantize_bytes = RANKS * m + 4 * s_rows.numel() + m + 4 * s_out.numel() + 8 * m
+    table = {
         "copy (d2d)": (lambda: dst.copy_(src), 8 * n),
         "compress": (lambda: ops.compress(src, wire, 0.25, flag), 6 * n),
         "decompress": (lambda: ops.decompress(wire, dst, 1.0), 6 * n),
@@ -117,8 +130,9 @@ def cases(device, nbytes):
         # the rows and their scales read; one row and its scales written; the residual both
         "requantize_int8": (
             lambda: ops.requantize(q_rows, s_rows, q_out, s_out, 8, BLOCK, 0.25, flag, residual),
-            RANKS * m + 4 * s_rows.numel() + m + 4 * s_out.numel() + 8 * m,
+            requantize_bytes,
         ),
+        "dequantize+quantize_int8": (int8_pair, requantize_bytes),
         **_packed_cases(src, dst, m, g, device),
         # read fp32, write bf16; div_ in place; read bf16, write fp32
         "torch to(bf16).div_ + copy_": (
@@ -126,6 +140,7 @@ def cases(device, nbytes):
             (4 + 2) * n + (2 + 2) * n + (2 + 4) * n,
         ),
     }
+    return {op: table[op] for op in ("copy (d2d)", *OPS, *REFERENCES)}
 
 
 def _one_size(device, label, nbytes, timed, iters):
@@ -183,16 +198,21 @@ def _packed_cases(src, dst, m, g, device):
         def requantize(q_rows=q_rows, s_rows=s_rows, out=(q_out, s_out, residual), bits=bits):
             ops.requantize(q_rows, s_rows, out[0], out[1], bits, BLOCK, 0.25, None, out[2])
 
+        wide = torch.empty(residual.numel(), device=device)  # the pair's fp32 shard
+
+        def pair(q_rows=q_rows, s_rows=s_rows, out=(q_out, s_out, residual, wide), bits=bits):
+            ops.dequantize_packed(q_rows, s_rows, out[3], bits, BLOCK, 0.25)
+            ops.quantize_packed(out[3], out[0], out[1], bits, BLOCK, 1.0, None, out[2])
+
         cases[f"quantize_packed{bits}"] = (quantize, 4 * n + nbytes + 4 * scales.numel())
         cases[f"dequantize_packed{bits}"] = (
             dequantize,
             RANKS * row_bytes + 4 * s_rows.numel() + 4 * m,
         )
         cases[f"unpack_packed{bits}"] = (unpack, nbytes + 4 * scales.numel() + 4 * n)
-        cases[f"requantize_packed{bits}"] = (
-            requantize,
-            (RANKS + 1) * row_bytes + 4 * (s_rows.numel() + s_out.numel()) + 8 * residual.numel(),
-        )
+        moved = (RANKS + 1) * row_bytes + 4 * (s_rows.numel() + s_out.numel())
+        cases[f"requantize_packed{bits}"] = (requantize, moved + 8 * residual.numel())
+        cases[f"dequantize+quantize_packed{bits}"] = (pair, moved + 8 * residual.numel())
     return cases
 
 
