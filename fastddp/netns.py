@@ -67,8 +67,11 @@ def run_job(cmd: list[str], env=None) -> int:
 
 def quietly(main, name: str) -> int:
     """``main()``'s exit code; on Ctrl-C or SIGTERM, 128 + the signal and one line saying so,
-    without a traceback. SIGTERM becomes the interrupt :func:`run_job` passes on, so that a
-    job on namespace nodes is stopped and its namespaces removed before this returns."""
+    without a traceback. Both become the interrupt :func:`run_job` passes on, so that a job on
+    namespace nodes is stopped and its namespaces removed before this returns."""
+    # SIGINT too: Python leaves it ignored where it started ignored (a script's background
+    # job), and the tool would then wait out its job's clean-up without a word.
+    signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         return main()

@@ -133,7 +133,9 @@ _BY_RUN_JOB = (
 
 
 # terminated: SIGTERM to the namespace tool; ctrl-c: SIGINT to a tool's whole process group, as
-# a terminal sends it; tool-terminated: SIGTERM to a tool that runs the namespace tool.
+# a terminal sends it, to a tool started with SIGINT ignored (as a script's background job is,
+# which Python then leaves ignored); tool-terminated: SIGTERM to a tool that runs the namespace
+# tool.
 @pytest.mark.parametrize("how", ["terminated", "ctrl-c", "tool-terminated"])
 def test_a_stopped_run_removes_its_namespaces_and_workers_and_ranks_share_cores(tmp_path, how):
     why = netns.unavailable_reason()
@@ -158,6 +160,8 @@ def test_a_stopped_run_removes_its_namespaces_and_workers_and_ranks_share_cores(
     cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "2", str(script)]
     if how != "terminated":
         cmd = [sys.executable, "-c", _BY_RUN_JOB, *cmd]
+    if how == "ctrl-c":
+        cmd = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *cmd]
     err = tmp_path / "stderr"
     run = subprocess.Popen(
         cmd,
