@@ -11,7 +11,9 @@ Each process writes ``NN-<file>.log`` and a JUnit ``NN-<file>.xml`` into ``--log
 prints one line per process and a last line ``cuda-tests: ...`` with the counts, and exits 1
 if a test failed or a process did not finish, 0 otherwise (a test skipped is no failure). A
 process that dies before pytest reports (a segfault in an extension) is named in that line,
-with Python's fatal error and the test it was in, and its tests are counted as not reported.
+with Python's fatal error, the test it was in and its innermost native frames (the processes
+preload ``native_trace.c``, built here with ``cc``; without a compiler this says so and runs
+without), and its tests are counted as not reported.
 
     python benchmarks/gpu_cuda_tests.py --logs LOGS [--limit 180] [tests]
     python benchmarks/gpu_cuda_tests.py --dry-run     # collect and print the processes
@@ -26,9 +28,12 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import native_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 # Rough seconds a test takes on the 16-core GPU machine with 12 processes at once (an H100,
@@ -114,7 +119,7 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def start(shard: Shard, python: str, logs: Path, marker: str, per_test: int) -> None:
+def start(shard: Shard, python: str, logs: Path, marker: str, per_test: int, env=None) -> None:
     cmd = [python, "-m", "pytest", "-q", "-m", marker, "-p", "no:cacheprovider"]
     cmd += ["-o", f"timeout={per_test}", "--junitxml", str(logs / f"{shard.name}.xml")]
     cmd += shard.tests
@@ -125,6 +130,7 @@ def start(shard: Shard, python: str, logs: Path, marker: str, per_test: int) -> 
     shard.proc = subprocess.Popen(
         cmd,
         cwd=ROOT,
+        env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -172,7 +178,7 @@ def finish(shard: Shard, logs: Path, timed_out: "float | None" = None) -> None:
 
 def _crash(log: str, rc: int) -> str:
     """How a pytest process died, from its log and exit status: Python's fatal error (or the
-    signal that killed it), and the test it was in."""
+    signal that killed it), the test it was in, and its innermost native frames if traced."""
     fatal = next((ln for ln in log.splitlines() if "Fatal Python error:" in ln), "")
     if fatal:
         what = fatal.split("Fatal Python error:", 1)[1].strip()
@@ -182,19 +188,24 @@ def _crash(log: str, rc: int) -> str:
         except ValueError:
             what = f"killed by signal {-rc}"
     test = re.findall(r'File "[^"]*", line \d+ in (test_\w+)', log)  # innermost first
-    return f"{what} in {test[0]}" if test else what
+    what = f"{what} in {test[0]}" if test else what
+    native = native_trace.describe(log)
+    return f"{what}; {native}" if native else what
 
 
-def run(shards, python, logs: Path, marker, limit, process_limit, per_test, jobs, say=print):
+def run(
+    shards, python, logs: Path, marker, limit, process_limit, per_test, jobs, say=print, env=None
+):
     """Run the shards, at most ``jobs`` at once, each within ``process_limit`` seconds and all
-    within ``limit``; shards that could not start in time stay ``not run``."""
+    within ``limit`` (in environment ``env``); shards that could not start in time stay
+    ``not run``."""
     deadline = time.monotonic() + limit
     waiting, running = list(shards), []
     try:
         while waiting or running:
             while waiting and len(running) < jobs and time.monotonic() < deadline:
                 shard = waiting.pop(0)
-                start(shard, python, logs, marker, per_test)
+                start(shard, python, logs, marker, per_test, env)
                 running.append(shard)
             if not running:
                 break  # out of time with shards still waiting
@@ -283,11 +294,15 @@ def main(argv=None) -> int:
         return 0
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
-    limit = args.limit - (time.monotonic() - started)
-    run(
-        shards, sys.executable, logs, args.marker, limit, args.process_limit, args.per_test,
-        args.jobs, say=lambda text: print(text, flush=True),
-    )  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="fastddp-trace-") as folder:
+        library, why_not = native_trace.build(Path(folder))
+        print(f"cuda-tests: native frames of a crash: {'on' if library else 'off, ' + why_not}")
+        env = native_trace.environ(library) if library else None
+        limit = args.limit - (time.monotonic() - started)
+        run(
+            shards, sys.executable, logs, args.marker, limit, args.process_limit, args.per_test,
+            args.jobs, say=lambda text: print(text, flush=True), env=env,
+        )  # fmt: skip
     for s in shards:
         if s.outcome == "not run":
             print(line(s))

@@ -26,6 +26,7 @@ import gpu_cuda_tests  # noqa: E402
 import gpu_ops_all  # noqa: E402
 import gpu_step_cost  # noqa: E402
 import gpu_step_profile  # noqa: E402
+import native_trace  # noqa: E402
 
 import fastddp  # noqa: E402
 from fastddp.testing import slack  # noqa: E402
@@ -576,6 +577,37 @@ def test_a_process_without_counts_is_told_apart_from_a_crash(tmp_path, rc, log, 
     assert bool(shard.failures) == (rc != 1)  # (the failed test's own line: none in this log)
 
 
+# The frames of the H200's crash (run 8), as the tracer printed them under pytest: the
+# handler, the C library's trampolines and raise, Python's faulthandler, then the fault.
+_H200_FRAMES = """Fatal Python error: Segmentation fault
+fastddp-native-trace: signal 11, 40 frames
+fastddp-native-frame 0 /tmp/fastddp-trace-x/native_trace.so +0x1237 ?
+fastddp-native-frame 1 /lib/x86_64-linux-gnu/libc.so.6 +0x45330 ?
+fastddp-native-frame 2 /lib/x86_64-linux-gnu/libc.so.6 +0x9eb2c pthread_kill
+fastddp-native-frame 3 python3 +0x2c1a2e ?
+fastddp-native-frame 4 /lib/x86_64-linux-gnu/libc.so.6 +0x45330 ?
+fastddp-native-frame 5 /w/_C.cpython-312-x86_64-linux-gnu.so +0x1de601 _ZNSo9_M_insertIlEERSoT_
+fastddp-native-frame 6 /w/_C.cpython-312-x86_64-linux-gnu.so +0xd5626 ?
+fastddp-native-frame 7 /opt/torch/lib/libtorch_cpu.so +0x66fbc8c ?
+"""
+
+
+def test_a_crash_names_its_innermost_native_frames():
+    assert native_trace.frames(_H200_FRAMES)[0][:2] == (
+        "/w/_C.cpython-312-x86_64-linux-gnu.so",
+        0x1DE601,
+    )
+    told = native_trace.describe(_H200_FRAMES)
+    so = "_C.cpython-312-x86_64-linux-gnu.so"
+    assert told.startswith(f"native: {so} near ") and told.endswith(f" < {so} near +0xd5626")
+    # demangled (c++filt's spelling varies) where c++filt is at hand
+    name = "_M_insert<long>(long)" if shutil.which("c++filt") else "_ZNSo9_M_insertIlEERSoT_"
+    assert name in told, told
+    assert native_trace.describe("Fatal Python error: Segmentation fault\n") == ""
+    text = gpu_cuda_tests._crash(_H200_FRAMES + '  File "/t/a.py", line 3 in test_x\n', -11)
+    assert text == f"Segmentation fault in test_x; {told}"
+
+
 @pytest.mark.multiproc  # runs the check in processes of its own
 def test_cuda_tests_run_at_once_each_within_its_limit(tmp_path):
     tree, logs, pids = _fake_test_tree(tmp_path), tmp_path / "logs", tmp_path / "hang.pids"
@@ -597,10 +629,12 @@ def test_cuda_tests_run_at_once_each_within_its_limit(tmp_path):
     assert "6 passed" in last and "1 failed" in last and "1 skipped" in last
     assert "did not finish: 03-test_ranks_like" in last  # test_hangs, cut at the limit
     assert any(line.startswith("FAILED ") and "test_value[3]" in line for line in lines)
-    # The crash is named, with the test it was in, and its test counted as not reported.
+    # The crash is named, with the test it was in and its innermost native frame outside the
+    # C library (ctypes' module), and its test counted as not reported.
+    assert "cuda-tests: native frames of a crash: on" in lines, lines
     assert "2 not reported" in last, last
-    crashed = "Segmentation fault in test_reads_address_zero"
-    assert f"crashed: 06-test_crashes ({crashed})" in last, last
+    crashed = "Segmentation fault in test_reads_address_zero; native: _ctypes"
+    assert f"crashed: 06-test_crashes ({crashed}" in last, last
     assert any(line.startswith("CRASHED 06-test_crashes") for line in lines), lines
     # Not one after another, not to the end of the hang.
     assert time.monotonic() - started < slack.guard(60)
