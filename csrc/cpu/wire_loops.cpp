@@ -4,8 +4,9 @@
 // in that math keep every loop free of branches, so that GCC vectorises it. Each instance is
 // cloned per ISA (AVX-512, AVX2, baseline) and picked at load time.
 //
-// On x86 with AVX2 and F16C, compress to nearest and decompress run hand-written vector loops
-// over the aligned middle of their range instead, with the portable loop for the head and tail.
+// On x86 with AVX2 and F16C, compress to nearest (with error feedback or without) and decompress
+// run hand-written vector loops over the aligned middle of their range instead, with the
+// portable loop for the head and tail.
 #include <algorithm>
 #include <cstdlib>
 
@@ -191,25 +192,51 @@ int64_t aligned_start(const T* dst, int64_t begin, int64_t end) {
   return std::min(begin + head, end);
 }
 
-template <WireKind K, bool kStream>
+// The new residuals of 8 elements (math::residual_after): v minus its wire value, or the old
+// residual where that is inf or NaN (`nonfinite`: 8 lanes of 16-bit masks, made 32 bits wide).
+template <WireKind K>
+FASTDDP_AVX2 inline __m256 residual_after(__m256 v, __m128i wire, __m128i nonfinite, __m256 kept) {
+  const __m256 dropped = _mm256_sub_ps(v, Avx2Wire<K>::widen(wire));
+  return _mm256_blendv_ps(dropped, kept, _mm256_castsi256_ps(_mm256_cvtepi16_epi32(nonfinite)));
+}
+
+// kFeedback: v = src * scale + residual (two roundings, as math::rounding_input_of), and the
+// residual stored back, unaligned and cached (it is read again at the next step), as
+// math::round_element leaves it.
+template <WireKind K, bool kStream, bool kFeedback>
 FASTDDP_AVX2 bool compress_avx2(
-    const float* __restrict src, uint16_t* __restrict dst, int64_t begin, int64_t end,
-    float scale) {
+    const float* __restrict src, uint16_t* __restrict dst, float* __restrict residual,
+    int64_t begin, int64_t end, float scale) {
   using W = Avx2Wire<K>;
   const __m256 s = _mm256_set1_ps(scale);
   const __m256i exp_mask = _mm256_set1_epi16(W::kExpMask);
   __m256i bad = _mm256_setzero_si256();
   int64_t i = aligned_start(dst, begin, end);
-  bool edge_bad = compress_loop<K, false, false>(src, dst, nullptr, begin, i, scale, 0);
+  bool edge_bad = compress_loop<K, kFeedback, false>(src, dst, residual, begin, i, scale, 0);
   for (; i + 16 <= end; i += 16) {
-    const __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(src + i), s);
-    const __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(src + i + 8), s);
+    __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(src + i), s);
+    __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(src + i + 8), s);
+    __m256 kept_lo, kept_hi;
+    if constexpr (kFeedback) {
+      kept_lo = _mm256_loadu_ps(residual + i);
+      kept_hi = _mm256_loadu_ps(residual + i + 8);
+      lo = _mm256_add_ps(lo, kept_lo);
+      hi = _mm256_add_ps(hi, kept_hi);
+    }
     const __m256i h = W::narrow(lo, hi);
     store<kStream>(dst + i, h);
     // Exponent all ones: inf or NaN.
-    bad = _mm256_or_si256(bad, _mm256_cmpeq_epi16(_mm256_and_si256(h, exp_mask), exp_mask));
+    const __m256i nonfinite = _mm256_cmpeq_epi16(_mm256_and_si256(h, exp_mask), exp_mask);
+    bad = _mm256_or_si256(bad, nonfinite);
+    if constexpr (kFeedback) {
+      const __m128i h_lo = _mm256_castsi256_si128(h), h_hi = _mm256_extracti128_si256(h, 1);
+      const __m128i n_lo = _mm256_castsi256_si128(nonfinite);
+      const __m128i n_hi = _mm256_extracti128_si256(nonfinite, 1);
+      _mm256_storeu_ps(residual + i, residual_after<K>(lo, h_lo, n_lo, kept_lo));
+      _mm256_storeu_ps(residual + i + 8, residual_after<K>(hi, h_hi, n_hi, kept_hi));
+    }
   }
-  edge_bad |= compress_loop<K, false, false>(src, dst, nullptr, i, end, scale, 0);
+  edge_bad |= compress_loop<K, kFeedback, false>(src, dst, residual, i, end, scale, 0);
   return edge_bad || !_mm256_testz_si256(bad, bad);
 }
 
@@ -262,9 +289,13 @@ bool run(const CompressArgs& a, int64_t begin, int64_t end) {
   return with_kind(a.kind, [&](auto kind) {
     constexpr WireKind K = decltype(kind)::value;
 #ifdef FASTDDP_HAVE_AVX2_PATH
-    if (kHaveAvx2F16C && !mode.feedback && !mode.stochastic) {
+    if (kHaveAvx2F16C && !mode.stochastic) {
       return vectorised(a.n, a.dst, [&](auto stream) {
-        return compress_avx2<K, decltype(stream)::value>(a.src, a.dst, begin, end, a.scale);
+        constexpr bool kStream = decltype(stream)::value;
+        return mode.feedback ? compress_avx2<K, kStream, true>(
+                                   a.src, a.dst, mode.residual, begin, end, a.scale)
+                             : compress_avx2<K, kStream, false>(
+                                   a.src, a.dst, nullptr, begin, end, a.scale);
       });
     }
 #endif

@@ -31,6 +31,27 @@ for dt, wide in ((torch.float16, torch.float32), (torch.bfloat16, torch.float32)
     y = torch.frombuffer(raw, dtype=wide, count=1000, offset=(2 - start) % 32)
     fastddp.ops.decompress(x.to(dt), y, 1.0)
     assert torch.equal(y, x.to(dt).float()), dt
+# Error feedback: v = x * 0.5 + r is rounded; r becomes what the rounding dropped, or stays
+# where the result is inf or NaN (fp16 overflows past 65504; inf and NaN inputs), inside the
+# vector loops' bodies as well as their heads and tails.
+for n in (17, 1000, 2**16 + 3):
+    x = torch.randn(n + 3, generator=g) * 4e4
+    x[::89], x[7::97] = float("inf"), float("nan")
+    r = torch.randn(n + 3, generator=g)
+    r[11::101] = float("nan")
+    for offset in (0, 3):
+        for dt in (torch.float16, torch.bfloat16):
+            xs, before = x[offset : offset + n], r[offset : offset + n]
+            after = before.clone()
+            w = torch.empty(n + 3, dtype=dt)[offset : offset + n]
+            fastddp.ops.compress(xs, w, 0.5, None, after)
+            v = xs * 0.5 + before
+            want = v.to(dt)
+            nan = want.isnan()  # (torch's NaN bits vary with its loop: compared as NaN)
+            assert torch.equal(w.isnan(), nan), (n, offset, dt)
+            assert torch.equal(w[~nan].view(torch.int16), want[~nan].view(torch.int16)), (n, dt)
+            want_r = torch.where(torch.isfinite(want.float()), v - want.float(), before)
+            assert torch.equal(after.view(torch.int32), want_r.view(torch.int32)), (n, offset, dt)
 bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
 for dt in (torch.float16, torch.bfloat16):
     y = torch.empty(2**16)
