@@ -45,6 +45,23 @@ def test_fastddp_compress(benchmark, bucket_bytes, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fastddp_compress_feedback(benchmark, bucket_bytes, dtype):
+    # With error feedback (bf16-acc-ef's encode): the residual read and written too, each call
+    # adding the one the last left, as a training step does.
+    label, nbytes = bucket_bytes
+    src = _bucket(nbytes)
+    wire = torch.empty(src.numel(), dtype=dtype)
+    residual = torch.zeros_like(src)
+    _group(benchmark, label, f"fastddp compress {dtype} ef", nbytes + nbytes // 2 + 2 * nbytes)
+    benchmark(ops.compress, src, wire, 1.0 / WORLD, None, residual)
+    before = residual.clone()
+    ops.compress(src, wire, 1.0 / WORLD, None, residual)
+    v = src / WORLD + before
+    assert torch.equal(wire, v.to(dtype))
+    assert torch.equal(residual, v - wire.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_torch_compress(benchmark, bucket_bytes, dtype):
     # What PyTorch's fp16/bf16 hooks do: cast into a new tensor, then divide in place.
     label, nbytes = bucket_bytes
