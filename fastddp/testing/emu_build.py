@@ -11,6 +11,7 @@ headers they read. Each is compiled once, by whichever process asks first: anoth
 for it meanwhile waits on its lock, then takes it.
 """
 
+import ctypes
 import fcntl
 import hashlib
 import os
@@ -49,6 +50,23 @@ def asan_active() -> bool:
     """Whether AddressSanitizer's runtime is loaded in this process."""
     with open("/proc/self/maps") as maps:
         return "libasan" in maps.read()
+
+
+def _cxx_runtime() -> list[str]:
+    """The shared ``libstdc++.so.6`` that the dynamic loader gives this process (torch's, in a
+    process that has torch), as a link input; [] where there is none.
+
+    A g++ that links libstdc++ statically by default (setup.py's ``_cxx_runtime`` says where)
+    would give the library a second C++ runtime beside torch's, and its messages that format a
+    number (a hang's report names its threads) a null locale facet.
+    """
+    try:
+        ctypes.CDLL("libstdc++.so.6")
+    except OSError:
+        return []
+    with open("/proc/self/maps") as maps:
+        loaded = sorted({line.split()[-1] for line in maps if "/libstdc++.so" in line})
+    return loaded[:1]
 
 
 def _compile(cmd: list[str], out: Path) -> Path:
@@ -160,5 +178,6 @@ def build(
     if not lib.exists():
         compiler = planned[0][1][0]
         sanitizers = [f for f in _flags(asan, debug) if f.startswith("-fsanitize")]
-        _compile([compiler, "-shared", *sanitizers, *(str(o) for o, _ in planned), "-o"], lib)
+        objs = [str(o) for o, _ in planned]
+        _compile([compiler, "-shared", *sanitizers, *objs, *_cxx_runtime(), "-o"], lib)
     return lib

@@ -52,9 +52,11 @@ def test_an_object_asked_for_at_once_by_two_builders_is_compiled_once(fake_cxx, 
     planned = [obj for obj, _ in emu_build.objects(sanitize=True, debug=False, only="compress")]
     assert all(obj.exists() for obj in planned)
     assert not [p for p in (tmp_path / "cache").iterdir() if p.suffix == ".tmp"]
-    # Asked again, nothing is compiled; the library is linked.
+    # Asked again, nothing is compiled; the library is linked, to the shared C++ runtime.
     lib = emu_build.build(sanitize=True, debug=False, only="compress", cache=tmp_path / "lib")
-    assert lib.exists() and len(fake_cxx.read_text().splitlines()) == 3
+    calls = fake_cxx.read_text().splitlines()
+    assert lib.exists() and len(calls) == 3
+    assert "-shared" in calls[2] and "/libstdc++.so.6" in calls[2], calls[2]
 
 
 def test_a_failed_compile_names_the_compilers_error_and_leaves_no_object(fake_cxx, tmp_path):
