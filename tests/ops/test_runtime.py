@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fastddp import _C as extension
-from fastddp import ops
+from fastddp import _extension, ops
 
 pytestmark = [
     pytest.mark.binary,
@@ -55,6 +55,22 @@ def test_the_process_holds_one_cxx_runtime():
 def test_the_extension_defines_no_runtime_symbol():
     defined = set(_tool("nm", "-D", "--defined-only", extension.__file__).split())
     assert not defined & set(RUNTIME_SYMBOLS), f"{extension.__file__} carries its own libstdc++"
+
+
+def test_a_library_with_its_own_cxx_runtime_is_told_apart(tmp_path):
+    assert not _extension.carries_cxx_runtime(extension.__file__)
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("needs g++ to build a library with libstdc++ linked in")
+    source = tmp_path / "own.cpp"
+    source.write_text(
+        "#include <sstream>\n#include <string>\n"
+        'extern "C" int width(long v) { std::ostringstream s; s << v; return s.str().size(); }\n'
+    )
+    lib = tmp_path / "libown.so"
+    cmd = [cxx, "-shared", "-fPIC", "-static-libstdc++", str(source), "-o", str(lib)]
+    subprocess.run(cmd, check=True, capture_output=True)
+    assert _extension.carries_cxx_runtime(str(lib))
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
