@@ -62,6 +62,19 @@ def test_fastddp_compress_feedback(benchmark, bucket_bytes, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fastddp_sum_chunks(benchmark, bucket_bytes, dtype):
+    # The -acc presets' reduce step: the WORLD rows of a bucket's shard received, summed in fp32
+    # and rounded to the wire dtype once.
+    label, nbytes = bucket_bytes
+    rows = _bucket(nbytes).view(WORLD, -1).to(dtype)
+    out = torch.empty(rows.shape[1], dtype=dtype)
+    moved = rows.numel() * rows.element_size() + out.numel() * out.element_size()
+    _group(benchmark, label, f"fastddp sum_chunks {dtype}", moved)
+    benchmark(ops.sum_chunks, rows, out, 1.0 / WORLD)
+    assert torch.equal(out, ((rows[0].float() + rows[1].float()) / WORLD).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_torch_compress(benchmark, bucket_bytes, dtype):
     # What PyTorch's fp16/bf16 hooks do: cast into a new tensor, then divide in place.
     label, nbytes = bucket_bytes

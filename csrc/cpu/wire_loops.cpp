@@ -240,6 +240,66 @@ FASTDDP_AVX2 bool compress_avx2(
   return edge_bad || !_mm256_testz_si256(bad, bad);
 }
 
+// sum_tile for fp16 rows, 8 at a time with F16C (the portable loop converts in integer code):
+// acc[j] = the rows' element t + j summed in row order, as sum_tile<kFp16>.
+FASTDDP_AVX2 void sum_tile_fp16(
+    const uint16_t* __restrict src, int64_t chunks, int64_t m, int64_t t, int64_t len,
+    float* __restrict acc) {
+  int64_t j = 0;
+  for (; j + 8 <= len; j += 8) {
+    const uint16_t* at = src + t + j;
+    __m256 sum = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+    for (int64_t p = 1; p < chunks; ++p) {
+      const auto* row = reinterpret_cast<const __m128i*>(at + p * m);
+      sum = _mm256_add_ps(sum, _mm256_cvtph_ps(_mm_loadu_si128(row)));
+    }
+    _mm256_storeu_ps(acc + j, sum);
+  }
+  for (; j < len; ++j) {
+    float sum = math::wire_to_float(WireKind::kFp16, src[t + j]);
+    for (int64_t p = 1; p < chunks; ++p) {
+      sum = math::add(sum, math::wire_to_float(WireKind::kFp16, src[p * m + t + j]));
+    }
+    acc[j] = sum;
+  }
+}
+
+// sum_chunks (to nearest) and widen_sum of fp16 rows a tile at a time, as sum_loop and
+// widen_sum_loop: the tile summed by sum_tile_fp16, then rounded as compress rounds
+// (compress_avx2 over the tile, its outputs and residuals from element t on) or scaled.
+template <bool kFeedback>
+FASTDDP_AVX2 bool sum_fp16_avx2(
+    const uint16_t* __restrict src, int64_t chunks, int64_t m, uint16_t* __restrict dst,
+    float* __restrict residual, int64_t begin, int64_t end, float scale) {
+  bool bad = false;
+  alignas(32) float acc[kTile];
+  for (int64_t t = begin; t < end; t += kTile) {
+    const int64_t len = std::min(end - t, kTile);
+    sum_tile_fp16(src, chunks, m, t, len, acc);
+    bad |= compress_avx2<WireKind::kFp16, false, kFeedback>(
+        acc, dst + t, kFeedback ? residual + t : nullptr, 0, len, scale);
+  }
+  return bad;
+}
+
+FASTDDP_AVX2 void widen_sum_fp16_avx2(
+    const uint16_t* __restrict src, int64_t chunks, int64_t m, float* __restrict dst,
+    int64_t begin, int64_t end, float scale) {
+  alignas(32) float acc[kTile];
+  const __m256 s = _mm256_set1_ps(scale);
+  for (int64_t t = begin; t < end; t += kTile) {
+    const int64_t len = std::min(end - t, kTile);
+    sum_tile_fp16(src, chunks, m, t, len, acc);
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) {
+      _mm256_storeu_ps(dst + t + j, _mm256_mul_ps(_mm256_load_ps(acc + j), s));
+    }
+    for (; j < len; ++j) {
+      dst[t + j] = math::mul(acc[j], scale);
+    }
+  }
+}
+
 template <WireKind K, bool kStream>
 FASTDDP_AVX2 void decompress_avx2(
     const uint16_t* __restrict src, float* __restrict dst, int64_t begin, int64_t end,
@@ -324,6 +384,13 @@ bool run(const DecompressArgs& a, int64_t begin, int64_t end) {
 
 bool run(const SumChunksArgs& a, int64_t begin, int64_t end) {
   const math::Mode mode = a.rounding.mode();
+#ifdef FASTDDP_HAVE_AVX2_PATH
+  if (kHaveAvx2F16C && a.kind == WireKind::kFp16 && !mode.stochastic) {
+    return mode.feedback
+               ? sum_fp16_avx2<true>(a.src, a.chunks, a.m, a.dst, mode.residual, begin, end, a.scale)
+               : sum_fp16_avx2<false>(a.src, a.chunks, a.m, a.dst, nullptr, begin, end, a.scale);
+  }
+#endif
   return with_kind(a.kind, [&](auto kind) {
     return with_mode(mode, [&](auto feedback, auto stochastic) {
       return sum_loop<decltype(kind)::value, decltype(feedback)::value,
@@ -334,6 +401,12 @@ bool run(const SumChunksArgs& a, int64_t begin, int64_t end) {
 }
 
 bool run(const WidenSumArgs& a, int64_t begin, int64_t end) {
+#ifdef FASTDDP_HAVE_AVX2_PATH
+  if (kHaveAvx2F16C && a.kind == WireKind::kFp16) {
+    widen_sum_fp16_avx2(a.src, a.chunks, a.m, a.dst, begin, end, a.scale);
+    return false;
+  }
+#endif
   with_kind(a.kind, [&](auto kind) {
     widen_sum_loop<decltype(kind)::value>(a.src, a.chunks, a.m, a.dst, begin, end, a.scale);
   });

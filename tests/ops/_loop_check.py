@@ -52,6 +52,29 @@ for n in (17, 1000, 2**16 + 3):
             assert torch.equal(w[~nan].view(torch.int16), want[~nan].view(torch.int16)), (n, dt)
             want_r = torch.where(torch.isfinite(want.float()), v - want.float(), before)
             assert torch.equal(after.view(torch.int32), want_r.view(torch.int32)), (n, offset, dt)
+# Rows summed in fp32, in row order (fp16 has a loop of its own with F16C), then rounded or
+# widened: sum_chunks, with and without feedback, and widen_sum.
+for chunks, m in ((1, 9), (3, 1000), (4, 2**12 + 5)):
+    for dt in (torch.float16, torch.bfloat16):
+        rows = (torch.randn(chunks, m, generator=g) * 2e4).to(dt)
+        rows[0, ::53] = float("inf")
+        total = rows[0].float()
+        for p in range(1, chunks):
+            total = total + rows[p].float()
+        v = total * 0.5
+        out = torch.empty(m, dtype=dt)
+        fastddp.ops.sum_chunks(rows, out, 0.5)
+        assert torch.equal(out.view(torch.int16), v.to(dt).view(torch.int16)), (chunks, m, dt)
+        before = torch.randn(m, generator=g)
+        after = before.clone()
+        fastddp.ops.sum_chunks(rows, out, 0.5, None, after)
+        want = (v + before).to(dt)
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16)), (chunks, m, dt)
+        kept = torch.where(torch.isfinite(want.float()), v + before - want.float(), before)
+        assert torch.equal(after.view(torch.int32), kept.view(torch.int32)), (chunks, m, dt)
+        wide = torch.empty(m)
+        fastddp.ops.widen_sum(rows, wide, 0.5)
+        assert torch.equal(wide, v), (chunks, m, dt)
 bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
 for dt in (torch.float16, torch.bfloat16):
     y = torch.empty(2**16)
