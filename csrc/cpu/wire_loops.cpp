@@ -255,13 +255,7 @@ FASTDDP_AVX2 void sum_tile_fp16(
     }
     _mm256_storeu_ps(acc + j, sum);
   }
-  for (; j < len; ++j) {
-    float sum = math::wire_to_float(WireKind::kFp16, src[t + j]);
-    for (int64_t p = 1; p < chunks; ++p) {
-      sum = math::add(sum, math::wire_to_float(WireKind::kFp16, src[p * m + t + j]));
-    }
-    acc[j] = sum;
-  }
+  sum_tile<WireKind::kFp16>(src, chunks, m, t + j, len - j, acc + j);  // the last few
 }
 
 // sum_chunks (to nearest) and widen_sum of fp16 rows a tile at a time, as sum_loop and
