@@ -73,6 +73,15 @@ def test_a_library_with_its_own_cxx_runtime_is_told_apart(tmp_path):
     assert _extension.carries_cxx_runtime(str(lib))
 
 
+def test_loading_an_extension_with_its_own_cxx_runtime_names_the_rebuild(monkeypatch):
+    monkeypatch.setattr(_extension, "_module", None)  # load again; restored after
+    monkeypatch.setattr(_extension, "carries_cxx_runtime", lambda path: path == extension.__file__)
+    own = r"carries its own copy of libstdc\+\+"
+    with pytest.raises(_extension.ExtensionError, match=own) as e:
+        _extension.load()
+    assert extension.__file__ in str(e.value) and _extension.REBUILD in str(e.value)
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_a_refusal_with_numbers_in_its_message_raises(device):
     if device == "cuda" and not torch.cuda.is_available():
