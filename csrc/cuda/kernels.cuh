@@ -14,6 +14,7 @@
 // group's first lane after the others' pieces reach it by warp shuffles: so every store covers
 // whole 32-byte sectors, and nothing is written twice (where a row of codes is not 16-byte
 // aligned, each lane reads and writes its own piece, still one coalesced access a warp). The
+// row sums (sum_chunks, widen_sum) take 8 elements a lane instead, 16 bytes of each row. The
 // 16-bit ops take elements one by one up to the first where all their pointers are 16-byte
 // aligned (a scalar head); chunks at the end that are not whole go element by element.
 // Layouts a vector kernel cannot take (a block that is not a multiple of 4 elements, fp32
@@ -362,9 +363,9 @@ __global__ void decompress_kernel(
       });
 }
 
-// The rounding of compress (with error feedback or stochastic rounding) and of sum_chunks: the
-// chunk's values x (before scale and residual) rounded by the shared element math into dst,
-// the residual read and written 16 bytes at a time. Every lane of the warp must call it.
+// The rounding of compress with error feedback or stochastic rounding: the chunk's values x
+// (before scale and residual) rounded by the shared element math into dst, the residual read
+// and written 16 bytes at a time. Every lane of the warp must call it.
 __device__ __forceinline__ bool round_chunk(
     WireKind kind, const math::Mode& mode, const Chunk& k, const float (&x)[kChunk], float scale,
     uint16_t* dst) {
@@ -389,23 +390,9 @@ __device__ __forceinline__ bool round_chunk(
   return bad;
 }
 
-// The rounding ops (compress with error feedback or stochastic rounding, and sum_chunks): the n
-// elements' values, input(i) (before scale and residual), rounded into dst in wire format kind.
-// Elements [0, head) go one by one; from head on, chunks whose fp32 values load(chunk, x) gives.
-template <class Input, class Load>
-__device__ __forceinline__ void round_all(
-    WireKind kind, math::Mode mode, int64_t n, float scale, int64_t head, uint16_t* dst, int* flag,
-    Input input, Load load) {
-  bool bad = false;
-  grid_stride_loop(0, head, [&](int64_t i) {
-    bad |= math::round_element(kind, mode, math::rounding_input(mode, input(i), scale, i), dst, i);
-  });
-  unrolled_chunks<float>(head, n, load, [&](const Chunk& k, const float (&x)[kChunk]) {
-    bad |= round_chunk(kind, mode, k, x, scale, dst);
-  });
-  raise_flag(bad, flag);
-}
-
+// compress with error feedback or stochastic rounding: n fp32 values times scale rounded by the
+// shared element math into dst. Elements [0, head) go one by one; from head on, chunks of 4,
+// kUnroll a lane.
 __global__ void compress_feedback_kernel(
     WireKind kind,
     const float* __restrict__ src,
@@ -416,11 +403,32 @@ __global__ void compress_feedback_kernel(
     int64_t seed,
     int64_t head,
     int* __restrict__ flag) {
-  round_all(
-      kind, mode_of(residual, seed), n, scale, head, dst, flag,
-      [&](int64_t i) { return src[i]; },
-      chunk_by_chunk<float>([&](const Chunk& k, float (&x)[kChunk]) { load_chunk(src, k, x); }));
+  const math::Mode mode = mode_of(residual, seed);
+  bool bad = false;
+  grid_stride_loop(0, head, [&](int64_t i) {
+    bad |= math::round_element(kind, mode, math::rounding_input(mode, src[i], scale, i), dst, i);
+  });
+  unrolled_chunks<float>(
+      head, n,
+      chunk_by_chunk<float>([&](const Chunk& k, float (&x)[kChunk]) { load_chunk(src, k, x); }),
+      [&](const Chunk& k, const float (&x)[kChunk]) {
+        bad |= round_chunk(kind, mode, k, x, scale, dst);
+      });
+  raise_flag(bad, flag);
 }
+
+// ------------------------------------------------------------------ row sums
+
+// The row sums (sum_chunks, widen_sum) take 8 elements a lane, an octet: 16 bytes of each row
+// of wire values. With the chunks of 4 of the ops above, the two lanes of a pair both loaded
+// the pair's 16 bytes, so half of every request was a copy, and each lane had half the bytes
+// in flight that its loads moved (H200: 0.33-0.45 of a copy, its warps waiting on L1TEX). An
+// octet is the lane's own 16 bytes of each row, and its rounded values one 16-byte store,
+// with no shuffle.
+constexpr int kOctet = 8;
+// Rows of an octet a lane loads before it adds any, so that all of them are in flight at once:
+// 64 bytes a lane, 16 registers.
+constexpr int kSumRows = 4;
 
 // Element i of the P rows of length m, summed in fp32 in order p = 0..P-1.
 __device__ __forceinline__ float sum_rows(
@@ -432,35 +440,90 @@ __device__ __forceinline__ float sum_rows(
   return acc;
 }
 
-// The elements of a lane's kUnroll chunks in the P rows, summed as sum_rows does (in row order),
-// each row read 16 bytes at a time. The loads of both chunks in two rows are issued before any
-// is added: a loop of one load at a time left a lane one load in flight, and the kernel waiting
-// on memory at 0.40-0.46 of a copy (H200). Past the last row a lane loads the last row again,
+// Wire value j (0..7) of a 16-byte access.
+__device__ __forceinline__ uint16_t wire_of(const uint4& v, int j) {
+  const uint32_t word = j < 4 ? (j < 2 ? v.x : v.y) : (j < 6 ? v.z : v.w);
+  return static_cast<uint16_t>((j % 2) == 0 ? word & 0xffffu : word >> 16);
+}
+
+// The octet at element e of the P rows, summed as sum_rows sums (in row order), kSumRows rows'
+// loads issued before any of them is added. Past the last row a lane loads the last row again,
 // so that no branch comes before the loads, and adds nothing of it.
-__device__ __forceinline__ void sum_lane_chunks(
-    WireKind kind, const uint16_t* __restrict__ src, int64_t chunks, int64_t m,
-    const Chunk (&k)[kUnroll], float (&acc)[kUnroll][kChunk]) {
-  for (int64_t p = 0; p < chunks; p += 2) {
-    const int64_t next = p + 1 < chunks ? p + 1 : p;
-    uint16_t a[kUnroll][kChunk];
-    uint16_t b[kUnroll][kChunk];
+__device__ __forceinline__ void sum_octet(
+    WireKind kind, const uint16_t* __restrict__ src, int64_t chunks, int64_t m, int64_t e,
+    float (&acc)[kOctet]) {
+  for (int64_t p = 0; p < chunks; p += kSumRows) {
+    uint4 v[kSumRows];
     FASTDDP_UNROLL
-    for (int u = 0; u < kUnroll; ++u) {
-      load_wire(src + p * m, k[u], a[u]);
-      load_wire(src + next * m, k[u], b[u]);
+    for (int r = 0; r < kSumRows; ++r) {
+      const int64_t row = p + r < chunks ? p + r : chunks - 1;
+      v[r] = load16(reinterpret_cast<const uint4*>(src + row * m + e));
     }
     FASTDDP_UNROLL
-    for (int u = 0; u < kUnroll; ++u) {
-      FASTDDP_UNROLL
-      for (int j = 0; j < kChunk; ++j) {
-        const float x = math::wire_to_float(kind, a[u][j]);
-        acc[u][j] = p == 0 ? x : math::add(acc[u][j], x);
-        if (next != p) {
-          acc[u][j] = math::add(acc[u][j], math::wire_to_float(kind, b[u][j]));
+    for (int r = 0; r < kSumRows; ++r) {
+      if (p + r < chunks) {
+        FASTDDP_UNROLL
+        for (int j = 0; j < kOctet; ++j) {
+          const float x = math::wire_to_float(kind, wire_of(v[r], j));
+          acc[j] = p + r == 0 ? x : math::add(acc[j], x);
         }
       }
     }
   }
+}
+
+// The row sums' loop over elements [0, m): elements before `head` (where every row and output
+// aligns to 16 bytes) and past the last whole octet one by one, element(i); the octets between,
+// a thread's octet(e) with e the first of its elements, consecutive threads on consecutive
+// octets (a warp's load is 512 contiguous bytes of a row).
+template <class Element, class Octet>
+__device__ __forceinline__ void octet_loop(int64_t m, int64_t head, Element element, Octet octet) {
+  const int64_t octets = (m - head) / kOctet;
+  grid_stride_loop(0, head, element);
+  grid_stride_loop(head + octets * kOctet, m, element);
+  grid_stride_loop(0, octets, [&](int64_t o) { octet(head + o * kOctet); });
+}
+
+// The octet's sums x at element e rounded as round_chunk rounds a chunk: the residual read and
+// written 16 bytes at a time, the 8 wire values stored in one access.
+__device__ __forceinline__ bool round_octet(
+    WireKind kind, const math::Mode& mode, int64_t e, const float (&x)[kOctet], float scale,
+    uint16_t* dst) {
+  float r[kOctet] = {};
+  if (mode.feedback) {
+    FASTDDP_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const float4 v = load16_rw(reinterpret_cast<const float4*>(mode.residual + e) + h);
+      r[4 * h] = v.x;
+      r[4 * h + 1] = v.y;
+      r[4 * h + 2] = v.z;
+      r[4 * h + 3] = v.w;
+    }
+  }
+  bool bad = false;
+  uint32_t word[kOctet / 2] = {};
+  FASTDDP_UNROLL
+  for (int j = 0; j < kOctet; ++j) {
+    const float v = math::rounding_input_of(mode, x[j], scale, r[j]);
+    const uint16_t w = math::float_to_wire(kind, v, mode.stochastic, math::random_for(mode, e + j));
+    bad |= math::wire_nonfinite(kind, w);
+    r[j] = math::residual_after(kind, v, w, r[j]);
+    word[j / 2] |= static_cast<uint32_t>(w) << (16 * (j % 2));
+  }
+  if (mode.feedback) {
+    FASTDDP_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      store16(reinterpret_cast<float4*>(mode.residual + e) + h,
+              make_float4(r[4 * h], r[4 * h + 1], r[4 * h + 2], r[4 * h + 3]));
+    }
+  }
+  uint4 out;
+  out.x = word[0];
+  out.y = word[1];
+  out.z = word[2];
+  out.w = word[3];
+  store16(reinterpret_cast<uint4*>(dst + e), out);
+  return bad;
 }
 
 // sum_chunks: the row sum and its rounding in one pass. Rows start 16-byte aligned at `head`
@@ -476,12 +539,20 @@ __global__ void __launch_bounds__(kThreads, 4) sum_chunks_kernel(
     int64_t seed,
     int64_t head,
     int* __restrict__ flag) {
-  round_all(
-      kind, mode_of(residual, seed), m, scale, head, dst, flag,
-      [&](int64_t i) { return sum_rows(kind, src, chunks, m, i); },
-      [&](const Chunk (&k)[kUnroll], float (&acc)[kUnroll][kChunk]) {
-        sum_lane_chunks(kind, src, chunks, m, k, acc);
+  const math::Mode mode = mode_of(residual, seed);
+  bool bad = false;
+  octet_loop(
+      m, head,
+      [&](int64_t i) {
+        const float x = math::rounding_input(mode, sum_rows(kind, src, chunks, m, i), scale, i);
+        bad |= math::round_element(kind, mode, x, dst, i);
+      },
+      [&](int64_t e) {
+        float acc[kOctet];
+        sum_octet(kind, src, chunks, m, e, acc);
+        bad |= round_octet(kind, mode, e, acc, scale, dst);
       });
+  raise_flag(bad, flag);
 }
 
 __global__ void __launch_bounds__(kThreads, 4) widen_sum_kernel(
@@ -492,21 +563,18 @@ __global__ void __launch_bounds__(kThreads, 4) widen_sum_kernel(
     float* __restrict__ dst,
     float scale,
     int64_t head) {
-  grid_stride_loop(0, head, [&](int64_t i) {
-    dst[i] = math::mul(sum_rows(kind, src, chunks, m, i), scale);
-  });
-  unrolled_chunks<float>(
-      head, m,
-      [&](const Chunk (&k)[kUnroll], float (&acc)[kUnroll][kChunk]) {
-        sum_lane_chunks(kind, src, chunks, m, k, acc);
-      },
-      [&](const Chunk& k, const float (&acc)[kChunk]) {
-        float x[kChunk];
+  octet_loop(
+      m, head,
+      [&](int64_t i) { dst[i] = math::mul(sum_rows(kind, src, chunks, m, i), scale); },
+      [&](int64_t e) {
+        float acc[kOctet];
+        sum_octet(kind, src, chunks, m, e, acc);
         FASTDDP_UNROLL
-        for (int j = 0; j < kChunk; ++j) {
-          x[j] = math::mul(acc[j], scale);
+        for (int h = 0; h < 2; ++h) {
+          store16(reinterpret_cast<float4*>(dst + e) + h,
+                  make_float4(math::mul(acc[4 * h], scale), math::mul(acc[4 * h + 1], scale),
+                              math::mul(acc[4 * h + 2], scale), math::mul(acc[4 * h + 3], scale)));
         }
-        store_chunk(dst, k, x);
       });
 }
 

@@ -117,7 +117,7 @@ void run(Rt& rt, const SumChunksArgs& a) {
     return;
   }
   const int64_t head = row_head(a.chunks, a.m, a.src, a.dst, r.residual);
-  launch_over(rt, std::max(head, lanes_for(a.m / kChunk, kUnroll)), sum_chunks_kernel, a.kind,
+  launch_over(rt, std::max(head, a.m / kOctet), sum_chunks_kernel, a.kind,
               a.src, a.chunks, a.m, a.dst, r.residual, a.scale, r.seed, head, r.flag);
 }
 
@@ -127,7 +127,7 @@ void run(Rt& rt, const WidenSumArgs& a) {
     return;
   }
   const int64_t head = row_head(a.chunks, a.m, a.src, a.dst);
-  launch_over(rt, std::max(head, lanes_for(a.m / kChunk, kUnroll)), widen_sum_kernel, a.kind,
+  launch_over(rt, std::max(head, a.m / kOctet), widen_sum_kernel, a.kind,
               a.src, a.chunks, a.m, a.dst, a.scale, head);
 }
 

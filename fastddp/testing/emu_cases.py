@@ -69,11 +69,12 @@ CHECKS = [
     # m % 8 == 0: every row aligns at the same element (a vector body after a head); else the
     # rows cannot align together (all scalar).
     ("sum_chunks", check_sum_chunks,
-     # Rows are read two at a time: 1 and 3 rows end on a lone row, 4 on a pair.
-     [(m, dt, c, v, off) for dt in WIRES for c in (1, 3, 4) for v in ("plain", "ef", "sr")
+     # Rows are read four at a time: 1 and 3 rows are one short group, 6 a whole group and a
+     # short one.
+     [(m, dt, c, v, off) for dt in WIRES for c in (1, 3, 6) for v in ("plain", "ef", "sr")
       for m, off in ((sizes(VEC, (8,))[0], True), (sizes(VEC, (5,))[0], False))]),
     ("widen_sum", check_widen_sum,
-     [(m, dt, c, off) for dt in WIRES for c in (2, 3)
+     [(m, dt, c, off) for dt in WIRES for c in (2, 5)
       for m, off in ((sizes(VEC, (8,))[0], True), (sizes(VEC, (7,))[0], False))]),
     # Blocks of 32 (a quarter warp), 100 (the scalar kernel), 256 (a warp, 2 chunks a lane).
     # First (a sweep stops at its first failure, and a defect of the shared scales' extremes

@@ -70,14 +70,19 @@ DEFECTS = [
      "if (flag != nullptr && bad && threadIdx.x == 0) {", "compress"),
     ("the residual of a rounded chunk not written", "cuda/kernels.cuh",
      "    store_chunk(mode.residual, k, r);\n  }\n  store_wire(dst, k, w);",
-     "  }\n  store_wire(dst, k, w);", "sum_chunks"),
-    # The row sum, two rows a step: the lone last row added twice; the second row of a pair
-    # read from the first.
-    ("the lone last row of a sum added twice", "cuda/kernels.cuh",
-     "        if (next != p) {\n", "        if (true) {\n", "sum_chunks"),
-    ("the second row of a pair read from the first", "cuda/kernels.cuh",
-     "load_wire(src + next * m, k[u], b[u]);", "load_wire(src + p * m, k[u], b[u]);",
+     "  }\n  store_wire(dst, k, w);", "compress"),
+    ("an octet's residual stored twice in its first half", "cuda/kernels.cuh",
+     "store16(reinterpret_cast<float4*>(mode.residual + e) + h,",
+     "store16(reinterpret_cast<float4*>(mode.residual + e) + 0 * h,", "sum_chunks"),
+    # The row sum, four rows a step: the last row added again past the end of the rows; every
+    # row of a step read from its first; the octets past the whole ones left out.
+    ("the last row of a sum added again past the rows' end", "cuda/kernels.cuh",
+     "      if (p + r < chunks) {\n", "      if (true) {\n", "sum_chunks"),
+    ("every row of a step read from its first", "cuda/kernels.cuh",
+     "const int64_t row = p + r < chunks ? p + r : chunks - 1;", "const int64_t row = p;",
      "widen_sum"),
+    ("the elements past the last whole octet left out", "cuda/kernels.cuh",
+     "grid_stride_loop(head + octets * kOctet, m, element);", "", "sum_chunks"),
     # Each block's scale and inverse worked out once and shared (step_values, step_value).
     ("a block's inverse taken from its scale's lane", "cuda/codes_kernels.cuh",
      "2 * block + (odd ? 1 : 0)", "2 * block + (odd ? 0 : 0)", "quantize_int8"),
