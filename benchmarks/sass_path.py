@@ -38,7 +38,8 @@ __global__ void __launch_bounds__(kThreads, 4) whole_step(QuantizeArgs a, Codes 
   mode.feedback = kFeedback;
   mode.stochastic = false;
   const WholeStep w = whole_step_of<kBits>(a, codes, first, kBlockLog2 + 2);
-  const bool bad = quantize_runs<kBits, true, true>(a, FlatValues{a.src}, mode, first, kBlockLog2,
+  const bool bad = quantize_runs<kBits, true, true>(
+      a, FlatValues{a.src}, mode, first, kBlockLog2,
       [&](int index, int64_t) { return whole_place<kBits>(w, index, kBlockLog2); });
   if (bad) {
     *out = 1;

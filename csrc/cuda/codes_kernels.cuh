@@ -315,12 +315,43 @@ __device__ __forceinline__ float step_value(float values, int u, int width_log2,
   return __shfl_sync(kAllLanes, values, 2 * block + (odd ? 1 : 0));
 }
 
+// Each run's absolute maximum over its block's `width` lanes (a power of two up to 32), by
+// shuffles. kFixed: five rounds whatever the width, unrolled; a round at or past the width
+// exchanges with the lane itself (its lane mask, the round's offset masked by width - 1, is 0).
+// The loop over the width's rounds alone, left rolled (the width is a run-time value), took 12
+// instructions a round on sm_90 (its counter, its branch, a check of the warp's convergence);
+// these take 5. Error feedback with stochastic rounding keeps the loop: with the five rounds
+// it spilled to local memory. Every lane of the warp must call it.
+template <bool kFixed>
+__device__ __forceinline__ void block_absmax(uint32_t (&absmax)[kCodeUnroll], int width) {
+  if (kFixed) {
+    FASTDDP_UNROLL
+    for (int round = 0; round < 5; ++round) {
+      const int lanes = (16 >> round) & (width - 1);
+      FASTDDP_UNROLL
+      for (int u = 0; u < kCodeUnroll; ++u) {
+        const uint32_t other = __shfl_xor_sync(kAllLanes, absmax[u], lanes);
+        absmax[u] = other > absmax[u] ? other : absmax[u];
+      }
+    }
+    return;
+  }
+  for (int offset = width / 2; offset > 0; offset /= 2) {
+    FASTDDP_UNROLL
+    for (int u = 0; u < kCodeUnroll; ++u) {
+      const uint32_t other = __shfl_xor_sync(kAllLanes, absmax[u], offset);
+      absmax[u] = other > absmax[u] ? other : absmax[u];
+    }
+  }
+}
+
 // A step of quantize for blocks of 2^width_log2 chunks (up to 32): kCodeUnroll runs of 32
 // chunks from `first` (of `source`), all loaded before any is reduced, each block's absolute
 // maximum shared by shuffles among its lanes. place(index, c) places chunk c, `index` chunks
 // into the step;
 // kWhole: every chunk of the step is whole; kShare: whole steps take their scales from
-// step_values. Returns whether a block held inf or NaN. Every lane of the warp must call it.
+// step_values, and every step its blocks' maxima from block_absmax's five fixed rounds.
+// Returns whether a block held inf or NaN. Every lane of the warp must call it.
 template <int kBits, bool kWhole, bool kShare, class Values, class PlaceOf>
 __device__ __forceinline__ bool quantize_runs(
     const QuantizeArgs& a, const Values& source, const math::Mode& mode, int64_t first,
@@ -338,13 +369,7 @@ __device__ __forceinline__ bool quantize_runs(
       absmax[u] = math::abs_bits_max(absmax[u], v[u][j]);
     }
   }
-  for (int offset = width / 2; offset > 0; offset /= 2) {
-    FASTDDP_UNROLL
-    for (int u = 0; u < kCodeUnroll; ++u) {
-      const uint32_t other = __shfl_xor_sync(kAllLanes, absmax[u], offset);
-      absmax[u] = other > absmax[u] ? other : absmax[u];
-    }
-  }
+  block_absmax<kShare>(absmax, width);
   const bool shared = kShare && kWhole && width >= 2 * kCodeUnroll;  // the same in every lane
   const float values = shared ? step_values<kBits>(absmax, width_log2) : 0.0f;
   bool bad = false;
@@ -373,8 +398,9 @@ __device__ __forceinline__ bool quantize_runs(
 // instances, whose sums hold more, take 3 blocks: see values.cuh). An instance for
 // each mode (kFeedback: error feedback; kStochastic: stochastic rounding), which the launch
 // picks: as constants they leave no branch on the mode, and no other mode's code, in the loop.
-// Error feedback with stochastic rounding keeps its divisions in every lane (kShare false):
-// with step_values it needed a 65th register, and spilled one to local memory. Values
+// Error feedback with stochastic rounding keeps its divisions in every lane and the rolled
+// loop of block_absmax (kShare false): with step_values it needed a 65th register, and spilled
+// one to local memory. Values
 // (values.cuh) is what is rounded: quantize's fp32 src, or requantize's sums of rows.
 template <int kBits, bool kFeedback, bool kStochastic, class Values>
 __global__ void __launch_bounds__(kThreads, Values::kBlocksPerSm)
@@ -400,15 +426,13 @@ __global__ void __launch_bounds__(kThreads, Values::kBlocksPerSm)
       // ways of placing a chunk spilled to local memory for int4 and int2.
       const WholeStep w = whole_step_of<kBits>(a, codes, first, per_block_log2 + 2);
       if (w.whole) {
-        bad |= quantize_runs<kBits, true, kShare>(a, source, mode, first, per_block_log2,
-                                                  [&](int index, int64_t) {
-          return whole_place<kBits>(w, index, per_block_log2);
-        });
+        bad |= quantize_runs<kBits, true, kShare>(
+            a, source, mode, first, per_block_log2,
+            [&](int index, int64_t) { return whole_place<kBits>(w, index, per_block_log2); });
       } else {
-        bad |= quantize_runs<kBits, false, kShare>(a, source, mode, first, per_block_log2,
-                                                   [&](int, int64_t c) {
-          return place_of<kBits>(codes, q, c, a.n);
-        });
+        bad |= quantize_runs<kBits, false, kShare>(
+            a, source, mode, first, per_block_log2,
+            [&](int, int64_t c) { return place_of<kBits>(codes, q, c, a.n); });
       }
     });
     raise_flag(bad, a.rounding.flag);
