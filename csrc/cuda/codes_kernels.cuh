@@ -400,8 +400,8 @@ __device__ __forceinline__ bool quantize_runs(
 // picks: as constants they leave no branch on the mode, and no other mode's code, in the loop.
 // Error feedback with stochastic rounding keeps its divisions in every lane and the rolled
 // loop of block_absmax (kShare false): with step_values it needed a 65th register, and spilled
-// one to local memory. Values
-// (values.cuh) is what is rounded: quantize's fp32 src, or requantize's sums of rows.
+// one to local memory. Values (values.cuh) is what is rounded: quantize's fp32 src, or
+// requantize's sums of rows.
 template <int kBits, bool kFeedback, bool kStochastic, class Values>
 __global__ void __launch_bounds__(kThreads, Values::kBlocksPerSm)
     quantize_vec_kernel(QuantizeArgs a, Codes codes, Values source) {
