@@ -92,7 +92,12 @@ def test_the_bandwidth_table_on_cpu(tmp_path):
     assert set(gpu_bandwidth.TARGETS) == set(gpu_bandwidth.OPS)
     copy = next(r for r in rows if r["op"] == "copy (d2d)")
     assert copy["ratio_to_copy"] == 1.0 and all(r["gbs"] > 0 for r in rows)
-    assert "| 1MB | compress |" in md.read_text()
+    # The bucket's copy is its own copy of the same bytes; every other row is timed against one.
+    assert copy["ratio_to_same_bytes"] == 1.0
+    assert all(r["ratio_to_same_bytes"] > 0 for r in rows)
+    pair = {r["op"]: r for r in rows if r["op"].endswith("quantize_int8")}
+    assert pair["requantize_int8"]["bytes_moved"] == pair["dequantize+quantize_int8"]["bytes_moved"]
+    assert "| 1MB | compress |" in md.read_text() and "vs a copy of its bytes" in md.read_text()
 
 
 @pytest.mark.multiproc  # runs the script in a process of its own
