@@ -42,6 +42,7 @@ except OSError:
 _RECORD = struct.Struct("<BBH6If8H16s")
 # Set for the command: the accounting is the machine's, one measurement at a time.
 _NESTED = "FASTDDP_PROCESS_CPU"
+_FORMS_KEPT = 8  # command forms kept for each kind, most CPU first
 _COMPILERS = {"cc1plus", "cc1", "cicc", "cudafe++", "ptxas", "nvlink", "fatbinary", "as", "ld"}
 
 
@@ -101,6 +102,7 @@ def tally(records, cmdlines: dict[int, tuple[int, str]], root: int) -> dict[str,
         return False
 
     cpu, count = collections.Counter(), collections.Counter()
+    forms = collections.defaultdict(collections.Counter)  # kind -> command form -> CPU s
     for pid, _, seconds, comm in records:
         if not under_root(pid):
             continue
@@ -108,7 +110,29 @@ def tally(records, cmdlines: dict[int, tuple[int, str]], root: int) -> dict[str,
         k = kind(cmd, cmdlines.get(parent.get(pid, 0), (0, ""))[1], comm)
         cpu[k] += seconds
         count[k] += 1
-    return {k: {"cpu_s": round(v, 2), "processes": count[k]} for k, v in cpu.most_common()}
+        forms[k][command_form(cmd) or comm] += seconds
+    return {
+        k: {
+            "cpu_s": round(v, 2),
+            "processes": count[k],
+            "commands": [[f, round(c, 2)] for f, c in forms[k].most_common(_FORMS_KEPT)],
+        }
+        for k, v in cpu.most_common()
+    }
+
+
+def command_form(cmd: str) -> str:
+    """A Python command line without its interpreter's path or the arguments that vary from
+    run to run: ``-m module``, a script's path, or ``-c`` and the code's start."""
+    words = cmd.split()[1:]
+    for i, w in enumerate(words):
+        if w == "-m" and i + 1 < len(words):
+            return f"-m {words[i + 1]}"
+        if w == "-c":
+            return "-c " + " ".join(words[i + 1 :])[:60]
+        if not w.startswith("-"):
+            return w
+    return " ".join(words)[:60]
 
 
 def _cmdlines(log: Path) -> dict[int, tuple[int, str]]:
@@ -169,6 +193,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, help="write the table here too")
     p.add_argument("--top", type=int, default=12, help="kinds shown (default 12)")
+    p.add_argument(
+        "--commands",
+        type=int,
+        default=0,
+        help=f"under each kind, its N costliest command forms (at most {_FORMS_KEPT})",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS ...]")
     args = p.parse_args(argv)
     options.check_outputs(p, args)  # before the runs, not after
@@ -183,6 +213,8 @@ def main(argv=None) -> int:
         print(
             f"{k:32s} {r['processes']:9d} {r['cpu_s']:8.1f} {per:11.2f} {r['cpu_s'] / total:6.1%}"
         )
+        for form, cpu in r["commands"][: args.commands]:
+            print(f"    {cpu:8.1f}  {form}")
     print(f"{'all':32s} {sum(r['processes'] for r in rows.values()):9d} {total:8.1f}")
     if args.json:
         args.json.write_text(

@@ -39,16 +39,23 @@ def test_records_are_read_and_the_commands_processes_sorted_by_kind():
     read = process_cpu.read_accounting(data)
     assert read[0] == (12, 11, 2.0, "python") and len(read) == len(records)
     got = process_cpu.tally(read, cmdlines, root=10)
-    assert got == {
-        "pytest session": {"cpu_s": 5.0, "processes": 1},
-        "launched worker": {"cpu_s": 4.2, "processes": 2},
-        "pooled rank or fork server": {"cpu_s": 3.0, "processes": 1},
-        "launcher": {"cpu_s": 1.5, "processes": 1},
-        "compiler": {"cpu_s": 1.0, "processes": 1},
-        "pooled rank or fork server, forked": {"cpu_s": 0.5, "processes": 1},
-        "other: g++": {"cpu_s": 0.1, "processes": 1},
+    assert {k: (r["cpu_s"], r["processes"]) for k, r in got.items()} == {
+        "pytest session": (5.0, 1),
+        "launched worker": (4.2, 2),
+        "pooled rank or fork server": (3.0, 1),
+        "launcher": (1.5, 1),
+        "compiler": (1.0, 1),
+        "pooled rank or fork server, forked": (0.5, 1),
+        "other: g++": (0.1, 1),
     }
     assert list(got)[0] == "pytest session"  # most CPU first
+    # Each kind's command forms, most CPU first: the two workers' one form adds up; a forked
+    # or non-Python process goes by its command name.
+    assert got["launched worker"]["commands"] == [["train.py", 4.2]]
+    assert got["launcher"]["commands"] == [["-m fastddp.launch", 1.5]]
+    assert got["compiler"]["commands"] == [["cc1plus", 1.0]]
+    assert got["pooled rank or fork server, forked"]["commands"] == [["python", 0.5]]
+    assert process_cpu.command_form(f"{py} -B -c import x; run()") == "-c import x; run()"
     with pytest.raises(ValueError, match="accounting version 2, not 3"):
         process_cpu.read_accounting(data[:1] + b"\x02" + data[2:])
 
