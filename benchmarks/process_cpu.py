@@ -1,21 +1,24 @@
 """Where a command's CPU time goes, by kind of process: launchers, their workers, pooled ranks,
 pytest sessions, compilers.
 
-    python benchmarks/process_cpu.py [--json F] [--top N] -- COMMAND [ARGS ...]
+    python benchmarks/process_cpu.py [--json F] [--top N] [--commands N] -- COMMAND [ARGS ...]
 
 Runs COMMAND with the kernel's process accounting on (``acct(2)``; needs root) and a
 ``sitecustomize`` that records each Python process's command line, then adds up the CPU time
 of COMMAND's processes (it and its descendants) by their kind. A process counts whole: a
 pytest session includes the tests it ran in-process, a pooled rank every call it served. The
-accounting is the machine's: one run at a time (it refuses to start under another), and a
-process still running when COMMAND ends is not counted.
+accounting is the machine's: one run at a time (it refuses to start beside another, by a lock
+in the temporary folder), and a process still running when COMMAND ends is not counted.
+``--commands N`` names, under each kind, its costliest command forms (a script, ``-m module``).
 
     python benchmarks/process_cpu.py -- .venv/bin/python tests/streams.py
 """
 
 import argparse
 import collections
+import contextlib
 import ctypes
+import fcntl
 import json
 import os
 import struct
@@ -42,6 +45,8 @@ except OSError:
 _RECORD = struct.Struct("<BBH6If8H16s")
 # Set for the command: the accounting is the machine's, one measurement at a time.
 _NESTED = "FASTDDP_PROCESS_CPU"
+LOCK = Path(tempfile.gettempdir(), "fastddp-process-cpu.lock")
+_AFORK = 0x01  # ac_flag: forked, never exec'd
 _FORMS_KEPT = 8  # command forms kept for each kind, most CPU first
 _COMPILERS = {"cc1plus", "cc1", "cicc", "cudafe++", "ptxas", "nvlink", "fatbinary", "as", "ld"}
 
@@ -50,22 +55,24 @@ def _comp_t(value: int) -> float:
     return ((value & 0x1FFF) << (3 * (value >> 13))) / 100.0
 
 
-def read_accounting(data: bytes) -> list[tuple[int, int, float, str]]:
-    """``(pid, ppid, CPU s, command name)`` of each record in an ``acct_v3`` file."""
+def read_accounting(data: bytes) -> list[tuple[int, int, float, str, bool]]:
+    """``(pid, ppid, CPU s, command name, forked)`` of each record in an ``acct_v3`` file;
+    ``forked``: the process never called exec, so it is a copy of its parent."""
     out = []
     for off in range(0, len(data) - _RECORD.size + 1, _RECORD.size):
         f = _RECORD.unpack_from(data, off)
         if f[1] != 3:  # ac_version: anything else is not acct_v3
             raise ValueError(f"record {off // _RECORD.size}: accounting version {f[1]}, not 3")
         comm = f[-1].split(b"\0")[0].decode(errors="replace")
-        out.append((f[6], f[7], _comp_t(f[10]) + _comp_t(f[11]), comm))
+        out.append((f[6], f[7], _comp_t(f[10]) + _comp_t(f[11]), comm, bool(f[0] & _AFORK)))
     return out
 
 
-def kind(cmd: str, parent_cmd: str, comm: str) -> str:
+def kind(cmd: str, parent_cmd: str, comm: str, forked: bool = False) -> str:
     """The kind of a process, from its command line (empty when not Python) and its parent's."""
-    if not cmd and comm.startswith("python") and parent_cmd:
-        # Forked, not started: no interpreter start-up of its own (a fork server's child).
+    if not cmd and forked and parent_cmd:
+        # No interpreter start-up of its own (a fork server's child, a rank forked by pytest).
+        # Its command name may be that of the thread that ended last (`pt_gloo_runloop`).
         return kind(parent_cmd, "", comm) + ", forked"
     if not cmd:
         return "compiler" if comm in _COMPILERS else f"other: {comm}"
@@ -89,7 +96,7 @@ def tally(records, cmdlines: dict[int, tuple[int, str]], root: int) -> dict[str,
     A Python process's parent is the one it started under (``cmdlines``); another's, the one it
     ended under (the record's), so that a worker whose launcher died first still counts.
     """
-    parent = {pid: ppid for pid, ppid, _, _ in records}
+    parent = {pid: ppid for pid, ppid, *_ in records}
     parent.update((pid, ppid) for pid, (ppid, _) in cmdlines.items())
 
     def under_root(pid: int) -> bool:
@@ -103,11 +110,11 @@ def tally(records, cmdlines: dict[int, tuple[int, str]], root: int) -> dict[str,
 
     cpu, count = collections.Counter(), collections.Counter()
     forms = collections.defaultdict(collections.Counter)  # kind -> command form -> CPU s
-    for pid, _, seconds, comm in records:
+    for pid, _, seconds, comm, forked in records:
         if not under_root(pid):
             continue
         cmd = cmdlines.get(pid, (0, ""))[1]
-        k = kind(cmd, cmdlines.get(parent.get(pid, 0), (0, ""))[1], comm)
+        k = kind(cmd, cmdlines.get(parent.get(pid, 0), (0, ""))[1], comm, forked)
         cpu[k] += seconds
         count[k] += 1
         forms[k][command_form(cmd) or comm] += seconds
@@ -163,12 +170,27 @@ def check_room(folder: str, limits: str = "/proc/sys/kernel/acct") -> None:
         )
 
 
-def measure(command: list[str]) -> tuple[int, dict[str, dict]]:
+@contextlib.contextmanager
+def _only_measurement(lock: Path):
+    """Hold the machine's one measurement: ``acct(2)`` has a single file for the whole machine,
+    so a second measurement would take the first one's records and then switch them off."""
+    with open(lock, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SystemExit(
+                f"another process_cpu measurement is running on this machine (it holds {lock}); "
+                "process accounting is the machine's, so wait for it to end"
+            ) from None
+        yield
+
+
+def measure(command: list[str], lock: Path = LOCK) -> tuple[int, dict[str, dict]]:
     """Run ``command`` under process accounting; its exit status and :func:`tally`."""
     if os.environ.get(_NESTED):
         raise SystemExit("process accounting is already on for a command around this one")
     libc = ctypes.CDLL(None, use_errno=True)
-    with tempfile.TemporaryDirectory(prefix="process-cpu-") as tmp:
+    with _only_measurement(lock), tempfile.TemporaryDirectory(prefix="process-cpu-") as tmp:
         check_room(tmp)
         site, log, acct = Path(tmp, "site"), Path(tmp, "cmdlines"), Path(tmp, "acct")
         site.mkdir()
