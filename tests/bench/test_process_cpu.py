@@ -102,9 +102,10 @@ def test_a_command_is_measured_without_the_machines_other_processes():
             del os.environ[process_cpu._NESTED]
 
 
-def test_a_second_measurement_is_refused_while_one_runs(tmp_path):
+def test_a_second_measurement_is_refused_while_one_runs(tmp_path, monkeypatch):
     # acct(2) has one file for the machine: a second measurement would take the first one's
     # records and switch accounting off under it. Refused before it touches the accounting.
+    monkeypatch.delenv(process_cpu._NESTED, raising=False)  # this suite itself measured or not
     lock = tmp_path / "lock"
     refused = pytest.raises(
         SystemExit, match=f"another process_cpu measurement.*{re.escape(str(lock))}"
