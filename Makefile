@@ -25,16 +25,23 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # Dependencies once per venv. torch is pinned and installed first: the extension must be built
-# against exactly this torch, with --no-build-isolation.
+# against exactly this torch, with --no-build-isolation. pip compiles no bytecode
+# (--no-compile): compiling every file it installs took 29 of the install's 66 CPU s. The one
+# import below compiles what every process of the demo and the tests imports (6 CPU s), also
+# where PYTHONDONTWRITEBYTECODE is set (each process would compile torch's modules again); any
+# other module is compiled where it is first imported.
+PIP_INSTALL := $(BIN)/pip install -q --no-compile
 $(VENV)/.deps: $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q numpy ninja pybind11 setuptools wheel "cmake>=3.28" \
+	$(PIP_INSTALL) --upgrade pip
+	$(PIP_INSTALL) "$(TORCH)"
+	$(PIP_INSTALL) numpy ninja pybind11 setuptools wheel "cmake>=3.28" \
 		pytest pytest-timeout pytest-benchmark ruff rich matplotlib
 	# The integration tests run fastddp's hook inside these frameworks.
-	$(BIN)/pip install -q lightning accelerate
+	$(PIP_INSTALL) lightning accelerate
 	# cuobjdump and nvdisasm, for the SASS check of make cuda-check (benchmarks/sass_check.py).
-	$(BIN)/pip install -q nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
+	$(PIP_INSTALL) nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -c 'import torch, torch.distributed.run, torch._dynamo, numpy, rich, \
+		torch.distributed.algorithms.ddp_comm_hooks'
 	touch $@
 
 setup: $(VENV)/.deps
