@@ -30,11 +30,12 @@ from pathlib import Path
 from fastddp.bench import options
 
 # Appended to the log by every Python process that starts: its pid, its parent's, its command
-# line (NUL-separated in /proc, joined with spaces here).
+# line (NUL-separated in /proc, joined with spaces here, and the newlines of a `-c` program's
+# lines too: the log has one line a process).
 _SITE = """import os
 try:
     with open("/proc/self/cmdline", "rb") as f:
-        line = f.read().replace(b"\\0", b" ").decode(errors="replace").strip()
+        line = f.read().replace(b"\\0", b" ").replace(b"\\n", b" ").decode(errors="replace").strip()
     with open({log!r}, "a") as f:
         f.write(f"{{os.getpid()}}\\t{{os.getppid()}}\\t{{line[:300]}}\\n")
 except OSError:

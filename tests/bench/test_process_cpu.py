@@ -92,6 +92,9 @@ def test_a_command_is_measured_without_the_machines_other_processes():
         outside.wait(timeout=slack.guard(60))
     assert code == 0
     assert list(rows) == ["other Python"] and rows["other Python"]["processes"] == 2, rows
+    # A program of several lines is logged whole, on one line: its form reads past the first.
+    forms = [form for form, _ in rows["other Python"]["commands"]]
+    assert any(form.startswith("-c import time t = time.process_time()") for form in forms), forms
     # A record's user and system times are each truncated to the 10 ms ticks of acct(2).
     assert 0.27 <= rows["other Python"]["cpu_s"] < 0.6, rows
     with pytest.raises(SystemExit, match="already on"):
