@@ -17,7 +17,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup build demo test test-fast cuda-check compat-check gpu-check gpu-check-plan gpu-profile bench \
+.PHONY: setup build demo test test-fast cuda-check cuda-check-kernels cuda-check-hooks compat-check gpu-check gpu-check-plan gpu-profile bench \
 	stress-restart lint clean
 
 $(BIN)/python:
@@ -68,6 +68,15 @@ ifeq ($(NVCC),)
 	@if [ "$(REQUIRE_CUDA_CHECK)" = 1 ]; then echo "nvcc not found; the CUDA check is required"; exit 1; fi
 	@echo "nvcc not found: skipping the CUDA compile check"
 else
+	# Its two parts side by side: each is mostly one compiler process, and under make test this
+	# check, niced below the tests, runs last, where one part alone would leave a core idle.
+	$(MAKE) --no-print-directory -j2 cuda-check-kernels cuda-check-hooks
+	@echo "CUDA sources compiled and linked for sm_80 and sm_90; their PTX keeps CPU parity;"
+	@echo "their sm_90 SASS moves memory 16 bytes at a time and uses no local memory;"
+	@echo "the DDP hooks' CUDA-only code compiles"
+endif
+
+cuda-check-kernels: setup
 	$(BIN)/cmake -S . -B build-cmake -G Ninja -DPython_EXECUTABLE=$(abspath $(BIN))/python \
 		-DCMAKE_MAKE_PROGRAM=$(abspath $(BIN))/ninja -DCMAKE_CUDA_COMPILER=$(realpath $(NVCC)) \
 		-DFASTDDP_UNITY=ON -DFASTDDP_DDP_HOOKS=OFF
@@ -84,9 +93,11 @@ else
 	# Memory in 16-byte accesses: a loop of each vector kernel holds LDG.E.128 and STG.E.128;
 	# no LDL or STL anywhere.
 	$(BIN)/python benchmarks/sass_check.py --build-dir build-cmake
-	# The DDP hooks' code for CUDA builds only (FASTDDP_WITH_CUDA in csrc/ddp), which the build
-	# above leaves out: checked against torch's, pybind11's and CUDA's headers, both files in
-	# one unit (the headers parsed once: 13 CPU s rather than 26).
+
+# The DDP hooks' code for CUDA builds only (FASTDDP_WITH_CUDA in csrc/ddp), which
+# cuda-check-kernels leaves out: checked against torch's, pybind11's and CUDA's headers, both
+# files in one unit (the headers parsed once: 13 CPU s rather than 26).
+cuda-check-hooks: setup
 	printf '#include "csrc/ddp/switch_hook.cpp"\n#include "csrc/ddp/native_hook.cpp"\n' | \
 	$(CXX) -std=c++17 -fsyntax-only -w -DFASTDDP_WITH_CUDA=1 -I. -Icsrc/include \
 		$$($(NVCC) --dryrun -x cu -c /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$$ INCLUDES="\(.*\)"/\1/p') \
@@ -94,10 +105,6 @@ else
 		from torch.utils import cpp_extension as c; print(" ".join("-I" + p for p in \
 		c.include_paths() + [sysconfig.get_paths()["include"], pybind11.get_include()]))') \
 		-x c++ -
-	@echo "CUDA sources compiled and linked for sm_80 and sm_90; their PTX keeps CPU parity;"
-	@echo "their sm_90 SASS moves memory 16 bytes at a time and uses no local memory;"
-	@echo "the DDP hooks' CUDA-only code compiles"
-endif
 
 # Eight concurrent pytest streams (tests/streams.py): the multi-node jobs on namespaces and the
 # launcher's jobs, which mostly wait (start-ups, links, timeouts), each split into the jobs
