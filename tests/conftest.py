@@ -5,6 +5,10 @@ import torch
 
 from fastddp.testing import netns, slack
 
+# Each stream ends with its costliest tests by CPU time, its own and its launched jobs'; pytester
+# runs a session inside a test.
+pytest_plugins = ["fastddp.testing.cpu_report", "pytester"]
+
 DEVICES = [
     "cpu",
     pytest.param(

@@ -190,3 +190,31 @@ def test_a_test_that_starts_a_launcher_is_marked_so():
             if launches and not marks & {"launcher", "netns"}:
                 unmarked.append(f"{path.relative_to(root)}::{name}")
     assert not unmarked, f"start fastddp.launch or torchrun without the launcher marker: {unmarked}"
+
+
+_BUSY_AND_IDLE = """import subprocess, sys, time
+
+def test_busy_child():
+    burn = "import time\\nwhile time.process_time() < 0.5: pass"
+    subprocess.run([sys.executable, "-c", burn], check=True)
+
+def test_idle():
+    time.sleep(0.5)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_cpu_report_counts_what_a_test_waited_for(pytester):
+    # A test's CPU time takes in the processes it waited for; a test that sleeps costs none.
+    pytester.makepyfile(test_cpu=_BUSY_AND_IDLE)
+    plugin = ["-p", "fastddp.testing.cpu_report", "-p", "no:cacheprovider"]
+    run = pytester.runpytest_inprocess(*plugin)
+    run.assert_outcomes(passed=2)
+    text = run.stdout.str()
+    listed = text.split("costliest 2 tests by CPU time")[1].splitlines()[1:3]
+    costs = [(float(line.split()[0]), line.split()[-1]) for line in listed]
+    assert costs[0][1] == "test_cpu.py::test_busy_child" and costs[0][0] >= 0.5, text
+    assert costs[1][1] == "test_cpu.py::test_idle" and costs[1][0] < 0.25, text
+    quiet = pytester.runpytest_inprocess(*plugin, "--cpu-report", "0")
+    quiet.assert_outcomes(passed=2)
+    assert "costliest" not in quiet.stdout.str()
