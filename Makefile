@@ -76,6 +76,10 @@ else
 	@echo "the DDP hooks' CUDA-only code compiles"
 endif
 
+ifeq ($(NVCC),)
+cuda-check-kernels cuda-check-hooks:
+	@echo "nvcc not found: make $@ compiles with it"; exit 1
+else
 cuda-check-kernels: setup
 	$(BIN)/cmake -S . -B build-cmake -G Ninja -DPython_EXECUTABLE=$(abspath $(BIN))/python \
 		-DCMAKE_MAKE_PROGRAM=$(abspath $(BIN))/ninja -DCMAKE_CUDA_COMPILER=$(realpath $(NVCC)) \
@@ -105,6 +109,7 @@ cuda-check-hooks: setup
 		from torch.utils import cpp_extension as c; print(" ".join("-I" + p for p in \
 		c.include_paths() + [sysconfig.get_paths()["include"], pybind11.get_include()]))') \
 		-x c++ -
+endif
 
 # Eight concurrent pytest streams (tests/streams.py): the multi-node jobs on namespaces and the
 # launcher's jobs, which mostly wait (start-ups, links, timeouts), each split into the jobs

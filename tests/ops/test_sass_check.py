@@ -264,3 +264,19 @@ def test_the_real_decompress_kernel(tmp_path, planted):
     verdicts = [v for v in verdicts if v.kernel.startswith("decompress_kernel")]
     assert len(verdicts) == 2  # fp16 and bf16
     assert all(v.ok != planted for v in verdicts), [(v.kernel, v.lines) for v in verdicts]
+
+
+@pytest.mark.parametrize(
+    "target, env, code, said",
+    [
+        ("cuda-check", [], 0, "nvcc not found: skipping the CUDA compile check"),
+        ("cuda-check", ["REQUIRE_CUDA_CHECK=1"], 2, "nvcc not found; the CUDA check is required"),
+        # Its parts, asked for alone, must not pass by doing nothing.
+        ("cuda-check-kernels", [], 2, "nvcc not found: make cuda-check-kernels compiles with it"),
+        ("cuda-check-hooks", [], 2, "nvcc not found: make cuda-check-hooks compiles with it"),
+    ],
+)
+def test_make_cuda_check_without_nvcc(target, env, code, said):
+    cmd = ["make", "-s", "--no-print-directory", target, "NVCC=", *env]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(60))
+    assert res.returncode == code and res.stdout.splitlines()[0] == said, res.stdout + res.stderr
