@@ -84,7 +84,9 @@ cuda-check-kernels: setup
 	$(BIN)/cmake -S . -B build-cmake -G Ninja -DPython_EXECUTABLE=$(abspath $(BIN))/python \
 		-DCMAKE_MAKE_PROGRAM=$(abspath $(BIN))/ninja -DCMAKE_CUDA_COMPILER=$(realpath $(NVCC)) \
 		-DFASTDDP_UNITY=ON -DFASTDDP_DDP_HOOKS=OFF
-	$(BIN)/cmake --build build-cmake
+	# Without make's flags: they name make -j2's job pipe, which make does not pass to this
+	# command, and ninja would report its descriptors invalid.
+	MAKEFLAGS= $(BIN)/cmake --build build-cmake
 	readelf -S build-cmake/_C.so | grep -q .nv_fatbin
 	# A cubin for each architecture (cuobjdump lists them; nvcc compresses a large fatbin, so
 	# their text is not in the file as it is).
