@@ -17,8 +17,8 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup build demo test test-fast cuda-check cuda-check-kernels cuda-check-hooks compat-check gpu-check gpu-check-plan gpu-profile bench \
-	stress-restart lint clean
+.PHONY: setup build demo test test-fast cuda-check cuda-check-kernels cuda-check-hooks \
+	compat-check gpu-check gpu-check-plan gpu-profile bench stress-restart lint clean
 
 $(BIN)/python:
 	@echo "venv: $$($(PYTHON) -c 'import sys; print(sys.executable, sys.version.split()[0])')"
