@@ -184,13 +184,13 @@ class AutoState(CompressState):
         self._steps_in[label] += 1
         self._hand_over()
 
-    def _on_issue(self, job, stage: int) -> None:
+    def _on_issue(self, job, stage: int, began: float) -> None:
         # A collective of a measured trial step (the extension stamps its completion); a 16-bit
         # bucket, passed through alike under every candidate, has nothing to time.
         if job.topo is None:
             return
         self._nodes = len(job.topo.nodes)
-        self._record.collectives.append(links.issued(job, stage, self._stamp))
+        self._record.collectives.append(links.issued(job, stage, began, self._stamp))
 
     def _count_native(self) -> None:
         native = 0 if self._switch is None else self._switch.count()

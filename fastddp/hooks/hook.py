@@ -6,8 +6,9 @@ import torch
 import torch.distributed as dist
 
 from fastddp.hooks import handshake, lifecycle, stats
+from fastddp.hooks.job import Job
 from fastddp.hooks.paths import PASSTHROUGH
-from fastddp.hooks.pipeline import Job, warn_stale
+from fastddp.hooks.pipeline import warn_stale
 from fastddp.hooks.state import CompressState
 from fastddp.hooks.topology import resolve
 

@@ -22,7 +22,6 @@ CPU tensors on Gloo, where a collective's future completes when the collective h
 completes when it is enqueued).
 """
 
-import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Callable, Optional
 
@@ -56,13 +55,16 @@ def stamper(device: torch.device, group: Optional[dist.ProcessGroup]) -> Optiona
     return _extension.load().stamp_completion
 
 
-def issued(job: Any, stage: int, stamp: Callable) -> tuple[str, int, float, Any]:
+def issued(job: Any, stage: int, began: float, stamp: Callable) -> tuple[str, int, float, Any]:
     """The collective ``job`` issued at ``stage``, as a measured step records it: its level,
-    the bytes this rank sends, when it was issued and ``stamp`` of its future."""
+    the bytes this rank sends, ``began`` (``time.perf_counter()`` just before it was issued)
+    and ``stamp`` of its future.
+
+    The time must be taken before the collective is issued: a small one can complete before
+    the call returns, and ``stamp`` of a completed future stamps at once, so a time taken
+    after would leave it no time in flight."""
     level = level_of(job.path.roles[stage], job.topo)
-    stamped = stamp(job.work.get_future())
-    sent = job.path.stage_bytes(job, stage)
-    return level, sent, time.perf_counter(), stamped
+    return level, job.path.stage_bytes(job, stage), began, stamp(job.work.get_future())
 
 
 def in_flight(steps: Iterable[Sequence[tuple[str, int, float, Any]]]) -> list[float]:

@@ -94,14 +94,14 @@ class Path(ABC):
         """Bytes this rank sends in stage ``i``'s collective (``dtype="auto"`` times the levels
         of the network with them)."""
 
-    def stage(self, job: Any, i: int) -> dist.Work:
-        """Do stage ``i``'s local work and issue its collective (a later stage: on the side
-        stream, which holds the slot's buffers)."""
+    def stage(self, job: Any, i: int) -> Collective:
+        """Do stage ``i``'s local work (a later stage: on the side stream, which holds the
+        slot's buffers) and return its collective, for :func:`issue`."""
         if i > 0:
             job.slot.hold(job.runtime)
         calls, collective = self.stage_calls(job, i)
         run_calls(calls)
-        return issue(collective)
+        return collective
 
     def finish(self, job: Any) -> None:
         """Write the result into the bucket, once the last collective is done."""

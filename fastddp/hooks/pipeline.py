@@ -42,60 +42,15 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from fastddp.hooks.paths import Path
+from fastddp.hooks.job import Job
+from fastddp.hooks.paths import issue
 from fastddp.hooks.runtime import Runtime, runtime_for
 
-__all__ = ["Job", "Pipeline", "PipelineFailed"]
+__all__ = ["Pipeline", "PipelineFailed"]
 
 
 class PipelineFailed(RuntimeError):
     """A reduction failed earlier on this rank; the state cannot be used further."""
-
-
-class Job:
-    """One reduction of one bucket."""
-
-    __slots__ = (
-        "path",
-        "slot",
-        "bucket",
-        "groups",
-        "world",
-        "scale",
-        "average",
-        "seeds",
-        "topo",
-        "order",
-        "stage",
-        "work",
-        "result",
-        "runtime",
-        "deferred",
-    )
-
-    def __init__(self, path: Path, slot, bucket, groups, world, average, seeds, topo) -> None:
-        self.path = path
-        self.slot = slot
-        self.bucket = bucket
-        self.groups = groups  # the process group of each stage
-        self.world = world
-        self.average = average
-        self.scale = 1.0 / world if average else 1.0
-        self.seeds = seeds
-        self.topo = topo  # the state's Topology (its groups, for the two-level path)
-        self.order = 0  # submission number (set by the pipeline): pending jobs step newest first
-        self.stage = 0  # the next stage to run
-        self.work: Optional[dist.Work] = None
-        device = bucket.device
-        # With devices set, the future records CUDA events when its value is set, so that
-        # whoever waits on it also waits for the kernels that produced it.
-        self.result = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
-        self.runtime: Optional[Runtime] = None  # set by the pipeline, as is:
-        self.deferred = False  # left in flight past the backward pass (delay=1)
-
-    @property
-    def started_all(self) -> bool:
-        return self.stage == self.path.stages
 
 
 class Pipeline:
@@ -127,9 +82,9 @@ class Pipeline:
         self._runtimes: dict[tuple, Runtime] = {}
         self._submitted = 0
         self.waited = 0.0  # seconds this thread blocked on collectives (``dtype="auto"`` reads it)
-        # Called as on_issue(job, stage) once a stage's collective is issued (``dtype="auto"``
-        # times the collectives of its measured steps).
-        self.on_issue: Optional[Callable[[Job, int], None]] = None
+        # Called as on_issue(job, stage, began) once a stage's collective is issued, with the
+        # time just before it was (``dtype="auto"`` times the collectives of its measured steps).
+        self.on_issue: Optional[Callable[[Job, int, float], None]] = None
         # Called as on_fail(message) at the first failure: the state's native runner, whose
         # collectives and these are one sequence, refuses further work too.
         self.on_fail: Optional[Callable[[str], None]] = None
@@ -262,11 +217,9 @@ class Pipeline:
             # side stream that waits for that collective, so the compute stream never stalls.
             with runtime.side():
                 self._wait(runtime, job.work)
-                job.work = job.path.stage(job, job.stage)
+                self._issue(job)
         else:
-            job.work = job.path.stage(job, 0)
-        if self.on_issue is not None:
-            self.on_issue(job, job.stage)
+            self._issue(job)
         job.stage += 1
         if not job.started_all:
             self._pending.append(job)
@@ -275,6 +228,14 @@ class Pipeline:
             self._in_flight[job] = None
         else:
             self._completing.append(job)
+
+    def _issue(self, job: Job) -> None:
+        collective = job.path.stage(job, job.stage)
+        # Timed from before issue(): a small collective may complete before it returns.
+        began = 0.0 if self.on_issue is None else time.perf_counter()
+        job.work = issue(collective)
+        if self.on_issue is not None:
+            self.on_issue(job, job.stage, began)
 
     def _wait(self, runtime: Runtime, work: dist.Work) -> None:
         began = time.perf_counter()

@@ -93,7 +93,7 @@ class Slot:
         self.wire_bytes = 0
         self.cross_node_bytes = 0
         self.held = False  # its buffers are held on the side stream (Pipeline._step)
-        self.job = None  # the latest reduction of this bucket (pipeline.Job)
+        self.job = None  # the latest reduction of this bucket (job.Job)
         self.plan: Optional[tuple] = None  # (id, bucket buffer) of its native plan (native.py)
 
     @property

@@ -7,6 +7,7 @@ import os
 import pickle
 import re
 import statistics
+import time
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
 from fastddp.bench.common import auto_bytes
-from fastddp.hooks import auto, links
+from fastddp.hooks import auto, links, pipeline
 from fastddp.hooks.topology import NODE_ENV
 
 from .._dist import run_ranks
@@ -214,8 +215,26 @@ def _levels_of_two_nodes(rank, world):
     model = DDP(_Net(depth=4), bucket_cap_mb=0.002)
     state = fastddp.CompressState(dtype="auto", allow=["bf16", "int8-ef:flat"])
     model.register_comm_hook(state, fastddp.compress_hook)
-    # A warm-up, a step of each to make buffers, the rounds, and the step that adopts the plan.
-    _train(model, 1 + 2 + (auto.TRIAL_ROUNDS - 1) * 2 + 1, rank, opt=False)
+    # A timed collective's span starts before it is issued: a small one may complete before
+    # issue() returns, and a span begun after that would be empty (its level then missing).
+    entered, timed = [], []
+    real_issue, real_issued = pipeline.issue, links.issued
+
+    def issue(collective):
+        entered.append(time.perf_counter())
+        return real_issue(collective)
+
+    def issued(job, stage, began, stamp):
+        timed.append((began, entered[-1]))
+        return real_issued(job, stage, began, stamp)
+
+    pipeline.issue, links.issued = issue, issued
+    try:
+        # A warm-up, a step of each to make buffers, the rounds, and the step adopting the plan.
+        _train(model, 1 + 2 + (auto.TRIAL_ROUNDS - 1) * 2 + 1, rank, opt=False)
+    finally:
+        pipeline.issue, links.issued = real_issue, real_issued
+    assert timed and all(began <= issue for began, issue in timed), timed
     plan = state.stats()["plan"]
     assert plan is not None and not plan["trial"] and len(plan["rounds"]) == 3, plan
     mine = dict.fromkeys(links.LEVELS, 0)

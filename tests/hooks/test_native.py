@@ -250,22 +250,27 @@ class _Recorded(dist.ProcessGroup):
     def getBackendName(self):
         return "recorded"
 
-    def allreduce(self, tensors, opts=None):
-        tag = int(tensors[0][0].item())
+    def record(self, tag):
         self.log.append(tag)
         if tag == self.fail_at:
             raise RuntimeError(f"the collective tagged {tag} failed on this rank")
+
+    def allreduce(self, tensors, opts=None):
+        self.record(int(tensors[0][0].item()))
         return self.inner.allreduce(tensors, opts or dist.AllreduceOptions())
 
 
 class _TaggedPath:
-    """A path of ``stages`` stages, each one all-reduce of a tag over ``group``."""
+    """A path of ``stages`` stages, each one all-reduce of a tag, recorded by ``group`` (the
+    pipeline issues it on ``group.inner``: ``dist.all_reduce`` takes registered groups only)."""
 
     def __init__(self, group, stages):
         self.group, self.stages = group, stages
 
     def stage(self, job, i):
-        return self.group.allreduce([torch.tensor([float(job.slot * 10 + i)])])
+        self.group.record(job.slot * 10 + i)
+        tag = torch.tensor([float(job.slot * 10 + i)])
+        return ("allreduce", self.group.inner, tag, None, None, None)
 
     def finish(self, job):
         pass
@@ -276,7 +281,8 @@ def _issue_order(rank, world, stages):
     # first stage, then every pending job's next, newest first (so that the slow link never
     # idles while this thread waits on an older job's collective). And where a new bucket
     # fails, the stages pending before it are still issued, as the other ranks issue them.
-    from fastddp.hooks.pipeline import Job, Pipeline
+    from fastddp.hooks.job import Job
+    from fastddp.hooks.pipeline import Pipeline
 
     inner = dist.new_group([0])
     orders = {}
