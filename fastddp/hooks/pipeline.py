@@ -230,12 +230,12 @@ class Pipeline:
             self._completing.append(job)
 
     def _issue(self, job: Job) -> None:
-        collective = job.path.stage(job, job.stage)
+        collective, on_issue = job.path.stage(job, job.stage), self.on_issue
         # Timed from before issue(): a small collective may complete before it returns.
-        began = 0.0 if self.on_issue is None else time.perf_counter()
+        began = 0.0 if on_issue is None else time.perf_counter()
         job.work = issue(collective)
-        if self.on_issue is not None:
-            self.on_issue(job, job.stage, began)
+        if on_issue is not None:
+            on_issue(job, job.stage, began)
 
     def _wait(self, runtime: Runtime, work: dist.Work) -> None:
         began = time.perf_counter()
