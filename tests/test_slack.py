@@ -171,14 +171,23 @@ def test_run_busy_stopped_itself_stops_its_command(monkeypatch, tmp_path):
     def stop(*_):
         raise KeyboardInterrupt
 
+    def stop_once_started(cancelled):
+        # Once the command has written its pid, however long a loaded machine takes to start it.
+        while not pid.exists() or not pid.read_text():
+            if cancelled.wait(0.05):
+                return
+        os.kill(os.getpid(), signal.SIGUSR1)
+
     old = signal.signal(signal.SIGUSR1, stop)
-    timer = threading.Timer(5, os.kill, (os.getpid(), signal.SIGUSR1))
-    timer.start()
+    cancelled = threading.Event()
+    stopper = threading.Thread(target=stop_once_started, args=(cancelled,), daemon=True)
+    stopper.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             slack.run_busy([sys.executable, "-c", code], cpu_s=600, idle_s=600)
     finally:
-        timer.cancel()
+        cancelled.set()
+        stopper.join()
         signal.signal(signal.SIGUSR1, old)
     assert _gone(int(pid.read_text()))
 
@@ -188,7 +197,7 @@ def test_run_stops_a_command_past_its_timeout_with_what_it_started():
     # The child holds the pipes open, as a launcher's workers do; it leaves with the command.
     cmd = ["sh", "-c", "sleep 300 & echo $!; wait"]
     with pytest.raises(subprocess.TimeoutExpired) as stopped:
-        slack.run(cmd, timeout=1)
+        slack.run(cmd, timeout=slack.guard(1))  # (long enough for sh to echo under load)
     child = int(stopped.value.output.split()[0])
     assert _gone(child)
     done = slack.run(["sh", "-c", "echo out; echo err >&2; exit 4"], timeout=30)
