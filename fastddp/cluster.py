@@ -9,9 +9,12 @@ import re
 from collections.abc import Mapping
 from typing import NamedTuple, Optional
 
+from fastddp import nodelist as nodelist_
+
 __all__ = [
     "ClusterError",
     "Setting",
+    "VariableError",
     "expand_nodelist",
     "launcher_settings",
     "process_settings",
@@ -28,60 +31,23 @@ class ClusterError(RuntimeError):
     """The environment describes a launch that cannot work; the message says how to fix it."""
 
 
+class VariableError(ClusterError):
+    """A cluster variable's value cannot be read (a malformed node list, a count that is not a
+    number)."""
+
+
 class Setting(NamedTuple):
     value: object
     source: str  # the variable(s) it came from, e.g. "SLURM_NODEID"
 
 
-def _split_top_level(text: str) -> list[str]:
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ClusterError(f"malformed Slurm node list {text!r}: unbalanced ']'")
-        elif ch == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    if depth != 0:
-        raise ClusterError(f"malformed Slurm node list {text!r}: unbalanced '['")
-    parts.append(text[start:])
-    return [p for p in parts if p]
-
-
-def _expand_range(spec: str, whole: str) -> list[str]:
-    out = []
-    for item in spec.split(","):
-        lo, sep, hi = item.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ClusterError(f"malformed Slurm node list {whole!r}: bad range {item!r}")
-        if not sep:
-            out.append(lo)
-            continue
-        if int(hi) < int(lo):
-            raise ClusterError(f"malformed Slurm node list {whole!r}: {item!r} runs backwards")
-        width = len(lo)  # node[01-10] keeps the zero padding
-        out.extend(str(i).zfill(width) for i in range(int(lo), int(hi) + 1))
-    return out
-
-
 def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand a Slurm host list such as ``node[01-04,07],gpu5`` into host names, in order.
-
-    Several bracket groups in one name (``rack[1-2]-n[1-2]``) expand as Slurm does.
-    """
-    hosts: list[str] = []
-    for part in _split_top_level(nodelist.strip()):
-        m = re.search(r"\[([^\[\]]*)\]", part)
-        if m is None:
-            hosts.append(part)
-            continue
-        head, tail = part[: m.start()], part[m.end() :]
-        for middle in _expand_range(m.group(1), nodelist):
-            hosts.extend(expand_nodelist(head + middle + tail))
-    return hosts
+    """Expand a Slurm host list such as ``node[01-04,07],gpu5`` into host names, in order
+    (:func:`fastddp.nodelist.expand`); a malformed one raises :class:`VariableError`."""
+    try:
+        return nodelist_.expand(nodelist)
+    except ValueError as e:
+        raise VariableError(str(e)) from None
 
 
 def slurm_port(job_id: str, step_id: str = "0") -> int:
@@ -110,13 +76,19 @@ def srun_task(env: Mapping[str, str]) -> bool:
 def _int(env: Mapping[str, str], name: str) -> int:
     raw = env.get(name)
     if raw is None:
-        raise ClusterError(f"{name} is not set; export it, or start under what sets it")
+        raise VariableError(f"{name} is not set; export it, or start under what sets it")
     try:
         return int(raw)
     except ValueError:
         # Kubernetes gives every pod MASTER_PORT=tcp://IP:PORT for a service named "master".
         hint = "; pass --master-port" if raw.startswith("tcp://") else ""
-        raise ClusterError(f"{name}={raw!r} is not an integer{hint}") from None
+        raise VariableError(f"{name}={raw!r} is not an integer{hint}") from None
+
+
+def _read(env: Mapping[str, str], name: str, key: str, given, parse) -> Setting:
+    """``key``'s setting from the variable ``name``: ``parse()``d, unless ``key`` is set elsewhere
+    (``given``): then the variable is not read, and its text is kept only to be reported."""
+    return Setting(env[name] if key in given else parse(), name)
 
 
 def _first(env: Mapping[str, str], *names: str) -> Optional[str]:
@@ -164,8 +136,7 @@ def _master_overlay(env: Mapping[str, str], out: dict[str, Setting], given=froze
         out["master_addr"] = Setting(env[name], name)
     name = _first(env, *(["PORT"] if xtuner else []), "MASTER_PORT")
     if name:  # a port set elsewhere (``given``) wins: this one is not read, nor checked
-        port = env[name] if "master_port" in given else _int(env, name)
-        out["master_port"] = Setting(port, name)
+        out["master_port"] = _read(env, name, "master_port", given, lambda: _int(env, name))
 
 
 # A step on some of the job's nodes (srun -N1) counts SLURM_NODEID among its own: those first.
@@ -184,7 +155,8 @@ def launcher_settings(
         gpus_on_node: GPUs visible here; under Slurm it sets ``nproc_per_node`` when Slurm
             does not say.
         given: settings known from elsewhere (the command line, ``PET_*``): not required
-            here (mpirun's master address), and a port among them is not checked.
+            here (mpirun's master address), and their variables are not read (a malformed
+            one is no error); each is returned with the variable's text.
 
     Returns:
         ``(kind, settings)``, where settings maps ``nnodes``, ``node_rank``, ``master_addr``,
@@ -210,14 +182,24 @@ def launcher_settings(
             )
         name = _first(env, *_SLURM_NODES)
         if name:
-            out["nnodes"] = Setting(str(_int(env, name)), name)
-        if env.get("SLURM_NODEID"):
-            out["node_rank"] = Setting(_int(env, "SLURM_NODEID"), "SLURM_NODEID")
-        name = _first(env, *_SLURM_LIST)
-        if name:
-            out["master_addr"] = Setting(expand_nodelist(env[name])[0], f"first host of {name}")
+            out["nnodes"] = _read(env, name, "nnodes", given, lambda: str(_int(env, name)))
+        if env.get(node := "SLURM_NODEID"):
+            out["node_rank"] = _read(env, node, "node_rank", given, lambda: _int(env, node))
+        nodes = _first(env, *_SLURM_LIST)
+        if nodes:
+            try:
+                out["master_addr"] = Setting(
+                    expand_nodelist(env[nodes])[0], f"first host of {nodes}"
+                )
+            except VariableError:
+                if "master_addr" not in given:
+                    raise
+                out["master_addr"] = Setting(env[nodes], nodes)  # not read: no error
         out["master_port"] = _slurm_port(env)
-        if env.get(gpus := "SLURM_GPUS_ON_NODE"):
+        gpus = "SLURM_GPUS_ON_NODE"
+        if "nproc_per_node" in given and env.get(gpus):
+            out["nproc_per_node"] = Setting(env[gpus], gpus)
+        elif env.get(gpus) and _int(env, gpus) > 0:  # 0: a job without GPUs says nothing here
             out["nproc_per_node"] = Setting(str(_int(env, gpus)), gpus)
         elif gpus_on_node > 0:
             out["nproc_per_node"] = Setting(str(gpus_on_node), "GPUs visible on this node")
@@ -233,8 +215,8 @@ def launcher_settings(
                 "run several launchers. Start one per node (mpirun --npernode 1 / -ppn 1), or "
                 "run the training script directly under mpirun with fastddp.init_distributed()"
             )
-        out["nnodes"] = Setting(str(_int(env, size)), size)
-        out["node_rank"] = Setting(_int(env, rank), rank)
+        out["nnodes"] = _read(env, size, "nnodes", given, lambda: str(_int(env, size)))
+        out["node_rank"] = _read(env, rank, "node_rank", given, lambda: _int(env, rank))
         if not (_first(env, "ADDR", "MASTER_ADDR") or {"master_addr", "rdzv_endpoint"} & given):
             raise ClusterError(
                 "mpirun does not say which host is the master: export MASTER_ADDR to all "
@@ -243,9 +225,11 @@ def launcher_settings(
     elif kind == "env":
         for var, key in (("NNODES", "nnodes"), ("NPROC_PER_NODE", "nproc_per_node")):
             if env.get(var):
-                out[key] = Setting(str(_int(env, var)), var)
+                out[key] = _read(env, var, key, given, lambda var=var: str(_int(env, var)))
         if env.get("NODE_RANK"):
-            out["node_rank"] = Setting(_int(env, "NODE_RANK"), "NODE_RANK")
+            out["node_rank"] = _read(
+                env, "NODE_RANK", "node_rank", given, lambda: _int(env, "NODE_RANK")
+            )
     elif kind != "none":
         raise ClusterError(f"unknown cluster kind {kind!r}; use auto, none, slurm, mpi or env")
     if kind != "none":

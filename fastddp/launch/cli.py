@@ -14,11 +14,13 @@ from typing import Optional
 
 from torch.distributed import run as torchrun
 
-from fastddp.cluster import ClusterError, launcher_settings
+from fastddp.cluster import ClusterError, VariableError, launcher_settings
 from fastddp.launch import failures, options, stop, store
 from fastddp.launch.preflight import Decisions, LaunchError, apply, gpus_visible, preflight, say
 
 __all__ = ["build_parser", "main"]
+
+_KINDS = ("auto", "none", "slurm", "mpi", "env")  # --cluster
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group("fastddp")
     group.add_argument(
         "--cluster",
-        choices=["auto", "none", "slurm", "mpi", "env"],
+        choices=_KINDS,
         default=os.environ.get("FASTDDP_CLUSTER", "auto"),
         help="where to read nnodes/node rank/master from (default: auto, or $FASTDDP_CLUSTER)",
     )
@@ -50,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="seconds a non-master node waits to reach the master's port (default: 20, or "
-        "$FASTDDP_PREFLIGHT_TIMEOUT)",
+        "$FASTDDP_PREFLIGHT_TIMEOUT); a refused connection (the host answers, node 0's "
+        "launcher not yet) is waited for up to 300 s",
     )
     return parser
 
@@ -67,10 +70,29 @@ def _given_on_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> 
 
 # What --standalone decides: one node, its own rendezvous.
 _ONE_NODE = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint")
+_MASTER = {"master_addr", "master_port"}
+
+
+def _max_nodes(nnodes) -> int:
+    """The most nodes ``--nnodes`` admits; 2 for one that does not parse (options.py refuses
+    it later, with the fix), so that nothing is dropped as if it were one node."""
+    try:
+        return torchrun.parse_min_max_nnodes(str(nnodes))[1]
+    except (ValueError, RuntimeError, AssertionError):  # torch's, by the form of the error
+        return 2
 
 
 def _apply_cluster(parser: argparse.ArgumentParser, pre: argparse.Namespace, argv: list[str]):
-    """Make detected settings the defaults (and ``PET_*``) where neither CLI nor user set them."""
+    """Make detected settings the defaults where neither CLI nor user ``PET_*`` set them.
+
+    Returns:
+        The settings filled in, by option name, for errors that name one of them.
+    """
+    if pre.cluster not in _KINDS:  # from FASTDDP_CLUSTER: argparse checks only the command line
+        raise ClusterError(
+            f"FASTDDP_CLUSTER={pre.cluster!r} is not a cluster kind; set it to one of "
+            f"{', '.join(_KINDS)}, or unset it"
+        )
     given = _given_on_command_line(parser, argv)
     elsewhere = given | {k for k in _ONE_NODE if f"PET_{k.upper()}" in os.environ}
     if pre.standalone:
@@ -79,11 +101,25 @@ def _apply_cluster(parser: argparse.ArgumentParser, pre: argparse.Namespace, arg
     # MASTER_PORT=tcp://IP:PORT is no error), and c10d numbers the nodes itself.
     unused = set()
     if not pre.standalone and (pre.rdzv_endpoint or pre.rdzv_backend != "static"):
-        unused = {"master_addr", "master_port"} | (
-            {"node_rank"} if pre.rdzv_backend != "static" else set()
-        )
+        unused = _MASTER | ({"node_rank"} if pre.rdzv_backend != "static" else set())
     elsewhere |= unused
-    kind, settings = launcher_settings(os.environ, pre.cluster, gpus_visible(), elsewhere)
+    try:
+        # The master first left unread: a launch of one node meets on loopback, at a port the
+        # kernel picks, as torchrun's does, whatever master the environment names.
+        gpus = gpus_visible()
+        kind, settings = launcher_settings(os.environ, pre.cluster, gpus, elsewhere | _MASTER)
+        nnodes = pre.nnodes
+        if "nnodes" not in elsewhere and "nnodes" in settings:
+            nnodes = settings["nnodes"].value
+        one_node = _max_nodes(nnodes) == 1 and not elsewhere >= _MASTER
+        if not one_node:
+            kind, settings = launcher_settings(os.environ, pre.cluster, gpus, elsewhere)
+    except VariableError as e:
+        raise VariableError(
+            f"{e} (set it right, override it on the command line, or pass --cluster none to "
+            "read no cluster variables)"
+        ) from None
+    filled = {}
     for key, (value, source) in settings.items():
         pet = f"PET_{key.upper()}"
         if key in unused and key not in given:
@@ -98,11 +134,39 @@ def _apply_cluster(parser: argparse.ArgumentParser, pre: argparse.Namespace, arg
             say(f"{key}: command line wins over {value} from {source}")
         elif pet in os.environ:
             say(f"{key}: {pet}={os.environ[pet]} wins over {value} from {source}")
+        elif one_node and key in _MASTER:
+            say(f"{key}: one node, which meets on loopback; {value} from {source} is not read")
         else:
-            os.environ[pet] = str(value)
-            # What torchrun's parser reads from PET_* when it is built, and converts alike.
+            # Only the parser's default: torchrun's parser reads PET_* once, when it is built,
+            # and a PET_* exported here would reach the workers (a torchrun started in one
+            # would take this job's port).
             parser.set_defaults(**{key: str(value)})
+            filled[key] = (value, source)
             say(f"{key}={value} (from {kind}: {source})")
+    if kind == "slurm" and "SLURM_STEP_ID" not in os.environ and _max_nodes(nnodes) > 1:
+        say(
+            "warning: SLURM_STEP_ID is not set, so this launcher is not an srun task: in a "
+            "batch script it runs on the first node only, and the job's other nodes start "
+            "nothing. Start one launcher per node: srun --ntasks-per-node=1 python -m "
+            "fastddp.launch ..."
+        )
+    return filled
+
+
+def _sources(message: str, filled: dict) -> str:
+    """Where the options an error names came from, when the cluster filled them in: the user
+    gave no such option, and the fix is to the variable or the command line."""
+    named = [
+        f"{option} {value} came from {source}"
+        for key, (value, source) in filled.items()
+        if (option := "--" + key.replace("_", "-")) in message
+    ]
+    if not named:
+        return ""
+    return (
+        f" ({'; '.join(named)}: set it right, override it on the command line, or pass "
+        "--cluster none)"
+    )
 
 
 def _normalise(args: argparse.Namespace) -> argparse.Namespace:
@@ -115,8 +179,9 @@ def _normalise(args: argparse.Namespace) -> argparse.Namespace:
         and args.master_port is None
         and max_nodes == 1
     ):
+        # A run id of its own, as torchrun gives it: a given --rdzv-id names no other node here.
         args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
-        args.rdzv_id = args.rdzv_id if args.rdzv_id != "none" else str(uuid.uuid4())
+        args.rdzv_id = str(uuid.uuid4())
     if args.master_port is None:
         args.master_port = 29500
     return args
@@ -183,8 +248,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     pre = parser.parse_args(argv)  # fails early, with torchrun's messages
+    filled = {}
     try:
-        _apply_cluster(parser, pre, argv)
+        filled = _apply_cluster(parser, pre, argv)
         args = parser.parse_args(argv)  # now with the detected defaults
         options.check(args)
         run_args = _normalise(args)
@@ -192,7 +258,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not args.no_preflight:
             info, decisions = preflight(run_args, network=not args.dry_run)
     except (ClusterError, LaunchError) as e:
-        say(f"error: {e}")
+        say(f"error: {e}{_sources(str(e), filled)}")
         return 2
     apply(run_args, decisions)
     # One node with a local rendezvous: nothing outside this machine has to reach the stores,

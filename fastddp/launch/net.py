@@ -155,7 +155,8 @@ def probe(
         except OSError as e:
             last = e
             time.sleep(min(0.5, max(0.0, left)))
-    if isinstance(last, ConnectionRefusedError):
+    refused = isinstance(last, ConnectionRefusedError)
+    if refused:
         why = (
             "nothing listens there (connection refused): node 0 has not started, or the "
             "port is wrong"
@@ -169,5 +170,5 @@ def probe(
         f"(local address {local}, interface {iface or 'unknown'}): {why}. Check that node 0 runs "
         "the same command, that --master-addr/--master-port (or --rdzv-endpoint) are right, "
         "that this interface is on the master's network, and that no firewall blocks the "
-        "port; --preflight-timeout waits longer"
+        + ("port" if refused else "port; --preflight-timeout waits longer")
     )

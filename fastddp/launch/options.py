@@ -68,6 +68,9 @@ def check(args: argparse.Namespace) -> None:
         raise LaunchError(f"--nproc-per-node {nproc}: give at least 1 process per node")
     if args.rdzv_endpoint:
         endpoint(args.rdzv_endpoint)
+    if args.max_restarts < 0:  # torchrun: an AssertionError's traceback
+        raise LaunchError(f"--max-restarts {args.max_restarts}: give 0 or more restarts")
+    _check_backend(args.rdzv_backend)
     port = args.master_port
     if port is not None and not 1 <= int(port) <= 65535:  # (torchrun's parser made it an int)
         raise LaunchError(f"--master-port {port}: give a port from 1 to 65535")
@@ -91,6 +94,19 @@ def check(args: argparse.Namespace) -> None:
         raise LaunchError(
             f"the preflight timeout must be positive seconds, got {args.preflight_timeout} "
             f"(--preflight-timeout or {PREFLIGHT_TIMEOUT_VAR})"
+        )
+
+
+def _check_backend(backend: str) -> None:
+    """A rendezvous backend torch does not know: refused now, not after the network checks
+    with a traceback from the agent."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
+
+    known = getattr(registry, "_registry", None)  # its own, plus entry points' (torchrun.handlers)
+    if known is not None and backend not in known:
+        raise LaunchError(
+            f"--rdzv-backend {backend}: not a rendezvous backend torch knows; give one of "
+            f"{', '.join(sorted(known))} (c10d for several nodes, or static with --master-addr)"
         )
 
 

@@ -303,3 +303,24 @@ def test_bad_init_arguments_are_refused_before_any_group(kwargs, message):
     with pytest.raises((ClusterError, TypeError), match=message):
         fastddp.init_distributed(**{"backend": "gloo", "environ": env, **kwargs})
     assert not dist.is_initialized()
+
+
+def test_a_variable_set_elsewhere_is_not_read():
+    # The command line (or PET_*) covers these: a malformed value is no error, and is kept as
+    # text only for the launcher's "command line wins over ..." line.
+    bad = {"SLURM_JOB_ID": "1", "SLURM_NNODES": "abc", "SLURM_NODEID": "x",
+           "SLURM_NODELIST": "node[01-03", "SLURM_GPUS_ON_NODE": "y"}  # fmt: skip
+    with pytest.raises(ClusterError, match="SLURM_NNODES='abc' is not an integer"):
+        launcher_settings(bad)
+    given = {"nnodes", "node_rank", "master_addr", "nproc_per_node"}
+    _, s = launcher_settings(bad, given=given)
+    assert s["nnodes"] == ("abc", "SLURM_NNODES") and s["node_rank"] == ("x", "SLURM_NODEID")
+    assert s["master_addr"] == ("node[01-03", "SLURM_NODELIST")
+    assert s["nproc_per_node"] == ("y", "SLURM_GPUS_ON_NODE")
+    mpi = {"OMPI_COMM_WORLD_SIZE": "two", "OMPI_COMM_WORLD_RANK": "1", "MASTER_ADDR": "h"}
+    assert launcher_settings(mpi, given={"nnodes"})[1]["nnodes"].value == "two"
+
+
+def test_a_job_without_gpus_leaves_the_process_count_alone():
+    _, s = launcher_settings({**SLURM, "SLURM_NODEID": "0", "SLURM_GPUS_ON_NODE": "0"})
+    assert "nproc_per_node" not in s

@@ -129,3 +129,17 @@ def test_a_gloo_interface_is_checked_before_the_workers_start():
         preflight._check_gloo_interfaces("eth9x", multi_node=False)
     with pytest.raises(LaunchError, match=r"is the loopback interface, and the other nodes"):
         preflight._check_gloo_interfaces(loop, multi_node=True)
+
+
+def test_a_refused_master_port_is_not_told_to_wait_longer():
+    # A refused connection is waited for past --preflight-timeout already (node 0 may still be
+    # starting): its error does not tell the user to raise that timeout.
+    from fastddp.launch import net
+    from fastddp.testing.ports import free_port
+
+    port = free_port()  # nothing listens there
+    with pytest.raises(LaunchError) as refused:
+        net.probe("127.0.0.1", port, "127.0.0.1", "lo", 0.2, None, not_started=0.4)
+    message = str(refused.value)
+    assert f"cannot reach the master 127.0.0.1:{port} within 0 s" in message, message
+    assert "connection refused" in message and "--preflight-timeout" not in message, message
