@@ -213,18 +213,8 @@ def compress_hook(
             f"{type(state).__name__}; register it with "
             "model.register_comm_hook(CompressState(...), fastddp.compress_hook)"
         )
-    if isinstance(bucket, tuple):
-        # Compiled DDP (optimize_ddp="python_reducer" with compiled autograd) calls hooks once
-        # per parameter with (grad, param) and ignores what they return. Every rank gets here
-        # at the same parameter before any collective, so every rank raises alike.
-        raise TypeError(
-            "fastddp.compress_hook: DDP passed a (gradient, parameter) pair instead of a "
-            "GradBucket, as it does under torch.compile with "
-            "torch._dynamo.config.optimize_ddp = 'python_reducer' and compiled autograd. "
-            "fastddp compresses whole buckets and does not support that mode: keep "
-            "optimize_ddp at its default ('ddp_optimizer'), compile without compiled "
-            "autograd, or register no hook"
-        )
+    if not isinstance(bucket, dist.GradBucket):
+        _not_a_bucket(bucket)
     if state.dtype == "auto":
         return state._reduce_bucket(bucket)
     if state.delay:
@@ -241,6 +231,28 @@ def compress_hook(
         bucket.is_last(),
         parameters=bucket.parameters(),
         plan=getattr(state, "_native", None) is not None,
+    )
+
+
+def _not_a_bucket(bucket) -> None:
+    """Raise the ``TypeError`` that says what to hand the hook instead of ``bucket``."""
+    if isinstance(bucket, tuple):
+        # Compiled DDP (optimize_ddp="python_reducer" with compiled autograd) calls hooks once
+        # per parameter with (grad, param) and ignores what they return. Every rank gets here
+        # at the same parameter before any collective, so every rank raises alike.
+        raise TypeError(
+            "fastddp.compress_hook: DDP passed a (gradient, parameter) pair instead of a "
+            "GradBucket, as it does under torch.compile with "
+            "torch._dynamo.config.optimize_ddp = 'python_reducer' and compiled autograd. "
+            "fastddp compresses whole buckets and does not support that mode: keep "
+            "optimize_ddp at its default ('ddp_optimizer'), compile without compiled "
+            "autograd, or register no hook"
+        )
+    raise TypeError(
+        "fastddp.compress_hook: bucket must be the dist.GradBucket that DDP hands a comm hook, "
+        f"got {type(bucket).__name__}; register the hook on a DDP model "
+        "(model.register_comm_hook(state, fastddp.compress_hook)), or average tensors with "
+        "fastddp.all_reduce(tensors)"
     )
 
 

@@ -66,10 +66,12 @@ def register_comm_hook(
     if not isinstance(state, AutoState) and runner is None:
         model.register_comm_hook(state, compress_hook)  # nothing to run natively
         return state
-    if isinstance(state, AutoState) and state._switch is not None:
+    moving = isinstance(state, AutoState) and state._switch is not None
+    if moving and state._switch.in_use:
         raise RuntimeError(
             "fastddp.register_comm_hook: this CompressState(dtype='auto') is registered on "
-            "another model already; give each model a state of its own"
+            "another model, which still exists; give each model a state of its own (or "
+            "delete the old model first, to move the state to a new one)"
         )
     # What DDP's own register_comm_hook does around the reducer's registration.
     model._check_comm_hook(compress_hook)
@@ -78,10 +80,14 @@ def register_comm_hook(
         _extension.load().register_native_hook(model.reducer, runner, state, compress_hook)
     else:
         group = state.process_group if state.process_group is not None else dist.group.WORLD
-        extension = _extension.load()
-        state._switch = Switch(
-            extension.register_switch_hook(model.reducer, group, state, compress_hook)
-        )
+        control = _extension.load().register_switch_hook(model.reducer, group, state, compress_hook)
+        if moving:
+            # The old model is gone: its hook's steps count, and the state (its plan and
+            # residuals) goes on with this model's hook.
+            state._count_native()
+            state._switch.move(control, model)
+        else:
+            state._switch = Switch(control, model)
     # Once the reducer took it (a second registration raises there, and is not kept).
     model._comm_hooks.append((compress_hook, state))
     return state

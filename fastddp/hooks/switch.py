@@ -6,6 +6,7 @@ recorded there (so a later round runs it last), and a plan of ``"none"`` hands o
 between two checks; the C++ hook stamps when each step starts, and the checks read those stamps.
 """
 
+import weakref
 from typing import Any, Optional
 
 from fastddp.hooks.candidates import NONE
@@ -15,14 +16,30 @@ __all__ = ["Switch"]
 
 
 class Switch:
-    """The C++ hook's control (``control``), and what this side knows of the steps it ran."""
+    """The C++ hook's control (``control``), and what this side knows of the steps it ran.
 
-    __slots__ = ("control", "seen", "handed")
+    ``model``: the DDP model whose reducer holds the hook (kept weakly: once it is gone, the
+    state may be registered on another model).
+    """
 
-    def __init__(self, control: Any) -> None:
+    __slots__ = ("control", "seen", "handed", "_model", "_base")
+
+    def __init__(self, control: Any, model: Any) -> None:
         self.control = control
-        self.seen = 0  # steps it ran, as last counted here
+        self._model = weakref.ref(model)
+        self.seen = 0  # steps it ran, as last counted here (on every model it moved to)
+        self._base = 0  # steps run by the hooks of models before this one
         self.handed: list[tuple[str, Optional[str]]] = []  # trial turns handed to it
+
+    def move(self, control: Any, model: Any) -> None:
+        """Go on with the hook of another model, this one's being gone (counted first)."""
+        self.control, self._model = control, weakref.ref(model)
+        self._base, self.handed = self.seen, []
+
+    @property
+    def in_use(self) -> bool:
+        """Whether the model it was registered on still exists."""
+        return self._model() is not None
 
     @property
     def native_now(self) -> bool:
@@ -31,7 +48,7 @@ class Switch:
 
     def count(self) -> int:
         """The steps it ran since the last count (all steps of ``"none"``)."""
-        new = self.control.native_total - self.seen
+        new = self._base + self.control.native_total - self.seen
         self.seen += new
         return new
 

@@ -186,6 +186,62 @@ def test_error_feedback_keeps_the_sum_over_steps(world, mode):  # fmt: skip
     run_ranks(_sum_over_steps, world, MODES[mode])
 
 
+class _Sometimes(nn.Module):
+    """Its middle layer is used on even calls only (``find_unused_parameters=True``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.extra = nn.Linear(IN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+        self.c, self.calls = nn.Linear(HIDDEN, OUT), 0
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.calls % 2 == 0:
+            h = h + torch.tanh(self.extra(h))
+        self.calls += 1
+        return self.c(h)
+
+
+def _unused_with_error_feedback(rank, world, as_view):
+    # The same batch every step, no update, `extra` used on even steps. With
+    # gradient_as_bucket_view the gradient is the bucket, so what error feedback owed `extra`
+    # arrives on its unused steps, and its gradient summed over 12 steps owes plain DDP's only
+    # the last residual, within a quarter of one step's largest gradient (near 0.11 here; 0.75
+    # when what was owed is dropped). Without, DDP leaves an unused parameter's gradient at
+    # zero, as plain DDP does, and drops what was owed.
+    settings = MODES["int4-ef"]
+    kwargs = dict(bucket_cap_mb=0.01, find_unused_parameters=True, gradient_as_bucket_view=as_view)
+    plain, hooked = DDP(_Sometimes(), **kwargs), DDP(_Sometimes(), **kwargs)
+    hooked.register_comm_hook(fastddp.CompressState(**settings), fastddp.compress_hook)
+    x, y = _batch(torch.Generator().manual_seed(100 + rank))
+    totals, unused = [], []
+    for model in (plain, hooked):
+        grad, total = model.module.extra.weight, 0
+        for step in range(12):
+            model.zero_grad(set_to_none=False)
+            _backward(model, x, y)
+            total = total + grad.grad
+            if step % 2:
+                unused.append(grad.grad.abs().max().item())
+        totals.append(total)
+    ours, theirs = unused[6:], unused[:6]
+    assert theirs == [0.0] * 6, theirs
+    if as_view:
+        assert all(e > 0 for e in ours), ours
+        one_step = totals[0].abs().max() / 6
+        err = (totals[1] - totals[0]).abs().max()
+        assert err <= one_step / 4, f"rank {rank}: {err:.3e} > {one_step / 4:.3e} after 12 steps"
+    else:
+        assert ours == [0.0] * 6, ours
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("as_view", [True, False])
+def test_error_feedback_and_parameters_unused_in_a_step(as_view):
+    run_ranks(_unused_with_error_feedback, 2, as_view)
+
+
 def _default_state_and_no_sync(rank, world, settings):
     base = _model()
     plain = DDP(copy.deepcopy(base), bucket_cap_mb=0.01)
@@ -427,6 +483,10 @@ def test_a_state_dict_damaged_inside_is_refused():
 def test_state_validation_and_pickling():
     with pytest.raises(TypeError, match="state must be a fastddp.CompressState or None"):
         fastddp.compress_hook({"dtype": torch.float16}, None)
+    states = None, fastddp.CompressState.from_preset("int8-ef"), fastddp.CompressState("auto")
+    for state in states:
+        with pytest.raises(TypeError, match="must be the dist.GradBucket .* got Tensor; regist"):
+            fastddp.compress_hook(state, torch.randn(10))
     state = fastddp.CompressState(dtype=torch.int8, error_feedback=True, block_size=64, seed=3)
     state._counters["calls"] = 4
     clone = pickle.loads(pickle.dumps(state))

@@ -117,8 +117,9 @@ def _registration(rank, world):
     with pytest.raises(RuntimeError, match="can only be called once"):
         fastddp.register_comm_hook(model, fastddp.CompressState(dtype="auto"))
     assert [s for _, s in model._comm_hooks] == [state]  # the refused one is not kept
-    with pytest.raises(RuntimeError, match="registered on another model"):
+    with pytest.raises(RuntimeError, match="registered on another model, which still exists"):
         fastddp.register_comm_hook(DDP(_Net(), bucket_cap_mb=0.002), state)
+    _moved(rank)
     # A fixed mode is DDP's own registration of compress_hook.
     base = _Net()
     fixed = DDP(copy.deepcopy(base), bucket_cap_mb=0.002)
@@ -133,6 +134,26 @@ def _registration(rank, world):
     assert default is hook_module._default_state and default.dtype == torch.bfloat16
     _train(by_default, 3, rank)
     assert len(default._runner) > 0 and default.stats()["calls"] > 0
+
+
+def _moved(rank):
+    # Once its model is deleted, an auto state moves to the module re-wrapped in a new DDP
+    # (other buckets), and goes on bit for bit as DDP's own all-reduce would.
+    base = _Net(depth=4)
+    plain, ours = copy.deepcopy(base), copy.deepcopy(base)
+    state = fastddp.CompressState(dtype="auto", allow=["none"])
+    want, got = [], []
+    for cap in (0.002, 0.004):
+        reference = DDP(plain, bucket_cap_mb=cap)
+        reference.register_comm_hook(None, allreduce_hook)
+        model = DDP(ours, bucket_cap_mb=cap)
+        assert fastddp.register_comm_hook(model, state) is state
+        want += _train(reference, 4, rank)
+        got += _train(model, 4, rank)
+        del model, reference
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"step {step}: {(a - b).abs().max().item():.3e}"
+    assert state.stats()["steps_in"]["none"] == 8, state.stats()
 
 
 @pytest.mark.multiproc
