@@ -246,7 +246,9 @@ def _hook_cost_cells(r):
 
 
 def _millions(rows):
-    return f"{rows[0]['params'] / 1e6:.1f}M parameters"
+    n = rows[0]["params"]
+    # Small models (tests, --params 10) read as counts, not as "0.0M".
+    return f"{n / 1e6:.1f}M parameters" if n >= 100_000 else f"{n:,} parameters"
 
 
 # The step benchmarks: what runs, the start of the table's title (the ranks and the steps

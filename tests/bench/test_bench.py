@@ -126,6 +126,7 @@ def test_ddp_step_benchmark(tmp_path, capsys):
     for r in rows.values():
         assert 0 < r["p50_ms"] <= r["p90_ms"]
     assert "exposed comm" in res.stdout
+    assert f"{rows['fp32']['params'] / 1e6:.1f}M parameters" in res.stdout
 
 
 @pytest.mark.parametrize("warmup", [0, 1, 3])
@@ -265,6 +266,8 @@ def test_sizes_and_counts_read_as_their_help_writes_them():
     assert [common.parse_size(s) for s in ("64K", "1.5M", "100")] == [65536, 1572864, 100]
     assert [common.count(s) for s in ("25M", "100K", "7")] == [25_000_000, 100_000, 7]
     assert cli._parser().parse_args(["ddp", "--params", "2M"]).params == 2_000_000
+    # A model too small for millions is counted, not printed as "0.0M".
+    assert cli._millions([{"params": 1_090}]) == "1,090 parameters"
 
 
 def test_the_help_lists_what_each_benchmark_takes(capsys):
