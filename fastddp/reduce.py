@@ -42,6 +42,11 @@ def all_reduce(
     buckets: by default as bf16 payloads summed in fp32, so that the error does not grow with
     the number of ranks. Every rank must call it with tensors of the same shapes, in the same
     order: the first call of a state (every call, without ``state``) checks it on every rank.
+    A state's later calls check only this rank's tensors against its first call's, with no
+    collective: where one rank alone passes others, it raises and the others wait in the
+    collective until the group's timeout, as with :func:`torch.distributed.all_reduce`.
+    Non-finite values come back as the hooks give them: as they are with a 16-bit wire dtype;
+    with int8, int4 and int2, as NaN over their scale's whole block.
 
     Args:
         tensors (Tensor or list of Tensor): float32 tensors on one device, changed in place.
@@ -93,10 +98,18 @@ def all_reduce(
         if unlike is not None:
             _refused(tensors, group, state)
             raise ValueError(f"{where}: {unlike}")
-        digest = zlib.crc32(",".join(map(str, sizes)).encode())
+        # Shapes, not sizes: a (2, 3) reduced with a (3, 2) would add elements by flat index.
+        shapes = () if problem else tuple(tuple(t.shape) for t in tensors)
+        digest = zlib.crc32(repr(shapes).encode())
         layout = (len(sizes), sum(sizes), digest)
         found = problem[:2] if problem else (0, 0)
-        _verify(state, _device(tensors, state), layout, found, 1 if op == "avg" else 2, cap)
+        try:
+            _verify(state, _device(tensors, state), layout, found, 1 if op == "avg" else 2, cap)
+        except ValueError as e:
+            if problem is None:
+                raise
+            # The handshake's rows carry a code per rank; this rank knows the details too.
+            raise ValueError(f"{e}\nHere: {problem[2]}") from None
         state._layout = (op, sizes, cap)
     elif problem:
         # Later calls are not checked across ranks (a collective each): alike on every rank
@@ -194,17 +207,22 @@ def _settled(
     cap = int(bucket_cap_mb * 2**20) // 4  # elements
     if state is None:
         _check_dtype(dtype, where)
-        state = CompressState(
-            torch.bfloat16 if dtype is None else dtype,
-            group,
-            accumulate_dtype=torch.float32 if accumulate_dtype is _UNSET else accumulate_dtype,
-            stochastic_rounding=bool(stochastic_rounding),
-            block_size=block_size,
-            topology="auto" if topology is None else topology,
-            # A state's rounding draws anew with each of its calls; a fresh state per call would
-            # draw the same numbers each time, and round the same tensor alike, biased.
-            seed=next(_STATELESS_CALLS) if stochastic_rounding else 0,
-        )
+        try:
+            state = CompressState(
+                torch.bfloat16 if dtype is None else dtype,
+                group,
+                accumulate_dtype=torch.float32 if accumulate_dtype is _UNSET else accumulate_dtype,
+                stochastic_rounding=bool(stochastic_rounding),
+                block_size=block_size,
+                topology="auto" if topology is None else topology,
+                # A state's rounding draws anew with each of its calls; a fresh state per call
+                # would draw the same numbers each time, and round the same tensor alike, biased.
+                seed=next(_STATELESS_CALLS) if stochastic_rounding else 0,
+            )
+        except (TypeError, ValueError) as e:
+            # The caller built no CompressState: name the call it made (the arguments have
+            # the same names in both).
+            raise type(e)(str(e).replace("CompressState:", f"{where}:", 1)) from None
     else:
         if not isinstance(state, CompressState):
             raise TypeError(
@@ -248,7 +266,9 @@ def _settled(
             )
     if isinstance(tensors, dict):
         raise TypeError(f"{where}: tensors is a dict; pass its tensors, list(tensors.values())")
-    if isinstance(tensors, torch.Tensor):
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Iterable):
+        # One tensor; or None (an unused parameter's .grad) and the like, which the first
+        # call's handshake then names on every rank, as it names them in a list.
         tensors = [tensors]
     return state, cap, list(tensors)
 
@@ -336,6 +356,12 @@ def _check_dtype(dtype, where: str) -> None:
         raise ValueError(
             f"{where}: dtype='auto' plans by DDP's step time, which all_reduce has not got; "
             "pass a wire dtype (torch.bfloat16, torch.float16, torch.int8, ...)"
+        )
+    if dtype == torch.float32:
+        raise ValueError(
+            f"{where}: dtype=torch.float32 would send the tensors uncompressed; use "
+            "torch.distributed.all_reduce for that, or pass a wire dtype (torch.bfloat16, "
+            "torch.float16, torch.int8, torch.int4)"
         )
     if isinstance(dtype, str):
         hint = named_preset(dtype, "state=CompressState.from_preset")

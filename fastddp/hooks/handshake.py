@@ -185,8 +185,9 @@ def check(rows: list[tuple[int, ...]], load_problem: Optional[str] = None) -> No
         ]
         raise ValueError(
             "fastddp: ranks disagree on the compression settings, so their payloads cannot be "
-            "combined:\n" + "\n".join(lines) + "\nGive every rank the same CompressState "
-            "arguments (and the same fastddp version)."
+            "combined:\n" + "\n".join(lines) + "\nGive every rank the same settings: "
+            "CompressState's arguments, or fastddp.all_reduce's dtype, accumulate_dtype, "
+            "stochastic_rounding, block_size and topology (and the same fastddp version)."
         )
     troubled = [
         f"  rank {r}: tensors[{row[18]}] is "

@@ -62,6 +62,18 @@ def _matches_reference(rank, world):
             if t.numel():
                 err = (t.double() - w).abs().max() / w.abs().max()
                 assert err < tol, (dtype, err.item())
+    # An inf on one rank: as it is through a 16-bit wire dtype; NaN over its whole block, and
+    # only there, through a block-scaled code (as the docstring says).
+    for dtype in (torch.bfloat16, torch.int8):
+        t = torch.ones(512)
+        t[5] = float("inf") if rank == 0 else 1.0
+        fastddp.all_reduce(t, dtype=dtype, op="sum")
+        rest = torch.cat([t[:5], t[6:]]) if dtype == torch.bfloat16 else t[128:]
+        assert torch.allclose(rest, torch.full_like(rest, world), rtol=2**-7), dtype
+        if dtype == torch.bfloat16:
+            assert t[5] == float("inf")
+        else:
+            assert t[:128].isnan().all()
     # One tensor, no fp32 accumulation: the plain 16-bit all-reduce path, in place.
     t = torch.full((17,), float(rank + 1))
     ptr = t.data_ptr()
@@ -186,7 +198,18 @@ def _bad_input(rank, world):
         ),
         (
             lambda: fastddp.all_reduce(torch.ones(3), dtype=torch.float64),
-            "dtype must be torch.float16, torch.bfloat16, torch.int8, torch.int4 or torch.int2",
+            "fastddp.all_reduce: dtype must be torch.float16, torch.bfloat16, torch.int8, "
+            "torch.int4 or torch.int2",
+        ),
+        (
+            lambda: fastddp.all_reduce(torch.ones(3), dtype=torch.float32),
+            "dtype=torch.float32 would send the tensors uncompressed; use "
+            "torch.distributed.all_reduce",
+        ),
+        (
+            # The rank that passed them names the dtype, which the handshake does not carry.
+            lambda: fastddp.all_reduce([torch.ones(3), torch.ones(2, dtype=torch.float64)]),
+            "\nHere: tensors[1] is torch.float64; it compresses float32 tensors",
         ),
         (
             lambda: fastddp.all_reduce(torch.ones(3), dtype="auto"),
@@ -210,6 +233,23 @@ def _bad_input(rank, world):
             lambda: fastddp.all_reduce(grads),
             "some ranks passed tensors it cannot reduce:\n  rank 1: tensors[1] is None, a "
             "parameter without a gradient on this rank?",
+        ),
+        (
+            # An unused parameter's .grad, passed alone: named as in a list.
+            lambda: fastddp.all_reduce(torch.ones(3) if rank == 0 else None),
+            "some ranks passed tensors it cannot reduce:\n  rank 1: tensors[0] is None, a "
+            "parameter without a gradient on this rank?",
+        ),
+        (
+            # As many elements, laid out otherwise: they would be added by flat index.
+            lambda: fastddp.all_reduce(torch.ones((2, 3) if rank == 0 else (3, 2))),
+            "rank 0: 1 tensor(s), 6 elements\n  rank 1: 1 tensor(s), 6 elements\n(as many, "
+            "but of other shapes)",
+        ),
+        (
+            lambda: fastddp.all_reduce(torch.ones(3), dtype=(torch.bfloat16, torch.float16)[rank]),
+            "Give every rank the same settings: CompressState's arguments, or "
+            "fastddp.all_reduce's dtype,",
         ),
         (
             lambda: fastddp.all_reduce([torch.ones(3)] if rank == 0 else []),
