@@ -63,9 +63,12 @@ def _parser():
     a.add_argument("--min-size", default="64K", help="smallest fp32 message (default 64K)")
     a.add_argument("--max-size", default="256M", help="largest fp32 message (default 256M)")
     a.add_argument("--factor", type=int, default=4, help="size step factor (default 4)")
-    a.add_argument("--modes", nargs="+", default=allreduce.MODES, choices=allreduce.CHOICES)
-    a.add_argument("--min-seconds", type=float, default=1.0, help="time per size and mode")
-    a.add_argument("--max-iters", type=int, default=100)
+    a.add_argument("--modes", nargs="+", default=allreduce.MODES, choices=allreduce.CHOICES,
+                   help=f"default: {' '.join(allreduce.MODES)}")  # fmt: skip
+    a.add_argument("--min-seconds", type=float, default=1.0,
+                   help="seconds timed per size and mode, at least (default 1.0)")  # fmt: skip
+    a.add_argument("--max-iters", type=int, default=100,
+                   help="timed calls per size and mode, at most (default 100)")  # fmt: skip
     _pretend_option(a)
     add_common_options(a, plot=True, topologies=True)
     d = command("ddp", ddp, "DDP step time per hook")
@@ -82,10 +85,12 @@ def _parser():
         "--bucket-cap-mb",
         type=float,
         default=25.0,
-        help="DDP's bucket size (PowerSGD on Gloo: one bucket, see bench/ddp.py)",
+        help="DDP's bucket size in MiB (default 25; PowerSGD on Gloo: one bucket, see "
+        "bench/ddp.py)",
     )
     _steps_options(d, steps=30, warmup=5)
-    d.add_argument("--modes", nargs="+", default=ddp.MODES, choices=ddp.CHOICES)
+    d.add_argument("--modes", nargs="+", default=ddp.MODES, choices=ddp.CHOICES,
+                   help=f"default: {' '.join(ddp.MODES)}")  # fmt: skip
     _pretend_option(d)
     add_common_options(d, topologies=True)
     f = command("fsdp", fsdp, "FSDP2 step time per gradient reduction")
@@ -94,7 +99,7 @@ def _parser():
         "--param-dtype",
         choices=["fp32", "bf16"],
         default="fp32",
-        help="MixedPrecisionPolicy.param_dtype (all-gathers and compute)",
+        help="MixedPrecisionPolicy.param_dtype (all-gathers and compute; default fp32)",
     )
     _steps_options(f, steps=20, warmup=3)
     f.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate (default 1e-3)")
@@ -104,13 +109,18 @@ def _parser():
         "convergence", convergence, "time to a target validation loss per method (transformer)"
     )
     _decoder_options(c, width=256, layers=4, batch=8)
-    c.add_argument("--steps", type=int, default=300, help="fp32's steps, which set the target")
-    c.add_argument("--eval-every", type=int, default=25)
-    c.add_argument("--val-batches", type=int, default=4)
-    c.add_argument("--lr", type=float, default=3e-3)
-    c.add_argument("--slack", type=float, default=0.01, help="target = fp32's loss x (1 + slack)")
-    c.add_argument("--max-factor", type=float, default=2.0, help="give up after this x --steps")
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--steps", type=int, default=300,
+                   help="fp32's steps, which set the target (default 300)")  # fmt: skip
+    c.add_argument("--eval-every", type=int, default=25,
+                   help="steps between validations (default 25)")  # fmt: skip
+    c.add_argument("--val-batches", type=int, default=4,
+                   help="batches a validation averages (default 4)")  # fmt: skip
+    c.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate (default 3e-3)")
+    c.add_argument("--slack", type=float, default=0.01,
+                   help="target = fp32's loss x (1 + slack) (default 0.01)")  # fmt: skip
+    c.add_argument("--max-factor", type=float, default=2.0,
+                   help="give up after this x --steps (default 2)")  # fmt: skip
+    c.add_argument("--seed", type=int, default=0, help="weights' and batches' seed (default 0)")
     c.add_argument("--bucket-cap-mb", type=float, default=25.0, help="as for ddp")
     modes = f"the ddp benchmark's modes, or {', '.join(peers.PATTERNS)}"
     c.add_argument("--modes", nargs="+", default=convergence.MODES, type=peers.mode_name,
@@ -206,14 +216,23 @@ def _times(r):
     return [f"{r['p50_ms']:.1f}", f"{r['p90_ms']:.1f}", _vs_fp32(r)]
 
 
+def _bytes(n):
+    """Bytes in MB, or in kB below 0.1 MB (a small model's are not "0.0 MB")."""
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+def _count(n, what):
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
 def _ddp_cells(r):
     exposed = "-" if r["exposed_comm"] is None else f"{100 * r['exposed_comm']:.0f} %"
     return [
         r["mode"] if not r.get("chose") else f"{r['mode']} ({r['chose']})",
         *_times(r),
         exposed,
-        f"{r['payload_bytes'] / 1e6:.1f} MB",
-        f"{r['cross_node_bytes'] / 1e6:.1f} MB",
+        _bytes(r["payload_bytes"]),
+        _bytes(r["cross_node_bytes"]),
         f"{r['cpu_s_per_step']:.2f} s",
     ]
 
@@ -222,20 +241,20 @@ def _fsdp_cells(r):
     err = "-" if r["grad_rel_err"] is None else f"{r['grad_rel_err']:.2e}"
     vs_hsdp = "-" if r["vs_hsdp"] is None else f"{r['vs_hsdp']:.2f}x"
     link = r["link_bytes_per_step"]
-    link = "-" if link is None else f"{link / 1e6:.1f} MB"
-    sent = [f"{r[k] / 1e6:.1f} MB" for k in ("rs_sent_bytes", "ag_sent_bytes")]
+    link = "-" if link is None else _bytes(link)
+    sent = [_bytes(r[k]) for k in ("rs_sent_bytes", "ag_sent_bytes")]
     cells = [r["mode"], *_times(r), vs_hsdp, *sent, link, err]
     return [*cells, f"{r['loss']:.4f}"]
 
 
 def _convergence_cells(r):
     return [
-        r["mode"],
+        r["mode"] if not r.get("chose") else f"{r['mode']} ({r['chose']})",
         str(r["steps_to_target"]) if r["reached"] else f"not in {r['steps']}",
         f"{r['seconds_to_target']:.1f} s" if r["reached"] else "-",
         _vs_fp32(r),
         f"{r['final_val_loss']:.3f}",
-        f"{r['sent_mb']:.0f} MB",
+        _bytes(r["sent_mb"] * 1e6),
     ]
 
 
@@ -298,7 +317,7 @@ def _step_job(env, args):
     if env.rank != 0:
         return rows
     nodes = pretend_nodes(env, args)
-    shape = f"{nodes} nodes x {env.world_size // nodes} ranks"
+    shape = f"{_count(nodes, 'node')} x {_count(env.world_size // nodes, 'rank')}"
     title = f"{head(args, rows)}, {shape}, {env.backend}"
     if args.what in ("ddp", "fsdp"):  # convergence runs to a target, hook-cost in rounds
         title += f", {args.steps} steps after {args.warmup} warm-up"

@@ -130,8 +130,11 @@ def run_mode(env, args, mode, data, val_batches, target, pacer=None, topo=None):
     dist.all_reduce(mean_cross)
     if periodic is not None:
         periodic.close()
+    plan = state.stats()["plan"] if mode == common.AUTO else None
     return {
         "mode": mode,
+        # auto's plan (None where its trial had not ended); its trial's steps count in the times
+        "chose": None if plan is None else plan["summary" if plan["mode"] == "mixed" else "mode"],
         "params": numel,
         "steps": steps_done,
         "seconds": slowest[0].item(),

@@ -44,7 +44,10 @@ def check_outputs(p, args):
 
         kinds = FigureCanvasBase.get_supported_filetypes()
         suffix = os.path.splitext(str(plot))[1].lstrip(".").lower()
-        if suffix and suffix not in kinds:
+        if not suffix:
+            # matplotlib would add .png, and write a file none of the checks above looked at.
+            p.error(f"--plot {plot}: end the name with the image's suffix ({plot}.png, say)")
+        if suffix not in kinds:
             p.error(
                 f"--plot {plot}: matplotlib cannot write .{suffix} files; end the name with "
                 f"one of .{', .'.join(sorted(kinds))} (.png, say)"
@@ -123,8 +126,11 @@ def _check_ddp_model(p, args):
                 "--params and --width")  # fmt: skip
     if args.model == "transformer" and args.params is not None:
         p.error("--params sizes the mlp; the transformer takes --width and --layers")
-    for k, default in _DECODER.items():
-        setattr(args, k, default if getattr(args, k) is None else getattr(args, k))
+    # Each model's defaults, and None for the other's options, which --json records as unread.
+    if args.model == "transformer":
+        for k, default in _DECODER.items():
+            setattr(args, k, default if getattr(args, k) is None else getattr(args, k))
+        return
     args.params = 25_000_000 if args.params is None else args.params
     if args.model == "mlp" and args.width is not None and args.width >= 1 and args.params >= 1:
         layers = round(args.params / (args.width * args.width + args.width))
@@ -136,6 +142,23 @@ def _check_ddp_model(p, args):
             p.error(f"--params {args.params} is less than half of one layer at --width "
                     f"{args.width} ({one} parameters): give a smaller --width, or leave it "
                     "out")  # fmt: skip
+
+
+def _check_outer(p, args, pretend: int, spawned: bool) -> None:
+    """DiLoCo's outer settings, as DiLoCo checks them, and the nodes the periodic modes (DiLoCo,
+    post-local SGD) average across: on one node either is DDP with extra steps."""
+    periodic = [m for m in args.modes if m.startswith(("diloco-", "postlocal-"))]
+    if not periodic:
+        return
+    if not (args.outer_lr > 0 and math.isfinite(args.outer_lr)):
+        p.error(f"--outer-lr must be a positive, finite number, got {args.outer_lr}")
+    if not 0 <= args.outer_momentum < 1:
+        p.error(f"--outer-momentum must be in [0, 1), got {args.outer_momentum}")
+    if args.link and (args.nodes or 2) < 2 or spawned and not args.link and pretend < 2:
+        p.error(
+            f"{periodic[0]} averages across nodes every H steps, and this run's ranks are one "
+            "node, where it is plain DDP: give --pretend-nodes 2 (or --link RATE --nodes 2)"
+        )
 
 
 def check(p, args):
@@ -181,9 +204,12 @@ def check(p, args):
         p.error("--bucket-cap-mb must be a positive, finite number of MiB")
     pretend = getattr(args, "pretend_nodes", 0)
     spawned = "RANK" not in os.environ
-    if pretend < 0 or pretend and (args.link or spawned and args.nproc % pretend):
+    if pretend < 0:
+        p.error("--pretend-nodes must be at least 1 (0, the default: the ranks' own nodes)")
+    if pretend and (args.link or spawned and args.nproc % pretend):
         p.error("--pretend-nodes splits the spawned --nproc ranks evenly (not with --link)")
     if args.what == "convergence":
+        _check_outer(p, args, pretend, spawned)
         if args.fp32_probe is not None and not args.fp32_from:
             p.error("--fp32-probe times fp32 in place of an earlier run: it needs --fp32-from")
         args.fp32_probe = 10 if args.fp32_probe is None else args.fp32_probe
@@ -205,6 +231,8 @@ def check(p, args):
         p.error(f"--plot draws the allreduce sweep; {args.what} writes --json")
     if args.what in ("fsdp", "convergence", "hook-cost") and args.topologies != ["auto"]:
         p.error(f"--topologies applies to allreduce and ddp; {args.what} runs each mode once")
+    if args.topologies != ["auto"] and not any(m.startswith("fastddp-") for m in args.modes):
+        p.error("--topologies applies to fastddp's modes, and --modes names none")
     if args.what == "hook-cost" and "fp32" not in args.modes:
         p.error("hook-cost measures each hook against plain DDP: keep fp32 in --modes")
     for name in ("modes", "topologies"):

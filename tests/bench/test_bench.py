@@ -127,6 +127,10 @@ def test_ddp_step_benchmark(tmp_path, capsys):
         assert 0 < r["p50_ms"] <= r["p90_ms"]
     assert "exposed comm" in res.stdout
     assert f"{rows['fp32']['params'] / 1e6:.1f}M parameters" in res.stdout
+    assert "1 node x 2 ranks" in res.stdout
+    # The options recorded are the ones the mlp read; the transformer's are null.
+    options = json.loads(out.read_text())["options"]
+    assert options["params"] == 200_000 and options["layers"] is options["seq"] is None
 
 
 @pytest.mark.parametrize("warmup", [0, 1, 3])
@@ -155,13 +159,14 @@ def test_ddp_peers_on_the_transformer(tmp_path, capsys):
     assert (
         rows["fastddp-int8-ef-delay"]["payload_bytes"] == rows["fastddp-int8-ef"]["payload_bytes"]
     )
-    assert "transformer of 0." in res.stdout
+    assert f"transformer of {cli._millions([rows['fp32']])}" in res.stdout
+    assert data["options"]["layers"] == 2 and data["options"]["params"] is None
 
 
 def test_time_to_target(tmp_path, capsys):
     out = tmp_path / "conv.json"
     small = ["--width", "32", "--layers", "1", "--heads", "4", "--seq", "16", "--batch", "4"]
-    modes = ["fp32", "fastddp-bf16", "powersgd-r1"]
+    modes = ["fp32", "fastddp-bf16", "powersgd-r1", "fastddp-auto"]
     args = ["convergence", *small, "--steps", "20", "--eval-every", "5", "--modes", *modes]
     res = _here([*args, "--json", str(out)], capsys)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -183,6 +188,11 @@ def test_time_to_target(tmp_path, capsys):
     per_step = {m: r["sent_mb"] / r["steps"] for m, r in rows.items()}
     assert per_step["powersgd-r1"] < per_step["fastddp-bf16"] < per_step["fp32"]
     assert "time to target" in res.stdout
+    # auto's row names its plan, in the JSON and the table; no other row has one.
+    chose = rows["fastddp-auto"]["chose"]
+    assert chose in auto.DEFAULT_ALLOW or chose.startswith("mixed ("), chose
+    assert f"fastddp-auto ({chose})" in res.stdout
+    assert all(r["chose"] is None for m, r in rows.items() if m != "fastddp-auto")
 
 
 def test_fsdp_step_benchmark(tmp_path, capsys):
@@ -268,6 +278,7 @@ def test_sizes_and_counts_read_as_their_help_writes_them():
     assert cli._parser().parse_args(["ddp", "--params", "2M"]).params == 2_000_000
     # A model too small for millions is counted, not printed as "0.0M".
     assert cli._millions([{"params": 1_090}]) == "1,090 parameters"
+    assert [cli._bytes(n) for n in (366_000, 1_500, 0)] == ["0.4 MB", "1.5 kB", "0.0 kB"]
 
 
 def test_the_help_lists_what_each_benchmark_takes(capsys):
@@ -337,6 +348,27 @@ def test_the_help_lists_what_each_benchmark_takes(capsys):
         (["ddp", "--json", ""], "--json needs a file name"),
         (["ddp", "--pretend-nodes", "3"], "--pretend-nodes splits the spawned --nproc ranks"),
         (["hook-cost", "--modes", "torch-fp16"], "hook-cost measures each hook against plain"),
+        (["ddp", "--pretend-nodes", "-1"], "--pretend-nodes must be at least 1"),
+        (["ddp", "--modes", "fp32", "--topologies", "flat"], "--modes names none"),
+        (
+            [
+                "convergence",
+                "--pretend-nodes",
+                "2",
+                "--modes",
+                "diloco-bf16-H2",
+                "--outer-momentum",
+                "1.5",
+            ],
+            "--outer-momentum must be in [0, 1), got 1.5",
+        ),  # fmt: skip
+        (
+            ["convergence", "--pretend-nodes", "2", "--modes", "postlocal-H2", "--outer-lr", "-1"],
+            "--outer-lr must be a positive, finite number",
+        ),
+        (["convergence", "--modes", "postlocal-H2"], "one node, where it is plain DDP"),
+        # matplotlib would write c.png, which no check had looked at (the --json, say).
+        (["allreduce", "--plot", "c"], "--plot c: end the name with the image's suffix"),
     ],
 )
 def test_bad_options(args, message, capsys):
