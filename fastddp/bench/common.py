@@ -225,10 +225,10 @@ def add_common_options(p, nproc=2, *, plot=False, topologies=False):
     """The options every benchmark takes; ``--plot`` and ``--topologies`` are listed only
     where they apply (``plot``, ``topologies``), and refused elsewhere by name."""
     hidden = argparse.SUPPRESS
-    p.add_argument(
-        "--nproc", type=int, default=nproc, help=f"ranks to spawn without a launcher ({nproc})"
-    )
-    p.add_argument("--threads", type=int, default=1, help="torch threads per spawned rank")
+    # Given or not is what options.check reads (a --link run spawns none): it fills these in.
+    p.spawn_defaults = {"nproc": nproc, "threads": 1}
+    p.add_argument("--nproc", type=int, help=f"ranks to spawn without a launcher ({nproc})")
+    p.add_argument("--threads", type=int, help="torch threads per spawned rank (1)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument(
         "--link",

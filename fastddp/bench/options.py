@@ -164,6 +164,11 @@ def _check_outer(p, args, pretend: int, spawned: bool) -> None:
 def check(p, args):
     """Refuse bad options with ``p.error`` (exit 2) before any rank starts."""
     check_outputs(p, args)
+    for name, default in p.spawn_defaults.items():
+        if args.link and getattr(args, name) is not None:
+            p.error(f"--{name} sets the spawned ranks; with --link the nodes' launchers start "
+                    "--nodes x --nproc-per-node ranks")  # fmt: skip
+        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
     if args.what == "allreduce":
         if "fp32" not in args.modes and args.plot:
             p.error("--plot compares against fp32: keep fp32 in --modes")
