@@ -48,7 +48,12 @@ def local_problems(
     for name, value in (("nesterov", nesterov), ("overlap", overlap)):
         if not isinstance(value, bool):
             found.append(f"{name} must be True or False, got {value!r}")
-    if compress is not None and compress not in PRESETS:
+    if compress == "auto":
+        found.append(
+            "compress='auto' plans by DDP's step time, which DiLoCo's rounds have not got: "
+            "pass a preset name (int8-ef, say) or None"
+        )
+    elif compress is not None and not (isinstance(compress, str) and compress in PRESETS):
         found.append(
             f"compress must be None (fp32 across nodes) or a preset name, one of "
             f"{', '.join(PRESETS)}; got {compress!r}"
@@ -143,8 +148,9 @@ def verdict(rows: list[dict[str, Any]], rank: int, group: Optional[dist.ProcessG
     different sizes, and models not wrapped in DDP over exactly their node's ranks.
     """
     _raise_problems(rows)
-    _raise_disagreement(rows)
+    # Models first: their settings' counts (parameters, numel) differ with them, and say less.
     _raise_other_models(rows)
+    _raise_disagreement(rows)
     topo = Topology([row["node"] for row in rows], rank)
     if not topo.even:
         raise ValueError(
@@ -191,8 +197,12 @@ def raise_problems(per_rank: list[list[str]], header: str, fix: str = "") -> Non
     raise ValueError(f"{header}:\n" + "\n".join(lines) + (f"\n{fix}" if fix else ""))
 
 
-def load_problems(saved: Any, version: int, settings: dict, layout: dict) -> list[str]:
-    """What keeps ``saved`` from loading into this rank's DiLoCo (``settings``, ``layout``)."""
+def load_problems(
+    saved: Any, version: int, settings: dict, layout: dict, sizes: dict[str, Optional[int]]
+) -> list[str]:
+    """What keeps ``saved`` from loading into this rank's DiLoCo (``settings``, ``layout``, and
+    ``sizes``: the elements of its ``global`` and ``pending`` slices, None where it has none).
+    Found before anything is loaded, and shared, so that every rank raises or none does."""
     if not isinstance(saved, dict) or saved.get("version") != version:
         got = saved.get("version") if isinstance(saved, dict) else type(saved).__name__
         return [f"not a DiLoCo state dict of version {version} (got {got!r})"]
@@ -203,6 +213,29 @@ def load_problems(saved: Any, version: int, settings: dict, layout: dict) -> lis
                 if theirs.get(k) != v]  # fmt: skip
         if diff:
             found.append(f"the saved {name} differ from this DiLoCo's ({', '.join(diff)})")
+    if found:
+        return found
+    missing = [k for k in ("round", "inner_steps", "global", "outer", "compress", "pending")
+               if k not in saved]  # fmt: skip
+    if missing:
+        return [f"it has no {', '.join(missing)} (damaged, or not what state_dict() returned)"]
+    if saved_at(saved) is None:
+        found.append("its round and inner_steps are not whole numbers")
+    for key, numel in sizes.items():
+        t = saved[key]
+        if numel is None and t is None:
+            continue
+        if not (torch.is_tensor(t) and t.dtype == torch.float32 and t.numel() == numel):
+            got = f"{t.numel()} {t.dtype}" if torch.is_tensor(t) else type(t).__name__
+            found.append(f"its {key} slice is {got}, not {numel} float32 elements")
+    outer = saved["outer"]
+    if not (isinstance(outer, dict) and {"state", "param_groups"} <= outer.keys()):
+        found.append("its outer entry is not an optimizer's state_dict()")
+    else:
+        buffers = [s.get("momentum_buffer") for s in outer["state"].values()
+                   if isinstance(s, dict)]  # fmt: skip
+        if any(b is not None and b.numel() != sizes["global"] for b in buffers):
+            found.append(f"its outer momentum is not {sizes['global']} elements")
     return found
 
 

@@ -191,7 +191,8 @@ class DiLoCo:
     def stats(self) -> dict[str, Any]:
         """Rounds, inner steps, the layout, and the bytes this rank sent to other nodes.
 
-        ``cross_node_bytes`` is what this rank's slices sent over the slow link;
+        ``cross_node_bytes`` is what this rank's slices sent over the slow link in the outer
+        rounds (the start's broadcast of the first node's parameters and buffers not counted);
         ``compress`` the codec's :meth:`~fastddp.CompressState.stats` (``None`` for fp32).
         """
         self.wait()
@@ -239,7 +240,14 @@ class DiLoCo:
         """
         # Checked on every rank and shared, so that a state dict that fits some ranks only
         # (rank 0's loaded everywhere) fails on all of them, not while the others go on.
-        problems = checks.load_problems(state_dict, STATE_VERSION, self.settings, self._layout())
+        sizes = {"global": self._global.numel(),
+                 "pending": None if self._pending is None else self._pending.numel()}  # fmt: skip
+        problems = checks.load_problems(
+            state_dict, STATE_VERSION, self.settings, self._layout(), sizes
+        )
+        if not problems:  # the codec's part, tried on a state of its own (nothing loaded here)
+            wire = self._wire.load_problem(state_dict["compress"])
+            problems += [wire] if wire else []
         rows = checks.gather((problems, checks.saved_at(state_dict)), self._group)
         checks.raise_problems(
             [row[0] for row in rows],

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from fastddp.hooks import CompressState
+from fastddp.hooks import CompressState, checkpoint
 from fastddp.hooks.runtime import own_stream
 from fastddp.hooks.topology import ring_bytes
 from fastddp.reduce import all_reduce
@@ -29,14 +29,18 @@ __all__ = ["Background", "CrossAverage"]
 class CrossAverage:
     """Average a slice across nodes, in place, with the settings of one preset (or fp32)."""
 
-    __slots__ = ("group", "nodes", "state", "_fp32_bytes")
+    __slots__ = ("group", "nodes", "state", "_fp32_bytes", "_compress")
 
     def __init__(self, compress: Optional[str], group: dist.ProcessGroup, nodes: int) -> None:
         self.group, self.nodes, self._fp32_bytes = group, nodes, 0
+        self._compress = compress
         self.state: Optional[CompressState] = None
         if compress is not None and nodes > 1:
-            # One rank per node in this group: nothing to split in two levels.
-            self.state = CompressState.from_preset(compress, group, topology="flat")
+            self.state = self._new_state()
+
+    def _new_state(self) -> CompressState:
+        # One rank per node in this group: nothing to split in two levels.
+        return CompressState.from_preset(self._compress, self.group, topology="flat")
 
     @property
     def block(self) -> int:
@@ -64,6 +68,31 @@ class CrossAverage:
         if self.state is None:
             return {"fp32_bytes": self._fp32_bytes}
         return self.state.state_dict()
+
+    def load_problem(self, saved: Any) -> Optional[str]:
+        """Why ``saved`` would not load into this rank's part (None if it would): tried on a
+        fresh state of the same settings, so that a refusal loads nothing, and residuals saved
+        by another node's rank are named here rather than at the next round's handshake, where
+        only this rank's group would raise."""
+        if saved is None:
+            return None
+        if self.state is None:
+            fine = isinstance(saved, dict) and isinstance(saved.get("fp32_bytes", 0), int)
+            return None if fine else "its compress entry is not what fp32 across nodes saves"
+        try:
+            trial = self._new_state()
+            checkpoint.load(trial, saved)
+        except Exception as error:  # (a damaged dict raises whatever its contents make)
+            return f"its compress entry does not load ({type(error).__name__}: {error})"
+        mine = (dist.get_rank(self.group), dist.get_world_size(self.group))
+        theirs = trial._loaded_from
+        if theirs is not None and theirs != mine:
+            return (
+                f"its compress residuals were saved by rank {theirs[0]} of the {theirs[1]} ranks "
+                f"of its cross-node group, and this rank is rank {mine[0]} there (another "
+                "node's file?)"
+            )
+        return None
 
     def load_state_dict(self, saved: Optional[dict[str, Any]]) -> None:
         if saved is None:  # saved by an older fastddp, fp32 across nodes

@@ -95,6 +95,12 @@ def _refused(rank, world, cases):
             model = DDP(module)
         elif case == "compiled DDP over its node":
             model = torch.compile(DDP(module, process_group=fastddp.DiLoCo.node_group()))
+        elif case == "a layer frozen on node 1":
+            # Fewer parameters and elements there: the models' message, not the settings'
+            # counts (parameters, numel) that differ with them.
+            if rank >= 2:
+                module[0].weight.requires_grad_(False)
+            model = DDP(module, process_group=fastddp.DiLoCo.node_group())
         elif case == "layers in another order on node 1":
             # As many parameters and elements, laid out otherwise: slices of unrelated weights.
             if rank >= 2:
@@ -120,7 +126,8 @@ BAD = [
     (("outer_lr", "all", 0.0), "outer_lr must be a positive, finite number"),
     (("outer_momentum", "all", 1.0), "outer_momentum must be in [0, 1)"),
     (("compress", "all", "int9"), "compress must be None (fp32 across nodes) or a preset name"),
-    (("compress", "all", "auto"), "got 'auto'"),
+    (("compress", "all", "auto"), "compress='auto' plans by DDP's step time"),
+    (("compress", 3, ["int8-ef"]), "or a preset name, one of"),  # (unhashable: not a crash)
     (("outer_lr", 1, -1.0), "outer_lr must be a positive, finite number (0.7 is DiLoCo's), "
      "got -1.0 (rank 1)"),
     (("sync_every", 3, 5), "ranks disagree on sync_every"),
@@ -140,7 +147,7 @@ def test_bad_settings_fail_alike_on_every_rank():
         text = texts.pop()
         assert text is not None and expected in text, (expected, text)
         assert text.startswith("fastddp.DiLoCo: ")
-    assert "rank 0: compress='int4-ef'" in out[0][7] and "rank 1: compress='int8-ef'" in out[0][7]
+    assert "rank 0: compress='int4-ef'" in out[0][8] and "rank 1: compress='int8-ef'" in out[0][8]
 
 
 def test_models_laid_out_otherwise_fail_alike_on_every_rank():
@@ -148,6 +155,9 @@ def test_models_laid_out_otherwise_fail_alike_on_every_rank():
     assert len({o[0] for o in out}) == 1, out
     assert "the ranks' models differ" in out[0][0], out[0][0]
     assert "rank 2: module.0.weight [3, 40] float32, rank 0: module.0.weight [40, 12]" in out[0][0]
+    out = run_ranks(_refused, 4, ["a layer frozen on node 1"], nodes=[0, 0, 1, 1])
+    assert len({o[0] for o in out}) == 1 and "the ranks' models differ" in out[0][0], out
+    assert "rank 2: module.0.weight [40, 12] float32 (no gradient), rank 0:" in out[0][0]
 
 
 def test_numbers_of_other_types_are_taken():
@@ -180,7 +190,7 @@ def test_nodes_of_different_sizes_fail_alike_on_every_rank():
 
 
 def _mismatched_load(rank, world):
-    model, _, diloco = _build(False, False)
+    model, opt, diloco = _build(False, False)
     saved = diloco.state_dict()
     other = fastddp.DiLoCo(model, sync_every=3, compress="int8-ef")
     with pytest.raises(ValueError, match="sync_every: saved 2, here 3"):
@@ -204,6 +214,31 @@ def _mismatched_load(rank, world):
     with pytest.raises(ValueError, match="saved at different steps") as info:
         diloco.load_state_dict(late)
     assert "rank 1: round 0, inner step 0\n  rank 2: round 1, inner step 0" in str(info.value)
+    # Damaged on one rank only: found before anything loads, and raised on every rank.
+    for damage, says in (
+        (lambda d: d.update(outer={}), "its outer entry is not an optimizer's state_dict()"),
+        (lambda d: d.pop("outer"), "it has no outer (damaged, or not what state_dict()"),
+        (lambda d: d.update({"global": d["global"][1:]}), "its global slice is"),
+        (lambda d: d["compress"].update(buckets=5), "its compress entry does not load"),
+    ):
+        mine = diloco.state_dict()
+        if rank == 3:
+            damage(mine)
+        with pytest.raises(ValueError, match="does not fit") as info:
+            diloco.load_state_dict(mine)
+        assert says in str(info.value) and "(rank 3)" in str(info.value), str(info.value)
+    # After a round (residuals to keep), nodes' files swapped between ranks 0 and 2: the same
+    # local rank, but residuals of another rank of the cross-node group. Every rank raises at
+    # the load, not ranks 0 and 2 alone at the next round while 1 and 3 wait for them.
+    for step in range(2):
+        inner_step(model, opt, rank, step)
+        diloco.step()
+    files = [None] * world
+    dist.all_gather_object(files, diloco.state_dict())
+    with pytest.raises(ValueError, match="does not fit") as info:
+        diloco.load_state_dict(files[{0: 2, 2: 0}.get(rank, rank)])
+    assert "saved by rank 1 of the 2 ranks of its cross-node group" in str(info.value)
+    assert "(rank 0)" in str(info.value) and "(rank 2)" in str(info.value), str(info.value)
     diloco.load_state_dict(diloco.state_dict())  # and the group still works
 
 
