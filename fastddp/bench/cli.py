@@ -335,8 +335,11 @@ _JOBS = {"allreduce": _allreduce_job, **dict.fromkeys(_STEP_TABLES, _step_job)}
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     p = _parser()
-    args = p.parse_args(argv)
-    # Refusals print the subcommand's usage, whose options they name.
+    args, unknown = p.parse_known_args(argv)
+    # Refusals print the subcommand's usage, whose options they name (an option another
+    # benchmark takes, too: the top level's usage would list none).
+    if unknown:
+        p.commands[args.what].error(f"unrecognized arguments: {' '.join(unknown)}")
     options.check(p.commands[args.what], args)
     # The command as typed (a --link run's nodes get it from their caller), for --json.
     typed = "python -m fastddp.bench " + shlex.join(argv)

@@ -349,6 +349,8 @@ def test_the_help_lists_what_each_benchmark_takes(capsys):
         (["ddp", "--pretend-nodes", "3"], "--pretend-nodes splits the spawned --nproc ranks"),
         (["hook-cost", "--modes", "torch-fp16"], "hook-cost measures each hook against plain"),
         (["ddp", "--pretend-nodes", "-1"], "--pretend-nodes must be at least 1"),
+        # Another benchmark's option: the subcommand's usage, not the top level's.
+        (["hook-cost", "--pretend-nodes", "2"], "hook-cost: error: unrecognized arguments: --p"),
         (["ddp", "--link", "1gbit", "--nproc", "4"], "--nproc sets the spawned ranks; with --l"),
         (["allreduce", "--link", "1gbit", "--threads", "2"], "--threads sets the spawned ranks"),
         (["ddp", "--modes", "fp32", "--topologies", "flat"], "--modes names none"),
