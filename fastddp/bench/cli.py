@@ -5,7 +5,17 @@ import os
 import shlex
 import sys
 
-from fastddp.bench import allreduce, convergence, ddp, fsdp, hook_cost, options, peers, report
+from fastddp.bench import (
+    allreduce,
+    cells,
+    convergence,
+    ddp,
+    fsdp,
+    hook_cost,
+    options,
+    peers,
+    report,
+)
 from fastddp.bench.common import add_common_options, count, pretend_nodes, run_everywhere
 
 
@@ -207,97 +217,34 @@ def _allreduce_job(env, args):
     return rows
 
 
-def _vs_fp32(r):
-    return "-" if r["vs_fp32"] is None else f"{r['vs_fp32']:.2f}x"
-
-
-def _times(r):
-    # The step time columns of the step benchmarks: p50, p90 and the ratio to fp32's p50.
-    return [f"{r['p50_ms']:.1f}", f"{r['p90_ms']:.1f}", _vs_fp32(r)]
-
-
-def _bytes(n):
-    """Bytes in MB, or in kB below 0.1 MB (a small model's are not "0.0 MB")."""
-    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
-
-
-def _count(n, what):
-    return f"{n} {what}{'' if n == 1 else 's'}"
-
-
-def _ddp_cells(r):
-    exposed = "-" if r["exposed_comm"] is None else f"{100 * r['exposed_comm']:.0f} %"
-    return [
-        r["mode"] if not r.get("chose") else f"{r['mode']} ({r['chose']})",
-        *_times(r),
-        exposed,
-        _bytes(r["payload_bytes"]),
-        _bytes(r["cross_node_bytes"]),
-        f"{r['cpu_s_per_step']:.2f} s",
-    ]
-
-
-def _fsdp_cells(r):
-    err = "-" if r["grad_rel_err"] is None else f"{r['grad_rel_err']:.2e}"
-    vs_hsdp = "-" if r["vs_hsdp"] is None else f"{r['vs_hsdp']:.2f}x"
-    link = r["link_bytes_per_step"]
-    link = "-" if link is None else _bytes(link)
-    sent = [_bytes(r[k]) for k in ("rs_sent_bytes", "ag_sent_bytes")]
-    cells = [r["mode"], *_times(r), vs_hsdp, *sent, link, err]
-    return [*cells, f"{r['loss']:.4f}"]
-
-
-def _convergence_cells(r):
-    return [
-        r["mode"] if not r.get("chose") else f"{r['mode']} ({r['chose']})",
-        str(r["steps_to_target"]) if r["reached"] else f"not in {r['steps']}",
-        f"{r['seconds_to_target']:.1f} s" if r["reached"] else "-",
-        _vs_fp32(r),
-        f"{r['final_val_loss']:.3f}",
-        _bytes(r["sent_mb"] * 1e6),
-    ]
-
-
-def _hook_cost_cells(r):
-    per = "-" if r["per_bucket_us"] is None else f"{r['per_bucket_us']:.1f}"
-    vs = "-" if r["vs_torch_fp16"] is None else f"{r['vs_torch_fp16']:.2f}x"
-    return [r["mode"], f"{r['step_us']:.0f}", per, vs]
-
-
-def _millions(rows):
-    n = rows[0]["params"]
-    # Small models (tests, --params 10) read as counts, not as "0.0M".
-    return f"{n / 1e6:.1f}M parameters" if n >= 100_000 else f"{n:,} parameters"
-
-
 # The step benchmarks: what runs, the start of the table's title (the ranks and the steps
 # follow), its columns, and a row's cells.
 _STEP_TABLES = {
     "ddp": (
         ddp.run,
-        lambda args, rows: f"DDP step, {args.model} of {_millions(rows)}",
+        lambda args, rows: f"DDP step, {args.model} of {cells.millions(rows)}",
         ["mode", "p50 (ms)", "p90 (ms)", "vs fp32", "exposed comm", "payload/step",
          "cross-node/step", "CPU/step"],
-        _ddp_cells,
+        cells.ddp,
     ),
     "fsdp": (
         fsdp.run,
         lambda args, rows: (
-            f"FSDP2 step, decoder {_millions(rows)} (width {args.width}, {args.layers} blocks, "
-            f"param dtype {args.param_dtype})"
+            f"FSDP2 step, decoder {cells.millions(rows)} (width {args.width}, {args.layers} "
+            f"blocks, param dtype {args.param_dtype})"
         ),
         ["mode", "p50 (ms)", "p90 (ms)", "vs fp32", "vs hsdp", "sent/step", "gathers/step",
          "link/step", "grad err", "loss"],
-        _fsdp_cells,
+        cells.fsdp,
     ),
     "convergence": (
         convergence.run,
         lambda args, rows: (
             f"Time to fp32's validation loss after {args.steps} steps (+{100 * args.slack:g} %): "
-            f"{rows[0]['target']:.3f}, transformer of {_millions(rows)}"
+            f"{rows[0]['target']:.3f}, transformer of {cells.millions(rows)}"
         ),
         ["mode", "steps to target", "time to target", "vs fp32", "final val loss", "sent/rank"],
-        _convergence_cells,
+        cells.convergence,
     ),
     "hook-cost": (
         hook_cost.run,
@@ -306,22 +253,22 @@ _STEP_TABLES = {
             f"{args.width}), {args.rounds} rounds of {args.steps} steps"
         ),
         ["mode", "step (us)", "per bucket (us)", "vs torch-fp16"],
-        _hook_cost_cells,
+        cells.hook_cost,
     ),
 }  # fmt: skip
 
 
 def _step_job(env, args):
-    run, head, columns, cells = _STEP_TABLES[args.what]
+    run, head, columns, cells_of = _STEP_TABLES[args.what]
     rows = run(env, args)
     if env.rank != 0:
         return rows
     nodes = pretend_nodes(env, args)
-    shape = f"{_count(nodes, 'node')} x {_count(env.world_size // nodes, 'rank')}"
+    shape = f"{cells.plural(nodes, 'node')} x {cells.plural(env.world_size // nodes, 'rank')}"
     title = f"{head(args, rows)}, {shape}, {env.backend}"
     if args.what in ("ddp", "fsdp"):  # convergence runs to a target, hook-cost in rounds
         title += f", {args.steps} steps after {args.warmup} warm-up"
-    report.table(title, columns, [cells(r) for r in rows])
+    report.table(title, columns, [cells_of(r) for r in rows])
     if args.json:  # what ran where, then the table's rows
         meta = report.record(args, env, nodes)
         extra = {"model": args.model} if args.what == "ddp" else {}

@@ -76,6 +76,11 @@ def agree_install(where: str, modules: list, problem: Optional[Exception]) -> No
     leave those others to wait for this rank in FSDP2's next collective."""
     groups = [m._get_fsdp_state()._fsdp_param_group for _, m in modules]
     group = next((g.mesh_info.shard_process_group for g in groups if g is not None), None)
+    if not modules and dist.is_initialized():
+        # This rank's model has no sharded module (another model than the others'?), so no
+        # shard group: meet the others in the default group, theirs under plain fully_shard
+        # (a 1-D mesh over every rank uses it).
+        group = dist.group.WORLD
     if group is None or dist.get_world_size(group) == 1:  # nothing to reduce, or no peers
         if problem is not None:
             raise problem

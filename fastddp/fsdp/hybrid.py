@@ -15,6 +15,7 @@ FSDP2 reads the shard as soon as the hook returns, so the hook finishes its redu
 it returns (on CUDA its work is ordered on FSDP2's all-reduce stream, which the hook runs in).
 """
 
+import inspect
 from typing import Any, Optional, Union
 
 import torch
@@ -252,6 +253,14 @@ def _state(group, dtype, reduce_scatter, settings: dict) -> CompressState:
     for name in ("process_group", "topology", "delay"):
         if name in settings:
             raise TypeError(f"{_WHERE}: {name} is not a setting here (the group is given)")
+    known = [n for n in inspect.signature(CompressState.__init__).parameters
+             if n not in ("self", "dtype", "process_group", "topology", "delay")]  # fmt: skip
+    unknown = [n for n in settings if n not in known]
+    if unknown:
+        raise TypeError(
+            f"{_WHERE}: unknown setting {unknown[0]!r}; the settings are CompressState's: "
+            f"{', '.join(known)}"
+        )
     codec = CODECS.get(reduce_scatter) if isinstance(reduce_scatter, torch.dtype) else None
     if codec is not None and codec.feedback_required:
         raise ValueError(

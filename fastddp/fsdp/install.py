@@ -51,21 +51,23 @@ def compress_reduce_scatter(
     :meth:`~CompressedReduceScatter.stats` count what it did; with ``error_feedback``, save it
     with the model (``dcp.save({..., "fastddp": comm})``) to resume exactly.
     """
-    sharded = sharded_modules(module, "compress_reduce_scatter")
-    if any(hasattr(m, _INSTALLED) for _, m in sharded):
-        # A second comm would take over silently, and the first's stats() stop counting.
-        raise ValueError(
-            "compress_reduce_scatter: this model's modules reduce-scatter through a fastddp "
-            "comm already (an earlier call, or fastddp.fsdp.hybrid's); keep the comm it returned"
-        )
     comm, problem = None, None
-    try:
+    try:  # (every refusal goes through agree_install, which names it on the other ranks)
+        sharded = sharded_modules(module, "compress_reduce_scatter")
+        if any(hasattr(m, _INSTALLED) for _, m in sharded):
+            # A second comm would take over silently, and the first's stats() stop counting.
+            raise ValueError(
+                "compress_reduce_scatter: this model's modules reduce-scatter through a fastddp "
+                "comm already (an earlier call, or fastddp.fsdp.hybrid's); keep the comm it "
+                "returned"
+            )
         comm = CompressedReduceScatter(dtype, block_size=block_size, error_feedback=error_feedback)
     except (TypeError, ValueError) as error:
-        problem = error
+        sharded, problem = [], error
     agree_install("compress_reduce_scatter", sharded, problem)  # (raised on every rank)
-    for index, (_, m) in enumerate(sharded):  # the same order on every rank
+    for index, (name, m) in enumerate(sharded):  # the same order on every rank
         m.set_custom_reduce_scatter(_GroupDoor(comm, index))
+        comm.group_names[index] = name
         setattr(m, _INSTALLED, comm)
     return comm
 
@@ -82,13 +84,23 @@ def quantize_all_gather(
     and with :func:`fastddp.fsdp.hybrid` (whose all-gathers stay inside the node). Returns the
     comm, whose :meth:`~QuantizedAllGather.stats` count what it sent.
     """
-    sharded = sharded_modules(module, "quantize_all_gather")
     comm, problem = None, None
     try:
+        sharded = sharded_modules(module, "quantize_all_gather")
+        if any(hasattr(m, _GATHERING) for _, m in sharded):
+            # As for the reduce-scatter: the first comm's stats() would stop counting.
+            raise ValueError(
+                "quantize_all_gather: this model's modules all-gather through a fastddp comm "
+                "already (an earlier call); keep the comm it returned"
+            )
         comm = QuantizedAllGather(block_size)
     except (TypeError, ValueError) as error:
-        problem = error
+        sharded, problem = [], error
     agree_install("quantize_all_gather", sharded, problem)  # (raised on every rank)
     for _, m in sharded:
         m.set_custom_all_gather(comm)
+        setattr(m, _GATHERING, comm)
     return comm
+
+
+_GATHERING = "_fastddp_all_gather"

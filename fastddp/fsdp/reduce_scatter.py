@@ -50,7 +50,8 @@ def premul_factor(op: ReduceOp) -> float:
 
 
 class CompressedReduceScatter(ReduceScatter):
-    r"""FSDP2's reduce-scatter with gradients sent as bf16, fp16, int8 or int4, summed in fp32.
+    r"""FSDP2's reduce-scatter with gradients sent as bf16, fp16, int8, int4 or int2, summed in
+    fp32.
 
     Install it with :func:`compress_reduce_scatter` (every ``fully_shard``-ed module of a
     model), or per module with ``module.set_custom_reduce_scatter(comm)``; one instance may
@@ -63,13 +64,16 @@ class CompressedReduceScatter(ReduceScatter):
 
     Args:
         dtype (torch.dtype): on the wire: ``torch.bfloat16`` (default), ``torch.float16``
-            (values beyond 65504 after the scaling become inf), ``torch.int8`` or
-            ``torch.int4`` (one fp32 absmax scale per ``block_size`` elements of each rank's
-            chunk). There are no error-feedback residuals here, so int4's rounding error is
-            not carried over (0.2 to 0.9 of a gradient's norm per step in the tests);
-            ``torch.int2`` is refused: it needs error feedback.
-        block_size (int, optional): int8 and int4 only: elements per scale (default 128; int4:
-            a power of two from 32 to 256).
+            (values beyond 65504 after the scaling become inf), ``torch.int8``, ``torch.int4``
+            or ``torch.int2`` (one fp32 absmax scale per ``block_size`` elements of each rank's
+            chunk; int2 only with ``error_feedback``).
+        block_size (int, optional): int8, int4 and int2 only: elements per scale (default 128;
+            int4 and int2: a power of two from 32 to 256).
+        error_feedback (bool): keep each rank's rounding error per parameter group and add it
+            to the next step's gradient (default False). Without it int4's rounding error is
+            not carried over (0.2 to 0.9 of a gradient's norm per step in the tests). The
+            residuals are state: save the comm with the model (``dcp.save({..., "fastddp":
+            comm})``) to resume exactly. Every parameter must get a gradient each step.
 
     Buffers (wire out, wire in, and for 16-bit inputs of another wire dtype an fp32 staging
     buffer) are kept and reused; they grow to the largest parameter group and never shrink.
@@ -106,6 +110,7 @@ class CompressedReduceScatter(ReduceScatter):
         self.error_feedback = error_feedback
         self._residuals: dict[Any, torch.Tensor] = {}  # by parameter group (module index)
         self.group_key: Any = None  # the group being reduced, set by its module's door
+        self.group_names: dict[Any, str] = {}  # the modules' names, for errors (set there too)
         self._buffers = Buffers()
         self._load = LoadCheck("CompressedReduceScatter")
         # Whether a failed load is agreed on over every rank of the job rather than the group
@@ -267,10 +272,12 @@ class CompressedReduceScatter(ReduceScatter):
         if residual is None:
             residual = torch.zeros(src.numel(), dtype=torch.float32, device=src.device)
         elif residual.numel() != src.numel():
+            name = self.group_names.get(self.group_key)
+            module = "" if name is None else f" (module {name!r})" if name else " (the root)"
             raise ValueError(
-                f"{where}: parameter group {self.group_key} reduced {residual.numel()} elements "
-                f"before and {src.numel()} now: a parameter got no gradient in one of these "
-                "steps. Error feedback needs every parameter's gradient each step (or "
+                f"{where}: parameter group {self.group_key}{module} reduced {residual.numel()} "
+                f"elements before and {src.numel()} now: a parameter got no gradient in one of "
+                "these steps. Error feedback needs every parameter's gradient each step (or "
                 "requires_grad=False), or use error_feedback=False"
             )
         elif residual.device != src.device:  # loaded from a checkpoint, on the CPU

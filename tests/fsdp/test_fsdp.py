@@ -252,6 +252,24 @@ def _fsdp_two(rank, world):
     compress_reduce_scatter(model)
     with pytest.raises(ValueError, match="reduce-scatter through a fastddp comm already"):
         compress_reduce_scatter(model, torch.int8)
+    # Refused on one rank only: that rank says why, the other names it, rather than waiting for
+    # it in FSDP2's next collective (a second install there; a model with nothing sharded).
+    fresh = fully_shard(nn.Linear(4, 4))
+    unsharded = nn.Linear(2, 2)
+    for install, target, says in (
+        (compress_reduce_scatter, model, "reduce-scatter through a fastddp comm already"),
+        (compress_reduce_scatter, unsharded, "no module in this model is sharded by FSDP2"),
+        (fastddp.fsdp.quantize_all_gather, unsharded, "no module in this model is sharded"),
+    ):
+        with pytest.raises(ValueError) as info:
+            install(target if rank == 1 else fresh)
+        assert (f"{install.__name__}: rank(s) [1] refused their arguments", says)[rank] in str(
+            info.value
+        ), str(info.value)
+    # A second all-gather comm is refused too (its stats() would stop counting).
+    fastddp.fsdp.quantize_all_gather(fresh)
+    with pytest.raises(ValueError, match="all-gather through a fastddp comm already"):
+        fastddp.fsdp.quantize_all_gather(fresh)
 
 
 @pytest.mark.multiproc
@@ -358,8 +376,10 @@ def _feedback(rank, world):
     with pytest.raises(ValueError, match="does not say which group it reduces"):
         comm(torch.empty(chunk), x.clone(), dist.group.WORLD, ReduceOp.AVG)
     door = _GroupDoor(comm, 3)
+    comm.group_names[3] = "layers.2"  # (as compress_reduce_scatter names them)
     door(torch.empty(chunk), x.clone(), dist.group.WORLD, ReduceOp.AVG)
-    with pytest.raises(ValueError, match="group 3 reduced 2000 elements before and 1000 now"):
+    with pytest.raises(ValueError, match=r"group 3 \(module 'layers.2'\) reduced 2000 elements "
+                       "before and 1000 now"):  # fmt: skip
         door(torch.empty(chunk // 2), x[: world * chunk // 2].clone(), dist.group.WORLD)
 
 

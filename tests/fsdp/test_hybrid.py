@@ -172,6 +172,8 @@ def _mesh_and_errors(rank, world):
         comm._reduce_shard(0, sharded, torch.ones(32))
     with pytest.raises(TypeError, match="topology is not a setting"):
         fastddp.fsdp.hybrid(sharded, mesh["replicate"], torch.int8, topology="flat")
+    with pytest.raises(TypeError, match="unknown setting 'blocksize'; the settings are Compr"):
+        fastddp.fsdp.hybrid(sharded, mesh["replicate"], "int8-ef", blocksize=64)
     # What differs between ranks is refused on every rank, in one all-gather before FSDP2's
     # first collective (other settings on one rank: other payloads, or a hang where only some
     # replicate groups' handshakes saw it; another reduce-scatter on one rank: a hang).
