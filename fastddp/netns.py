@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from fastddp.testing.netns import *  # noqa: F403 - the documented fastddp.netns.* names
@@ -175,7 +176,7 @@ def main(argv=None) -> int:
             logs = stack.enter_context(tempfile.TemporaryDirectory(prefix="fastddp-netns-"))
             try:
                 start(made, args.nproc_per_node, rest, started=procs, logs=logs)
-                codes = _wait(procs, deadline)
+                codes, ended = _wait(procs, deadline)
             except subprocess.TimeoutExpired:
                 say = f"the job ran past --timeout {args.timeout:g} s; its nodes were stopped"
                 print(f"fastddp.netns: {say}", file=sys.stderr)
@@ -187,10 +188,15 @@ def main(argv=None) -> int:
                 stop(procs)
                 for node in made:  # workers that outlived their launcher (sessions of their own)
                     kill(node, timeout=10.0)
-            failed = [(len(codes) - 1 - i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-            for node, code in sorted(failed)[:1]:
-                stopped = "; the other nodes were stopped" if None in codes else ""
-                print(f"fastddp.netns: node {node}'s launcher exited with {code}{stopped}",
+            # The first to fail, by when it exited: a failed node's peers' launchers may stop
+            # with an error of their own within the same poll (the roster tells them).
+            failed = [(ended[i], i) for i, c in enumerate(codes) if c not in (None, 0)]
+            for when, i in sorted(failed)[:1]:
+                others = [j for j in range(len(codes)) if j != i]
+                after = any(codes[j] is None or codes[j] and ended[j] > when for j in others)
+                stopped = "; the other nodes were stopped" if after else ""
+                node = len(codes) - 1 - i  # (started last to first)
+                print(f"fastddp.netns: node {node}'s launcher exited with {codes[i]}{stopped}",
                       file=sys.stderr)  # fmt: skip
                 _show_tail(logs, node)
     except NetnsError as e:
@@ -222,17 +228,27 @@ def _show_tail(logs: str, node: int, lines: int = 20) -> None:
             print(f"  {line}", file=sys.stderr)
 
 
-def _wait(procs: list, deadline: float) -> list:
-    """Each launcher's exit code (128 + the signal for one killed), once all have exited or
-    one has failed (None then for those still running, which the caller stops)."""
+def _wait(procs: list, deadline: float) -> tuple[list, list]:
+    """Each launcher's exit code (128 + the signal for one killed) and when it exited, once
+    all have exited or one has failed (None then for those still running, which the caller
+    stops). A thread waits on each, so that exits are timed to the moment, not to a poll."""
+    ended: list = [None] * len(procs)
+
+    def watch(i: int, proc) -> None:
+        proc.wait()
+        ended[i] = time.monotonic()
+
+    for i, proc in enumerate(procs):
+        threading.Thread(target=watch, args=(i, proc), daemon=True).start()
     while True:
-        codes = [p.poll() for p in procs]
+        now = list(ended)  # (the threads write it meanwhile)
+        codes = [None if t is None else p.returncode for p, t in zip(procs, now)]
         codes = [c if c is None or c >= 0 else 128 - c for c in codes]
         if all(c is not None for c in codes) or any(c for c in codes if c is not None):
-            return codes
+            return codes, now
         if time.monotonic() > deadline:
             raise subprocess.TimeoutExpired("fastddp.netns", 0)
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":
