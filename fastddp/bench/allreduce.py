@@ -186,7 +186,7 @@ def sweep(env, args, progress=None):
                     "iters": iters,
                     "algbw_gbs": size / seconds / 1e9,
                     "busbw_gbs": sent / seconds / 1e9,
-                    "wire_bytes": payload,
+                    "payload_bytes": payload,
                     "sent_bytes": sent,
                     "cross_node_bytes": int(total.item()),
                     "rel_err": err,

@@ -135,8 +135,9 @@ def _parser():
     modes = f"the ddp benchmark's modes, or {', '.join(peers.PATTERNS)}"
     c.add_argument("--modes", nargs="+", default=convergence.MODES, type=peers.mode_name,
                    choices=peers.Choices(ddp.CHOICES), metavar="MODE", help=modes)  # fmt: skip
-    c.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer lr (default 0.7)")
-    c.add_argument("--outer-momentum", type=float, default=0.9, help="its momentum (default 0.9)")
+    # No defaults here: options.check refuses them without a diloco mode, then fills them in.
+    c.add_argument("--outer-lr", type=float, help="DiLoCo's outer lr (default 0.7)")
+    c.add_argument("--outer-momentum", type=float, help="its momentum (default 0.9)")
     _pretend_option(c)
     fp32 = "fp32's loss curve from this earlier run (same model, steps, seed); here time only "
     fp32 += "--fp32-probe fp32 steps: fp32's time to target is its steps x that step time"
@@ -201,7 +202,7 @@ def _allreduce_job(env, args):
             f"{r['time_us']:.1f}",
             f"{r['algbw_gbs']:.3f}",
             f"{r['busbw_gbs']:.3f}",
-            str(r["wire_bytes"]),
+            str(r["payload_bytes"]),
             str(r["cross_node_bytes"]),
             "-" if r["rel_err"] is None else f"{r['rel_err']:.2e}",
             "-" if r["wrong"] is None else str(r["wrong"]),

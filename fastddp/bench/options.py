@@ -2,6 +2,7 @@
 that a typo or an output that cannot be written costs seconds, not a sweep."""
 
 import contextlib
+import errno
 import importlib.util
 import json
 import math
@@ -62,7 +63,9 @@ def _writable(p, option: str, path: str) -> None:
         with open(path, "a"):
             pass
     except OSError as e:
-        p.error(f"--{option} {path}: cannot be written ({e.strerror})")
+        # The folder exists (checked above): ENOENT from one such as /proc, that makes no files.
+        why = "its folder takes no new files" if e.errno == errno.ENOENT else e.strerror
+        p.error(f"--{option} {path}: cannot be written ({why}); name a file elsewhere")
     if not existed:  # (every rank checks under a launcher: another may have removed it)
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
@@ -144,10 +147,19 @@ def _check_ddp_model(p, args):
                     "out")  # fmt: skip
 
 
+OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9}  # DiLoCo's outer step, the paper's settings
+
+
 def _check_outer(p, args, pretend: int, spawned: bool) -> None:
     """DiLoCo's outer settings, as DiLoCo checks them, and the nodes the periodic modes (DiLoCo,
     post-local SGD) average across: on one node either is DDP with extra steps."""
     periodic = [m for m in args.modes if m.startswith(("diloco-", "postlocal-"))]
+    given = [f"--{n.replace('_', '-')}" for n in OUTER if getattr(args, n) is not None]
+    if given and not any(m.startswith("diloco-") for m in periodic):
+        p.error(f"{given[0]} sets DiLoCo's outer step, and --modes names no diloco mode: "
+                "add one (diloco-<preset>-H<n>) or leave it out")  # fmt: skip
+    for name, default in OUTER.items():
+        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
     if not periodic:
         return
     if not (args.outer_lr > 0 and math.isfinite(args.outer_lr)):

@@ -95,18 +95,18 @@ def test_allreduce_sweep_columns_json_and_plot(tmp_path):
         assert r["count"] * 4 == r["size"]
         assert r["algbw_gbs"] == pytest.approx(r["size"] / t / 1e9)
         assert r["busbw_gbs"] == pytest.approx(r["sent_bytes"] / t / 1e9)
-        assert r["sent_bytes"] == r["wire_bytes"]  # 2(n-1)/n of the payload, n = 2
+        assert r["sent_bytes"] == r["payload_bytes"]  # 2(n-1)/n of the payload, n = 2
         assert r["cross_node_bytes"] == 0
         if r["mode"] == "noop":
-            assert r["rel_err"] is None and r["wire_bytes"] == 0
+            assert r["rel_err"] is None and r["payload_bytes"] == 0
             continue
         assert r["wrong"] == 0
         bound = {"float32": 0.0, "float16": 2**-11, "bfloat16": 2**-8, "int8": 2**-5}[r["type"]]
         assert r["rel_err"] <= bound, r
         if r["type"] == "int8":  # one byte per element plus a 4-byte scale per 128
-            assert r["wire_bytes"] == r["count"] + r["count"] // 128 * 4
+            assert r["payload_bytes"] == r["count"] + r["count"] // 128 * 4
         else:
-            assert r["wire_bytes"] == r["count"] * (4 if r["type"] == "float32" else 2)
+            assert r["payload_bytes"] == r["count"] * (4 if r["type"] == "float32" else 2)
         # The table shows the same figures.
         assert f"{r['time_us']:.1f}" in res.stdout
     if png is not None:
@@ -270,7 +270,7 @@ def test_allreduce_of_the_packed_codes(tmp_path):
     res = _run(args)
     assert res.returncode == 0, res.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["wire_bytes"], r["wrong"]) for r in rows] == [(512 + 8 * 4, 0), (256 + 8 * 4, 0)]
+    assert [(r["payload_bytes"], r["wrong"]) for r in rows] == [(512 + 8 * 4, 0), (256 + 8 * 4, 0)]
 
 
 def test_sizes_and_counts_read_as_their_help_writes_them():
@@ -314,7 +314,7 @@ def test_the_help_lists_what_each_benchmark_takes(capsys):
         (["convergence", "--fp32-from", __file__], "not the --json of a convergence run"),
         (["allreduce", "--json", "/tmp"], "--json /tmp is a folder; name a file in it"),
         # A folder that looks writable (to root, all do) holding a file that cannot be made.
-        (["allreduce", "--json", "/proc/x.json"], "--json /proc/x.json: cannot be written"),
+        (["allreduce", "--json", "/proc/x.json"], "x.json: cannot be written (its folder takes no"),
         (
             ["allreduce", "--plot", "/tmp/x.pdfx"],
             "matplotlib cannot write .pdfx files; end the name",
@@ -368,9 +368,15 @@ def test_the_help_lists_what_each_benchmark_takes(capsys):
             "--outer-momentum must be in [0, 1), got 1.5",
         ),  # fmt: skip
         (
-            ["convergence", "--pretend-nodes", "2", "--modes", "postlocal-H2", "--outer-lr", "-1"],
+            ["convergence", "--pretend-nodes", "2", "--modes", "diloco-fp32-H2", "--outer-lr", "0"],
             "--outer-lr must be a positive, finite number",
         ),
+        # Read by DiLoCo alone: without a diloco mode it would be accepted and left unread.
+        (
+            ["convergence", "--pretend-nodes", "2", "--modes", "postlocal-H2", "--outer-lr", "1"],
+            "--outer-lr sets DiLoCo's outer step, and --modes names no diloco mode",
+        ),
+        (["convergence", "--outer-momentum", "0.5"], "--outer-momentum sets DiLoCo's outer step"),
         (["convergence", "--modes", "postlocal-H2"], "one node, where it is plain DDP"),
         # matplotlib would write c.png, which no check had looked at (the --json, say).
         (["allreduce", "--plot", "c"], "--plot c: end the name with the image's suffix"),
