@@ -115,6 +115,7 @@ class DiLoCo:
         self._wire = CrossAverage(compress, self._cross, self.nodes)
         module = inner.module if isinstance(inner, DDP) else inner
         params = [p for p in module.parameters() if p.requires_grad]
+        self._module, self._trained = module, [p.requires_grad for p in module.parameters()]
         self._shards = Shards(params, self.per_node, topo.local_rank, self._wire.block * self.nodes)
         size, device = self._shards.size, self._shards.device
         self._global = torch.zeros(size, device=device)  # fp32, this rank's slice
@@ -150,10 +151,27 @@ class DiLoCo:
         self.inner_steps += 1
         if self.inner_steps % self.sync_every:
             return False
+        self._check_trained()
         with torch.no_grad():
             self._round()
         self.round += 1
         return True
+
+    def _check_trained(self) -> None:
+        # The slices hold the parameters that required a gradient at construction: one frozen
+        # or unfrozen since would be averaged, or left to drift apart on each node, unsaid.
+        now = [p.requires_grad for p in self._module.parameters()]
+        if now != self._trained:
+            named = zip(self._module.named_parameters(), self._trained)
+            names = [n for (n, p), was in named if p.requires_grad != was]
+            if len(now) != len(self._trained):  # (parameters added or removed: no pairs)
+                names = []
+            what = f"requires_grad of {', '.join(names[:3])}" if names else "the parameters"
+            raise RuntimeError(
+                f"fastddp.DiLoCo: {what} changed since it was built, and the outer step "
+                "averages the parameters that required a gradient then: build the DDP model "
+                "and DiLoCo again after freezing or unfreezing"
+            )
 
     def _round(self) -> None:
         delta = self._shards.read(self._delta)

@@ -238,3 +238,26 @@ def test_fingerprints_tell_every_byte_and_its_place():
     for fingerprint in (start._fingerprint, lambda t: start._sums(bytes_of(t))):
         prints = [fingerprint(t).tolist() for t in (a, a.clone(), b, swapped)]
         assert prints[0] == prints[1] and len({tuple(p) for p in prints[1:]}) == 3
+
+
+def _trained_set_changes(rank, world, change):
+    model = net()
+    model[0].weight.requires_grad_(change == "unfreeze")
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    diloco = fastddp.DiLoCo(model, sync_every=2, compress=None)
+    inner_step(model, opt, rank, 0)
+    assert not diloco.step()  # no round yet: nothing checked, nothing sent
+    model[0].weight.requires_grad_(change != "unfreeze")
+    inner_step(model, opt, rank, 1)
+    with pytest.raises(RuntimeError) as err:
+        diloco.step()  # every rank raises before its round's first collective
+    return str(err.value)
+
+
+@pytest.mark.parametrize("change", ["unfreeze", "freeze"])
+def test_a_parameter_frozen_or_unfrozen_after_construction_is_named(change):
+    # Unfrozen, it would train on each node apart and never be averaged; frozen, the outer step
+    # would still move it.
+    for said in run_ranks(_trained_set_changes, 2, change, nodes=[0, 1]):
+        assert said.startswith("fastddp.DiLoCo: requires_grad of 0.weight changed since"), said
+        assert "build the DDP model and DiLoCo again" in said
