@@ -127,7 +127,7 @@ class AutoState(CompressState):
         if task == -1 or task != self._task:  # the first bucket of a backward pass
             self._task = task
             self._begin_step(bucket.buffer().device)
-        keys = candidates.keys_of(self._states, bucket.parameters())
+        keys = candidates.keys_of(self._states, bucket.parameters(), check=self._step == 0)
         if len(self._owed):
             self._owed.repay(bucket, dist.get_world_size(self.process_group))
         mode = candidates.mode_of(self._using, bucket.index(), self._plan)
@@ -161,7 +161,7 @@ class AutoState(CompressState):
             plan = None if self._plan is None else candidates.spelled(self._using, self._plan)
             trial.agree(
                 self.allow, _rules(), cpp, self.process_group, device, plan, self.topology,
-                self._load_problem,
+                self._load_problem, tuple(self._states.values()),
             )  # fmt: skip
             candidates.verify(self._states, device, self._plan, self._using)  # fails now
             self._stamp = links.stamper(device, self.process_group)

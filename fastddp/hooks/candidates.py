@@ -118,8 +118,13 @@ def verify(
             ) from None
 
 
-def keys_of(states: dict[str, CompressState], parameters: list[torch.Tensor]) -> tuple:
-    """The ``(key, numel)`` of ``parameters``, named alike by every candidate."""
+def keys_of(
+    states: dict[str, CompressState], parameters: list[torch.Tensor], check: bool = False
+) -> tuple:
+    """The ``(key, numel)`` of ``parameters``, named alike by every candidate; with ``check``
+    (the first step), raise unless every candidate's loaded residuals for them fit them: those
+    of a candidate the plan does not run too, on every rank alike, not when a trial reaches it.
+    """
     # Every candidate names parameters alike (by first sight here), so that residuals saved
     # by one plan find their parameters in a job resumed under another. The tables grow
     # together, so the others need the parameters only when the first did not know them (the
@@ -132,6 +137,9 @@ def keys_of(states: dict[str, CompressState], parameters: list[torch.Tensor]) ->
     if len(tables[0].param_keys) != before:
         for table in tables[1:]:
             table.keys_of(parameters)
+    if check:
+        for candidate in states.values():
+            candidate._residuals.check_sizes(keys)
     return keys
 
 

@@ -105,14 +105,24 @@ def exchange(
 
 
 def exchange_auto(
-    topology: str, group, device: torch.device, load_failed: bool = False
+    topology: str, group, device: torch.device, load_failed: bool = False, loaded: tuple = ()
 ) -> list[tuple[int, ...]]:
     """The handshake of a ``dtype="auto"`` state, its first collective (before its trial's):
     a row as long as a fixed mode's, so that a rank of either kind meets the other's in it and
-    :func:`check` raises on both, where their first collectives would not line up."""
+    :func:`check` raises on both, where their first collectives would not line up.
+
+    ``loaded``: its candidates (fixed states), whose loaded residuals and delayed gradients the
+    row gives as a fixed mode's does: all of them, also those the plan does not run yet, which
+    would otherwise raise only when a later trial reaches them."""
     row = [PROTOCOL, AUTO, 0, 0, 0, 0, TOPOLOGIES.index(topology), 0, -1, -1, node_hash()]
     row += [0] * (_COLUMNS - len(row))
     row[_LOAD] = int(load_failed)
+    saved_by = [s._loaded_from for s in loaded if s._loaded_from is not None]
+    if saved_by:  # (the candidates of one state dict were saved by one rank)
+        row[8:10] = saved_by[0]
+    row[14:17] = _digest({k: n for s in loaded for k, n in s._residuals.sizes.items()})
+    delayed = {k: t.numel() for s in loaded for k, t in s._delayed.parked.items()}
+    row[19:22] = _digest(delayed)
     return _gather(row, group, device)
 
 

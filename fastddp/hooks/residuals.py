@@ -102,7 +102,7 @@ class Residuals:
         """
         if slot.params is None:
             return
-        self._check_sizes(slot.params)
+        self.check_sizes(slot.params)
         if topo is not None:
             self._take_two_level(slot, rank, topo)
             return
@@ -200,7 +200,8 @@ class Residuals:
         self.moved.clear()
         return out
 
-    def _check_sizes(self, params: tuple) -> None:
+    def check_sizes(self, params: tuple) -> None:
+        """Raise if what is parked for one of ``params`` (``(key, numel)``) is of another size."""
         for k, numel in params:
             saved = self.sizes.get(k)
             if saved is not None and saved != numel and (k in self.stage1 or k in self.moved):

@@ -156,13 +156,15 @@ def agree(
     plan: Optional[str] = None,
     topology: str = "auto",
     load_problem: Optional[str] = None,
+    loaded: tuple = (),
 ) -> None:
     """Raise, on every rank alike, unless every rank runs the same trial (``cpp``: registered
     with :func:`fastddp.register_comm_hook`, which orders the turns) or the same ``plan`` (what
-    a loaded state dict runs, None for none), or if a rank's load failed (``load_problem``)."""
+    a loaded state dict runs, None for none), or if a rank's load failed (``load_problem``) or
+    loaded residuals of another rank, world size or model (``loaded``: the candidates)."""
     # First the handshake a fixed mode's first bucket makes: a rank given a fixed mode meets
     # this one there, and both raise (in the trial's own check below, they would not meet).
-    rows = handshake.exchange_auto(topology, group, device, load_problem is not None)
+    rows = handshake.exchange_auto(topology, group, device, load_problem is not None, loaded)
     handshake.check(rows, load_problem)
     # A rank with other candidates would issue other collectives.
     mine = zlib.crc32(",".join(allow).encode())

@@ -661,6 +661,36 @@ def test_an_auto_state_reshards_to_another_world_size(tmp_path):
         assert plan["made_at_step"] == made["made_at_step"] and plan["plans"] == made["plans"]
 
 
+def _resumed_under_none(rank, world, path, bias):
+    # The plan now runs "none"; the int8-ef candidate keeps its residuals for a later trial.
+    model = DDP(_Net(bias=bias), bucket_cap_mb=0.002)
+    state = fastddp.CompressState(dtype="auto", allow=["none", "int8-ef"])
+    state.load_state_dict(torch.load(path)[rank % 2])
+    model.register_comm_hook(state, fastddp.compress_hook)
+    try:
+        _train(model, 2, rank)
+    except ValueError as e:
+        return str(e)
+    return state.stats()["steps_in"]["none"]
+
+
+@pytest.mark.multiproc
+def test_candidates_the_plan_does_not_run_are_checked_at_the_first_step(tmp_path):
+    # Their residuals were taken up, and refused, only when a re-plan's trial reached them:
+    # steps or hours later. Now every rank refuses them at the first step, as a fixed mode's.
+    run_ranks(_auto_phase, 2, tmp_path / "a.pt", None)
+    saved = torch.load(tmp_path / "a.pt")
+    for sd in saved:
+        sd["plan"].update(mode="none", uniform="none")
+    torch.save(saved, tmp_path / "none.pt")
+    assert run_ranks(_resumed_under_none, 2, tmp_path / "none.pt", True) == [2, 2]
+    for said in run_ranks(_resumed_under_none, 3, tmp_path / "none.pt", True):
+        assert "saved by a job of 2 ranks, and this job has 3" in said, said
+        assert "CompressState.reshard(saved, 3)" in said
+    for said in run_ranks(_resumed_under_none, 2, tmp_path / "none.pt", False):
+        assert "the error-feedback residual kept for parameter 1 has 24 elements" in said, said
+
+
 class _HalfTail(torch.nn.Module):
     # An fp32 layer, then a bf16 one: DDP gives the bf16 gradients a bucket of their own.
     def __init__(self):
