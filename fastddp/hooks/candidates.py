@@ -152,7 +152,8 @@ def spelled(using: Assignment, plan: dict) -> str:
     """The candidate of a uniform plan, or ``"mixed: "`` and each bucket's; and the step time
     ``plan`` expects, which a later check holds the steps against."""
     modes = using if isinstance(using, str) else "mixed: " + ", ".join(using)
-    return f"{modes}, {plan.get('planned_ms')!r} ms a step"
+    ms = plan.get("planned_ms")
+    return f"{modes}, {ms if ms is None else format(ms, '.6g')} ms a step"
 
 
 def mode_of(using: Assignment, index: int, plan: Optional[dict]) -> str:

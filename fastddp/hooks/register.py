@@ -67,6 +67,11 @@ def register_comm_hook(
         model.register_comm_hook(state, compress_hook)  # nothing to run natively
         return state
     moving = isinstance(state, AutoState) and state._switch is not None
+    if moving and state._switch._model() is model:
+        raise RuntimeError(
+            "fastddp.register_comm_hook: this CompressState(dtype='auto') is already "
+            "registered on this model; DDP takes one comm hook (register it once)"
+        )
     if moving and state._switch.in_use:
         raise RuntimeError(
             "fastddp.register_comm_hook: this CompressState(dtype='auto') is registered on "
@@ -101,6 +106,11 @@ def checked(
     _check_group(model, state, where)
     if state is None:
         state = hook._default_state or hook._new_default_state()
+    if getattr(state, "_layout", None) is not None:  # (the hook would refuse it in backward)
+        raise ValueError(
+            f"{where}: this state was given to fastddp.all_reduce, and its buffers and "
+            "residuals belong to those tensors; register a CompressState of its own"
+        )
     if getattr(state, "delay", 0) and model.find_unused_parameters:
         raise ValueError(
             f"{where}: delay=1 hands each step's reduced gradient over on the next step, and "

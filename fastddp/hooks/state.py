@@ -286,7 +286,8 @@ class CompressState:
         counters include those of earlier buckets of that index (before DDP's rebuild after
         the first step, or before a resume), while its ``numel`` and ``path`` are the bucket's
         now. ``retired_buckets`` has, by index, the counters of earlier buckets whose index no
-        bucket has now; with ``buckets`` they add up to the totals.
+        bucket has now; with ``buckets`` they add up to the totals but for the buckets that
+        passed through (16-bit gradients: ``passthrough_calls``), which have no entry.
         Reading ``nonfinite_events`` synchronises with the device, after the streams that
         reductions queued work on.
         """

@@ -339,6 +339,10 @@ def _bad_input(rank, world):
             lambda: other(torch.ones(2, 4)).sum().backward(),
             "compress_hook: this state was given to fastddp.all_reduce",
         ),
+        (  # refused as it is registered, rather than in backward
+            lambda: fastddp.register_comm_hook(DDP(torch.nn.Linear(4, 4)), reduced),
+            "register_comm_hook: this state was given to fastddp.all_reduce",
+        ),
     ]
     for make, message in cases:
         with pytest.raises((ValueError, TypeError)) as info:

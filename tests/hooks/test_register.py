@@ -119,6 +119,8 @@ def _registration(rank, world):
     assert [s for _, s in model._comm_hooks] == [state]  # the refused one is not kept
     with pytest.raises(RuntimeError, match="registered on another model, which still exists"):
         fastddp.register_comm_hook(DDP(_Net(), bucket_cap_mb=0.002), state)
+    with pytest.raises(RuntimeError, match="already registered on this model; DDP takes one"):
+        fastddp.register_comm_hook(model, state)
     _moved(rank)
     # A fixed mode is DDP's own registration of compress_hook.
     base = _Net()
