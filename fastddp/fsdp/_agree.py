@@ -15,7 +15,54 @@ import torch.distributed as dist
 from fastddp.codecs import CODECS, Codec
 from fastddp.hooks.handshake import PROTOCOL
 
-__all__ = ["agree", "agree_install", "agree_setup", "codec_row", "describe"]
+__all__ = [
+    "HYBRID",
+    "agree",
+    "agree_install",
+    "agree_setup",
+    "codec_row",
+    "describe",
+    "outer_group",
+]
+
+HYBRID = "_fastddp_hybrid"  # on the modules hybrid() all-reduces across nodes: its comm
+
+
+def outer_group(modules: list) -> Optional[dist.ProcessGroup]:
+    """The group across which the shard group of ``modules`` (``(name, module)`` pairs) is
+    replicated: native HSDP's (a 2-D mesh) or :func:`~fastddp.fsdp.hybrid`'s replicate group;
+    None under plain sharding. A check over the shard group alone raises on its ranks only,
+    and those of the other shard groups wait for them in the cross-node all-reduce."""
+    for _, m in modules:
+        comm = getattr(m, HYBRID, None)
+        if comm is not None:
+            return comm.state.process_group
+        group = m._get_fsdp_state()._fsdp_param_group
+        if group is not None:
+            return getattr(group.mesh_info, "replicate_process_group", None)
+    return None
+
+
+def _on(group: Optional[dist.ProcessGroup]) -> str:
+    return "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+
+
+def _across(outer: Optional[dist.ProcessGroup], bad: bool, device) -> list[int]:
+    """After a check over one shard group, one all-gather of its verdict over ``outer`` (one
+    rank of every shard group): the job ranks whose shard group found a problem."""
+    if outer is None or dist.get_world_size(outer) == 1:
+        return []
+    mine = torch.tensor([int(bad)], dtype=torch.int64, device=device)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(outer))]
+    dist.all_gather(rows, mine, group=outer)
+    return [dist.get_global_rank(outer, r) for r, row in enumerate(rows) if int(row.item())]
+
+
+def _elsewhere(where: str, others: list[int], what: str) -> ValueError:
+    return ValueError(
+        f"{where}: ranks of another shard group {what} (the shard group(s) of rank(s) "
+        f"{others}), each saying why; give every rank the same arguments"
+    )
 
 
 def agree(
@@ -25,10 +72,12 @@ def agree(
     settings: tuple[int, ...],
     describe: Callable[[tuple[int, ...]], str],
     problem: Optional[str] = None,
+    outer: Optional[dist.ProcessGroup] = None,
 ) -> None:
     """Raise on every rank of ``group`` (the default group when None) if the ranks' ``settings``
-    differ (each shown by ``describe``), or a rank has a load ``problem``. A collective: one
-    all-gather of a few int64s on ``device``."""
+    differ (each shown by ``describe``), or a rank has a load ``problem``; and on every rank
+    of ``outer`` (:func:`outer_group`) if another shard group's did. A collective: one
+    all-gather of a few int64s on ``device`` (and one of a flag over ``outer``)."""
     mine = torch.tensor([*settings, int(problem is not None)], dtype=torch.int64, device=device)
     size = dist.get_world_size(group)
     rows = [torch.empty_like(mine) for _ in range(size)]
@@ -38,21 +87,27 @@ def agree(
     def rank(r: int) -> int:  # named by their rank in the job, as each rank's own error says
         return r if group is None else dist.get_global_rank(group, r)
 
+    error = None
+    failed = [rank(r) for r, row in enumerate(rows) if row[-1]]
     if len({row[:-1] for row in rows}) > 1:
         lines = [f"  rank {rank(r)}: {describe(row[:-1])}" for r, row in enumerate(rows)]
-        raise ValueError(
+        error = ValueError(
             f"{where}: ranks disagree on the settings, so their payloads cannot be combined:\n"
             + "\n".join(lines)
             + "\nGive every rank the same arguments."
         )
-    failed = [rank(r) for r, row in enumerate(rows) if row[-1]]
-    if failed:
+    elif failed:
         why = problem if problem is not None else "each of them raises the reason"
-        raise ValueError(
+        error = ValueError(
             f"{where}: load_state_dict failed on rank(s) {failed} of {dist.get_world_size()} "
             f"({why}); load into every rank the state that same rank saved, in a job of the "
             "same size"
         )
+    others = _across(outer, error is not None, device)
+    if error is not None:
+        raise error
+    if others:
+        raise _elsewhere(where, others, "disagree on the settings, or failed to load")
 
 
 def codec_row(codec: Codec, error_feedback: bool = False) -> tuple[int, ...]:
@@ -81,19 +136,20 @@ def agree_install(where: str, modules: list, problem: Optional[Exception]) -> No
         # shard group: meet the others in the default group, theirs under plain fully_shard
         # (a 1-D mesh over every rank uses it).
         group = dist.group.WORLD
-    if group is None or dist.get_world_size(group) == 1:  # nothing to reduce, or no peers
-        if problem is not None:
-            raise problem
-        return
-    on = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    mine = torch.tensor([int(problem is not None)], dtype=torch.int64, device=on)
-    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(rows, mine, group=group)
+    failed = []
+    if group is not None and dist.get_world_size(group) > 1:  # (else nothing to reduce)
+        mine = torch.tensor([int(problem is not None)], dtype=torch.int64, device=_on(group))
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(rows, mine, group=group)
+        failed = [dist.get_global_rank(group, r) for r, row in enumerate(rows) if row.item()]
+    outer = outer_group(modules)
+    others = _across(outer, bool(failed) or problem is not None, outer and _on(outer))
     if problem is not None:
         raise problem
-    failed = [dist.get_global_rank(group, r) for r, row in enumerate(rows) if int(row.item())]
     if failed:
         raise ValueError(f"{where}: rank(s) {failed} refused their arguments, each saying why")
+    if others:
+        raise _elsewhere(where, others, "refused their arguments")
 
 
 def agree_setup(where, group, shard_ranks, state, reduce_scatter, problem) -> None:

@@ -86,11 +86,13 @@ class LoadCheck:
         device: torch.device,
         group: Optional[dist.ProcessGroup] = None,
         settings: tuple[int, ...] = (),
+        outer: Optional[dist.ProcessGroup] = None,
     ) -> None:
         """At the first reduction, :func:`fastddp.fsdp._agree.agree`: raise on every rank of
         ``group`` (the default one when None) if a load failed on any, or the ``settings`` (a
-        :func:`~fastddp.fsdp._agree.codec_row`, if any) differ."""
+        :func:`~fastddp.fsdp._agree.codec_row`, if any) differ; and on every rank of
+        ``outer`` if that happened in another shard group."""
         if self.agreed:
             return
         self.agreed = True
-        agree(self.where, device, group, settings, describe, self.problem)
+        agree(self.where, device, group, settings, describe, self.problem, outer)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from fastddp.codecs import codec_for
-from fastddp.fsdp._agree import agree, codec_row, describe
+from fastddp.fsdp._agree import agree, codec_row, describe, outer_group
 from fastddp.fsdp._buffers import Buffers
 
 try:
@@ -51,6 +51,7 @@ class QuantizedAllGather(AllGather):
         self.block_size = self.codec.block_size
         self._buffers = Buffers()
         self._agreed = False
+        self.modules: list = []  # (name, module) it is installed on (quantize_all_gather's)
         self._counters = dict.fromkeys(("calls", "elements", "wire_bytes", "bf16_wire_bytes"), 0)
 
     def __repr__(self) -> str:
@@ -89,7 +90,8 @@ class QuantizedAllGather(AllGather):
             )
         if not self._agreed:  # every rank's comm must have the same block size
             self._agreed = True
-            agree(_WHERE, input_tensor.device, group, codec_row(self.codec), describe)
+            row, outer = codec_row(self.codec), outer_group(self.modules)
+            agree(_WHERE, input_tensor.device, group, row, describe, outer=outer)
         if n == 0:
             return None
         codec = self.codec

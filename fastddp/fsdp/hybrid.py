@@ -24,10 +24,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from fastddp.codecs import CODECS
-from fastddp.fsdp._agree import agree_setup
+from fastddp.fsdp._agree import HYBRID, agree_setup
 from fastddp.fsdp._checkpoint import LoadCheck, pack
 from fastddp.fsdp._sharded import sharded_modules
-from fastddp.fsdp.install import compress_reduce_scatter
+from fastddp.fsdp.install import INSTALLED, compress_reduce_scatter
 from fastddp.fsdp.reduce_scatter import CompressedReduceScatter
 from fastddp.hooks import CompressState, _reduce
 
@@ -74,6 +74,7 @@ class HybridAllReduce:
             reduce_scatter._agree_on_world = True
         for index, (_, module) in enumerate(modules):
             module.set_all_reduce_hook(self._hook_for(index, module))
+            setattr(module, HYBRID, self)
 
     def discard_feedback(self) -> None:
         """Drop the error-feedback residuals of both halves, after a step the optimizer
@@ -238,6 +239,7 @@ def hybrid(
     group = shard_ranks = state = problem = None
     try:
         modules = sharded_modules(model, _WHERE, 'fully_shard(layer, mesh=mesh["shard"])')
+        _check_installed(modules, reduce_scatter)
         group = _replicate_group(replicate_group)
         shard_ranks = _shard_ranks(modules)
         _check_groups(group, shard_ranks)
@@ -247,6 +249,21 @@ def hybrid(
     agree_setup(_WHERE, group, shard_ranks, state, reduce_scatter, problem)
     rs = None if reduce_scatter is None else compress_reduce_scatter(model, reduce_scatter)
     return HybridAllReduce(modules, state, len(shard_ranks), rs)
+
+
+def _check_installed(modules: list, reduce_scatter) -> None:
+    # A second comm would take over silently: the first's stats() stop, its residuals unused.
+    if any(hasattr(m, HYBRID) for _, m in modules):
+        raise ValueError(
+            f"{_WHERE}: this model's modules all-reduce across nodes through a fastddp comm "
+            "already (an earlier hybrid call); keep the HybridAllReduce it returned"
+        )
+    if reduce_scatter is not None and any(hasattr(m, INSTALLED) for _, m in modules):
+        raise ValueError(
+            f"{_WHERE}: reduce_scatter={reduce_scatter}, but this model's modules reduce-scatter "
+            "through a fastddp comm already (compress_reduce_scatter's): leave reduce_scatter "
+            "out to keep that one"
+        )
 
 
 def _state(group, dtype, reduce_scatter, settings: dict) -> CompressState:

@@ -51,10 +51,10 @@ def compress_reduce_scatter(
     :meth:`~CompressedReduceScatter.stats` count what it did; with ``error_feedback``, save it
     with the model (``dcp.save({..., "fastddp": comm})``) to resume exactly.
     """
-    comm, problem = None, None
+    comm, problem, sharded = None, None, []
     try:  # (every refusal goes through agree_install, which names it on the other ranks)
         sharded = sharded_modules(module, "compress_reduce_scatter")
-        if any(hasattr(m, _INSTALLED) for _, m in sharded):
+        if any(hasattr(m, INSTALLED) for _, m in sharded):
             # A second comm would take over silently, and the first's stats() stop counting.
             raise ValueError(
                 "compress_reduce_scatter: this model's modules reduce-scatter through a fastddp "
@@ -62,17 +62,18 @@ def compress_reduce_scatter(
                 "returned"
             )
         comm = CompressedReduceScatter(dtype, block_size=block_size, error_feedback=error_feedback)
-    except (TypeError, ValueError) as error:
-        sharded, problem = [], error
+    except (TypeError, ValueError) as error:  # (sharded kept: the modules' groups agree)
+        problem = error
     agree_install("compress_reduce_scatter", sharded, problem)  # (raised on every rank)
+    comm.modules = sharded  # (their groups check the settings at the first call)
     for index, (name, m) in enumerate(sharded):  # the same order on every rank
         m.set_custom_reduce_scatter(_GroupDoor(comm, index))
         comm.group_names[index] = name
-        setattr(m, _INSTALLED, comm)
+        setattr(m, INSTALLED, comm)
     return comm
 
 
-_INSTALLED = "_fastddp_reduce_scatter"
+INSTALLED = "_fastddp_reduce_scatter"
 
 
 def quantize_all_gather(
@@ -84,7 +85,7 @@ def quantize_all_gather(
     and with :func:`fastddp.fsdp.hybrid` (whose all-gathers stay inside the node). Returns the
     comm, whose :meth:`~QuantizedAllGather.stats` count what it sent.
     """
-    comm, problem = None, None
+    comm, problem, sharded = None, None, []
     try:
         sharded = sharded_modules(module, "quantize_all_gather")
         if any(hasattr(m, _GATHERING) for _, m in sharded):
@@ -95,8 +96,9 @@ def quantize_all_gather(
             )
         comm = QuantizedAllGather(block_size)
     except (TypeError, ValueError) as error:
-        sharded, problem = [], error
+        problem = error
     agree_install("quantize_all_gather", sharded, problem)  # (raised on every rank)
+    comm.modules = sharded
     for _, m in sharded:
         m.set_custom_all_gather(comm)
         setattr(m, _GATHERING, comm)

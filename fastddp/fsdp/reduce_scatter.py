@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from fastddp.codecs import CODECS, HalfCodec, codec_for
-from fastddp.fsdp._agree import codec_row
+from fastddp.fsdp._agree import codec_row, outer_group
 from fastddp.fsdp._buffers import Buffers
 from fastddp.fsdp._checkpoint import LoadCheck, pack
 
@@ -111,6 +111,7 @@ class CompressedReduceScatter(ReduceScatter):
         self._residuals: dict[Any, torch.Tensor] = {}  # by parameter group (module index)
         self.group_key: Any = None  # the group being reduced, set by its module's door
         self.group_names: dict[Any, str] = {}  # the modules' names, for errors (set there too)
+        self.modules: list = []  # (name, module) it is installed on (compress_reduce_scatter's)
         self._buffers = Buffers()
         self._load = LoadCheck("CompressedReduceScatter")
         # Whether a failed load is agreed on over every rank of the job rather than the group
@@ -167,9 +168,12 @@ class CompressedReduceScatter(ReduceScatter):
         world = dist.get_world_size(group)
         chunk = output_tensor.numel()
         pre, post = self._check(output_tensor, input_tensor, world, op, async_op)
-        # The first call checks that every rank's comm has the same settings and loaded well.
-        checked = None if self._agree_on_world else group
-        self._load.agree(input_tensor.device, checked, codec_row(self.codec, self.error_feedback))
+        if not self._load.agreed:  # every rank's comm has the same settings and loaded well
+            # (Under HSDP or hybrid(), across the shard groups too: see outer_group.)
+            world_wide = self._agree_on_world
+            checked, outer = (None, None) if world_wide else (group, outer_group(self.modules))
+            row = codec_row(self.codec, self.error_feedback)
+            self._load.agree(input_tensor.device, checked, row, outer)
         if chunk == 0:
             return None
         src = input_tensor.view(-1)

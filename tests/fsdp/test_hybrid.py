@@ -164,16 +164,16 @@ def _mesh_and_errors(rank, world):
         fastddp.fsdp.hybrid(sharded, mesh["replicate"], "int7")
     with pytest.raises(ValueError, match="reduce_scatter=torch.int2 trains only with error feed"):
         fastddp.fsdp.hybrid(sharded, mesh["replicate"], "int8-ef", reduce_scatter=torch.int2)
+    with pytest.raises(TypeError, match="topology is not a setting"):
+        fastddp.fsdp.hybrid(sharded, mesh["replicate"], torch.int8, topology="flat")
+    with pytest.raises(TypeError, match="unknown setting 'blocksize'; the settings are Compr"):
+        fastddp.fsdp.hybrid(sharded, mesh["replicate"], "int8-ef", blocksize=64)
     # With error feedback a shard must keep its size (a parameter without a gradient changes
     # it): the second call raises on every rank, before its collective.
     comm = fastddp.fsdp.hybrid(sharded, mesh["replicate"], "int8-ef")
     comm._reduce_shard(0, sharded, torch.ones(40))
     with pytest.raises(ValueError, match="had 40 elements and now has 32: a parameter got no"):
         comm._reduce_shard(0, sharded, torch.ones(32))
-    with pytest.raises(TypeError, match="topology is not a setting"):
-        fastddp.fsdp.hybrid(sharded, mesh["replicate"], torch.int8, topology="flat")
-    with pytest.raises(TypeError, match="unknown setting 'blocksize'; the settings are Compr"):
-        fastddp.fsdp.hybrid(sharded, mesh["replicate"], "int8-ef", blocksize=64)
     # What differs between ranks is refused on every rank, in one all-gather before FSDP2's
     # first collective (other settings on one rank: other payloads, or a hang where only some
     # replicate groups' handshakes saw it; another reduce-scatter on one rank: a hang).
@@ -212,6 +212,65 @@ def _mesh_and_errors(rank, world):
 
 def test_node_mesh_and_bad_inputs():
     run_ranks(_mesh_and_errors, 4, timeout=180)
+
+
+def _raised(run) -> str:
+    with pytest.raises((TypeError, ValueError)) as error:
+        run()
+    return str(error.value)
+
+
+def _one_rank_wrong(rank, world):
+    # Under a 2-D mesh a check over one shard group raised on its ranks alone, and the other
+    # shard group's waited for them in the cross-node all-reduce (30 minutes: the mesh's
+    # groups have torch's default timeout). Nodes {0, 1} and {2, 3}; rank 3 is wrong.
+    mesh = _two_nodes(rank)
+    elsewhere = "ranks of another shard group {} (the shard group(s) of rank(s) [{}])"
+    disagree = "disagree on the settings, or failed to load"
+    peer = {0: 2, 1: 3}.get(rank)
+
+    def expect(said, own, here, there):
+        want = own if rank == 3 else here if rank == 2 else elsewhere.format(there, peer)
+        assert want in said, f"rank {rank}: {said}"
+
+    # Native HSDP: an installer's refusal, then settings that differ at the first call.
+    model, opt, _ = w.build(mesh, w.NATIVE)
+    said = _raised(
+        lambda: fastddp.fsdp.compress_reduce_scatter(model, BF16 if rank < 3 else torch.int2)
+    )
+    expect(
+        said,
+        "trains only with error feedback",
+        "rank(s) [3] refused their",
+        "refused their arguments",
+    )
+    model, opt, _ = w.build(mesh, w.NATIVE)
+    fastddp.fsdp.compress_reduce_scatter(model, BF16 if rank < 3 else torch.int8)
+    said = _raised(lambda: w.steps(model, opt, rank, 0, 1))
+    expect(said, "ranks disagree on the settings", "ranks disagree on the settings", disagree)
+    model, opt, _ = w.build(mesh, w.NATIVE)
+    fastddp.fsdp.quantize_all_gather(model, block_size=64 if rank == 3 else None)
+    said = _raised(lambda: w.steps(model, opt, rank, 0, 1))
+    expect(said, "ranks disagree on the settings", "ranks disagree on the settings", disagree)
+    # hybrid(): the same for an all-gather quantised otherwise on one rank.
+    model, opt, comm = w.build(mesh, "int8-ef")
+    fastddp.fsdp.quantize_all_gather(model, block_size=64 if rank == 3 else None)
+    said = _raised(lambda: w.steps(model, opt, rank, 0, 1))
+    expect(said, "ranks disagree on the settings", "ranks disagree on the settings", disagree)
+    # A second hybrid() would take over from the first (whose stats and residuals stop), and
+    # one with reduce_scatter from compress_reduce_scatter's comm: refused on every rank.
+    said = _raised(lambda: fastddp.fsdp.hybrid(model, mesh["replicate"], "bf16-acc"))
+    assert "an earlier hybrid call); keep the HybridAllReduce it returned" in said, said
+    other = nn.Linear(8, 8)
+    fully_shard(other, mesh=mesh["shard"])
+    fastddp.fsdp.compress_reduce_scatter(other)
+    said = _raised(lambda: fastddp.fsdp.hybrid(other, mesh["replicate"], reduce_scatter=BF16))
+    assert "(compress_reduce_scatter's): leave reduce_scatter out" in said, said
+    dist.barrier()  # every rank is here: none waits in a collective
+
+
+def test_one_wrong_rank_under_a_two_d_mesh_is_named_on_every_rank():
+    run_ranks(_one_rank_wrong, 4, timeout=240)
 
 
 def _sim_equals_gloo(rank, world):
