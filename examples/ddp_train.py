@@ -54,7 +54,7 @@ def main(argv=None):
         if not all(torch.equal(everyone[0], f) for f in everyone):
             raise SystemExit("ddp_train: the ranks' weights differ")
         if env.is_main:
-            print(f"{args.preset}: {env.world_size} ranks, final loss {loss.item():.4f}, "
+            print(f"{args.preset}: {env.world_size} rank(s), final loss {loss.item():.4f}, "
                   "weights identical on every rank", flush=True)  # fmt: skip
 
 

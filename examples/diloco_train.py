@@ -31,6 +31,9 @@ def main(argv=None):
         p.error("--pretend-nodes must be 0 (the real nodes) or more")
     if args.sync_every < 1:
         p.error("--sync-every must be at least 1")
+    if args.sync_every > args.steps:
+        p.error(f"--sync-every {args.sync_every} is more than --steps {args.steps}: no outer "
+                "round would run, and the nodes would train apart")  # fmt: skip
     with fastddp.distributed_session() as env:
         if args.pretend_nodes and env.local_world_size % args.pretend_nodes:
             raise SystemExit(  # on every rank alike, before any collective
@@ -67,11 +70,14 @@ def main(argv=None):
         if not same and args.steps % args.sync_every == 0:  # a round just made them equal
             raise SystemExit("diloco_train: the ranks' weights differ after the last round")
         stats = diloco.stats()
+        left = args.steps % args.sync_every
+        # Between rounds each node trains on its own: after a part round they differ.
+        why = f" (the last {left} step(s) trained each node on its own)" if left else ""
         if env.is_main:
             print(f"{args.compress}: {stats['nodes']} node(s) x {stats['ranks_per_node']} "
                   f"rank(s), {stats['round']} rounds, {stats['cross_node_bytes']} bytes across "
                   f"nodes from rank 0, final loss {loss.item():.4f}, weights identical on every "
-                  f"rank: {same}", flush=True)  # fmt: skip
+                  f"rank: {same}{why}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -51,6 +51,9 @@ def main() -> None:
     args = p.parse_args()
     if args.steps < 1:
         p.error("--steps must be at least 1")
+    problem = Decoder.options_problem(args.width, args.layers, args.seq, args.batch)
+    if problem:
+        p.error(problem)
 
     with fastddp.distributed_session() as env:
         torch.manual_seed(0)  # the same initial model on every rank
@@ -94,7 +97,7 @@ def main() -> None:
                     1, s["all_reduce"]["fp32_ring_cross_node_bytes"]
                 )
                 print(
-                    f"across {s['nodes']} nodes ({args.hybrid}): {s['calls']} shard all-reduces, "
+                    f"across {s['nodes']} node(s) ({args.hybrid}): {s['calls']} shard all-reduces, "
                     f"bytes to other nodes vs an fp32 ring: {ratio:.3f}"
                 )
             if gather is not None:

@@ -44,6 +44,9 @@ def main() -> None:
     args = p.parse_args()
     if args.steps < 1:
         p.error("--steps must be at least 1")
+    problem = Decoder.options_problem(args.width, args.layers, args.seq, args.batch)
+    if problem:
+        p.error(problem)
     if args.allow is not None and args.preset != "auto":
         p.error(f"--allow names auto's candidates; with --preset {args.preset} it has none")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
@@ -90,7 +93,7 @@ def main() -> None:
             ms = statistics.median(timed) * 1e3
             choice = f", chose {chose}" if chose else ""
             print(
-                f"{args.preset}: {env.world_size} ranks, median step {ms:.1f} ms over the last "
+                f"{args.preset}: {env.world_size} rank(s), median step {ms:.1f} ms over the last "
                 f"{len(timed)} steps, final loss {loss:.3f}{choice}",
                 flush=True,
             )

@@ -7,8 +7,8 @@ Every ``--ckpt-every`` steps the job saves the model and optimizer (rank 0), eac
 fastddp hook state (its error-feedback residuals), and the step, into ``ckpt-dir/step-N``;
 the directory appears under its final name only once every rank has written its part, so a
 crash during a save leaves the previous checkpoint as the latest. With ``--resume latest`` a
-(re)started job continues from there; ``--resume none`` starts over, its checkpoints
-replacing those of the same step. Batches depend only on (seed, step, rank), so a resumed
+(re)started job continues from there; ``--resume none`` starts over, first
+removing the earlier run's. Batches depend only on (seed, step, rank), so a resumed
 run sees exactly the data the uninterrupted run would have, and with the 16-bit modes (the
 default bf16-acc-ef, fp16, bf16) ends with the same parameters, bit for bit. The block codes
 (int8, int4, int2) come within their rounding, not bit for bit: a fresh DDP's first step
@@ -70,6 +70,8 @@ def _args(argv=None):
     for name in ("steps", "ckpt_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.ckpt_dir.exists() and not args.ckpt_dir.is_dir():
+        p.error(f"--ckpt-dir {args.ckpt_dir} is a file; name a folder (made if missing)")
     if args.out is not None and not args.out.absolute().parent.is_dir():
         p.error(f"--out {args.out}: its folder does not exist; make it first")
     return args
@@ -81,7 +83,7 @@ def latest_checkpoint(ckpt_dir: Path):
     return max(done, key=lambda d: int(d.name[5:]), default=None)
 
 
-def save(ckpt_dir: Path, step: int, model, opt, state, rank: int) -> None:
+def save(ckpt_dir: Path, step: int, model, opt, state, rank: int, mode: str) -> None:
     tmp = ckpt_dir / f"step-{step}.partial"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a crash during a save
@@ -89,12 +91,12 @@ def save(ckpt_dir: Path, step: int, model, opt, state, rank: int) -> None:
     dist.barrier()
     if rank == 0:
         train = {"model": model.module.state_dict(), "opt": opt.state_dict()}
-        torch.save({**train, "world_size": dist.get_world_size()}, tmp / "train.pt")
+        torch.save({**train, "world_size": dist.get_world_size(), "mode": mode}, tmp / "train.pt")
     torch.save(state.state_dict(), tmp / f"hook-rank{rank}.pt")
     dist.barrier()  # every part is written: publish the checkpoint in one rename
     if rank == 0:
         final = ckpt_dir / f"step-{step}"
-        if final.exists():  # an earlier run's (--resume none starts over in the same folder)
+        if final.exists():  # (an earlier attempt's)
             shutil.rmtree(final)
         os.replace(tmp, final)
     dist.barrier()
@@ -117,6 +119,17 @@ def train(env, args) -> None:
                         nn.Linear(257, 8))  # fmt: skip
     opt_state, hook_state, start = None, None, 0
     ckpt = None
+    if args.resume == "none":
+        # Starting over: an earlier run's checkpoints, later steps than this run may reach,
+        # would be the latest for the next --resume latest.
+        if env.rank == 0:
+            old = [d for d in args.ckpt_dir.glob("step-*") if d.is_dir()]
+            for d in old:
+                shutil.rmtree(d)
+            if old:
+                print(f"rank 0: --resume none: removed {len(old)} earlier checkpoint(s) from "
+                      f"{args.ckpt_dir}", flush=True)  # fmt: skip
+        dist.barrier()
     if args.resume == "latest":
         # Rank 0 picks for everyone: a shared filesystem's cache may show some nodes an older
         # listing, and ranks resuming from different steps would wait for one another.
@@ -125,6 +138,9 @@ def train(env, args) -> None:
         ckpt = chosen[0]
     if ckpt is not None:
         saved = torch.load(ckpt / "train.pt", map_location="cpu")
+        if saved.get("mode", args.mode) != args.mode:  # (every rank reads the same file)
+            raise SystemExit(f"resume.py: {ckpt} was saved with --mode {saved['mode']}; "
+                             f"resume with the same --mode (here {args.mode})")  # fmt: skip
         net.load_state_dict(saved["model"])
         opt_state = saved["opt"]
         saved_world = saved.get("world_size", len(list(ckpt.glob("hook-rank*.pt"))))
@@ -156,7 +172,7 @@ def train(env, args) -> None:
         loss.backward()
         opt.step()
         if (step + 1) % args.ckpt_every == 0:
-            save(args.ckpt_dir, step + 1, model, opt, state, env.rank)
+            save(args.ckpt_dir, step + 1, model, opt, state, env.rank, args.mode)
         if args.progress is not None:
             args.progress.with_suffix(f".rank{env.rank}").write_text(f"{os.getpid()} {step + 1}")
         time.sleep(args.step_seconds)

@@ -47,6 +47,9 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 
 
+POSITIONS = 1024  # the longest sequence the decoder takes
+
+
 class Decoder(nn.Module):
     """A character-level decoder: embedding, ``layers`` blocks, a norm and the output layer.
 
@@ -59,7 +62,7 @@ class Decoder(nn.Module):
         if width % heads:
             raise ValueError(f"Decoder: width {width} is not a multiple of heads {heads}")
         self.embed = nn.Embedding(vocab, width)
-        self.pos = nn.Parameter(torch.zeros(1024, width))
+        self.pos = nn.Parameter(torch.zeros(POSITIONS, width))
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab)
@@ -69,6 +72,19 @@ class Decoder(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x).flatten(0, 1))
+
+    @staticmethod
+    def options_problem(width: int, layers: int, seq: int, batch: int, heads: int = 4):
+        """What is wrong with a script's ``--width``, ``--layers``, ``--seq`` and ``--batch``
+        for this model (a sentence naming the option), or None."""
+        for name, value in (("width", width), ("layers", layers), ("seq", seq), ("batch", batch)):
+            if value < 1:
+                return f"--{name} must be at least 1"
+        if width % heads:
+            return f"--width {width} must be a multiple of the model's {heads} heads"
+        if seq > POSITIONS:
+            return f"--seq {seq} is more than the model's {POSITIONS} positions"
+        return None
 
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,15 @@ def test_the_example_learns_on_two_pretend_nodes():
 
 def test_pretend_nodes_that_do_not_divide_the_ranks_are_refused():
     cmd = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]
-    cmd += [str(ROOT / "examples" / "diloco_train.py"), "--pretend-nodes", "3", "--steps", "2"]
+    cmd += [
+        str(ROOT / "examples" / "diloco_train.py"),
+        "--pretend-nodes",
+        "3",
+        "--steps",
+        "2",
+        "--sync-every",
+        "2",
+    ]
     res = slack.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(150))
     out = res.stdout + res.stderr
     assert res.returncode != 0, out

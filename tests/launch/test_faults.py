@@ -17,7 +17,8 @@ import torch
 from fastddp.testing import slack
 from fastddp.testing.ports import free_port
 
-from .._references import resume_example, resume_ranks
+from .._dist import run_ranks
+from .._references import _resume_rank, resume_example, resume_ranks
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.launcher]
 
@@ -342,14 +343,26 @@ def test_every_rank_resumes_from_the_checkpoint_rank_0_sees(tmp_path):
 
 
 def test_a_fresh_start_in_a_folder_of_checkpoints_replaces_them(tmp_path):
-    # --resume none in a folder an earlier run filled: its saves replace the old ones.
-    argv = ["--steps", "5", "--ckpt-every", "5", "--ckpt-dir", str(tmp_path)]
-    resume_example([*argv, "--seed", "1"], 2)
+    # --resume none in a folder an earlier run filled: its checkpoints go first. The earlier
+    # run's step-10, past this run's last, was the latest for a later --resume latest, which
+    # then had no step left to run.
+    argv = ["--ckpt-every", "5", "--ckpt-dir", str(tmp_path)]
+    resume_example([*argv, "--steps", "10", "--seed", "1"], 2)
     old = (tmp_path / "step-5" / "train.pt").read_bytes()
-    out = resume_example([*argv, "--resume", "none"], 2)
-    assert "starting from scratch" in out, out
+    out = resume_example([*argv, "--steps", "5", "--resume", "none"], 2)
+    assert "starting from scratch" in out and "removed 2 earlier checkpoint(s)" in out, out
     assert (tmp_path / "step-5" / "train.pt").read_bytes() != old
-    assert not list(tmp_path.glob("*.partial"))
+    assert sorted(d.name for d in tmp_path.iterdir()) == ["step-5"]
+    # Resumed with another --mode: named by the script on every rank, not at the first
+    # reduction by the hook's dtypes.
+    for said in run_ranks(_refused, 2, [*argv, "--steps", "10", "--mode", "int8-ef"]):
+        assert "was saved with --mode bf16-acc-ef; resume with the same --mode" in said, said
+
+
+def _refused(rank, world_size, argv):
+    with pytest.raises(SystemExit) as exit_:
+        _resume_rank(rank, world_size, argv)
+    return str(exit_.value)
 
 
 def test_plain_script_with_hand_set_variables_trains():

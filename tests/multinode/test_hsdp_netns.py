@@ -52,7 +52,7 @@ def test_the_example_trains_hybrid_with_quantized_gathers_on_two_nodes():
     out = res.stdout
     losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")]
     assert len(losses) == 1 and losses[0] < 4.0, out  # from ln(96) = 4.56
-    across = next(line for line in out.splitlines() if line.startswith("across 2 nodes (int8-ef)"))
+    across = next(ln for ln in out.splitlines() if ln.startswith("across 2 node(s) (int8-ef)"))
     assert float(across.split()[-1]) < 0.3, out  # int8 and its scales against an fp32 ring
     gathers = next(line for line in out.splitlines() if line.startswith("all-gathers:"))
     assert float(gathers.split()[-1]) < 0.55, out
