@@ -217,7 +217,10 @@ def launcher_settings(
             )
         out["nnodes"] = _read(env, size, "nnodes", given, lambda: str(_int(env, size)))
         out["node_rank"] = _read(env, rank, "node_rank", given, lambda: _int(env, rank))
-        if not (_first(env, "ADDR", "MASTER_ADDR") or {"master_addr", "rdzv_endpoint"} & given):
+        # (ADDR is XTuner's, read only beside its other variables: alone it was taken as the
+        # master here, and the launch then met on loopback.)
+        master = _first(env, *(["ADDR"] if _xtuner(env) else []), "MASTER_ADDR")
+        if not (master or {"master_addr", "rdzv_endpoint"} & given):
             raise ClusterError(
                 "mpirun does not say which host is the master: export MASTER_ADDR to all "
                 "nodes (mpirun -x MASTER_ADDR=<first host> ...) or pass --master-addr"

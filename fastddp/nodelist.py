@@ -20,7 +20,7 @@ def _split_top_level(text: str) -> list[str]:
     if depth != 0:
         raise ValueError(f"malformed Slurm node list {text!r}: unbalanced '['")
     parts.append(text[start:])
-    return [p for p in parts if p]
+    return [p.strip() for p in parts if p.strip()]
 
 
 def _expand_range(spec: str, whole: str) -> list[str]:
@@ -56,4 +56,6 @@ def expand(nodelist: str) -> list[str]:
         head, tail = part[: m.start()], part[m.end() :]
         for middle in _expand_range(m.group(1), nodelist):
             hosts.extend(expand(head + middle + tail))
+    if not hosts:  # ("," or spaces: its first host was read as hosts[0])
+        raise ValueError(f"malformed Slurm node list {nodelist!r}: it names no host")
     return hosts

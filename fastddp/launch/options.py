@@ -67,7 +67,18 @@ def check(args: argparse.Namespace) -> None:
     if count < 1:
         raise LaunchError(f"--nproc-per-node {nproc}: give at least 1 process per node")
     if args.rdzv_endpoint:
-        endpoint(args.rdzv_endpoint)
+        _, port = endpoint(args.rdzv_endpoint)
+        has_port = args.rdzv_endpoint.rstrip().rpartition("]")[2].count(":") == 1
+        if port == 0 and int(parts[-1]) > 1:  # each node would pick a port of its own
+            raise LaunchError(
+                f"--rdzv-endpoint {args.rdzv_endpoint}: port 0 picks a free port on this node, "
+                f"which the other nodes of --nnodes {nnodes} cannot know; give a fixed port"
+            )
+        if args.rdzv_backend == "static" and not has_port:  # torch: "Port is absent"
+            raise LaunchError(
+                f"--rdzv-endpoint {args.rdzv_endpoint}: the static rendezvous takes no default "
+                "port; give HOST:PORT (or --master-addr and --master-port)"
+            )
     if args.max_restarts < 0:  # torchrun: an AssertionError's traceback
         raise LaunchError(f"--max-restarts {args.max_restarts}: give 0 or more restarts")
     _check_backend(args.rdzv_backend)

@@ -21,6 +21,7 @@ from fastddp.watchdog import peer_timeout_from_env
         ("a[8-11]", ["a8", "a9", "a10", "a11"]),
         ("rack[1-2]-n[1,3]", ["rack1-n1", "rack1-n3", "rack2-n1", "rack2-n3"]),
         ("x1,x2", ["x1", "x2"]),
+        (" x1, x2", ["x1", "x2"]),
     ],
 )
 def test_expand_nodelist(nodelist, hosts):
@@ -29,7 +30,13 @@ def test_expand_nodelist(nodelist, hosts):
 
 @pytest.mark.parametrize(
     "bad,message",
-    [("gpu[01-", "unbalanced '\\['"), ("gpu[3-1]", "runs backwards"), ("gpu[a-b]", "bad range")],
+    [
+        ("gpu[01-", "unbalanced '\\['"),
+        ("gpu[3-1]", "runs backwards"),
+        ("gpu[a-b]", "bad range"),
+        (",", "names no host"),  # (an IndexError where its first host was read)
+        (" ", "names no host"),
+    ],
 )
 def test_malformed_nodelist(bad, message):
     with pytest.raises(ClusterError, match=message):
@@ -160,6 +167,9 @@ def test_mpi_launcher_settings():
     assert kind == "mpi" and s["nnodes"].value == "4" and s["node_rank"].value == 3
     with pytest.raises(ClusterError, match="export MASTER_ADDR"):
         launcher_settings({"PMI_SIZE": "2", "PMI_RANK": "0"})
+    # XTuner's ADDR alone is no master: it passed here, and the nodes met on loopback.
+    with pytest.raises(ClusterError, match="export MASTER_ADDR"):
+        launcher_settings({"PMI_SIZE": "2", "PMI_RANK": "0", "ADDR": "10.0.0.1"})
     with pytest.raises(ClusterError, match="mpirun started 2 processes per node"):
         launcher_settings({**env, "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
     # Intel MPI's or MPICH's mpirun inside a Slurm allocation: its ranks inherit the SLURM_*

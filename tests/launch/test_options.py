@@ -34,6 +34,12 @@ C10D = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint"]
         ([*C10D, "::1"], "--rdzv-endpoint ::1: an IPv6 address goes in brackets"),
         ([*C10D, "[::1"], "--rdzv-endpoint [::1: write it as HOST[:PORT]"),
         ([*C10D, ":29400"], "--rdzv-endpoint :29400: no host"),
+        ([*C10D, "host1:0"], "port 0 picks a free port on this node, which the other nodes"),
+        # torch's static rendezvous has no default port: it failed with a traceback.
+        (
+            ["--rdzv-backend", "static", "--rdzv-endpoint", "127.0.0.1", "--nnodes", "1"],
+            "the static rendezvous takes no default port; give HOST:PORT",
+        ),
         (["--preflight-timeout", "0"], "the preflight timeout must be positive seconds, got 0.0"),
         (["--master-port", "70000"], "--master-port 70000: give a port from 1 to 65535"),
         (["--master-port", "-5"], "--master-port -5: give a port from 1 to 65535"),
