@@ -9,6 +9,7 @@ preflight or torchrun sees them.
 import argparse
 import os
 import sys
+from typing import Optional
 
 from torch.distributed import run as torchrun
 
@@ -27,20 +28,21 @@ def _port(text: str, what: str) -> int:
     return int(text)
 
 
-def endpoint(value: str) -> tuple[str, int]:
-    """``--rdzv-endpoint``'s host (an IPv6 address kept in brackets) and port."""
+def endpoint(value: str, default: Optional[int] = DEFAULT_RDZV_PORT) -> tuple[str, Optional[int]]:
+    """``--rdzv-endpoint``'s host (an IPv6 address kept in brackets) and port (``default``
+    where it names none)."""
     what = f"--rdzv-endpoint {value}"
     if value.startswith("["):
         host, closed, rest = value[1:].partition("]")
         if not closed or not host or (rest and not rest.startswith(":")):
             raise LaunchError(f"{what}: {_FORM}")
-        return f"[{host}]", _port(rest[1:], what) if rest else DEFAULT_RDZV_PORT
+        return f"[{host}]", _port(rest[1:], what) if rest else default
     if value.count(":") > 1:
         raise LaunchError(f"{what}: an IPv6 address goes in brackets; {_FORM}")
     host, colon, port = value.partition(":")
     if not host:
         raise LaunchError(f"{what}: no host; {_FORM}")
-    return host, _port(port, what) if colon else DEFAULT_RDZV_PORT
+    return host, _port(port, what) if colon else default
 
 
 def check(args: argparse.Namespace) -> None:
@@ -67,14 +69,13 @@ def check(args: argparse.Namespace) -> None:
     if count < 1:
         raise LaunchError(f"--nproc-per-node {nproc}: give at least 1 process per node")
     if args.rdzv_endpoint:
-        _, port = endpoint(args.rdzv_endpoint)
-        has_port = args.rdzv_endpoint.rstrip().rpartition("]")[2].count(":") == 1
+        _, port = endpoint(args.rdzv_endpoint, default=None)
         if port == 0 and int(parts[-1]) > 1:  # each node would pick a port of its own
             raise LaunchError(
                 f"--rdzv-endpoint {args.rdzv_endpoint}: port 0 picks a free port on this node, "
                 f"which the other nodes of --nnodes {nnodes} cannot know; give a fixed port"
             )
-        if args.rdzv_backend == "static" and not has_port:  # torch: "Port is absent"
+        if args.rdzv_backend == "static" and port is None:  # torch: "Port is absent"
             raise LaunchError(
                 f"--rdzv-endpoint {args.rdzv_endpoint}: the static rendezvous takes no default "
                 "port; give HOST:PORT (or --master-addr and --master-port)"
