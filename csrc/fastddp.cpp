@@ -2,6 +2,7 @@
 // TORCH_LIBRARY_IMPL in csrc/cpu and csrc/cuda. Importing fastddp._C only runs these
 // registrations; the Python wrappers live in fastddp/ops.py.
 #include <Python.h>
+#include <c10/core/AutogradState.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -84,15 +85,26 @@ namespace {
 void refuse_grad(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const auto& arguments = op.schema().arguments();
   const size_t first = stack->size() - arguments.size();
-  if (c10::GradMode::is_enabled()) {
-    for (size_t i = 0; i < arguments.size(); ++i) {
-      const c10::IValue& value = (*stack)[first + i];
-      TORCH_CHECK(
-          !(value.isTensor() && value.toTensor().requires_grad()),
-          "fastddp.", op.schema().name().substr(9), ": argument '", arguments[i].name(),
-          "' requires grad, but the op has no derivative; call it under torch.no_grad(), or "
-          "pass a tensor that does not require grad (.detach())");
+  // Forward mode too (dual tensors, torch.func.jvp, whose levels autograd sees as level 0):
+  // an output's tangent would be left as it was, a silently wrong derivative.
+  const bool backward = c10::GradMode::is_enabled();
+  const bool forward = c10::AutogradState::get_tls_state().get_fw_grad_mode();
+  for (size_t i = 0; i < arguments.size() && (backward || forward); ++i) {
+    const c10::IValue& value = (*stack)[first + i];
+    if (!value.isTensor()) {
+      continue;
     }
+    const at::Tensor& tensor = value.toTensor();
+    TORCH_CHECK(
+        !(backward && tensor.requires_grad()),
+        "fastddp.", op.schema().name().substr(9), ": argument '", arguments[i].name(),
+        "' requires grad, but the op has no derivative; call it under torch.no_grad(), or "
+        "pass a tensor that does not require grad (.detach())");
+    TORCH_CHECK(
+        !(forward && tensor.defined() && tensor._fw_grad(/*level=*/0).defined()),
+        "fastddp.", op.schema().name().substr(9), ": argument '", arguments[i].name(),
+        "' carries a forward-mode derivative (a dual tensor, or torch.func.jvp), but the op "
+        "has none; pass its primal (torch.autograd.forward_ad.unpack_dual(t).primal)");
   }
   c10::impl::ExcludeDispatchKeyGuard below(c10::autograd_dispatch_keyset);
   op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);

@@ -195,16 +195,30 @@ class Int8Codec(Codec):
         scales = rows[:, at : at + 4 * -(-shard // self.block_size)].view(torch.float32)
         return rows[:, :nbytes], scales
 
+    def _quantize(self, src, values, scales, scale, flag, residual, seed) -> Call:
+        args = (src, values, scales, self.block_size, scale, flag, residual, seed)
+        return (_OPS.quantize_int8.default, args, {})
+
+    def _unpack(self, values, scales, dst) -> Call:
+        return (_OPS.unpack_int8.default, (values, scales, dst, self.block_size, 1.0), {})
+
+    def _whole(self, shard: int, rows: int) -> bool:
+        # Whether one call covers every row: each row holds whole blocks, or there is one row.
+        return shard % self.block_size == 0 or rows == 1
+
+    def _piece(self, values, scales, r: int, n: int):
+        # Row r's codes and scales of its first n values.
+        return values[r, : self._bytes(n)], scales[r, : -(-n // self.block_size)]
+
     def encode_calls(self, src, rows, shard, scale, flag, residual, seed):
         values, scales = self._split(rows, shard)
-        op, block = _OPS.quantize_int8.default, self.block_size
-        if shard % block == 0 or values.shape[0] == 1:
-            return [(op, (src, values, scales, block, scale, flag, residual, seed), {})]
+        if self._whole(shard, values.shape[0]):
+            return [self._quantize(src, values, scales, scale, flag, residual, seed)]
         calls, (marks, tail) = [], self._row_flags(flag, values.shape[0])
         for piece, r in self._rows(src, shard, values.shape[0]):  # a block may not straddle rows
             extra = None if residual is None else residual[piece]
-            args = (src[piece], values[r], scales[r], block, scale, marks[r], extra, seed)
-            calls.append((op, args, {}))
+            q, sc = self._piece(values, scales, r, piece.stop - piece.start)
+            calls.append(self._quantize(src[piece], q, sc, scale, marks[r], extra, seed))
         return calls + tail
 
     @staticmethod
@@ -245,7 +259,13 @@ class Int8Codec(Codec):
 
     def decode_calls(self, rows, shard, dst):
         values, scales = self._split(rows, shard)
-        return [(_OPS.unpack_int8.default, (values, scales, dst, self.block_size, 1.0), {})]
+        if self._whole(shard, values.shape[0]):
+            return [self._unpack(values, scales, dst)]
+        calls = []  # a row's last block is short: one call a row, as encode_calls makes them
+        for piece, r in self._rows(dst, shard, values.shape[0]):
+            q, sc = self._piece(values, scales, r, piece.stop - piece.start)
+            calls.append(self._unpack(q, sc, dst[piece]))
+        return calls
 
 
 class PackedCodec(Int8Codec):
@@ -263,28 +283,19 @@ class PackedCodec(Int8Codec):
     def _bytes(self, shard: int) -> int:
         return -(-shard * self.bits // 8)
 
-    def encode_calls(self, src, rows, shard, scale, flag, residual, seed):
-        values, scales = self._split(rows, shard)
-        op, bits, block = _OPS.quantize_packed.default, self.bits, self.block_size
-        if shard % block == 0 or values.shape[0] == 1:
-            return [(op, (src, values, scales, bits, block, scale, flag, residual, seed), {})]
-        calls, (marks, tail) = [], self._row_flags(flag, values.shape[0])
-        for piece, r in self._rows(src, shard, values.shape[0]):  # a block may not straddle rows
-            n = piece.stop - piece.start
-            extra = None if residual is None else residual[piece]
-            q, sc = values[r, : self._bytes(n)], scales[r, : -(-n // block)]
-            calls.append((op, (src[piece], q, sc, bits, block, scale, marks[r], extra, seed), {}))
-        return calls + tail
+    def _quantize(self, src, values, scales, scale, flag, residual, seed) -> Call:
+        args = (src, values, scales, self.bits, self.block_size, scale, flag, residual, seed)
+        return (_OPS.quantize_packed.default, args, {})
+
+    def _unpack(self, values, scales, dst) -> Call:
+        args = (values, scales, dst, self.bits, self.block_size, 1.0)
+        return (_OPS.unpack_packed.default, args, {})
 
     def sum_calls(self, rows, shard, dst, scale):
         values, scales = self._split(rows, shard)
         args = (values, scales, dst, self.bits, self.block_size, scale)
         return [(_OPS.dequantize_packed.default, args, {})]
 
-    def decode_calls(self, rows, shard, dst):
-        values, scales = self._split(rows, shard)
-        args = (values, scales, dst, self.bits, self.block_size, 1.0)
-        return [(_OPS.unpack_packed.default, args, {})]
 
 
 @dataclass(frozen=True)

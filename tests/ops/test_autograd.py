@@ -2,7 +2,8 @@
 
 The ops have no derivative and write into their ``!`` arguments (csrc/fastddp.cpp). Autograd
 must see those writes: a backward that saved a tensor an op then overwrote raises rather than
-using the new values, and a tensor that requires grad is refused while grad mode is on.
+using the new values, a tensor that requires grad is refused while grad mode is on, and one
+that carries a forward-mode derivative (a dual tensor) always.
 """
 
 import pytest
@@ -99,6 +100,33 @@ def test_a_tensor_that_requires_grad_is_refused_in_grad_mode(device, name):
             getattr(ops, name)(*args)
         with torch.no_grad():
             getattr(ops, name)(*args)  # as an optimizer writes parameters
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_a_forward_mode_derivative_is_refused(device, name):
+    # A dual tensor's tangent would pass through untouched, a silently wrong derivative.
+    import torch.autograd.forward_ad as fw
+
+    floats = [i for i, a in enumerate(_args(name, device)[0]) if _is_float32(a)]
+    message = rf"fastddp\.{name}: argument '\w+' carries a forward-mode derivative.*primal"
+    for i in floats:
+        args = list(_args(name, device)[0])
+        with fw.dual_level():
+            args[i] = fw.make_dual(args[i], torch.ones_like(args[i]))
+            with pytest.raises(RuntimeError, match=message):
+                getattr(ops, name)(*args)
+            args[i] = fw.unpack_dual(args[i]).primal
+            getattr(ops, name)(*args)
+
+
+def test_torch_func_jvp_through_an_op_is_refused():
+    def f(x):
+        out = torch.empty(N, dtype=torch.bfloat16)
+        ops.compress(x, out, 2.0)
+        return out.float()
+
+    with pytest.raises(RuntimeError, match="argument 'src' carries a forward-mode derivative"):
+        torch.func.jvp(f, (torch.ones(N),), (torch.ones(N),))
 
 
 def test_backward_that_saved_an_overwritten_tensor_raises(device):

@@ -146,6 +146,34 @@ def test_a_codec_s_reduce_is_its_sum_then_its_encode(dtype, shard):
     _same_bits(*outs)
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int4, torch.int2])
+@pytest.mark.parametrize("short", [0, 7])
+def test_a_codec_encodes_and_decodes_rows_of_part_blocks_as_each_row_alone(dtype, short):
+    # Rows of 40 values in blocks of 32 (a short last block each), the last row part full: the
+    # same bits, residuals and flag as each row encoded and decoded on its own.
+    codec, shard, world = codecs.codec_for(dtype, 32), 40, 3
+    src = _grads(world * shard - short, seed=short)
+    src[shard + 3] = float("inf")
+    outs = []
+    for whole in (True, False):
+        rows = torch.zeros(world, codec.row_elems(shard), dtype=codec.wire_dtype)
+        residual, flag = torch.zeros(src.numel()), torch.zeros(1, dtype=torch.int32)
+        back = torch.full_like(src, float("nan"))
+        if whole:
+            codec.encode(src, rows, shard, 0.5, flag, residual)
+            codec.decode(rows, shard, back)
+        else:
+            for r in range(world):
+                part = slice(r * shard, min((r + 1) * shard, src.numel()))
+                mark = torch.zeros(1, dtype=torch.int32)
+                codec.encode(src[part], rows[r : r + 1], shard, 0.5, mark, residual[part])
+                codec.decode(rows[r : r + 1], shard, back[part])
+                flag = torch.maximum(flag, mark)
+        outs.append([rows, residual, flag, back])
+    assert outs[0][2].item() != 0 and not outs[0][3].isnan().all()
+    _same_bits(*outs)
+
+
 def test_opcheck_requantize(device):
     for bits in (8, 4, 2):
         q, s = _rows(bits, 2, 320, 32, 0, seed=bits)
