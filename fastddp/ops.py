@@ -30,7 +30,9 @@ _WIRE_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _check_pair(op: str, bucket: torch.Tensor, wire: torch.Tensor) -> None:
-    # Mirrors csrc/include/fastddp/checks.h so that tracing rejects what the kernels reject.
+    # The plainest of csrc/include/fastddp/checks.h's checks (dtypes, device, lengths), so
+    # that tracing rejects them; the kernels check the rest (layout, block sizes, overlap)
+    # when the compiled code runs, with their full messages.
     torch._check(bucket.dtype == torch.float32, lambda: f"fastddp.{op}: bucket must be float32")
     torch._check(wire.dtype in _WIRE_DTYPES, lambda: f"fastddp.{op}: wire must be fp16/bf16")
     torch._check(bucket.device == wire.device, lambda: f"fastddp.{op}: devices differ")
