@@ -297,7 +297,6 @@ class PackedCodec(Int8Codec):
         return [(_OPS.dequantize_packed.default, args, {})]
 
 
-
 @dataclass(frozen=True)
 class _Entry:
     code: int  # sent in the cross-rank settings check; never reuse one

@@ -31,6 +31,16 @@ cudaError_t new_stream(int device, bool high_priority, cudaStream_t* out) {
   return cudaStreamCreateWithPriority(out, cudaStreamNonBlocking, high_priority ? greatest : least);
 }
 
+cudaError_t synchronize(int device) {
+  // The bucket's device, which the autograd thread that runs the hook has made current.
+  int current = 0;
+  cudaError_t e = cudaGetDevice(&current);
+  if (e != cudaSuccess) {
+    return e;
+  }
+  return current == device ? cudaDeviceSynchronize() : cudaErrorInvalidDevice;
+}
+
 namespace {
 
 // Runs launch.h's calls on `stream` and keeps the first error; after one it launches nothing.

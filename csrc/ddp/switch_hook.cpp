@@ -156,6 +156,14 @@ class Switch {
     return native_now_;
   }
 
+  // Whether a step's stamp waits for the device first (set by Python during a trial).
+  void settle(bool on) {
+    settle_.store(on);
+  }
+  bool settling() const {
+    return settle_.load();
+  }
+
  private:
   std::mutex mu_;
   int64_t native_left_ = 0;   // steps still to run here, set by Python
@@ -165,7 +173,24 @@ class Switch {
   std::vector<double> starts_;
   std::shared_ptr<StepRecord> current_;  // the current step's record, if it is measured
   std::vector<std::shared_ptr<StepRecord>> records_;
+  std::atomic<bool> settle_{false};  // read without the mutex, before the stamp
 };
+
+// Waits for the work queued on the bucket's device before a step of a trial is stamped. The
+// host runs ahead of the kernels: without it, the period between two stamps would be the
+// host's, or the backlog of another candidate's turn, not the step's. (A build without CUDA
+// cannot wait here; it refuses CUDA buckets when a candidate first compresses one.)
+void settle(const at::Tensor& buffer) {
+#if defined(FASTDDP_WITH_CUDA) && FASTDDP_WITH_CUDA
+  if (buffer.is_cuda()) {
+    const cudaError_t e = fastddp::cuda::synchronize(buffer.get_device());
+    TORCH_CHECK(e == cudaSuccess, "fastddp: could not synchronize CUDA device ",
+                buffer.get_device(), " before timing a step: ", cudaGetErrorString(e));
+  }
+#else
+  (void)buffer;
+#endif
+}
 
 class SwitchHook final : public c10d::CommHookInterface {
  public:
@@ -180,6 +205,9 @@ class SwitchHook final : public c10d::CommHookInterface {
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
     std::shared_ptr<StepRecord> record;
+    if (bucket.getIndex() == 0 && control_->settling()) {
+      settle(bucket.getBufferRef());
+    }
     if (!control_->step_is_native(bucket.getIndex(), &record)) {
       return python_.runHook(bucket);  // takes the GIL itself
     }
@@ -257,7 +285,8 @@ int add_ddp_hooks(PyObject* module) {
         .def("take_periods", &Switch::take_periods)
         .def("take_records", &Switch::take_records)
         .def_property_readonly("native_total", &Switch::native_total)
-        .def_property_readonly("native_now", &Switch::native_now);
+        .def_property_readonly("native_now", &Switch::native_now)
+        .def_property("settling", &Switch::settling, &Switch::settle);
     py::class_<CompletionStamp, std::shared_ptr<CompletionStamp>>(m, "CompletionStamp")
         .def_property_readonly("done", &CompletionStamp::done);
     m.def("stamp_completion", &stamp_completion, py::arg("future"));

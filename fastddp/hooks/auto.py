@@ -149,6 +149,9 @@ class AutoState(CompressState):
         return future
 
     def _begin_step(self, device: torch.device) -> None:
+        trialing = self._plan is None or self._plan["trial"]
+        if trialing and self._switch is None:  # (the C++ hook settles before it stamps)
+            trial.settle(device)
         now, last, native = time.perf_counter(), self._record, []
         periods = [now - last.began[0]] if last is not None and last.began else []
         if self._switch is not None:  # the steps run in C++ since the last one here count too
@@ -169,7 +172,7 @@ class AutoState(CompressState):
             self._owed.settle_moves(self._states, self._held, last.held, self.process_group)
             self._held = last.held
         label, kind = candidates.label(self._using), None
-        if self._plan is None or self._plan["trial"]:
+        if trialing:
             self._trial.add(([] if last is None else [last]) + native, periods)
             label, kind = self._next_turn(device)
         elif periods:
@@ -201,12 +204,10 @@ class AutoState(CompressState):
     def _hand_over(self) -> None:
         # Steps of "none" run in C++ where nothing is owed, as alike on every rank as the
         # trial and the checks: a measured turn of "none", or the steps up to the next check.
-        if self._switch is None or len(self._owed):
-            return
-        if self._plan is None or self._plan["trial"]:
-            self._switch.hand_turn(self._trial.turn(self._step + 1))
-        elif self._using == NONE:
-            self._switch.hand_steps(CHECK_EVERY - len(self._recent))
+        if self._switch is not None:
+            trialing, turn = self._plan is None or self._plan["trial"], self._step + 1
+            to_check = CHECK_EVERY - len(self._recent) if self._using == NONE else None
+            self._switch.hand_over(trialing, self._trial.turn(turn), to_check, len(self._owed))
 
     # -- the trial and the plan -------------------------------------------------------------
 
@@ -309,7 +310,6 @@ class AutoState(CompressState):
             "mode": NONE if native_now else candidates.label(self._using),
             "step": self._step,
             "steps_in": dict(self._steps_in),
-            # Steps the C++ hook ran (fastddp.register_comm_hook), of those under "none".
             "native_steps": 0 if self._switch is None else self._switch.seen,
             "plan": choice.plain(self._plan),
             "candidates": {n: s.stats() for n, s in self._states.items() if s._verified},

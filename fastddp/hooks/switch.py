@@ -3,7 +3,8 @@
 Registered with :func:`fastddp.register_comm_hook`, ``"none"`` runs in a hook in C++: PyTorch's
 fp32 all-reduce without Python. Its measured trial turns are handed over by the step before and
 recorded there (so a later round runs it last), and a plan of ``"none"`` hands over the steps
-between two checks; the C++ hook stamps when each step starts, and the checks read those stamps.
+between two checks; the C++ hook stamps when each step starts (in a trial, on CUDA, once the
+device's queued work is done), and the checks read those stamps.
 """
 
 import weakref
@@ -69,17 +70,21 @@ class Switch:
         self.handed = []
         return records
 
-    def hand_turn(self, turn: Optional[tuple[str, Optional[str]]]) -> None:
-        """In a trial: hand it the next step if its ``turn`` is a measured turn of ``"none"``
-        (recorded there as here, so that ``"none"`` is measured as it will run)."""
-        if turn is not None and turn[0] == NONE and turn[1] is not None:
-            self.handed = [turn]
-            self.control.run_native(1, measure=True)
-
-    def hand_steps(self, to_check: int) -> None:
-        """Under a plan of ``"none"``: hand it the steps up to the next check, ``to_check``
-        steps away, whose last step runs in Python to make the check."""
-        if to_check > 1:
+    def hand_over(self, trialing: bool, turn, to_check: Optional[int], owed: int) -> None:
+        """After a step run in Python. In a trial (``trialing``), the C++ hook waits for the
+        device before it stamps a step (as ``trial.settle``), and takes the next step if its
+        ``turn`` is a measured turn of ``"none"`` (recorded there as here, so that ``"none"`` is
+        measured as it will run). Under a plan of ``"none"``, it takes the steps up to the next
+        check, ``to_check`` steps away (``None`` under another plan), whose last step runs in
+        Python to make the check. Nothing while residuals are ``owed`` (repaid in Python)."""
+        self.control.settling = trialing
+        if owed:
+            return
+        if trialing:
+            if turn is not None and turn[0] == NONE and turn[1] is not None:
+                self.handed = [turn]
+                self.control.run_native(1, measure=True)
+        elif to_check is not None and to_check > 1:
             self.control.run_native(to_check - 1)
 
     def stop(self) -> None:

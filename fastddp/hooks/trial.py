@@ -4,7 +4,8 @@ The plan is made by trial, on the job itself. After one warm-up step and one unm
 each candidate that makes buffers, the candidates take turns, one step each, for up to
 ``trial_rounds`` - 1 measured rounds. Taking turns step by step puts every candidate under the
 same drifts of the machine's load. A step's figure is its period, from one backward's first
-bucket to the next's (forward, backward, waiting and optimizer, all of it). After each round the
+bucket to the next's (forward, backward, waiting and optimizer, all of it; on CUDA the device's
+queue emptied at each, :func:`settle`, so that it is the kernels' period). After each round the
 slowest rank's medians (one all-reduce) drop the candidates that cannot win, ``eliminate`` times
 slower than the fastest: on a slow link fp32 runs one measured step, not three. Where the two
 fastest left then lie within ``runoff`` of each other, they take ``runoff_rounds`` more turns
@@ -27,7 +28,7 @@ from fastddp.hooks import handshake
 from fastddp.hooks.candidates import MIXED, NONE
 from fastddp.hooks.measured import StepRecord
 
-__all__ = ["Rules", "Trial", "agree", "ranked", "steps"]
+__all__ = ["Rules", "Trial", "agree", "ranked", "settle", "steps"]
 
 Turn = tuple[str, Optional[str]]  # (label, kind): kind "trial", "verify" or None (not measured)
 
@@ -129,6 +130,14 @@ class Trial:
     def verify(self, uniform: str, rounds: int) -> None:
         """Schedule the turns of a proposed mixed plan and the uniform choice."""
         self.turns += [(MIXED, "verify"), (uniform, "verify")] * rounds
+
+
+def settle(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (CUDA) before a trial's step is timed: the host
+    runs ahead of the kernels, and the period between two of its clock readings would be the
+    host's, or the backlog another candidate's turn left, not the step's."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def ranked(seconds: dict[str, float], plain_edge: float) -> dict[str, float]:

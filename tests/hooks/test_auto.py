@@ -103,10 +103,13 @@ def _plan_alike(rank, world, trial, cpp):
         fastddp.register_comm_hook(model, state)
     else:
         model.register_comm_hook(state, fastddp.compress_hook)
-    modes = []
+    modes, settled, settling = [], [], []  # the steps that wait for the device when stamped
+    if not cpp:  # (trial.settle waits on CUDA alone: here, which steps call it)
+        auto.trial.settle = lambda device: settled.append(len(modes))
     for _ in range(state.trial_steps + 3):
         _train(model, 1, rank, opt=False)
         modes.append(state.stats()["mode"])
+        settling.append(cpp and state._switch.control.settling)  # for the step after
     # The trial: a warm-up step, a round of the candidates that make buffers, then measured
     # rounds of turns in allow order, each of the candidates left in the race.
     allow = auto.DEFAULT_ALLOW
@@ -167,6 +170,12 @@ def _plan_alike(rank, world, trial, cpp):
     assert plan["made_at_step"] == len(trial) and plan["plans"] == 1, (plan, modes)
     after = len(trial) + len(turns)
     assert modes[after:] == [plan["mode"]] * (len(modes) - after)
+    # Every step of the trial, and the start of the first under the plan (the last measured
+    # step's end), waits for the device before its clock reading: in C++ where it ran there.
+    if cpp:
+        assert settling == [i < after for i in range(len(modes))], (settling, after)
+    else:
+        assert settled == list(range(after + 1)), (settled, after)
     # Every rank made the same plan from the same (all-reduced) figures.
     codes = [list(allow).index(m) if m in allow else -1 for m in buckets]
     mine = torch.tensor([*codes, *plan["step_ms"].values()])
@@ -255,6 +264,51 @@ def _levels_of_two_nodes(rank, world):
     assert set(plan["links"]) == set(links.LEVELS), plan["links"]
     for level, want in zip(links.LEVELS, nodes.tolist()):
         assert plan["links"][level]["MB"] * 1e6 == pytest.approx(want / 2, rel=1e-9), level
+
+
+def _kernels_timed(rank, world):
+    # Few launches and much work for the GPU a step: the host runs many steps ahead of the
+    # kernels, so a step timed by the host's clock alone would be a fraction of the kernels'.
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    nccl = dist.new_group([0], backend="nccl")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)]).to(device)
+    x = torch.randn(8192, 2048, device=device)
+
+    def steps(model, n):
+        for _ in range(n):  # no optimizer and nothing read on the host: no wait for the GPU
+            model.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+
+    plain = DDP(net, device_ids=[0], process_group=nccl)
+    steps(plain, 3)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    steps(plain, 5)
+    end.record()
+    end.synchronize()
+    kernels_ms = start.elapsed_time(end) / 5
+    for cpp in (False, True):
+        model = DDP(net, device_ids=[0], process_group=nccl)
+        state = fastddp.CompressState(dtype="auto", process_group=nccl)
+        if cpp:
+            fastddp.register_comm_hook(model, state)
+        else:
+            model.register_comm_hook(state, fastddp.compress_hook)
+        steps(model, state.trial_steps + 2)
+        plan = state.stats()["plan"]
+        assert plan is not None and not plan["trial"], plan
+        for name, ms in plan["step_ms"].items():  # (the hooks only add to the kernels' time)
+            assert ms >= 0.7 * kernels_ms, (cpp, name, ms, kernels_ms, plan["trial_ms"])
+    dist.destroy_process_group(nccl)
+
+
+@pytest.mark.cuda
+@pytest.mark.multiproc
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_trial_times_the_kernels_not_the_host():
+    run_ranks(_kernels_timed, 1)
 
 
 @pytest.mark.multiproc
