@@ -120,15 +120,15 @@ class Background:
         return self._job is not None
 
     def start(self, fn: Callable[[], None], uses: tuple = ()) -> None:
-        """Run ``fn`` on the thread, after the work queued so far on the current stream;
+        """Run ``fn`` on the thread, after the work queued so far on the device's current stream;
         ``uses``: tensors of this stream that ``fn``'s work reads or writes."""
         assert self._job is None, "wait() for the job in flight first"
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="fastddp-diloco")
         ready = None
         if self._stream is not None:
-            ready = torch.cuda.Event()
-            ready.record()
+            ready = torch.cuda.Event()  # (the model's device, which need not be the current)
+            ready.record(torch.cuda.current_stream(self._stream.device))
             for t in uses:  # (dropped before the job ends, their memory must wait for it)
                 t.record_stream(self._stream)
         self._job = self._pool.submit(self._run, fn, ready)
@@ -146,14 +146,14 @@ class Background:
         return done
 
     def wait(self) -> None:
-        """Wait for the job in flight, if any (re-raising its error); order the current stream
-        after it."""
+        """Wait for the job in flight, if any (re-raising its error); order the device's current
+        stream after it."""
         job, self._job = self._job, None
         if job is None:
             return
         done = job.result()
         if done is not None:
-            torch.cuda.current_stream().wait_event(done)
+            torch.cuda.current_stream(self._stream.device).wait_event(done)
 
     def close(self) -> None:
         """Wait for the job in flight and let the thread go."""
