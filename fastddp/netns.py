@@ -31,10 +31,14 @@ _SET_HERE = {"--nnodes", "--node-rank", "--node_rank", "--master-addr", "--maste
              "--master-port", "--master_port", "--standalone"}  # fmt: skip
 
 
+_BITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+
+
 def valid_rate(text: str) -> bool:
-    """Whether ``text`` is a positive rate in bits per second, as tc reads it (``1gbit``)."""
-    rate = _RATE.fullmatch(text.strip())
-    return rate is not None and float(rate[1]) > 0
+    """Whether ``text`` is a rate in bits per second as tc reads it (``1gbit``, no spaces), of
+    at least 8 bit/s: tc keeps bytes a second, and a rate under one byte it refuses."""
+    rate = _RATE.fullmatch(text)
+    return rate is not None and float(rate[1]) * _BITS[rate[2].lower()] >= 8
 
 
 def _interrupt(signum, frame):
@@ -146,8 +150,8 @@ def main(argv=None) -> int:
     if not 0 <= args.delay <= 10_000:  # (nan fails both)
         p.error("--delay must be between 0 and 10000 (ms)")
     if not valid_rate(args.rate):
-        p.error(f"--rate {args.rate}: give a positive rate in bits per second: 100mbit, 1gbit "
-                "(tc's 'bps' means bytes)")  # fmt: skip
+        p.error(f"--rate {args.rate}: give a positive rate in bits per second, at least 8bit: "
+                "100mbit, 1gbit (tc's 'bps' means bytes)")  # fmt: skip
     given = [a.split("=", 1)[0] for a in launch if a.startswith("--")]
     taken = sorted(set(given) & _SET_HERE) + [a for a in given if a.startswith("--rdzv")]
     if taken:

@@ -34,6 +34,7 @@ EXIT_PEER_LOST = 3
 _DONE = "done"
 _FAILED = "failed|"  # + where | what
 _TOLD = "told"  # how many ranks' watchdogs named a peer (rank 0 waits for them; see _linger)
+_PAST = "past0"  # how many ranks saw rank 0 finish, or ended first (see _leave)
 
 
 class PeerWatchdog:
@@ -103,6 +104,7 @@ class PeerWatchdog:
         self._last_error: Optional[Exception] = None
         self._reported = threading.Lock()
         self._stopping, self._stopped = threading.Lock(), False
+        self._counted = False  # whether this rank added itself to _PAST
         self._others = world_size - 1  # peers that will name the same problem (see _linger)
 
     def start(self) -> "PeerWatchdog":
@@ -128,6 +130,25 @@ class PeerWatchdog:
         end = _DONE if failure is None else f"{_FAILED}{self._me}|{failure}"
         with contextlib.suppress(Exception):  # the store may be gone at the end of a job
             self._store.set(self._key(self.rank), end)
+            self._past()
+            if self.store_in_rank0 and self.rank == 0 and failure is None:
+                self._leave()
+
+    def _past(self) -> None:
+        # Once per rank but 0: it needs rank 0's store no more (it ended, or saw rank 0 end).
+        if self.rank != 0 and not self._counted:
+            self._counted = True
+            self._store.add(self._prefix + _PAST, 1)
+
+    def _leave(self) -> None:
+        # Rank 0's exit takes its store away: a rank still at work that had not yet read its
+        # "done" would then report rank 0 and the store lost. Stay until every other rank has
+        # ended or read it (each reads once an interval), or two intervals have passed.
+        deadline = time.monotonic() + 2 * self.interval + 2.0
+        while time.monotonic() < deadline:
+            if int(self._store.add(self._prefix + _PAST, 0)) >= self.world_size - 1:
+                return
+            time.sleep(0.05)
 
     def _key(self, rank: int) -> str:
         return f"{self._prefix}{rank}"
@@ -193,6 +214,15 @@ class PeerWatchdog:
                 self._last_error = e
                 continue
             self._last_ok = time.monotonic()
+            if 0 in done and self.store_in_rank0:
+                # Rank 0 finished, and its store goes with its process: none of this rank's
+                # collectives can wait for it now, and nothing is left to watch with.
+                with contextlib.suppress(Exception):
+                    self._past()
+                with self._stopping:
+                    self._stopped = True
+                self._stop.set()
+                return
             if failed or lost:
                 self._others = len(peers) - len(done) - len(failed) - len(lost)
                 message = self._failed_message(failed) if failed else self._message(lost)

@@ -243,7 +243,10 @@ def check(p, args):
     if args.link is not None and not args.link.strip():
         p.error("--link needs a rate (1gbit, 100mbit, ...)")
     if args.link and not valid_rate(args.link):
-        p.error(f"--link {args.link}: give a positive rate in bits per second (1gbit, 100mbit)")
+        p.error(
+            f"--link {args.link}: give a positive rate in bits per second, at least 8bit "
+            "(1gbit, 100mbit)"
+        )
     if args.plot and args.what != "allreduce":
         p.error(f"--plot draws the allreduce sweep; {args.what} writes --json")
     if args.what in ("fsdp", "convergence", "hook-cost") and args.topologies != ["auto"]:

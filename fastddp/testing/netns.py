@@ -50,11 +50,13 @@ def unavailable_reason() -> str:
     if shutil.which("ip") is None or shutil.which("tc") is None:
         return "iproute2 (ip, tc) is not installed"
     probe = f"fdprobe{uuid.uuid4().hex[:6]}"
-    res = _ip("netns", "add", probe, check=False)
-    if res.returncode != 0:
-        return f"cannot create a network namespace: {res.stderr.strip()}"
-    _ip("netns", "del", probe, check=False)
-    return ""
+    try:
+        res = _ip("netns", "add", probe, check=False)
+        if res.returncode != 0:
+            return f"cannot create a network namespace: {res.stderr.strip()}"
+        return ""
+    finally:  # (also where a signal came while it was made)
+        _ip("netns", "del", probe, check=False)
 
 
 @contextlib.contextmanager
@@ -168,8 +170,8 @@ def nodes(count: int, rate: str = "1gbit") -> Iterator[list[Node]]:
         _ip("-n", hub, "link", "set", "br0", "up")
         for k, n in enumerate(out):
             port = f"fp{k}n{tag}"
+            made.append(n.ns)  # first: a signal may come between the two
             _ip("netns", "add", n.ns)
-            made.append(n.ns)
             _ip("link", "add", n.dev, "type", "veth", "peer", "name", port)
             _ip("link", "set", n.dev, "netns", n.ns)
             _ip("link", "set", port, "netns", hub)

@@ -150,30 +150,33 @@ import torch.distributed as dist
 import fastddp
 fastddp.init_distributed(peer_timeout=2)
 case, rank = sys.argv[1], dist.get_rank()
+working = 1 if case == "rank 0 exited" else 0
 if case == "destroyed":  # both destroy the group; rank 1 then vanishes without a word
     dist.destroy_process_group()
     if rank == 1:
         os._exit(0)
-elif rank == 1:  # "exited": rank 1 ends as a script does, its group still there
+elif rank != working:  # the other ends as a script does, its group still there
     sys.exit(0)
-time.sleep(float(sys.argv[2]))  # rank 0 still at work (a final checkpoint, an evaluation)
-print("rank 0 finished its work", flush=True)
+time.sleep(float(sys.argv[2]))  # still at work (a final checkpoint, an evaluation)
+print(f"rank {rank} finished its work", flush=True)
 fastddp.shutdown_distributed()
 from fastddp.distributed import exit_after_shutdown
 exit_after_shutdown()
 """
 
 
-@pytest.mark.parametrize("case", ["destroyed", "exited"])
+@pytest.mark.parametrize("case", ["destroyed", "exited", "rank 0 exited"])
 def test_a_rank_at_work_after_the_others_ended_is_not_stopped(case):
     # Ranks that ended without shutdown_distributed(): after destroy_process_group() no
-    # collective waits for anyone; one that exits says it finished. Rank 0, at work for
-    # three peer timeouts after, must not be named lost and ended.
+    # collective waits for anyone; one that exits says it finished. The rank at work for
+    # three peer timeouts after must not be named lost and ended, also where rank 0 ended and
+    # the store (here in its process) went with it.
     procs = _hand_started(["-c", _FINISHING, case, str(slack.guard(6))])
     (rc0, out0), (rc1, out1) = (_finish(p, 120) for p in procs)
-    assert rc1 == 0, out1
-    assert rc0 == 0 and "rank 0 finished its work" in out0, out0
-    assert "has not answered" not in out0, out0
+    working, out = (1, out1) if case == "rank 0 exited" else (0, out0)
+    assert rc0 == 0 and rc1 == 0, (out0, out1)
+    assert f"rank {working} finished its work" in out, out
+    assert "has not answered" not in out and "store" not in out, out
 
 
 _RAISING = """
