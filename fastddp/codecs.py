@@ -13,10 +13,9 @@ data the codec needs, so that one collective moves each row with its side data:
 
 Each step is written once, as the list of op calls it makes (``encode_calls`` and the like):
 the Python path runs the calls, and the DDP hook's native runner (``csrc/ddp/native_hook.cpp``)
-binds the same calls once per bucket and replays them without Python.
-
-Adding a codec is one class here, one entry in :data:`CODECS`, and its kernels in
-:mod:`fastddp.ops`; the users of codecs never look inside a row.
+binds the same calls once per bucket and replays them without Python. Adding a codec is one
+class here, one entry in :data:`CODECS`, and its kernels in :mod:`fastddp.ops`; the users of
+codecs never look inside a row.
 """
 
 import math
@@ -202,23 +201,27 @@ class Int8Codec(Codec):
     def _unpack(self, values, scales, dst) -> Call:
         return (_OPS.unpack_int8.default, (values, scales, dst, self.block_size, 1.0), {})
 
-    def _whole(self, shard: int, rows: int) -> bool:
-        # Whether one call covers every row: each row holds whole blocks, or there is one row.
-        return shard % self.block_size == 0 or rows == 1
-
-    def _piece(self, values, scales, r: int, n: int):
-        # Row r's codes and scales of its first n values.
-        return values[r, : self._bytes(n)], scales[r, : -(-n // self.block_size)]
+    def _pieces(self, values, scales, flat, shard):
+        # None where one call covers the rows (of whole blocks, or one); else, as a block may
+        # not straddle rows, (slice of flat, codes, scales, row) of each row holding part of it.
+        if shard % self.block_size == 0 or values.shape[0] == 1:
+            return None
+        ns = [min(shard, flat.numel() - r * shard) for r in range(values.shape[0])]
+        return [
+            (slice(r * shard, r * shard + n), values[r, : self._bytes(n)],
+             scales[r, : -(-n // self.block_size)], r)
+            for r, n in enumerate(ns) if n > 0
+        ]  # fmt: skip
 
     def encode_calls(self, src, rows, shard, scale, flag, residual, seed):
         values, scales = self._split(rows, shard)
-        if self._whole(shard, values.shape[0]):
+        pieces = self._pieces(values, scales, src, shard)
+        if pieces is None:
             return [self._quantize(src, values, scales, scale, flag, residual, seed)]
         calls, (marks, tail) = [], self._row_flags(flag, values.shape[0])
-        for piece, r in self._rows(src, shard, values.shape[0]):  # a block may not straddle rows
-            extra = None if residual is None else residual[piece]
-            q, sc = self._piece(values, scales, r, piece.stop - piece.start)
-            calls.append(self._quantize(src[piece], q, sc, scale, marks[r], extra, seed))
+        for at, q, sc, r in pieces:
+            extra = None if residual is None else residual[at]
+            calls.append(self._quantize(src[at], q, sc, scale, marks[r], extra, seed))
         return calls + tail
 
     @staticmethod
@@ -229,15 +232,6 @@ class Int8Codec(Codec):
             return [None] * rows, []
         marks = torch.zeros(rows, dtype=flag.dtype, device=flag.device)
         return list(marks.split(1)), [(_AMAX, (marks, [0], True), {"out": flag.view(1)})]
-
-    @staticmethod
-    def _rows(src, shard, rows):
-        # (slice of src, row) of each row that holds part of src.
-        for r in range(rows):
-            piece = slice(r * shard, min((r + 1) * shard, src.numel()))
-            if piece.start >= piece.stop:
-                break
-            yield piece, r
 
     def sum_calls(self, rows, shard, dst, scale):
         values, scales = self._split(rows, shard)
@@ -259,13 +253,10 @@ class Int8Codec(Codec):
 
     def decode_calls(self, rows, shard, dst):
         values, scales = self._split(rows, shard)
-        if self._whole(shard, values.shape[0]):
+        pieces = self._pieces(values, scales, dst, shard)
+        if pieces is None:
             return [self._unpack(values, scales, dst)]
-        calls = []  # a row's last block is short: one call a row, as encode_calls makes them
-        for piece, r in self._rows(dst, shard, values.shape[0]):
-            q, sc = self._piece(values, scales, r, piece.stop - piece.start)
-            calls.append(self._unpack(q, sc, dst[piece]))
-        return calls
+        return [self._unpack(q, sc, dst[at]) for at, q, sc, _ in pieces]
 
 
 class PackedCodec(Int8Codec):

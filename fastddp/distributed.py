@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from fastddp import joining
+from fastddp._init_args import checked_arguments
 from fastddp.cluster import ClusterError, process_settings, srun_task
 from fastddp.rank_notes import check_ranks
 from fastddp.watchdog import PeerWatchdog, peer_timeout_from_env
@@ -97,6 +98,7 @@ def init_distributed(
         >>> fastddp.shutdown_distributed()
     """
     global _env, _joins
+    backend = checked_arguments(backend, timeout)
     if _env is not None and dist.is_initialized():
         if backend is not None and backend != _env.backend:
             raise ClusterError(
@@ -109,11 +111,6 @@ def init_distributed(
             "fastddp.init_distributed: torch.distributed was initialised elsewhere; call "
             "init_distributed() instead of init_process_group(), or not at all"
         )
-    if not isinstance(timeout, timedelta):
-        raise TypeError(
-            f"fastddp.init_distributed: timeout must be a datetime.timedelta, got "
-            f"{type(timeout).__name__} (timedelta(minutes=10), say)"
-        )
     env = os.environ if environ is None else environ
     try:
         launcher, settings = process_settings(env)
@@ -124,7 +121,11 @@ def init_distributed(
     world = settings["world_size"].value
     local_rank = settings["local_rank"].value
     if not 0 <= rank < world:
-        raise ClusterError(f"rank {rank} is outside world size {world} ({settings['rank'].source})")
+        raise ClusterError(
+            f"fastddp.init_distributed: rank {rank} is outside world size {world} "
+            f"({settings['rank'].source}); ranks run from 0 to WORLD_SIZE - 1: give each "
+            "process its own rank and all the same world size"
+        )
     use_cuda = torch.cuda.is_available() if backend is None else backend == "nccl"
     # Problems of this rank's node alone: raised on every rank (joining.agree), not here.
     problem = None

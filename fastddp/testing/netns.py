@@ -52,9 +52,8 @@ def unavailable_reason() -> str:
     probe = f"fdprobe{uuid.uuid4().hex[:6]}"
     try:
         res = _ip("netns", "add", probe, check=False)
-        if res.returncode != 0:
-            return f"cannot create a network namespace: {res.stderr.strip()}"
-        return ""
+        why = f"cannot create a network namespace: {res.stderr.strip()}"
+        return why if res.returncode else ""
     finally:  # (also where a signal came while it was made)
         _ip("netns", "del", probe, check=False)
 
@@ -192,8 +191,7 @@ def nodes(count: int, rate: str = "1gbit") -> Iterator[list[Node]]:
 
 def stop(procs: list) -> None:
     """Stop launchers from :func:`start` (SIGTERM, then SIGKILL), with their workers."""
-    # The launchers stop their workers on SIGTERM (the workers have sessions of their own);
-    # whatever is left after a grace period is killed.
+    # The launchers stop their workers (sessions of their own) on SIGTERM; then SIGKILL.
     for sig, grace in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
         alive = [p for p in procs if p.poll() is None]
         for proc in alive:

@@ -1,5 +1,7 @@
 """Environment tables: Slurm node lists, cluster detection, per-process settings."""
 
+from datetime import timedelta
+
 import pytest
 
 from fastddp.cluster import (
@@ -299,6 +301,8 @@ def test_a_bad_peer_timeout_is_refused_by_the_worker_before_any_group(raw, messa
         # (inf overflowed in the watchdog, after the group was made: a group left behind)
         ({"peer_timeout": float("inf")}, "0 \\(off\\) or positive and finite, got inf"),
         ({"timeout": 30}, "timeout must be a datetime.timedelta, got int"),
+        ({"timeout": timedelta(0)}, "timeout must be positive, got 0:00:00"),
+        ({"backend": "glo"}, "unknown backend 'glo'; use 'nccl' \\(GPUs\\) or 'gloo' \\(CPU\\)"),
         ({"environ": {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"}},
          "MASTER_PORT=99999 is not a TCP port; give one from 1 to 65535"),
@@ -310,9 +314,23 @@ def test_bad_init_arguments_are_refused_before_any_group(kwargs, message):
     import fastddp
 
     env = {}  # alone: with other ranks, every rank raises it (test_launch.py)
-    with pytest.raises((ClusterError, TypeError), match=message):
+    with pytest.raises((ClusterError, TypeError, ValueError), match=message):
         fastddp.init_distributed(**{"backend": "gloo", "environ": env, **kwargs})
     assert not dist.is_initialized()
+
+
+def test_a_backend_is_named_as_torch_names_it():
+    import torch.distributed as dist
+
+    import fastddp
+
+    env = {}
+    try:
+        assert fastddp.init_distributed(backend="Gloo", environ=env).backend == "gloo"
+        assert fastddp.init_distributed(backend="GLOO", environ=env).backend == "gloo"
+        assert dist.get_backend() == "gloo"
+    finally:
+        fastddp.shutdown_distributed()
 
 
 def test_a_variable_set_elsewhere_is_not_read():
