@@ -15,7 +15,7 @@ from fastddp.hooks.presets import named_preset
 from fastddp.hooks.state import CompressState
 from fastddp.hooks.switch import Switch
 
-__all__ = ["register_comm_hook"]
+__all__ = ["register", "register_comm_hook"]
 
 
 def register_comm_hook(
@@ -48,7 +48,14 @@ def register_comm_hook(
         >>> state = fastddp.CompressState(dtype="auto")
         >>> fastddp.register_comm_hook(ddp_model, state)
     """
-    where = "fastddp.register_comm_hook"
+    return register(model, state, "fastddp.register_comm_hook")
+
+
+def register(
+    model: DistributedDataParallel, state: Optional[CompressState], where: str
+) -> CompressState:
+    """:func:`register_comm_hook`, its errors starting with ``where`` (the frameworks' helpers
+    register through it too)."""
     if not isinstance(model, DistributedDataParallel):
         fix = "wrap it first: DistributedDataParallel(model)"
         if isinstance(getattr(model, "_orig_mod", None), DistributedDataParallel):
@@ -69,14 +76,14 @@ def register_comm_hook(
     moving = isinstance(state, AutoState) and state._switch is not None
     if moving and state._switch._model() is model:
         raise RuntimeError(
-            "fastddp.register_comm_hook: this CompressState(dtype='auto') is already "
-            "registered on this model; DDP takes one comm hook (register it once)"
+            f"{where}: this CompressState(dtype='auto') is already registered on this model; "
+            "DDP takes one comm hook (register it once)"
         )
     if moving and state._switch.in_use:
         raise RuntimeError(
-            "fastddp.register_comm_hook: this CompressState(dtype='auto') is registered on "
-            "another model, which still exists; give each model a state of its own (or "
-            "delete the old model first, to move the state to a new one)"
+            f"{where}: this CompressState(dtype='auto') is registered on another model, which "
+            "still exists; give each model a state of its own (or delete the old model first, "
+            "to move the state to a new one)"
         )
     # What DDP's own register_comm_hook does around the reducer's registration.
     model._check_comm_hook(compress_hook)

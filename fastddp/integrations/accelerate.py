@@ -1,9 +1,10 @@
 """Hugging Face Accelerate: register fastddp's hook on a prepared model.
 
 Accelerate's ``DistributedDataParallelKwargs(comm_hook=...)`` accepts only its own list of
-PyTorch hooks. Register fastddp's after ``prepare()``, before the first backward::
+PyTorch hooks. Register fastddp's after ``prepare()``, before the first backward and before
+``accelerator.load_state`` (which loads the hook's state only where it is registered)::
 
-    accelerator = Accelerator()
+    accelerator = Accelerator()  # Accelerator(cpu=True) on a machine without GPUs
     model, opt, loader = accelerator.prepare(model, opt, loader)
     state = fastddp.integrations.accelerate.register_comm_hook(accelerator, model)
 
@@ -22,8 +23,9 @@ from typing import Optional
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from fastddp.hooks import CompressState, compress_hook
-from fastddp.hooks.register import checked
+from fastddp.hooks import CompressState
+from fastddp.hooks.presets import named_preset
+from fastddp.hooks.register import register
 
 __all__ = ["register_comm_hook"]
 
@@ -42,9 +44,20 @@ def register_comm_hook(
     Returns:
         The state in use (for ``stats()``), or ``None`` with a single process.
     """
-    if accelerator.num_processes == 1:
-        return None
     where = "fastddp.integrations.accelerate.register_comm_hook"
+    if state is not None and not isinstance(state, CompressState):
+        hint = named_preset(state, "fastddp.CompressState.from_preset")
+        raise TypeError(f"{where}: state must be a fastddp.CompressState or None, got "
+                        f"{type(state).__name__}{hint}")  # fmt: skip
+    if accelerator.num_processes == 1:
+        launched = os.environ.get("WORLD_SIZE", "1")
+        if launched.isdigit() and int(launched) > 1:  # each rank would train alone
+            raise ValueError(
+                f"{where}: Accelerate sees one process, but WORLD_SIZE={launched}: its ranks "
+                "would train apart. On a machine without GPUs create Accelerator(cpu=True), "
+                "and launch with accelerate launch or torchrun"
+            )
+        return None
     # With Accelerator(dynamo_backend=...), prepare() returns torch.compile(DDP(model)): the
     # hook goes on the DDP inside, as before the compiled model's first step.
     ddp = getattr(model, "_orig_mod", model)
@@ -53,8 +66,7 @@ def register_comm_hook(
             f"{where}: pass the model returned by accelerator.prepare() (a "
             f"DistributedDataParallel), got {type(model).__name__}"
         )
-    state = checked(ddp, state if state is not None else CompressState(), where)
-    ddp.register_comm_hook(state, compress_hook)
+    state = register(ddp, state if state is not None else CompressState(), where)
     _keep_with_checkpoints(accelerator, state)
     return state
 

@@ -19,8 +19,10 @@ number of ranks changed), so that a resume ends where an uninterrupted run would
 """
 
 import os
+import warnings
 from typing import Any, Optional
 
+import torch.distributed
 from torch.nn.parallel import DistributedDataParallel
 
 try:
@@ -32,6 +34,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from fastddp.hooks import CompressState, compress_hook
+from fastddp.hooks.presets import named_preset
 from fastddp.hooks.register import checked
 
 __all__ = ["FastDDPStrategy"]
@@ -59,8 +62,11 @@ class FastDDPStrategy(DDPStrategy):
                 "(give settings through state=fastddp.CompressState(...))"
             )
         if state is not None and not isinstance(state, CompressState):
+            hint = named_preset(state, "fastddp.CompressState.from_preset")
             got = type(state).__name__
-            raise TypeError(f"FastDDPStrategy: state must be a fastddp.CompressState, got {got}")
+            raise TypeError(
+                f"FastDDPStrategy: state must be a fastddp.CompressState, got {got}{hint}"
+            )
         super().__init__(**kwargs)
         self.compress_state = state if state is not None else CompressState()
 
@@ -70,6 +76,8 @@ class FastDDPStrategy(DDPStrategy):
                 f"FastDDPStrategy: expected the model wrapped in DistributedDataParallel, got "
                 f"{type(self.model).__name__}"
             )
+        # In Python, as model.register_comm_hook does (no native runner, no C++ switch):
+        # Lightning wraps the module in a new DDP for each fit/test, while the old one lives.
         state = checked(self.model, self.compress_state, "FastDDPStrategy")
         self.model.register_comm_hook(state, compress_hook)
 
@@ -82,6 +90,17 @@ class FastDDPStrategy(DDPStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
     ) -> None:
+        if not torch.distributed.is_initialized():
+            # ddp_spawn's main process after fit: its copy of the state never ran (each spawned
+            # process had its own), and no other rank would write a file beside the checkpoint.
+            warnings.warn(
+                "FastDDPStrategy: this process has no process group (ddp_spawn's main process "
+                "after fit?), so the checkpoint holds no hook state, and a fit resumed from it "
+                "starts the hook afresh; save during fit (a ModelCheckpoint) to keep it",
+                stacklevel=2,
+            )
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
         # On every rank (Lightning calls it there): the state dict finishes pending reductions,
         # a collective with delay=1.
         state = self.compress_state.state_dict()
@@ -92,8 +111,11 @@ class FastDDPStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)  # (any version's)
         saved = checkpoint.get(_KEY) if isinstance(checkpoint, dict) else None
-        if saved is None:
-            return checkpoint  # written without FastDDPStrategy: the hook starts afresh
+        trainer = getattr(self.lightning_module, "_trainer", None)  # (the property raises)
+        if saved is None or (trainer is not None and trainer.state.fn != "fit"):
+            # Written without FastDDPStrategy: the hook starts afresh. Or validate/test/predict
+            # from a checkpoint, which run no hook: the checkpoint alone will do.
+            return checkpoint
         # ModelCheckpoint(save_last="link") makes last.ckpt a link to a checkpoint saved under
         # its own name, without calling save_checkpoint: the files are beside that one.
         target = str(checkpoint_path)

@@ -30,6 +30,9 @@ def _lightning_module():
             x, y = batch
             return nn.functional.mse_loss(self.net(x), y)
 
+        def test_step(self, batch, _):
+            return self.training_step(batch, _)
+
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -70,10 +73,11 @@ def lightning_fit(out: Path, kind: str) -> None:
 
 def lightning_resume(out: Path, phase: str) -> None:
     """bf16 summed in fp32 with error feedback, 2 ranks x 8 steps an epoch: "whole" runs 2
-    epochs, "first" 1 and saves a checkpoint at its end, "resumed" the second from it, "alone"
-    too on 1 rank, "lonely" from a copy without the hook's files; each writes its parameters.
-    (Elementwise rounding: the first resumed step's bucket layout, DDP's first, changes
-    nothing, where a block codec's scales would see other blocks.)"""
+        epochs, "first" 1 and saves a checkpoint at its end, "resumed" the second from it, "alone"
+        too on 1 rank, "lonely" from a copy without the hook's files; each writes its parameters.
+    "tested" tests from that copy.
+        (Elementwise rounding: the first resumed step's bucket layout, DDP's first, changes
+        nothing, where a block codec's scales would see other blocks.)"""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -97,6 +101,9 @@ def lightning_resume(out: Path, phase: str) -> None:
     )
     loader = torch.utils.data.DataLoader(_data(), batch_size=16)
     module = _lightning_module()()
+    if phase == "tested":  # a test run from the copy without the hook's files
+        trainer.test(module, loader, ckpt_path=out / "lonely.ckpt")
+        return
     ckpt = {"resumed": "last.ckpt", "alone": "first.ckpt", "lonely": "lonely.ckpt"}.get(phase)
     trainer.fit(module, loader, ckpt_path=None if ckpt is None else out / ckpt)
     flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])

@@ -80,6 +80,25 @@ def test_a_lightning_resume_keeps_each_ranks_residuals(tmp_path):
     assert "lonely.ckpt was saved by 2 ranks, each with its hook state beside it, but 2 of" in (
         res.stderr
     ), res.stderr[-3000:]
+    # Testing from it runs no hook: the checkpoint alone will do.
+    _run([sys.executable, str(SCRIPT), "resume-tested", str(tmp_path)], tmp_path, results=False)
+
+
+def test_a_checkpoint_saved_where_no_rank_trained_holds_no_hook_state(tmp_path):
+    # ddp_spawn's main process after fit: its copy of the state never ran, and the spawned
+    # processes, which had theirs, are gone. It wrote its one file and a marker of 2 ranks,
+    # and the resume then asked for a file that no one could copy.
+    pytest.importorskip("lightning")
+    import torch
+
+    import fastddp
+    from fastddp.integrations.lightning import FastDDPStrategy
+
+    strategy = FastDDPStrategy(fastddp.CompressState.from_preset("int8-ef"))
+    with pytest.warns(UserWarning, match="the checkpoint holds no hook state, and a fit resumed"):
+        strategy.save_checkpoint({"state_dict": {}}, tmp_path / "after.ckpt")
+    assert [p.name for p in tmp_path.iterdir()] == ["after.ckpt"]
+    assert "fastddp" not in torch.load(tmp_path / "after.ckpt")
 
 
 def test_fastddp_strategy_refuses_hook_arguments():
@@ -90,6 +109,8 @@ def test_fastddp_strategy_refuses_hook_arguments():
         FastDDPStrategy(ddp_comm_hook=print)
     with pytest.raises(TypeError, match="state must be a fastddp.CompressState"):
         FastDDPStrategy(state={"dtype": "fp16"})
+    with pytest.raises(TypeError, match=r"fastddp.CompressState.from_preset\('int8-ef'\)"):
+        FastDDPStrategy("int8-ef")
 
 
 @pytest.mark.multiproc
@@ -149,6 +170,23 @@ def test_accelerate_helper_refuses_an_unprepared_model():
         register_comm_hook(Two(), torch.nn.Linear(2, 2))
 
 
+def test_accelerate_seeing_one_process_of_several_is_refused(monkeypatch):
+    # Accelerator() on a machine without GPUs, under torchrun: each rank a job of one, which
+    # the helper left without a hook while the ranks trained apart.
+    pytest.importorskip("accelerate")
+    import torch
+
+    from fastddp.integrations.accelerate import register_comm_hook
+
+    class One:
+        num_processes = 1
+
+    assert register_comm_hook(One(), torch.nn.Linear(2, 2)) is None
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"sees one process, but WORLD_SIZE=2.*cpu=True"):
+        register_comm_hook(One(), torch.nn.Linear(2, 2))
+
+
 def test_an_accelerate_resume_refuses_a_model_saved_without_its_state(tmp_path):
     # Saved with one model hooked, resumed with two: the second model's residuals are not in
     # the checkpoint, and starting them from zero would go unnoticed.
@@ -200,6 +238,14 @@ def _framework_checks(rank, world):
     strategy.model = unused
     with pytest.raises(ValueError, match="with find_unused_parameters=True use delay=0"):
         strategy._register_ddp_hooks()
+    # A preset's name for a state, and one auto state for two models (whose turns would
+    # alternate between their backward passes), refused as by fastddp.register_comm_hook.
+    with pytest.raises(TypeError, match=r"CompressState.from_preset\('int8-ef'\)"):
+        register_comm_hook(_TwoProcesses(), DDP(torch.nn.Linear(4, 4)), "int8-ef")
+    auto, kept = fastddp.CompressState(dtype="auto"), DDP(torch.nn.Linear(4, 4))
+    register_comm_hook(_TwoProcesses(), kept, auto)
+    with pytest.raises(RuntimeError, match="registered on another model, which still exists"):
+        register_comm_hook(_TwoProcesses(), DDP(torch.nn.Linear(4, 4)), auto)
     # Accelerator(dynamo_backend=...) returns torch.compile(DDP(model)): the hook goes inside.
     model = DDP(torch.nn.Linear(4, 4))
     state = register_comm_hook(_TwoProcesses(), torch.compile(model))
