@@ -125,9 +125,19 @@ def _store_for(launcher, env, addr, port, rank, world, timeout):
     # so (and waits for the others with the same timeout).
     key = (addr, port, world, rank)
     if key not in _JOINED:
-        _JOINED[key] = dist.TCPStore(
-            addr, port, None, rank == 0, timeout, wait_for_workers=False, multi_tenant=True
-        )
+        try:
+            _JOINED[key] = dist.TCPStore(
+                addr, port, None, rank == 0, timeout, wait_for_workers=False, multi_tenant=True
+            )
+        except dist.DistNetworkError as e:
+            if rank != 0 or "EADDRINUSE" not in str(e):
+                raise
+            raise ClusterError(
+                f"fastddp.init_distributed: rank 0 serves the job's store at MASTER_PORT={port}, "
+                "and that port is taken on this host: another job uses it, or another process "
+                "was given RANK=0 as well; give each process its own RANK, and each job its own "
+                "MASTER_PORT"
+            ) from None
     else:
         _JOINED[key].set_timeout(timeout)  # this join's, for its waits and its group's
     return _JOINED[key], attempt, None

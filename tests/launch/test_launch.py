@@ -783,6 +783,9 @@ def test_one_rank_given_twice_is_refused_by_the_second():
             assert line, "a rank of the job ended before it started"
         late = slack.run([sys.executable, "-c", code], env=envs[1], capture_output=True,
                          text=True, timeout=slack.guard(60))  # fmt: skip
+        # A second RANK 0 finds the store's port taken (torch said EADDRINUSE alone).
+        late0 = slack.run([sys.executable, "-c", code], env=envs[0], capture_output=True,
+                          text=True, timeout=slack.guard(60))  # fmt: skip
     finally:
         for p in job:
             with contextlib.suppress(OSError):
@@ -792,6 +795,9 @@ def test_one_rank_given_twice_is_refused_by_the_second():
     assert [rc for rc, _ in results] == [0, 0], results
     assert late.returncode == 3, late.stdout + late.stderr
     assert "another process joined the store at MASTER_ADDR:MASTER_PORT as RANK 1" in late.stdout
+    assert late0.returncode == 3, late0.stdout + late0.stderr
+    taken = "that port is taken on this host: another job uses it, or another process was given"
+    assert f"{taken} RANK=0 as well" in late0.stdout, late0.stdout + late0.stderr
 
 
 def test_init_distributed_single_process_is_idempotent():
