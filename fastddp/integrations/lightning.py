@@ -47,6 +47,10 @@ class FastDDPStrategy(DDPStrategy):
         state (CompressState, optional): the hook's state (a bf16 one if ``None``). Each
             process gets its own copy (Lightning starts processes by re-running the script or
             by pickling the strategy), so read ``stats()`` inside the processes.
+        resume_hook_state (bool): whether a resumed ``fit`` loads the hook's state saved
+            beside the checkpoint (default); ``False`` starts the hook afresh (error-feedback
+            residuals zero), as for a fit resumed under other compression settings, which
+            the saved state does not fit.
         **kwargs: passed to ``DDPStrategy`` (``process_group_backend``, ``timeout``, DDP
             arguments such as ``bucket_cap_mb``...), except ``ddp_comm_hook``/``ddp_comm_state``
             /``ddp_comm_wrapper``.
@@ -54,7 +58,16 @@ class FastDDPStrategy(DDPStrategy):
 
     strategy_name = "fastddp"
 
-    def __init__(self, state: Optional[CompressState] = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        state: Optional[CompressState] = None,
+        *,
+        resume_hook_state: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(resume_hook_state, bool):
+            got = repr(resume_hook_state)
+            raise TypeError(f"FastDDPStrategy: resume_hook_state must be True or False, got {got}")
         taken = sorted({"ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"} & set(kwargs))
         if taken:
             raise ValueError(
@@ -69,6 +82,7 @@ class FastDDPStrategy(DDPStrategy):
             )
         super().__init__(**kwargs)
         self.compress_state = state if state is not None else CompressState()
+        self.resume_hook_state = resume_hook_state
 
     def _register_ddp_hooks(self) -> None:
         if not isinstance(self.model, DistributedDataParallel):
@@ -112,9 +126,10 @@ class FastDDPStrategy(DDPStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)  # (any version's)
         saved = checkpoint.get(_KEY) if isinstance(checkpoint, dict) else None
         trainer = getattr(self.lightning_module, "_trainer", None)  # (the property raises)
-        if saved is None or (trainer is not None and trainer.state.fn != "fit"):
-            # Written without FastDDPStrategy: the hook starts afresh. Or validate/test/predict
-            # from a checkpoint, which run no hook: the checkpoint alone will do.
+        fitting = trainer is None or trainer.state.fn == "fit"
+        if saved is None or not fitting or not self.resume_hook_state:
+            # Written without FastDDPStrategy, or resume_hook_state=False: the hook starts
+            # afresh. Or validate/test/predict, which run no hook: the checkpoint alone will do.
             return checkpoint
         # ModelCheckpoint(save_last="link") makes last.ckpt a link to a checkpoint saved under
         # its own name, without calling save_checkpoint: the files are beside that one.

@@ -75,7 +75,7 @@ def lightning_resume(out: Path, phase: str) -> None:
     """bf16 summed in fp32 with error feedback, 2 ranks x 8 steps an epoch: "whole" runs 2
         epochs, "first" 1 and saves a checkpoint at its end, "resumed" the second from it, "alone"
         too on 1 rank, "lonely" from a copy without the hook's files; each writes its parameters.
-    "tested" tests from that copy.
+    "tested" tests from that copy, "switched" resumes under int8 without the hook's state.
         (Elementwise rounding: the first resumed step's bucket layout, DDP's first, changes
         nothing, where a block codec's scales would see other blocks.)"""
     import lightning as L
@@ -83,12 +83,13 @@ def lightning_resume(out: Path, phase: str) -> None:
 
     from fastddp.integrations.lightning import FastDDPStrategy
 
-    state = fastddp.CompressState.from_preset("bf16-acc-ef")
+    # "switched": resumed under int8, which bf16's saved state does not fit, left unloaded.
+    state = fastddp.CompressState.from_preset("int8-ef" if phase == "switched" else "bf16-acc-ef")
     saving = phase == "first"
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1 if phase == "alone" else 2,
-        strategy=FastDDPStrategy(state),
+        strategy=FastDDPStrategy(state, resume_hook_state=phase != "switched"),
         max_epochs=1 if saving else 2,
         logger=False,
         enable_checkpointing=saving,
@@ -104,7 +105,8 @@ def lightning_resume(out: Path, phase: str) -> None:
     if phase == "tested":  # a test run from the copy without the hook's files
         trainer.test(module, loader, ckpt_path=out / "lonely.ckpt")
         return
-    ckpt = {"resumed": "last.ckpt", "alone": "first.ckpt", "lonely": "lonely.ckpt"}.get(phase)
+    ckpt = {"resumed": "last.ckpt", "alone": "first.ckpt", "lonely": "lonely.ckpt",
+            "switched": "first.ckpt"}.get(phase)  # fmt: skip
     trainer.fit(module, loader, ckpt_path=None if ckpt is None else out / ckpt)
     flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
     torch.save(flat, out / f"{phase}-rank{trainer.global_rank}.pt")

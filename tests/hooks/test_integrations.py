@@ -80,8 +80,13 @@ def test_a_lightning_resume_keeps_each_ranks_residuals(tmp_path):
     assert "lonely.ckpt was saved by 2 ranks, each with its hook state beside it, but 2 of" in (
         res.stderr
     ), res.stderr[-3000:]
-    # Testing from it runs no hook: the checkpoint alone will do.
-    _run([sys.executable, str(SCRIPT), "resume-tested", str(tmp_path)], tmp_path, results=False)
+    # Testing from it runs no hook: the checkpoint alone will do. And a fit resumed under
+    # other settings, with resume_hook_state=False, starts the hook afresh.
+    for phase in ("tested", "switched"):
+        cmd = [sys.executable, str(SCRIPT), f"resume-{phase}", str(tmp_path)]
+        _run(cmd, tmp_path, results=False)
+    switched, first = (torch.load(tmp_path / f"{p}-rank0.pt") for p in ("switched", "first"))
+    assert torch.isfinite(switched).all() and not torch.equal(switched, first)
 
 
 def test_a_checkpoint_saved_where_no_rank_trained_holds_no_hook_state(tmp_path):
