@@ -6,6 +6,7 @@ without a cluster. :mod:`fastddp.launch` turns the launcher settings into torchr
 """
 
 import re
+import warnings
 from collections.abc import Mapping
 from typing import NamedTuple, Optional
 
@@ -323,6 +324,14 @@ def process_settings(env: Mapping[str, str]) -> tuple[str, dict[str, Setting]]:
                 f"MASTER_ADDR and MASTER_PORT on every process (or unset {given} for a "
                 "single process)"
             )
+    tasks = env.get("SLURM_NTASKS", "")
+    if env.get("SLURM_JOB_ID") and tasks.isdigit() and int(tasks) > 1:  # a batch script's
+        warnings.warn(
+            f"fastddp: this Slurm job has SLURM_NTASKS={tasks}, but this process is no srun "
+            "task (SLURM_STEP_ID is not set), so it runs alone, as rank 0 of 1; start the "
+            f"script with srun to run {tasks} ranks",
+            stacklevel=3,
+        )
     return "single", {
         "rank": Setting(0, "single process"),
         "world_size": Setting(1, "single process"),

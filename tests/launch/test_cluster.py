@@ -1,5 +1,6 @@
 """Environment tables: Slurm node lists, cluster detection, per-process settings."""
 
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -234,6 +235,17 @@ def test_process_settings_tables(env, source, want):
     found, settings = process_settings(env)
     assert found == source
     assert {key: settings[key].value for key in want} == want
+
+
+def test_a_batch_script_of_several_tasks_is_warned_that_it_runs_alone():
+    # python train.py in an sbatch script of 4 tasks, srun forgotten: one process, rank 0 of 1.
+    batch = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"}
+    with pytest.warns(UserWarning, match=r"SLURM_NTASKS=4, but this process is no srun task"):
+        assert process_settings(batch)[0] == "single"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        process_settings({**batch, "SLURM_NTASKS": "1"})  # one task: nothing to say
+        process_settings({})
 
 
 def test_process_settings_errors():
