@@ -104,7 +104,7 @@ def _store_for(launcher, env, addr, port, rank, world, timeout):
     attempt = f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', 0)}"
     if launcher == "torchrun" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's agent already serves the store on MASTER_PORT: every rank is a client.
-        client = dist.TCPStore(addr, port, is_master=False, timeout=timeout, wait_for_workers=False)
+        client = _client(addr, port, timeout)
         if client.check([ROUND_STORE_MARKER]):
             # fastddp.launch serves a fresh store per round: it holds this attempt's keys only,
             # and the restart count may differ between nodes (a node started again counts
@@ -126,8 +126,12 @@ def _store_for(launcher, env, addr, port, rank, world, timeout):
     key = (addr, port, world, rank)
     if key not in _JOINED:
         try:
-            _JOINED[key] = dist.TCPStore(
-                addr, port, None, rank == 0, timeout, wait_for_workers=False, multi_tenant=True
+            _JOINED[key] = (
+                dist.TCPStore(
+                    addr, port, None, True, timeout, wait_for_workers=False, multi_tenant=True
+                )
+                if rank == 0
+                else _client(addr, port, timeout)
             )
         except dist.DistNetworkError as e:
             if rank != 0 or "EADDRINUSE" not in str(e):
@@ -141,6 +145,33 @@ def _store_for(launcher, env, addr, port, rank, world, timeout):
     else:
         _JOINED[key].set_timeout(timeout)  # this join's, for its waits and its group's
     return _JOINED[key], attempt, None
+
+
+def _client(addr: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """A client of the store at ``addr:port``, within ``timeout`` (and a few seconds) or a
+    :class:`ClusterError`: torch's client waits for good on a server that accepts and never
+    answers (rank 0's process stopped while serving it, or another program on the port)."""
+    made: list = []
+
+    def connect() -> None:
+        try:
+            made.append(dist.TCPStore(addr, port, None, False, timeout, wait_for_workers=False))
+        except Exception as e:  # (its own timeout, a refusal: raised below as torch's)
+            made.append(e)
+
+    thread = threading.Thread(target=connect, name="fastddp-store-client", daemon=True)
+    thread.start()
+    thread.join(timeout.total_seconds() + 5.0)
+    if not made:
+        raise ClusterError(
+            f"fastddp.init_distributed: the job's store at {addr}:{port} took this rank's "
+            f"connection but did not answer within the timeout ({timeout}): the process that "
+            "serves it (rank 0's where the ranks were started by hand, by srun or by mpirun) "
+            "is stopped or hung, or another program holds MASTER_PORT"
+        )
+    if isinstance(made[0], Exception):
+        raise made[0]
+    return made[0]
 
 
 def agree(

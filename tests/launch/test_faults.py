@@ -5,6 +5,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -280,11 +281,56 @@ def test_a_stopped_rank_0_that_serves_the_store_is_named():
     assert "rank 0 is stopped, hung outside Python or dead" in out, out
 
 
-def _hand_started(argv, world=2):
-    """``world`` ranks from hand-set variables, each running ``python argv...``."""
+_JOINING = """
+import datetime, sys, time
+import fastddp
+try:
+    fastddp.init_distributed(timeout=datetime.timedelta(seconds=float(sys.argv[1])))
+except fastddp.ClusterError as e:
+    print(f"refused: {e}", flush=True)
+    raise SystemExit(3)
+"""
+
+
+@pytest.mark.faults
+def test_a_rank_joining_a_stopped_rank_0_is_told_within_its_timeout():
+    # Rank 0's process serves the store and is stopped (a debugger, Ctrl-Z) before rank 1
+    # joins: the kernel takes rank 1's connection, and torch's client waited for an answer for
+    # good, whatever init_distributed's timeout said.
     port = free_port()
+    (first,) = _hand_started(["-c", _JOINING, "120"], ranks=[0], port=port)
+    try:
+        deadline = time.monotonic() + slack.guard(60)
+        while not _listening(port):
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.1)
+        os.kill(first.pid, signal.SIGSTOP)
+        began = time.monotonic()
+        (second,) = _hand_started(["-c", _JOINING, "5"], ranks=[1], port=port)
+        rc, out = _finish(second, 120)
+        took = time.monotonic() - began
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(first.pid, signal.SIGKILL)
+        first.communicate()
+    assert rc == 3, out
+    assert f"the job's store at 127.0.0.1:{port} took this rank's connection but did not" in out
+    assert "is stopped or hung, or another program holds MASTER_PORT" in out, out
+    assert took < slack.guard(60), took  # not forever
+
+
+def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+        return True
+    return False
+
+
+def _hand_started(argv, world=2, ranks=None, port=None):
+    """``world`` ranks from hand-set variables, each running ``python argv...`` (``ranks``: the
+    ranks to start, default all), meeting at ``port`` (default a free one)."""
+    port = free_port() if port is None else port
     procs = []
-    for rank in range(world):
+    for rank in range(world) if ranks is None else ranks:
         env = {
             **os.environ,
             "RANK": str(rank),
