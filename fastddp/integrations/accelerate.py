@@ -61,6 +61,11 @@ def register_comm_hook(
     # With Accelerator(dynamo_backend=...), prepare() returns torch.compile(DDP(model)): the
     # hook goes on the DDP inside, as before the compiled model's first step.
     ddp = getattr(model, "_orig_mod", model)
+    if not isinstance(ddp, DistributedDataParallel) and _sharded(ddp):
+        raise TypeError(
+            f"{where}: the model is sharded by FSDP, which takes no DDP comm hook; use "
+            "fastddp.fsdp (compress_reduce_scatter) on it, or DDP in Accelerate's config"
+        )
     if not isinstance(ddp, DistributedDataParallel):
         raise TypeError(
             f"{where}: pass the model returned by accelerator.prepare() (a "
@@ -119,6 +124,13 @@ def _keep_with_checkpoints(accelerator, state: CompressState) -> None:
 
     accelerator.register_save_state_pre_hook(save)
     accelerator.register_load_state_pre_hook(load)
+
+
+def _sharded(model) -> bool:
+    # FSDP1's wrapper, or a module fully_shard (FSDP2) made an FSDPModule.
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return isinstance(model, (FSDPModule, FullyShardedDataParallel))
 
 
 def _ordinal(index: int) -> str:

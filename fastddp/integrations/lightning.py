@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 try:
     from lightning.fabric.utilities.cloud_io import get_filesystem
-    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
         "fastddp.integrations.lightning needs Lightning: pip install lightning"
@@ -68,6 +68,13 @@ class FastDDPStrategy(DDPStrategy):
         if not isinstance(resume_hook_state, bool):
             got = repr(resume_hook_state)
             raise TypeError(f"FastDDPStrategy: resume_hook_state must be True or False, got {got}")
+        settings = sorted(_STATE_SETTINGS & set(kwargs))  # (DDP would refuse them, later)
+        if settings:
+            raise TypeError(
+                f"FastDDPStrategy: {', '.join(settings)} are the hook's settings; give them to "
+                "its state: FastDDPStrategy(fastddp.CompressState(...)), or "
+                "fastddp.CompressState.from_preset(name)"
+            )
         taken = sorted({"ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"} & set(kwargs))
         if taken:
             raise ValueError(
@@ -159,3 +166,13 @@ class FastDDPStrategy(DDPStrategy):
 
 _KEY = "fastddp"
 _SUFFIX = ".fastddp-rank"
+_STATE_SETTINGS = {"dtype", "preset", "allow", "accumulate_dtype", "error_feedback", "block_size",
+                   "stochastic_rounding", "seed", "topology", "delay"}  # fmt: skip
+
+# Trainer(strategy="fastddp"), once this module is imported: bf16 on every device.
+StrategyRegistry.register(
+    FastDDPStrategy.strategy_name,
+    FastDDPStrategy,
+    description="DDP with fastddp.compress_hook (bf16) on every device",
+    override=True,
+)

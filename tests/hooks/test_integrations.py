@@ -116,6 +116,13 @@ def test_fastddp_strategy_refuses_hook_arguments():
         FastDDPStrategy(state={"dtype": "fp16"})
     with pytest.raises(TypeError, match=r"fastddp.CompressState.from_preset\('int8-ef'\)"):
         FastDDPStrategy("int8-ef")
+    # The hook's settings, which DDPStrategy would hand DDP, to fail in every process.
+    with pytest.raises(TypeError, match="dtype, error_feedback are the hook's settings; give"):
+        FastDDPStrategy(dtype="int8", error_feedback=True)
+    # Trainer(strategy="fastddp") once the module is imported.
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert isinstance(StrategyRegistry.get("fastddp"), FastDDPStrategy)
 
 
 @pytest.mark.multiproc
@@ -173,6 +180,12 @@ def test_accelerate_helper_refuses_an_unprepared_model():
 
     with pytest.raises(TypeError, match="pass the model returned by accelerator.prepare"):
         register_comm_hook(Two(), torch.nn.Linear(2, 2))
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = torch.nn.Linear(2, 2)  # its class swapped, as fully_shard does
+    sharded.__class__ = type("FSDPLinear", (FSDPModule, torch.nn.Linear), {})
+    with pytest.raises(TypeError, match=r"sharded by FSDP.*use fastddp.fsdp"):
+        register_comm_hook(Two(), sharded)
 
 
 def test_accelerate_seeing_one_process_of_several_is_refused(monkeypatch):
