@@ -206,7 +206,8 @@ def main(argv=None):
     if args.nproc is not None and args.nproc < 1:
         p.error("--nproc must be at least 1")
     if args.link != "none" and not valid_rate(args.link):
-        p.error(f"--link {args.link}: give a rate in bits per second (1gbit, 100mbit) or none")
+        p.error(f"--link {args.link}: give a rate in bits per second, at least 8bit (1gbit, "
+                "100mbit), or none")  # fmt: skip
     if "RANK" in os.environ:  # started by a launcher
         # Gloo on CPU even where GPUs exist: this demo compares the CPU paths.
         timeout = timedelta(seconds=120)

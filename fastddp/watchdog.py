@@ -143,8 +143,9 @@ class PeerWatchdog:
     def _leave(self) -> None:
         # Rank 0's exit takes its store away: a rank still at work that had not yet read its
         # "done" would then report rank 0 and the store lost. Stay until every other rank has
-        # ended or read it (each reads once an interval), or two intervals have passed.
-        deadline = time.monotonic() + 2 * self.interval + 2.0
+        # ended or read it (each reads once an interval), or an interval and a half has passed
+        # (one that ended without a word, or whose watchdog is off, is not waited for longer).
+        deadline = time.monotonic() + 1.5 * self.interval + 1.0
         while time.monotonic() < deadline:
             if int(self._store.add(self._prefix + _PAST, 0)) >= self.world_size - 1:
                 return
@@ -214,6 +215,11 @@ class PeerWatchdog:
                 self._last_error = e
                 continue
             self._last_ok = time.monotonic()
+            if failed or lost:
+                self._others = len(peers) - len(done) - len(failed) - len(lost)
+                message = self._failed_message(failed) if failed else self._message(lost)
+                self._report(message, told=True)
+                return
             if 0 in done and self.store_in_rank0:
                 # Rank 0 finished, and its store goes with its process: none of this rank's
                 # collectives can wait for it now, and nothing is left to watch with.
@@ -222,11 +228,6 @@ class PeerWatchdog:
                 with self._stopping:
                     self._stopped = True
                 self._stop.set()
-                return
-            if failed or lost:
-                self._others = len(peers) - len(done) - len(failed) - len(lost)
-                message = self._failed_message(failed) if failed else self._message(lost)
-                self._report(message, told=True)
                 return
 
     def _watch_progress(self) -> None:

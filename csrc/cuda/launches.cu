@@ -32,13 +32,21 @@ cudaError_t new_stream(int device, bool high_priority, cudaStream_t* out) {
 }
 
 cudaError_t synchronize(int device) {
-  // The bucket's device, which the autograd thread that runs the hook has made current.
+  // The bucket's device, which the autograd thread that runs the hook has made current; DDP
+  // may run a hook on the caller's thread too (at the end of backward), whose device may be
+  // another: switched to for the wait, and back (the bucket's device has its context).
   int current = 0;
   cudaError_t e = cudaGetDevice(&current);
+  if (e != cudaSuccess || current == device) {
+    return e != cudaSuccess ? e : cudaDeviceSynchronize();
+  }
+  e = cudaSetDevice(device);
   if (e != cudaSuccess) {
     return e;
   }
-  return current == device ? cudaDeviceSynchronize() : cudaErrorInvalidDevice;
+  e = cudaDeviceSynchronize();
+  const cudaError_t back = cudaSetDevice(current);
+  return e != cudaSuccess ? e : back;
 }
 
 namespace {

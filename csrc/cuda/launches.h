@@ -32,7 +32,7 @@ extern template cudaError_t run(int, cudaStream_t, const UnpackArgs&);
 // its lowest, in `out`. Never destroyed: a few a device and process (fastddp/hooks/runtime.py).
 cudaError_t new_stream(int device, bool high_priority, cudaStream_t* out);
 
-// Waits for all work queued on `device`, which must be the current device.
+// Waits for all work queued on `device` (made current for the wait, then the current again).
 cudaError_t synchronize(int device);
 
 }  // namespace fastddp::cuda

@@ -1,7 +1,8 @@
 """When ``dtype="auto"`` plans again: the planned step held against the steps since.
 
 Every ``check_every`` steps the median period is held against the planned figure (the slowest
-rank's, as in the trial); off by more than ``margin`` at two checks in a row (a link that
+rank's, as in the trial; on CUDA the plan's first judged figure, see :meth:`Checks.judge`); off
+by more than ``margin`` at two checks in a row (a link that
 degrades, or recovers), the trial runs again. At a new plan the residuals of every bucket a
 candidate no longer reduces are owed to their parameters (``owed.py``).
 
@@ -57,11 +58,12 @@ class _Slowest:
 class Checks:
     """The checks of one plan: the reduction in flight and the checks off in a row."""
 
-    __slots__ = ("strikes", "_pending")
+    __slots__ = ("strikes", "_pending", "_reference")
 
     def __init__(self) -> None:
         self.strikes = 0
         self._pending: Optional[_Slowest] = None
+        self._reference: Optional[float] = None  # seconds the later checks are held against
 
     def check(
         self, recent: list[float], planned_ms: float, margin: float, group, device
@@ -72,8 +74,17 @@ class Checks:
         previous, self._pending = self._pending, _Slowest(recent, group, device)
         if previous is None:
             return None
-        planned = planned_ms / 1e3
-        ratio = previous.seconds() / planned
+        return self.judge(previous.seconds(), planned_ms, margin, device.type == "cuda")
+
+    def judge(self, seconds: float, planned_ms: float, margin: float, settled: bool) -> float:
+        """:meth:`check`'s verdict on the slowest median ``seconds``. ``settled``: the trial's
+        steps waited for the device at each clock reading (CUDA, ``trial.settle``) and the
+        plan's do not, so the plan's first figure is what the later ones are held against,
+        rather than the trial's: a host that overlaps the kernels makes them differ."""
+        if settled and self._reference is None:
+            self._reference = seconds
+        planned = planned_ms / 1e3 if self._reference is None else self._reference
+        ratio = seconds / planned
         self.strikes = self.strikes + 1 if abs(ratio - 1) > margin else 0
         if self.strikes >= 2:
             logger.info(

@@ -34,6 +34,7 @@ class Switch:
 
     def move(self, control: Any, model: Any) -> None:
         """Go on with the hook of another model, this one's being gone (counted first)."""
+        control.settling = self.control.settling  # (mid-trial: the stamps go on waiting)
         self.control, self._model = control, weakref.ref(model)
         self._base, self.handed = self.seen, []
 
@@ -88,6 +89,8 @@ class Switch:
             self.control.run_native(to_check - 1)
 
     def stop(self) -> None:
-        """Take back every step handed over and not yet run."""
+        """Take back every step handed over and not yet run (and wait for the device no more
+        before a stamp, until told again)."""
         self.handed = []
         self.control.run_native(0)
+        self.control.settling = False

@@ -304,6 +304,22 @@ def _kernels_timed(rank, world):
     dist.destroy_process_group(nccl)
 
 
+def test_on_cuda_a_plan_is_held_against_its_own_first_figure():
+    # The trial's steps waited for the device at each clock reading, the plan's do not: where
+    # the host overlaps the kernels the two differ, and every check would strike against the
+    # trial's figure, a trial again every two checks. On the CPU the trial's figure holds.
+    from fastddp.hooks import replan
+
+    cpu = replan.Checks()
+    assert [cpu.judge(0.07, 100.0, 0.25, False) for _ in range(2)] == pytest.approx([0.7, 0.7])
+    assert cpu.strikes == 2
+    cuda = replan.Checks()
+    ratios = [cuda.judge(s, 100.0, 0.25, True) for s in (0.07, 0.077, 0.07)]
+    assert ratios == pytest.approx([1.0, 1.1, 1.0]) and cuda.strikes == 0
+    cuda.judge(0.2, 100.0, 0.25, True)  # a link that slows down is seen from there on
+    assert cuda.judge(0.2, 100.0, 0.25, True) == pytest.approx(0.2 / 0.07) and cuda.strikes == 2
+
+
 @pytest.mark.cuda
 @pytest.mark.multiproc
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -105,10 +105,13 @@ def _diloco_on_sim(rank, world):
     nccl_sim.install()
     sim = dist.new_group(backend=nccl_sim.BACKEND)
     node_group = fastddp.DiLoCo.node_group()
+    sim_streams.early_frees()
     for overlap in (False, True):
         want = _diloco_rounds(None, node_group, overlap, rank)
         got = _diloco_rounds(sim, node_group, overlap, rank)
         assert torch.isfinite(want).all() and torch.equal(got, want), f"overlap={overlap}"
+        gc.collect()
+        assert sim_streams.early_frees() == [], f"overlap={overlap}"
 
 
 def test_diloco_rounds_on_nccl_s_order_equal_gloo():
