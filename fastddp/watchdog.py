@@ -130,9 +130,10 @@ class PeerWatchdog:
         end = _DONE if failure is None else f"{_FAILED}{self._me}|{failure}"
         with contextlib.suppress(Exception):  # the store may be gone at the end of a job
             self._store.set(self._key(self.rank), end)
-            self._past()
-            if self.store_in_rank0 and self.rank == 0 and failure is None:
-                self._leave()
+            if self.store_in_rank0:  # (a launcher's store outlives rank 0: nothing to count)
+                self._past()
+                if self.rank == 0 and failure is None:
+                    self._leave()
 
     def _past(self) -> None:
         # Once per rank but 0: it needs rank 0's store no more (it ended, or saw rank 0 end).

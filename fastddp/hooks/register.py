@@ -15,7 +15,7 @@ from fastddp.hooks.presets import named_preset
 from fastddp.hooks.state import CompressState
 from fastddp.hooks.switch import Switch
 
-__all__ = ["register", "register_comm_hook"]
+__all__ = ["check_type", "checked", "register", "register_comm_hook"]
 
 
 def register_comm_hook(
@@ -63,11 +63,7 @@ def register(
         raise TypeError(
             f"{where}: model must be a DistributedDataParallel, got {type(model).__name__}; {fix}"
         )
-    if state is not None and not isinstance(state, CompressState):
-        raise TypeError(
-            f"{where}: state must be a fastddp.CompressState or None, got "
-            f"{type(state).__name__}{named_preset(state, 'fastddp.CompressState.from_preset')}"
-        )
+    check_type(state, where)
     state = checked(model, state, where)
     runner = getattr(state, "_runner", None)
     if not isinstance(state, AutoState) and runner is None:
@@ -103,6 +99,16 @@ def register(
     # Once the reducer took it (a second registration raises there, and is not kept).
     model._comm_hooks.append((compress_hook, state))
     return state
+
+
+def check_type(state, where: str) -> None:
+    """Refuse a ``state`` that is neither a :class:`CompressState` nor None (a preset's name is
+    answered with ``from_preset``); for the frameworks' helpers too."""
+    if state is not None and not isinstance(state, CompressState):
+        raise TypeError(
+            f"{where}: state must be a fastddp.CompressState or None, got "
+            f"{type(state).__name__}{named_preset(state, 'fastddp.CompressState.from_preset')}"
+        )
 
 
 def checked(

@@ -24,8 +24,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from fastddp.hooks import CompressState
-from fastddp.hooks.presets import named_preset
-from fastddp.hooks.register import register
+from fastddp.hooks.register import check_type, register
 
 __all__ = ["register_comm_hook"]
 
@@ -45,10 +44,7 @@ def register_comm_hook(
         The state in use (for ``stats()``), or ``None`` with a single process.
     """
     where = "fastddp.integrations.accelerate.register_comm_hook"
-    if state is not None and not isinstance(state, CompressState):
-        hint = named_preset(state, "fastddp.CompressState.from_preset")
-        raise TypeError(f"{where}: state must be a fastddp.CompressState or None, got "
-                        f"{type(state).__name__}{hint}")  # fmt: skip
+    check_type(state, where)  # (before a single process returns: wrong there too)
     if accelerator.num_processes == 1:
         launched = os.environ.get("WORLD_SIZE", "1")
         if launched.isdigit() and int(launched) > 1:  # each rank would train alone

@@ -34,8 +34,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from fastddp.hooks import CompressState, compress_hook
-from fastddp.hooks.presets import named_preset
-from fastddp.hooks.register import checked
+from fastddp.hooks.register import check_type, checked
 
 __all__ = ["FastDDPStrategy"]
 
@@ -81,12 +80,7 @@ class FastDDPStrategy(DDPStrategy):
                 f"FastDDPStrategy registers fastddp.compress_hook itself; drop {', '.join(taken)} "
                 "(give settings through state=fastddp.CompressState(...))"
             )
-        if state is not None and not isinstance(state, CompressState):
-            hint = named_preset(state, "fastddp.CompressState.from_preset")
-            got = type(state).__name__
-            raise TypeError(
-                f"FastDDPStrategy: state must be a fastddp.CompressState, got {got}{hint}"
-            )
+        check_type(state, "FastDDPStrategy")
         super().__init__(**kwargs)
         self.compress_state = state if state is not None else CompressState()
         self.resume_hook_state = resume_hook_state
