@@ -15,7 +15,7 @@ from typing import Optional
 from torch.distributed import run as torchrun
 
 from fastddp.cluster import ClusterError, VariableError, launcher_settings
-from fastddp.launch import failures, options, stop, store
+from fastddp.launch import failures, options, slurm, stop, store
 from fastddp.launch.preflight import Decisions, LaunchError, apply, gpus_visible, preflight, say
 
 __all__ = ["build_parser", "main"]
@@ -143,13 +143,9 @@ def _apply_cluster(parser: argparse.ArgumentParser, pre: argparse.Namespace, arg
             parser.set_defaults(**{key: str(value)})
             filled[key] = (value, source)
             say(f"{key}={value} (from {kind}: {source})")
-    if kind == "slurm" and "SLURM_STEP_ID" not in os.environ and _max_nodes(nnodes) > 1:
-        say(
-            "warning: SLURM_STEP_ID is not set, so this launcher is not an srun task: in a "
-            "batch script it runs on the first node only, and the job's other nodes start "
-            "nothing. Start one launcher per node: srun --ntasks-per-node=1 python -m "
-            "fastddp.launch ..."
-        )
+    if kind == "slurm":
+        for line in slurm.warnings(os.environ, str(nnodes), settings.get("nnodes")):
+            say(line)
     return filled
 
 

@@ -94,6 +94,22 @@ def test_a_launcher_outside_srun_is_warned_of(launch):
     assert status == 0 and "not an srun task" not in err, err
 
 
+def test_more_nodes_than_the_slurm_step_has_are_warned_of(launch):
+    # Each launcher would wait for nodes that never start, until the rendezvous' timeout.
+    step = dict(SLURM, SLURM_STEP_NUM_NODES=2, SLURM_NODEID=0, SLURM_NODELIST="a,b")
+    status, err = launch("--nnodes", "4", **step)
+    assert status == 0, err
+    assert (
+        "warning: --nnodes 4 needs 4 nodes, but Slurm starts launchers on 2"
+        " (SLURM_STEP_NUM_NODES=2)" in err
+    ), err
+    assert "Give --nnodes 2 (or leave it out" in err and "srun -N 4" in err, err
+    # An elastic range that two nodes meet, Slurm's own count, and fewer nodes: no warning.
+    for args in (["--nnodes", "1:4"], [], ["--nnodes", "1", "--node-rank", "0"]):
+        status, err = launch(*args, **step)
+        assert status == 0 and "needs" not in err, (args, err)
+
+
 def test_a_local_rendezvous_takes_a_run_id_of_its_own(launch):
     # As torchrun's: --rdzv-id names no other node of a one-node launch.
     for args in (["--standalone"], []):
