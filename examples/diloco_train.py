@@ -35,6 +35,12 @@ def main(argv=None):
         p.error(f"--sync-every {args.sync_every} is more than --steps {args.steps}: no outer "
                 "round would run, and the nodes would train apart")  # fmt: skip
     with fastddp.distributed_session() as env:
+        if args.pretend_nodes and env.num_nodes > 1:
+            raise SystemExit(  # every rank knows the nodes alike
+                f"diloco_train: --pretend-nodes splits one machine's ranks into nodes, but this "
+                f"job already runs on {env.num_nodes} nodes (their groups would cross them); "
+                "leave it out"
+            )
         if args.pretend_nodes and env.local_world_size % args.pretend_nodes:
             raise SystemExit(  # on every rank alike, before any collective
                 f"diloco_train: --pretend-nodes {args.pretend_nodes} splits this machine's "

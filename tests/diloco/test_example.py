@@ -1,12 +1,15 @@
 """``examples/diloco_train.py`` runs under the launcher as documented, and learns."""
 
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from fastddp.testing import slack
+from fastddp.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,3 +46,29 @@ def test_pretend_nodes_that_do_not_divide_the_ranks_are_refused():
     out = res.stdout + res.stderr
     assert res.returncode != 0, out
     assert "--pretend-nodes 3 splits this machine's 2 rank(s) unevenly" in out, out
+
+
+def test_pretend_nodes_on_a_job_of_several_nodes_are_refused():
+    # Ranks of two nodes (hand-started, each its own FASTDDP_NODE_ID): pretend nodes cut
+    # across them, so DDP would cross the slow link every step.
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_WORLD_SIZE", "GROUP_RANK")}
+        env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        env.update(MASTER_PORT=str(port), FASTDDP_NODE_ID=f"n{rank}", OMP_NUM_THREADS="1")
+        cmd = [sys.executable, str(ROOT / "examples" / "diloco_train.py"), "--pretend-nodes", "1"]
+        procs.append(
+            subprocess.Popen(
+                [*cmd, "--steps", "2", "--sync-every", "2"],
+                cwd=ROOT,
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        )
+    for proc in procs:
+        out, _ = proc.communicate(timeout=slack.guard(120))
+        assert proc.returncode != 0, out
+        assert "this job already runs on 2 nodes (their groups would cross them)" in out, out
