@@ -7,9 +7,10 @@ The model is a decoder-only transformer (causal self-attention and MLP blocks); 
 Python's own ``argparse`` module source, as printable-ASCII characters, each rank reading its
 own windows. ``--preset`` is one of ``fastddp.PRESETS``, ``auto`` (fastddp measures the modes
 on this job and keeps the fastest) or ``none`` (plain DDP). Rank 0 prints the loss, then the
-median step time over the last half of the steps (after ``auto`` has planned) and, with
-``auto``, what it chose; ``--json`` also writes them, with ``auto``'s whole plan, every step's
-time and the median forward, backward and optimizer times.
+median step time over the last half of the steps (with ``auto``, only those after its plan)
+and, with ``auto``, what it chose; ``--json`` also writes them (``chose`` is null while
+nothing is planned), with ``auto``'s whole plan, every step's time and the median forward,
+backward and optimizer times.
 """
 
 import argparse
@@ -31,6 +32,15 @@ def corpus() -> torch.Tensor:
     return torch.tensor([min(max(ord(c), 32), 127) - 32 for c in text], dtype=torch.long)
 
 
+def _mode(name: str) -> str:
+    """One of auto's candidates: "none" or a preset, with a path or not ("int8-ef:flat")."""
+    if name.partition(":")[0] not in ("none", *fastddp.PRESETS):
+        raise argparse.ArgumentTypeError(
+            f"{name!r} is no mode; name none or a preset ({', '.join(fastddp.PRESETS)})"
+        )
+    return name
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="auto", choices=["none", "auto", *fastddp.PRESETS])
@@ -39,7 +49,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--allow", nargs="+", help="auto's candidates (default: fastddp's)")
+    p.add_argument("--allow", nargs="+", type=_mode, help="auto's candidates (default: fastddp's)")
     p.add_argument("--json", help="rank 0 writes the summary here")
     args = p.parse_args()
     if args.steps < 1:
@@ -51,6 +61,8 @@ def main() -> None:
         p.error(f"--allow names auto's candidates; with --preset {args.preset} it has none")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         p.error(f"--json {args.json}: its folder does not exist; make it first")
+    if args.json and os.path.isdir(args.json):
+        p.error(f"--json {args.json} is a folder; name a file in it")
 
     with fastddp.distributed_session() as env:
         torch.manual_seed(0)  # the same initial model on every rank
@@ -84,14 +96,19 @@ def main() -> None:
             phases.append((forward - start, backward - forward, end - backward))
             if env.is_main and (step % 20 == 0 or step == args.steps):
                 print(f"step {step:4d}  loss {loss:.3f}", flush=True)
-        timed = times[len(times) // 2 :]
+        first = len(times) // 2  # the steps timed: the last half, and none of auto's trial
         chose = plan = None
         if args.preset == "auto":
             plan = state.stats()["plan"]
-            chose = plan["summary"] if plan else "nothing yet (the trial needs more --steps)"
+            chose = plan["summary"] if plan else None
+            if plan:
+                first = max(first, min(plan["made_at_step"], len(times) - 1))
+        timed = times[first:]
         if env.is_main:
             ms = statistics.median(timed) * 1e3
             choice = f", chose {chose}" if chose else ""
+            if args.preset == "auto" and not plan:
+                choice = ", chose nothing yet (the trial needs more --steps)"
             print(
                 f"{args.preset}: {env.world_size} rank(s), median step {ms:.1f} ms over the last "
                 f"{len(timed)} steps, final loss {loss:.3f}{choice}",
@@ -104,7 +121,7 @@ def main() -> None:
                     summary["steps_ms"] = [t * 1e3 for t in times]
                     # Where the time goes, over the same steps (on GPU, forward and backward
                     # are mostly launch time; the wait lands in the optimizer's share).
-                    late = phases[len(phases) // 2 :]
+                    late = phases[first:]
                     summary["phase_ms"] = {
                         name: statistics.median(p[i] for p in late) * 1e3
                         for i, name in enumerate(("forward", "backward", "optimizer"))

@@ -74,6 +74,8 @@ def _args(argv=None):
         p.error(f"--ckpt-dir {args.ckpt_dir} is a file; name a folder (made if missing)")
     if args.out is not None and not args.out.absolute().parent.is_dir():
         p.error(f"--out {args.out}: its folder does not exist; make it first")
+    if args.out is not None and args.out.is_dir():
+        p.error(f"--out {args.out} is a folder; name a file in it")
     return args
 
 
@@ -83,7 +85,7 @@ def latest_checkpoint(ckpt_dir: Path):
     return max(done, key=lambda d: int(d.name[5:]), default=None)
 
 
-def save(ckpt_dir: Path, step: int, model, opt, state, rank: int, mode: str) -> None:
+def save(ckpt_dir: Path, step: int, model, opt, state, rank: int, mode: str, seed: int) -> None:
     tmp = ckpt_dir / f"step-{step}.partial"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a crash during a save
@@ -91,7 +93,8 @@ def save(ckpt_dir: Path, step: int, model, opt, state, rank: int, mode: str) -> 
     dist.barrier()
     if rank == 0:
         train = {"model": model.module.state_dict(), "opt": opt.state_dict()}
-        torch.save({**train, "world_size": dist.get_world_size(), "mode": mode}, tmp / "train.pt")
+        run = {"world_size": dist.get_world_size(), "mode": mode, "seed": seed}
+        torch.save({**train, **run}, tmp / "train.pt")
     torch.save(state.state_dict(), tmp / f"hook-rank{rank}.pt")
     dist.barrier()  # every part is written: publish the checkpoint in one rename
     if rank == 0:
@@ -138,9 +141,16 @@ def train(env, args) -> None:
         ckpt = chosen[0]
     if ckpt is not None:
         saved = torch.load(ckpt / "train.pt", map_location="cpu")
-        if saved.get("mode", args.mode) != args.mode:  # (every rank reads the same file)
-            raise SystemExit(f"resume.py: {ckpt} was saved with --mode {saved['mode']}; "
-                             f"resume with the same --mode (here {args.mode})")  # fmt: skip
+        # Every rank reads the same file, so each refuses alike.
+        for name in ("mode", "seed"):  # the seed picks every step's batches
+            given = getattr(args, name)
+            if saved.get(name, given) != given:
+                raise SystemExit(f"resume.py: {ckpt} was saved with --{name} {saved[name]}; "
+                                 f"resume with the same --{name} (here {given})")  # fmt: skip
+        if int(ckpt.name[5:]) > args.steps:
+            raise SystemExit(f"resume.py: {ckpt} is at step {ckpt.name[5:]}, past --steps "
+                             f"{args.steps}; give --steps {ckpt.name[5:]} or more, or --resume "
+                             "none to start over")  # fmt: skip
         net.load_state_dict(saved["model"])
         opt_state = saved["opt"]
         saved_world = saved.get("world_size", len(list(ckpt.glob("hook-rank*.pt"))))
@@ -172,7 +182,7 @@ def train(env, args) -> None:
         loss.backward()
         opt.step()
         if (step + 1) % args.ckpt_every == 0:
-            save(args.ckpt_dir, step + 1, model, opt, state, env.rank, args.mode)
+            save(args.ckpt_dir, step + 1, model, opt, state, env.rank, args.mode, args.seed)
         if args.progress is not None:
             args.progress.with_suffix(f".rank{env.rank}").write_text(f"{os.getpid()} {step + 1}")
         time.sleep(args.step_seconds)
@@ -198,7 +208,12 @@ def _wait_to_grow(env, step: int, ranks: int, limit: float = 300.0) -> None:
 
 def main(argv=None) -> None:
     args = _args(argv)
-    args.ckpt_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        args.ckpt_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # on every rank alike, before any collective
+        raise SystemExit(
+            f"resume.py: cannot make --ckpt-dir {args.ckpt_dir}: {e.strerror}"
+        ) from None
     with fastddp.distributed_session() as env:
         train(env, args)
 

@@ -406,6 +406,12 @@ def test_a_fresh_start_in_a_folder_of_checkpoints_replaces_them(tmp_path):
     # reduction by the hook's dtypes.
     for said in run_ranks(_refused, 2, [*argv, "--steps", "10", "--mode", "int8-ef"]):
         assert "was saved with --mode bf16-acc-ef; resume with the same --mode" in said, said
+    # ... with another --seed (other batches), or fewer --steps than the checkpoint's: refused
+    # alike, where the run went on with other data, or said it ran 3 steps and saved 5.
+    for said in run_ranks(_refused, 2, [*argv, "--steps", "10", "--seed", "3"]):
+        assert "was saved with --seed 0; resume with the same --seed (here 3)" in said, said
+    for said in run_ranks(_refused, 2, [*argv, "--steps", "3"]):
+        assert "step-5 is at step 5, past --steps 3; give --steps 5 or more" in said, said
 
 
 def _refused(rank, world_size, argv):
