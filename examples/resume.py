@@ -76,6 +76,10 @@ def _args(argv=None):
         p.error(f"--out {args.out}: its folder does not exist; make it first")
     if args.out is not None and args.out.is_dir():
         p.error(f"--out {args.out} is a folder; name a file in it")
+    try:
+        args.ckpt_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # on every rank alike, before any collective
+        p.error(f"cannot make --ckpt-dir {args.ckpt_dir}: {e.strerror}")
     return args
 
 
@@ -208,12 +212,6 @@ def _wait_to_grow(env, step: int, ranks: int, limit: float = 300.0) -> None:
 
 def main(argv=None) -> None:
     args = _args(argv)
-    try:
-        args.ckpt_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # on every rank alike, before any collective
-        raise SystemExit(
-            f"resume.py: cannot make --ckpt-dir {args.ckpt_dir}: {e.strerror}"
-        ) from None
     with fastddp.distributed_session() as env:
         train(env, args)
 

@@ -79,6 +79,7 @@ def test_the_gpt_example_plans_with_auto(tmp_path):
         ("resume", ["--ckpt-dir", "c", "--ckpt-every", "0"], "--ckpt-every must be at least 1"),
         ("resume", ["--ckpt-dir", "c", "--out", "/nonexistent/p.pt"], "its folder does not"),
         ("resume", ["--ckpt-dir", "/etc/hostname"], "--ckpt-dir /etc/hostname is a file"),
+        ("resume", ["--ckpt-dir", "/proc/x"], "cannot make --ckpt-dir /proc/x: No such file"),
         # The model's own limits, named before they fail inside it on every rank.
         ("gpt_train", ["--width", "10"], "--width 10 must be a multiple of the model's 4 heads"),
         ("fsdp_train", ["--seq", "2000"], "--seq 2000 is more than the model's 1024 positions"),
