@@ -52,6 +52,7 @@ def convergence(r):
         vs_fp32(r),
         f"{r['final_val_loss']:.3f}",
         size(r["sent_mb"] * 1e6),
+        size(r["cross_node_mb"] * 1e6),
     ]
 
 

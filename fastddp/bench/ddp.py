@@ -40,7 +40,7 @@ from fastddp.bench.common import (
     pacing_group,
     pretend_nodes,
 )
-from fastddp.bench.models import Decoder, mlp
+from fastddp.bench.models import Decoder, mlp, mlp_width
 from fastddp.hooks.topology import Topology, node_hash
 
 POWERSGD_RANKS = {"powersgd-r1": 1, "powersgd-r2": 2, "powersgd-r4": 4}
@@ -52,7 +52,7 @@ MODES = ["fp32", "torch-fp16", "fastddp-bf16", "fastddp-fp16", "noop"]
 def _mlp(params, device, width=None):
     # A stack of square layers sized to land near `params` parameters (2048 wide when large).
     if width is None:
-        width = 2048 if params >= 4 * 2048 * 2048 else max(16, int((params / 2) ** 0.5))
+        width = mlp_width(params)
     depth = max(1, round(params / (width * width + width)))
     return mlp([width] * (depth + 1), seed=0).to(device), width
 

@@ -17,7 +17,9 @@ fastddp.compress_hook)``) and, as ``fastddp-<preset>-native``, through
 """
 
 import statistics
+import sys
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -75,6 +77,22 @@ def _step(model: DDP, batch: torch.Tensor) -> None:
     model(batch).sum().backward()
 
 
+def baseline(median: dict[str, float], buckets: int, warn: bool = True) -> Optional[float]:
+    """The baseline's extra seconds a bucket over plain DDP (``fp32``), the ratios' divisor;
+    None without both, or where it measured none (noise over too few steps: every ratio would
+    be meaningless, or of the wrong sign), with a warning."""
+    if "fp32" not in median or BASELINE not in median:
+        return None
+    base = (median[BASELINE] - median["fp32"]) / buckets
+    if base > 0:
+        return base
+    if warn:
+        print(f"warning: {BASELINE} measured {1e6 * base:.1f} us a bucket, no more than plain "
+              "DDP: too few steps to tell; no ratios (give more --steps or --rounds)",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return None
+
+
 def run(env, args) -> list[dict]:
     """Time every mode of ``args.modes`` in turns; return one row per mode (on every rank)."""
     device = env.device
@@ -99,9 +117,7 @@ def run(env, args) -> list[dict]:
                 model.zero_grad(set_to_none=False)
     median = {mode: statistics.median(t) for mode, t in times.items()}
     floor = median.get("fp32")
-    base = None
-    if floor is not None and BASELINE in median:
-        base = (median[BASELINE] - floor) / buckets
+    base = baseline(median, buckets, warn=env.rank == 0)
     rows = []
     for mode in args.modes:
         per_bucket = None if floor is None else (median[mode] - floor) / buckets

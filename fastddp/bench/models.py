@@ -24,6 +24,12 @@ def mlp(
     return nn.Sequential(*layers[:-1])
 
 
+def mlp_width(params: int) -> int:
+    """The width of ``ddp``'s mlp of about ``params`` parameters: square layers, 2048 wide
+    when large."""
+    return 2048 if params >= 4 * 2048 * 2048 else max(16, int((params / 2) ** 0.5))
+
+
 class Block(nn.Module):
     """Pre-norm causal self-attention and an MLP, as in a decoder-only transformer."""
 

@@ -11,7 +11,7 @@ import os
 import torch
 
 from fastddp.bench.common import parse_size
-from fastddp.bench.models import Decoder
+from fastddp.bench.models import Decoder, mlp_width
 from fastddp.netns import valid_rate
 
 __all__ = ["check", "check_outputs"]
@@ -135,7 +135,10 @@ def _check_ddp_model(p, args):
             setattr(args, k, default if getattr(args, k) is None else getattr(args, k))
         return
     args.params = 25_000_000 if args.params is None else args.params
-    if args.model == "mlp" and args.width is not None and args.width >= 1 and args.params >= 1:
+    given_width = args.width is not None
+    if not given_width and args.params >= 1:  # the width it fits, which --json then records
+        args.width = mlp_width(args.params)
+    if given_width and args.width >= 1 and args.params >= 1:
         layers = round(args.params / (args.width * args.width + args.width))
         if layers > MAX_MLP_LAYERS:
             p.error(f"--params {args.params} at --width {args.width} is {layers} layers (at "
@@ -225,6 +228,9 @@ def check(p, args):
         p.error("--pretend-nodes must be at least 1 (0, the default: the ranks' own nodes)")
     if pretend and (args.link or spawned and args.nproc % pretend):
         p.error("--pretend-nodes splits the spawned --nproc ranks evenly (not with --link)")
+    if pretend and not spawned and _world(args) % pretend:
+        p.error(f"--pretend-nodes {pretend} splits the launcher's {_world(args)} ranks "
+                "unevenly; give a divisor of WORLD_SIZE")  # fmt: skip
     if args.what == "convergence":
         _check_outer(p, args, pretend, spawned)
         if args.fp32_probe is not None and not args.fp32_from:
@@ -269,6 +275,7 @@ def check(p, args):
             p.error("--seq must be at most 1024 (the model's positions)")
     if args.what == "convergence" and args.fp32_from:
         _check_fp32_from(p, args)
+    _check_memory(p, args, spawned)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but no CUDA device is visible")
     if args.device == "cuda" and spawned and not args.link:
@@ -276,3 +283,38 @@ def check(p, args):
             "--device cuda runs one rank per GPU under a launcher: python -m fastddp.launch "
             "--standalone --nproc-per-node N -m fastddp.bench ... (spawned ranks run on the CPU)"
         )
+
+
+def _available_bytes() -> int:
+    """This machine's memory available to new processes (Linux); 0 where it cannot be read."""
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _check_memory(p, args, spawned: bool) -> None:
+    """Refuse a size no rank could hold (64G for 64M): what each rank must hold at the least
+    (the message, or the model and its gradients in fp32), times the ranks on this machine,
+    against its available memory. A run that fits may still need more."""
+    if args.what == "allreduce":
+        what, per_rank = f"--max-size {args.max_size}", parse_size(args.max_size)
+    elif args.what == "hook-cost":
+        return
+    else:
+        if args.what == "ddp" and args.model == "mlp":
+            what, params = f"--params {args.params}", args.params
+        else:
+            what = f"--width {args.width or 512} --layers {args.layers}"
+            with torch.device("meta"):
+                model = Decoder(width=args.width or 512, heads=args.heads, layers=args.layers)
+                params = sum(t.numel() for t in model.parameters())
+        shards = _world(args) if args.what == "fsdp" else 1
+        per_rank = 2 * 4 * params // shards  # parameters and gradients, in fp32
+    local = _world(args) if spawned else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    need, have = per_rank * local, _available_bytes()
+    if have and need > have:
+        p.error(f"{what}: the {local} rank(s) on this machine would hold at least "
+                f"{need / 1e9:.1f} GB, and it has {have / 1e9:.1f} GB available; give a "
+                "smaller size")  # fmt: skip

@@ -20,6 +20,7 @@ import argparse
 import re
 from typing import Optional
 
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_local
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -103,12 +104,13 @@ class Periodic:
     """
 
     __slots__ = ("method", "every", "model", "diloco", "averager", "warmup", "steps", "rounds",
-                 "_ring")  # fmt: skip
+                 "_ring", "_alone")  # fmt: skip
 
     def __init__(self, module, mode, args, warmup, topo):
         self.method, preset, self.every, overlap = parse(mode)
         self.steps = self.rounds = 0
         node = fastddp.DiLoCo.node_group()  # a collective; the same group object every time
+        self._alone = dist.get_world_size(node) == 1  # reductions inside the node send nothing
         numel = sum(p.numel() for p in module.parameters())
         self._ring = topo.ring_cross_bytes(numel, 4)  # one fp32 all-reduce over every rank
         self.diloco = self.averager = None
@@ -159,10 +161,13 @@ class Periodic:
 
     def payload_bytes(self, numel: int) -> int:
         """What this rank's reductions sent: DDP's fp32 gradients every step (inside the node
-        after post-local SGD's warm-up) plus the rounds' averages."""
+        after post-local SGD's warm-up; nothing where the node is this rank alone) plus the
+        rounds' averages."""
+        warm = 0 if self.diloco is not None else min(self.steps, self.warmup)
+        inside = 0 if self._alone else (self.steps - warm) * numel * 4
         if self.diloco is not None:
-            return self.steps * numel * 4 + int(self.diloco.stats()["cross_node_bytes"])
-        return (self.steps + self.rounds) * numel * 4
+            return inside + int(self.diloco.stats()["cross_node_bytes"])
+        return inside + (warm + self.rounds) * numel * 4
 
     def close(self) -> None:
         if self.diloco is not None:

@@ -2,7 +2,9 @@
 
 import contextlib
 import json
+import math
 import os
+import sys
 
 # A --link run's options, as its caller was given them, for its nodes' --json
 OPTIONS_ENV = "FASTDDP_BENCH_OPTIONS"
@@ -45,6 +47,10 @@ def record(args, env, nodes) -> dict:
     options = (
         json.loads(given) if given else {k: v for k, v in vars(args).items() if k != "command"}
     )
+    if not given and "RANK" in os.environ:  # under a launcher: its ranks, none spawned
+        options.update(nproc=None, nproc_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if options.get("link") and options.get("nodes") is None:
+        options["nodes"] = 2  # --link's default
     return {
         "command": args.command,
         "options": options,
@@ -61,8 +67,28 @@ def record(args, env, nodes) -> dict:
 
 
 def write_json(path, payload):
+    """Write ``payload`` as strict JSON: a figure that is NaN or infinite (a run that
+    diverged) is written as null, with a warning naming it."""
+    bad: list[str] = []
+
+    def finite(value, where):
+        if isinstance(value, float) and not math.isfinite(value):
+            bad.append(f"{where} = {value}")
+            return None
+        if isinstance(value, dict):
+            return {k: finite(v, f"{where}.{k}") for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [finite(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return value
+
+    payload = finite(payload, "")
+    if bad:
+        shown = ", ".join(b.lstrip(".") for b in bad[:5])
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        print(f"warning: {path}: not finite (a run diverged?), written as null: {shown}{more}",
+              file=sys.stderr, flush=True)  # fmt: skip
     with open(path, "w") as f:
-        json.dump(payload, f, indent=2)
+        json.dump(payload, f, indent=2, allow_nan=False)
 
 
 def pyplot():

@@ -16,7 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 import fastddp
 from fastddp import demo
-from fastddp.bench import allreduce, cells, cli, common, ddp
+from fastddp.bench import allreduce, cells, cli, common, ddp, report
 from fastddp.bench import fsdp as fsdp_bench
 from fastddp.hooks import auto
 from fastddp.testing import netns, slack, spawn
@@ -131,6 +131,7 @@ def test_ddp_step_benchmark(tmp_path, capsys):
     # The options recorded are the ones the mlp read; the transformer's are null.
     options = json.loads(out.read_text())["options"]
     assert options["params"] == 200_000 and options["layers"] is options["seq"] is None
+    assert options["width"] == 316  # the width it fitted (sqrt of half the parameters)
 
 
 @pytest.mark.parametrize("warmup", [0, 1, 3])
@@ -380,11 +381,35 @@ def test_the_help_lists_what_each_benchmark_takes(capsys):
         (["convergence", "--modes", "postlocal-H2"], "one node, where it is plain DDP"),
         # matplotlib would write c.png, which no check had looked at (the --json, say).
         (["allreduce", "--plot", "c"], "--plot c: end the name with the image's suffix"),
+        # More than any rank could hold (64G for 64M): refused, not a traceback per rank or
+        # the kernel's OOM killer.
+        (["allreduce", "--max-size", "64G"], "--max-size 64G: the 2 rank(s) on this machine"),
+        (["ddp", "--params", "20G"], "--params 20000000000: the 2 rank(s) on this machine"),
+        (["fsdp", "--width", "65536", "--layers", "64"], "would hold at least 26389.4 GB"),
     ],
 )
 def test_bad_options(args, message, capsys):
     # Refused by the command line's checks, before any rank starts: run in this process.
     assert _refused(args, capsys) == 2 and message in capsys.readouterr().err
+
+
+def test_pretend_nodes_that_do_not_divide_a_launchers_ranks_are_refused(monkeypatch, capsys):
+    # Under a launcher (its variables): the split is of WORLD_SIZE, checked as the spawned one.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _refused(["allreduce", "--pretend-nodes", "3"], capsys) == 2
+    err = capsys.readouterr().err
+    assert "--pretend-nodes 3 splits the launcher's 2 ranks unevenly; give a divisor" in err
+
+
+def test_a_figure_that_is_not_finite_is_written_as_null(tmp_path, capsys):
+    # Strict JSON has no NaN: a diverged run's loss is null, and a warning names it.
+    out = tmp_path / "r.json"
+    report.write_json(out, {"rows": [{"mode": "fp32", "loss": 1.5}, {"loss": float("nan")}]})
+    assert json.loads(out.read_text())["rows"][1] == {"loss": None}
+    assert "not finite (a run diverged?), written as null: rows[1].loss = nan" in (
+        capsys.readouterr().err
+    )
 
 
 def test_an_fp32_curve_of_another_run_is_refused(tmp_path, capsys):
@@ -495,6 +520,7 @@ def test_allreduce_over_a_two_node_link(tmp_path):
     assert "2 nodes" in res.stdout
     # The options it was given, not its nodes' (which run without --link and --nodes).
     assert data["options"]["link"] == "1gbit" and data["options"]["min_size"] == "256K"
+    assert data["options"]["nodes"] == 2  # --link's default, not null
 
 
 @pytest.mark.netns

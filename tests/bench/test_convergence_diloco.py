@@ -43,6 +43,25 @@ def test_diloco_and_post_local_sgd_rows(tmp_path):
     assert rows["diloco-int8-ef-H4"]["cross_node_mb"] < fp32_step * steps / 4 * 0.5
 
 
+@pytest.mark.timeout(240)
+def test_a_node_of_one_rank_sends_nothing_inside_it(tmp_path, capsys):
+    # Two ranks, each a node alone: their DDP inside the node reduces over one rank and sends
+    # nothing, so every byte sent crosses nodes (one fp32 all-reduce of two ranks sends its
+    # payload once). The table shows both columns.
+    out = tmp_path / "conv.json"
+    modes = ["fp32", "diloco-bf16-H4", "postlocal-H4"]
+    args = ["--nproc", "2", "--pretend-nodes", "2", *SMALL, "--steps", "8", "--eval-every", "4"]
+    with spawn.pooled(pool):
+        code = cli.main(["convergence", *args, "--max-factor", "1", "--modes", *modes,
+                         "--json", str(out)])  # fmt: skip
+    assert code == 0
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    for mode in modes:
+        assert rows[mode]["sent_mb"] == pytest.approx(rows[mode]["cross_node_mb"]), mode
+    assert rows["diloco-bf16-H4"]["sent_mb"] < rows["fp32"]["sent_mb"] / 2
+    assert "across nodes/rank" in capsys.readouterr().out
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "mode, says",

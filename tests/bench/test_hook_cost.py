@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from fastddp.bench import hook_cost
 from fastddp.bench.cli import main
 from fastddp.testing import spawn
 
@@ -25,3 +26,14 @@ def test_hook_cost_times_every_mode_against_plain_ddp(tmp_path):
     floor = rows[0]
     assert floor["per_bucket_us"] == 0.0
     assert rows[1]["vs_torch_fp16"] == pytest.approx(1.0)
+
+
+def test_a_baseline_measured_at_no_cost_gives_no_ratios(capsys):
+    # Noise over a short run can put the baseline at or below plain DDP: its ratios would be
+    # of the wrong sign, so there are none, with a warning.
+    assert hook_cost.baseline({"fp32": 1e-3, "torch-fp16": 1.2e-3}, 4) == pytest.approx(5e-5)
+    assert hook_cost.baseline({"fp32": 1e-3, "torch-fp16": 0.9e-3}, 4) is None
+    assert "torch-fp16 measured -25.0 us a bucket, no more than plain DDP" in (
+        capsys.readouterr().err
+    )
+    assert hook_cost.baseline({"torch-fp16": 1e-3}, 4) is None
