@@ -205,8 +205,8 @@ stress-restart: build
 	$(BIN)/python benchmarks/restart_stress.py $(STRESS_ARGS)
 
 lint: setup
-	$(BIN)/ruff check fastddp tests benchmarks examples
-	$(BIN)/ruff format --check fastddp tests benchmarks examples
+	$(BIN)/ruff check fastddp tests benchmarks examples conftest.py
+	$(BIN)/ruff format --check fastddp tests benchmarks examples conftest.py
 
 clean:
 	rm -rf build build-cmake fastddp/_C*.so *.egg-info

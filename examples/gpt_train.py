@@ -33,10 +33,16 @@ def corpus() -> torch.Tensor:
 
 
 def _mode(name: str) -> str:
-    """One of auto's candidates: "none" or a preset, with a path or not ("int8-ef:flat")."""
-    if name.partition(":")[0] not in ("none", *fastddp.PRESETS):
+    """One of auto's candidates: "none", or a preset with a path or not ("int8-ef:flat")."""
+    mode, colon, path = name.partition(":")
+    if (
+        mode not in ("none", *fastddp.PRESETS)
+        or colon
+        and (mode == "none" or path not in ("flat", "hierarchical"))
+    ):
         raise argparse.ArgumentTypeError(
-            f"{name!r} is no mode; name none or a preset ({', '.join(fastddp.PRESETS)})"
+            f"{name!r} is no mode; name none or a preset ({', '.join(fastddp.PRESETS)}), a "
+            "preset perhaps with a path (int8-ef:flat, int8-ef:hierarchical)"
         )
     return name
 
@@ -57,6 +63,8 @@ def main() -> None:
     problem = Decoder.options_problem(args.width, args.layers, args.seq, args.batch)
     if problem:
         p.error(problem)
+    if args.allow is not None and len(set(args.allow)) != len(args.allow):
+        p.error(f"--allow names one twice: {' '.join(args.allow)}")
     if args.allow is not None and args.preset != "auto":
         p.error(f"--allow names auto's candidates; with --preset {args.preset} it has none")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
@@ -100,9 +108,11 @@ def main() -> None:
         chose = plan = None
         if args.preset == "auto":
             plan = state.stats()["plan"]
+            if plan and plan["trial"]:  # a mixed plan still being tried: none kept yet
+                plan = None
             chose = plan["summary"] if plan else None
-            if plan:
-                first = max(first, min(plan["made_at_step"], len(times) - 1))
+            if plan:  # (made in the step of that index, which closed the trial)
+                first = max(first, min(plan["made_at_step"] + 1, len(times) - 1))
         timed = times[first:]
         if env.is_main:
             ms = statistics.median(timed) * 1e3

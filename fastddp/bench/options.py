@@ -275,7 +275,8 @@ def check(p, args):
             p.error("--seq must be at most 1024 (the model's positions)")
     if args.what == "convergence" and args.fp32_from:
         _check_fp32_from(p, args)
-    _check_memory(p, args, spawned)
+    if spawned:  # the whole job on this machine (a launcher's nodes could judge apart)
+        _check_memory(p, args)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but no CUDA device is visible")
     if args.device == "cuda" and spawned and not args.link:
@@ -294,10 +295,11 @@ def _available_bytes() -> int:
     return 0
 
 
-def _check_memory(p, args, spawned: bool) -> None:
+def _check_memory(p, args) -> None:
     """Refuse a size no rank could hold (64G for 64M): what each rank must hold at the least
-    (the message, or the model and its gradients in fp32), times the ranks on this machine,
-    against its available memory. A run that fits may still need more."""
+    (the message, or the model and its gradients in fp32), times the ranks on this machine
+    (every one of a spawned or ``--link`` run), against its available memory. A run that fits
+    may still need more."""
     if args.what == "allreduce":
         what, per_rank = f"--max-size {args.max_size}", parse_size(args.max_size)
     elif args.what == "hook-cost":
@@ -312,9 +314,9 @@ def _check_memory(p, args, spawned: bool) -> None:
                 params = sum(t.numel() for t in model.parameters())
         shards = _world(args) if args.what == "fsdp" else 1
         per_rank = 2 * 4 * params // shards  # parameters and gradients, in fp32
-    local = _world(args) if spawned else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    need, have = per_rank * local, _available_bytes()
+    ranks = _world(args)
+    need, have = per_rank * ranks, _available_bytes()
     if have and need > have:
-        p.error(f"{what}: the {local} rank(s) on this machine would hold at least "
+        p.error(f"{what}: the {ranks} rank(s) on this machine would hold at least "
                 f"{need / 1e9:.1f} GB, and it has {have / 1e9:.1f} GB available; give a "
                 "smaller size")  # fmt: skip

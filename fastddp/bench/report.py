@@ -47,8 +47,8 @@ def record(args, env, nodes) -> dict:
     options = (
         json.loads(given) if given else {k: v for k, v in vars(args).items() if k != "command"}
     )
-    if not given and "RANK" in os.environ:  # under a launcher: its ranks, none spawned
-        options.update(nproc=None, nproc_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if not given and env.launcher != "spawn":  # under a launcher: its ranks, none spawned
+        options.update(nproc=None, nproc_per_node=env.local_world_size)
     if options.get("link") and options.get("nodes") is None:
         options["nodes"] = 2  # --link's default
     return {

@@ -45,7 +45,7 @@ def warnings(env: Mapping[str, str], nnodes: str, slurm_nodes: Optional[Setting]
             "fastddp.launch ..."
         )
     count = str(slurm_nodes.value) if slurm_nodes else ""
-    if count.isdigit() and fewest > int(count):
+    if count.isascii() and count.isdecimal() and fewest > int(count):
         out.append(
             f"warning: --nnodes {nnodes} needs {fewest} nodes, but Slurm starts launchers on "
             f"{count} ({slurm_nodes.source}={count}): unless another step's launchers join "

@@ -18,6 +18,7 @@ import fastddp
 from fastddp import demo
 from fastddp.bench import allreduce, cells, cli, common, ddp, report
 from fastddp.bench import fsdp as fsdp_bench
+from fastddp.bench import options as bench_options
 from fastddp.hooks import auto
 from fastddp.testing import netns, slack, spawn
 
@@ -385,11 +386,16 @@ def test_the_help_lists_what_each_benchmark_takes(capsys):
         # the kernel's OOM killer.
         (["allreduce", "--max-size", "64G"], "--max-size 64G: the 2 rank(s) on this machine"),
         (["ddp", "--params", "20G"], "--params 20000000000: the 2 rank(s) on this machine"),
-        (["fsdp", "--width", "65536", "--layers", "64"], "would hold at least 26389.4 GB"),
+        (
+            ["fsdp", "--width", "65536", "--layers", "64"],
+            "would hold at least 26389.4 GB, and it has 24.0 GB",
+        ),
     ],
 )
-def test_bad_options(args, message, capsys):
-    # Refused by the command line's checks, before any rank starts: run in this process.
+def test_bad_options(args, message, capsys, monkeypatch):
+    # Refused by the command line's checks, before any rank starts: run in this process (on a
+    # machine of 24 GB available, whatever this one has).
+    monkeypatch.setattr(bench_options, "_available_bytes", lambda: 24 * 10**9)
     assert _refused(args, capsys) == 2 and message in capsys.readouterr().err
 
 

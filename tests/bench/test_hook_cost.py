@@ -25,7 +25,10 @@ def test_hook_cost_times_every_mode_against_plain_ddp(tmp_path):
     assert all(r["buckets"] == 6 and r["step_us"] > 0 for r in rows)
     floor = rows[0]
     assert floor["per_bucket_us"] == 0.0
-    assert rows[1]["vs_torch_fp16"] == pytest.approx(1.0)
+    # 1 against itself; none where noise put it at or below plain DDP (2 rounds of 2 steps).
+    assert rows[1]["vs_torch_fp16"] == (
+        pytest.approx(1.0) if rows[1]["per_bucket_us"] > 0 else None
+    )
 
 
 def test_a_baseline_measured_at_no_cost_gives_no_ratios(capsys):

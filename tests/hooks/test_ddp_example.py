@@ -56,7 +56,7 @@ def test_the_gpt_example_plans_with_auto(tmp_path):
     assert plan["summary"] == chose and set(plan["trial_ms"]) == set(plan["step_ms"])
     assert len(summary["steps_ms"]) == 24 and min(summary["steps_ms"]) > 0
     # The median is of the steps after the plan (of the last half): none of the trial's.
-    after = summary["steps_ms"][max(12, plan["made_at_step"]) :]
+    after = summary["steps_ms"][max(12, plan["made_at_step"] + 1) :]
     assert summary["median_step_ms"] == pytest.approx(statistics.median(after), rel=1e-9)
     assert set(summary["phase_ms"]) == {"forward", "backward", "optimizer"}
     assert all(ms > 0 for ms in summary["phase_ms"].values()), summary["phase_ms"]
@@ -74,6 +74,9 @@ def test_the_gpt_example_plans_with_auto(tmp_path):
         ("gpt_train", ["--json", "/nonexistent/x.json"], "its folder does not exist"),
         ("gpt_train", ["--preset", "bf16", "--allow", "int8-ef"], "--allow names auto's"),
         ("gpt_train", ["--allow", "int8-ef:flat", "bogus"], "'bogus' is no mode; name none"),
+        ("gpt_train", ["--allow", "none:flat"], "'none:flat' is no mode; name none"),
+        ("gpt_train", ["--allow", "int8-ef:ring"], "'int8-ef:ring' is no mode; name none"),
+        ("gpt_train", ["--allow", "none", "bf16", "none"], "--allow names one twice"),
         ("gpt_train", ["--json", "/tmp"], "--json /tmp is a folder; name a file in it"),
         ("resume", ["--ckpt-dir", "c", "--out", "/tmp"], "--out /tmp is a folder; name a file"),
         ("resume", ["--ckpt-dir", "c", "--ckpt-every", "0"], "--ckpt-every must be at least 1"),
