@@ -17,16 +17,21 @@ pytestmark = pytest.mark.multiproc
 SMALL = ["--width", "16", "--layers", "1", "--heads", "2", "--seq", "8", "--batch", "2"]
 
 
+def _rows(tmp_path, nproc: int, modes: list[str]) -> dict:
+    """Each mode's row of a convergence run of 8 steps on ``nproc`` pooled ranks in 2 nodes."""
+    out = tmp_path / "conv.json"
+    args = ["--nproc", str(nproc), "--pretend-nodes", "2", *SMALL, "--steps", "8"]
+    with spawn.pooled(pool):
+        code = cli.main(["convergence", *args, "--eval-every", "4", "--max-factor", "1",
+                         "--modes", *modes, "--json", str(out)])  # fmt: skip
+    assert code == 0
+    return {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+
+
 @pytest.mark.timeout(240)
 def test_diloco_and_post_local_sgd_rows(tmp_path):
-    out = tmp_path / "conv.json"
     modes = ["fp32", "diloco-int8-ef-H4", "diloco-int8-ef-H4-overlap", "postlocal-H4"]
-    args = ["--nproc", "4", "--pretend-nodes", "2", *SMALL, "--steps", "8", "--eval-every", "4"]
-    with spawn.pooled(pool):
-        code = cli.main(["convergence", *args, "--max-factor", "1", "--modes", *modes,
-                         "--json", str(out)])  # fmt: skip
-    assert code == 0
-    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    rows = _rows(tmp_path, 4, modes)
     assert set(rows) == set(modes)
     for mode, r in rows.items():
         for key in ("seconds", "final_val_loss", "sent_mb", "cross_node_mb", "loss_vs_fp32"):
@@ -48,14 +53,8 @@ def test_a_node_of_one_rank_sends_nothing_inside_it(tmp_path, capsys):
     # Two ranks, each a node alone: their DDP inside the node reduces over one rank and sends
     # nothing, so every byte sent crosses nodes (one fp32 all-reduce of two ranks sends its
     # payload once). The table shows both columns.
-    out = tmp_path / "conv.json"
     modes = ["fp32", "diloco-bf16-H4", "postlocal-H4"]
-    args = ["--nproc", "2", "--pretend-nodes", "2", *SMALL, "--steps", "8", "--eval-every", "4"]
-    with spawn.pooled(pool):
-        code = cli.main(["convergence", *args, "--max-factor", "1", "--modes", *modes,
-                         "--json", str(out)])  # fmt: skip
-    assert code == 0
-    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    rows = _rows(tmp_path, 2, modes)
     for mode in modes:
         assert rows[mode]["sent_mb"] == pytest.approx(rows[mode]["cross_node_mb"]), mode
     assert rows["diloco-bf16-H4"]["sent_mb"] < rows["fp32"]["sent_mb"] / 2
