@@ -243,11 +243,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
+    argv, script_args = options.script_apart(parser, argv)
     pre = parser.parse_args(argv)  # fails early, with torchrun's messages
     filled = {}
     try:
         filled = _apply_cluster(parser, pre, argv)
         args = parser.parse_args(argv)  # now with the detected defaults
+        if script_args is not None:
+            args.training_script_args = script_args
         options.check(args)
         run_args = _normalise(args)
         info, decisions = ({}, Decisions())

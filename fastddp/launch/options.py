@@ -7,6 +7,7 @@ preflight or torchrun sees them.
 """
 
 import argparse
+import copy
 import os
 import sys
 from typing import Optional
@@ -15,7 +16,7 @@ from torch.distributed import run as torchrun
 
 from fastddp.launch.net import LaunchError
 
-__all__ = ["DEFAULT_RDZV_PORT", "PREFLIGHT_TIMEOUT_VAR", "check", "endpoint"]
+__all__ = ["DEFAULT_RDZV_PORT", "PREFLIGHT_TIMEOUT_VAR", "check", "endpoint", "script_apart"]
 
 DEFAULT_RDZV_PORT = 29400  # torchrun's, for an endpoint without a port
 PREFLIGHT_TIMEOUT_VAR = "FASTDDP_PREFLIGHT_TIMEOUT"
@@ -136,3 +137,37 @@ def _check_script(args: argparse.Namespace) -> None:
     if not args.dry_run:
         raise LaunchError(message)
     print(f"fastddp.launch: warning: {message}", file=sys.stderr, flush=True)
+
+
+class _Unparsed(Exception):
+    pass
+
+
+def _unparsed(message: str):
+    raise _Unparsed(message)
+
+
+def script_apart(
+    parser: argparse.ArgumentParser, argv: list[str]
+) -> tuple[list[str], Optional[list[str]]]:
+    """``argv`` up to the training script, and the script's own arguments (None where they
+    cannot be told apart: then ``argv`` whole).
+
+    argparse takes every ``--x`` on the line for an abbreviation of a launcher option, the
+    script's too: ``train.py --log`` (or ``-m fastddp.bench allreduce --nproc 7``) fails as
+    torchrun's "ambiguous option". Read without abbreviations, the line splits at the script
+    wherever the launcher's own options are written out; where one is abbreviated, it is left
+    to the parser as torchrun's own is.
+    """
+    if {"-h", "--help"} & set(argv):  # (the parse below would print the help once more)
+        return argv, None
+    strict = copy.copy(parser)
+    strict.allow_abbrev = False
+    strict.error = _unparsed
+    try:
+        tail = list(strict.parse_args(argv).training_script_args)
+    except _Unparsed:
+        return argv, None
+    if tail and argv[-len(tail) :] != tail:  # (a "--" argparse took away)
+        return argv, None
+    return argv[: len(argv) - len(tail)], tail

@@ -110,6 +110,20 @@ def test_more_nodes_than_the_slurm_step_has_are_warned_of(launch):
         assert status == 0 and "needs" not in err, (args, err)
 
 
+def test_the_scripts_own_options_are_not_read_as_abbreviations(launch):
+    # torchrun's parser takes a script's --nproc (or --log) for an ambiguous abbreviation of
+    # its own options, and fails.
+    script = ["-m", "fastddp.bench", "allreduce", "--nproc", "7", "--log"]
+    status, err = launch("--standalone", "--nproc-per-node", "1", *script)
+    assert status == 0, err
+    assert (
+        "worker command: " in err and " -m fastddp.bench allreduce --nproc 7 --log train.py" in err
+    )
+    # An abbreviated option of the launcher's own still works (as torchrun's parser reads it).
+    status, err = launch("--stand", "--nproc-per-node", "1")
+    assert status == 0 and "config rdzv_endpoint='localhost:0'" in err, err
+
+
 def test_a_local_rendezvous_takes_a_run_id_of_its_own(launch):
     # As torchrun's: --rdzv-id names no other node of a one-node launch.
     for args in (["--standalone"], []):
