@@ -76,10 +76,8 @@ _MASTER = {"master_addr", "master_port"}
 def _max_nodes(nnodes) -> int:
     """The most nodes ``--nnodes`` admits; 2 for one that does not parse (options.py refuses
     it later, with the fix), so that nothing is dropped as if it were one node."""
-    try:
-        return torchrun.parse_min_max_nnodes(str(nnodes))[1]
-    except (ValueError, RuntimeError, AssertionError):  # torch's, by the form of the error
-        return 2
+    span = options.node_span(nnodes)
+    return 2 if span is None else span[1]
 
 
 def _apply_cluster(parser: argparse.ArgumentParser, pre: argparse.Namespace, argv: list[str]):

@@ -16,7 +16,14 @@ from torch.distributed import run as torchrun
 
 from fastddp.launch.net import LaunchError
 
-__all__ = ["DEFAULT_RDZV_PORT", "PREFLIGHT_TIMEOUT_VAR", "check", "endpoint", "script_apart"]
+__all__ = [
+    "DEFAULT_RDZV_PORT",
+    "PREFLIGHT_TIMEOUT_VAR",
+    "check",
+    "endpoint",
+    "node_span",
+    "script_apart",
+]
 
 DEFAULT_RDZV_PORT = 29400  # torchrun's, for an endpoint without a port
 PREFLIGHT_TIMEOUT_VAR = "FASTDDP_PREFLIGHT_TIMEOUT"
@@ -44,6 +51,15 @@ def endpoint(value: str, default: Optional[int] = DEFAULT_RDZV_PORT) -> tuple[st
     if not host:
         raise LaunchError(f"{what}: no host; {_FORM}")
     return host, _port(port, what) if colon else default
+
+
+def node_span(nnodes) -> Optional[tuple[int, int]]:
+    """``--nnodes``' fewest and most nodes, as torchrun reads them; None for one that does not
+    parse (:func:`check` refuses it, with the fix)."""
+    try:
+        return torchrun.parse_min_max_nnodes(str(nnodes))
+    except (ValueError, RuntimeError, AssertionError):  # torch's, by the form of the error
+        return None
 
 
 def check(args: argparse.Namespace) -> None:

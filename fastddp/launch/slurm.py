@@ -8,20 +8,10 @@ the rendezvous' timeout without a word, so the launcher says so before it starts
 from collections.abc import Mapping
 from typing import Optional
 
-from torch.distributed import run as torchrun
-
 from fastddp.cluster import Setting
+from fastddp.launch.options import node_span
 
 __all__ = ["warnings"]
-
-
-def _nodes(nnodes: str) -> Optional[tuple[int, int]]:
-    """``--nnodes``' fewest and most nodes; None for one that does not parse (options.py
-    refuses it later, with the fix)."""
-    try:
-        return torchrun.parse_min_max_nnodes(str(nnodes))
-    except (ValueError, RuntimeError, AssertionError):  # torch's, by the form of the error
-        return None
 
 
 def warnings(env: Mapping[str, str], nnodes: str, slurm_nodes: Optional[Setting]) -> list[str]:
@@ -32,7 +22,7 @@ def warnings(env: Mapping[str, str], nnodes: str, slurm_nodes: Optional[Setting]
         nnodes: ``--nnodes`` as the launch will take it (given, or from Slurm).
         slurm_nodes: the node count Slurm gives (its variable's text and name), if any.
     """
-    span = _nodes(nnodes)
+    span = node_span(nnodes)
     if span is None:
         return []
     fewest, most = span
