@@ -99,9 +99,7 @@ def _check_fp32_from(p, args):
             "one with fp32 in --modes and --json first"
         )
     then = data.get("options") or {}  # recorded since the JSON carries the options
-    with torch.device("meta"):
-        params = sum(t.numel() for t in Decoder(width=args.width, heads=args.heads,
-                                                layers=args.layers).parameters())  # fmt: skip
+    params = _decoder_params(args.width, args.heads, args.layers)
     differ = [f"--{k.replace('_', '-')} {then[k]} (here {getattr(args, k)})"
               for k in _CURVE_OPTIONS if k in then and then[k] != getattr(args, k)]  # fmt: skip
     if "steps" not in then and row.get("steps") != args.steps:
@@ -286,6 +284,12 @@ def check(p, args):
         )
 
 
+def _decoder_params(width: int, heads: int, layers: int) -> int:
+    """The transformer's parameter count, from a model on the meta device (no memory)."""
+    with torch.device("meta"):
+        return sum(t.numel() for t in Decoder(width=width, heads=heads, layers=layers).parameters())
+
+
 def _available_bytes() -> int:
     """This machine's memory available to new processes (Linux); 0 where it cannot be read."""
     with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo") as f:
@@ -309,9 +313,7 @@ def _check_memory(p, args) -> None:
             what, params = f"--params {args.params}", args.params
         else:
             what = f"--width {args.width or 512} --layers {args.layers}"
-            with torch.device("meta"):
-                model = Decoder(width=args.width or 512, heads=args.heads, layers=args.layers)
-                params = sum(t.numel() for t in model.parameters())
+            params = _decoder_params(args.width or 512, args.heads, args.layers)
         shards = _world(args) if args.what == "fsdp" else 1
         per_rank = 2 * 4 * params // shards  # parameters and gradients, in fp32
     ranks = _world(args)
