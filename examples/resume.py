@@ -151,15 +151,16 @@ def train(env, args) -> None:
             if saved.get(name, given) != given:
                 raise SystemExit(f"resume.py: {ckpt} was saved with --{name} {saved[name]}; "
                                  f"resume with the same --{name} (here {given})")  # fmt: skip
-        if int(ckpt.name[5:]) > args.steps:
-            raise SystemExit(f"resume.py: {ckpt} is at step {ckpt.name[5:]}, past --steps "
-                             f"{args.steps}; give --steps {ckpt.name[5:]} or more, or --resume "
-                             "none to start over")  # fmt: skip
+        start = int(ckpt.name[5:])
+        if start > args.steps:
+            raise SystemExit(
+                f"resume.py: {ckpt} is at step {start}, past --steps {args.steps}; give "
+                f"--steps {start} or more, or --resume none to start over"
+            )
         net.load_state_dict(saved["model"])
         opt_state = saved["opt"]
         saved_world = saved.get("world_size", len(list(ckpt.glob("hook-rank*.pt"))))
         hook_state = load_hook_state(ckpt, saved_world, env)
-        start = int(ckpt.name[5:])
     # On the rank's device: init_distributed picks NCCL where there are GPUs, which reduces
     # CUDA tensors only.
     cuda = env.device.type == "cuda"
