@@ -1,6 +1,7 @@
 """Fits used by test_integrations.py: Lightning (2 CPU processes) and Accelerate."""
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -112,6 +113,27 @@ def lightning_resume(out: Path, phase: str) -> None:
     torch.save(flat, out / f"{phase}-rank{trainer.global_rank}.pt")
 
 
+def lightning_job(out: Path) -> None:
+    """Every 2-process Lightning run of test_integrations.py, one after another in one job (a
+    later Trainer reuses the processes and the process group of the first): the fits of
+    :func:`lightning_fit`, each into a folder of its own, then the phases of
+    :func:`lightning_resume`, "lonely" last, for it fails."""
+    import torch.distributed as dist
+
+    for kind in ("fastddp", "lightning-ddp"):
+        (out / kind).mkdir(exist_ok=True)
+        lightning_fit(out / kind, kind)
+    for phase in ("whole", "first"):
+        lightning_resume(out, phase)
+    if dist.get_rank() == 0:  # a copy of the checkpoint without the hook's files
+        shutil.copy(out / "first.ckpt", out / "lonely.ckpt")
+    dist.barrier()
+    for phase in ("resumed", "tested", "switched"):
+        lightning_resume(out, phase)
+    print("lightning job: lonely", flush=True)
+    lightning_resume(out, "lonely")
+
+
 def accelerate_fit(out: Path) -> None:
     from accelerate import Accelerator
 
@@ -139,8 +161,8 @@ def accelerate_fit(out: Path) -> None:
 
 def accelerate_resume(out: Path, phase: str) -> None:
     """bf16 summed in fp32 with error feedback on two models, as a GAN has: "whole" runs 12
-    steps, saving the state after 6; "resumed" loads it and runs the last 6; each writes both
-    models' parameters."""
+    steps, saving the state after 6; "resumed" (and "lost", from a checkpoint that lost a file)
+    loads it and runs the last 6; each writes both models' parameters."""
     from accelerate import Accelerator
 
     from fastddp.integrations.accelerate import register_comm_hook
@@ -162,7 +184,7 @@ def accelerate_resume(out: Path, phase: str) -> None:
         accelerator.backward(loss + nn.functional.mse_loss(b(x), 3 * x[:, :4].cos()))
         opt.step()
 
-    if phase == "resumed":
+    if phase in ("resumed", "lost"):
         accelerator.load_state(str(out / "ckpt"))
     for i in range(12):
         if phase == "whole" and i == 6:
@@ -174,17 +196,36 @@ def accelerate_resume(out: Path, phase: str) -> None:
     accelerator.wait_for_everyone()
 
 
+def accelerate_job(out: Path) -> None:
+    """Every launched Accelerate run of test_integrations.py in one job: :func:`accelerate_fit`
+    into a folder of its own, :func:`accelerate_resume`'s "whole" and "resumed", then "lost":
+    "resumed" again from the checkpoint without rank 1's file of model 1, which fails."""
+    import torch.distributed as dist
+
+    (out / "fit").mkdir(exist_ok=True)
+    accelerate_fit(out / "fit")
+    for phase in ("whole", "resumed"):
+        accelerate_resume(out, phase)
+    if dist.get_rank() == 0:
+        (out / "ckpt" / "fastddp_hook_state_model1_rank1.pt").unlink()
+    dist.barrier()
+    print("accelerate job: lost", flush=True)
+    accelerate_resume(out, "lost")
+
+
 if __name__ == "__main__":
     what, out = sys.argv[1], Path(sys.argv[2])
     if what.startswith("accelerate"):
-        if what == "accelerate":
-            accelerate_fit(out)
+        if what == "accelerate-job":
+            accelerate_job(out)
         else:
             accelerate_resume(out, what[len("accelerate-") :])
         import torch.distributed as dist
 
         dist.destroy_process_group()
         fastddp.distributed.exit_after_shutdown()
+    elif what == "lightning-job":
+        lightning_job(out)
     elif what.startswith("resume-"):
         lightning_resume(out, what[len("resume-") :])
     else:

@@ -13,20 +13,30 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "hooks" / "_frameworks.py"
 
 
-def _run(cmd, tmp_path, timeout=240, results=True):
+@pytest.fixture(scope="module")
+def lightning_job(tmp_path_factory):
+    """The folder of :func:`_frameworks.lightning_job`'s run and what it wrote: every 2-process
+    Lightning run of these tests in one job, which ends failing, as its last run must."""
+    pytest.importorskip("lightning")
+    out = tmp_path_factory.mktemp("lightning")
+    cmd = [sys.executable, str(SCRIPT), "lightning-job", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    res = slack.run(
-        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=slack.guard(timeout)
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    if results:
-        return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    res = slack.run(cmd, cwd=out, env=env, timeout=slack.guard(300))
+    return out, res
+
+
+def _lightning_ranks(job, kind):
+    out, res = job
+    if not (out / kind / "rank1.json").exists():
+        raise AssertionError(
+            f"the {kind} fit wrote nothing:\n{res.stdout[-3000:]}{res.stderr[-5000:]}"
+        )
+    return [json.loads((out / kind / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 @pytest.mark.multiproc
-def test_lightning_fit_runs_the_hook_on_cpu(tmp_path):
-    pytest.importorskip("lightning")
-    ranks = _run([sys.executable, str(SCRIPT), "fastddp", str(tmp_path)], tmp_path)
+def test_lightning_fit_runs_the_hook_on_cpu(lightning_job):
+    ranks = _lightning_ranks(lightning_job, "fastddp")
     for r in ranks:
         stats = r["stats"]
         assert stats["dtype"] == "float16"
@@ -37,56 +47,48 @@ def test_lightning_fit_runs_the_hook_on_cpu(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_lightning_own_argument_skips_the_hook_on_cpu(tmp_path):
+def test_lightning_own_argument_skips_the_hook_on_cpu(lightning_job):
     # Why FastDDPStrategy exists: DDPStrategy(ddp_comm_hook=...) is silently ignored on CPU.
-    pytest.importorskip("lightning")
-    ranks = _run([sys.executable, str(SCRIPT), "lightning-ddp", str(tmp_path)], tmp_path)
+    ranks = _lightning_ranks(lightning_job, "lightning-ddp")
     assert all(r["stats"]["calls"] == 0 for r in ranks)
 
 
 @pytest.mark.multiproc
-def test_a_lightning_resume_keeps_each_ranks_residuals(tmp_path):
+def test_a_lightning_resume_keeps_each_ranks_residuals(lightning_job):
     # Lightning writes its checkpoint from rank 0; the residuals of error feedback are each
     # rank's own. Saved beside it and loaded into the same rank, a resume ends bit for bit
     # where the uninterrupted fit does (started from zero residuals: 4e-5 away), resumed here
-    # from save_last="link"'s last.ckpt, a link to the checkpoint beside which they are.
-    pytest.importorskip("lightning")
-    import shutil
-
+    # from save_last="link"'s last.ckpt, a link to the checkpoint beside which they are. The
+    # job runs "whole", "first", "resumed", "tested", "switched", then "lonely", which fails.
     import torch
 
-    for phase in ("whole", "first", "resumed", "alone"):
-        _run(
-            [sys.executable, str(SCRIPT), f"resume-{phase}", str(tmp_path)], tmp_path, results=False
-        )
-    beside = sorted(p.name for p in tmp_path.glob("first.ckpt.fastddp-rank*"))
+    out, res = lightning_job
+    told = res.stdout[-3000:] + res.stderr[-5000:]
+    assert "lightning job: lonely" in res.stdout, told  # every run before it passed
+    beside = sorted(p.name for p in out.glob("first.ckpt.fastddp-rank*"))
     assert beside == ["first.ckpt.fastddp-rank0", "first.ckpt.fastddp-rank1"], beside
     for r in range(2):
-        whole = torch.load(tmp_path / f"whole-rank{r}.pt")
-        first = torch.load(tmp_path / f"first-rank{r}.pt")
-        resumed = torch.load(tmp_path / f"resumed-rank{r}.pt")
+        whole = torch.load(out / f"whole-rank{r}.pt")
+        first = torch.load(out / f"first-rank{r}.pt")
+        resumed = torch.load(out / f"resumed-rank{r}.pt")
         assert not torch.equal(first, whole)  # (the second epoch moved them)
         assert torch.equal(resumed, whole), (resumed - whole).abs().max()
-    # On 1 rank, both ranks' residuals regrouped (CompressState.reshard): it runs, and learns.
-    assert torch.isfinite(torch.load(tmp_path / "alone-rank0.pt")).all()
     # A checkpoint copied without the hook's files is refused, naming them.
-    shutil.copy(tmp_path / "first.ckpt", tmp_path / "lonely.ckpt")
-    cmd = [sys.executable, str(SCRIPT), "resume-lonely", str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    res = slack.run(
-        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=slack.guard(240)
-    )
-    assert res.returncode != 0, res.stdout[-2000:]
+    assert res.returncode != 0, told
     assert "lonely.ckpt was saved by 2 ranks, each with its hook state beside it, but 2 of" in (
         res.stderr
-    ), res.stderr[-3000:]
+    ), told
     # Testing from it runs no hook: the checkpoint alone will do. And a fit resumed under
     # other settings, with resume_hook_state=False, starts the hook afresh.
-    for phase in ("tested", "switched"):
-        cmd = [sys.executable, str(SCRIPT), f"resume-{phase}", str(tmp_path)]
-        _run(cmd, tmp_path, results=False)
-    switched, first = (torch.load(tmp_path / f"{p}-rank0.pt") for p in ("switched", "first"))
+    switched, first = (torch.load(out / f"{p}-rank0.pt") for p in ("switched", "first"))
     assert torch.isfinite(switched).all() and not torch.equal(switched, first)
+    # On 1 rank, both ranks' residuals regrouped (CompressState.reshard): it runs, and learns.
+    cmd = [sys.executable, str(SCRIPT), "resume-alone", str(out)]
+    alone = slack.run(
+        cmd, cwd=out, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=slack.guard(240)
+    )
+    assert alone.returncode == 0, alone.stdout[-3000:] + alone.stderr[-5000:]
+    assert torch.isfinite(torch.load(out / "alone-rank0.pt")).all()
 
 
 def test_a_checkpoint_saved_where_no_rank_trained_holds_no_hook_state(tmp_path):
@@ -125,48 +127,53 @@ def test_fastddp_strategy_refuses_hook_arguments():
     assert isinstance(StrategyRegistry.get("fastddp"), FastDDPStrategy)
 
 
+@pytest.fixture(scope="module")
+def accelerate_job(tmp_path_factory):
+    """The folder of :func:`_frameworks.accelerate_job`'s run, launched on 2 ranks, and what it
+    wrote: every launched Accelerate run of these tests in one job, which ends failing, as its
+    last run must."""
+    pytest.importorskip("accelerate")
+    out = tmp_path_factory.mktemp("accelerate")
+    launch = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [*launch, str(SCRIPT), "accelerate-job", str(out)]
+    res = slack.run(cmd, cwd=out, env=env, timeout=slack.guard(300))
+    return out, res, res.stdout[-5000:] + res.stderr[-5000:]
+
+
 @pytest.mark.multiproc
 @pytest.mark.launcher
-def test_accelerate_prepared_model_runs_the_hook(tmp_path):
-    pytest.importorskip("accelerate")
-    launch = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]
-    ranks = _run([*launch, str(SCRIPT), "accelerate", str(tmp_path)], tmp_path)
+def test_accelerate_prepared_model_runs_the_hook(accelerate_job):
+    out, _, told = accelerate_job
+    assert (out / "fit" / "rank1.json").exists(), told
+    ranks = [json.loads((out / "fit" / f"rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:
         assert r["stats"]["calls"] >= 6 and r["stats"]["path"] == "alltoall", r["stats"]
     assert ranks[0]["checksum"] == ranks[1]["checksum"]
 
 
 @pytest.mark.launcher
-def test_an_accelerate_resume_keeps_each_ranks_residuals(tmp_path):
+def test_an_accelerate_resume_keeps_each_ranks_residuals(accelerate_job):
     # accelerator.save_state writes each process's hook state of each model beside the models';
     # load_state loads it into the same rank and model: the resumed steps end bit for bit where
     # the whole run does (with one file a rank, the second model's residuals went to both).
-    pytest.importorskip("accelerate")
     import torch
 
-    launch = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]
-    for phase in ("whole", "resumed"):
-        cmd = [*launch, str(SCRIPT), f"accelerate-{phase}", str(tmp_path)]
-        _run(cmd, tmp_path, results=False)
-    saved = sorted(p.name for p in (tmp_path / "ckpt").glob("fastddp_hook_state_*"))
-    assert saved == [f"fastddp_hook_state_model{m}_rank{r}.pt" for m in (0, 1) for r in (0, 1)]
+    out, res, told = accelerate_job
+    assert "accelerate job: lost" in res.stdout, told  # every run before it passed
+    saved = sorted(p.name for p in (out / "ckpt").glob("fastddp_hook_state_*"))
+    lost = "fastddp_hook_state_model1_rank1.pt"  # removed before the last run
+    assert saved + [lost] == [
+        f"fastddp_hook_state_model{m}_rank{r}.pt" for m in (0, 1) for r in (0, 1)
+    ]
     for r in range(2):
-        whole = torch.load(tmp_path / f"whole-rank{r}.pt")
-        resumed = torch.load(tmp_path / f"resumed-rank{r}.pt")
+        whole = torch.load(out / f"whole-rank{r}.pt")
+        resumed = torch.load(out / f"resumed-rank{r}.pt")
         assert torch.equal(resumed, whole), (resumed - whole).abs().max()
     # A checkpoint that lost a process's file is refused on every process, naming it.
-    (tmp_path / "ckpt" / "fastddp_hook_state_model1_rank1.pt").unlink()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [*launch, str(SCRIPT), "accelerate-resumed", str(tmp_path)]
-    res = slack.run(
-        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=slack.guard(240)
-    )
-    assert res.returncode != 0, res.stdout[-2000:]
-    told = res.stdout + res.stderr
+    assert res.returncode != 0, told
     assert "was saved by 2 processes, each with fastddp's hook state, but 1 of those" in told
-    assert "fastddp_hook_state_model1_rank1.pt...): copy them with the checkpoint" in told, told[
-        -3000:
-    ]
+    assert "fastddp_hook_state_model1_rank1.pt...): copy them with the checkpoint" in told, told
 
 
 def test_accelerate_helper_refuses_an_unprepared_model():
