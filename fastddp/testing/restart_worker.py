@@ -10,6 +10,11 @@ a temporary file, then renamed, so a kill never leaves half a checkpoint), and a
 attempt resumes from the latest. Batches depend only on (step, rank), so every run that
 finishes ends with the parameters of an uninterrupted run, whatever was killed when.
 
+The gradients are averaged by :func:`fastddp.all_reduce` (bf16 summed in fp32) and applied by
+a momentum SGD written out here: neither DDP's constructor nor ``torch.optim`` runs, for both
+import ``torch._dynamo``, a second of CPU in each of the hundred-odd workers the restart tests
+start. (DDP with the hook under a restart: ``examples/resume.py``, which the fault tests kill.)
+
 ``--init plain`` calls ``torch.distributed.init_process_group`` as most scripts do;
 ``--init fastddp`` calls :func:`fastddp.init_distributed`. Rank 0 appends one line per attempt
 to ``DIR/attempts`` (``attempt N resumed-from S``) and saves the final parameters to
@@ -28,7 +33,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
 
@@ -68,8 +72,8 @@ def collector_paused():
     A fresh worker's first optimizer imports ``torch._dynamo`` (``Optimizer``'s methods are
     wrapped by ``torch._disable_dynamo``), as DDP's constructor would: a second of CPU, of which
     the collector's passes over the objects the import makes were a third (a model and its SGD
-    after ``import fastddp``: 2.43 -> 2.09 CPU s, mean of 6). The restart and launcher tests
-    start over a hundred workers; each pauses the collector over its set-up alone.
+    after ``import fastddp``: 2.43 -> 2.09 CPU s, mean of 6). The launcher tests' DDP workers
+    and DiLoCo's restart worker pause the collector over their set-up alone.
     """
     was = gc.isenabled()
     gc.disable()
@@ -110,7 +114,7 @@ def main(argv=None) -> None:
         dist.init_process_group(args.backend, timeout=timeout)
     else:
         fastddp.init_distributed(backend=args.backend, timeout=timeout)
-    _say(f"rank {dist.get_rank()}: in the group, building DDP")
+    _say(f"rank {dist.get_rank()}: in the group, building the model")
     train(args)
     dist.barrier()
     dist.destroy_process_group()
@@ -122,16 +126,15 @@ def train(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     ckpt = args.dir / "ckpt.pt"
     start = 0
-    with collector_paused():  # the set-up imports torch._dynamo
-        net = _model()
-        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-        if ckpt.exists():
-            saved = torch.load(ckpt)
-            net.load_state_dict(saved["model"])
-            opt.load_state_dict(saved["opt"])
-            start = saved["step"]
-        model = DDP(net)
-        model.register_comm_hook(fastddp.CompressState(), fastddp.compress_hook)
+    net = _model()
+    params = list(net.parameters())
+    momentum = [torch.zeros_like(p) for p in params]
+    if ckpt.exists():
+        saved = torch.load(ckpt)
+        net.load_state_dict(saved["model"])
+        momentum = saved["momentum"]
+        start = saved["step"]
+    state = fastddp.CompressState()
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     _say(f"rank {rank}: attempt {attempt}, from step {start}")
     if rank == 0:
@@ -140,12 +143,17 @@ def train(args: argparse.Namespace) -> None:
     for step in range(start, args.steps):
         _maybe_die(args.dir, kills, step, rank)
         x, y = _batch(step, rank)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+        for p in params:
+            p.grad = None
+        nn.functional.mse_loss(net(x), y).backward()
+        grads = [p.grad for p in params]
+        fastddp.all_reduce(grads, state=state)
+        with torch.no_grad():  # SGD(lr=0.1, momentum=0.9)'s update
+            for p, g, m in zip(params, grads, momentum):
+                p.sub_(m.mul_(0.9).add_(g), alpha=0.1)
         if rank == 0:
             tmp = ckpt.with_suffix(".tmp")
-            torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "step": step + 1}, tmp)
+            torch.save({"model": net.state_dict(), "momentum": momentum, "step": step + 1}, tmp)
             os.replace(tmp, ckpt)
             (args.dir / "step").write_text(str(step + 1))  # for a harness that kills nodes
         time.sleep(args.step_seconds)
