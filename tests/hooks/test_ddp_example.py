@@ -18,20 +18,31 @@ SCRIPT = ROOT / "examples" / "ddp_train.py"
 pytestmark = [pytest.mark.multiproc, pytest.mark.launcher]
 
 
-def _train(preset: str) -> list[float]:
-    cmd = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]
-    cmd += [str(SCRIPT), "--preset", preset, "--steps", "41"]
-    res = slack.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(150))
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out
-    assert f"{preset}: 2 rank(s)" in out and "weights identical on every rank" in out, out
-    return [float(v) for v in re.findall(r"step +\d+ loss (\S+)", out)]
+def _train(*presets: str) -> dict[str, list[float]]:
+    """Each preset's losses: the first as the example's docstring runs it, the others in one
+    more launched job (``_ddp_presets.py``)."""
+    launch = [sys.executable, "-m", "fastddp.launch", "--standalone", "--nproc-per-node", "2"]
+    jobs = [[str(SCRIPT), "--preset", presets[0], "--steps", "41"]]
+    jobs.append([str(Path(__file__).with_name("_ddp_presets.py")), "41", *presets[1:]])
+    out = ""
+    for job in jobs:
+        res = slack.run([*launch, *job], cwd=ROOT, capture_output=True, text=True,
+                        timeout=slack.guard(150))  # fmt: skip
+        out += res.stdout + res.stderr
+        assert res.returncode == 0, out
+    losses = {}
+    for preset in presets:  # each run's lines end with its summary
+        run, _, out = out.partition(f"{preset}: 2 rank(s)")
+        assert out.startswith(", final loss") and "weights identical on every rank" in out, run
+        losses[preset] = [float(v) for v in re.findall(r"step +\d+ loss (\S+)", run)]
+    return losses
 
 
 def test_the_copied_script_learns_as_plain_ddp_does():
-    plain = _train("none")
+    runs = _train("bf16", "none", "int8-ef", "auto")
+    plain = runs["none"]
     for preset in ("bf16", "int8-ef", "auto"):
-        losses = _train(preset)
+        losses = runs[preset]
         assert len(losses) == len(plain) == 3, losses
         assert losses[-1] < losses[0] / 2, losses  # it learns
         # ... as well as plain DDP: same start, within 5 % at the end.
