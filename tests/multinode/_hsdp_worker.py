@@ -1,4 +1,4 @@
-"""Worker of test_hsdp_netns.py: native HSDP and fastddp's hybrid, 3 steps each, on 2 nodes.
+"""Native HSDP and fastddp's hybrid, 3 steps each, on 2 nodes (in _two_nodes_worker.py).
 
 Every rank trains the same small decoder (tests/fsdp/_hybrid_worker.py) natively and with
 each hybrid mode, counting the bytes its node's end of the link sent. Rank 0 writes, per mode,

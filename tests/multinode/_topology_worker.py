@@ -1,4 +1,4 @@
-"""Worker of test_topology_netns.py, launched on every rank of every node (namespace).
+"""A job of _two_nodes_worker.py (test_topology_netns.py), run on every rank of every node.
 
 For each codec: plain DDP and DDP with fastddp's hook (``topology="auto"``) train the same
 steps; the hooked gradients must match within the codec's tolerance, and the bytes the node's

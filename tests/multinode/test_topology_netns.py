@@ -2,7 +2,8 @@
 
 Every codec matches plain DDP there, and the bytes the nodes' links really sent (interface
 counters) are what ``stats()`` reports: fastddp's own cross-node bytes, and the fp32 ring's
-estimate against plain DDP's measured traffic. Needs root; skipped cleanly otherwise.
+estimate against plain DDP's measured traffic (in the run that test_hsdp_netns.py's tests
+share: ``two_by_two``, conftest.py). Needs root; skipped cleanly otherwise.
 """
 
 import json
@@ -26,17 +27,10 @@ pytestmark = [pytest.mark.netns, pytest.mark.multiproc]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_two_nodes_of_two_ranks_over_a_real_link(tmp_path):
-    why = netns.unavailable_reason()
-    if why:
-        pytest.skip(why)
-    out = tmp_path / "topology.json"
-    cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "2", "--nproc-per-node", "2"]
-    cmd += ["--rate", "1gbit", "--timeout", f"{slack.guard(150):.0f}"]
-    cmd += ["tests/multinode/_topology_worker.py", str(out)]
-    res = slack.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack.guard(200))
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    report = json.loads(out.read_text())
+def test_two_nodes_of_two_ranks_over_a_real_link(two_by_two):
+    out, res = two_by_two  # tests/multinode/conftest.py
+    assert (out / "topology.json").exists(), res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads((out / "topology.json").read_text())
     assert (report["world"], report["nodes"]) == (4, 2)
     # Every codec reported (an empty report would skip every check below).
     assert set(report["codecs"]) == {"bf16", "bf16-acc", "int8"}
