@@ -497,10 +497,10 @@ def test_port_in_use_on_the_master():
 
 
 def test_standalone_two_ranks(tmp_path):
-    cmd = [*LAUNCH, "--standalone", "--nproc-per-node", "2", WORKER]
+    cmd = [*LAUNCH, "--standalone", "--nproc-per-node", "2", WORKER, "--ddp"]
     res = _run_all([cmd], envs=[_env(TMPDIR=tmp_path)])
     text = _ok(res, 2)
-    assert "launcher=torchrun" in text
+    assert "launcher=torchrun ddp" in text
     # torch's log folder for the launch (no --log-dir) held nothing, and is gone.
     assert not list(tmp_path.glob("torchelastic_*")), list(tmp_path.rglob("*"))
 
@@ -967,9 +967,12 @@ def test_two_nodes_c10d_rendezvous_as_in_sana():
             "--rdzv_endpoint",
             f"{a['addr']}:{port}",
             WORKER,
+            "--ddp",
         ]
         text = _ok(_run_all([_in(b["ns"], line), _in(a["ns"], line)], timeout=200), 4)
-        assert f"--local-addr {b['addr']}" in text
+        assert (
+            f"--local-addr {b['addr']}" in text and len(re.findall(r"launcher=\S+ ddp", text)) == 4
+        ), text
 
 
 @pytest.mark.netns
