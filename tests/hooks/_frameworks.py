@@ -113,6 +113,25 @@ def lightning_resume(out: Path, phase: str) -> None:
     torch.save(flat, out / f"{phase}-rank{trainer.global_rank}.pt")
 
 
+def lightning_refusals() -> None:
+    """FastDDPStrategy refuses delay=1 with find_unused_parameters, which would lose gradients,
+    as fastddp.register_comm_hook does (on 2 ranks: DDP needs its group); says so on each."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from fastddp.integrations.lightning import FastDDPStrategy
+
+    strategy = FastDDPStrategy(state=fastddp.CompressState(delay=1))
+    strategy.model = DDP(nn.Linear(4, 4), find_unused_parameters=True)
+    try:
+        strategy._register_ddp_hooks()
+    except ValueError as e:
+        if "with find_unused_parameters=True use delay=0" not in str(e):
+            raise
+        print("lightning job: delay=1 with find_unused_parameters refused", flush=True)
+        return
+    raise AssertionError("FastDDPStrategy took delay=1 with find_unused_parameters=True")
+
+
 def lightning_job(out: Path) -> None:
     """Every 2-process Lightning run of test_integrations.py, one after another in one job (a
     later Trainer reuses the processes and the process group of the first): the fits of
@@ -130,6 +149,7 @@ def lightning_job(out: Path) -> None:
     dist.barrier()
     for phase in ("resumed", "tested", "switched"):
         lightning_resume(out, phase)
+    lightning_refusals()
     print("lightning job: lonely", flush=True)
     lightning_resume(out, "lonely")
 
