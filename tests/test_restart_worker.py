@@ -1,5 +1,6 @@
-"""The pieces of the restart tests' worker (``fastddp.testing.restart_worker``) that need no
-job; its launched jobs are ``tests/launch/test_restarts.py``'s."""
+"""The pieces of ``fastddp.testing.restart_worker`` that need no job (its launched jobs are
+``tests/launch/test_restarts.py``'s), and its ``collector_paused``, which the workers that
+build DDP use (``tests/launch/_ddp_worker.py``, ``tests/diloco/_restart_worker.py``)."""
 
 import gc
 

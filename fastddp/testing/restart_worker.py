@@ -5,14 +5,14 @@
 
 Each ``--kill STEP:RANK`` fires once per run (a marker file in ``--dir`` remembers it): the
 rank SIGKILLs itself when it reaches that step, as a crashed worker would, so the second kill
-lands in the restarted attempt. Rank 0 saves model and optimizer after every step (written to
-a temporary file, then renamed, so a kill never leaves half a checkpoint), and a (re)started
-attempt resumes from the latest. Batches depend only on (step, rank), so every run that
+lands in the restarted attempt. Rank 0 saves the model and SGD's momentum after every step
+(written to a temporary file, then renamed, so a kill never leaves half a checkpoint), and a
+(re)started attempt resumes from the latest. Batches depend only on (step, rank), so every run that
 finishes ends with the parameters of an uninterrupted run, whatever was killed when.
 
-The gradients are averaged by :func:`fastddp.all_reduce` (bf16 summed in fp32) and applied by
-a momentum SGD written out here: neither DDP's constructor nor ``torch.optim`` runs, for both
-import ``torch._dynamo``, a second of CPU in each of the hundred-odd workers the restart tests
+The gradients are averaged by :func:`fastddp.all_reduce` (bf16 on the wire) and applied by a
+momentum SGD written out here: neither DDP's constructor nor ``torch.optim`` runs, for each
+imports ``torch._dynamo``, a second of CPU in each of the hundred-odd workers the restart tests
 start. (DDP with the hook under a restart: ``examples/resume.py``, which the fault tests kill.)
 
 ``--init plain`` calls ``torch.distributed.init_process_group`` as most scripts do;

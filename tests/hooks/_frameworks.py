@@ -142,6 +142,7 @@ def lightning_job(out: Path) -> None:
     for kind in ("fastddp", "lightning-ddp"):
         (out / kind).mkdir(exist_ok=True)
         lightning_fit(out / kind, kind)
+        print(f"lightning job: {kind} fit done", flush=True)  # its teardown passed too
     for phase in ("whole", "first"):
         lightning_resume(out, phase)
     if dist.get_rank() == 0:  # a copy of the checkpoint without the hook's files
@@ -224,6 +225,7 @@ def accelerate_job(out: Path) -> None:
 
     (out / "fit").mkdir(exist_ok=True)
     accelerate_fit(out / "fit")
+    print("accelerate job: fit done", flush=True)
     for phase in ("whole", "resumed"):
         accelerate_resume(out, phase)
     if dist.get_rank() == 0:
@@ -235,11 +237,8 @@ def accelerate_job(out: Path) -> None:
 
 if __name__ == "__main__":
     what, out = sys.argv[1], Path(sys.argv[2])
-    if what.startswith("accelerate"):
-        if what == "accelerate-job":
-            accelerate_job(out)
-        else:
-            accelerate_resume(out, what[len("accelerate-") :])
+    if what == "accelerate-job":
+        accelerate_job(out)
         import torch.distributed as dist
 
         dist.destroy_process_group()
@@ -249,4 +248,4 @@ if __name__ == "__main__":
     elif what.startswith("resume-"):
         lightning_resume(out, what[len("resume-") :])
     else:
-        lightning_fit(out, what)
+        raise SystemExit(f"{what!r}: give lightning-job, accelerate-job or resume-PHASE")

@@ -1,9 +1,9 @@
 """A training job started by the launcher tests: ``_ddp_worker.py [STEPS] [--ddp]``.
 
 By default the gradients are averaged by :func:`fastddp.all_reduce` and applied by SGD written
-out here; with ``--ddp``, by DDP with fastddp.compress_hook and ``torch.optim.SGD``. Both
-import ``torch._dynamo`` (a second of CPU), which most of these tests' workers, there to show
-what the launcher set up, need not pay; the launches of a plain job run DDP.
+out here; with ``--ddp``, by DDP with fastddp.compress_hook and ``torch.optim.SGD``. DDP's
+constructor and ``torch.optim`` each import ``torch._dynamo`` (a second of CPU), which most of
+these tests' workers, there to show what the launcher set up, need not pay.
 """
 
 import sys
