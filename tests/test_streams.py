@@ -92,6 +92,12 @@ def _waits_for(seen: Path, then: Path) -> str:
     return f"for i in $(seq 600); do [ -e {seen} ] && break; sleep 0.1; done; cp {seen} {then}"
 
 
+def _mark(seen: Path) -> str:
+    """A command that writes ``seen`` whole: renamed into place, for ``echo x > seen`` makes
+    the file before it writes, and a waiter could copy it empty (it once did, under load)."""
+    return f"echo x > {seen}.tmp && mv {seen}.tmp {seen}"
+
+
 def _with(tmp_path, run: list, step: str, command: str, tests: Path):
     return subprocess.run(
         [*run, f"--{step}", command, "--", str(tests), "-q"], capture_output=True, text=True,
@@ -106,7 +112,7 @@ def test_a_first_command_runs_beside_the_also_commands_and_before_the_tests(tmp_
     tests = tmp_path / "test_first.py"
     tests.write_text(f"def test_after_first():\n    assert open({str(built)!r}).read() == 'x\\n'\n")
     # The first command ends only once the --also command has run: they run side by side.
-    run = [sys.executable, str(RUNNER), "--only", "single", "--also", "mark", f"echo x > {seen}"]
+    run = [sys.executable, str(RUNNER), "--only", "single", "--also", "mark", _mark(seen)]
     res = _with(tmp_path, run, "first", _waits_for(seen, built), tests)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "1 passed" in res.stdout and "first exit 0" in res.stdout, res.stdout
@@ -129,7 +135,7 @@ def test_setup_runs_first_with_the_early_commands_beside_it_and_python_runs_the_
     python.chmod(0o755)
     # The setup ends only once the --early command has run; the --also command starts after it.
     run = [sys.executable, str(RUNNER), "--only", "single", "--python", str(python)]
-    run += ["--early", "mark", f"echo x > {seen}", "--also", "after", f"cp {installed} {after}"]
+    run += ["--early", "mark", _mark(seen), "--also", "after", f"cp {installed} {after}"]
     # An --early command named as a step or as another command is refused before anything runs.
     for clash in (["--early", "setup", "true"], ["--early", "after", "true"]):
         res = subprocess.run([*run, *clash], capture_output=True, text=True, env=_env(tmp_path))
