@@ -16,7 +16,7 @@ from torch.distributed import run as torchrun
 
 from fastddp.cluster import ClusterError, VariableError, launcher_settings
 from fastddp.launch import failures, options, slurm, stop, store
-from fastddp.launch.preflight import Decisions, LaunchError, apply, gpus_visible, preflight, say
+from fastddp.launch.preflight import LaunchError, apply, gpus_visible, preflight, say
 
 __all__ = ["build_parser", "main"]
 
@@ -45,7 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
         "configuration checks but without touching the network; start nothing",
     )
     group.add_argument(
-        "--no-preflight", action="store_true", help="skip the network and configuration checks"
+        "--no-preflight",
+        action="store_true",
+        help="skip the network and configuration checks (a --standalone job's sockets stay on "
+        "loopback; the workers still refuse a bad FASTDDP_PEER_TIMEOUT)",
     )
     group.add_argument(
         "--preflight-timeout",
@@ -251,9 +254,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             args.training_script_args = script_args
         options.check(args)
         run_args = _normalise(args)
-        info, decisions = ({}, Decisions())
-        if not args.no_preflight:
-            info, decisions = preflight(run_args, network=not args.dry_run)
+        checks = not args.no_preflight
+        info, decisions = preflight(run_args, network=not args.dry_run, checks=checks)
     except (ClusterError, LaunchError) as e:
         say(f"error: {e}{_sources(str(e), filled)}")
         return 2

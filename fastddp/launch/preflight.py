@@ -57,6 +57,7 @@ class Decisions:
     rdzv_conf: Optional[tuple[str, str]] = None  # (extra rendezvous option, why)
     environment: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)  # user settings left alone
+    interface: Optional[str] = None  # a one-node launch's loopback interface
 
 
 def apply(args: argparse.Namespace, decisions: Decisions) -> None:
@@ -139,12 +140,16 @@ def _warn_loopback(host: str, addr: Optional[str], max_nodes: int) -> None:
         )
 
 
-def preflight(args: argparse.Namespace, network: bool = True) -> tuple[dict, Decisions]:
+def preflight(
+    args: argparse.Namespace, network: bool = True, checks: bool = True
+) -> tuple[dict, Decisions]:
     """Check the configuration and (with ``network``) the network.
 
     Args:
         args: torchrun's arguments, normalised as ``torch.distributed.run.run`` would.
         network: also resolve the master, find the route and check or probe its port.
+        checks: False (``--no-preflight``): check nothing; a one-node launch's sockets are
+            still put on loopback (:func:`one_node_sockets`), a setting rather than a check.
 
     Returns:
         ``(info, decisions)``: what was found (for the summary) and what should be set (for
@@ -153,6 +158,8 @@ def preflight(args: argparse.Namespace, network: bool = True) -> tuple[dict, Dec
     Raises:
         LaunchError: the launch cannot work; the message says how to fix it.
     """
+    if not checks:
+        return {}, one_node_sockets(args, check=False)
     # The workers' own settings: a bad one stops every node here, not every worker after
     # seconds of imports (the workers check again, for torchrun).
     try:
@@ -166,9 +173,8 @@ def preflight(args: argparse.Namespace, network: bool = True) -> tuple[dict, Dec
     _check_ranks(args, static, max_nodes)
     host, port = _master(args)
     if args.rdzv_endpoint == "localhost:0":  # standalone: one node, a free port
-        loop = net.interfaces().get("127.0.0.1", "lo")
-        info.update(master="localhost (standalone)", interface=loop)
-        _interface(decisions, loop, "one node: nothing listens beyond this machine")
+        decisions = one_node_sockets(args)
+        info.update(master="localhost (standalone)", interface=decisions.interface)
         return info, decisions
     if not network:
         # A dry run resolves nothing, but a literal loopback master is plain without it.
@@ -296,9 +302,30 @@ def _check_gloo_interfaces(value: str, multi_node: bool) -> None:
         )
 
 
-def _interface(decisions: Decisions, iface: str, why: str, multi_node: bool = False) -> None:
+def one_node_sockets(args: argparse.Namespace, check: bool = True) -> Decisions:
+    """For a one-node launch (``--standalone``), the workers' sockets on loopback.
+
+    A setting, not a check: ``--no-preflight`` keeps it (with ``check=False``, a
+    ``GLOO_SOCKET_IFNAME`` of the user's is not checked), so that a standalone job listens on
+    nothing beyond this machine either way. Other launches get nothing.
+    """
+    decisions = Decisions()
+    if args.rdzv_endpoint == "localhost:0":
+        decisions.interface = net.interfaces().get("127.0.0.1", "lo")
+        _interface(
+            decisions,
+            decisions.interface,
+            "one node: nothing listens beyond this machine",
+            check=check,
+        )
+    return decisions
+
+
+def _interface(
+    decisions: Decisions, iface: str, why: str, multi_node: bool = False, check: bool = True
+) -> None:
     """The workers' Gloo and NCCL sockets on ``iface``, unless the user chose one."""
-    if "GLOO_SOCKET_IFNAME" in os.environ:
+    if check and "GLOO_SOCKET_IFNAME" in os.environ:
         _check_gloo_interfaces(os.environ["GLOO_SOCKET_IFNAME"], multi_node)
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         if var in os.environ:

@@ -77,6 +77,24 @@ def test_one_node_meets_on_loopback_whatever_master_the_environment_names(launch
     assert status == 0 and "config node_rank=1 master_addr=h0 master_port=29622" in err, err
 
 
+def test_a_standalone_job_stays_on_loopback_without_the_preflight(launch, monkeypatch):
+    # Its sockets on loopback are a setting, not a check: --no-preflight keeps them there, and
+    # checks nothing, a bad FASTDDP_PEER_TIMEOUT included (the workers refuse that one).
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(var, raising=False)
+    for flags in ([], ["--no-preflight"]):
+        status, err = launch("--standalone", *flags)
+        assert status == 0, err
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            assert f"{var}=lo (one node: nothing listens beyond this machine)" in err, err
+            del os.environ[var]
+    status, err = launch("--standalone", FASTDDP_PEER_TIMEOUT="abc")
+    assert status == 2 and "FASTDDP_PEER_TIMEOUT" in err, err
+    status, err = launch("--standalone", "--no-preflight", GLOO_SOCKET_IFNAME="nosuch0")
+    assert status == 0, err
+    assert "GLOO_SOCKET_IFNAME=nosuch0 (yours; fastddp would use lo)" in err, err
+
+
 def test_detected_settings_stay_out_of_the_workers_environment(launch):
     # They are the parser's defaults only: a PET_* exported here would reach the workers, and a
     # torchrun started in one would take this job's port.
