@@ -175,15 +175,21 @@ def main(argv=None):
         type=int,
         help="ranks on each of the two namespace nodes (default 1), or on loopback (default 2)",
     )
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--depth", type=int, default=3)
-    p.add_argument("--inputs", type=int, default=256)
-    p.add_argument("--outputs", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--probe-every", type=int, default=25)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--steps", type=int, default=300, help="training steps a mode (%(default)s)")
+    p.add_argument("--batch", type=int, default=64, help="samples a rank a step (%(default)s)")
+    p.add_argument("--width", type=int, default=1024, help="hidden layers' width (%(default)s)")
+    p.add_argument("--depth", type=int, default=3, help="hidden layers (%(default)s)")
+    p.add_argument("--inputs", type=int, default=256, help="input features (%(default)s)")
+    p.add_argument("--outputs", type=int, default=64, help="output features (%(default)s)")
+    p.add_argument("--lr", type=float, default=3e-4, help="Adam's learning rate (%(default)s)")
+    p.add_argument(
+        "--probe-every",
+        type=int,
+        default=25,
+        help="steps between checks of a hook's gradient against the exact fp32 average "
+        "(%(default)s)",
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (%(default)s)")
     p.add_argument(
         "--link",
         default="1gbit",

@@ -118,11 +118,13 @@ def main(argv=None) -> int:
         "[--timeout S] [--nproc-per-node N] [launch options] script [args]",
     )
     rate = "link rate each way, in bits per second (1gbit, 100mbit); a burst of 512 KB passes "
-    rate += "at once, so transfers smaller than that are not slowed"
+    rate += "at once, so transfers smaller than that are not slowed (default 1gbit)"
     p.add_argument("--rate", default="1gbit", help=rate)
     p.add_argument("--nodes", type=int, default=2, help="number of nodes (default 2)")
-    p.add_argument("--nproc-per-node", default="1")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before all are killed")
+    p.add_argument("--nproc-per-node", default="1", help="ranks on each node (default 1)")
+    p.add_argument(
+        "--timeout", type=float, default=1800.0, help="seconds before all are killed (default 1800)"
+    )
     p.add_argument(
         "--loss", type=float, default=0.0, help="drop this %% of every node's received packets"
     )
