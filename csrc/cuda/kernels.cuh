@@ -447,17 +447,19 @@ __device__ __forceinline__ uint16_t wire_of(const uint4& v, int j) {
 }
 
 // The octet at element e of the P rows, summed as sum_rows sums (in row order), kSumRows rows'
-// loads issued before any of them is added. Past the last row a lane loads the last row again,
-// so that no branch comes before the loads, and adds nothing of it.
+// loads issued before any of them is added. A load past the last row is predicated off, not
+// branched around (the loads stay back to back): 2 rows, as the two-level path's step between
+// two nodes has, load 2 octets a lane, not 4 with the last row's twice.
 __device__ __forceinline__ void sum_octet(
     WireKind kind, const uint16_t* __restrict__ src, int64_t chunks, int64_t m, int64_t e,
     float (&acc)[kOctet]) {
   for (int64_t p = 0; p < chunks; p += kSumRows) {
-    uint4 v[kSumRows];
+    uint4 v[kSumRows] = {};
     FASTDDP_UNROLL
     for (int r = 0; r < kSumRows; ++r) {
-      const int64_t row = p + r < chunks ? p + r : chunks - 1;
-      v[r] = load16(reinterpret_cast<const uint4*>(src + row * m + e));
+      if (p + r < chunks) {
+        v[r] = load16(reinterpret_cast<const uint4*>(src + (p + r) * m + e));
+      }
     }
     FASTDDP_UNROLL
     for (int r = 0; r < kSumRows; ++r) {
@@ -475,12 +477,18 @@ __device__ __forceinline__ void sum_octet(
 // The row sums' loop over elements [0, m): elements before `head` (where every row and output
 // aligns to 16 bytes) and past the last whole octet one by one, element(i); the octets between,
 // a thread's octet(e) with e the first of its elements, consecutive threads on consecutive
-// octets (a warp's load is 512 contiguous bytes of a row).
+// octets (a warp's load is 512 contiguous bytes of a row). The head's elements go to the grid's
+// first threads and the tail's to its last (which take an octet fewer where the octets do not
+// fill the grid evenly): an element is a pass over every row, and a thread taking one of each
+// would hold its warp, and the kernel's end, two passes.
 template <class Element, class Octet>
 __device__ __forceinline__ void octet_loop(int64_t m, int64_t head, Element element, Octet octet) {
   const int64_t octets = (m - head) / kOctet;
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
   grid_stride_loop(0, head, element);
-  grid_stride_loop(head + octets * kOctet, m, element);
+  for (int64_t i = head + octets * kOctet + (threads - 1 - thread_index()); i < m; i += threads) {
+    element(i);
+  }
   grid_stride_loop(0, octets, [&](int64_t o) { octet(head + o * kOctet); });
 }
 

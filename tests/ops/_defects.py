@@ -79,13 +79,22 @@ DEFECTS = [
      "store16(reinterpret_cast<float4*>(mode.residual + e) + 0 * h,", "sum_chunks"),
     # The row sum, four rows a step: the last row added again past the end of the rows; every
     # row of a step read from its first; the octets past the whole ones left out.
-    ("the last row of a sum added again past the rows' end", "cuda/kernels.cuh",
-     "      if (p + r < chunks) {\n", "      if (true) {\n", "sum_chunks"),
+    ("the last row of a sum added again past the rows' end",
+     ("cuda/kernels.cuh", "cuda/kernels.cuh"),
+     ("if (p + r < chunks) {\n        v[r] = load16(reinterpret_cast<const uint4*>(src + (p + r)",
+      "if (p + r < chunks) {\n        FASTDDP_UNROLL"),
+     ("{\n        v[r] = load16(reinterpret_cast<const uint4*>(src + (p + r < chunks ? p + r : "
+      "chunks - 1)", "{\n        FASTDDP_UNROLL"),
+     "sum_chunks"),
     ("every row of a step read from its first", "cuda/kernels.cuh",
-     "const int64_t row = p + r < chunks ? p + r : chunks - 1;", "const int64_t row = p;",
-     "widen_sum"),
+     "src + (p + r) * m + e", "src + p * m + e", "widen_sum"),
+    # The elements past the last whole octet: left out; the first of them left to no thread
+    # (they are counted from the grid's last thread).
     ("the elements past the last whole octet left out", "cuda/kernels.cuh",
-     "grid_stride_loop(head + octets * kOctet, m, element);", "", "sum_chunks"),
+     "    element(i);\n  }\n  grid_stride_loop(0, octets", "  }\n  grid_stride_loop(0, octets",
+     "sum_chunks"),
+    ("the first element past the last whole octet left to no thread", "cuda/kernels.cuh",
+     "(threads - 1 - thread_index())", "(threads - thread_index())", "widen_sum"),
     # Each block's scale and inverse worked out once and shared (step_values, step_value).
     ("a block's inverse taken from its scale's lane", "cuda/codes_kernels.cuh",
      "2 * block + (odd ? 1 : 0)", "2 * block + (odd ? 0 : 0)", "quantize_int8"),
