@@ -71,7 +71,8 @@ def settled(
                 torch.bfloat16 if dtype is None else dtype,
                 group,
                 accumulate_dtype=torch.float32 if accumulate_dtype is UNSET else accumulate_dtype,
-                stochastic_rounding=bool(stochastic_rounding),
+                # (None: the default; anything else CompressState checks, "no" refused.)
+                stochastic_rounding=False if stochastic_rounding is None else stochastic_rounding,
                 block_size=block_size,
                 topology="auto" if topology is None else topology,
                 # A state's rounding draws anew with each of its calls; a fresh state per call

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from fastddp import joining
-from fastddp._init_args import checked_arguments
+from fastddp._init_args import DEFAULT_TIMEOUT, check_again, checked_arguments
 from fastddp.cluster import ClusterError, process_settings, srun_task
 from fastddp.rank_notes import check_ranks
 from fastddp.watchdog import PeerWatchdog, peer_timeout_from_env
@@ -34,6 +34,7 @@ _watchdog: Optional[PeerWatchdog] = None
 _excepthook = None  # the one before _on_uncaught
 # Joins made by this process: each takes store keys of its own (see joining.store_for).
 _joins = 0
+_first: dict = {}  # the arguments _env was made with
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +61,7 @@ class DistEnv:
 
 def init_distributed(
     backend: Optional[str] = None,
-    timeout: timedelta = timedelta(minutes=10),
+    timeout: Optional[timedelta] = None,
     environ: Optional[Mapping[str, str]] = None,
     peer_timeout: Optional[float] = None,
 ) -> DistEnv:
@@ -70,15 +71,15 @@ def init_distributed(
     ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, under ``srun`` with one
     task per GPU, under ``mpirun`` (with ``MASTER_ADDR`` exported), and alone (world size 1).
     Picks ``cuda:LOCAL_RANK`` and NCCL when CUDA is available, else CPU and Gloo. Calling it
-    again returns the same description. Before init, all ranks raise the same error if one
-    cannot start (no GPU for its local rank) or they picked different backends; after init,
-    they compare hosts, devices and fastddp settings, and all raise if two ranks share a GPU or
-    disagree.
+    again returns the same description (arguments given again must be the first call's).
+    Before init, all ranks raise the same error if one cannot start (no GPU for its local rank)
+    or they picked different backends; after init, they compare hosts, devices and fastddp
+    settings, and all raise if two ranks share a GPU or disagree.
 
     Args:
         backend (str, optional): ``"nccl"``, ``"gloo"``, ... ; ``None`` picks as above.
-        timeout (timedelta): how long any collective may wait before failing with an error
-            instead of hanging.
+        timeout (timedelta, optional): how long any collective may wait before failing with an
+            error instead of hanging (default 10 minutes).
         environ (Mapping, optional): variables to read instead of ``os.environ``.
         peer_timeout (float, optional): seconds after which a rank that stopped answering
             (stopped, hung outside Python, dead without closing its sockets) is named and this
@@ -97,15 +98,12 @@ def init_distributed(
         >>> ...
         >>> fastddp.shutdown_distributed()
     """
-    global _env, _joins
+    global _env, _joins, _first
     backend = checked_arguments(backend, timeout)
     if _env is not None and dist.is_initialized():
-        if backend is not None and backend != _env.backend:
-            raise ClusterError(
-                f"fastddp.init_distributed: already initialised with backend {_env.backend!r}, "
-                f"not {backend!r}; call fastddp.shutdown_distributed() first"
-            )
+        check_again(_first, backend, timeout, peer_timeout)
         return _env
+    timeout = DEFAULT_TIMEOUT if timeout is None else timeout
     if dist.is_initialized():
         raise ClusterError(
             "fastddp.init_distributed: torch.distributed was initialised elsewhere; call "
@@ -189,6 +187,7 @@ def init_distributed(
     sources = {k: s.source for k, s in settings.items() if s is not None}
     sources.setdefault("node_rank", "host names of all ranks")
     sources["local_world_size"] = "ranks on the same node"
+    _first = dict(backend=backend, timeout=timeout, peer_timeout=peer_timeout)
     _env = DistEnv(
         rank=rank,
         local_rank=local_rank,

@@ -299,8 +299,9 @@ class CompressedReduceScatter(ReduceScatter):
 
     def load_state_dict(self, state_dict: dict[str, bytes]) -> None:
         """Restore this rank's residuals, saved by a comm of the same settings. Call it on
-        every rank: what does not fit is raised on every rank at the first reduce-scatter."""
-        if self.error_feedback:
+        every rank: what does not fit is raised on every rank at the first reduce-scatter.
+        Without error feedback only an empty one fits (a comm with it saved residuals)."""
+        if self.error_feedback or state_dict:
             self._load.load(state_dict, self._restore)
 
     def _restore(self, saved: dict[str, Any]) -> None:

@@ -25,17 +25,24 @@ Assignment = Union[str, tuple[str, ...]]  # one mode for every bucket, or a mode
 
 _PATHS = ("flat", "hierarchical")  # the paths a candidate may name: "int8-ef:flat"
 # Settings of a fixed mode, which dtype="auto" takes only at their defaults.
-_FIXED_ONLY = ("accumulate_dtype", "error_feedback", "stochastic_rounding", "block_size", "delay")
+# (With their defaults, which alone auto takes: a value equal to one but of another type, such
+# as block_size=0 or delay=0.0, is a setting given.)
+_FIXED_ONLY = {
+    "accumulate_dtype": None, "error_feedback": False, "stochastic_rounding": False,
+    "block_size": None, "delay": 0,
+}  # fmt: skip
 
 
 def checked_allow(allow) -> tuple[str, ...]:
     """``allow`` as a tuple of candidate names (:data:`DEFAULT_ALLOW` for ``None``), or raise."""
     if allow is None:
         return DEFAULT_ALLOW
-    if isinstance(allow, str) or not hasattr(allow, "__iter__"):
+    # In order: the first is the trial's reference and ties go to the earlier name, so a set,
+    # whose order differs from process to process, would make ranks disagree.
+    if not isinstance(allow, (list, tuple)):
         raise TypeError(
-            f"CompressState: allow must be a list of mode names, got {allow!r}; for example "
-            "allow=['none', 'bf16', 'int8-ef']"
+            f"CompressState: allow must be a list of mode names, in order of preference, got "
+            f"{allow!r}; for example allow=['none', 'bf16', 'int8-ef']"
         )
     names = tuple(allow)
     bad = [n for n in names if not _known(n)]
@@ -54,7 +61,9 @@ def checked_fixed(fixed: dict[str, Any]) -> None:
     for name in fixed:
         if name not in _FIXED_ONLY:
             raise TypeError(f"CompressState() got an unexpected keyword argument {name!r}")
-    given = [k for k, v in fixed.items() if v not in (None, False, 0)]
+    given = [
+        k for k, v in fixed.items() if type(v) is not type(_FIXED_ONLY[k]) or v != _FIXED_ONLY[k]
+    ]
     if given:
         raise ValueError(
             f"CompressState: with dtype='auto' the modes come from allow; {', '.join(given)} "

@@ -164,6 +164,14 @@ def _mismatched(rank, world):
         assert "  rank 1: dtype=torch.int8, block_size=128, error_feedback=False" in str(
             error.value
         )
+    # Residuals given to a comm without error feedback (a comm with it saved them): refused on
+    # every rank at its first call, not dropped.
+    saved = CompressedReduceScatter(torch.int8, error_feedback=True).state_dict()
+    comm = CompressedReduceScatter(torch.int8)
+    if rank == 1:
+        comm.load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"load_state_dict failed on rank\(s\) \[1\] of 2 \("):
+        _GroupDoor(comm, 0)(out, x.clone(), dist.group.WORLD, ReduceOp.AVG)
     # Arguments refused on one rank where a comm is installed: named on every rank there,
     # rather than leave the other waiting for it in FSDP2's first collective.
     for install, bad in (

@@ -186,6 +186,11 @@ def _bad_input(rank, world):
         (lambda: fastddp.all_reduce(torch.ones(3), state=3), "state must be a fastddp."),
         (lambda: fastddp.all_reduce(torch.ones(3), bucket_cap_mb=0), "bucket_cap_mb must be"),
         (
+            # (bool("no") is True: it was taken as stochastic rounding on)
+            lambda: fastddp.all_reduce(torch.ones(3), stochastic_rounding="no"),
+            "fastddp.all_reduce: stochastic_rounding must be True or False",
+        ),
+        (
             lambda: fastddp.all_reduce(torch.ones(3), bucket_cap_mb=float("inf")),
             "bucket_cap_mb must be a positive number of MiB, at most 1.07374e+09 (a bucket's "
             "elements are counted in int64), got inf",

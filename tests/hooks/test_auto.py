@@ -441,6 +441,12 @@ def test_ranks_that_loaded_different_plans_fail_alike():
         (dict(allow=["bf16", "int9"]), ValueError, r"allow is unknown \['int9'\]"),
         (dict(allow=["bf16", "bf16"]), ValueError, "allow is repeated names"),
         (dict(allow="bf16"), TypeError, "allow must be a list of mode names"),
+        # In order: a set's differs from process to process (PYTHONHASHSEED), and with it the
+        # reference and the ties' winner.
+        (dict(allow={"bf16", "none"}), TypeError, "allow must be a list of mode names, in order"),
+        (dict(block_size=0), ValueError, "block_size belongs to a fixed mode"),
+        (dict(delay=0.0), ValueError, "delay belongs to a fixed mode"),
+        (dict(stochastic_rounding=0), ValueError, "stochastic_rounding belongs to a fixed mode"),
         (dict(allow=["int8-ef:ring"]), ValueError, r"allow is unknown \['int8-ef:ring'\]"),
         (dict(allow=["none:flat"]), ValueError, r"allow is unknown \['none:flat'\]"),
         (dict(error_feedback=True), ValueError, "error_feedback belongs to a fixed mode"),

@@ -315,6 +315,9 @@ def test_a_bad_peer_timeout_is_refused_by_the_worker_before_any_group(raw, messa
         ({"timeout": 30}, "timeout must be a datetime.timedelta, got int"),
         ({"timeout": timedelta(0)}, "timeout must be positive, got 0:00:00"),
         ({"backend": "glo"}, "unknown backend 'glo'; use 'nccl' \\(GPUs\\) or 'gloo' \\(CPU\\)"),
+        # (a device's part failed an assert in torch)
+        ({"backend": "cpu:glooo"}, "unknown backend 'cpu:glooo'; use 'nccl'"),
+        ({"backend": "cpu:gloo,cuda:"}, "unknown backend 'cpu:gloo,cuda:'"),
         ({"environ": {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"}},
          "MASTER_PORT=99999 is not a TCP port; give one from 1 to 65535"),
@@ -341,6 +344,27 @@ def test_a_backend_is_named_as_torch_names_it():
         assert fastddp.init_distributed(backend="Gloo", environ=env).backend == "gloo"
         assert fastddp.init_distributed(backend="GLOO", environ=env).backend == "gloo"
         assert dist.get_backend() == "gloo"
+    finally:
+        fastddp.shutdown_distributed()
+
+
+def test_a_later_call_refuses_arguments_it_would_ignore():
+    import fastddp
+
+    env = {}
+    try:
+        fastddp.init_distributed(timeout=timedelta(seconds=90), environ=env, peer_timeout=0)
+        # Given again as they were, or not given: the same description.
+        same = fastddp.init_distributed(backend="gloo", timeout=timedelta(seconds=90))
+        assert same is fastddp.init_distributed(peer_timeout=0) is fastddp.init_distributed()
+        for kwargs, message in [
+            ({"timeout": timedelta(seconds=1)}, "timeout=datetime.timedelta\\(seconds=90\\), not"),
+            ({"peer_timeout": 30}, "already initialised with peer_timeout=0, not 30"),
+            ({"peer_timeout": -5}, "already initialised with peer_timeout=0, not -5"),
+            ({"backend": "nccl"}, "already initialised with backend='gloo', not 'nccl'"),
+        ]:
+            with pytest.raises(ClusterError, match=message):
+                fastddp.init_distributed(**kwargs)
     finally:
         fastddp.shutdown_distributed()
 
