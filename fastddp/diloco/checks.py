@@ -75,6 +75,11 @@ def local_problems(
     devices = sorted({str(p.device) for p in params})
     if len(devices) > 1:
         found.append(f"parameters must be on one device, found {', '.join(devices)}")
+    elif devices == ["meta"]:  # (its outer step copies nothing, and state_dict() failed)
+        found.append(
+            "the parameters are on the meta device: materialise them (to_empty, then "
+            "initialise) before DiLoCo"
+        )
     return found
 
 

@@ -85,6 +85,8 @@ class DiLoCo:
         group: Optional[dist.ProcessGroup] = None,
         overlap: bool = False,
     ) -> None:
+        if group is not None and not isinstance(group, dist.ProcessGroup):  # (the exchange's)
+            raise TypeError(f"fastddp.DiLoCo: group must be a ProcessGroup or None, got {group!r}")
         args = (sync_every, outer_lr, outer_momentum)
         inner = getattr(model, "_orig_mod", model)  # torch.compile(DDP(...)): the DDP inside
         problems = checks.local_problems(inner, *args, compress, nesterov, overlap)

@@ -38,6 +38,16 @@ def node_mesh(device_type: Optional[str] = None) -> DeviceMesh:
         )
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    # (DeviceMesh took "gpu" or "CPU" as it was, a mesh of a device type that does not exist)
+    try:
+        known = isinstance(device_type, str) and torch.device(device_type).type == device_type
+    except RuntimeError:  # torch's list of every device type it knows
+        known = False
+    if not known:
+        raise ValueError(
+            f"fastddp.fsdp.node_mesh: device_type must be a torch device type such as 'cuda' "
+            f"or 'cpu', got {device_type!r}"
+        )
     device = (
         torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else None
     )

@@ -59,6 +59,11 @@ def reshard(state_dicts: Sequence[dict[str, Any]], world_size: int) -> list[dict
     where = "CompressState.reshard"
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"{where}: world_size must be a positive int, got {world_size!r}")
+    if isinstance(state_dicts, (str, bytes, dict)) or not isinstance(state_dicts, Sequence):
+        raise TypeError(
+            f"{where}: give a list of the state dicts of every rank of the saved job, in rank "
+            f"order, got {type(state_dicts).__name__}"
+        )
     old = len(state_dicts)
     if old == 0:
         raise ValueError(f"{where}: give the state dicts of every rank of the saved job, got none")

@@ -244,3 +244,16 @@ def _mismatched_load(rank, world):
 
 def test_a_state_dict_of_other_settings_or_layout_is_refused():
     run_ranks(_mismatched_load, 4, nodes=[0, 0, 1, 1])
+
+
+def test_a_group_that_is_none_and_a_meta_model_are_refused_by_name():
+    # Before any collective, as every rank passes the same (the group's exchange needs it).
+    with pytest.raises(TypeError, match="DiLoCo: group must be a ProcessGroup or None, got 'x'"):
+        fastddp.DiLoCo(torch.nn.Linear(2, 2), sync_every=2, group="x")
+    # (accepted, its outer step did nothing and state_dict() failed)
+    meta = torch.nn.Linear(2, 2, device="meta")
+    found = checks.local_problems(meta, 2, 0.7, 0.9, "int8-ef")
+    assert found == [
+        "the parameters are on the meta device: materialise them (to_empty, then initialise) "
+        "before DiLoCo"
+    ], found

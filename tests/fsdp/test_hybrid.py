@@ -140,6 +140,9 @@ def _mesh_and_errors(rank, world):
     os.environ[NODE_ENV] = {0: "a", 1: "a", 2: "b", 3: "c"}[rank]
     with pytest.raises(ValueError, match="different numbers of ranks"):
         fastddp.fsdp.node_mesh()
+    for odd in ("gpu", "CPU", 5):  # (DeviceMesh took the first two as they were)
+        with pytest.raises(ValueError, match="device_type must be a torch device type such"):
+            fastddp.fsdp.node_mesh(odd)
 
     mesh = _two_nodes(rank)
     model, _, _ = w.build(mesh, w.NATIVE)

@@ -533,6 +533,9 @@ def test_reshard_refuses_what_is_not_one_jobs_state_dicts():
         fastddp.CompressState.reshard(full, 0)
     with pytest.raises(ValueError, match="got none"):
         fastddp.CompressState.reshard([], 2)
+    for what in (None, full[0], "state.pt"):  # (None met len() in a TypeError of its own)
+        with pytest.raises(TypeError, match="give a list of the state dicts of every rank"):
+            fastddp.CompressState.reshard(what, 2)
     with pytest.raises(ValueError, match=r"saved by a job of 3 ranks, and 2 were given"):
         fastddp.CompressState.reshard([full[0], full[2]], 2)
     with pytest.raises(ValueError, match="saved before any process group, so they name no"):

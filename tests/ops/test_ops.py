@@ -205,6 +205,11 @@ def test_bad_flag_and_aliasing():
     w = torch.empty(8, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="one-element int32 tensor"):
         ops.compress(x, w, 1.0, torch.zeros(1))
+    # (any negative seed rounded to nearest)
+    with pytest.raises(RuntimeError, match="seed must be -1 .* or at least 0 .*, got -5"):
+        ops.compress(x, w, 1.0, seed=-5)
+    with pytest.raises(RuntimeError, match="fastddp.quantize_int8: seed must be -1"):
+        ops.quantize_int8(x, torch.empty(8, dtype=torch.int8), torch.empty(1), 8, seed=-2)
     storage = torch.zeros(12)
     with pytest.raises(RuntimeError, match="share storage"):
         ops.compress(storage[:8], storage[8:].view(torch.bfloat16), 1.0)

@@ -163,6 +163,10 @@ inline Rounding rounding_of(
     const std::optional<at::Tensor>& residual, int64_t seed, const at::Tensor& data,
     int64_t n = -1) {
   n = n < 0 ? data.numel() : n;
+  // (Any negative seed rounded to nearest: a seed computed as a difference could turn it off.)
+  TORCH_CHECK(
+      seed >= -1, "fastddp.", op,
+      ": seed must be -1 (round to nearest) or at least 0 (round stochastically), got ", seed);
   if (flag.has_value()) {
     TORCH_CHECK(
         flag->scalar_type() == c10::ScalarType::Int && flag->numel() == 1 &&
