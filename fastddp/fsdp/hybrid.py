@@ -285,6 +285,8 @@ def _state(group, dtype, reduce_scatter, settings: dict) -> CompressState:
             "the reduce-scatter inside the node does not keep here; give it torch.int8 or a "
             "16-bit dtype (the link inside a node is the fast one)"
         )
+    if dtype == "auto":  # (from_preset's refusal named CompressState(dtype='auto'))
+        raise ValueError(f"{_WHERE}: dtype='auto' is DDP's; give a preset name or a wire dtype")
     # The replicate group holds one rank per node: the flat path is the cross-node path.
     if isinstance(dtype, str):
         return CompressState.from_preset(dtype, group, topology="flat", **settings)

@@ -165,6 +165,8 @@ def _mesh_and_errors(rank, world):
         fastddp.fsdp.hybrid(sharded, mesh["replicate"], torch.int2)
     with pytest.raises(ValueError, match="unknown fastddp preset"):
         fastddp.fsdp.hybrid(sharded, mesh["replicate"], "int7")
+    with pytest.raises(ValueError, match="hybrid: dtype='auto' is DDP's; give a preset name"):
+        fastddp.fsdp.hybrid(sharded, mesh["replicate"], "auto")
     with pytest.raises(ValueError, match="reduce_scatter=torch.int2 trains only with error feed"):
         fastddp.fsdp.hybrid(sharded, mesh["replicate"], "int8-ef", reduce_scatter=torch.int2)
     with pytest.raises(TypeError, match="topology is not a setting"):
