@@ -42,6 +42,7 @@ VECTOR = (
     "sum_chunks_kernel",
     "widen_sum_kernel",
     "quantize_vec_kernel",
+    "quantize_wide_kernel",
     "dequantize_vec_kernel",
     "unpack_vec_kernel",
 )

@@ -19,6 +19,7 @@
 #include "kernels.cuh"
 #include "packed_kernels.cuh"
 #include "values.cuh"
+#include "wide_kernels.cuh"
 
 namespace fastddp::kernels {
 
@@ -167,6 +168,33 @@ auto quantize_vec_for(const Rounding& r) {
 template <int kBits>
 using Bits = std::integral_constant<int, kBits>;
 
+// Whether quantize_wide_kernel can write this int8 layout: codes and residual 16-byte aligned,
+// a block a power of two from 16 to 512 elements (a power of two of lanes, up to a warp), one
+// row or rows of whole blocks 16-byte aligned apart. What it reads is the caller's to check.
+inline bool wide_layout(const QuantizeArgs& a) {
+  const bool pow2 = a.block >= kWide && a.block <= 32 * kWide && (a.block & (a.block - 1)) == 0;
+  return a.bits == 8 && pow2 && aligned16(a.dst) &&
+         (a.rounding.residual == nullptr || aligned16(a.rounding.residual)) &&
+         (a.rows.rows == 1 || (a.rows.q_stride % 16 == 0 && a.rows.row_len % a.block == 0));
+}
+
+// The instance of quantize_wide_kernel for the mode of `r` and what it rounds, as
+// quantize_vec_for picks.
+template <class Values>
+auto quantize_wide_for(const Rounding& r) {
+  const bool feedback = r.residual != nullptr;
+  if constexpr (Values::kStochasticAtRun) {
+    return feedback ? quantize_wide_kernel<8, true, false, Values>
+                    : quantize_wide_kernel<8, false, false, Values>;
+  } else {
+    const bool stochastic = r.seed >= 0;
+    return feedback ? (stochastic ? quantize_wide_kernel<8, true, true, Values>
+                                  : quantize_wide_kernel<8, true, false, Values>)
+                    : (stochastic ? quantize_wide_kernel<8, false, true, Values>
+                                  : quantize_wide_kernel<8, false, false, Values>);
+  }
+}
+
 // quantize for codes of kBits bits: quantize_vec_kernel when `vector`, else one warp per block
 // of elements. `values` is what the kernels round (values.cuh).
 template <int kBits, class Rt, class Values>
@@ -192,9 +220,16 @@ void quantize_with(Rt& rt, const QuantizeArgs& a, bool vector, const Values& val
 // quantize: the vector kernel where `vectorise` (the layout allows it) and a block is a power of
 // two of chunks up to a warp's, or whole warps of chunks. values(Bits<b>{}) is what the kernels
 // round for codes of b bits.
+// `wide`: the int8 layout and what is read allow quantize_wide_kernel, which takes it.
 template <class Rt, class ValuesOf>
-void quantize(Rt& rt, const QuantizeArgs& a, bool vectorise, ValuesOf values) {
+void quantize(Rt& rt, const QuantizeArgs& a, bool vectorise, ValuesOf values, bool wide = false) {
   if (!start(rt, a.n, a.rounding.flag)) {
+    return;
+  }
+  if (wide) {
+    const auto source = values(Bits<8>{});
+    launch_over(rt, (a.n + kWide - 1) / kWide, quantize_wide_for<decltype(source)>(a.rounding), a,
+                Divider::of(a.rows.row_len), source);
     return;
   }
   const int64_t per_block = a.block / kChunk;
@@ -212,7 +247,8 @@ void quantize(Rt& rt, const QuantizeArgs& a, bool vectorise, ValuesOf values) {
 template <class Rt>
 void run(Rt& rt, const QuantizeArgs& a) {
   const bool vectorise = codes_vectorise(a.dst, a.rows, a.block, a.bits, a.src, a.rounding.residual);
-  quantize(rt, a, vectorise, [&](auto) { return FlatValues{a.src}; });
+  const bool wide = wide_layout(a) && aligned16(a.src);
+  quantize(rt, a, vectorise, [&](auto) { return FlatValues{a.src}; }, wide);
 }
 
 // requantize: the vector kernel where the row written allows it and each row read starts
@@ -225,10 +261,15 @@ void run(Rt& rt, const RequantizeArgs& a) {
       codes_vectorise(out.dst, out.rows, out.block, out.bits, nullptr, out.rounding.residual) &&
       reinterpret_cast<uintptr_t>(a.src.q) % piece == 0 &&
       (a.src.rows.rows == 1 || a.src.rows.q_stride % piece == 0);
+  // The wide kernel: each row's 16 codes of a lane one aligned load, in one block of scales.
+  const bool wide = wide_layout(out) && a.src.bits == 8 && aligned16(a.src.q) &&
+                    (a.src.rows.rows == 1 || a.src.rows.q_stride % 16 == 0) &&
+                    a.src.block % kWide == 0;
   const Divider by_block = Divider::of(a.src.block);
-  quantize(rt, out, vectorise, [&](auto bits) {
-    return SummedRows<decltype(bits)::value>{a.src, by_block, a.scale};
-  });
+  quantize(
+      rt, out, vectorise,
+      [&](auto bits) { return SummedRows<decltype(bits)::value>{a.src, by_block, a.scale}; },
+      wide);
 }
 
 // f(codes) with the reader of s's codes: Int8Codes, or PackedCodes of 4 or 2 bits.

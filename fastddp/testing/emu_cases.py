@@ -79,8 +79,11 @@ CHECKS = [
     # Blocks of 32 (a quarter warp), 100 (the scalar kernel), 256 (a warp, 2 chunks a lane).
     # First (a sweep stops at its first failure, and a defect of the shared scales' extremes
     # shows in these alone), the extreme blocks: zero, tiny, FLT_MAX, inf, NaN.
+    # The extremes go to the wide kernel (one row, aligned) and to the vector kernel (rows 4
+    # bytes apart), whose lanes share a block's scale and inverse (step_values).
     ("quantize_int8", check_quantize_int8,
-     [(_codes_n(32), 32, v, 1, 16, False, False, True) for v in ("plain", "sr")]
+     [(_codes_n(32), 32, v, r, pad, False, False, True) for v in ("plain", "sr")
+      for r, pad in ((1, 16), (3, 4))]
      + [(_codes_n(b), b, v, r, pad, off) for b in (32, 100, 256)
         for v in ("plain", "ef", "sr", "ef-sr") for r, pad, off in LAYOUTS]),
     ("dequantize_int8", check_dequantize_int8,
@@ -119,7 +122,12 @@ CHECKS = [
      + [(bits, _codes_n(32, 7), b, "ef", 3) for bits, b in ((8, 100), (4, 6), (2, 12))]
      + [(8, _codes_n(32), 32, "ef", 3, 16, True), (8, _codes_n(32, 4), 32, "plain", 2, 4),
         (8, _codes_n(256, 4), 256, "ef", 3), (4, _codes_n(32), 32, "plain", 1),
-        (4, _codes_n(32, 2), 32, "ef", 3, 15)]),
+        (4, _codes_n(32, 2), 32, "ef", 3, 15)]
+     # int8 rows 16-byte aligned apart (the wide kernel): whole lanes in every mode; 5 rows
+     # (a second batch of loads, part past the last row) with a lane's last 9 codes alone; a
+     # 4-code tail.
+     + [(8, _codes_n(32, 0), 32, v, 3) for v in ("plain", "ef", "sr", "ef-sr")]
+     + [(8, _codes_n(128, 9), 128, "ef-sr", 5, 7), (8, _codes_n(32, 4), 512, "ef", 2, 12)]),
 ]  # fmt: skip
 
 # Every kernel of csrc/cuda (by name and bits), which the checks of CHECKS must launch.
@@ -138,6 +146,10 @@ KERNELS = frozenset(
        for feedback in ("false", "true")]
     + ["quantize_int8_kernel<8, summed>", "quantize_packed_kernel<4, summed>",
        "quantize_packed_kernel<2, summed>"]
+    # the wide int8 kernel, for quantize in every mode and requantize with and without feedback
+    + [f"quantize_wide_kernel<8, {feedback}, {stochastic}>" for feedback in ("false", "true")
+       for stochastic in ("false", "true")]
+    + [f"quantize_wide_kernel<8, {feedback}, false, summed>" for feedback in ("false", "true")]
 )  # fmt: skip
 
 

@@ -174,6 +174,18 @@ DEFECTS = [
     ("a row of codes left out of the scalar kernels' sums", "cuda/values.cuh",
      "for (int64_t p = 1; p < src.rows.rows; ++p) {",
      "for (int64_t p = 2; p < src.rows.rows; ++p) {", "requantize"),
+    # The wide int8 kernel (wide_kernels.cuh): a round of its blocks' shuffles dropped; every
+    # row summed with the first row's scale; the scale placed by the lane, not the block; the
+    # last lane's residual not written.
+    ("a round of a wide block's shuffles dropped", "cuda/wide_kernels.cuh",
+     "for (int round = 0; round < 5; ++round) {", "for (int round = 0; round < 4; ++round) {",
+     "quantize_int8"),
+    ("every row of a wide sum scaled by the first row's scale", "cuda/wide_kernels.cuh",
+     "step[r] = scales[(p + r) * s.src.rows.s_stride];", "step[r] = scales[0];", "requantize"),
+    ("a wide block's scale placed by its first lane's 16", "cuda/wide_kernels.cuh",
+     "(offset >> block_log2)] = step;", "(offset >> 4)] = step;", "quantize_int8"),
+    ("the last wide lane's residual not written", "cuda/wide_kernels.cuh",
+     "            mode.residual[e + j] = r[j];\n", "", "quantize_int8"),
     ("a vector kernel for unaligned fp32 codes' data", "cuda/launch.h",
      "return aligned16(fp32) && (residual == nullptr",
      "return fp32 != nullptr && (residual == nullptr", "unpack_int8"),

@@ -89,9 +89,10 @@ def test_every_tail_of_the_rounding_paths(emu, variant):
         check_sum_chunks(emu, n, torch.bfloat16, 1, variant, offset=False)
 
 
-@pytest.mark.parametrize("block", [1, 4, 8, 32, 48, 64, 100, 128, 256, 384])
+@pytest.mark.parametrize("block", [1, 4, 8, 16, 32, 48, 64, 100, 128, 256, 384, 512])
 def test_int8_block_sizes(emu, block):
-    # 4 * 2^k up to 128 and multiples of 128: the vector kernel; 1, 48, 100: the scalar one.
+    # 4 * 2^k up to 128 and multiples of 128: the vector kernel, or the wide one for powers of
+    # two from 16 to 512 (a lane to a warp a block); 1, 48, 100: the scalar one.
     for n in (1, block - 1, block + 1, _codes_n(block, 3)):
         if n >= 1:
             check_quantize_int8(emu, n, block, "ef-sr", rows=1, special=True)

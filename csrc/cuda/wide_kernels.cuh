@@ -1,0 +1,220 @@
+// The wide int8 quantize: 16 elements a lane, for quantize_int8 and requantize's int8 step where
+// every access of a lane can be 16 bytes. Compiled like kernels.cuh, by nvcc and by the grid
+// emulator.
+//
+// Why: quantize_vec_kernel gives a lane 4 elements a run (a chunk), so its int8 codes are 4
+// bytes a lane: requantize's rows of codes were loaded 4 bytes at a time, a few such loads in
+// flight a lane, and on the H200 it reached 0.37-0.46 of a copy waiting on them (quantize 0.66,
+// bound by the shuffles and stores of its 4-byte pieces). Here a lane's 16 codes of each row
+// are one 16-byte load, its fp32 values and residual four, its codes one 16-byte store with no
+// shuffle, and a block's maximum takes log2(block / 16) shuffle rounds among its lanes.
+#pragma once
+
+#include "values.cuh"
+
+namespace fastddp::kernels {
+
+constexpr int kWide = 16;  // elements a lane of the wide kernel takes a step: 16 int8 codes
+// Its blocks a multiprocessor holds: 3 (80 registers; at 64, error feedback's instance spilled
+// to local memory). 24 warps with 128 bytes a lane in flight (its 16 values and residual, or 4
+// rows' codes and the residual) keep more in flight than the 4-element kernels' 32 warps did.
+constexpr int kWideBlocksPerSm = 3;
+
+// The `count` fp32 values at element e (16-byte aligned) of quantize's source, zeros past them:
+// four loads where all 16 exist, one by one in the last lane.
+__device__ __forceinline__ void load_wide(
+    const FlatValues& s, int64_t e, int count, float (&x)[kWide]) {
+  if (count < kWide) {
+    FASTDDP_UNROLL
+    for (int j = 0; j < kWide; ++j) {
+      x[j] = j < count ? s.src[e + j] : 0.0f;
+    }
+    return;
+  }
+  FASTDDP_UNROLL
+  for (int h = 0; h < kWide / 4; ++h) {
+    const float4 v = load16(reinterpret_cast<const float4*>(s.src + e) + h);
+    x[4 * h] = v.x;
+    x[4 * h + 1] = v.y;
+    x[4 * h + 2] = v.z;
+    x[4 * h + 3] = v.w;
+  }
+}
+
+// Code j (0..15) of 16 int8 codes, as a float.
+__device__ __forceinline__ float wide_code(const uint4& v, int j) {
+  const uint32_t w = j < 8 ? (j < 4 ? v.x : v.y) : (j < 12 ? v.z : v.w);
+  return static_cast<float>(static_cast<int8_t>((w >> (8 * (j % 4))) & 0xffu));
+}
+
+// The first `count` of 16 int8 codes at `at` (16-byte aligned), zeros past them: one load
+// where all 16 exist, byte by byte in the last lane.
+__device__ __forceinline__ uint4 load_codes(const uint8_t* at, int count) {
+  if (count == kWide) {
+    return load16(reinterpret_cast<const uint4*>(at));
+  }
+  uint32_t word[4] = {};
+  FASTDDP_UNROLL
+  for (int j = 0; j < kWide; ++j) {
+    if (j < count) {
+      word[j / 4] |= static_cast<uint32_t>(at[j]) << (8 * (j % 4));
+    }
+  }
+  uint4 v;
+  v.x = word[0];
+  v.y = word[1];
+  v.z = word[2];
+  v.w = word[3];
+  return v;
+}
+
+// The column sums at columns e .. e + count - 1 (count from 1 to 16) of requantize's rows of
+// int8 codes, as SummedRows<8>::at sums them (in row order, times `scale`): each row's 16 codes
+// one load, kSumRows rows' loads issued before any is added (those past the last row
+// predicated off). The 16 lie in one block of the rows' scales (a multiple of 16 long).
+__device__ __forceinline__ void load_wide(
+    const SummedRows<8>& s, int64_t e, int count, float (&x)[kWide]) {
+  const int64_t rows = s.src.rows.rows;
+  const auto* q = reinterpret_cast<const uint8_t*>(s.src.q) + e;
+  const float* scales = s.src.scales + s.by_block.div(e);
+  float acc[kWide];
+  for (int64_t p = 0; p < rows; p += kSumRows) {
+    uint4 v[kSumRows] = {};
+    float step[kSumRows] = {};
+    FASTDDP_UNROLL
+    for (int r = 0; r < kSumRows; ++r) {
+      if (p + r < rows) {
+        v[r] = load_codes(q + (p + r) * s.src.rows.q_stride, count);
+        step[r] = scales[(p + r) * s.src.rows.s_stride];
+      }
+    }
+    FASTDDP_UNROLL
+    for (int r = 0; r < kSumRows; ++r) {
+      if (p + r < rows) {
+        FASTDDP_UNROLL
+        for (int j = 0; j < kWide; ++j) {
+          const float term = math::mul(wide_code(v[r], j), step[r]);
+          acc[j] = p + r == 0 ? term : math::add(acc[j], term);
+        }
+      }
+    }
+  }
+  FASTDDP_UNROLL
+  for (int j = 0; j < kWide; ++j) {
+    x[j] = math::mul(acc[j], s.scale);
+  }
+}
+
+// quantize (int8) with 16 elements a lane: a block of 2^k * 16 elements (16 to 512) is its
+// block / 16 consecutive lanes, which share its absolute maximum by shuffles. Each lane loads
+// its values (and residual) whole where its 16 elements lie below n, one by one in the last
+// block otherwise (load_wide); it stores its codes, its residual and (the block's first lane) the scale.
+// The layout (launch.h, wide_layout): codes, fp32 values and residual 16-byte aligned, one row
+// or rows of whole blocks 16-byte aligned apart, so that a lane's 16 codes are in one row.
+// by_row divides by the row length (rows > 1). Values: quantize's FlatValues or requantize's
+// SummedRows<8>.
+template <int kBits, bool kFeedback, bool kStochastic, class Values>
+__global__ void __launch_bounds__(kThreads, kWideBlocksPerSm)
+    quantize_wide_kernel(QuantizeArgs a, Divider by_row, Values source) {
+  static_assert(kBits == 8, "the wide kernel writes int8 codes");
+  math::Mode mode = a.rounding.mode();
+  mode.feedback = kFeedback;
+  mode.stochastic = Values::kStochasticAtRun ? mode.stochastic : kStochastic;
+  const float qmax = code_max(kBits);
+  const int lanes = static_cast<int>(a.block / kWide);  // a block's lanes: 1, 2, 4, .., 32
+  int block_log2 = 4;
+  while ((int64_t{1} << block_log2) < a.block) {
+    ++block_log2;
+  }
+  const int lane = lane_index();
+  bool bad = false;
+  warp_loop((a.n + kWide - 1) / kWide, 32, [&](int64_t first) {
+    const int64_t e = (first + lane) * kWide;
+    const int count = e >= a.n ? 0 : (a.n - e >= kWide ? kWide : static_cast<int>(a.n - e));
+    float x[kWide] = {};
+    float r[kWide] = {};
+    if (count > 0) {
+      load_wide(source, e, count, x);
+    }
+    if (kFeedback && count == kWide) {
+      FASTDDP_UNROLL
+      for (int h = 0; h < kWide / 4; ++h) {
+        const float4 v = load16_rw(reinterpret_cast<const float4*>(mode.residual + e) + h);
+        r[4 * h] = v.x;
+        r[4 * h + 1] = v.y;
+        r[4 * h + 2] = v.z;
+        r[4 * h + 3] = v.w;
+      }
+    } else if (kFeedback) {
+      FASTDDP_UNROLL
+      for (int j = 0; j < kWide; ++j) {
+        r[j] = j < count ? mode.residual[e + j] : 0.0f;
+      }
+    }
+    float v[kWide];
+    uint32_t absmax = 0;
+    FASTDDP_UNROLL
+    for (int j = 0; j < kWide; ++j) {
+      v[j] = j < count ? math::rounding_input_of(mode, x[j], a.scale, r[j]) : 0.0f;
+      absmax = math::abs_bits_max(absmax, v[j]);
+    }
+    // The block's lanes (aligned in the warp, a power of two of them) exchange their maxima;
+    // a round at or past their count exchanges with the lane itself.
+    FASTDDP_UNROLL
+    for (int round = 0; round < 5; ++round) {
+      const uint32_t other = __shfl_xor_sync(kAllLanes, absmax, (16 >> round) & (lanes - 1));
+      absmax = other > absmax ? other : absmax;
+    }
+    const bool block_bad = math::block_nonfinite(absmax);
+    bad |= block_bad;
+    const float step = math::block_scale(absmax, qmax);
+    const float inverse = math::block_inverse(absmax, qmax);
+    // Where the lane's codes go: a block, and a lane's 16 codes, lie in one row.
+    const int64_t row = a.rows.rows == 1 ? 0 : by_row.div(e);
+    const int64_t offset = e - row * a.rows.row_len;
+    int8_t* at = a.dst + row * a.rows.q_stride + offset;
+    if (count > 0 && (lane & (lanes - 1)) == 0) {  // the block's first lane
+      a.scales[row * a.rows.s_stride + (offset >> block_log2)] = step;
+    }
+    // A block holding inf or NaN gets zeros (and a NaN scale); its residual is left alone.
+    uint32_t word[kWide / 4] = {};
+    FASTDDP_UNROLL
+    for (int j = 0; j < kWide; ++j) {
+      int8_t code = 0;
+      if (j < count && !block_bad) {
+        code = math::quantize_code(v[j], inverse, qmax, mode.stochastic,
+                                   math::random_for(mode, e + j));
+      }
+      r[j] = math::quantize_dropped(v[j], code, step);
+      word[j / 4] |= static_cast<uint32_t>(static_cast<uint8_t>(code)) << (8 * (j % 4));
+    }
+    if (count == kWide) {
+      uint4 codes;
+      codes.x = word[0];
+      codes.y = word[1];
+      codes.z = word[2];
+      codes.w = word[3];
+      store16(reinterpret_cast<uint4*>(at), codes);
+      if (kFeedback && !block_bad) {
+        FASTDDP_UNROLL
+        for (int h = 0; h < kWide / 4; ++h) {
+          store16(reinterpret_cast<float4*>(mode.residual + e) + h,
+                  make_float4(r[4 * h], r[4 * h + 1], r[4 * h + 2], r[4 * h + 3]));
+        }
+      }
+    } else {
+      FASTDDP_UNROLL
+      for (int j = 0; j < kWide; ++j) {
+        if (j < count) {
+          at[j] = static_cast<int8_t>(word[j / 4] >> (8 * (j % 4)));
+          if (kFeedback && !block_bad) {
+            mode.residual[e + j] = r[j];
+          }
+        }
+      }
+    }
+  });
+  raise_flag(bad, a.rounding.flag);
+}
+
+}  // namespace fastddp::kernels
