@@ -21,10 +21,11 @@ constexpr int kWide = 16;  // elements a lane of the wide kernel takes a step: 1
 constexpr int kWideBlocksPerSm = 3;
 
 // The `count` fp32 values at element e (16-byte aligned) of quantize's source, zeros past them:
-// four loads where all 16 exist, one by one in the last lane.
+// four loads where all 16 exist (kWhole: in every lane of the step), one by one otherwise.
+template <bool kWhole>
 __device__ __forceinline__ void load_wide(
     const FlatValues& s, int64_t e, int count, float (&x)[kWide]) {
-  if (count < kWide) {
+  if (!kWhole && count < kWide) {
     FASTDDP_UNROLL
     for (int j = 0; j < kWide; ++j) {
       x[j] = j < count ? s.src[e + j] : 0.0f;
@@ -48,9 +49,10 @@ __device__ __forceinline__ float wide_code(const uint4& v, int j) {
 }
 
 // The first `count` of 16 int8 codes at `at` (16-byte aligned), zeros past them: one load
-// where all 16 exist, byte by byte in the last lane.
+// where all 16 exist (kWhole: in every lane of the step), byte by byte otherwise.
+template <bool kWhole>
 __device__ __forceinline__ uint4 load_codes(const uint8_t* at, int count) {
-  if (count == kWide) {
+  if (kWhole || count == kWide) {
     return load16(reinterpret_cast<const uint4*>(at));
   }
   uint32_t word[4] = {};
@@ -72,6 +74,7 @@ __device__ __forceinline__ uint4 load_codes(const uint8_t* at, int count) {
 // int8 codes, as SummedRows<8>::at sums them (in row order, times `scale`): each row's 16 codes
 // one load, kSumRows rows' loads issued before any is added (those past the last row
 // predicated off). The 16 lie in one block of the rows' scales (a multiple of 16 long).
+template <bool kWhole>
 __device__ __forceinline__ void load_wide(
     const SummedRows<8>& s, int64_t e, int count, float (&x)[kWide]) {
   const int64_t rows = s.src.rows.rows;
@@ -84,7 +87,7 @@ __device__ __forceinline__ void load_wide(
     FASTDDP_UNROLL
     for (int r = 0; r < kSumRows; ++r) {
       if (p + r < rows) {
-        v[r] = load_codes(q + (p + r) * s.src.rows.q_stride, count);
+        v[r] = load_codes<kWhole>(q + (p + r) * s.src.rows.q_stride, count);
         step[r] = scales[(p + r) * s.src.rows.s_stride];
       }
     }
@@ -105,14 +108,125 @@ __device__ __forceinline__ void load_wide(
   }
 }
 
+// The residual of the `count` elements at e (16-byte aligned), zeros past them: four loads
+// where all 16 exist (kWhole: in every lane of the step), one by one otherwise.
+template <bool kWhole>
+__device__ __forceinline__ void load_residual(
+    const float* residual, int64_t e, int count, float (&r)[kWide]) {
+  if (kWhole || count == kWide) {
+    FASTDDP_UNROLL
+    for (int h = 0; h < kWide / 4; ++h) {
+      const float4 v = load16_rw(reinterpret_cast<const float4*>(residual + e) + h);
+      r[4 * h] = v.x;
+      r[4 * h + 1] = v.y;
+      r[4 * h + 2] = v.z;
+      r[4 * h + 3] = v.w;
+    }
+    return;
+  }
+  FASTDDP_UNROLL
+  for (int j = 0; j < kWide; ++j) {
+    r[j] = j < count ? residual[e + j] : 0.0f;
+  }
+}
+
+// Where the wide kernel writes: the blocks' lanes and the codes' layout.
+struct WideOut {
+  Divider by_row;  // by the row length (rows > 1)
+  int lanes;       // a block's lanes: 1, 2, 4, .., 32
+  int block_log2;
+};
+
+// A lane's step of quantize_wide_kernel: its 16 elements from e (count of them below n;
+// kWhole: 16 in every lane of the warp, so that no access asks). Returns whether its block
+// held inf or NaN. Every lane of the warp must call it.
+template <bool kWhole, bool kFeedback, class Values>
+__device__ __forceinline__ bool wide_step(
+    const QuantizeArgs& a, const math::Mode& mode, const Values& source, const WideOut& out,
+    int64_t e, int count) {
+  const float qmax = code_max(8);
+  float x[kWide] = {};
+  float r[kWide] = {};
+  if (kWhole || count > 0) {
+    load_wide<kWhole>(source, e, count, x);
+  }
+  // (Issued before the rows' codes, the residual's loads overlapped them, but requantize's
+  // instance spilled to local memory, with 2 rows' loads at a time too.)
+  if (kFeedback) {
+    load_residual<kWhole>(mode.residual, e, count, r);
+  }
+  float v[kWide];
+  uint32_t absmax = 0;
+  FASTDDP_UNROLL
+  for (int j = 0; j < kWide; ++j) {
+    v[j] = kWhole || j < count ? math::rounding_input_of(mode, x[j], a.scale, r[j]) : 0.0f;
+    absmax = math::abs_bits_max(absmax, v[j]);
+  }
+  // The block's lanes (aligned in the warp, a power of two of them) exchange their maxima; a
+  // round at or past their count exchanges with the lane itself.
+  FASTDDP_UNROLL
+  for (int round = 0; round < 5; ++round) {
+    const uint32_t other = __shfl_xor_sync(kAllLanes, absmax, (16 >> round) & (out.lanes - 1));
+    absmax = other > absmax ? other : absmax;
+  }
+  const bool block_bad = math::block_nonfinite(absmax);
+  const float step = math::block_scale(absmax, qmax);
+  const float inverse = math::block_inverse(absmax, qmax);
+  // Where the lane's codes go: a block, and a lane's 16 codes, lie in one row.
+  const int64_t row = a.rows.rows == 1 ? 0 : out.by_row.div(e);
+  const int64_t offset = e - row * a.rows.row_len;
+  int8_t* at = a.dst + row * a.rows.q_stride + offset;
+  if ((kWhole || count > 0) && (lane_index() & (out.lanes - 1)) == 0) {  // the block's first
+    a.scales[row * a.rows.s_stride + (offset >> out.block_log2)] = step;
+  }
+  // A block holding inf or NaN gets zeros (and a NaN scale); its residual is left alone.
+  uint32_t word[kWide / 4] = {};
+  FASTDDP_UNROLL
+  for (int j = 0; j < kWide; ++j) {
+    int8_t code = 0;
+    if ((kWhole || j < count) && !block_bad) {
+      code = math::quantize_code(v[j], inverse, qmax, mode.stochastic,
+                                 math::random_for(mode, e + j));
+    }
+    r[j] = math::quantize_dropped(v[j], code, step);
+    word[j / 4] |= static_cast<uint32_t>(static_cast<uint8_t>(code)) << (8 * (j % 4));
+  }
+  if (kWhole || count == kWide) {
+    uint4 codes;
+    codes.x = word[0];
+    codes.y = word[1];
+    codes.z = word[2];
+    codes.w = word[3];
+    store16(reinterpret_cast<uint4*>(at), codes);
+    if (kFeedback && !block_bad) {
+      FASTDDP_UNROLL
+      for (int h = 0; h < kWide / 4; ++h) {
+        store16(reinterpret_cast<float4*>(mode.residual + e) + h,
+                make_float4(r[4 * h], r[4 * h + 1], r[4 * h + 2], r[4 * h + 3]));
+      }
+    }
+    return block_bad;
+  }
+  FASTDDP_UNROLL
+  for (int j = 0; j < kWide; ++j) {
+    if (j < count) {
+      at[j] = static_cast<int8_t>(word[j / 4] >> (8 * (j % 4)));
+      if (kFeedback && !block_bad) {
+        mode.residual[e + j] = r[j];
+      }
+    }
+  }
+  return block_bad;
+}
+
 // quantize (int8) with 16 elements a lane: a block of 2^k * 16 elements (16 to 512) is its
-// block / 16 consecutive lanes, which share its absolute maximum by shuffles. Each lane loads
-// its values (and residual) whole where its 16 elements lie below n, one by one in the last
-// block otherwise (load_wide); it stores its codes, its residual and (the block's first lane) the scale.
+// block / 16 consecutive lanes, which share its absolute maximum by shuffles. A warp's step is
+// 512 elements; where all of them lie below n (all steps but the last), wide_step<true>, whose
+// accesses are all whole, else wide_step<false>, whose lanes ask. A lane stores its codes, its
+// residual and (the block's first lane) the scale.
 // The layout (launch.h, wide_layout): codes, fp32 values and residual 16-byte aligned, one row
 // or rows of whole blocks 16-byte aligned apart, so that a lane's 16 codes are in one row.
-// by_row divides by the row length (rows > 1). Values: quantize's FlatValues or requantize's
-// SummedRows<8>.
+// Values: quantize's FlatValues or requantize's SummedRows<8>.
 template <int kBits, bool kFeedback, bool kStochastic, class Values>
 __global__ void __launch_bounds__(kThreads, kWideBlocksPerSm)
     quantize_wide_kernel(QuantizeArgs a, Divider by_row, Values source) {
@@ -120,99 +234,19 @@ __global__ void __launch_bounds__(kThreads, kWideBlocksPerSm)
   math::Mode mode = a.rounding.mode();
   mode.feedback = kFeedback;
   mode.stochastic = Values::kStochasticAtRun ? mode.stochastic : kStochastic;
-  const float qmax = code_max(kBits);
-  const int lanes = static_cast<int>(a.block / kWide);  // a block's lanes: 1, 2, 4, .., 32
-  int block_log2 = 4;
-  while ((int64_t{1} << block_log2) < a.block) {
-    ++block_log2;
+  WideOut out{by_row, static_cast<int>(a.block / kWide), 4};
+  while ((int64_t{1} << out.block_log2) < a.block) {
+    ++out.block_log2;
   }
-  const int lane = lane_index();
   bool bad = false;
   warp_loop((a.n + kWide - 1) / kWide, 32, [&](int64_t first) {
-    const int64_t e = (first + lane) * kWide;
+    const int64_t e = (first + lane_index()) * kWide;
+    if ((first + 32) * kWide <= a.n) {  // the same in every lane
+      bad |= wide_step<true, kFeedback>(a, mode, source, out, e, kWide);
+      return;
+    }
     const int count = e >= a.n ? 0 : (a.n - e >= kWide ? kWide : static_cast<int>(a.n - e));
-    float x[kWide] = {};
-    float r[kWide] = {};
-    if (count > 0) {
-      load_wide(source, e, count, x);
-    }
-    if (kFeedback && count == kWide) {
-      FASTDDP_UNROLL
-      for (int h = 0; h < kWide / 4; ++h) {
-        const float4 v = load16_rw(reinterpret_cast<const float4*>(mode.residual + e) + h);
-        r[4 * h] = v.x;
-        r[4 * h + 1] = v.y;
-        r[4 * h + 2] = v.z;
-        r[4 * h + 3] = v.w;
-      }
-    } else if (kFeedback) {
-      FASTDDP_UNROLL
-      for (int j = 0; j < kWide; ++j) {
-        r[j] = j < count ? mode.residual[e + j] : 0.0f;
-      }
-    }
-    float v[kWide];
-    uint32_t absmax = 0;
-    FASTDDP_UNROLL
-    for (int j = 0; j < kWide; ++j) {
-      v[j] = j < count ? math::rounding_input_of(mode, x[j], a.scale, r[j]) : 0.0f;
-      absmax = math::abs_bits_max(absmax, v[j]);
-    }
-    // The block's lanes (aligned in the warp, a power of two of them) exchange their maxima;
-    // a round at or past their count exchanges with the lane itself.
-    FASTDDP_UNROLL
-    for (int round = 0; round < 5; ++round) {
-      const uint32_t other = __shfl_xor_sync(kAllLanes, absmax, (16 >> round) & (lanes - 1));
-      absmax = other > absmax ? other : absmax;
-    }
-    const bool block_bad = math::block_nonfinite(absmax);
-    bad |= block_bad;
-    const float step = math::block_scale(absmax, qmax);
-    const float inverse = math::block_inverse(absmax, qmax);
-    // Where the lane's codes go: a block, and a lane's 16 codes, lie in one row.
-    const int64_t row = a.rows.rows == 1 ? 0 : by_row.div(e);
-    const int64_t offset = e - row * a.rows.row_len;
-    int8_t* at = a.dst + row * a.rows.q_stride + offset;
-    if (count > 0 && (lane & (lanes - 1)) == 0) {  // the block's first lane
-      a.scales[row * a.rows.s_stride + (offset >> block_log2)] = step;
-    }
-    // A block holding inf or NaN gets zeros (and a NaN scale); its residual is left alone.
-    uint32_t word[kWide / 4] = {};
-    FASTDDP_UNROLL
-    for (int j = 0; j < kWide; ++j) {
-      int8_t code = 0;
-      if (j < count && !block_bad) {
-        code = math::quantize_code(v[j], inverse, qmax, mode.stochastic,
-                                   math::random_for(mode, e + j));
-      }
-      r[j] = math::quantize_dropped(v[j], code, step);
-      word[j / 4] |= static_cast<uint32_t>(static_cast<uint8_t>(code)) << (8 * (j % 4));
-    }
-    if (count == kWide) {
-      uint4 codes;
-      codes.x = word[0];
-      codes.y = word[1];
-      codes.z = word[2];
-      codes.w = word[3];
-      store16(reinterpret_cast<uint4*>(at), codes);
-      if (kFeedback && !block_bad) {
-        FASTDDP_UNROLL
-        for (int h = 0; h < kWide / 4; ++h) {
-          store16(reinterpret_cast<float4*>(mode.residual + e) + h,
-                  make_float4(r[4 * h], r[4 * h + 1], r[4 * h + 2], r[4 * h + 3]));
-        }
-      }
-    } else {
-      FASTDDP_UNROLL
-      for (int j = 0; j < kWide; ++j) {
-        if (j < count) {
-          at[j] = static_cast<int8_t>(word[j / 4] >> (8 * (j % 4)));
-          if (kFeedback && !block_bad) {
-            mode.residual[e + j] = r[j];
-          }
-        }
-      }
-    }
+    bad |= wide_step<false, kFeedback>(a, mode, source, out, e, count);
   });
   raise_flag(bad, a.rounding.flag);
 }

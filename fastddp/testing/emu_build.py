@@ -15,6 +15,7 @@ import ctypes
 import fcntl
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -26,14 +27,11 @@ from . import slack
 __all__ = ["CSRC", "OPS", "SHARED_CACHE", "EmuError", "asan_active", "build", "objects"]
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-# Each source with the headers it includes (under csrc): an object is rebuilt only when one of
-# them changes, so a copy of csrc with a planted kernel defect recompiles ops.cpp alone.
-_SOURCES = {
-    "emu/emu.cpp": ("emu/cuda_emu.h", "include/fastddp/rounding.h"),
-    "emu/ops.cpp": ("emu/cuda_emu.h", "cuda/kernels.cuh", "cuda/codes_kernels.cuh",
-                    "cuda/packed_kernels.cuh", "cuda/values.cuh", "cuda/launch.h",
-                    "include/fastddp/rounding.h", "include/fastddp/layout.h"),
-}  # fmt: skip
+# The library's sources. An object is rebuilt only when the source or a header it includes
+# (under csrc, found by _headers) changes, so a copy of csrc with a planted kernel defect
+# recompiles ops.cpp alone.
+_SOURCES = ("emu/emu.cpp", "emu/ops.cpp")
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 SHARED_CACHE = Path(tempfile.gettempdir()) / "fastddp-emu"
 # The ops of the library's C interface (``fastddp_emu_<op>`` in emu/ops.cpp).
 OPS = ("compress", "decompress", "sum_chunks", "widen_sum", "quantize_int8", "dequantize_int8",
@@ -133,15 +131,32 @@ def objects(
     picks = [] if only is None else ["-DFASTDDP_EMU_ONLY", f"-DFASTDDP_EMU_OP_{only}"]
     compiler = os.environ.get("CXX", "g++")
     out = []
-    for source, headers in _SOURCES.items():
+    for source in _SOURCES:
         flags_of = [*flags, *picks] if source == "emu/ops.cpp" else flags
         digest = hashlib.sha256(" ".join([compiler, *flags_of]).encode())
-        for rel in (source, *headers):
-            digest.update((csrc / rel).read_bytes())
+        for path in (csrc / source, *_headers(csrc, csrc / source)):
+            digest.update(path.read_bytes())
         obj = SHARED_CACHE / f"{Path(source).stem}-{digest.hexdigest()[:16]}.o"
         cmd = [compiler, *flags_of, f"-I{csrc / 'include'}", "-c", str(csrc / source), "-o"]
         out.append((obj, cmd))
     return out
+
+
+def _headers(csrc: Path, source: Path) -> list[Path]:
+    """The headers under ``csrc`` that ``source`` includes, directly or not, in a fixed order:
+    each ``#include "..."`` looked up beside its includer, then in csrc/include and csrc.
+    (Listed by hand, the list once missed a new kernel header, whose edits kept a stale object.)"""
+    found: dict[Path, None] = {}
+    todo = [source]
+    while todo:
+        at = todo.pop(0)
+        for name in _INCLUDE.findall(at.read_text()):
+            places = (at.parent / name, csrc / "include" / name, csrc / name)
+            hit = next((p.resolve() for p in places if p.is_file()), None)
+            if hit is not None and hit not in found:
+                found[hit] = None
+                todo.append(hit)
+    return list(found)
 
 
 def build(

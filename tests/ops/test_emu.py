@@ -124,30 +124,21 @@ def test_extreme_blocks_quantize_as_on_the_cpu(emu, bits, block):
             check_quantize_packed(emu, bits, n, block, variant, extreme=True)
 
 
-def test_the_bandwidth_tables_int8_layouts_take_the_kernels_they_compare(emu):
-    # benchmarks/gpu_bandwidth.py times quantize_int8 and requantize_int8 on aligned codes and,
-    # in its ", 4 a lane" rows, on codes 4 bytes off 16-byte alignment: the wide kernel, then
-    # the vector one, as the rows say.
+def test_the_bandwidth_tables_requantize_rows_take_the_kernels_they_compare(emu):
+    # benchmarks/gpu_bandwidth.py times requantize_int8 on aligned rows and, in its ", 4 a lane"
+    # row, on rows 4 bytes off 16-byte alignment into the same aligned row: the wide kernel,
+    # then the vector one, as the rows say.
     n, block, ranks = 4096, 128, 4
-    src, residual = torch.randn(n), torch.zeros(n)
-    scales = torch.empty(n // block)
-    for q, kernel in (
-        (torch.empty(n, dtype=torch.int8), "quantize_wide_kernel<8, false, false>"),
-        (torch.empty(n + 4, dtype=torch.int8)[4:], "quantize_vec_kernel<8, false, false>"),
-    ):
-        emu.quantize_int8(src, q, scales, block)
-        assert emu.launched() == {kernel}
+    residual, scales = torch.zeros(n), torch.empty(n // block)
     rows = torch.randint(-127, 128, (ranks, n), dtype=torch.int8)
     rows4 = torch.empty(ranks, n + 4, dtype=torch.int8)[:, 4:]
     rows4.copy_(rows)
     row_scales = torch.rand(ranks, n // block)
-    for q_rows, out, kernel in (
-        (rows, torch.empty(n, dtype=torch.int8), "quantize_wide_kernel<8, true, false, summed>"),
-        (
-            rows4,
-            torch.empty(n + 4, dtype=torch.int8)[4:],
-            "quantize_vec_kernel<8, true, false, summed>",
-        ),
+    out = torch.empty(n, dtype=torch.int8)
+    emu.launched()  # (forget the launches of the tests before)
+    for q_rows, kernel in (
+        (rows, "quantize_wide_kernel<8, true, false, summed>"),
+        (rows4, "quantize_vec_kernel<8, true, false, summed>"),
     ):
         emu.requantize(q_rows, row_scales, out, scales, 8, block, 0.25, None, residual)
         assert emu.launched() == {kernel}

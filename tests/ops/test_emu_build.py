@@ -72,3 +72,24 @@ def test_a_failed_compile_names_the_compilers_error_and_leaves_no_object(fake_cx
 def test_the_build_refuses_an_unknown_op():
     with pytest.raises(ValueError, match="not an op of the emulator"):
         emu_build.objects(only="compres")
+
+
+def test_an_edit_of_any_header_an_object_includes_renames_that_object(tmp_path):
+    # Every header ops.cpp includes, directly or through another (the list was once written by
+    # hand, and missed a new kernel header: an edit of it alone kept a stale object).
+    import shutil
+
+    copy = tmp_path / "csrc"
+    shutil.copytree(emu_build.CSRC, copy)
+    before = [obj for obj, _ in emu_build.objects(copy, sanitize=False)]
+    headers = emu_build._headers(copy, copy / "emu" / "ops.cpp")
+    names = {h.relative_to(copy.resolve()).as_posix() for h in headers}
+    assert {"cuda/launch.h", "cuda/wide_kernels.cuh", "include/fastddp/rounding.h"} <= names
+    for header in headers:
+        text = header.read_text()
+        header.write_text(text + "\n// an edit\n")
+        emu_obj, ops_obj = (obj for obj, _ in emu_build.objects(copy, sanitize=False))
+        assert ops_obj != before[1], header
+        # emu.cpp's object follows only its own headers
+        assert (emu_obj != before[0]) == (header.name in ("cuda_emu.h", "rounding.h")), header
+        header.write_text(text)
