@@ -144,6 +144,39 @@ def test_the_bandwidth_tables_requantize_rows_take_the_kernels_they_compare(emu)
         assert emu.launched() == {kernel}
 
 
+def test_the_int8_codecs_rows_take_the_wide_kernel_bit_for_bit(emu):
+    # The hook's int8 layout (fastddp.codecs: rows row_elems bytes apart, shards of whole
+    # blocks) as the int8-ef preset encodes and reduces it: each op the codec calls, run by the
+    # emulator, takes the wide kernel and writes the CPU op's bits; a shard past the last
+    # whole step of a warp (512 elements), with a short last block, too.
+    from fastddp.codecs import codec_for
+
+    codec = codec_for(torch.int8, 128)
+    for world, shard in ((3, 3 * 512 + 128), (2, 5 * 128)):
+        src, residual = torch.randn(world * shard), torch.randn(world * shard) * 1e-3
+        rows = torch.zeros(world, codec.row_elems(shard), dtype=codec.wire_dtype)
+        got = {}
+        for run, name in ((None, "cpu"), (emu, "emu")):
+            r, q = residual.clone(), rows.clone()
+            calls = codec.encode_calls(src, q, shard, 0.5, None, r, -1)
+            out = torch.zeros(codec.row_elems(shard), dtype=codec.wire_dtype)
+            calls += codec.reduce_calls(q, out, shard, 0.5, None, r[:shard], 7)
+            emu.launched()
+            for op, args, kwargs in calls:
+                if run is None:
+                    op(*args, **kwargs)
+                else:
+                    getattr(emu, op.name().split("::")[1])(*args, **kwargs)
+            if run is not None:
+                assert emu.launched() == {
+                    "quantize_wide_kernel<8, true, false>",
+                    "quantize_wide_kernel<8, true, false, summed>",
+                }
+            got[name] = (q, out, r)
+        for a, b in zip(got["cpu"], got["emu"]):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (world, shard)
+
+
 def test_a_sum_of_no_rows_is_refused(emu):
     # As the op refuses it: the kernels read row 0 of the rows they sum.
     rows = torch.empty(0, 64, dtype=torch.bfloat16)
