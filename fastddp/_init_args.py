@@ -1,13 +1,21 @@
 """The arguments of :func:`fastddp.init_distributed`, checked before anything else runs."""
 
+import math
 from datetime import timedelta
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from fastddp.cluster import ClusterError
 
-__all__ = ["DEFAULT_TIMEOUT", "checked_arguments", "check_again"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "checked_arguments",
+    "checked_peer_timeout",
+    "check_again",
+    "uses_nccl",
+]
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -25,10 +33,15 @@ def checked_arguments(backend: Optional[str], timeout: Optional[timedelta]) -> O
         return backend
     # torch's names are lower case: "NCCL" passed this module's checks of "nccl" and failed in
     # torch, and a typo failed an assert deep in it, in a device's part too ("cpu:glooo").
-    names = [None]
+    pairs = [(None, None)]
     if isinstance(backend, str):
-        names = [p.partition(":")[2] for p in backend.split(",")] if ":" in backend else [backend]
-    if any(n is None or n.lower() not in dist.Backend.backend_list for n in names):
+        pairs = (
+            [p.partition(":")[::2] for p in backend.split(",")]
+            if ":" in backend
+            else [("cpu", backend)]
+        )
+    if any(not _device_type(d) or n is None or n.lower() not in dist.Backend.backend_list
+           for d, n in pairs):  # fmt: skip
         raise ValueError(
             f"fastddp.init_distributed: unknown backend {backend!r}; use 'nccl' (GPUs) or "
             "'gloo' (CPU), or 'cpu:gloo,cuda:nccl', or leave it None to choose by the device"
@@ -36,12 +49,41 @@ def checked_arguments(backend: Optional[str], timeout: Optional[timedelta]) -> O
     return backend.lower()
 
 
+def _device_type(name: Optional[str]) -> bool:
+    try:  # (torch's own list; "gpu" or " cuda" failed in torch after the rendezvous)
+        return isinstance(name, str) and torch.device(name).type == name
+    except RuntimeError:
+        return False
+
+
+def uses_nccl(backend: str) -> bool:
+    """Whether the (checked) backend puts CUDA tensors on NCCL: "nccl", or "cuda:nccl" among
+    a device's pairs, so that the ranks take a GPU each."""
+    if ":" not in backend:
+        return backend == "nccl"
+    return ("cuda", "nccl") in [p.partition(":")[::2] for p in backend.split(",")]
+
+
+def checked_peer_timeout(peer_timeout) -> float:
+    """``peer_timeout`` (given) as the watchdog takes it, or raise."""
+    number = isinstance(peer_timeout, (int, float)) and not isinstance(peer_timeout, bool)
+    if not number or not 0 <= peer_timeout < math.inf:
+        raise ClusterError(
+            "peer_timeout must be a number of seconds, 0 (off) or positive and finite, got "
+            f"{peer_timeout!r}"
+        )
+    return peer_timeout
+
+
 def check_again(first: dict, backend, timeout, peer_timeout) -> None:
     """Refuse a later call's arguments that differ from those the group was made with (the
     ``first`` call's, resolved), which it would otherwise ignore."""
+    if peer_timeout is not None:
+        checked_peer_timeout(peer_timeout)
     given = {"backend": backend, "timeout": timeout, "peer_timeout": peer_timeout}
     for name, value in given.items():
-        if value is not None and value != first[name]:
+        # (first["peer_timeout"] is None where no watchdog runs: one process)
+        if value is not None and first[name] is not None and value != first[name]:
             raise ClusterError(
                 f"fastddp.init_distributed: already initialised with {name}={first[name]!r}, "
                 f"not {value!r}; call fastddp.shutdown_distributed() first to change it"

@@ -4,7 +4,6 @@ import atexit
 import contextlib
 import dataclasses
 import gc
-import math
 import os
 import socket
 import sys
@@ -16,7 +15,13 @@ import torch
 import torch.distributed as dist
 
 from fastddp import joining
-from fastddp._init_args import DEFAULT_TIMEOUT, check_again, checked_arguments
+from fastddp._init_args import (
+    DEFAULT_TIMEOUT,
+    check_again,
+    checked_arguments,
+    checked_peer_timeout,
+    uses_nccl,
+)
 from fastddp.cluster import ClusterError, process_settings, srun_task
 from fastddp.rank_notes import check_ranks
 from fastddp.watchdog import PeerWatchdog, peer_timeout_from_env
@@ -124,7 +129,7 @@ def init_distributed(
             f"({settings['rank'].source}); ranks run from 0 to WORLD_SIZE - 1: give each "
             "process its own rank and all the same world size"
         )
-    use_cuda = torch.cuda.is_available() if backend is None else backend == "nccl"
+    use_cuda = torch.cuda.is_available() if backend is None else uses_nccl(backend)
     # Problems of this rank's node alone: raised on every rank (joining.agree), not here.
     problem = None
     try:  # (FASTDDP_PEER_TIMEOUT may be set on one node only)
@@ -187,7 +192,8 @@ def init_distributed(
     sources = {k: s.source for k, s in settings.items() if s is not None}
     sources.setdefault("node_rank", "host names of all ranks")
     sources["local_world_size"] = "ranks on the same node"
-    _first = dict(backend=backend, timeout=timeout, peer_timeout=peer_timeout)
+    watched = world > 1 and launcher != "single"  # (as _start_watchdog decides)
+    _first = dict(backend=backend, timeout=timeout, peer_timeout=peer_timeout if watched else None)
     _env = DistEnv(
         rank=rank,
         local_rank=local_rank,
@@ -208,13 +214,7 @@ def init_distributed(
 def _peer_timeout(env, peer_timeout, world) -> float:
     if peer_timeout is None:
         return peer_timeout_from_env(env, world)
-    number = isinstance(peer_timeout, (int, float)) and not isinstance(peer_timeout, bool)
-    if not number or not 0 <= peer_timeout < math.inf:
-        raise ClusterError(
-            "peer_timeout must be a number of seconds, 0 (off) or positive and finite, got "
-            f"{peer_timeout!r}"
-        )
-    return peer_timeout
+    return checked_peer_timeout(peer_timeout)
 
 
 def _start_watchdog(attempt, peer_timeout, rank, world, addr, port, launcher) -> None:
@@ -308,7 +308,7 @@ def distributed_session(**kwargs) -> Iterator[DistEnv]:
     """``with fastddp.distributed_session() as env:`` — :func:`init_distributed`, then teardown.
 
     A session inside another (or after :func:`init_distributed`) uses the group already made
-    and leaves it to whoever made it.
+    (arguments given again must be the first call's) and leaves it to whoever made it.
     """
     made = not (_env is not None and dist.is_initialized())
     env = init_distributed(**kwargs)

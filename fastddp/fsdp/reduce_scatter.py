@@ -308,7 +308,8 @@ class CompressedReduceScatter(ReduceScatter):
         if saved["codec"] != repr(self):
             raise ValueError(
                 f"CompressedReduceScatter.load_state_dict: saved by {saved['codec']}, loaded "
-                f"into {self!r}; build the comm with the settings it was saved with"
+                f"into {self!r}; build the comm with the settings it was saved with, or leave "
+                "this comm out of what you load"
             )
         self._residuals = dict(saved["residuals"])
 

@@ -311,7 +311,10 @@ def one_node_sockets(args: argparse.Namespace, check: bool = True) -> Decisions:
     """
     decisions = Decisions()
     if args.rdzv_endpoint == "localhost:0":
-        decisions.interface = net.interfaces().get("127.0.0.1", "lo")
+        try:
+            decisions.interface = net.interfaces().get("127.0.0.1", "lo")
+        except OSError:  # (an interface list refused, in a sandbox: --no-preflight's way past)
+            decisions.interface = "lo"
         _interface(
             decisions,
             decisions.interface,

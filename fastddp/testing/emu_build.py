@@ -31,7 +31,7 @@ CSRC = Path(__file__).resolve().parents[2] / "csrc"
 # (under csrc, found by _headers) changes, so a copy of csrc with a planted kernel defect
 # recompiles ops.cpp alone.
 _SOURCES = ("emu/emu.cpp", "emu/ops.cpp")
-_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+_INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.MULTILINE)
 SHARED_CACHE = Path(tempfile.gettempdir()) / "fastddp-emu"
 # The ops of the library's C interface (``fastddp_emu_<op>`` in emu/ops.cpp).
 OPS = ("compress", "decompress", "sum_chunks", "widen_sum", "quantize_int8", "dequantize_int8",
@@ -150,8 +150,12 @@ def _headers(csrc: Path, source: Path) -> list[Path]:
     todo = [source]
     while todo:
         at = todo.pop(0)
-        for name in _INCLUDE.findall(at.read_text()):
-            places = (at.parent / name, csrc / "include" / name, csrc / name)
+        for quote, name in _INCLUDE.findall(at.read_text()):
+            # <...>: csrc/include (as -I gives it) or not ours; "...": beside the includer too
+            places = ((at.parent / name,) if quote == '"' else ()) + (
+                csrc / "include" / name,
+                csrc / name,
+            )
             hit = next((p.resolve() for p in places if p.is_file()), None)
             if hit is not None and hit not in found:
                 found[hit] = None
