@@ -391,3 +391,12 @@ def test_a_variable_set_elsewhere_is_not_read():
 def test_a_job_without_gpus_leaves_the_process_count_alone():
     _, s = launcher_settings({**SLURM, "SLURM_NODEID": "0", "SLURM_GPUS_ON_NODE": "0"})
     assert "nproc_per_node" not in s
+
+
+def test_a_devices_nccl_takes_a_gpu_a_rank():
+    # 'cpu:gloo,cuda:nccl' (what the backend message suggests) put every rank on the CPU: only
+    # 'nccl' took a GPU. The cuda part decides.
+    from fastddp._init_args import uses_nccl
+
+    assert uses_nccl("nccl") and uses_nccl("cuda:nccl") and uses_nccl("cpu:gloo,cuda:nccl")
+    assert not uses_nccl("gloo") and not uses_nccl("cpu:gloo") and not uses_nccl("cuda:gloo")
