@@ -33,13 +33,7 @@ def checked_arguments(backend: Optional[str], timeout: Optional[timedelta]) -> O
         return backend
     # torch's names are lower case: "NCCL" passed this module's checks of "nccl" and failed in
     # torch, and a typo failed an assert deep in it, in a device's part too ("cpu:glooo").
-    pairs = [(None, None)]
-    if isinstance(backend, str):
-        pairs = (
-            [p.partition(":")[::2] for p in backend.split(",")]
-            if ":" in backend
-            else [("cpu", backend)]
-        )
+    pairs = _pairs(backend) if isinstance(backend, str) else [(None, None)]
     if any(not _device_type(d) or n is None or n.lower() not in dist.Backend.backend_list
            for d, n in pairs):  # fmt: skip
         raise ValueError(
@@ -47,6 +41,13 @@ def checked_arguments(backend: Optional[str], timeout: Optional[timedelta]) -> O
             "'gloo' (CPU), or 'cpu:gloo,cuda:nccl', or leave it None to choose by the device"
         )
     return backend.lower()
+
+
+def _pairs(backend: str) -> list[tuple[str, str]]:
+    """(device, backend) of each part of "cpu:gloo,cuda:nccl"; a plain name is ("cpu", name)."""
+    if ":" not in backend:
+        return [("cpu", backend)]
+    return [tuple(p.partition(":")[::2]) for p in backend.split(",")]
 
 
 def _device_type(name: Optional[str]) -> bool:
@@ -59,9 +60,7 @@ def _device_type(name: Optional[str]) -> bool:
 def uses_nccl(backend: str) -> bool:
     """Whether the (checked) backend puts CUDA tensors on NCCL: "nccl", or "cuda:nccl" among
     a device's pairs, so that the ranks take a GPU each."""
-    if ":" not in backend:
-        return backend == "nccl"
-    return ("cuda", "nccl") in [p.partition(":")[::2] for p in backend.split(",")]
+    return backend == "nccl" or ("cuda", "nccl") in _pairs(backend)
 
 
 def checked_peer_timeout(peer_timeout) -> float:
