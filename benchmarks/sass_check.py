@@ -59,6 +59,14 @@ STORES_ONLY = {
     "its bytes or less; its fp32 output, the rest, is stored 16 bytes a lane",
 }
 
+# Kernels of VECTOR whose instances for int4 and int2 codes move a lane's 16 codes in one access
+# of 16 * bits bits (64 or 32), and why that is enough: the loops must hold a load and a store of
+# that width at least, and the instances that quantize fp32 values a 128-bit load of them.
+LANE_CODES = {
+    "quantize_wide_kernel": "a lane's 16 codes are one access of 8 (int4) or 4 (int2) bytes, a "
+    "warp's 256 or 128 bytes in a row; its fp32 values, the rest of its bytes, are loaded 16 "
+    "bytes at a time (and with error feedback the residual too)",
+}
 # Kernels without 128-bit accesses, and why they need none.
 EXEMPT = {
     "quantize_int8_kernel": "the scalar fallback of quantize_vec_kernel, for blocks that are "
@@ -219,8 +227,19 @@ def judge(kernel: Kernel, vector=VECTOR, exempt=None) -> Verdict:
         return Verdict(label, not local, [f"exempt: {exempt[name]}", *spilled])
     if name not in vector:
         return Verdict(label, False, ["not in VECTOR or EXEMPT: say what it must do"])
+    summed = "10SummedRows" in kernel.name
+    bits = re.search(r"<(\d+)", label)
+    if name in LANE_CODES and bits and int(bits.group(1)) < 8:
+        lane = 16 * int(bits.group(1))
+        floor = {"LDG": lane if summed else 128, "STG": lane}
+        lines.append(f"codes {lane} bits a lane: {LANE_CODES[name]}")
+        found = {op.split(".")[0] for (op, loop) in counts if loop and width(op) >= floor[op[:3]]}
+        missing = [f"{floor[op]}-bit {op}" for op in floor if op not in found]
+        if missing:
+            lines.append(f"FAILED: no {' or '.join(missing)} in any loop")
+        return Verdict(label, not missing and not local, lines + spilled)
     needed = ("LDG", "STG")
-    key = f"{name} (requantize)" if "10SummedRows" in kernel.name else name
+    key = f"{name} (requantize)" if summed else name
     if key in STORES_ONLY:
         needed = ("STG",)
         lines.append(f"loads narrower: {STORES_ONLY[key]}")

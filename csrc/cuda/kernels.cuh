@@ -129,6 +129,9 @@ __device__ __forceinline__ float4 load16(const float4* p) {
 __device__ __forceinline__ uint4 load16(const uint4* p) {
   return __ldg(p);
 }
+__device__ __forceinline__ uint2 load8(const uint2* p) {
+  return __ldg(p);
+}
 __device__ __forceinline__ uint32_t load4(const uint32_t* p) {
   return __ldg(p);
 }
@@ -160,9 +163,19 @@ __device__ __forceinline__ void store16(uint4* p, const uint4& v) {
                : "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
 }
+// The packed codes' narrower stores (a lane's 16 int4 or int2 codes), made as store16 is.
+__device__ __forceinline__ void store8(uint2* p, const uint2& v) {
+  asm volatile("st.global.v2.u32 [%0], {%1, %2};" : : "l"(p), "r"(v.x), "r"(v.y) : "memory");
+}
+__device__ __forceinline__ void store4(uint32_t* p, uint32_t v) {
+  asm volatile("st.global.u32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
+}
 #else
 template <class V>
 V load16(const V* p) {
+  return *p;
+}
+inline uint2 load8(const uint2* p) {
   return *p;
 }
 inline uint32_t load4(const uint32_t* p) {
@@ -180,6 +193,12 @@ V load16_rw(const V* p) {
 }
 template <class V>
 void store16(V* p, const V& v) {
+  *p = v;
+}
+inline void store8(uint2* p, const uint2& v) {
+  *p = v;
+}
+inline void store4(uint32_t* p, uint32_t v) {
   *p = v;
 }
 #endif

@@ -168,31 +168,50 @@ auto quantize_vec_for(const Rounding& r) {
 template <int kBits>
 using Bits = std::integral_constant<int, kBits>;
 
-// Whether quantize_wide_kernel can write this int8 layout: codes and residual 16-byte aligned,
-// a block a power of two from 16 to 512 elements (a power of two of lanes, up to a warp), one
-// row or rows of whole blocks 16-byte aligned apart. What it reads is the caller's to check.
-inline bool wide_layout(const QuantizeArgs& a) {
-  const bool pow2 = a.block >= kWide && a.block <= 32 * kWide && (a.block & (a.block - 1)) == 0;
-  return a.bits == 8 && pow2 && aligned16(a.dst) &&
-         (a.rounding.residual == nullptr || aligned16(a.rounding.residual)) &&
-         (a.rows.rows == 1 || (a.rows.q_stride % 16 == 0 && a.rows.row_len % a.block == 0));
+// The bytes of a wide lane's 16 codes of `bits` bits (16, 8, 4): how codes must align for it.
+inline int64_t wide_lane_bytes(int bits) {
+  return kWide * bits / 8;
 }
 
-// The instance of quantize_wide_kernel for the mode of `r` and what it rounds, as
+// Whether codes of `bits` bits at q, in `rows`, align for the wide kernel: q and each row's
+// start at a multiple of a lane's codes.
+inline bool wide_codes_align(const void* q, const Int8Rows& rows, int bits) {
+  const int64_t lane = wide_lane_bytes(bits);
+  return reinterpret_cast<uintptr_t>(q) % lane == 0 && (rows.rows == 1 || rows.q_stride % lane == 0);
+}
+
+// Whether quantize_wide_kernel can write this layout: codes aligned to a lane's 16, residual
+// 16-byte aligned, a block a power of two from 16 to 512 elements (a power of two of lanes, up
+// to a warp), one row or rows of whole blocks. What it reads is the caller's to check.
+inline bool wide_layout(const QuantizeArgs& a) {
+  const bool pow2 = a.block >= kWide && a.block <= 32 * kWide && (a.block & (a.block - 1)) == 0;
+  return pow2 && wide_codes_align(a.dst, a.rows, a.bits) &&
+         (a.rounding.residual == nullptr || aligned16(a.rounding.residual)) &&
+         (a.rows.rows == 1 || a.rows.row_len % a.block == 0);
+}
+
+// The instance of quantize_wide_kernel for kBits, the mode of `r` and what it rounds, as
 // quantize_vec_for picks.
-template <class Values>
+template <int kBits, class Values>
 auto quantize_wide_for(const Rounding& r) {
   const bool feedback = r.residual != nullptr;
   if constexpr (Values::kStochasticAtRun) {
-    return feedback ? quantize_wide_kernel<8, true, false, Values>
-                    : quantize_wide_kernel<8, false, false, Values>;
+    return feedback ? quantize_wide_kernel<kBits, true, false, Values>
+                    : quantize_wide_kernel<kBits, false, false, Values>;
   } else {
     const bool stochastic = r.seed >= 0;
-    return feedback ? (stochastic ? quantize_wide_kernel<8, true, true, Values>
-                                  : quantize_wide_kernel<8, true, false, Values>)
-                    : (stochastic ? quantize_wide_kernel<8, false, true, Values>
-                                  : quantize_wide_kernel<8, false, false, Values>);
+    return feedback ? (stochastic ? quantize_wide_kernel<kBits, true, true, Values>
+                                  : quantize_wide_kernel<kBits, true, false, Values>)
+                    : (stochastic ? quantize_wide_kernel<kBits, false, true, Values>
+                                  : quantize_wide_kernel<kBits, false, false, Values>);
   }
+}
+
+// quantize_wide_kernel for codes of kBits bits, over a's elements.
+template <int kBits, class Rt, class Values>
+void quantize_wide(Rt& rt, const QuantizeArgs& a, const Values& source) {
+  launch_over(rt, (a.n + kWide - 1) / kWide, quantize_wide_for<kBits, Values>(a.rounding), a,
+              Divider::of(a.rows.row_len), source);
 }
 
 // quantize for codes of kBits bits: quantize_vec_kernel when `vector`, else one warp per block
@@ -220,16 +239,20 @@ void quantize_with(Rt& rt, const QuantizeArgs& a, bool vector, const Values& val
 // quantize: the vector kernel where `vectorise` (the layout allows it) and a block is a power of
 // two of chunks up to a warp's, or whole warps of chunks. values(Bits<b>{}) is what the kernels
 // round for codes of b bits.
-// `wide`: the int8 layout and what is read allow quantize_wide_kernel, which takes it.
+// `wide`: the layout and what is read allow quantize_wide_kernel, which takes it.
 template <class Rt, class ValuesOf>
 void quantize(Rt& rt, const QuantizeArgs& a, bool vectorise, ValuesOf values, bool wide = false) {
   if (!start(rt, a.n, a.rounding.flag)) {
     return;
   }
   if (wide) {
-    const auto source = values(Bits<8>{});
-    launch_over(rt, (a.n + kWide - 1) / kWide, quantize_wide_for<decltype(source)>(a.rounding), a,
-                Divider::of(a.rows.row_len), source);
+    if (a.bits == 8) {
+      quantize_wide<8>(rt, a, values(Bits<8>{}));
+    } else if (a.bits == 4) {
+      quantize_wide<4>(rt, a, values(Bits<4>{}));
+    } else {
+      quantize_wide<2>(rt, a, values(Bits<2>{}));
+    }
     return;
   }
   const int64_t per_block = a.block / kChunk;
@@ -262,8 +285,7 @@ void run(Rt& rt, const RequantizeArgs& a) {
       reinterpret_cast<uintptr_t>(a.src.q) % piece == 0 &&
       (a.src.rows.rows == 1 || a.src.rows.q_stride % piece == 0);
   // The wide kernel: each row's 16 codes of a lane one aligned load, in one block of scales.
-  const bool wide = wide_layout(out) && a.src.bits == 8 && aligned16(a.src.q) &&
-                    (a.src.rows.rows == 1 || a.src.rows.q_stride % 16 == 0) &&
+  const bool wide = wide_layout(out) && wide_codes_align(a.src.q, a.src.rows, a.src.bits) &&
                     a.src.block % kWide == 0;
   const Divider by_block = Divider::of(a.src.block);
   quantize(

@@ -1,20 +1,23 @@
-// The wide int8 quantize: 16 elements a lane, for quantize_int8 and requantize's int8 step where
-// every access of a lane can be 16 bytes. Compiled like kernels.cuh, by nvcc and by the grid
-// emulator.
+// The wide quantize: 16 elements a lane, for quantize and requantize of int8, int4 and int2 codes
+// where a lane's 16 codes are one aligned access (16, 8 or 4 bytes) and its fp32 values four
+// 16-byte ones. Compiled like kernels.cuh, by nvcc and by the grid emulator.
 //
 // Why: quantize_vec_kernel gives a lane 4 elements a run (a chunk), so its int8 codes are 4
 // bytes a lane: requantize's rows of codes were loaded 4 bytes at a time, a few such loads in
 // flight a lane, and on the H200 it reached 0.37-0.46 of a copy waiting on them (quantize 0.66,
 // bound by the shuffles and stores of its 4-byte pieces). Here a lane's 16 codes of each row
 // are one 16-byte load, its fp32 values and residual four, its codes one 16-byte store with no
-// shuffle, and a block's maximum takes log2(block / 16) shuffle rounds among its lanes.
+// shuffle, and a block's maximum takes log2(block / 16) shuffle rounds among its lanes. The
+// packed codes had the same two costs on the H200 (quantize 0.60-0.64 of a copy, requantize
+// 0.37-0.41, where the int8 ones reached 0.98 and 0.94 wide): their lanes' 16 codes are 8
+// bytes (int4) or 4 (int2), one access each.
 #pragma once
 
 #include "values.cuh"
 
 namespace fastddp::kernels {
 
-constexpr int kWide = 16;  // elements a lane of the wide kernel takes a step: 16 int8 codes
+constexpr int kWide = 16;  // elements a lane of the wide kernel takes a step
 // Its blocks a multiprocessor holds: 3 (80 registers; at 64, error feedback's instance spilled
 // to local memory). 24 warps with 128 bytes a lane in flight (its 16 values and residual, or 4
 // rows' codes and the residual) keep more in flight than the 4-element kernels' 32 warps did.
@@ -42,52 +45,98 @@ __device__ __forceinline__ void load_wide(
   }
 }
 
-// Code j (0..15) of 16 int8 codes, as a float.
-__device__ __forceinline__ float wide_code(const uint4& v, int j) {
-  const uint32_t w = j < 8 ? (j < 4 ? v.x : v.y) : (j < 12 ? v.z : v.w);
-  return static_cast<float>(static_cast<int8_t>((w >> (8 * (j % 4))) & 0xffu));
-}
+// A lane's 16 codes of kBits bits: code j in bits [j * kBits, (j + 1) * kBits) of the words
+// taken in order, byte after byte (pack_code's order), so that the words are the codes' bytes.
+template <int kBits>
+struct WideCodes {
+  static constexpr int kWords = kWide * kBits / 32;  // 4, 2, 1
+  static constexpr int kBytes = 4 * kWords;          // 16, 8, 4: one access
+  uint32_t w[kWords];
 
-// The first `count` of 16 int8 codes at `at` (16-byte aligned), zeros past them: one load
-// where all 16 exist (kWhole: in every lane of the step), byte by byte otherwise.
-template <bool kWhole>
-__device__ __forceinline__ uint4 load_codes(const uint8_t* at, int count) {
-  if (kWhole || count == kWide) {
-    return load16(reinterpret_cast<const uint4*>(at));
+  // Code j (0..15), as a float: shifted to the top of its word, then back with its sign.
+  __device__ __forceinline__ float code(int j) const {
+    const int bit = j * kBits;
+    const auto top = static_cast<int32_t>(w[bit / 32] << (32 - kBits - bit % 32));
+    return static_cast<float>(top >> (32 - kBits));
   }
-  uint32_t word[4] = {};
-  FASTDDP_UNROLL
-  for (int j = 0; j < kWide; ++j) {
-    if (j < count) {
-      word[j / 4] |= static_cast<uint32_t>(at[j]) << (8 * (j % 4));
+
+  __device__ __forceinline__ void put(int j, int8_t q) {
+    const int bit = j * kBits;
+    w[bit / 32] |= (static_cast<uint32_t>(q) & ((1u << kBits) - 1u)) << (bit % 32);
+  }
+
+  // The codes at `at` (aligned to kBytes): one load.
+  __device__ __forceinline__ void load(const uint8_t* at) {
+    if constexpr (kWords == 4) {
+      const uint4 v = load16(reinterpret_cast<const uint4*>(at));
+      w[0] = v.x;
+      w[1] = v.y;
+      w[2] = v.z;
+      w[3] = v.w;
+    } else if constexpr (kWords == 2) {
+      const uint2 v = load8(reinterpret_cast<const uint2*>(at));
+      w[0] = v.x;
+      w[1] = v.y;
+    } else {
+      w[0] = load4(reinterpret_cast<const uint32_t*>(at));
     }
   }
-  uint4 v;
-  v.x = word[0];
-  v.y = word[1];
-  v.z = word[2];
-  v.w = word[3];
+
+  // The codes to `at` (aligned to kBytes): one store.
+  __device__ __forceinline__ void store(uint8_t* at) const {
+    if constexpr (kWords == 4) {
+      store16(reinterpret_cast<uint4*>(at), make_uint4(w[0], w[1], w[2], w[3]));
+    } else if constexpr (kWords == 2) {
+      store8(reinterpret_cast<uint2*>(at), make_uint2(w[0], w[1]));
+    } else {
+      store4(reinterpret_cast<uint32_t*>(at), w[0]);
+    }
+  }
+};
+
+// The bytes that hold the first `count` of a lane's codes of kBits bits.
+template <int kBits>
+__device__ __forceinline__ int wide_bytes(int count) {
+  return (count * kBits + 7) / 8;
+}
+
+// The first `count` of a lane's 16 codes at `at`, what lies past them in their last byte
+// included: one load where all 16 exist (kWhole: in every lane of the step), byte by byte
+// otherwise.
+template <int kBits, bool kWhole>
+__device__ __forceinline__ WideCodes<kBits> load_codes(const uint8_t* at, int count) {
+  WideCodes<kBits> v = {};
+  if (kWhole || count == kWide) {
+    v.load(at);
+    return v;
+  }
+  FASTDDP_UNROLL
+  for (int b = 0; b < WideCodes<kBits>::kBytes; ++b) {
+    if (b < wide_bytes<kBits>(count)) {
+      v.w[b / 4] |= static_cast<uint32_t>(at[b]) << (8 * (b % 4));
+    }
+  }
   return v;
 }
 
 // The column sums at columns e .. e + count - 1 (count from 1 to 16) of requantize's rows of
-// int8 codes, as SummedRows<8>::at sums them (in row order, times `scale`): each row's 16 codes
+// codes, as SummedRows<kBits>::at sums them (in row order, times `scale`): each row's 16 codes
 // one load, kSumRows rows' loads issued before any is added (those past the last row
 // predicated off). The 16 lie in one block of the rows' scales (a multiple of 16 long).
-template <bool kWhole>
+template <bool kWhole, int kBits>
 __device__ __forceinline__ void load_wide(
-    const SummedRows<8>& s, int64_t e, int count, float (&x)[kWide]) {
+    const SummedRows<kBits>& s, int64_t e, int count, float (&x)[kWide]) {
   const int64_t rows = s.src.rows.rows;
-  const auto* q = reinterpret_cast<const uint8_t*>(s.src.q) + e;
+  const auto* q = reinterpret_cast<const uint8_t*>(s.src.q) + e * kBits / 8;
   const float* scales = s.src.scales + s.by_block.div(e);
   float acc[kWide];
   for (int64_t p = 0; p < rows; p += kSumRows) {
-    uint4 v[kSumRows] = {};
+    WideCodes<kBits> v[kSumRows] = {};
     float step[kSumRows] = {};
     FASTDDP_UNROLL
     for (int r = 0; r < kSumRows; ++r) {
       if (p + r < rows) {
-        v[r] = load_codes<kWhole>(q + (p + r) * s.src.rows.q_stride, count);
+        v[r] = load_codes<kBits, kWhole>(q + (p + r) * s.src.rows.q_stride, count);
         step[r] = scales[(p + r) * s.src.rows.s_stride];
       }
     }
@@ -96,7 +145,7 @@ __device__ __forceinline__ void load_wide(
       if (p + r < rows) {
         FASTDDP_UNROLL
         for (int j = 0; j < kWide; ++j) {
-          const float term = math::mul(wide_code(v[r], j), step[r]);
+          const float term = math::mul(v[r].code(j), step[r]);
           acc[j] = p + r == 0 ? term : math::add(acc[j], term);
         }
       }
@@ -140,11 +189,11 @@ struct WideOut {
 // A lane's step of quantize_wide_kernel: its 16 elements from e (count of them below n;
 // kWhole: 16 in every lane of the warp, so that no access asks). Returns whether its block
 // held inf or NaN. Every lane of the warp must call it.
-template <bool kWhole, bool kFeedback, class Values>
+template <int kBits, bool kWhole, bool kFeedback, class Values>
 __device__ __forceinline__ bool wide_step(
     const QuantizeArgs& a, const math::Mode& mode, const Values& source, const WideOut& out,
     int64_t e, int count) {
-  const float qmax = code_max(8);
+  const float qmax = code_max(kBits);
   float x[kWide] = {};
   float r[kWide] = {};
   if (kWhole || count > 0) {
@@ -175,12 +224,12 @@ __device__ __forceinline__ bool wide_step(
   // Where the lane's codes go: a block, and a lane's 16 codes, lie in one row.
   const int64_t row = a.rows.rows == 1 ? 0 : out.by_row.div(e);
   const int64_t offset = e - row * a.rows.row_len;
-  int8_t* at = a.dst + row * a.rows.q_stride + offset;
+  uint8_t* at = reinterpret_cast<uint8_t*>(a.dst) + row * a.rows.q_stride + offset * kBits / 8;
   if ((kWhole || count > 0) && (lane_index() & (out.lanes - 1)) == 0) {  // the block's first
     a.scales[row * a.rows.s_stride + (offset >> out.block_log2)] = step;
   }
   // A block holding inf or NaN gets zeros (and a NaN scale); its residual is left alone.
-  uint32_t word[kWide / 4] = {};
+  WideCodes<kBits> codes = {};
   FASTDDP_UNROLL
   for (int j = 0; j < kWide; ++j) {
     int8_t code = 0;
@@ -189,15 +238,10 @@ __device__ __forceinline__ bool wide_step(
                                  math::random_for(mode, e + j));
     }
     r[j] = math::quantize_dropped(v[j], code, step);
-    word[j / 4] |= static_cast<uint32_t>(static_cast<uint8_t>(code)) << (8 * (j % 4));
+    codes.put(j, code);
   }
   if (kWhole || count == kWide) {
-    uint4 codes;
-    codes.x = word[0];
-    codes.y = word[1];
-    codes.z = word[2];
-    codes.w = word[3];
-    store16(reinterpret_cast<uint4*>(at), codes);
+    codes.store(at);
     if (kFeedback && !block_bad) {
       FASTDDP_UNROLL
       for (int h = 0; h < kWide / 4; ++h) {
@@ -207,10 +251,17 @@ __device__ __forceinline__ bool wide_step(
     }
     return block_bad;
   }
+  // The last lane's codes: the bytes that hold them, zeros past them in the last one (as the
+  // scalar kernels write it).
+  FASTDDP_UNROLL
+  for (int b = 0; b < WideCodes<kBits>::kBytes; ++b) {
+    if (b < wide_bytes<kBits>(count)) {
+      at[b] = static_cast<uint8_t>(codes.w[b / 4] >> (8 * (b % 4)));
+    }
+  }
   FASTDDP_UNROLL
   for (int j = 0; j < kWide; ++j) {
     if (j < count) {
-      at[j] = static_cast<int8_t>(word[j / 4] >> (8 * (j % 4)));
       if (kFeedback && !block_bad) {
         mode.residual[e + j] = r[j];
       }
@@ -219,18 +270,19 @@ __device__ __forceinline__ bool wide_step(
   return block_bad;
 }
 
-// quantize (int8) with 16 elements a lane: a block of 2^k * 16 elements (16 to 512) is its
+// quantize (int8, int4, int2) with 16 elements a lane: a block of 2^k * 16 elements (16 to 512) is its
 // block / 16 consecutive lanes, which share its absolute maximum by shuffles. A warp's step is
 // 512 elements; where all of them lie below n (all steps but the last), wide_step<true>, whose
 // accesses are all whole, else wide_step<false>, whose lanes ask. A lane stores its codes, its
 // residual and (the block's first lane) the scale.
-// The layout (launch.h, wide_layout): codes, fp32 values and residual 16-byte aligned, one row
-// or rows of whole blocks 16-byte aligned apart, so that a lane's 16 codes are in one row.
-// Values: quantize's FlatValues or requantize's SummedRows<8>.
+// The layout (launch.h, wide_layout): fp32 values and residual 16-byte aligned, codes aligned
+// to a lane's 16 (16, 8 or 4 bytes), one row or rows of whole blocks as far apart, so that a
+// lane's 16 codes are in one row. Values: quantize's FlatValues or requantize's
+// SummedRows<kBits>.
 template <int kBits, bool kFeedback, bool kStochastic, class Values>
 __global__ void __launch_bounds__(kThreads, kWideBlocksPerSm)
     quantize_wide_kernel(QuantizeArgs a, Divider by_row, Values source) {
-  static_assert(kBits == 8, "the wide kernel writes int8 codes");
+  static_assert(kBits == 8 || kBits == 4 || kBits == 2, "codes of 8, 4 or 2 bits");
   math::Mode mode = a.rounding.mode();
   mode.feedback = kFeedback;
   mode.stochastic = Values::kStochasticAtRun ? mode.stochastic : kStochastic;
@@ -242,11 +294,11 @@ __global__ void __launch_bounds__(kThreads, kWideBlocksPerSm)
   warp_loop((a.n + kWide - 1) / kWide, 32, [&](int64_t first) {
     const int64_t e = (first + lane_index()) * kWide;
     if ((first + 32) * kWide <= a.n) {  // the same in every lane
-      bad |= wide_step<true, kFeedback>(a, mode, source, out, e, kWide);
+      bad |= wide_step<kBits, true, kFeedback>(a, mode, source, out, e, kWide);
       return;
     }
     const int count = e >= a.n ? 0 : (a.n - e >= kWide ? kWide : static_cast<int>(a.n - e));
-    bad |= wide_step<false, kFeedback>(a, mode, source, out, e, count);
+    bad |= wide_step<kBits, false, kFeedback>(a, mode, source, out, e, count);
   });
   raise_flag(bad, a.rounding.flag);
 }

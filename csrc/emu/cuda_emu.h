@@ -107,10 +107,19 @@ struct alignas(16) uint4 {
 struct alignas(8) float2 {
   float x, y;
 };
+struct alignas(8) uint2 {
+  uint32_t x, y;
+};
 inline float4 make_float4(float x, float y, float z, float w) {
   return {x, y, z, w};
 }
 inline float2 make_float2(float x, float y) {
+  return {x, y};
+}
+inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) {
+  return {x, y, z, w};
+}
+inline uint2 make_uint2(uint32_t x, uint32_t y) {
   return {x, y};
 }
 

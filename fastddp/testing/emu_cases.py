@@ -91,15 +91,20 @@ CHECKS = [
       for pad, off in ((16, False), (4, False), (16, True))]),
     ("unpack_int8", check_unpack_int8,
      [(_codes_n(b, 7, 4), b, r, pad, off) for b in (32, 100) for r, pad, off in LAYOUTS]),
-    # Blocks of 32 and 128 (vector kernels), 6 for int4 and 12 for int2 (scalar).
+    # Blocks of 32 and 128 (the wide kernel where rows lie a lane's 16 codes apart, 8 or 4
+    # bytes, else the vector one), 6 for int4 and 12 for int2 (scalar); int2 rows 2 bytes
+    # apart (vector).
     # And, first (a sweep stops at its first failure, and a defect of the lanes' groups shows
     # in this case alone), int2 rows of 32 codes past a group of 64 (a group of lanes
     # straddles rows' starts) 8 bytes apart, so that a row of codes starts 16-byte aligned:
-    # groups align to the lanes.
+    # groups align to the lanes (the wide kernel), then the same rows for the vector kernel at
+    # blocks of 8 (72 codes more, so that rows of whole blocks of 8 are as long).
     ("quantize_packed", check_quantize_packed,
-     [(2, _codes_n(32), 32, "plain", 3, 8, False)]
+     [(2, _codes_n(32), 32, "plain", 3, 8, False), (2, _codes_n(32) + 72, 8, "plain", 3, 8, False)]
      + [(bits, _codes_n(b), b, v, r, pad, off) for bits in (4, 2) for b in (32, 128, 6 * (6 - bits))
         for v in ("plain", "ef", "sr", "ef-sr") for r, pad, off in LAYOUTS]
+     + [(2, _codes_n(b), b, v, 3, 2, False) for b in (32, 128)
+        for v in ("plain", "ef", "sr", "ef-sr")]
      + [(bits, _codes_n(32), 32, "plain", 1, 16, False, False, True) for bits in (4, 2)]),
     ("dequantize_packed", check_decode_packed,
      [("dequantize", bits, _codes_n(b, b, 4), b, 3, pad, off) for bits in (4, 2)
@@ -127,7 +132,12 @@ CHECKS = [
      # (a second batch of loads, part past the last row) with a lane's last 9 codes alone; a
      # 4-code tail.
      + [(8, _codes_n(32, 0), 32, v, 3) for v in ("plain", "ef", "sr", "ef-sr")]
-     + [(8, _codes_n(128, 9), 128, "ef-sr", 5, 7), (8, _codes_n(32, 4), 512, "ef", 2, 12)]),
+     + [(8, _codes_n(128, 9), 128, "ef-sr", 5, 7), (8, _codes_n(32, 4), 512, "ef", 2, 12)]
+     # int4 and int2 rows a lane's codes (8, 4 bytes) apart: the same, and scales inf or NaN
+     + [(bits, _codes_n(32, 0), 32, v, 3) for bits in (4, 2) for v in ("plain", "ef", "sr")]
+     + [(bits, _codes_n(128, 9), 128, "ef-sr", 5, pad) for bits, pad in ((4, 3), (2, 1))]
+     + [(bits, _codes_n(128, 9), 128, "ef", 2, pad, False, True)
+        for bits, pad in ((4, 3), (2, 1))]),
 ]  # fmt: skip
 
 # Every kernel of csrc/cuda (by name and bits), which the checks of CHECKS must launch.
@@ -146,10 +156,12 @@ KERNELS = frozenset(
        for feedback in ("false", "true")]
     + ["quantize_int8_kernel<8, summed>", "quantize_packed_kernel<4, summed>",
        "quantize_packed_kernel<2, summed>"]
-    # the wide int8 kernel, for quantize in every mode and requantize with and without feedback
-    + [f"quantize_wide_kernel<8, {feedback}, {stochastic}>" for feedback in ("false", "true")
-       for stochastic in ("false", "true")]
-    + [f"quantize_wide_kernel<8, {feedback}, false, summed>" for feedback in ("false", "true")]
+    # the wide kernel of each width, for quantize in every mode and requantize with and
+    # without feedback
+    + [f"quantize_wide_kernel<{bits}, {feedback}, {stochastic}>" for bits in (8, 4, 2)
+       for feedback in ("false", "true") for stochastic in ("false", "true")]
+    + [f"quantize_wide_kernel<{bits}, {feedback}, false, summed>" for bits in (8, 4, 2)
+       for feedback in ("false", "true")]
 )  # fmt: skip
 
 

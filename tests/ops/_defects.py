@@ -174,7 +174,7 @@ DEFECTS = [
     ("a row of codes left out of the scalar kernels' sums", "cuda/values.cuh",
      "for (int64_t p = 1; p < src.rows.rows; ++p) {",
      "for (int64_t p = 2; p < src.rows.rows; ++p) {", "requantize"),
-    # The wide int8 kernel (wide_kernels.cuh): a round of its blocks' shuffles dropped; every
+    # The wide kernel (wide_kernels.cuh): a round of its blocks' shuffles dropped; every
     # row summed with the first row's scale; the scale placed by the lane, not the block; the
     # last lane's residual not written.
     ("a round of a wide block's shuffles dropped", "cuda/wide_kernels.cuh",
@@ -186,6 +186,16 @@ DEFECTS = [
      "(offset >> out.block_log2)] = step;", "(offset >> 4)] = step;", "quantize_int8"),
     ("the last wide lane's residual not written", "cuda/wide_kernels.cuh",
      "        mode.residual[e + j] = r[j];\n", "", "quantize_int8"),
+    # Its packed codes: a row's codes read at the element's index rather than its byte; a code's
+    # sign bits let into the codes above it; the last lane's short last byte not written.
+    ("a wide row of packed codes read at the element's index", "cuda/wide_kernels.cuh",
+     "reinterpret_cast<const uint8_t*>(s.src.q) + e * kBits / 8;",
+     "reinterpret_cast<const uint8_t*>(s.src.q) + e;", "requantize"),
+    ("a wide code's sign bits let into the codes above it", "cuda/wide_kernels.cuh",
+     "(static_cast<uint32_t>(q) & ((1u << kBits) - 1u)) << (bit % 32);",
+     "static_cast<uint32_t>(q) << (bit % 32);", "quantize_packed"),
+    ("the last wide lane's short last byte not written", "cuda/wide_kernels.cuh",
+     "return (count * kBits + 7) / 8;", "return count * kBits / 8;", "quantize_packed"),
     ("a vector kernel for unaligned fp32 codes' data", "cuda/launch.h",
      "return aligned16(fp32) && (residual == nullptr",
      "return fp32 != nullptr && (residual == nullptr", "unpack_int8"),

@@ -144,14 +144,15 @@ def test_the_bandwidth_tables_requantize_rows_take_the_kernels_they_compare(emu)
         assert emu.launched() == {kernel}
 
 
-def test_the_int8_codecs_rows_take_the_wide_kernel_bit_for_bit(emu):
-    # The hook's int8 layout (fastddp.codecs: rows row_elems bytes apart, shards of whole
-    # blocks) as the int8-ef preset encodes and reduces it: each op the codec calls, run by the
-    # emulator, takes the wide kernel and writes the CPU op's bits; a shard past the last
-    # whole step of a warp (512 elements), with a short last block, too.
+@pytest.mark.parametrize("dtype, bits", [(torch.int8, 8), (torch.int4, 4), (torch.int2, 2)])
+def test_the_codecs_rows_take_the_wide_kernel_bit_for_bit(emu, dtype, bits):
+    # The hook's layout (fastddp.codecs: rows row_elems codes apart, shards of whole blocks) as
+    # the int8-ef, int4-ef and int2-ef presets encode and reduce it: each op the codec calls,
+    # run by the emulator, takes the wide kernel and writes the CPU op's bits; a shard past the
+    # last whole step of a warp (512 elements), with a short last block, too.
     from fastddp.codecs import codec_for
 
-    codec = codec_for(torch.int8, 128)
+    codec = codec_for(dtype, 128)
     for world, shard in ((3, 3 * 512 + 128), (2, 5 * 128)):
         src, residual = torch.randn(world * shard), torch.randn(world * shard) * 1e-3
         rows = torch.zeros(world, codec.row_elems(shard), dtype=codec.wire_dtype)
@@ -169,8 +170,8 @@ def test_the_int8_codecs_rows_take_the_wide_kernel_bit_for_bit(emu):
                     getattr(emu, op.name().split("::")[1])(*args, **kwargs)
             if run is not None:
                 assert emu.launched() == {
-                    "quantize_wide_kernel<8, true, false>",
-                    "quantize_wide_kernel<8, true, false, summed>",
+                    f"quantize_wide_kernel<{bits}, true, false>",
+                    f"quantize_wide_kernel<{bits}, true, false, summed>",
                 }
             got[name] = (q, out, r)
         for a, b in zip(got["cpu"], got["emu"]):

@@ -86,6 +86,33 @@ def test_a_kernel_that_needs_only_wide_stores_says_why_and_fails_without_them():
     assert not verdicts[0].ok and "no 128-bit STG in any loop" in verdicts[0].lines[-1]
 
 
+WIDE_PACKED = "_ZN7fastddp7kernels20quantize_wide_kernelILi{bits}ELb1ELb0ENS0_{values}EEEvNS_12QuantizeArgsENS0_7DividerET2_"  # noqa: E501
+
+
+@pytest.mark.parametrize(
+    "bits, values, load, store, ok",
+    [
+        (4, "10FlatValues", "LDG.E.128", "STG.E.64", True),
+        (4, "10FlatValues", "LDG.E.64", "STG.E.64", False),  # fp32 values 8 bytes a load
+        (4, "10FlatValues", "LDG.E.128", "STG.E", False),  # int4 codes 4 bytes a store
+        (2, "10FlatValues", "LDG.E.128", "STG.E", True),
+        (4, "10SummedRowsILi4EE", "LDG.E.64", "STG.E.64", True),
+        (4, "10SummedRowsILi4EE", "LDG.E", "STG.E.64", False),  # a row's codes 4 bytes a load
+        (2, "10SummedRowsILi2EE", "LDG.E", "STG.E", True),
+        (2, "10SummedRowsILi2EE", "LDG.E.U16", "STG.E", False),
+    ],
+)
+def test_the_packed_wide_kernel_needs_a_lanes_codes_in_one_access(bits, values, load, store, ok):
+    name = WIDE_PACKED.format(bits=bits, values=values)
+    verdicts, _ = sass_check.check(_listing(name, _loop(load, store)))
+    v = verdicts[0]
+    assert v.ok == ok and v.kernel.startswith(f"quantize_wide_kernel<{bits}, true, false"), v.lines
+    assert v.lines[-1 if ok else -2].startswith(f"codes {16 * bits} bits a lane")
+    # The int8 instance still needs 128-bit loads and stores.
+    int8 = sass_check.check(_listing(WIDE_PACKED.format(bits=8, values=values), _loop(load, store)))
+    assert not int8[0][0].ok or (load, store) == ("LDG.E.128", "STG.E.128")
+
+
 def test_an_unknown_kernel_fails_and_a_missing_one_is_named():
     listing = _listing("_ZN7fastddp7kernels10new_kernelEv", WIDE)
     verdicts, missing = sass_check.check(listing)
