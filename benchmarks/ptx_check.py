@@ -38,8 +38,8 @@ from pathlib import Path
 import check_cli
 import sass_check
 
-# The kernels of csrc/cuda (kernels.cuh, codes_kernels.cuh, packed_kernels.cuh), all of which
-# promise parity with the CPU.
+# The kernels of csrc/cuda (kernels.cuh, codes_kernels.cuh, packed_kernels.cuh,
+# wide_kernels.cuh), all of which promise parity with the CPU.
 KERNELS = (
     "compress_kernel",
     "decompress_kernel",
@@ -47,7 +47,10 @@ KERNELS = (
     "sum_chunks_kernel",
     "widen_sum_kernel",
     "quantize_vec_kernel",
+    "quantize_wide_kernel",
     "dequantize_vec_kernel",
+    "dequantize_wide_kernel",
+    "unpack_wide_kernel",
     "unpack_vec_kernel",
     "quantize_int8_kernel",
     "quantize_packed_kernel",

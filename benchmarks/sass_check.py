@@ -44,6 +44,8 @@ VECTOR = (
     "quantize_vec_kernel",
     "quantize_wide_kernel",
     "dequantize_vec_kernel",
+    "dequantize_wide_kernel",
+    "unpack_wide_kernel",
     "unpack_vec_kernel",
 )
 
@@ -60,12 +62,18 @@ STORES_ONLY = {
 }
 
 # Kernels of VECTOR whose instances for int4 and int2 codes move a lane's 16 codes in one access
-# of 16 * bits bits (64 or 32), and why that is enough: the loops must hold a load and a store of
-# that width at least, and the instances that quantize fp32 values a 128-bit load of them.
+# of 16 * bits bits (64 or 32), and why that is enough: their loops must hold such an access of
+# the codes (of that width at least) and 128-bit accesses of the fp32 values: for each kernel,
+# what it loads and what it stores ("codes" or "fp32"; requantize's instances, over
+# SummedRows, load codes).
+_LANE = (
+    "a lane's 16 codes are one access of 8 (int4) or 4 (int2) bytes, a warp's 256 or 128 bytes "
+    "in a row; its fp32 values, the rest of its bytes, move 16 bytes at a time"
+)
 LANE_CODES = {
-    "quantize_wide_kernel": "a lane's 16 codes are one access of 8 (int4) or 4 (int2) bytes, a "
-    "warp's 256 or 128 bytes in a row; its fp32 values, the rest of its bytes, are loaded 16 "
-    "bytes at a time (and with error feedback the residual too)",
+    "quantize_wide_kernel": ("fp32", "codes", _LANE + " (with error feedback the residual too)"),
+    "dequantize_wide_kernel": ("codes", "fp32", _LANE),
+    "unpack_wide_kernel": ("codes", "fp32", _LANE),
 }
 # Kernels without 128-bit accesses, and why they need none.
 EXEMPT = {
@@ -231,8 +239,11 @@ def judge(kernel: Kernel, vector=VECTOR, exempt=None) -> Verdict:
     bits = re.search(r"<(\d+)", label)
     if name in LANE_CODES and bits and int(bits.group(1)) < 8:
         lane = 16 * int(bits.group(1))
-        floor = {"LDG": lane if summed else 128, "STG": lane}
-        lines.append(f"codes {lane} bits a lane: {LANE_CODES[name]}")
+        loads, stores, why = LANE_CODES[name]
+        loads = "codes" if summed else loads
+        pairs = (("LDG", loads), ("STG", stores))
+        floor = {op: lane if what == "codes" else 128 for op, what in pairs}
+        lines.append(f"codes {lane} bits a lane: {why}")
         found = {op.split(".")[0] for (op, loop) in counts if loop and width(op) >= floor[op[:3]]}
         missing = [f"{floor[op]}-bit {op}" for op in floor if op not in found]
         if missing:
@@ -318,7 +329,8 @@ def main(argv=None) -> int:
     return check_cli.verdict(
         "sass_check",
         bad,
-        "every vector kernel loads and stores 128 bits; no kernel uses local memory",
+        "every vector kernel loads and stores 128 bits (the packed wide ones a lane's codes in "
+        "one access); no kernel uses local memory",
     )
 
 

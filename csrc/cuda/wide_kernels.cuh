@@ -1,6 +1,7 @@
-// The wide quantize: 16 elements a lane, for quantize and requantize of int8, int4 and int2 codes
-// where a lane's 16 codes are one aligned access (16, 8 or 4 bytes) and its fp32 values four
-// 16-byte ones. Compiled like kernels.cuh, by nvcc and by the grid emulator.
+// The wide quantize: 16 elements a lane, for quantize and requantize of int8, int4 and int2
+// codes where a lane's 16 codes are one aligned access (16, 8 or 4 bytes) and its fp32 values
+// four 16-byte ones; wide_decode_kernels.cuh has dequantize and unpack. Compiled like
+// kernels.cuh, by nvcc and by the grid emulator.
 //
 // Why: quantize_vec_kernel gives a lane 4 elements a run (a chunk), so its int8 codes are 4
 // bytes a lane: requantize's rows of codes were loaded 4 bytes at a time, a few such loads in
@@ -45,19 +46,26 @@ __device__ __forceinline__ void load_wide(
   }
 }
 
-// A lane's 16 codes of kBits bits: code j in bits [j * kBits, (j + 1) * kBits) of the words
-// taken in order, byte after byte (pack_code's order), so that the words are the codes' bytes.
+// Code i of codes of kBits bits held in words w: in bits [i * kBits, (i + 1) * kBits) of the
+// words taken in order, byte after byte (pack_code's order), so that the words are the codes'
+// bytes. Shifted to the top of its word, then back with its sign.
+template <int kBits>
+__device__ __forceinline__ float code_in_words(const uint32_t* w, int i) {
+  const int bit = i * kBits;
+  const auto top = static_cast<int32_t>(w[bit / 32] << (32 - kBits - bit % 32));
+  return static_cast<float>(top >> (32 - kBits));
+}
+
+// A lane's 16 codes of kBits bits, in words as code_in_words reads them.
 template <int kBits>
 struct WideCodes {
   static constexpr int kWords = kWide * kBits / 32;  // 4, 2, 1
   static constexpr int kBytes = 4 * kWords;          // 16, 8, 4: one access
   uint32_t w[kWords];
 
-  // Code j (0..15), as a float: shifted to the top of its word, then back with its sign.
+  // Code j (0..15), as a float.
   __device__ __forceinline__ float code(int j) const {
-    const int bit = j * kBits;
-    const auto top = static_cast<int32_t>(w[bit / 32] << (32 - kBits - bit % 32));
-    return static_cast<float>(top >> (32 - kBits));
+    return code_in_words<kBits>(w, j);
   }
 
   __device__ __forceinline__ void put(int j, int8_t q) {
@@ -108,12 +116,12 @@ __device__ __forceinline__ WideCodes<kBits> load_codes(const uint8_t* at, int co
   WideCodes<kBits> v = {};
   if (kWhole || count == kWide) {
     v.load(at);
-    return v;
-  }
-  FASTDDP_UNROLL
-  for (int b = 0; b < WideCodes<kBits>::kBytes; ++b) {
-    if (b < wide_bytes<kBits>(count)) {
-      v.w[b / 4] |= static_cast<uint32_t>(at[b]) << (8 * (b % 4));
+  } else {
+    FASTDDP_UNROLL
+    for (int b = 0; b < WideCodes<kBits>::kBytes; ++b) {
+      if (b < wide_bytes<kBits>(count)) {
+        v.w[b / 4] |= static_cast<uint32_t>(at[b]) << (8 * (b % 4));
+      }
     }
   }
   return v;
@@ -171,11 +179,11 @@ __device__ __forceinline__ void load_residual(
       r[4 * h + 2] = v.z;
       r[4 * h + 3] = v.w;
     }
-    return;
-  }
-  FASTDDP_UNROLL
-  for (int j = 0; j < kWide; ++j) {
-    r[j] = j < count ? residual[e + j] : 0.0f;
+  } else {
+    FASTDDP_UNROLL
+    for (int j = 0; j < kWide; ++j) {
+      r[j] = j < count ? residual[e + j] : 0.0f;
+    }
   }
 }
 
@@ -249,20 +257,18 @@ __device__ __forceinline__ bool wide_step(
                 make_float4(r[4 * h], r[4 * h + 1], r[4 * h + 2], r[4 * h + 3]));
       }
     }
-    return block_bad;
-  }
-  // The last lane's codes: the bytes that hold them, zeros past them in the last one (as the
-  // scalar kernels write it).
-  FASTDDP_UNROLL
-  for (int b = 0; b < WideCodes<kBits>::kBytes; ++b) {
-    if (b < wide_bytes<kBits>(count)) {
-      at[b] = static_cast<uint8_t>(codes.w[b / 4] >> (8 * (b % 4)));
+  } else {
+    // The last lane's codes: the bytes that hold them, zeros past them in the last one (as the
+    // scalar kernels write it).
+    FASTDDP_UNROLL
+    for (int b = 0; b < WideCodes<kBits>::kBytes; ++b) {
+      if (b < wide_bytes<kBits>(count)) {
+        at[b] = static_cast<uint8_t>(codes.w[b / 4] >> (8 * (b % 4)));
+      }
     }
-  }
-  FASTDDP_UNROLL
-  for (int j = 0; j < kWide; ++j) {
-    if (j < count) {
-      if (kFeedback && !block_bad) {
+    FASTDDP_UNROLL
+    for (int j = 0; j < kWide; ++j) {
+      if (j < count && kFeedback && !block_bad) {
         mode.residual[e + j] = r[j];
       }
     }
