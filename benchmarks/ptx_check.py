@@ -49,8 +49,6 @@ KERNELS = (
     "quantize_vec_kernel",
     "quantize_wide_kernel",
     "dequantize_vec_kernel",
-    "dequantize_wide_kernel",
-    "unpack_wide_kernel",
     "unpack_vec_kernel",
     "quantize_int8_kernel",
     "quantize_packed_kernel",

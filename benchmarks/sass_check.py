@@ -44,8 +44,6 @@ VECTOR = (
     "quantize_vec_kernel",
     "quantize_wide_kernel",
     "dequantize_vec_kernel",
-    "dequantize_wide_kernel",
-    "unpack_wide_kernel",
     "unpack_vec_kernel",
 )
 
@@ -72,8 +70,6 @@ _LANE = (
 )
 LANE_CODES = {
     "quantize_wide_kernel": ("fp32", "codes", _LANE + " (with error feedback the residual too)"),
-    "dequantize_wide_kernel": ("codes", "fp32", _LANE),
-    "unpack_wide_kernel": ("codes", "fp32", _LANE),
 }
 # Kernels without 128-bit accesses, and why they need none.
 EXEMPT = {

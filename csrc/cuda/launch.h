@@ -19,7 +19,6 @@
 #include "kernels.cuh"
 #include "packed_kernels.cuh"
 #include "values.cuh"
-#include "wide_decode_kernels.cuh"
 #include "wide_kernels.cuh"
 
 namespace fastddp::kernels {
@@ -313,15 +312,6 @@ void run(Rt& rt, const DequantizeArgs& a) {
   if (!start(rt, m)) {
     return;
   }
-  // The wide kernel: each row's 16 codes of a lane one aligned load, in one block.
-  if (wide_codes_align(a.src.q, a.src.rows, a.src.bits) && aligned16(a.dst) &&
-      a.src.block % kWide == 0) {
-    launch_over(rt, (m + kWide - 1) / kWide,
-                for_bits(a.src.bits, dequantize_wide_kernel<8>, dequantize_wide_kernel<4>,
-                         dequantize_wide_kernel<2>),
-                a.src, Divider::of(a.src.block), a.dst, a.scale);
-    return;
-  }
   if (codes_vectorise(a.src.q, a.src.rows, a.src.block, a.src.bits, a.dst)) {
     launch_over(rt, lanes_for(m, kChunk * kDequantUnroll),
                 for_bits(a.src.bits, dequantize_vec_kernel<8>, dequantize_vec_kernel<4>,
@@ -337,17 +327,6 @@ void run(Rt& rt, const DequantizeArgs& a) {
 template <class Rt>
 void run(Rt& rt, const UnpackArgs& a) {
   if (!start(rt, a.n)) {
-    return;
-  }
-  // The wide kernel: a lane's 16 codes one aligned load, in one row and one block.
-  if (wide_codes_align(a.src.q, a.src.rows, a.src.bits) &&
-      (a.src.rows.rows == 1 || a.src.rows.row_len % kWide == 0) && aligned16(a.dst) &&
-      a.src.block % kWide == 0) {
-    launch_over(rt, lanes_for((a.n + kWide - 1) / kWide, kWideUnpackUnroll),
-                for_bits(a.src.bits, unpack_wide_kernel<8>, unpack_wide_kernel<4>,
-                         unpack_wide_kernel<2>),
-                a.src, Divider::of(a.src.rows.row_len), Divider::of(a.src.block), a.n, a.dst,
-                a.scale);
     return;
   }
   if (codes_vectorise(a.src.q, a.src.rows, a.src.block, a.src.bits, a.dst)) {

@@ -1,7 +1,11 @@
 // The wide quantize: 16 elements a lane, for quantize and requantize of int8, int4 and int2
 // codes where a lane's 16 codes are one aligned access (16, 8 or 4 bytes) and its fp32 values
-// four 16-byte ones; wide_decode_kernels.cuh has dequantize and unpack. Compiled like
-// kernels.cuh, by nvcc and by the grid emulator.
+// four 16-byte ones. Compiled like kernels.cuh, by nvcc and by the grid emulator.
+//
+// Not for dequantize and unpack: with a lane's 16 fp32 results as four 16-byte stores, 64
+// bytes apart lane to lane, each store of a warp wrote half of 32 sectors, and on the H200
+// unpack fell from 0.87 to 0.38 of a copy and dequantize from 0.91 to 0.72 (run 10). Their
+// vector kernels store a warp's 512 consecutive bytes at a time.
 //
 // Why: quantize_vec_kernel gives a lane 4 elements a run (a chunk), so its int8 codes are 4
 // bytes a lane: requantize's rows of codes were loaded 4 bytes at a time, a few such loads in

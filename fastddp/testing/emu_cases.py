@@ -86,14 +86,11 @@ CHECKS = [
       for r, pad in ((1, 16), (3, 4))]
      + [(_codes_n(b), b, v, r, pad, off) for b in (32, 100, 256)
         for v in ("plain", "ef", "sr", "ef-sr") for r, pad, off in LAYOUTS]),
-    # Blocks of 8 in rows as long as those of 32 (16-byte aligned): rows the wide kernel
-    # refuses (blocks of 16 * k), so that the vector kernel's whole steps run.
     ("dequantize_int8", check_dequantize_int8,
-     [(_codes_n(b, t, 4), b, 3, pad, off) for b, t in ((32, 32), (100, 100), (8, 32))
+     [(_codes_n(b, b, 4), b, 3, pad, off) for b in (32, 100)
       for pad, off in ((16, False), (4, False), (16, True))]),
-    # (blocks of 8: aligned rows the wide kernel refuses, for the vector kernel's whole steps)
     ("unpack_int8", check_unpack_int8,
-     [(_codes_n(b, 7, 4), b, r, pad, off) for b in (32, 100, 8) for r, pad, off in LAYOUTS]),
+     [(_codes_n(b, 7, 4), b, r, pad, off) for b in (32, 100) for r, pad, off in LAYOUTS]),
     # Blocks of 32 and 128 (the wide kernel where rows lie a lane's 16 codes apart, 8 or 4
     # bytes, else the vector one), 6 for int4 and 12 for int2 (scalar); int2 rows 2 bytes
     # apart (vector).
@@ -110,16 +107,14 @@ CHECKS = [
         for v in ("plain", "ef", "sr", "ef-sr")]
      + [(bits, _codes_n(32), 32, "plain", 1, 16, False, False, True) for bits in (4, 2)]),
     ("dequantize_packed", check_decode_packed,
-     [("dequantize", bits, _codes_n(b, 32 if b == 8 else b, 4), b, 3, pad, off) for bits in (4, 2)
-      for b in (32, 128, 8, 6 * (6 - bits)) for pad, off in ((16, False), (4, False), (16, True))]
-     # 5 rows: a second batch of the whole step's rows (4 at a time), part past the last row,
-     # in the wide kernel (blocks of 32) and the vector one (8)
-     + [("dequantize", bits, _codes_n(32, 32, 4), b, 5, 16, False) for bits in (4, 2)
-        for b in (32, 8)]),
+     [("dequantize", bits, _codes_n(b, b, 4), b, 3, pad, off) for bits in (4, 2)
+      for b in (32, 128, 6 * (6 - bits)) for pad, off in ((16, False), (4, False), (16, True))]
+     # 5 rows: a second batch of the whole step's rows (4 at a time), part past the last row
+     + [("dequantize", bits, _codes_n(32, 32, 4), 32, 5, 16, False) for bits in (4, 2)]),
     ("unpack_packed", check_decode_packed,
      [("unpack", 2, _codes_n(32, 7, 4), 32, 3, 8, False)]
      + [("unpack", bits, _codes_n(b, 7, 4), b, r, pad, off) for bits in (4, 2)
-        for b in (32, 128, 8, 6 * (6 - bits)) for r, pad, off in LAYOUTS]),
+        for b in (32, 128, 6 * (6 - bits)) for r, pad, off in LAYOUTS]),
     # Rows of codes summed and quantised again: first (the planted defects show there) 3 rows
     # (a pair, then a lone row) and a few blocks' scales inf or NaN; every mode of the vector
     # kernels of each width; the scalar kernels (blocks of 100, 6 and 12), fp32 one element into its
@@ -167,8 +162,6 @@ KERNELS = frozenset(
        for feedback in ("false", "true") for stochastic in ("false", "true")]
     + [f"quantize_wide_kernel<{bits}, {feedback}, false, summed>" for bits in (8, 4, 2)
        for feedback in ("false", "true")]
-    + [f"{k}<{bits}>" for k in ("dequantize_wide_kernel", "unpack_wide_kernel")
-       for bits in (8, 4, 2)]
 )  # fmt: skip
 
 

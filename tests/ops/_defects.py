@@ -196,18 +196,6 @@ DEFECTS = [
      "static_cast<uint32_t>(q) << (bit % 32);", "quantize_packed"),
     ("the last wide lane's short last byte not written", "cuda/wide_kernels.cuh",
      "return (count * kBits + 7) / 8;", "return count * kBits / 8;", "quantize_packed"),
-    # The wide dequantize: the last lane storing one value past the end.
-    ("the last wide dequantize lane storing past the end", "cuda/wide_decode_kernels.cuh",
-     "          dst[e + j] = x[j];", "          dst[e + j + 1] = x[j];", "dequantize_int8"),
-    # The wide unpack: a lane's place in its row taken as its flat index; a whole step's runs
-    # stored over the first run.
-    ("a wide unpack lane's place in its row taken as its flat index",
-     "cuda/wide_decode_kernels.cuh",
-     "    const int64_t offset = e - row * s.rows.row_len;\n    const auto* at",
-     "    const int64_t offset = e + 0 * row;\n    const auto* at", "unpack_int8"),
-    ("a wide unpack's runs stored over its first", "cuda/wide_decode_kernels.cuh",
-     "v[u].store(dst, scale, (first + 32 * u + lane_index()) * kWide, kWide);",
-     "v[u].store(dst, scale, (first + lane_index()) * kWide, kWide);", "unpack_packed"),
     ("a vector kernel for unaligned fp32 codes' data", "cuda/launch.h",
      "return aligned16(fp32) && (residual == nullptr",
      "return fp32 != nullptr && (residual == nullptr", "unpack_int8"),

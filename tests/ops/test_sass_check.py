@@ -113,22 +113,6 @@ def test_the_packed_wide_kernel_needs_a_lanes_codes_in_one_access(bits, values, 
     assert not int8[0][0].ok or (load, store) == ("LDG.E.128", "STG.E.128")
 
 
-@pytest.mark.parametrize("kernel", ["dequantize_wide_kernel", "unpack_wide_kernel"])
-@pytest.mark.parametrize(
-    "bits, load, store, ok",
-    [
-        (4, "LDG.E.64", "STG.E.128", True),
-        (2, "LDG.E", "STG.E.128", True),
-        (4, "LDG.E", "STG.E.128", False),  # int4 codes 4 bytes a load
-        (4, "LDG.E.64", "STG.E.64", False),  # fp32 values 8 bytes a store
-    ],
-)
-def test_the_packed_wide_decodes_need_a_lanes_codes_in_one_load(kernel, bits, load, store, ok):
-    name = f"_ZN7fastddp7kernels{len(kernel)}{kernel}ILi{bits}EEEvNS_10Int8SourceENS0_7DividerEPff"
-    verdicts, _ = sass_check.check(_listing(name, _loop(load, store)))
-    assert verdicts[0].ok == ok and verdicts[0].kernel == f"{kernel}<{bits}>", verdicts[0].lines
-
-
 def test_an_unknown_kernel_fails_and_a_missing_one_is_named():
     listing = _listing("_ZN7fastddp7kernels10new_kernelEv", WIDE)
     verdicts, missing = sass_check.check(listing)
