@@ -191,6 +191,47 @@ __device__ __forceinline__ void load_residual(
   }
 }
 
+// A lane's 16 residuals r to residual + e (16-byte aligned) where `write`, with the warp's lanes in
+// pairs, so that each of the four stores of a warp writes whole 32-byte sectors: a lane's own
+// four 16-byte stores, 64 bytes from the next lane's, fill half of every sector they touch (on
+// the H200 such stores of the wide unpack used 16 of each sector's 32 bytes, and it ran at 0.38
+// of a copy). In each of two rounds the pair's lanes swap one chunk of 4 values (the even lane
+// sends its second, the odd lane its first), then each stores one chunk of the even lane's and
+// one of the odd lane's, each beside the other lane's. A round's chunks only are held twice
+// (with all 8 at once, requantize's int8 instance spilled). Every lane of the warp must call it.
+__device__ __forceinline__ void store_residual_in_pairs(
+    float* residual, int64_t e, const float (&r)[kWide], bool write) {
+  const bool odd = (lane_index() & 1) != 0;
+  const bool partner = __shfl_xor_sync(kAllLanes, static_cast<uint32_t>(write), 1) != 0;
+  // Whose values each store holds: the even lane's (the first of a round) or the odd lane's.
+  const bool even_writes = odd ? partner : write;
+  const bool odd_writes = odd ? write : partner;
+  // The even lane's first element; this lane's chunk of a round lies 4 on in the odd lane.
+  float* pair = residual + e - (odd ? kWide : 0) + (odd ? 4 : 0);
+  FASTDDP_UNROLL
+  for (int round = 0; round < 2; ++round) {
+    // The round's chunks: the even lane keeps its first and sends its second, the odd lane the
+    // other way round (selected, not indexed by the lane: an index known only at run time
+    // would put r in local memory).
+    const int c = 8 * round;
+    float own[4];
+    float got[4];
+    FASTDDP_UNROLL
+    for (int k = 0; k < 4; ++k) {
+      own[k] = odd ? r[c + 4 + k] : r[c + k];
+      got[k] = __shfl_xor_sync(kAllLanes, odd ? r[c + k] : r[c + 4 + k], 1);
+    }
+    const float4 mine = make_float4(own[0], own[1], own[2], own[3]);
+    const float4 other = make_float4(got[0], got[1], got[2], got[3]);
+    if (even_writes) {
+      store16(reinterpret_cast<float4*>(pair + 8 * round), odd ? other : mine);
+    }
+    if (odd_writes) {
+      store16(reinterpret_cast<float4*>(pair + kWide + 8 * round), odd ? mine : other);
+    }
+  }
+}
+
 // Where the wide kernel writes: the blocks' lanes and the codes' layout.
 struct WideOut {
   Divider by_row;  // by the row length (rows > 1)
@@ -254,11 +295,15 @@ __device__ __forceinline__ bool wide_step(
   }
   if (kWhole || count == kWide) {
     codes.store(at);
-    if (kFeedback && !block_bad) {
-      FASTDDP_UNROLL
-      for (int h = 0; h < kWide / 4; ++h) {
-        store16(reinterpret_cast<float4*>(mode.residual + e) + h,
-                make_float4(r[4 * h], r[4 * h + 1], r[4 * h + 2], r[4 * h + 3]));
+    if (kFeedback) {
+      if constexpr (kWhole) {
+        store_residual_in_pairs(mode.residual, e, r, !block_bad);
+      } else if (!block_bad) {
+        FASTDDP_UNROLL
+        for (int h = 0; h < kWide / 4; ++h) {
+          store16(reinterpret_cast<float4*>(mode.residual + e) + h,
+                  make_float4(r[4 * h], r[4 * h + 1], r[4 * h + 2], r[4 * h + 3]));
+        }
       }
     }
   } else {

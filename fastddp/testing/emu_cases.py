@@ -81,9 +81,12 @@ CHECKS = [
     # shows in these alone), the extreme blocks: zero, tiny, FLT_MAX, inf, NaN.
     # The extremes go to the wide kernel (one row, aligned) and to the vector kernel (rows 4
     # bytes apart), whose lanes share a block's scale and inverse (step_values).
+    # Then blocks of 16 (a lane each) with error feedback, extremes in whole steps: the wide
+    # kernel's lanes store residuals in pairs, each pair's two blocks bad or not on their own.
     ("quantize_int8", check_quantize_int8,
      [(_codes_n(32), 32, v, r, pad, False, False, True) for v in ("plain", "sr")
       for r, pad in ((1, 16), (3, 4))]
+     + [(_codes_n(16), 16, "ef", 1, 16, False, False, True)]
      + [(_codes_n(b), b, v, r, pad, off) for b in (32, 100, 256)
         for v in ("plain", "ef", "sr", "ef-sr") for r, pad, off in LAYOUTS]),
     ("dequantize_int8", check_dequantize_int8,
@@ -105,7 +108,8 @@ CHECKS = [
         for v in ("plain", "ef", "sr", "ef-sr") for r, pad, off in LAYOUTS]
      + [(2, _codes_n(b), b, v, 3, 2, False) for b in (32, 128)
         for v in ("plain", "ef", "sr", "ef-sr")]
-     + [(bits, _codes_n(32), 32, "plain", 1, 16, False, False, True) for bits in (4, 2)]),
+     + [(bits, _codes_n(b), b, v, 1, 16, False, False, True) for bits in (4, 2)
+        for b, v in ((32, "plain"), (16, "ef"))]),
     ("dequantize_packed", check_decode_packed,
      [("dequantize", bits, _codes_n(b, b, 4), b, 3, pad, off) for bits in (4, 2)
       for b in (32, 128, 6 * (6 - bits)) for pad, off in ((16, False), (4, False), (16, True))]
