@@ -192,7 +192,9 @@ __device__ __forceinline__ void load_residual(
 }
 
 // A lane's 16 residuals r to residual + e (16-byte aligned) where `write`, with the warp's lanes in
-// pairs, so that each of the four stores of a warp writes whole 32-byte sectors: a lane's own
+// pairs, so that each of the four stores of a warp writes whole 32-byte sectors where the
+// residual is 32-byte aligned (torch's allocations are; else each pair's 32 bytes straddle
+// two, still twice as full as without the pairs' exchange): a lane's own
 // four 16-byte stores, 64 bytes from the next lane's, fill half of every sector they touch (on
 // the H200 such stores of the wide unpack used 16 of each sector's 32 bytes, and it ran at 0.38
 // of a copy). In each of two rounds the pair's lanes swap one chunk of 4 values (the even lane

@@ -99,7 +99,9 @@ def _data(n: int, seed: int, special: bool = False, extreme: bool = False) -> to
                 part[:half] = sign[:half] * 1.0008252859115601
                 part[half:] = sign[half:] * 1.0008854866027832
             elif kind is not None:
-                part[len(part) // 2] = kind
+                # mid-run, or 16 on in odd runs: with blocks of 16, each kind lies in an even
+                # lane's block and in an odd lane's (the wide quantize's lanes work in pairs)
+                part[min(len(part) - 1, len(part) // 2 + 16 * (run % 2))] = kind
     if special and n > 10:
         # Past fp16's range, tiny (subnormal in fp16), and one non-finite value in a thread
         # other than thread 0 of its block.

@@ -187,13 +187,17 @@ DEFECTS = [
     ("the last wide lane's residual not written", "cuda/wide_kernels.cuh",
      "        mode.residual[e + j] = r[j];\n", "", "quantize_int8"),
     # Its residual stored in pairs of lanes: the odd lane's stores placed from its own start;
-    # both lanes' stores made where the even lane's block is finite.
+    # the odd lane's values stored where the even lane's block is finite; the even lane storing
+    # its partner's values of a non-finite block.
     ("a wide pair's odd lane storing from its own start", "cuda/wide_kernels.cuh",
      "float* pair = residual + e - (odd ? kWide : 0) + (odd ? 4 : 0);",
      "float* pair = residual + e + (odd ? 4 : 0);", "quantize_int8"),
     ("a wide pair's stores made where the even lane's block is finite", "cuda/wide_kernels.cuh",
      "const bool odd_writes = odd ? write : partner;",
      "const bool odd_writes = odd ? partner : write;", "quantize_int8"),
+    ("a wide pair's even lane storing whatever its partner's block", "cuda/wide_kernels.cuh",
+     "const bool odd_writes = odd ? write : partner;",
+     "const bool odd_writes = odd ? write : true;", "quantize_int8"),
     # Its packed codes: a row's codes read at the element's index rather than its byte; a code's
     # sign bits let into the codes above it; the last lane's short last byte not written.
     ("a wide row of packed codes read at the element's index", "cuda/wide_kernels.cuh",

@@ -100,6 +100,7 @@ WIDE_PACKED = "_ZN7fastddp7kernels20quantize_wide_kernelILi{bits}ELb1ELb0ENS0_{v
         (4, "10SummedRowsILi4EE", "LDG.E", "STG.E.64", False),  # a row's codes 4 bytes a load
         (2, "10SummedRowsILi2EE", "LDG.E", "STG.E", True),
         (2, "10SummedRowsILi2EE", "LDG.E.U16", "STG.E", False),
+        (4, "10FlatValues", "LDG.E.128", "STG.E.128", False),  # int4 codes not 8 bytes a store
     ],
 )
 def test_the_packed_wide_kernel_needs_a_lanes_codes_in_one_access(bits, values, load, store, ok):
