@@ -94,6 +94,17 @@ class _Launchers:
             reader.join(timeout=max(0.0, deadline - time.monotonic()))
         return [proc.poll() for proc in self.procs]
 
+    def wait_for_step(self, progress: Path, step: int, rank: int = 2) -> None:
+        """:func:`_wait_for_step` on node 0's launcher; if the job ends first, every launcher
+        is stopped and their exit codes and output say why."""
+        try:
+            _wait_for_step(progress, step, self.procs[0], rank=rank)
+        except AssertionError as e:
+            netns.stop(self.procs)
+            self.wait(slack.guard(30))
+            said = _said([proc.poll() for proc in self.procs], self.outs)
+            raise AssertionError(f"{e}\n{said}") from None
+
 
 def _run(tmp: Path, mode: str, bed, *, loss=0.0, wire=None, during=None, env=None, extra=(),
          timeout=240, steps=STEPS):  # fmt: skip
@@ -382,7 +393,7 @@ def _lose_node_1(tmp: Path, bed, mode: str, nnodes: str, rejoin: bool, power: bo
             job.add(second)
             # Step 10's checkpoint is whole once rank 2 has finished step 12 (its collectives
             # need every rank past the save); step 20's is 8 steps away.
-            _wait_for_step(tmp / "progress", 12, job.procs[0])
+            job.wait_for_step(tmp / "progress", 12)
             if power:
                 netns.set_link(made[1], up=False)
             assert netns.kill(made[1]) >= 3, "node 1 had fewer than a launcher and 2 workers"
@@ -451,7 +462,7 @@ def test_a_node_added_to_a_running_job_grows_it(bed, tmp_path, tmp_path_factory)
     with _reset_after(bed) as made:
         try:
             job.add(netns.spawn(made, 0, "2", argv, port, **launch))
-            _wait_for_step(tmp_path / "progress", 20, job.procs[0], rank=0)
+            job.wait_for_step(tmp_path / "progress", 20, rank=0)
             job.add(netns.spawn(made, 1, "2", argv, port, **launch))
             codes = job.wait(timeout=slack.guard(240))
         finally:
