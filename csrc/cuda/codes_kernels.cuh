@@ -176,7 +176,7 @@ __device__ __forceinline__ void store_piece(
   }
 }
 
-// Code j (0..3) of a piece, as a float.
+// Code j (0..3) of a piece, as a float; or of any 32-bit word of codes (j < 32 / kBits).
 // Code j sits in bits [j * kBits, (j + 1) * kBits) of the piece (unpack_code's order, byte
 // after byte): shifted to the top of the word, then back with its sign, two shifts.
 template <int kBits>

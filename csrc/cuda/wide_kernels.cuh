@@ -50,31 +50,22 @@ __device__ __forceinline__ void load_wide(
   }
 }
 
-// Code i of codes of kBits bits held in words w: in bits [i * kBits, (i + 1) * kBits) of the
-// words taken in order, byte after byte (pack_code's order), so that the words are the codes'
-// bytes. Shifted to the top of its word, then back with its sign.
-template <int kBits>
-__device__ __forceinline__ float code_in_words(const uint32_t* w, int i) {
-  const int bit = i * kBits;
-  const auto top = static_cast<int32_t>(w[bit / 32] << (32 - kBits - bit % 32));
-  return static_cast<float>(top >> (32 - kBits));
-}
-
-// A lane's 16 codes of kBits bits, in words as code_in_words reads them.
+// A lane's 16 codes of kBits bits: code j in bits [j * kBits, (j + 1) * kBits) of the words
+// taken in order, byte after byte (pack_code's order), so that the words are the codes' bytes.
 template <int kBits>
 struct WideCodes {
   static constexpr int kWords = kWide * kBits / 32;  // 4, 2, 1
   static constexpr int kBytes = 4 * kWords;          // 16, 8, 4: one access
+  static constexpr int kPerWord = 32 / kBits;
   uint32_t w[kWords];
 
   // Code j (0..15), as a float.
   __device__ __forceinline__ float code(int j) const {
-    return code_in_words<kBits>(w, j);
+    return piece_code<kBits>(w[j / kPerWord], j % kPerWord);
   }
 
   __device__ __forceinline__ void put(int j, int8_t q) {
-    const int bit = j * kBits;
-    w[bit / 32] |= (static_cast<uint32_t>(q) & ((1u << kBits) - 1u)) << (bit % 32);
+    w[j / kPerWord] |= pack_code(q, kBits, j % kPerWord);
   }
 
   // The codes at `at` (aligned to kBytes): one load.

@@ -198,14 +198,14 @@ DEFECTS = [
     ("a wide pair's even lane storing whatever its partner's block", "cuda/wide_kernels.cuh",
      "const bool odd_writes = odd ? write : partner;",
      "const bool odd_writes = odd ? write : true;", "quantize_int8"),
-    # Its packed codes: a row's codes read at the element's index rather than its byte; a code's
-    # sign bits let into the codes above it; the last lane's short last byte not written.
+    # Its packed codes: a row's codes read at the element's index rather than its byte; a code
+    # placed by its index in its byte; the last lane's short last byte not written.
     ("a wide row of packed codes read at the element's index", "cuda/wide_kernels.cuh",
      "reinterpret_cast<const uint8_t*>(s.src.q) + e * kBits / 8;",
      "reinterpret_cast<const uint8_t*>(s.src.q) + e;", "requantize"),
-    ("a wide code's sign bits let into the codes above it", "cuda/wide_kernels.cuh",
-     "(static_cast<uint32_t>(q) & ((1u << kBits) - 1u)) << (bit % 32);",
-     "static_cast<uint32_t>(q) << (bit % 32);", "quantize_packed"),
+    ("a wide code placed by its index in its byte, not in its word", "cuda/wide_kernels.cuh",
+     "w[j / kPerWord] |= pack_code(q, kBits, j % kPerWord);",
+     "w[j / kPerWord] |= pack_code(q, kBits, j % (8 / kBits));", "quantize_packed"),
     ("the last wide lane's short last byte not written", "cuda/wide_kernels.cuh",
      "return (count * kBits + 7) / 8;", "return count * kBits / 8;", "quantize_packed"),
     ("a vector kernel for unaligned fp32 codes' data", "cuda/launch.h",
