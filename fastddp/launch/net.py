@@ -13,9 +13,12 @@ from typing import Callable, Optional
 
 __all__ = [
     "LaunchError",
+    "PortTaken",
     "check_port_free",
+    "ephemeral_range",
     "interfaces",
     "is_local",
+    "port_states",
     "probe",
     "resolve",
     "route_to",
@@ -94,21 +97,98 @@ def is_local(addr: str) -> bool:
     return True
 
 
+class PortTaken(LaunchError):
+    """The master's port is bound on this node. ``listened`` is True where a listener holds it,
+    False where only connections do (their local end), None where this system does not say."""
+
+    def __init__(self, message: str, listened: Optional[bool]) -> None:
+        super().__init__(message)
+        self.listened = listened
+
+
+# The states of /proc/net/tcp, by their hex code, that a socket holding a port can be in.
+_TCP_STATES = {
+    "01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": "FIN_WAIT1",
+    "05": "FIN_WAIT2", "06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT", "09": "LAST_ACK",
+    "0A": "LISTEN", "0B": "CLOSING",
+}  # fmt: skip
+
+
+def port_states(port: int, tables=("/proc/net/tcp", "/proc/net/tcp6")) -> Optional[dict]:
+    """How many of this network namespace's TCP sockets have ``port`` as their local port, by
+    state (``{"TIME_WAIT": 3}``); None where the kernel's tables cannot be read (not Linux)."""
+    found: dict[str, int] = {}
+    read = False
+    for table in tables:
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        read = True
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 3 and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                state = _TCP_STATES.get(fields[3], fields[3])
+                found[state] = found.get(state, 0) + 1
+    return found if read else None
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of local ports for outgoing connections, both ends included."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split()[:2])
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def check_port_free(addr: str, port: int) -> None:
-    """Raise :class:`LaunchError` if ``port`` is already bound on this node."""
+    """Raise :class:`PortTaken` if ``port`` is already bound on this node."""
     with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("", port))
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
-                raise LaunchError(
-                    f"port {port} on this node (the master) is already in use, so the "
-                    "rendezvous cannot listen there. Another job or a leftover process holds "
-                    f"it (ss -ltnp 'sport = :{port}'); choose another with --master-port "
-                    "(or --rdzv-endpoint host:port)"
-                ) from None
+                raise _taken(port) from None
             raise
+
+
+def _taken(port: int) -> PortTaken:
+    head = f"port {port} on this node (the master) is already in use, so the rendezvous cannot "
+    states = port_states(port)
+    if not states or "LISTEN" in states:
+        return PortTaken(
+            head + "listen there. Another job or a leftover process holds it (ss -ltnp "
+            f"'sport = :{port}'); choose another with --master-port (or --rdzv-endpoint "
+            "host:port)",
+            None if not states else True,
+        )
+    # No listener: connections hold it as their local end, which the kernel gives outgoing
+    # connections from its ephemeral range, and a closed one keeps for a minute (TIME_WAIT),
+    # where even SO_REUSEADDR may not bind it. Another port there can be taken next time.
+    low, high = ephemeral_range()
+    held = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
+    if low <= port <= high:
+        why = (
+            f"it lies in this machine's ephemeral range {low}-{high} "
+            "(net.ipv4.ip_local_port_range), from which every outgoing connection takes its "
+            "local port, and a closed one keeps it for a minute. Choose a port below "
+            f"{low} with --master-port (or --rdzv-endpoint host:port), as torchrun's default "
+            "29500 is"
+        )
+    else:
+        why = (
+            "closed ones keep it for a minute: choose another with --master-port (or "
+            "--rdzv-endpoint host:port), or wait"
+        )
+    return PortTaken(
+        head + f"listen there. No process listens on it: connections of this machine hold it "
+        f"as their own end ({held}; ss -tan 'sport = :{port}'), and {why}",
+        False,
+    )
 
 
 # How long a refused connection is waited for: the master's host answers, but node 0's

@@ -204,7 +204,9 @@ def preflight(
         # that host join it, so a port in use may be this job's own rendezvous: it must answer.
         try:
             net.check_port_free(addr, port)
-        except LaunchError:
+        except net.PortTaken as e:
+            if e.listened is False:  # only connections' ends: there is no rendezvous to join
+                raise
             net.probe(addr, port, local, iface, 2.0)
             say(f"the rendezvous port {port} is already served on this machine; joining it")
             hosts = False

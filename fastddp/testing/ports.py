@@ -10,6 +10,9 @@ draw is random, and checked by binding it.
 
 import random
 import socket
+import time
+
+from fastddp.launch.net import ephemeral_range
 
 __all__ = ["free_port"]
 
@@ -18,11 +21,7 @@ _draw = random.SystemRandom()  # not the global generator, which tests seed
 
 
 def _ephemeral_start() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
+    return ephemeral_range()[0]
 
 
 def _span() -> tuple[int, int]:
@@ -46,3 +45,25 @@ def free_port(tries: int = 200) -> int:
                 continue
         return port
     raise RuntimeError(f"no free TCP port in {low}-{high - 1} after {tries} draws")
+
+
+def port_in_time_wait(wait: float = 5.0) -> int:
+    """A port of the ephemeral range that a closed outgoing connection holds in TIME_WAIT (for
+    a minute): bound to no listener, and yet no listener can bind it, SO_REUSEADDR or not."""
+    from fastddp.launch.net import port_states
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        with socket.socket() as client:
+            client.connect(server.getsockname())
+            accepted, _ = server.accept()
+            port = client.getsockname()[1]
+            client.shutdown(socket.SHUT_RDWR)  # this end closes first, so it waits
+        accepted.close()
+    deadline = time.monotonic() + wait
+    while (port_states(port) or {}).get("TIME_WAIT") is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"port {port} did not reach TIME_WAIT: {port_states(port)}")
+        time.sleep(0.01)
+    return port

@@ -496,6 +496,21 @@ def test_port_in_use_on_the_master():
     assert time.monotonic() - start < slack.guard(30)
 
 
+def test_a_rendezvous_port_held_by_a_closed_connection():
+    # c10d: the first launcher on the endpoint's host serves the store, and one that finds the
+    # port taken joins the store there. A port that closed connections hold has no store to
+    # join: it is refused as such, not waited on as a node 0 that has not started.
+    from fastddp.testing.ports import port_in_time_wait
+
+    port = port_in_time_wait()
+    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    res = _launch("--nnodes", "1:2", *rdzv, WORKER)
+    assert res.returncode == 2, res.stderr
+    assert f"port {port} on this node (the master) is already in use" in res.stderr
+    assert "No process listens on it" in res.stderr and "TIME_WAIT" in res.stderr, res.stderr
+    assert "cannot reach the master" not in res.stderr, res.stderr
+
+
 def test_standalone_two_ranks(tmp_path):
     cmd = [*LAUNCH, "--standalone", "--nproc-per-node", "2", WORKER, "--ddp"]
     res = _run_all([cmd], envs=[_env(TMPDIR=tmp_path)])

@@ -149,3 +149,32 @@ def test_a_refused_master_port_is_not_told_to_wait_longer():
     message = str(refused.value)
     assert f"cannot reach the master 127.0.0.1:{port} within 0 s" in message, message
     assert "connection refused" in message and "--preflight-timeout" not in message, message
+
+
+def test_a_master_port_held_by_closed_connections_is_named_so():
+    # A closed outgoing connection keeps its local port in TIME_WAIT for a minute, and no
+    # listener can bind it then: the error says so, and where to take a port instead, rather
+    # than send the user looking for a process that listens there.
+    import socket
+
+    from fastddp.launch import net
+    from fastddp.testing.ports import port_in_time_wait
+
+    port = port_in_time_wait()
+    with pytest.raises(net.PortTaken) as held:
+        net.check_port_free("127.0.0.1", port)
+    low, high = net.ephemeral_range()
+    message = str(held.value)
+    assert held.value.listened is False, message
+    assert "No process listens on it: connections of this machine hold it" in message, message
+    assert "TIME_WAIT" in message and f"ephemeral range {low}-{high}" in message, message
+    assert f"Choose a port below {low} with --master-port" in message, message
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert net.port_states(port) == {"LISTEN": 1}
+        with pytest.raises(net.PortTaken) as listened:
+            net.check_port_free("127.0.0.1", port)
+    assert listened.value.listened is True
+    assert "Another job or a leftover process holds it" in str(listened.value)

@@ -14,7 +14,6 @@ Skipped where namespaces cannot be made (not root).
 
 import contextlib
 import os
-import random
 import re
 import shutil
 import subprocess
@@ -27,6 +26,7 @@ import pytest
 import torch
 
 from fastddp.testing import netns, slack
+from fastddp.testing.ports import free_port
 
 from .._references import resume_example
 
@@ -365,8 +365,10 @@ def _elastic(rdzv_id: str, nnodes: str, env=None) -> tuple[dict, int]:
     """:func:`netns.spawn` options for torchrun's elastic rendezvous, and its port."""
     args = ["--nnodes", nnodes, "--max-restarts", "1", "--rdzv-conf", _RDZV]
     launch = {"rdzv_id": rdzv_id, "launch_args": args, "stdout": subprocess.PIPE, "env": env}
-    # A port no earlier job of the module's nodes is likely to have left in TIME_WAIT.
-    return launch, random.randint(20000, 60000)
+    # Below the ephemeral range: the earlier jobs' outgoing connections leave their local ports
+    # there in TIME_WAIT, which node 0's store cannot bind for a minute; drawn at random, so no
+    # earlier job of the module's nodes is likely to have listened on it either.
+    return launch, free_port()
 
 
 def _lose_node_1(tmp: Path, bed, mode: str, nnodes: str, rejoin: bool, power: bool = False):
