@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from fastddp import _extension
-from fastddp._ops_support import one_device
+from fastddp._ops_support import bool_seed, one_device
 
 __all__ = ["dequantize_packed", "quantize_packed", "requantize", "unpack_packed"]
 
@@ -22,6 +22,8 @@ def quantize_packed(src, dst, scales, bits: int, block_size: int, scale: float =
     ``dst`` is 1-D with ``ceil(n * bits / 8)`` bytes, or ``[R, m]`` rows of ``m * 8 / bits``
     codes; ``block_size`` is a multiple of ``8 / bits``, so that a block holds whole bytes.
     """
+    if seed is True or seed is False:
+        raise bool_seed("quantize_packed", seed)
     torch.ops.fastddp.quantize_packed.default(
         src, dst, scales, bits, block_size, scale, found_nonfinite, residual, seed
     )
@@ -97,6 +99,8 @@ def requantize(
         found_nonfinite, residual, seed: as for :func:`~fastddp.ops.compress`, applied to the
             sum; ``residual`` has ``m`` elements.
     """
+    if seed is True or seed is False:
+        raise bool_seed("requantize", seed)
     torch.ops.fastddp.requantize.default(
         src, src_scales, dst, dst_scales, bits, block_size, scale, found_nonfinite, residual, seed
     )

@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["named", "one_device"]
+__all__ = ["bool_seed", "named", "one_device"]
 
 
 def one_device(op: str, *tensors: Optional[torch.Tensor]) -> None:
@@ -26,3 +26,13 @@ def named(wrapper, name: str, doc: str):
     wrapper.__name__ = wrapper.__qualname__ = name
     wrapper.__doc__ = doc
     return wrapper
+
+
+def bool_seed(op: str, seed: bool) -> TypeError:
+    # torch's schemas take a bool for an int, and seed=True would be seed 1 at every call: the
+    # same random numbers every step, whose roundings no longer average out over the steps.
+    return TypeError(
+        f"fastddp.{op}: seed must be an int, got {seed}: -1 rounds to nearest even, and a "
+        "seed >= 0 rounds stochastically with random numbers drawn from it and the element "
+        "index; give each call a seed of its own (the step, say)"
+    )

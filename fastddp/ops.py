@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 
 from fastddp import _extension
-from fastddp._ops_support import named, one_device
+from fastddp._ops_support import bool_seed, named, one_device
 
 __all__ = [
     "compress",
@@ -51,6 +51,8 @@ def _rounding_op(name: str, doc: str):
         residual: Optional[torch.Tensor] = None,
         seed: int = -1,
     ) -> None:
+        if seed is True or seed is False:
+            raise bool_seed(name, seed)
         op(src, dst, scale, found_nonfinite, residual, seed)
 
     return named(wrapper, name, doc)
@@ -193,6 +195,8 @@ def quantize_int8(
         block_size: elements per scale, at least 1.
         scale, found_nonfinite, residual, seed: as for :func:`compress`.
     """
+    if seed is True or seed is False:
+        raise bool_seed("quantize_int8", seed)
     torch.ops.fastddp.quantize_int8.default(
         src, dst, scales, block_size, scale, found_nonfinite, residual, seed
     )

@@ -210,6 +210,20 @@ def test_bad_flag_and_aliasing():
         ops.compress(x, w, 1.0, seed=-5)
     with pytest.raises(RuntimeError, match="fastddp.quantize_int8: seed must be -1"):
         ops.quantize_int8(x, torch.empty(8, dtype=torch.int8), torch.empty(1), 8, seed=-2)
+    # torch's schemas take a bool for an int: seed=True would be seed 1 at every call.
+    codes, packed, one = torch.empty(8, dtype=torch.int8), torch.empty(4, dtype=torch.uint8), [1]
+    for name, call in [
+        ("compress", lambda s: ops.compress(x, w, 1.0, seed=s)),
+        ("sum_chunks", lambda s: ops.sum_chunks(w.view(1, 8).clone(), w, 1.0, seed=s)),
+        ("quantize_int8", lambda s: ops.quantize_int8(x, codes, torch.empty(one), 8, seed=s)),
+        ("quantize_packed", lambda s: ops.quantize_packed(x, packed, torch.empty(1), 4, 8, seed=s)),
+        ("requantize", lambda s: ops.requantize(torch.zeros(1, 8, dtype=torch.int8),
+                                                torch.ones(1, 1), codes, torch.empty(1), 8, 8,
+                                                seed=s)),
+    ]:  # fmt: skip
+        with pytest.raises(TypeError, match=f"fastddp.{name}: seed must be an int, got True"):
+            call(True)
+        call(7)  # an int is taken
     storage = torch.zeros(12)
     with pytest.raises(RuntimeError, match="share storage"):
         ops.compress(storage[:8], storage[8:].view(torch.bfloat16), 1.0)
