@@ -81,7 +81,8 @@ class QuantizedAllGather(AllGather):
             raise TypeError(
                 f"{_WHERE}: parameters must be float32, bfloat16 or float16 (the param_dtype), "
                 f"got {input_tensor.dtype} in and {output_tensor.dtype} out (FSDP2 all-gathers "
-                "some tensor subclasses as bytes; quantize only plain floating parameters)"
+                "a module's parameters as bytes where they are of several dtypes, or tensor "
+                "subclasses; quantize only modules of plain floating parameters of one dtype)"
             )
         if output_tensor.numel() != n * world:
             raise ValueError(

@@ -95,6 +95,8 @@ def quantize_all_gather(
                 "already (an earlier call); keep the comm it returned"
             )
         comm = QuantizedAllGather(block_size)
+        for name, m in sharded:
+            _check_gathered_dtypes(module, name, m)
     except (TypeError, ValueError) as error:
         problem = error
     agree_install("quantize_all_gather", sharded, problem)  # (raised on every rank)
@@ -106,3 +108,46 @@ def quantize_all_gather(
 
 
 _GATHERING = "_fastddp_all_gather"
+
+
+def _check_gathered_dtypes(root: torch.nn.Module, name: str, module) -> None:
+    """Refuse a module whose parameter group FSDP2 would all-gather as bytes: its parameters
+    of two dtypes (as the mixed-precision policy leaves them), or a tensor subclass that
+    gathers its own way. The comm would see only uint8 at the first forward."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    if group is None:  # no parameters of its own
+        return
+    names = {id(p): n for n, p in root.named_parameters()}
+    cast = group.mp_policy.param_dtype
+    found: dict[torch.dtype, list[str]] = {}
+    for fsdp_param in group.fsdp_params:
+        param = fsdp_param.sharded_param
+        label = names.get(id(param), "?")
+        if hasattr(getattr(fsdp_param, "_sharded_local_tensor", None), "fsdp_pre_all_gather"):
+            raise TypeError(
+                f"quantize_all_gather: parameter {label} of module {name or 'the root'} is a "
+                f"tensor subclass ({type(fsdp_param._sharded_local_tensor).__name__}) that "
+                "FSDP2 all-gathers its own way, as bytes; quantize only modules of plain "
+                "floating parameters"
+            )
+        dtype = cast if cast is not None and param.dtype.is_floating_point else param.dtype
+        found.setdefault(dtype, []).append(label)
+    if len(found) > 1 or not found.keys() <= set(_GATHERED):
+        kinds = "; ".join(
+            f"{dtype}: {', '.join(labels[:3])}{' ...' if len(labels) > 3 else ''}"
+            for dtype, labels in found.items()
+        )
+        why = (
+            "parameters of more than one dtype, which FSDP2 all-gathers together as bytes"
+            if len(found) > 1
+            else "parameters that are not float32, bfloat16 or float16"
+        )
+        raise TypeError(
+            f"quantize_all_gather: module {name or 'the root'} has {why} ({kinds}). Give its "
+            "fully_shard a MixedPrecisionPolicy(param_dtype=...) that casts them to one, "
+            "fully_shard the parameters of each dtype apart, or leave this model's "
+            "all-gather unquantized"
+        )
+
+
+_GATHERED = (torch.float32, torch.bfloat16, torch.float16)

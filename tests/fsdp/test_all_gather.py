@@ -63,9 +63,24 @@ def _mismatched(rank, world):
     with pytest.raises(ValueError, match="ranks disagree on the settings") as error:
         comm(out, out[rank * 256 : (rank + 1) * 256], dist.group.WORLD)
     assert "  rank 0: dtype=torch.int8, block_size=64" in str(error.value)
+    # Frozen bf16 weights beside trainable fp32 ones (LoRA's shape): FSDP2 would all-gather the
+    # group as bytes, which the comm cannot quantize. Refused when installed, with the fixes.
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8, bias=False))
+    model[0].to(torch.bfloat16).requires_grad_(False)
+    fully_shard(model)
+    with pytest.raises(TypeError, match="module the root has parameters of more than one") as e:
+        quantize_all_gather(model)
+    assert "torch.bfloat16: 0.weight, 0.bias; torch.float32: 1.weight" in str(e.value)
+    assert "MixedPrecisionPolicy(param_dtype=...)" in str(e.value)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8, bias=False))
+    model[0].to(torch.bfloat16).requires_grad_(False)
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    quantize_all_gather(model)  # one dtype on the wire: taken, and it trains
+    model(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+    assert model[1].weight.grad is not None
 
 
-def test_all_gather_refuses_another_block_size_on_every_rank():
+def test_all_gather_refuses_another_block_size_or_mixed_dtypes_on_every_rank():
     run_ranks(_mismatched, 2)
 
 
