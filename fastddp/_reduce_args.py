@@ -48,6 +48,24 @@ def unlike_first(state: CompressState, sizes: tuple, op: str, cap: int) -> Optio
     return None
 
 
+def unlike_shapes(state: CompressState, tensors: list) -> Optional[str]:
+    """How this call's shapes differ from those of the state's first call (this rank's, as the
+    handshake compared them across ranks), where the element counts are alike; None if they do
+    not. A reshaped tensor would be summed by flat index, and repaid others' residuals."""
+    first = state._shapes
+    if first is None:
+        return None
+    for i, (t, shape) in enumerate(zip(tensors, first)):
+        if t.shape != shape:
+            return (
+                f"tensor {i} has shape {tuple(t.shape)}, and the state was first given one of "
+                f"{shape}: of as many elements, but the ranks' tensors are summed, and their "
+                "residuals repaid, element by element as first laid out. Pass the tensors in "
+                "the shapes of the first call (or give these a CompressState of their own)"
+            )
+    return None
+
+
 def settled(
     tensors, dtype, op, group, accumulate_dtype, stochastic_rounding, block_size, topology,
     state, bucket_cap_mb,
@@ -80,9 +98,10 @@ def settled(
                 seed=next(_STATELESS_CALLS) if stochastic_rounding else 0,
             )
         except (TypeError, ValueError) as e:
-            # The caller built no CompressState: name the call it made (the arguments have
-            # the same names in both).
-            raise type(e)(str(e).replace("CompressState:", f"{where}:", 1)) from None
+            # The caller built no CompressState: name the call it made, and its arguments
+            # (the same names in both but the group's).
+            text = str(e).replace("CompressState:", f"{where}:", 1)
+            raise type(e)(text.replace(" process_group ", " group ")) from None
     else:
         if not isinstance(state, CompressState):
             raise TypeError(
@@ -161,6 +180,7 @@ def refused(tensors, group, state: Optional[CompressState]) -> None:
 def problem_of(tensors: list) -> Optional[tuple[int, int, str]]:
     """The first tensor all_reduce cannot take: ``(code, index, message)``, codes as in
     :data:`fastddp.hooks.handshake.TENSOR_PROBLEMS`; None if there is none."""
+    inference = None  # whether inference mode is on, asked at the first inference tensor
     for i, t in enumerate(tensors):
         if t is None:
             return 1, i, f"tensors[{i}] is None, {TENSOR_PROBLEMS[1]}"
@@ -181,6 +201,10 @@ def problem_of(tensors: list) -> Optional[tuple[int, int, str]]:
                     "reduce each device's tensors in a separate call"
                 ),
             )
+        if t.is_inference():
+            inference = torch.is_inference_mode_enabled() if inference is None else inference
+            if not inference:  # (else the call reduces copies and writes them back)
+                return 9, i, f"tensors[{i}] is {TENSOR_PROBLEMS[9]}"
         # A contiguous tensor (the common case, a flag read in C++) shares no elements.
         if not t.is_contiguous() and any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape)):
             return 5, i, f"tensors[{i}] is {TENSOR_PROBLEMS[5]}"

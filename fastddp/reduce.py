@@ -7,7 +7,15 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from fastddp._reduce_args import UNSET, device_of, problem_of, refused, settled, unlike_first
+from fastddp._reduce_args import (
+    UNSET,
+    device_of,
+    problem_of,
+    refused,
+    settled,
+    unlike_first,
+    unlike_shapes,
+)
 from fastddp.hooks import CompressState, _reduce
 from fastddp.hooks.hook import _verify
 from fastddp.hooks.settings import outside
@@ -60,7 +68,7 @@ def all_reduce(
         state (CompressState, optional): a state to reuse across calls instead of the
             arguments above: it keeps buffers, counters and error-feedback residuals (create
             it with ``error_feedback=True`` for that). Give it the same tensors each call;
-            tensors of other sizes, another ``op`` or ``bucket_cap_mb``, are refused.
+            tensors of other sizes or shapes, another ``op`` or ``bucket_cap_mb``, are refused.
         bucket_cap_mb (float): largest bucket, in MiB of float32.
 
     Example::
@@ -103,7 +111,7 @@ def all_reduce(
                 raise
             # The handshake's rows carry a code per rank; this rank knows the details too.
             raise ValueError(f"{e}\nHere: {problem[2]}") from None
-        state._layout = (op, sizes, cap)
+        state._layout, state._shapes = (op, sizes, cap), shapes
     elif problem:
         # Later calls are not checked across ranks (a collective each): alike on every rank
         # that passes the same. A ValueError, as the first call's handshake raises, so that
@@ -111,6 +119,8 @@ def all_reduce(
         raise ValueError(f"{where}: {problem[2]}")
     else:
         unlike = unlike_first(state, tuple(t.numel() for t in tensors), op, cap)
+        if unlike is None:
+            unlike = unlike_shapes(state, tensors)
         if unlike is not None:
             raise ValueError(f"{where}: {unlike}")
     if not tensors:

@@ -132,6 +132,30 @@ def _intact(state_dict: dict[str, Any]) -> None:
                     f"{where}: bucket entry {position}'s {key} {problem}: the state dict is "
                     "damaged; load the one state.state_dict() returned, unchanged"
                 )
+    _carry_intact(state_dict.get("carry") or {}, where)
+
+
+def _carry_intact(carry: dict[str, Any], where: str) -> None:
+    """Refuse parked residuals (saved between a load and the buckets that take them) that are
+    not 1-D float32 tensors, or hold inf or NaN: they would be repaid into the gradients."""
+    parked = [(f"stage1[{k}]", t) for k, t in carry.get("stage1", {}).items()]
+    parked += [(f"replicated[{k}]", t) for k, t in carry.get("replicated", {}).items()]
+    for k, pieces in carry.get("stage2", {}).items():
+        if isinstance(pieces, torch.Tensor):  # version 1: whole
+            parked.append((f"stage2[{k}]", pieces))
+        else:
+            parked += [(f"stage2[{k}] at {o}", t) for o, t in pieces]
+    for name, t in parked:
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 1:
+            problem = "is not a 1-D float32 tensor"
+        elif not bool(torch.isfinite(t).all()):
+            problem = "holds non-finite values"
+        else:
+            continue
+        raise ValueError(
+            f"{where}: the parked residual carry.{name} {problem}: the state dict is damaged; "
+            "load the one state.state_dict() returned, unchanged"
+        )
 
 
 def deferred(state: Any, load: Callable[[], None], forget: Callable[[], None]) -> None:

@@ -33,7 +33,8 @@ __all__ = ["ARGUMENTS", "PROTOCOL", "TENSOR_PROBLEMS", "check", "exchange", "top
 #     (problem code 7); a dtype="auto" state sends a row too (codec code AUTO).
 # 13: and whether the rank's last load_state_dict failed; all_reduce's refused arguments
 #     (problem code 8); the dtype of the hook's first bucket (16-bit ones shake hands too).
-PROTOCOL = 13
+# 14: and all_reduce's inference tensors outside inference mode (problem code 9).
+PROTOCOL = 14
 _SHARED = 8  # the first columns of a row, which every rank must share
 _COLUMNS = 26  # columns of a row
 _LOAD = 24  # the column of a failed load
@@ -52,6 +53,9 @@ TENSOR_PROBLEMS = {
     5: "a view whose elements share memory (expand()): pass t.clone() and copy back",
     6: "on neither CPU nor CUDA (a meta tensor has no data to reduce): pass CPU or CUDA tensors",
     7: "sparse (as nn.Embedding(sparse=True) makes gradients): pass t.to_dense() and copy back",
+    9: "an inference tensor (made under torch.inference_mode()), which all_reduce writes in "
+    "place and torch lets be written only inside inference mode: call all_reduce inside "
+    "that block, or pass t.clone() made outside it and copy back",
 }
 # The problem code of a rank that refused another of all_reduce's arguments (its row is a
 # stand-in's: it raises its own error, the others this one).

@@ -98,6 +98,7 @@ class CompressState:
         "_counters",
         "_verified",
         "_layout",
+        "_shapes",
         "_pipeline",
         "_residuals",
         "_loaded_from",
@@ -184,6 +185,7 @@ class CompressState:
         self._table = SlotTable(keys.param_keys if keys is not None else None)
         self._verified = False
         self._layout: Optional[tuple] = None  # all_reduce's (op, sizes, bucket) at its handshake
+        self._shapes: Optional[tuple] = None  # and its tensors' shapes (not saved: checked again)
         self._pipeline = Pipeline()
         self._pipeline.on_fail = None if self._runner is None else self._runner.fail
         self._residuals = Residuals()

@@ -335,7 +335,28 @@ def _bad_input(rank, world):
     fastddp.all_reduce(torch.ones(5), state=reduced)
     other = DDP(torch.nn.Linear(4, 4))
     other.register_comm_hook(reduced, fastddp.compress_hook)
+    shaped = fastddp.CompressState.from_preset("int8-ef")
+    fastddp.all_reduce(torch.ones(2, 3), state=shaped)
+    with torch.inference_mode():
+        made_in_inference = torch.ones(3)
     cases += [
+        (  # as many elements, summed by flat index: refused at a later call too
+            lambda: fastddp.all_reduce(torch.ones(3, 2), state=shaped),
+            "fastddp.all_reduce: tensor 0 has shape (3, 2), and the state was first given one "
+            "of (2, 3)",
+        ),
+        (  # refused before any collective, not when its result is written back
+            lambda: fastddp.all_reduce([torch.ones(2), made_in_inference]),
+            "rank 1: tensors[1] is an inference tensor (made under torch.inference_mode())",
+        ),
+        (
+            lambda: fastddp.all_reduce(made_in_inference.view(3, 1), state=shaped),
+            "fastddp.all_reduce: tensors[0] is an inference tensor",
+        ),
+        (
+            lambda: fastddp.all_reduce(torch.ones(3), group=5),
+            "fastddp.all_reduce: group must be a torch.distributed.ProcessGroup or None",
+        ),
         (
             lambda: fastddp.all_reduce(torch.ones(3), state=hooked),
             "this state reduces a DDP model's buckets (compress_hook)",

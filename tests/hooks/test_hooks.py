@@ -468,13 +468,23 @@ def test_a_state_dict_damaged_inside_is_refused():
         sd["buckets"][0].update(change)
         return sd
 
+    def parked(**change):
+        sd = saved()
+        sd["carry"] = {**sd["carry"], "sizes": {7: 2, 8: 2}, "moved": [7, 8], **change}
+        return sd
+
     fastddp.CompressState.from_preset("int8-ef").load_state_dict(saved())  # intact: loads
+    fastddp.CompressState.from_preset("int8-ef").load_state_dict(parked(stage1={7: torch.ones(2)}))
     for sd, message in (
         (saved(residual=torch.zeros(5)), "bucket entry 0's residual has 5 elements but its "),
         (saved(residual=[0.0] * 8), "bucket entry 0's residual is not a 1-D float32 tensor"),
         (saved(residual=torch.full((8,), float("nan"))), "residual holds non-finite values"),
         ({**saved(), "version": 3}, "state dict version 3, and this fastddp reads versions 1"),
         ({**saved(), "buckets": {1: saved()["buckets"][1]}}, r"bucket entries \[0\] are missing"),
+        # Parked residuals (saved between a load and the buckets that take them) are repaid too.
+        (parked(stage1={7: torch.tensor([1.0, float("nan")])}), r"carry.stage1\[7\] holds non-f"),
+        (parked(stage2={8: [(0, [0.0, 1.0])]}), r"carry.stage2\[8\] at 0 is not a 1-D float32"),
+        (parked(replicated={8: torch.full((2,), float("inf"))}), r"carry.replicated\[8\] holds"),
     ):
         with pytest.raises(ValueError, match=message):
             fastddp.CompressState.from_preset("int8-ef").load_state_dict(sd)
