@@ -53,12 +53,13 @@ def unlike_shapes(state: CompressState, tensors: list) -> Optional[str]:
     handshake compared them across ranks), where the element counts are alike; None if they do
     not. A reshaped tensor would be summed by flat index, and repaid others' residuals."""
     first = state._shapes
-    if first is None:
+    shapes = tuple(t.shape for t in tensors)
+    if first is None or shapes == first:  # (one comparison of tuples, at every call)
         return None
-    for i, (t, shape) in enumerate(zip(tensors, first)):
-        if t.shape != shape:
+    for i, (mine, shape) in enumerate(zip(shapes, first)):
+        if mine != shape:
             return (
-                f"tensor {i} has shape {tuple(t.shape)}, and the state was first given one of "
+                f"tensor {i} has shape {tuple(mine)}, and the state was first given one of "
                 f"{shape}: of as many elements, but the ranks' tensors are summed, and their "
                 "residuals repaid, element by element as first laid out. Pass the tensors in "
                 "the shapes of the first call (or give these a CompressState of their own)"

@@ -95,8 +95,9 @@ def quantize_all_gather(
                 "already (an earlier call); keep the comm it returned"
             )
         comm = QuantizedAllGather(block_size)
+        names = {id(p): n for n, p in module.named_parameters()}
         for name, m in sharded:
-            _check_gathered_dtypes(module, name, m)
+            _check_gathered_dtypes(names, name, m)
     except (TypeError, ValueError) as error:
         problem = error
     agree_install("quantize_all_gather", sharded, problem)  # (raised on every rank)
@@ -110,14 +111,14 @@ def quantize_all_gather(
 _GATHERING = "_fastddp_all_gather"
 
 
-def _check_gathered_dtypes(root: torch.nn.Module, name: str, module) -> None:
+def _check_gathered_dtypes(names: dict[int, str], name: str, module) -> None:
     """Refuse a module whose parameter group FSDP2 would all-gather as bytes: its parameters
     of two dtypes (as the mixed-precision policy leaves them), or a tensor subclass that
-    gathers its own way. The comm would see only uint8 at the first forward."""
+    gathers its own way. The comm would see only uint8 at the first forward. ``names``: the
+    model's parameter names by id."""
     group = module._get_fsdp_state()._fsdp_param_group
     if group is None:  # no parameters of its own
         return
-    names = {id(p): n for n, p in root.named_parameters()}
     cast = group.mp_policy.param_dtype
     found: dict[torch.dtype, list[str]] = {}
     for fsdp_param in group.fsdp_params:

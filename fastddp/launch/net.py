@@ -114,12 +114,12 @@ _TCP_STATES = {
 }  # fmt: skip
 
 
-def port_states(port: int, tables=("/proc/net/tcp", "/proc/net/tcp6")) -> Optional[dict]:
+def port_states(port: int) -> Optional[dict]:
     """How many of this network namespace's TCP sockets have ``port`` as their local port, by
     state (``{"TIME_WAIT": 3}``); None where the kernel's tables cannot be read (not Linux)."""
     found: dict[str, int] = {}
     read = False
-    for table in tables:
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
                 rows = f.read().splitlines()[1:]

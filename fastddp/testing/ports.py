@@ -12,7 +12,7 @@ import random
 import socket
 import time
 
-from fastddp.launch.net import ephemeral_range
+from fastddp.launch.net import ephemeral_range, port_states
 
 __all__ = ["free_port"]
 
@@ -50,8 +50,6 @@ def free_port(tries: int = 200) -> int:
 def port_in_time_wait(wait: float = 5.0) -> int:
     """A port of the ephemeral range that a closed outgoing connection holds in TIME_WAIT (for
     a minute): bound to no listener, and yet no listener can bind it, SO_REUSEADDR or not."""
-    from fastddp.launch.net import port_states
-
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
