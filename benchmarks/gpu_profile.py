@@ -9,7 +9,11 @@ into ``OUT``: ``kernels.ncu-rep`` (the report), ``kernels.txt`` (its whole detai
 - issue slots busy (%): near 100%, the kernel is bound by its instructions, not memory;
 - executed warp instructions, per 256 fp32 elements of the bucket (``--size`` / 4);
 - registers per thread, the theoretical and achieved occupancy and the waves per SM;
-- local memory spills (requests; none expected: ``sass_check.py`` fails kernels with any).
+- local memory spills (requests; none expected: ``sass_check.py`` fails kernels with any);
+- SM busy (%), the busiest pipeline and its share (``ALU 52.0%``), and the stall that holds
+  warps longest with its share of the cycles between two instructions, from ncu's rule
+  texts: which unit an instruction-bound kernel waits on, and what a latency-bound one waits
+  for.
 
 Without a GPU it says so in one line and exits 0. Without ``ncu`` (searched on ``PATH``, under
 ``/opt/nvidia/nsight-compute`` and in the CUDA toolkit) it exits 2 and says where it looked.
@@ -52,7 +56,27 @@ COLUMNS = {
     "achieved_occupancy_pct": ("Achieved Occupancy", "%"),
     "waves_per_sm": ("Waves Per SM", None),
     "local_spills": ("Local Memory Spilling Requests", None),
+    "sm_busy_pct": ("SM Busy", "%"),
 }
+# ncu's rule texts, wrapped over lines; read with the lines of a kernel joined.
+_PIPE = re.compile(r"(?P<pipe>[\w-]+) is the highest-utilized pipeline \((?P<pct>[\d.]+)%\)")
+_STALL = re.compile(
+    r"spends [\d.]+ cycles being stalled (?P<why>.+?)\. .*?This stall type represents about "
+    r"(?P<pct>[\d.]+)% of the total"
+)
+
+
+def _rules(text: str) -> dict:
+    """The busiest pipeline and the longest stall named in one kernel's rule texts."""
+    text = " ".join(text.split())
+    pipe = _PIPE.search(text)
+    stalls = [(float(m["pct"]), re.sub(r" \([^)]*\)", "", m["why"])) for m in _STALL.finditer(text)]
+    stall = max(stalls, default=None)
+    return {
+        "top_pipe": f"{pipe['pipe']} {float(pipe['pct']):.1f}%" if pipe else None,
+        "top_stall": stall[1] if stall else None,
+        "top_stall_pct": stall[0] if stall else None,
+    }
 
 
 def parse_details(text: str, elements: "int | None" = None) -> list:
@@ -67,8 +91,10 @@ def parse_details(text: str, elements: "int | None" = None) -> list:
         found = _KERNEL.match(line)
         if found:
             kernels.append({"kernel": found["name"], "grid": int(found["grid"]),
-                            "block": int(found["block"]), "_metrics": {}})  # fmt: skip
+                            "block": int(found["block"]), "_metrics": {}, "_text": []})  # fmt: skip
             continue
+        if kernels:
+            kernels[-1]["_text"].append(line)
         metric = _METRIC.match(line)
         if metric and kernels:
             key = (metric["name"], metric["unit"])
@@ -77,6 +103,7 @@ def parse_details(text: str, elements: "int | None" = None) -> list:
     rows = []
     for k in kernels:
         metrics = k.pop("_metrics")
+        text = "\n".join(k.pop("_text"))
         row = dict(k)
         duration = [(u, v) for (n, u), v in metrics.items() if n == "Duration" and u in _TO_US]
         row["duration_us"] = duration[0][1] * _TO_US[duration[0][0]] if duration else None
@@ -84,8 +111,15 @@ def parse_details(text: str, elements: "int | None" = None) -> list:
             row[column] = metrics.get(key)
         per = row["instructions"]
         row["instructions_per_256"] = per * 256 / elements if per and elements else None
+        row.update(_rules(text))
         rows.append(row)
     return rows
+
+
+def _stall_cell(row) -> str:
+    if not row.get("top_stall"):
+        return ""
+    return f"{row['top_stall']} ({row['top_stall_pct']:.1f}%)"
 
 
 def markdown(rows, size: str) -> str:
@@ -94,8 +128,8 @@ def markdown(rows, size: str) -> str:
 
     lines = [
         "| kernel | grid | us | DRAM % | issue busy % | warp instr / 256 elements | registers "
-        "| occupancy % (theory / achieved) | waves | spills |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| occupancy % (theory / achieved) | waves | spills | busiest pipe | longest stall |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for r in rows:
         occupancy = (
@@ -106,7 +140,8 @@ def markdown(rows, size: str) -> str:
             f"| {r['kernel']} | {r['grid']} | {cell(r['duration_us'], '.1f')} | "
             f"{cell(r['dram_pct'], '.1f')} | {cell(r['issue_busy_pct'], '.1f')} | "
             f"{cell(r['instructions_per_256'], '.0f')} | {cell(r['registers'], '.0f')} | "
-            f"{occupancy} | {cell(r['waves_per_sm'], 'g')} | {cell(r['local_spills'], '.0f')} |"
+            f"{occupancy} | {cell(r['waves_per_sm'], 'g')} | {cell(r['local_spills'], '.0f')} | "
+            f"{r.get('top_pipe') or ''} | {_stall_cell(r)} |"
         )
     lines += ["", f"One launch of each op at {size}, Nsight Compute's full set, clocks unlocked."]
     return "\n".join(lines) + "\n"

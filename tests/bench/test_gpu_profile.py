@@ -34,6 +34,13 @@ def test_the_rows_of_a_real_details_page():
     assert quantize["instructions_per_256"] == pytest.approx(79_153_152 * 256 / ELEMENTS)
     assert quantize["dram_pct"] == 33.42 and quantize["issue_busy_pct"] == 67.53
     assert quantize["registers"] == 60 and quantize["theoretical_occupancy_pct"] == 50
+    # ncu's rule texts, wrapped over several lines: the busiest pipeline, and the stall that
+    # holds warps longest (compress waits on its loads; the quantize's page names no stall).
+    assert (compress["sm_busy_pct"], quantize["sm_busy_pct"]) == (39.18, 67.53)
+    assert (compress["top_pipe"], quantize["top_pipe"]) == ("ALU 39.2%", "ALU 52.0%")
+    assert compress["top_stall"] == "waiting for a scoreboard dependency on a L1TEX operation"
+    assert compress["top_stall_pct"] == 79.7
+    assert quantize["top_stall"] is None and quantize["top_stall_pct"] is None
 
 
 def test_units_of_time_and_missing_metrics():
@@ -45,7 +52,7 @@ def test_units_of_time_and_missing_metrics():
     (row,) = gpu_profile.parse_details(page)
     assert row["kernel"] == "k<2>" and row["duration_us"] == 1500.0
     assert row["waves_per_sm"] == 0.25 and row["dram_pct"] is None
-    assert row["instructions_per_256"] is None
+    assert row["instructions_per_256"] is None and row["top_pipe"] is None
     assert "| k<2> | 4 | 1500.0 |  |" in gpu_profile.markdown([row], "1MB")
     # A template's instance among the arguments (requantize's instances of quantize).
     page = page.replace("k<2>", "quantize_vec_kernel<8, 1, 0, SummedRows<8>>")
@@ -62,8 +69,8 @@ def test_the_command_tabulates_a_page_and_says_when_it_cannot_profile(tmp_path):
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert (
-        "| quantize_vec_kernel<8> | 528 | 112.8 | 33.4 | 67.5 | 773 | 60 | 50 / 44.6 |"
-        in (tmp_path / "profile.md").read_text()
+        "| quantize_vec_kernel<8> | 528 | 112.8 | 33.4 | 67.5 | 773 | 60 | 50 / 44.6 | 1 | 0 | "
+        "ALU 52.0% |  |" in (tmp_path / "profile.md").read_text()
     )
     assert json.loads((tmp_path / "profile.json").read_text())["size"] == "100MB"
     # A page without a kernel in it is not a table.
