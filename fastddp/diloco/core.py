@@ -262,12 +262,15 @@ class DiLoCo:
         # (rank 0's loaded everywhere) fails on all of them, not while the others go on.
         sizes = {"global": self._global.numel(),
                  "pending": None if self._pending is None else self._pending.numel()}  # fmt: skip
-        problems = checks.load_problems(
-            state_dict, STATE_VERSION, self.settings, self._layout(), sizes
-        )
-        if not problems:  # the codec's part, tried on a state of its own (nothing loaded here)
-            wire = self._wire.load_problem(state_dict["compress"])
-            problems += [wire] if wire else []
+        try:
+            problems = checks.load_problems(
+                state_dict, STATE_VERSION, self.settings, self._layout(), sizes
+            )
+            if not problems:  # the codec's part, tried on a state of its own (nothing loaded)
+                wire = self._wire.load_problem(state_dict["compress"])
+                problems += [wire] if wire else []
+        except Exception as error:  # damage the checks did not foresee: still every rank's
+            problems = [f"it could not be read ({type(error).__name__}: {error})"]
         rows = checks.gather((problems, checks.saved_at(state_dict)), self._group)
         checks.raise_problems(
             [row[0] for row in rows],
@@ -277,7 +280,6 @@ class DiLoCo:
         )
         checks.raise_other_steps([row[1] for row in rows])
         self.wait()
-        self.round, self.inner_steps = int(state_dict["round"]), int(state_dict["inner_steps"])
         self._global.copy_(state_dict["global"])
         self._outer.load_state_dict(state_dict["outer"])
         self._wire.load_state_dict(state_dict["compress"])
@@ -285,6 +287,7 @@ class DiLoCo:
         self._has_pending = pending is not None
         if pending is not None:
             self._pending.copy_(pending)
+        self.round, self.inner_steps = int(state_dict["round"]), int(state_dict["inner_steps"])
 
     def _layout(self) -> dict[str, int]:
         return {
