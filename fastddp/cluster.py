@@ -5,12 +5,12 @@ without a cluster. :mod:`fastddp.launch` turns the launcher settings into torchr
 :func:`fastddp.init_distributed` uses the per-process ones.
 """
 
-import re
 import warnings
 from collections.abc import Mapping
 from typing import NamedTuple, Optional
 
 from fastddp import nodelist as nodelist_
+from fastddp.slurm_env import slurm_port, srun_task, tasks_per_node
 
 __all__ = [
     "ClusterError",
@@ -51,27 +51,9 @@ def expand_nodelist(nodelist: str) -> list[str]:
         raise VariableError(str(e)) from None
 
 
-def slurm_port(job_id: str, step_id: str = "0") -> int:
-    """A port from the Slurm job and step ids: the same on every node of a step, rarely shared
-    by two jobs or by two steps of one job run at once. In 20000-29999, below Linux's
-    ephemeral range (32768-60999)."""
-    job, step = (int(re.sub(r"\D", "", i or "") or "0") for i in (job_id, step_id))
-    return 20000 + (job + 1009 * step) % 10000
-
-
 def _slurm_port(env: Mapping[str, str]) -> Setting:
     port = slurm_port(env.get("SLURM_JOB_ID", "0"), env.get("SLURM_STEP_ID", "0"))
     return Setting(port, "SLURM_JOB_ID and SLURM_STEP_ID")
-
-
-def srun_task(env: Mapping[str, str]) -> bool:
-    """Whether this process is a task of ``srun``, and not a rank of an mpirun that started
-    its daemons with ``srun`` (inside an allocation), whose ranks inherit a daemon's
-    ``SLURM_PROCID`` and ``SLURM_NTASKS``: mpirun's world size then differs from the latter."""
-    if env.get("SLURM_PROCID") is None or env.get("SLURM_STEP_ID") is None:
-        return False
-    size = _first(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-    return size is None or env[size] == env.get("SLURM_NTASKS")
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
@@ -99,15 +81,14 @@ def _first(env: Mapping[str, str], *names: str) -> Optional[str]:
     return None
 
 
-def _tasks_per_node(env: Mapping[str, str]) -> Optional[int]:
-    # SLURM_STEP_TASKS_PER_NODE looks like "2(x3),1"; the first count is this layout's largest.
-    # The step's first: an srun step inherits the job's --ntasks-per-node.
-    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
-        if env.get(name):
-            m = re.match(r"\d+", env[name])
-            if m:
-                return max(int(x) for x in re.findall(r"(\d+)(?:\(x\d+\))?", env[name]))
-    return None
+# A rank's index among its node's ranks, and their number: Open MPI's, MPICH's and Intel MPI's
+# (Hydra), HPE Cray PALS', MVAPICH2's.
+_MPI_LOCAL_RANK = (
+    "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK"
+)  # fmt: skip
+_MPI_LOCAL_SIZE = (
+    "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE"
+)  # fmt: skip
 
 
 def detect_kind(env: Mapping[str, str]) -> str:
@@ -173,7 +154,8 @@ def launcher_settings(
     if kind == "slurm":
         if not env.get("SLURM_JOB_ID"):
             raise ClusterError("--cluster slurm, but SLURM_JOB_ID is not set: not in a Slurm job")
-        per_node = _tasks_per_node(env)
+        counts = tasks_per_node(env)
+        per_node = None if counts is None else max(counts[1])
         if env.get("SLURM_STEP_ID") is not None and per_node is not None and per_node > 1:
             raise ClusterError(
                 f"srun started {per_node} tasks per node, so each node would run {per_node} "
@@ -209,7 +191,7 @@ def launcher_settings(
         rank = _first(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK")
         if size is None or rank is None:
             raise ClusterError("--cluster mpi, but no OMPI_COMM_WORLD_* or PMI_* variables are set")
-        local = _first(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+        local = _first(env, *_MPI_LOCAL_SIZE)
         if local and _int(env, local) > 1:
             raise ClusterError(
                 f"mpirun started {env[local]} processes per node ({local}), so each node would "
@@ -281,11 +263,14 @@ def process_settings(env: Mapping[str, str]) -> tuple[str, dict[str, Setting]]:
         out["rank"] = Setting(_int(env, "SLURM_PROCID"), "SLURM_PROCID")
         out["world_size"] = Setting(_int(env, "SLURM_NTASKS"), "SLURM_NTASKS")
         out["local_rank"] = Setting(_int(env, "SLURM_LOCALID"), "SLURM_LOCALID")
-        per_node = _tasks_per_node(env)
-        if per_node is not None:
-            out["local_world_size"] = Setting(per_node, "SLURM_STEP_TASKS_PER_NODE")
         if env.get("SLURM_NODEID"):
             out["node_rank"] = Setting(_int(env, "SLURM_NODEID"), "SLURM_NODEID")
+        counts = tasks_per_node(env)
+        if counts is not None:  # this node's count (a step's nodes may run different numbers)
+            name, per_node = counts
+            node = out["node_rank"].value if "node_rank" in out else 0
+            here = per_node[node] if len(per_node) > 1 and node < len(per_node) else per_node[0]
+            out["local_world_size"] = Setting(here, name)
         name = _first(env, *_SLURM_LIST)
         if name:
             out["master_addr"] = Setting(expand_nodelist(env[name])[0], f"first host of {name}")
@@ -302,9 +287,9 @@ def process_settings(env: Mapping[str, str]) -> tuple[str, dict[str, Setting]]:
     if rank and size:
         out["rank"] = Setting(_int(env, rank), rank)
         out["world_size"] = Setting(_int(env, size), size)
-        local = _first(env, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+        local = _first(env, *_MPI_LOCAL_RANK)
         out["local_rank"] = Setting(_int(env, local) if local else 0, local or "default 0")
-        local_size = _first(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+        local_size = _first(env, *_MPI_LOCAL_SIZE)
         if local_size:
             out["local_world_size"] = Setting(_int(env, local_size), local_size)
         _master_overlay(env, out)
@@ -314,6 +299,14 @@ def process_settings(env: Mapping[str, str]) -> tuple[str, dict[str, Setting]]:
                 "(mpirun -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=<port> ...)"
             )
         out.setdefault("master_port", Setting(DEFAULT_PORT, "default"))
+        if local is None and out["world_size"].value > 1:
+            warnings.warn(
+                f"fastddp: started by mpirun ({rank}, {size}), but no variable names this "
+                f"rank's index on its node ({', '.join(_MPI_LOCAL_RANK)}): taking 0, as for "
+                "one rank per node; with several, export LOCAL_RANK, RANK, WORLD_SIZE, "
+                "MASTER_ADDR and MASTER_PORT to each rank",
+                stacklevel=3,
+            )
         return "mpi", out
     # One of the two alone is a job set up by hand with a variable left out: each process
     # would train alone as rank 0 of 1, without a word.

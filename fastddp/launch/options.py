@@ -175,11 +175,13 @@ def script_apart(
     wherever the launcher's own options are written out; where one is abbreviated, it is left
     to the parser as torchrun's own is.
     """
-    if {"-h", "--help"} & set(argv):  # (the parse below would print the help once more)
-        return argv, None
     strict = copy.copy(parser)
     strict.allow_abbrev = False
     strict.error = _unparsed
+    # A -h of the launcher's own is left to the parse that follows, to print the help once;
+    # one among the script's arguments is the script's.
+    strict.print_help = lambda file=None: None
+    strict.exit = lambda status=0, message=None: _unparsed("help")
     try:
         tail = list(strict.parse_args(argv).training_script_args)
     except _Unparsed:

@@ -188,6 +188,24 @@ def test_mpi_launcher_settings():
     )
 
 
+def test_every_mpis_local_rank_and_size_are_read():
+    # HPE Cray PALS' and MVAPICH2's names beside Open MPI's and Hydra's: each rank its own
+    # device, and several launchers a node refused.
+    pals = {"PMI_RANK": "5", "PMI_SIZE": "8", "PMI_LOCAL_RANK": "1", "PMI_LOCAL_SIZE": "4"}
+    mv2 = {"PMI_RANK": "5", "PMI_SIZE": "8", "MV2_COMM_WORLD_LOCAL_RANK": "1",
+           "MV2_COMM_WORLD_LOCAL_SIZE": "4"}  # fmt: skip
+    for env in (pals, mv2):
+        env = {**env, "MASTER_ADDR": "m"}
+        _, s = process_settings(env)
+        assert (s["local_rank"].value, s["local_world_size"].value) == (1, 4), s
+        with pytest.raises(ClusterError, match="mpirun started 4 processes per node"):
+            launcher_settings(env)
+    # No variable names the local rank: 0, as for one rank a node, said in a warning.
+    with pytest.warns(UserWarning, match="no variable names this rank's index on its node"):
+        _, s = process_settings({"PMI_RANK": "1", "PMI_SIZE": "2", "MASTER_ADDR": "m"})
+    assert s["local_rank"] == (0, "default 0")
+
+
 def test_forced_kind_without_its_variables():
     with pytest.raises(ClusterError, match="not in a Slurm job"):
         launcher_settings({}, "slurm")
@@ -223,6 +241,19 @@ MPI = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "MASTER_ADDR": 
             {**SRUN, "SLURM_NTASKS": "2", **MPI, "OMPI_COMM_WORLD_LOCAL_RANK": "0"},
             "mpi",
             {"rank": 2, "world_size": 4, "local_rank": 0},
+        ),
+        # The same with as many ranks as the step has tasks (4 nodes, 2 ranks on each of 2):
+        # Open MPI's variables are its mpirun's alone, whatever the sizes.
+        (
+            {**SRUN, "SLURM_NTASKS": "4", **MPI, "OMPI_COMM_WORLD_LOCAL_RANK": "1"},
+            "mpi",
+            {"rank": 2, "world_size": 4, "local_rank": 1},
+        ),
+        # A step of uneven nodes: this node's number of tasks, not the largest.
+        (
+            {**SRUN, "SLURM_NODEID": "2", "SLURM_STEP_TASKS_PER_NODE": "2(x2),1"},
+            "slurm",
+            {"local_world_size": 1, "node_rank": 2},
         ),
         # srun --mpi=pmi2 launching an MPI program: the same ranks both ways, Slurm's kept.
         ({**SRUN, "PMI_RANK": "5", "PMI_SIZE": "8"}, "slurm", {"rank": 5, "local_rank": 1}),

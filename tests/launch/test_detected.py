@@ -130,12 +130,13 @@ def test_more_nodes_than_the_slurm_step_has_are_warned_of(launch):
 
 def test_the_scripts_own_options_are_not_read_as_abbreviations(launch):
     # torchrun's parser takes a script's --nproc (or --log) for an ambiguous abbreviation of
-    # its own options, and fails.
-    script = ["-m", "fastddp.bench", "allreduce", "--nproc", "7", "--log"]
+    # its own options, and fails; a --help among them is the script's too.
+    script = ["-m", "fastddp.bench", "allreduce", "--nproc", "7", "--log", "--help"]
     status, err = launch("--standalone", "--nproc-per-node", "1", *script)
     assert status == 0, err
     assert (
-        "worker command: " in err and " -m fastddp.bench allreduce --nproc 7 --log train.py" in err
+        "worker command: " in err
+        and " -m fastddp.bench allreduce --nproc 7 --log --help train.py" in err
     )
     # An abbreviated option of the launcher's own still works (as torchrun's parser reads it).
     status, err = launch("--stand", "--nproc-per-node", "1")
