@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from fastddp.hooks import candidates, checkpoint, choice, links, replan, trial
+from fastddp.hooks.auto_plan import PlanSteps
 from fastddp.hooks.candidates import DEFAULT_ALLOW, MIXED, NONE, Assignment
 from fastddp.hooks.hook import compress_hook
 from fastddp.hooks.measured import StepRecord
@@ -59,7 +60,7 @@ def _rules() -> Rules:
     )  # fmt: skip
 
 
-class AutoState(CompressState):
+class AutoState(PlanSteps, CompressState):
     """:class:`~fastddp.CompressState` with ``dtype="auto"`` (see the module docstring).
 
     Args:
@@ -74,7 +75,7 @@ class AutoState(CompressState):
     """
 
     __slots__ = (
-        "allow", "_states", "_using", "_task", "_step", "_trial", "_record", "_recent",
+        "allow", "_states", "_using", "_step", "_trial", "_record", "_recent",
         "_checks", "_plan", "_proposal", "_owed", "_checked", "_steps_in", "_held", "_switch",
         "_stamp", "_nodes",
     )  # fmt: skip
@@ -98,7 +99,6 @@ class AutoState(CompressState):
         self.topology, self.seed = topology, seed
         self._states = candidates.make(self.allow, process_group, topology, seed)
         self._using: Assignment = self.allow[0]
-        self._task = None
         self._plan: Optional[dict[str, Any]] = None
         self._owed = Owed()  # residuals of buckets a candidate left (owed.py)
         self._checked, self._load_problem = False, None
@@ -123,9 +123,10 @@ class AutoState(CompressState):
     # -- the hook -------------------------------------------------------------------------
 
     def _reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
-        task = torch._C._current_graph_task_id()
-        if task == -1 or task != self._task:  # the first bucket of a backward pass
-            self._task = task
+        # A step starts at bucket 0: DDP reduces its buckets in index order, and so does the
+        # replay of DDP's Join for a rank out of inputs, outside autograd (no graph task to
+        # tell its steps apart). As the C++ hook (switch_hook.cpp) counts them.
+        if bucket.index() == 0:
             self._begin_step(bucket.buffer().device)
         keys = candidates.keys_of(self._states, bucket.parameters(), check=self._step == 0)
         if len(self._owed):
@@ -209,62 +210,8 @@ class AutoState(CompressState):
             to_check = CHECK_EVERY - len(self._recent) if self._using == NONE else None
             self._switch.hand_over(trialing, self._trial.turn(turn), to_check, len(self._owed))
 
-    # -- the trial and the plan -------------------------------------------------------------
-
-    def _next_turn(self, device: torch.device) -> tuple[str, Optional[str]]:
-        if self._step - self._trial.start == len(self._trial.turns):
-            (self._next_round if self._proposal is None else self._conclude)(device)
-        if self._plan is not None and not self._plan["trial"]:
-            return candidates.label(self._using), None
-        label, kind = self._trial.turn(self._step)
-        # (In a trial each candidate's residuals stay in its buckets until it runs again.)
-        self._using = self._proposal if label == MIXED else label
-        return label, kind
-
-    def _next_round(self, device: torch.device) -> None:
-        """After a measured round: another round of the candidates that can still win, or the
-        uniform choice and a mode per bucket proposed from the trial."""
-        rules, group = _rules(), self.process_group
-        measured_s = self._trial.slowest(group, device)
-        alive = self._trial.next_round(measured_s, rules, none_last=self._switch is not None)
-        if alive is None:
-            return
-        plans = 1 if self._plan is None else self._plan["plans"] + 1
-        made = {"made_at_step": self._step, "plans": plans, "nodes": self._nodes}
-        self._plan, self._proposal = choice.make(
-            self._trial, alive, self._states, group, device, rules, **made
-        )
-        if self._proposal is None:
-            self._adopt(self._plan["uniform"])
-        else:
-            self._trial.verify(self._plan["uniform"], rules.verify_rounds)
-
-    def _conclude(self, device: torch.device) -> None:
-        keep = choice.confirmed(self._plan, self._trial, self.process_group, device, _rules())
-        self._adopt(MIXED if keep else self._plan["uniform"])
-
-    def _adopt(self, label: str) -> None:
-        choice.settle(self._plan, label)
-        self._using = self._proposal if label == MIXED else label
-        self._owed.settle_plan(self._states, self._using, self.process_group)
-        self._proposal = None
-        self._recent, self._checks = [], replan.Checks()
-        self._plan["summary"] = candidates.summary(self._using, self.allow)
-        choice.log(self._plan, self._step)
-
-    def _check_plan(self, device: torch.device) -> None:
-        group, planned_ms = self.process_group, self._plan["planned_ms"]
-        ratio = self._checks.check(self._recent, planned_ms, MARGIN, group, device)
-        self._recent = []
-        if ratio is None:
-            return
-        self._plan["last_check_ratio"] = ratio
-        if self._checks.strikes >= 2:
-            self._plan["trial"] = True
-            step = self._step
-            self._restart()
-            self._step = self._trial.start = step
-            self._using = self._trial.turns[0][0]
+    def _rules_now(self) -> Rules:
+        return _rules()
 
     # -- what CompressState offers ----------------------------------------------------------
 
@@ -328,6 +275,9 @@ class AutoState(CompressState):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         def forget() -> None:
             self._owed, self._checked = Owed(), False  # the loaded plan is agreed on again
+            if self._switch is not None:  # the C++ hook's steps so far: counted, not measured
+                self._count_native()
+                self._switch.periods(), self._switch.records()
             self._restart()
 
         def load() -> None:

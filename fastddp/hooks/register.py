@@ -94,6 +94,7 @@ def register(
             # residuals) goes on with this model's hook.
             state._count_native()
             state._switch.move(control, model)
+            state._moved()
         else:
             state._switch = Switch(control, model)
     # Once the reducer took it (a second registration raises there, and is not kept).
