@@ -74,8 +74,8 @@ def checked_fixed(fixed: dict[str, Any]) -> None:
 def _known(name) -> bool:
     if not isinstance(name, str):
         return False
-    preset, _, path = name.partition(":")
-    return name == NONE or (preset in PRESETS and path in ("", *_PATHS))
+    preset, colon, path = name.partition(":")  # ("int8-ef:" names no path: not int8-ef again)
+    return name == NONE or (preset in PRESETS and (path in _PATHS if colon else True))
 
 
 def make(allow: tuple[str, ...], process_group, topology: str, seed: int) -> dict:

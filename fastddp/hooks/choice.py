@@ -266,11 +266,12 @@ def plain(plan: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     """A copy of ``plan`` that shares no dict or list with it."""
     if plan is None:
         return None
-    copy = {}
-    for key, value in plan.items():
-        if isinstance(value, dict):
-            value = plain(value)
-        elif isinstance(value, list):
-            value = [dict(v) if isinstance(v, dict) else v for v in value]
-        copy[key] = value
-    return copy
+    return _copied(plan)
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _copied(v) for key, v in value.items()}
+    if isinstance(value, list):  # (the rounds' lists of candidates among them)
+        return [_copied(v) for v in value]
+    return value

@@ -449,6 +449,8 @@ def test_ranks_that_loaded_different_plans_fail_alike():
         (dict(stochastic_rounding=0), ValueError, "stochastic_rounding belongs to a fixed mode"),
         (dict(allow=["int8-ef:ring"]), ValueError, r"allow is unknown \['int8-ef:ring'\]"),
         (dict(allow=["none:flat"]), ValueError, r"allow is unknown \['none:flat'\]"),
+        # A colon naming no path was int8-ef again, as a second candidate.
+        (dict(allow=["int8-ef", "int8-ef:"]), ValueError, r"allow is unknown \['int8-ef:'\]"),
         (dict(error_feedback=True), ValueError, "error_feedback belongs to a fixed mode"),
         (dict(dtype="fast"), ValueError, "dtype must be a torch.dtype or 'auto'"),
         (dict(alow=["bf16"]), TypeError, "unexpected keyword argument 'alow'"),
@@ -461,6 +463,18 @@ def test_ranks_that_loaded_different_plans_fail_alike():
 def test_bad_auto_settings(kwargs, error, message):
     with pytest.raises(error, match=message):
         fastddp.CompressState(**{"dtype": "auto", **kwargs})
+
+
+def test_a_plan_given_out_shares_nothing_with_the_state():
+    # stats()["plan"] and state_dict()["plan"] are copies: the rounds' lists of candidates
+    # were the live plan's, so a change to them changed the state.
+    from fastddp.hooks import choice
+
+    plan = {"mode": "bf16", "rounds": [["none", "bf16"], ["bf16"]], "links": {"a": [1.0]}}
+    out = choice.plain(plan)
+    out["rounds"][0].append("int8-ef")
+    out["links"]["a"].append(2.0)
+    assert plan == {"mode": "bf16", "rounds": [["none", "bf16"], ["bf16"]], "links": {"a": [1.0]}}
 
 
 def test_allow_without_auto_is_refused_by_name():
