@@ -13,9 +13,10 @@ and otherwise skips it without a word. ``FastDDPStrategy`` registers
 
 Lightning writes a checkpoint from rank 0 alone, and the hook's error-feedback residuals (and a
 pending ``delay=1`` gradient) are each rank's own: ``FastDDPStrategy`` writes each rank's
-``state.state_dict()`` beside the checkpoint, as ``<checkpoint>.fastddp-rank<R>``, and a
-resumed fit loads it into the same rank (regrouped by :meth:`CompressState.reshard` when the
-number of ranks changed), so that a resume ends where an uninterrupted run would.
+``state.state_dict()`` in a folder beside the checkpoint, as
+``fastddp-hook-state/<checkpoint's name>.rank<R>``, and a resumed fit loads it into the same
+rank (regrouped by :meth:`CompressState.reshard` when the number of ranks changed), so that a
+resume ends where an uninterrupted run would.
 """
 
 import os
@@ -100,7 +101,8 @@ class FastDDPStrategy(DDPStrategy):
 
     @staticmethod
     def _beside(filepath: Any, rank: int) -> str:
-        return f"{filepath}{_SUFFIX}{rank}"
+        path = str(filepath)
+        return os.path.join(os.path.dirname(path), _DIR, f"{os.path.basename(path)}.rank{rank}")
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
@@ -139,6 +141,11 @@ class FastDDPStrategy(DDPStrategy):
             target = os.path.realpath(target)
         paths = [self._beside(target, r) for r in range(saved["world_size"])]
         missing = [p for p in paths if not get_filesystem(p).exists(p)]
+        older = [f"{target}.fastddp-rank{r}" for r in range(saved["world_size"])]
+        if missing and all(
+            get_filesystem(p).exists(p) for p in older
+        ):  # (the earlier layout's names)
+            paths, missing = older, []
         if missing:  # (every rank sees the same files, and raises alike)
             raise FileNotFoundError(
                 f"FastDDPStrategy: {checkpoint_path} was saved by {saved['world_size']} ranks, "
@@ -159,7 +166,10 @@ class FastDDPStrategy(DDPStrategy):
 
 
 _KEY = "fastddp"
-_SUFFIX = ".fastddp-rank"
+# Not beside the checkpoint itself: Lightning numbers its next HPC checkpoint (and finds the
+# one to resume) by the digits of every name in the folder that holds "ckpt_", and
+# "hpc_ckpt_1.ckpt.fastddp-rank0" read as version 10.
+_DIR = "fastddp-hook-state"
 _STATE_SETTINGS = {"dtype", "preset", "allow", "accumulate_dtype", "error_feedback", "block_size",
                    "stochastic_rounding", "seed", "topology", "delay"}  # fmt: skip
 

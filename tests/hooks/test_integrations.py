@@ -78,8 +78,8 @@ def test_a_lightning_resume_keeps_each_ranks_residuals(lightning_job):
     out, res = lightning_job
     told = _tail(res.stdout, res.stderr)
     assert "lightning job: lonely" in res.stdout, told  # every run before it passed
-    beside = sorted(p.name for p in out.glob("first.ckpt.fastddp-rank*"))
-    assert beside == ["first.ckpt.fastddp-rank0", "first.ckpt.fastddp-rank1"], beside
+    beside = sorted(p.name for p in (out / "fastddp-hook-state").glob("first.ckpt.rank*"))
+    assert beside == ["first.ckpt.rank0", "first.ckpt.rank1"], beside
     for r in range(2):
         whole = torch.load(out / f"whole-rank{r}.pt")
         first = torch.load(out / f"first-rank{r}.pt")
@@ -120,6 +120,23 @@ def test_a_checkpoint_saved_where_no_rank_trained_holds_no_hook_state(tmp_path):
         strategy.save_checkpoint({"state_dict": {}}, tmp_path / "after.ckpt")
     assert [p.name for p in tmp_path.iterdir()] == ["after.ckpt"]
     assert "fastddp" not in torch.load(tmp_path / "after.ckpt")
+
+
+def test_the_hook_state_files_leave_lightnings_hpc_numbering_alone(tmp_path):
+    # Lightning numbers a SLURM requeue's checkpoints by the digits of every name in the folder
+    # that holds "ckpt_": files named hpc_ckpt_1.ckpt.fastddp-rank0 beside the checkpoint read
+    # as version 10, the next save became hpc_ckpt_12.ckpt and the resume looked for 121.
+    pytest.importorskip("lightning")
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    from fastddp.integrations.lightning import FastDDPStrategy
+
+    (tmp_path / "hpc_ckpt_1.ckpt").write_bytes(b"")
+    for rank in range(2):
+        state = Path(FastDDPStrategy._beside(tmp_path / "hpc_ckpt_1.ckpt", rank))
+        state.parent.mkdir(exist_ok=True)
+        state.write_bytes(b"")
+    assert _CheckpointConnector.hpc_save_path(tmp_path) == str(tmp_path / "hpc_ckpt_2.ckpt")
 
 
 def test_fastddp_strategy_refuses_hook_arguments():
