@@ -25,6 +25,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be at least 1")
+    # fastddp: set up this rank from any launcher's variables (torchrun, srun, mpirun)
     with fastddp.distributed_session() as env:
         device = env.device  # cuda:<local rank> with NCCL, else the CPU with Gloo
         torch.manual_seed(0)  # the same initial weights on every rank
