@@ -269,8 +269,7 @@ def process_settings(env: Mapping[str, str]) -> tuple[str, dict[str, Setting]]:
         if counts is not None:  # this node's count (a step's nodes may run different numbers)
             name, per_node = counts
             node = out["node_rank"].value if "node_rank" in out else 0
-            here = per_node[node] if len(per_node) > 1 and node < len(per_node) else per_node[0]
-            out["local_world_size"] = Setting(here, name)
+            out["local_world_size"] = Setting(per_node[min(node, len(per_node) - 1)], name)
         name = _first(env, *_SLURM_LIST)
         if name:
             out["master_addr"] = Setting(expand_nodelist(env[name])[0], f"first host of {name}")

@@ -246,7 +246,7 @@ def load_problems(
     else:
         state = outer["state"]
         buffers = [s.get("momentum_buffer") for s in state.values()
-                   if isinstance(s, dict)] if isinstance(state, dict) else [None]  # fmt: skip
+                   if isinstance(s, dict)] if isinstance(state, dict) else []  # fmt: skip
         if not isinstance(state, dict) or any(
             b is not None and not (torch.is_tensor(b) and b.numel() == sizes["global"])
             for b in buffers

@@ -277,7 +277,8 @@ class AutoState(PlanSteps, CompressState):
             self._owed, self._checked = Owed(), False  # the loaded plan is agreed on again
             if self._switch is not None:  # the C++ hook's steps so far: counted, not measured
                 self._count_native()
-                self._switch.periods(), self._switch.records()
+                self._switch.periods()  # (taken, and dropped with the trial they belong to)
+                self._switch.records()
             self._restart()
 
         def load() -> None:

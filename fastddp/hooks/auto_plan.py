@@ -12,18 +12,16 @@ import torch
 
 from fastddp.hooks import candidates, choice, replan
 from fastddp.hooks.candidates import MIXED
-from fastddp.hooks.trial import Rules
 
 __all__ = ["PlanSteps"]
 
 
 class PlanSteps:
-    """Methods of :class:`~fastddp.hooks.auto.AutoState` over its trial and plan."""
+    """Methods of :class:`~fastddp.hooks.auto.AutoState` over its trial and plan. They read
+    the figures they decide by from its ``_rules_now()`` (``auto.py``'s constants, which this
+    module cannot import: ``auto.py`` imports it)."""
 
     __slots__ = ()
-
-    def _rules_now(self) -> Rules:
-        raise NotImplementedError  # AutoState's: its module's constants
 
     def _next_turn(self, device: torch.device) -> tuple[str, Optional[str]]:
         if self._step - self._trial.start == len(self._trial.turns):

@@ -141,11 +141,10 @@ class FastDDPStrategy(DDPStrategy):
             target = os.path.realpath(target)
         paths = [self._beside(target, r) for r in range(saved["world_size"])]
         missing = [p for p in paths if not get_filesystem(p).exists(p)]
-        older = [f"{target}.fastddp-rank{r}" for r in range(saved["world_size"])]
-        if missing and all(
-            get_filesystem(p).exists(p) for p in older
-        ):  # (the earlier layout's names)
-            paths, missing = older, []
+        if missing:  # written in the earlier layout, beside the checkpoint?
+            older = [f"{target}.fastddp-rank{r}" for r in range(saved["world_size"])]
+            if all(get_filesystem(p).exists(p) for p in older):
+                paths, missing = older, []
         if missing:  # (every rank sees the same files, and raises alike)
             raise FileNotFoundError(
                 f"FastDDPStrategy: {checkpoint_path} was saved by {saved['world_size']} ranks, "

@@ -139,6 +139,28 @@ def test_the_hook_state_files_leave_lightnings_hpc_numbering_alone(tmp_path):
     assert _CheckpointConnector.hpc_save_path(tmp_path) == str(tmp_path / "hpc_ckpt_2.ckpt")
 
 
+def test_hook_state_files_of_the_earlier_layout_still_load(tmp_path):
+    # Checkpoints written before the files moved to fastddp-hook-state/ hold them beside the
+    # checkpoint, as <checkpoint>.fastddp-rank<R>: a resume still finds them there.
+    pytest.importorskip("lightning")
+    import torch
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    import fastddp
+    from fastddp.integrations.lightning import FastDDPStrategy
+
+    torch.save(fastddp.CompressState.from_preset("int8-ef").state_dict(),
+               tmp_path / "old.ckpt.fastddp-rank0")  # fmt: skip
+    torch.save({"state_dict": {}, "fastddp": {"world_size": 1}}, tmp_path / "old.ckpt")
+    strategy = FastDDPStrategy(
+        fastddp.CompressState.from_preset("int8-ef"), cluster_environment=LightningEnvironment()
+    )
+    assert "fastddp" in strategy.load_checkpoint(tmp_path / "old.ckpt")
+    (tmp_path / "old.ckpt.fastddp-rank0").unlink()
+    with pytest.raises(FileNotFoundError, match="fastddp-hook-state/old.ckpt.rank0"):
+        strategy.load_checkpoint(tmp_path / "old.ckpt")
+
+
 def test_fastddp_strategy_refuses_hook_arguments():
     pytest.importorskip("lightning")
     from fastddp.integrations.lightning import FastDDPStrategy
