@@ -5,7 +5,6 @@ import contextlib
 import dataclasses
 import gc
 import os
-import socket
 import sys
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
@@ -23,6 +22,7 @@ from fastddp._init_args import (
     uses_nccl,
 )
 from fastddp.cluster import ClusterError, process_settings, srun_task
+from fastddp.gpu_choice import cuda_index, gpu_identity
 from fastddp.rank_notes import check_ranks
 from fastddp.watchdog import PeerWatchdog, peer_timeout_from_env
 
@@ -75,11 +75,12 @@ def init_distributed(
     Works under ``torchrun`` / ``python -m fastddp.launch``, with hand-set ``RANK``,
     ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, under ``srun`` with one
     task per GPU, under ``mpirun`` (with ``MASTER_ADDR`` exported), and alone (world size 1).
-    Picks ``cuda:LOCAL_RANK`` and NCCL when CUDA is available, else CPU and Gloo. Calling it
+    Picks ``cuda:LOCAL_RANK`` and NCCL when CUDA is available (``cuda:0`` where a rank sees one
+    GPU, as under ``srun --gpus-per-task=1``), else CPU and Gloo. Calling it
     again returns the same description (arguments given again must be the first call's).
     Before init, all ranks raise the same error if one cannot start (no GPU for its local rank)
-    or they picked different backends; after init, they compare hosts, devices and fastddp
-    settings, and all raise if two ranks share a GPU or disagree.
+    or two share a GPU, or they picked different backends; after init, they compare nodes and
+    fastddp settings, and all raise if they disagree.
 
     Args:
         backend (str, optional): ``"nccl"``, ``"gloo"``, ... ; ``None`` picks as above.
@@ -141,12 +142,11 @@ def init_distributed(
             "backend='nccl' needs a GPU, and torch sees none; pass backend='gloo' for the CPU, "
             "or leave backend=None to choose by the device"
         )
-    elif problem is None and use_cuda and local_rank >= torch.cuda.device_count():
-        problem = (
-            f"local rank {local_rank} needs cuda:{local_rank} but {torch.cuda.device_count()} "
-            f"GPU(s) are visible on {socket.gethostname()}; start at most one process per GPU "
-            "on each node"
-        )
+    index = gpu = None
+    if problem is None and use_cuda:
+        index, problem = cuda_index(local_rank, torch.cuda.device_count())
+    if index is not None:
+        gpu, problem = gpu_identity(index)
     backend = backend or ("nccl" if use_cuda else "gloo")
     if launcher == "single":
         if problem is not None:
@@ -171,10 +171,10 @@ def init_distributed(
                 launcher, env, addr, port, rank, world, timeout, _joins
             )
             _joins += 1
-            joining.agree(store, rank, world, backend, problem, hint)
+            joining.agree(store, rank, world, backend, problem, hint, gpu)
         kwargs = {"store": store}
     if use_cuda:
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", index)
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
     else:
@@ -182,9 +182,7 @@ def init_distributed(
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
     try:
         known = settings.get("node_rank")
-        local_world, node_rank, num_nodes = check_ranks(
-            rank, device, None if known is None else known.value
-        )
+        local_world, node_rank, num_nodes = check_ranks(None if known is None else known.value)
         _start_watchdog(attempt, peer_timeout, rank, world, addr, int(port), launcher)
     except BaseException:
         dist.destroy_process_group()

@@ -181,11 +181,13 @@ def agree(
     backend: str,
     problem: Optional[str],
     hint: Optional[str] = None,
+    gpu: Optional[tuple[str, str]] = None,
 ) -> None:
     """Post this rank's backend and ``problem`` (None: it can start); wait for every rank.
 
-    Raises the same :class:`ClusterError` on every rank if any rank has a problem, or the ranks
-    chose different backends or were given different ``WORLD_SIZE``; and a
+    Raises the same :class:`ClusterError` on every rank if any rank has a problem, the ranks
+    chose different backends or were given different ``WORLD_SIZE``, or two ranks' ``gpu``
+    (``(uuid, where)``, :func:`fastddp.gpu_choice.gpu_identity`) have one UUID; and a
     :class:`ClusterError` naming the ranks that never came (and ``hint``, from
     :func:`store_for`) if the store's timeout runs out first. A collective over the store:
     every rank calls it once.
@@ -202,6 +204,8 @@ def agree(
             "port" + (f"; {hint}" if hint else "")
         )
     store.append(f"{_KEY}came", f"{rank} ")  # read in one request by a rank that gives up
+    if gpu is not None:
+        problem = _gpu_taken(store, rank, gpu, problem)
     if store.add(f"{_KEY}backend/{backend}", 1) == 1:
         store.append(f"{_KEY}backends", backend + "\n")
     if store.add(f"{_KEY}world/{world}", 1) == 1:
@@ -258,6 +262,25 @@ def agree(
         )
     _told(store, rank)
     raise ClusterError("fastddp.init_distributed: " + "; ".join(lines))
+
+
+def _gpu_taken(
+    store: dist.Store, rank: int, gpu: tuple[str, str], problem: Optional[str]
+) -> Optional[str]:
+    """``problem``, and that another rank holds this rank's GPU where one does: the first to
+    post a UUID holds it, and the second's problem stops every rank."""
+    uuid, where = gpu
+    mine = f"{rank}\t{where}"
+    holder = store.compare_set(f"{_KEY}gpu/{uuid}", "", mine).decode()
+    if holder == mine:
+        return problem
+    other, other_where = holder.split("\t", 1)
+    clash = (
+        f"ranks {other} ({other_where}) and {rank} ({where}) use the same GPU ({uuid}); give "
+        "each rank a GPU of its own: at most one process per GPU on each node, and each task "
+        "its own CUDA_VISIBLE_DEVICES where it sees one GPU"
+    )
+    return clash if problem is None else f"{problem}; {clash}"
 
 
 def _gave_up(

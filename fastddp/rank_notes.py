@@ -1,4 +1,4 @@
-"""What the ranks compare after init: hosts and devices, fastddp's settings, and their nodes.
+"""What the ranks compare after init: fastddp's settings and their nodes.
 
 Every rank all-gathers one row and runs the same checks on the same rows, so that a clash
 raises the same :class:`~fastddp.cluster.ClusterError` on every rank instead of a hang.
@@ -29,10 +29,11 @@ def _settings_fingerprint() -> dict:
     return {"fastddp": __version__, "torch": torch.__version__, "env": switches}
 
 
-def check_ranks(
-    env_rank: int, device: torch.device, node_rank: Optional[int]
-) -> tuple[int, int, int]:
-    """All-gather host, device and settings; raise the same error on every rank if they clash.
+def check_ranks(node_rank: Optional[int]) -> tuple[int, int, int]:
+    """All-gather nodes and settings; raise the same error on every rank if they clash.
+
+    (Two ranks on one GPU are refused before init, by the GPUs' UUIDs:
+    :func:`fastddp.joining.agree`.)
 
     Returns ``(local_world_size, node_rank, num_nodes)``. Nodes are the launcher's node ranks
     where known (two network namespaces may share one host name), else ``FASTDDP_NODE_ID``
@@ -42,7 +43,6 @@ def check_ranks(
     mine = {
         "host": host,
         "node": f"node {node_rank}" if node_rank is not None else os.environ.get(NODE_ENV, host),
-        "device": str(device),
         "settings": _settings_fingerprint(),
         "given": os.environ.get(NODE_ENV) or None,
         "node_rank": node_rank,
@@ -51,17 +51,7 @@ def check_ranks(
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine)
     problems = []
-    seen: dict = {}
     for rank, info in enumerate(everyone):
-        if device.type == "cuda":
-            key = (info["host"], info["device"])
-            if key in seen:
-                problems.append(
-                    f"ranks {seen[key]} and {rank} both use {info['device']} on host "
-                    f"{info['host']}: one GPU per rank (check LOCAL_RANK and that "
-                    "--nproc-per-node does not exceed the GPUs on the node)"
-                )
-            seen.setdefault(key, rank)
         if info["settings"] != everyone[0]["settings"]:
             problems.append(
                 f"rank {rank} runs with different fastddp settings than rank 0: rank {rank} "

@@ -1,5 +1,6 @@
 """Errors that need a GPU to happen: tensors on two devices, a local rank beyond the visible
-GPUs, two ranks on one GPU, a refused shape. Each must be a clear error, never a crash or a hang."""
+GPUs (taken as a task's own GPU where it sees one), two ranks on one GPU, a refused shape.
+Each must be a clear error, never a crash or a hang."""
 
 import pytest
 import torch
@@ -39,12 +40,19 @@ def test_a_refused_shape_raises_on_cuda_tensors():
         ops.dequantize_packed(packed, scales, torch.empty(1024, device="cuda"), 4, 128)
 
 
-def test_a_local_rank_beyond_the_visible_gpus_is_refused():
+def test_a_local_rank_beyond_the_visible_gpus():
     count = torch.cuda.device_count()
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": str(count), "LOCAL_WORLD_SIZE": "1"}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
-    with pytest.raises(ClusterError, match=f"{count} GPU\\(s\\) are visible"):
-        fastddp.init_distributed(backend="nccl", environ=env)
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": str(max(count, 2))}
+    env.update(LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
+    if count > 1:
+        with pytest.raises(ClusterError, match=f"{count} GPU\\(s\\) are visible"):
+            fastddp.init_distributed(backend="nccl", environ=env)
+        return
+    # One GPU seen: the task's own (srun --gpus-per-task=1), whatever its local rank.
+    try:
+        assert fastddp.init_distributed(backend="nccl", environ=env).device.index == 0
+    finally:
+        fastddp.shutdown_distributed()
 
 
 def _same_gpu(rank, world):
@@ -55,9 +63,9 @@ def _same_gpu(rank, world):
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29519")
     with pytest.raises(Exception) as info:
         fastddp.init_distributed(backend="nccl", environ=env)
-    # fastddp's own check names both ranks; NCCL may refuse first ("Duplicate GPU").
+    # Refused before NCCL's init (which would say "Duplicate GPU"), by the GPU's UUID.
     text = str(info.value)
-    assert "both use cuda:0" in text or "Duplicate GPU" in text, text
+    assert "(cuda:0 on " in text and "use the same GPU (" in text, text
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29521", rank=rank, world_size=2)
