@@ -70,7 +70,11 @@ def _parser():
         return p.commands[name]
 
     a = command("allreduce", allreduce, "all-reduce sweep over message sizes, per mode")
-    a.add_argument("--min-size", default="64K", help="smallest fp32 message (default 64K)")
+    a.add_argument(
+        "--min-size",
+        default="64K",
+        help="smallest fp32 message, in bytes rounded down to whole floats (default 64K)",
+    )
     a.add_argument("--max-size", default="256M", help="largest fp32 message (default 256M)")
     a.add_argument("--factor", type=int, default=4, help="size step factor (default 4)")
     a.add_argument("--modes", nargs="+", default=allreduce.MODES, choices=allreduce.CHOICES,

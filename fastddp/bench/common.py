@@ -236,7 +236,7 @@ def add_common_options(p, nproc=2, *, plot=False, topologies=False):
         help="run as --nodes nodes, each on a link limited to RATE (e.g. 1gbit; needs root)",
     )
     p.add_argument("--nodes", type=int, help="nodes with --link (default 2)")
-    p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node with --link")
+    p.add_argument("--nproc-per-node", type=int, help="ranks per node with --link (1)")
     p.add_argument(
         "--topologies",
         nargs="+",

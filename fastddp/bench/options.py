@@ -12,6 +12,7 @@ import torch
 
 from fastddp.bench.common import parse_size
 from fastddp.bench.models import Decoder, mlp_width
+from fastddp.bench.report import OPTIONS_ENV
 from fastddp.netns import valid_rate
 
 __all__ = ["check", "check_outputs"]
@@ -20,7 +21,9 @@ __all__ = ["check", "check_outputs"]
 def check_outputs(p, args):
     """Refuse outputs that could not be written, before the sweep rather than after it (the
     benchmark scripts' ``--json``, ``--plot`` and ``--markdown`` too)."""
-    seen: dict[str, str] = {}
+    # An input of the run: an output of the same name would overwrite it.
+    source = getattr(args, "fp32_from", None)
+    seen: dict[str, str] = {} if not source else {os.path.realpath(source): "fp32-from"}
     for option in ("json", "plot", "markdown"):
         path = getattr(args, option, None)
         path = None if path is None else str(path)
@@ -129,6 +132,7 @@ def _check_ddp_model(p, args):
         p.error("--params sizes the mlp; the transformer takes --width and --layers")
     # Each model's defaults, and None for the other's options, which --json records as unread.
     if args.model == "transformer":
+        args.width = 512 if args.width is None else args.width
         for k, default in _DECODER.items():
             setattr(args, k, default if getattr(args, k) is None else getattr(args, k))
         return
@@ -136,12 +140,13 @@ def _check_ddp_model(p, args):
     given_width = args.width is not None
     if not given_width and args.params >= 1:  # the width it fits, which --json then records
         args.width = mlp_width(args.params)
-    if given_width and args.width >= 1 and args.params >= 1:
+    if args.width >= 1 and args.params >= 1:
         layers = round(args.params / (args.width * args.width + args.width))
         if layers > MAX_MLP_LAYERS:
+            fix = "give a larger --width" + (", or leave it out" if given_width else "")
             p.error(f"--params {args.params} at --width {args.width} is {layers} layers (at "
-                    f"most {MAX_MLP_LAYERS}): give a larger --width, or leave it out")  # fmt: skip
-        if layers < 1:  # one layer at least: a model far larger than asked
+                    f"most {MAX_MLP_LAYERS}): {fix}")  # fmt: skip
+        if given_width and layers < 1:  # one layer at least: a model far larger than asked
             one = args.width * args.width + args.width
             p.error(f"--params {args.params} is less than half of one layer at --width "
                     f"{args.width} ({one} parameters): give a smaller --width, or leave it "
@@ -174,8 +179,20 @@ def _check_outer(p, args, pretend: int, spawned: bool) -> None:
         )
 
 
+# The options that say which ranks this command starts: a launcher's ranks are its own.
+_STARTS_RANKS = ("nproc", "threads", "link", "nodes", "nproc_per_node")
+
+
 def check(p, args):
     """Refuse bad options with ``p.error`` (exit 2) before any rank starts."""
+    if args.plot and args.what != "allreduce":  # (before its name's checks, which would pass)
+        p.error(f"--plot draws the allreduce sweep; {args.what} writes --json")
+    if "RANK" in os.environ and not os.environ.get(OPTIONS_ENV):  # (a --link node: its caller's)
+        given = [n for n in _STARTS_RANKS if getattr(args, n) is not None]
+        if given:
+            p.error(f"--{given[0].replace('_', '-')} says which ranks this command starts, and "
+                    "a launcher started it (RANK is set): its ranks are the launcher's; leave "
+                    "the option out, or run without the launcher")  # fmt: skip
     check_outputs(p, args)
     for name, default in p.spawn_defaults.items():
         if args.link and getattr(args, name) is not None:
@@ -242,8 +259,9 @@ def check(p, args):
             p.error("--slack must be at least 0 (the target is fp32's loss x (1 + slack))")
     if args.nodes is not None and not args.link and "RANK" not in os.environ:
         p.error("--nodes needs --link (the nodes are network namespaces)")
-    if args.nproc_per_node != 1 and not args.link and "RANK" not in os.environ:
+    if args.nproc_per_node is not None and not args.link and "RANK" not in os.environ:
         p.error("--nproc-per-node needs --link (without it, --nproc ranks on this machine)")
+    args.nproc_per_node = 1 if args.nproc_per_node is None else args.nproc_per_node
     if args.link is not None and not args.link.strip():
         p.error("--link needs a rate (1gbit, 100mbit, ...)")
     if args.link and not valid_rate(args.link):
@@ -251,8 +269,6 @@ def check(p, args):
             f"--link {args.link}: give a positive rate in bits per second, at least 8bit "
             "(1gbit, 100mbit)"
         )
-    if args.plot and args.what != "allreduce":
-        p.error(f"--plot draws the allreduce sweep; {args.what} writes --json")
     if args.what in ("fsdp", "convergence", "hook-cost") and args.topologies != ["auto"]:
         p.error(f"--topologies applies to allreduce and ddp; {args.what} runs each mode once")
     if args.topologies != ["auto"] and not any(m.startswith("fastddp-") for m in args.modes):

@@ -332,6 +332,8 @@ def test_the_help_lists_what_each_benchmark_takes(capsys):
         (["convergence", "--max-factor", "0"], "--max-factor must be at least 1"),
         (["convergence", "--slack", "-1"], "--slack must be at least 0"),
         (["ddp", "--plot", "x.png"], "--plot draws the allreduce sweep; ddp writes --json"),
+        # (not first told to add a suffix, then refused for the plot itself)
+        (["hook-cost", "--plot", "x"], "--plot draws the allreduce sweep; hook-cost writes"),
         (["ddp", "--nproc-per-node", "3"], "--nproc-per-node needs --link"),
         (["ddp", "--link="], "--link needs a rate"),
         (["ddp", "--link", "foo"], "--link foo: give a positive rate in bits per second"),
@@ -385,7 +387,10 @@ def test_the_help_lists_what_each_benchmark_takes(capsys):
         # More than any rank could hold (64G for 64M): refused, not a traceback per rank or
         # the kernel's OOM killer.
         (["allreduce", "--max-size", "64G"], "--max-size 64G: the 2 rank(s) on this machine"),
-        (["ddp", "--params", "20G"], "--params 20000000000: the 2 rank(s) on this machine"),
+        (
+            ["ddp", "--params", "20G", "--width", "8192"],
+            "--params 20000000000: the 2 rank(s) on this machine",
+        ),
         (
             ["fsdp", "--width", "65536", "--layers", "64"],
             "would hold at least 26389.4 GB, and it has 24.0 GB",
@@ -397,6 +402,55 @@ def test_bad_options(args, message, capsys, monkeypatch):
     # machine of 24 GB available, whatever this one has).
     monkeypatch.setattr(bench_options, "_available_bytes", lambda: 24 * 10**9)
     assert _refused(args, capsys) == 2 and message in capsys.readouterr().err
+
+
+def _checked(argv):
+    """The options of ``python -m fastddp.bench argv`` as its checks leave them."""
+    p = cli._parser()
+    args, unknown = p.parse_known_args(argv)
+    assert not unknown
+    bench_options.check(p.commands[args.what], args)
+    return args
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["ddp", "--nproc", "4"],
+        ["hook-cost", "--threads", "3"],
+        ["allreduce", "--nodes", "3"],
+        ["ddp", "--nproc-per-node", "5"],
+        ["allreduce", "--link", "1gbit"],
+    ],
+    ids=lambda argv: argv[1],
+)
+def test_options_that_start_ranks_are_refused_under_a_launcher(argv, monkeypatch, capsys):
+    # They were left unread and recorded in --json as if the run had used them.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv(report.OPTIONS_ENV, raising=False)
+    assert _refused(argv, capsys) == 2
+    err = capsys.readouterr().err
+    assert f"{argv[1]} says which ranks this command starts, and a launcher started it" in err
+    # A --link run's node is started by its launcher with the caller's --nproc-per-node.
+    monkeypatch.setenv(report.OPTIONS_ENV, "{}")
+    assert _checked(["ddp", "--nproc-per-node", "2"]).nproc_per_node == 2
+
+
+def test_the_options_json_records_are_those_the_run_uses(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench_options, "_available_bytes", lambda: 10**13)
+    assert _checked(["ddp", "--model", "transformer"]).width == 512  # was None
+    assert _checked(["ddp"]).nproc_per_node == 1
+    # The mlp's layers are capped at the width it fits too, not only at a width given.
+    assert _refused(["ddp", "--params", "4.4G"], capsys) == 2
+    err = capsys.readouterr().err
+    assert "--params 4400000000 at --width 2048 is 1049 layers (at most 1024): give a " in err
+    assert "larger --width\n" in err, err  # (not "or leave it out": it was)
+    # An input of the run named as its output: the earlier run's JSON would be overwritten.
+    earlier = tmp_path / "c.json"
+    earlier.write_text("{}")
+    assert _refused(["convergence", "--fp32-from", str(earlier), "--json", str(earlier)], capsys)
+    assert "--json and --fp32-from name the same file" in capsys.readouterr().err
 
 
 def test_pretend_nodes_that_do_not_divide_a_launchers_ranks_are_refused(monkeypatch, capsys):
