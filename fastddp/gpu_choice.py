@@ -3,10 +3,11 @@
 Launchers give GPUs to ranks in two ways. torchrun and ``srun --gpus-per-node`` let every
 rank of a node see all its GPUs: the rank takes ``cuda:LOCAL_RANK``. ``srun
 --gpus-per-task=1``, torchrun's ``--virtual-local-rank`` and a ``CUDA_VISIBLE_DEVICES`` of its
-own per rank let each rank see one: every rank takes ``cuda:0``, a different GPU each. From inside one process the two cases
-look alike when a node has a single GPU, so the ranks compare the GPUs' UUIDs before init
-(:func:`fastddp.joining.agree`) and refuse two ranks on one GPU on every rank, before NCCL
-would refuse it on one ("Duplicate GPU") or the two ranks would share it by halves.
+own per rank let each rank see one: every rank takes ``cuda:0``, a different GPU each. From
+inside one process the two cases look alike when a node has a single GPU, so the ranks compare
+the GPUs' UUIDs before init (:func:`fastddp.joining.agree`) and refuse two ranks on one GPU on
+every rank, before NCCL would refuse it on one ("Duplicate GPU") or the two ranks would share
+it by halves.
 """
 
 import socket
