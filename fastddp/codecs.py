@@ -239,7 +239,7 @@ class Int8Codec(Codec):
 
     def reduce_calls(self, rows, out, shard, scale, flag, residual, seed):
         if self._bytes(shard) * 8 != shard * self._bits:  # requantize takes whole bytes
-            total = torch.empty(shard, device=rows.device)
+            total = torch.empty(shard, dtype=torch.float32, device=rows.device)
             return [
                 *self.sum_calls(rows, shard, total, scale),
                 *self.encode_calls(total, out.view(1, -1), shard, 1.0, flag, residual, seed),

@@ -120,8 +120,9 @@ class DiLoCo:
         self._module, self._trained = module, [p.requires_grad for p in module.parameters()]
         self._shards = Shards(params, self.per_node, topo.local_rank, self._wire.block * self.nodes)
         size, device = self._shards.size, self._shards.device
-        self._global = torch.zeros(size, device=device)  # fp32, this rank's slice
-        self._delta = torch.zeros(size, device=device)  # this round's pseudo-gradient
+        fp32 = dict(dtype=torch.float32, device=device)  # (whatever the default dtype)
+        self._global = torch.zeros(size, **fp32)  # this rank's slice
+        self._delta = torch.zeros(size, **fp32)  # this round's pseudo-gradient
         # overlap: the previous round's average, reduced in the background, applied next
         self._pending: Optional[torch.Tensor] = torch.zeros_like(self._delta) if overlap else None
         self._has_pending = False

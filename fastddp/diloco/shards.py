@@ -55,7 +55,9 @@ class Shards:
         full = mine
         if self.per_node > 1:
             if self._full is None:
-                self._full = torch.empty(self.per_node * self.size, device=self.device)
+                self._full = torch.empty(
+                    self.per_node * self.size, dtype=mine.dtype, device=self.device
+                )
             _all_gather_single(self._full, mine, group=group)
             full = self._full
         at = 0

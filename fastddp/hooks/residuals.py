@@ -116,7 +116,7 @@ class Residuals:
             return
         full = None
         if slot.shard_residual is not None:
-            full = torch.zeros(slot.world * slot.shard, device=slot.device)
+            full = torch.zeros(slot.world * slot.shard, dtype=torch.float32, device=slot.device)
         start = 0
         for k, numel in slot.params:
             pieces = self.stage2.pop(k, ())
@@ -138,7 +138,7 @@ class Residuals:
         per_node, ns = topo.per_node, slot.node_shard
         stages = 1 if slot.shard_residual is None else 2
         # [stage][element of the padded bucket]: stage-1 parts, and stage-2 pieces.
-        parts = torch.zeros(stages, per_node * ns, device=slot.device)
+        parts = torch.zeros(stages, per_node * ns, dtype=torch.float32, device=slot.device)
         start = 0
         for k, numel in slot.params:
             part = self.stage1.pop(k, None)
@@ -154,7 +154,7 @@ class Residuals:
             start += numel
         # Node shard l of every stage to local rank l, summed over the node's ranks.
         send = parts.view(stages, per_node, ns).transpose(0, 1).contiguous().view(-1)
-        mine = torch.empty(stages * ns, device=slot.device)
+        mine = torch.empty(stages * ns, dtype=torch.float32, device=slot.device)
         _reduce_scatter_single(mine, send, group=topo.groups["intra"])
         lo = topo.local_rank * ns
         slot.residual.zero_()
@@ -190,7 +190,7 @@ class Residuals:
             parts = [(o, t) for o, t in parts if t is not None]
             if not parts:
                 continue
-            whole = torch.zeros(self.sizes[k], device=parts[0][1].device)
+            whole = torch.zeros(self.sizes[k], dtype=torch.float32, device=parts[0][1].device)
             for offset, t in parts:
                 whole[offset : offset + t.numel()] += t.to(whole.device)
             out[k] = whole

@@ -139,9 +139,10 @@ class Slot:
         # (a fill, where a tensor from a Python list would wait for a host-to-device copy)
         self.nonfinite = torch.full((1,), events, dtype=torch.int64, **on)
         if error_feedback:
-            self.residual = torch.zeros(max(self.numel, per_node * self.node_shard), **on)
+            fp32 = dict(dtype=torch.float32, **on)  # (not the default dtype, which may be fp64)
+            self.residual = torch.zeros(max(self.numel, per_node * self.node_shard), **fp32)
             if self.shard > 0:
-                self.shard_residual = torch.zeros(self.shard, **on)
+                self.shard_residual = torch.zeros(self.shard, **fp32)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer of this slot: what a side stream may write."""

@@ -38,14 +38,15 @@ class HierarchicalPath(Path):
     def allocate(self, slot, codec, topo):
         # Node shards split evenly into the inner path's aligned shards; the inner path's
         # buffers (wire, recv, out) are sized for the cross-node group.
-        nodes, per_node, on = len(topo.nodes), topo.per_node, dict(device=slot.device)
+        nodes, per_node = len(topo.nodes), topo.per_node
+        on = dict(dtype=torch.float32, device=slot.device)  # (whatever the default dtype)
         unit = self.inner.unit(codec, nodes)
         slot.node_shard = n = -(-slot.numel // (per_node * unit)) * unit
         slot.node_recv = torch.empty(per_node, n, **on)
         slot.node_sum = torch.zeros(n, **on)  # zeros past the bucket's end stay zero
         self.inner.buffers(slot, codec, n, nodes)
         wire = slot.wire.numel()
-        slot.gathered = torch.empty(per_node, wire, dtype=codec.wire_dtype, **on)
+        slot.gathered = torch.empty(per_node, wire, dtype=codec.wire_dtype, device=slot.device)
 
     def sent_bytes(self, slot, topo):
         return sum(self._bytes_of(slot, topo, i) for i in range(self.stages))

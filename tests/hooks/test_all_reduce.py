@@ -169,6 +169,37 @@ def test_all_reduce_with_error_feedback_state():
     run_ranks(_with_state, 2)
 
 
+def _float64_default(rank, world):
+    # A script that set torch's default dtype to fp64 reduces its fp32 tensors as any other:
+    # the buffers and residuals fastddp makes are fp32 whatever the default.
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(1001, generator=g)
+    cases = [
+        dict(dtype=torch.int4, topology="hierarchical"),
+        dict(dtype=torch.bfloat16, topology="hierarchical"),
+        dict(state=lambda: fastddp.CompressState.from_preset("int8-ef", topology="flat")),
+        dict(state=lambda: fastddp.CompressState.from_preset("int8-ef", topology="hierarchical")),
+    ]
+    for case in cases:
+        got = []
+        for default in (torch.float32, torch.float64):
+            kwargs = {k: v() if callable(v) else v for k, v in case.items()}
+            y = x.clone()
+            before = torch.get_default_dtype()
+            torch.set_default_dtype(default)
+            try:
+                fastddp.all_reduce(y, **kwargs)
+                fastddp.all_reduce(y, **kwargs)  # (the residuals of the first call used)
+            finally:
+                torch.set_default_dtype(before)
+            got.append(y)
+        assert got[1].dtype == torch.float32 and torch.equal(got[0], got[1]), case
+
+
+def test_all_reduce_under_a_float64_default_dtype():
+    run_ranks(_float64_default, 2)
+
+
 def _bad_input(rank, world):
     cases = [
         (lambda: fastddp.all_reduce(torch.ones(3), op="max"), 'op must be "avg" or "sum"'),

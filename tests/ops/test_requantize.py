@@ -186,3 +186,23 @@ def test_opcheck_requantize(device):
             torch.ops.fastddp.requantize.default,
             (q, s, out, out_scales, bits, 32, 0.5, flag, res, 1),
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int4, torch.int2])
+def test_a_codec_reduces_under_a_float64_default_dtype(dtype):
+    # Rows of 33 values, which requantize cannot take in whole bytes at 4 and 2 bits: the sum
+    # goes through an fp32 buffer of the codec's own, fp32 whatever torch's default dtype.
+    codec, shard = codecs.codec_for(dtype, 32), 33
+    rows = torch.zeros(2, codec.row_elems(shard), dtype=codec.wire_dtype)
+    codec.encode(_grads(2 * shard, seed=3), rows, shard)
+    outs = []
+    for default in (torch.float32, torch.float64):
+        out = torch.zeros(1, codec.row_elems(shard), dtype=codec.wire_dtype)
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(default)
+        try:
+            codec.reduce(rows, out, shard)
+        finally:
+            torch.set_default_dtype(before)
+        outs.append([out])
+    _same_bits(*outs)
