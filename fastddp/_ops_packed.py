@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from fastddp import _extension
-from fastddp._ops_support import bool_seed, one_device
+from fastddp._ops_support import check_ints, one_device
 
 __all__ = ["dequantize_packed", "quantize_packed", "requantize", "unpack_packed"]
 
@@ -22,8 +22,7 @@ def quantize_packed(src, dst, scales, bits: int, block_size: int, scale: float =
     ``dst`` is 1-D with ``ceil(n * bits / 8)`` bytes, or ``[R, m]`` rows of ``m * 8 / bits``
     codes; ``block_size`` is a multiple of ``8 / bits``, so that a block holds whole bytes.
     """
-    if seed is True or seed is False:
-        raise bool_seed("quantize_packed", seed)
+    check_ints("quantize_packed", bits=bits, block_size=block_size, seed=seed)
     torch.ops.fastddp.quantize_packed.default(
         src, dst, scales, bits, block_size, scale, found_nonfinite, residual, seed
     )
@@ -42,11 +41,13 @@ def _quantize_packed_fake(
 def dequantize_packed(src, scales, dst, bits: int, block_size: int, scale: float = 1.0) -> None:
     """:func:`dequantize_int8` for the packed codes of :func:`quantize_packed`: ``src`` is
     ``[chunks, ceil(m * bits / 8)]`` bytes, ``dst`` the ``m`` fp32 sums."""
+    check_ints("dequantize_packed", bits=bits, block_size=block_size)
     torch.ops.fastddp.dequantize_packed.default(src, scales, dst, bits, block_size, scale)
 
 
 def unpack_packed(src, scales, dst, bits: int, block_size: int, scale: float = 1.0) -> None:
     """:func:`unpack_int8` for the packed codes of :func:`quantize_packed`."""
+    check_ints("unpack_packed", bits=bits, block_size=block_size)
     torch.ops.fastddp.unpack_packed.default(src, scales, dst, bits, block_size, scale)
 
 
@@ -99,8 +100,7 @@ def requantize(
         found_nonfinite, residual, seed: as for :func:`~fastddp.ops.compress`, applied to the
             sum; ``residual`` has ``m`` elements.
     """
-    if seed is True or seed is False:
-        raise bool_seed("requantize", seed)
+    check_ints("requantize", bits=bits, block_size=block_size, seed=seed)
     torch.ops.fastddp.requantize.default(
         src, src_scales, dst, dst_scales, bits, block_size, scale, found_nonfinite, residual, seed
     )

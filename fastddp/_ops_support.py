@@ -1,11 +1,12 @@
-"""What the typed wrappers of :mod:`fastddp.ops` share: their names and docstrings, and the
-fake kernels' device check."""
+"""What the typed wrappers of :mod:`fastddp.ops` share: their names and docstrings, the check
+of their int arguments, and the fake kernels' device check."""
 
 from typing import Optional
 
+import numpy as np
 import torch
 
-__all__ = ["bool_seed", "named", "one_device"]
+__all__ = ["bool_seed", "check_ints", "named", "one_device"]
 
 
 def one_device(op: str, *tensors: Optional[torch.Tensor]) -> None:
@@ -26,6 +27,16 @@ def named(wrapper, name: str, doc: str):
     wrapper.__name__ = wrapper.__qualname__ = name
     wrapper.__doc__ = doc
     return wrapper
+
+
+def check_ints(op: str, **values) -> None:
+    """Raise a TypeError naming the first of ``values`` that is a bool (numpy's too): torch's
+    schemas take a bool for an int, so ``block_size=True`` would be a block of 1."""
+    for name, value in values.items():
+        if isinstance(value, (bool, np.bool_)):
+            if name == "seed":
+                raise bool_seed(op, value)
+            raise TypeError(f"fastddp.{op}: {name} must be an int, got {value!r}")
 
 
 def bool_seed(op: str, seed: bool) -> TypeError:

@@ -3,6 +3,7 @@ without ``state=``), its bucket size, the tensors it refuses, and the handshake 
 argument refused on one rank on the others."""
 
 import itertools
+import numbers
 from collections.abc import Iterable
 from typing import Optional
 
@@ -76,13 +77,14 @@ def settled(
     where = "fastddp.all_reduce"
     if op not in ("avg", "sum"):
         raise ValueError(f'{where}: op must be "avg" or "sum", got {op!r}')
-    number = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
+    # (numpy's numbers too; its bool is no Real)
+    number = isinstance(bucket_cap_mb, numbers.Real) and not isinstance(bucket_cap_mb, bool)
     if not (number and 0 < bucket_cap_mb <= _MAX_CAP_MB):
         raise ValueError(
             f"{where}: bucket_cap_mb must be a positive number of MiB, at most {_MAX_CAP_MB:g} "
             f"(a bucket's elements are counted in int64), got {bucket_cap_mb!r}"
         )
-    cap = int(bucket_cap_mb * 2**20) // 4  # elements
+    cap = int(float(bucket_cap_mb) * 2**20) // 4  # elements
     if state is None:
         check_dtype(dtype, where)
         try:

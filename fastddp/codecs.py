@@ -19,6 +19,7 @@ codecs never look inside a row.
 """
 
 import math
+import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import partial
@@ -328,8 +329,10 @@ def checked_block_size(where: str, dtype: torch.dtype, block_size) -> Optional[i
             )
         return None
     block_size = blocks.default if block_size is None else block_size
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
+    # (numpy's ints too; its bool is no Integral)
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
         raise TypeError(f"{where}: block_size must be an int, got {block_size!r}")
+    block_size = int(block_size)
     if not blocks.low <= block_size <= blocks.high:
         raise ValueError(
             f"{where}: block_size must be between {blocks.low} and {blocks.high}, got {block_size}"

@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 
 from fastddp import _extension
-from fastddp._ops_support import bool_seed, named, one_device
+from fastddp._ops_support import check_ints, named, one_device
 
 __all__ = [
     "compress",
@@ -51,8 +51,7 @@ def _rounding_op(name: str, doc: str):
         residual: Optional[torch.Tensor] = None,
         seed: int = -1,
     ) -> None:
-        if seed is True or seed is False:
-            raise bool_seed(name, seed)
+        check_ints(name, seed=seed)
         op(src, dst, scale, found_nonfinite, residual, seed)
 
     return named(wrapper, name, doc)
@@ -69,6 +68,7 @@ def _dequantizing_op(name: str, doc: str):
         block_size: int,
         scale: float = 1.0,
     ) -> None:
+        check_ints(name, block_size=block_size)
         op(src, scales, dst, block_size, scale)
 
     return named(wrapper, name, doc)
@@ -195,8 +195,7 @@ def quantize_int8(
         block_size: elements per scale, at least 1.
         scale, found_nonfinite, residual, seed: as for :func:`compress`.
     """
-    if seed is True or seed is False:
-        raise bool_seed("quantize_int8", seed)
+    check_ints("quantize_int8", block_size=block_size, seed=seed)
     torch.ops.fastddp.quantize_int8.default(
         src, dst, scales, block_size, scale, found_nonfinite, residual, seed
     )

@@ -200,6 +200,25 @@ def test_all_reduce_under_a_float64_default_dtype():
     run_ranks(_float64_default, 2)
 
 
+def _numpy_numbers(rank, world):
+    # numpy's numbers (from a config or an array) are numbers; numpy's bool is not.
+    import numpy as np
+
+    x = torch.full((1000,), float(rank + 1))
+    y = x.clone()
+    fastddp.all_reduce(y, dtype=torch.int8, block_size=np.int64(64), bucket_cap_mb=np.float32(1))
+    fastddp.all_reduce(x, dtype=torch.int8, block_size=64, bucket_cap_mb=1.0)
+    assert torch.equal(x, y)
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number of MiB"):
+        fastddp.all_reduce(x, bucket_cap_mb=np.bool_(True))
+    with pytest.raises(TypeError, match="block_size must be an int, got "):
+        fastddp.all_reduce(x, dtype=torch.int8, block_size=np.bool_(True))
+
+
+def test_all_reduce_takes_numpy_numbers():
+    run_ranks(_numpy_numbers, 2)
+
+
 def _bad_input(rank, world):
     cases = [
         (lambda: fastddp.all_reduce(torch.ones(3), op="max"), 'op must be "avg" or "sum"'),

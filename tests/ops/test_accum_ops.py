@@ -480,7 +480,7 @@ BAD = [
             None,
             torch.zeros(4, dtype=torch.float64),
         ),
-        "residual must be a contiguous float32 tensor",
+        "residual must be float32, got Double",
     ),
     (
         lambda: ops.sum_chunks(torch.ones(8, dtype=torch.half), torch.empty(8, dtype=torch.half)),
@@ -568,7 +568,7 @@ BAD = [
         lambda: ops.quantize_int8(
             torch.ones(8, dtype=torch.float64), torch.empty(8, dtype=torch.int8), torch.empty(2), 4
         ),
-        "the fp32 tensor must be contiguous float32",
+        "the fp32 tensor must be float32, got Double",
     ),
     (
         lambda: ops.quantize_int8(
@@ -580,7 +580,7 @@ BAD = [
         lambda: ops.dequantize_int8(
             torch.ones(2, 4, dtype=torch.int8), torch.ones(2), torch.empty(4, dtype=torch.half), 4
         ),
-        "dst must be contiguous float32",
+        "dst must be float32, got Half",
     ),
     (
         # No row to sum: refused, rather than a read of an empty tensor's codes.
@@ -590,6 +590,61 @@ BAD = [
         "with at least one row",
     ),
 ]
+
+
+@pytest.mark.parametrize("flag", [True, np.bool_(False)], ids=["bool", "numpy-bool"])
+def test_a_bool_for_an_int_is_refused(flag):
+    # torch's schemas take a bool for an int: seed=True would be seed 1 at every call (the
+    # same roundings every step), block_size=True a block of 1.
+    src, q, scales = torch.ones(8), torch.empty(8, dtype=torch.int8), torch.empty(8)
+    with pytest.raises(TypeError, match="quantize_int8: seed must be an int"):
+        ops.quantize_int8(src, q, scales, 1, 1.0, None, None, flag)
+    with pytest.raises(TypeError, match="compress: seed must be an int"):
+        ops.compress(src, torch.empty(8, dtype=torch.half), 1.0, None, None, flag)
+    with pytest.raises(TypeError, match="quantize_int8: block_size must be an int"):
+        ops.quantize_int8(src, q, scales, flag)
+    with pytest.raises(TypeError, match="dequantize_int8: block_size must be an int"):
+        ops.dequantize_int8(q.view(1, 8), scales.view(1, 8), src, flag)
+    packed = torch.empty(1, 4, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="unpack_packed: bits must be an int"):
+        ops.unpack_packed(packed, scales[:1].view(1, 1), src, flag, 8)
+    ops.quantize_int8(src, q, scales, np.int64(1), 1.0, None, None, np.int64(3))  # numpy's ints
+
+
+_WRITTEN = "must be contiguous; it is written in place, and a copy made by .contiguous() would"
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        # An input not contiguous: .contiguous() of it does. An output not contiguous: a copy
+        # made by .contiguous() would take the result and the tensor given would not.
+        (lambda: ops.compress(torch.ones(8)[::2], torch.empty(4, dtype=torch.half)), "the bucket"
+         " must be contiguous; pass .contiguous() of it"),
+        (lambda: ops.compress(torch.ones(4), torch.empty(8, dtype=torch.half)[::2]),
+         f"the wire buffer {_WRITTEN}"),
+        (lambda: ops.decompress(torch.ones(4, dtype=torch.half), torch.empty(8)[::2]),
+         f"the bucket {_WRITTEN}"),
+        (lambda: ops.decompress(torch.ones(4, dtype=torch.half), torch.empty(4, dtype=torch.half)),
+         "the fp32 bucket must be float32, got Half; allocate it as float32"),
+        (lambda: ops.compress(torch.ones(4), torch.empty(4, dtype=torch.half), 1, None,
+                              torch.zeros(8)[::2]), f"residual {_WRITTEN}"),
+        (lambda: ops.sum_chunks(torch.ones(4, 2, dtype=torch.half).t(),
+                                torch.empty(4, dtype=torch.half)), "src must be contiguous; pass"),
+        (lambda: ops.widen_sum(torch.ones(2, 4, dtype=torch.half), torch.empty(8)[::2]),
+         f"dst {_WRITTEN}"),
+        (lambda: ops.quantize_int8(torch.ones(16)[::2], torch.empty(8, dtype=torch.int8),
+                                   torch.empty(2), 4), "the fp32 tensor must be contiguous; pass"),
+        (lambda: ops.unpack_int8(torch.ones(8, dtype=torch.int8), torch.ones(2),
+                                 torch.empty(16)[::2], 4), f"the fp32 tensor {_WRITTEN}"),
+        (lambda: ops.dequantize_int8(torch.ones(2, 4, dtype=torch.int8), torch.ones(2, 1),
+                                     torch.empty(8)[::2], 4), f"dst {_WRITTEN}"),
+    ],
+)  # fmt: skip
+def test_a_tensor_not_contiguous_is_named_with_the_fix_for_an_input_or_an_output(call, message):
+    with pytest.raises(RuntimeError) as info:
+        call()
+    assert message in str(info.value)
 
 
 @pytest.mark.parametrize("make, message", BAD)

@@ -105,19 +105,37 @@ inline void check_apart(
   }
 }
 
-inline void check_contiguous_fp32(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(
-      t.scalar_type() == c10::ScalarType::Float && t.is_contiguous(),
-      "fastddp.", op, ": ", name, " must be contiguous float32, got ", t.scalar_type());
+// How to make a tensor contiguous: an input by .contiguous(); an output (`written`) by
+// allocating it so, as a copy that .contiguous() made would receive the result instead of it.
+inline const char* contiguous_fix(bool written) {
+  return written ? "it is written in place, and a copy made by .contiguous() would receive the "
+                   "result instead: allocate it contiguous (torch.empty) and copy_ from it"
+                 : "pass .contiguous() of it";
 }
 
-// A bucket (fp32) and its 16-bit wire buffer: same device, same length, both contiguous.
+inline void check_contiguous(const char* op, const char* name, const at::Tensor& t, bool written) {
+  TORCH_CHECK(
+      t.is_contiguous(), "fastddp.", op, ": ", name, " must be contiguous; ",
+      contiguous_fix(written));
+}
+
+inline void check_contiguous_fp32(
+    const char* op, const char* name, const at::Tensor& t, bool written) {
+  TORCH_CHECK(
+      t.scalar_type() == c10::ScalarType::Float,
+      "fastddp.", op, ": ", name, " must be float32, got ", t.scalar_type());
+  check_contiguous(op, name, t, written);
+}
+
+// A bucket (fp32) and its 16-bit wire buffer: same device, same length, both contiguous; the
+// wire is written (compress), or the bucket (decompress).
 inline void check_bucket_and_wire(
-    const char* op, const at::Tensor& bucket, const at::Tensor& wire) {
+    const char* op, const at::Tensor& bucket, const at::Tensor& wire, bool wire_written) {
   TORCH_CHECK(
       bucket.scalar_type() == c10::ScalarType::Float,
       "fastddp.", op, ": the fp32 bucket must be float32, got ", bucket.scalar_type(),
-      "; cast it with .float() or keep the gradients in float32");
+      wire_written ? "; cast it with .float() or keep the gradients in float32"
+                   : "; allocate it as float32 (it is written in place)");
   TORCH_CHECK(
       is_wire_dtype(wire.scalar_type()),
       "fastddp.", op, ": the wire buffer must be float16 or bfloat16, got ", wire.scalar_type());
@@ -126,9 +144,8 @@ inline void check_bucket_and_wire(
       bucket.numel() == wire.numel(),
       "fastddp.", op, ": bucket has ", bucket.numel(), " elements but the wire buffer has ",
       wire.numel(), "; they must match");
-  TORCH_CHECK(
-      bucket.is_contiguous() && wire.is_contiguous(),
-      "fastddp.", op, ": bucket and wire buffer must be contiguous; call .contiguous() first");
+  check_contiguous(op, "the bucket", bucket, !wire_written);
+  check_contiguous(op, "the wire buffer", wire, wire_written);
   TORCH_CHECK(
       bucket.numel() == 0 || !bucket.is_alias_of(wire),
       "fastddp.", op, ": bucket and wire buffer share storage; use a separate wire buffer");
@@ -149,9 +166,8 @@ inline void check_row_sum(
   TORCH_CHECK(
       dst.numel() == src.size(1),
       "fastddp.", op, ": dst has ", dst.numel(), " elements but each chunk has ", src.size(1));
-  TORCH_CHECK(
-      src.is_contiguous() && dst.is_contiguous(),
-      "fastddp.", op, ": src and dst must be contiguous; call .contiguous() first");
+  check_contiguous(op, "src", src, false);
+  check_contiguous(op, "dst", dst, true);
   check_own_storage(op, "dst", dst, "src", src);
 }
 
@@ -176,10 +192,7 @@ inline Rounding rounding_of(
     check_same_device(op, "found_nonfinite", *flag, "the data", data);
   }
   if (residual.has_value()) {
-    TORCH_CHECK(
-        residual->scalar_type() == c10::ScalarType::Float && residual->is_contiguous(),
-        "fastddp.", op, ": residual must be a contiguous float32 tensor, got ",
-        residual->scalar_type());
+    check_contiguous_fp32(op, "residual", *residual, true);
     TORCH_CHECK(
         residual->numel() == n,
         "fastddp.", op, ": residual has ", residual->numel(), " elements but ", n,
@@ -234,7 +247,8 @@ inline Int8Rows code_rows(
   TORCH_CHECK(
       q_stride >= 0,
       "fastddp.", op, ": each row of ", tensor, " must be contiguous (rows may be spaced "
-      "apart); call .contiguous() first");
+      "apart); pass .contiguous() of an input, and allocate an output contiguous (a copy "
+      "would receive the result instead)");
   const int64_t nb = blocks_of(row_len, block);
   const int64_t s_stride = row_stride(scales, rows, nb);
   TORCH_CHECK(
@@ -254,12 +268,12 @@ inline Int8Rows int8_rows(
   return code_rows(op, q, scales, block, c10::ScalarType::Char, tensor, "m", "int8 values", m);
 }
 
-// The flat fp32 side of an int8 layout: `n` elements spread over the rows in order. Several
-// rows must hold whole blocks, so that no block straddles two rows.
+// The flat fp32 side of an int8 layout (`written` by unpack): `n` elements spread over the rows
+// in order. Several rows must hold whole blocks, so that no block straddles two rows.
 inline void check_flat_side(
     const char* op, const at::Tensor& values, const at::Tensor& q, const Int8Rows& rows,
-    int64_t block) {
-  check_contiguous_fp32(op, "the fp32 tensor", values);
+    int64_t block, bool written) {
+  check_contiguous_fp32(op, "the fp32 tensor", values, written);
   check_same_device(op, "the fp32 tensor", values, "the int8 tensor", q);
   if (q.dim() == 1) {
     TORCH_CHECK(
@@ -306,8 +320,8 @@ inline Int8Rows packed_rows(
 // must hold whole blocks.
 inline void check_packed_flat_side(
     const char* op, const at::Tensor& values, const at::Tensor& q, const Int8Rows& rows,
-    int64_t block) {
-  check_contiguous_fp32(op, "the fp32 tensor", values);
+    int64_t block, bool written) {
+  check_contiguous_fp32(op, "the fp32 tensor", values, written);
   check_same_device(op, "the fp32 tensor", values, "the packed tensor", q);
   TORCH_CHECK(
       rows.rows <= 1 || rows.row_len % block == 0,

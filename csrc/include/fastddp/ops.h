@@ -42,7 +42,7 @@ template <class Backend>
 void compress(
     const Tensor& src, const Tensor& dst, double scale, const OptionalTensor& found_nonfinite,
     const OptionalTensor& residual, int64_t seed) {
-  check_bucket_and_wire("compress", src, dst);
+  check_bucket_and_wire("compress", src, dst, true);
   const Rounding rounding = rounding_of("compress", found_nonfinite, residual, seed, src);
   check_rounding_apart("compress", src, dst, found_nonfinite, residual);
   Backend(src).run(CompressArgs{
@@ -53,7 +53,7 @@ void compress(
 
 template <class Backend>
 void decompress(const Tensor& src, const Tensor& dst, double scale) {
-  check_bucket_and_wire("decompress", dst, src);
+  check_bucket_and_wire("decompress", dst, src, false);
   Backend(src).run(DecompressArgs{
       kind_of(src), wire_bits(src), dst.data_ptr<float>(), src.numel(), static_cast<float>(scale)});
 }
@@ -100,7 +100,7 @@ void quantize_int8(
     const Tensor& src, const Tensor& dst, const Tensor& scales, int64_t block, double scale,
     const OptionalTensor& found_nonfinite, const OptionalTensor& residual, int64_t seed) {
   const Int8Rows rows = int8_rows("quantize_int8", dst, scales, block);
-  check_flat_side("quantize_int8", src, dst, rows, block);
+  check_flat_side("quantize_int8", src, dst, rows, block, false);
   const Rounding rounding = rounding_of("quantize_int8", found_nonfinite, residual, seed, src);
   check_quantize_apart("quantize_int8", src, dst, scales, found_nonfinite, residual);
   Backend(src).run(QuantizeArgs{
@@ -117,7 +117,7 @@ void dequantize_int8(
       "row per rank), got ",
       src.sizes());
   const Int8Rows rows = int8_rows("dequantize_int8", src, scales, block);
-  check_contiguous_fp32("dequantize_int8", "dst", dst);
+  check_contiguous_fp32("dequantize_int8", "dst", dst, true);
   check_same_device("dequantize_int8", "src", src, "dst", dst);
   TORCH_CHECK(
       dst.numel() == src.size(1),
@@ -133,7 +133,7 @@ template <class Backend>
 void unpack_int8(
     const Tensor& src, const Tensor& scales, const Tensor& dst, int64_t block, double scale) {
   const Int8Rows rows = int8_rows("unpack_int8", src, scales, block);
-  check_flat_side("unpack_int8", dst, src, rows, block);
+  check_flat_side("unpack_int8", dst, src, rows, block, true);
   check_apart("unpack_int8", {{"dst", &dst}, {"src", &src}, {"scales", &scales}});
   Backend(src).run(UnpackArgs{
       {src.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), block, rows},
@@ -154,7 +154,7 @@ void quantize_packed(
   const char* op = "quantize_packed";
   const Int8Rows rows =
       packed_rows(op, dst, scales, block, bits, packed_row_len(dst, src.numel(), bits));
-  check_packed_flat_side(op, src, dst, rows, block);
+  check_packed_flat_side(op, src, dst, rows, block, false);
   const Rounding rounding = rounding_of(op, found_nonfinite, residual, seed, src);
   check_quantize_apart(op, src, dst, scales, found_nonfinite, residual);
   Backend(src).run(QuantizeArgs{
@@ -172,7 +172,7 @@ void dequantize_packed(
       "fastddp.dequantize_packed: src must have shape [chunks, bytes] with at least one row "
       "(one row per rank), got ",
       src.sizes());
-  check_contiguous_fp32(op, "dst", dst);
+  check_contiguous_fp32(op, "dst", dst, true);
   check_same_device(op, "src", src, "dst", dst);
   const Int8Rows rows = packed_rows(op, src, scales, block, bits, dst.numel());
   check_apart(op, {{"dst", &dst}, {"src", &src}, {"scales", &scales}});
@@ -189,7 +189,7 @@ void unpack_packed(
   const char* op = "unpack_packed";
   const Int8Rows rows =
       packed_rows(op, src, scales, block, bits, packed_row_len(src, dst.numel(), bits));
-  check_packed_flat_side(op, dst, src, rows, block);
+  check_packed_flat_side(op, dst, src, rows, block, true);
   check_apart(op, {{"dst", &dst}, {"src", &src}, {"scales", &scales}});
   Backend(src).run(UnpackArgs{
       {static_cast<const int8_t*>(src.const_data_ptr()), scales.const_data_ptr<float>(), block,
