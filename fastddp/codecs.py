@@ -13,9 +13,8 @@ data the codec needs, so that one collective moves each row with its side data:
 
 Each step is written once, as the list of op calls it makes (``encode_calls`` and the like):
 the Python path runs the calls, and the DDP hook's native runner (``csrc/ddp/native_hook.cpp``)
-binds the same calls once per bucket and replays them without Python. Adding a codec is one
-class here, one entry in :data:`CODECS`, and its kernels in :mod:`fastddp.ops`; the users of
-codecs never look inside a row.
+binds the same calls once per bucket and replays them without Python. A codec is one class
+here, an entry in :data:`CODECS` and kernels in :mod:`fastddp.ops`; its users never look inside.
 """
 
 import math
@@ -310,8 +309,8 @@ CODECS: dict[torch.dtype, _Entry] = {
 
 
 def _names(dtypes) -> str:
-    names = [str(d) for d in dtypes]
-    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+    *rest, last = [str(d) for d in dtypes]
+    return ", ".join(rest) + " or " + last if rest else last
 
 
 def checked_block_size(where: str, dtype: torch.dtype, block_size) -> Optional[int]:
@@ -329,10 +328,8 @@ def checked_block_size(where: str, dtype: torch.dtype, block_size) -> Optional[i
             )
         return None
     block_size = blocks.default if block_size is None else block_size
-    # (numpy's ints too; its bool is no Integral)
-    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):  # (numpy's)
         raise TypeError(f"{where}: block_size must be an int, got {block_size!r}")
-    block_size = int(block_size)
     if not blocks.low <= block_size <= blocks.high:
         raise ValueError(
             f"{where}: block_size must be between {blocks.low} and {blocks.high}, got {block_size}"
@@ -341,7 +338,7 @@ def checked_block_size(where: str, dtype: torch.dtype, block_size) -> Optional[i
         raise ValueError(
             f"{where}: block_size must be a power of two for dtype={dtype}, got {block_size}"
         )
-    return block_size
+    return int(block_size)
 
 
 def codec_for(
