@@ -15,6 +15,7 @@ __all__ = [
     "LaunchError",
     "PortTaken",
     "check_port_free",
+    "check_store",
     "ephemeral_range",
     "interfaces",
     "is_local",
@@ -204,13 +205,15 @@ def probe(
     deadline: float,
     say: Optional[Callable[[str], None]] = None,
     not_started: float = 0.0,
+    store: bool = False,
 ) -> None:
     """Connect to the master's port until it answers or ``deadline`` seconds pass.
 
     A refused connection (the host is there, nothing listens yet) is waited for up to
     ``not_started`` seconds if that is longer (:data:`NOT_STARTED_S` for a node waiting for
     node 0), and ``say`` is told why once ``deadline`` has passed. ``local`` and ``iface``
-    (this node's side of the route) only go into the error message.
+    (this node's side of the route) only go into the error message. With ``store``, what
+    answers must also answer a store query (:func:`check_store`).
     """
     start = time.monotonic()
     last: Optional[OSError] = None
@@ -230,7 +233,9 @@ def probe(
             )
             told = True
         try:
-            with socket.create_connection((addr, port), timeout=min(left, 3.0)):
+            with socket.create_connection((addr, port), timeout=min(left, 3.0)) as conn:
+                if store:
+                    check_store(conn, f"{addr}:{port}")
                 return
         except OSError as e:
             last = e
@@ -251,4 +256,48 @@ def probe(
         "the same command, that --master-addr/--master-port (or --rdzv-endpoint) are right, "
         "that this interface is on the master's network, and that no firewall blocks the "
         + ("port" if refused else "port; --preflight-timeout waits longer")
+    )
+
+
+# c10d's TCPStore protocol, the same for its libuv and its classic server: a client first
+# sends VALIDATE (query 0) with this magic number (no reply, a wrong one closes the
+# connection), then GETNUMKEYS (query 7), answered with a native int64.
+_VALIDATE, _GETNUMKEYS, _STORE_MAGIC = 0, 7, 0x3C85F7CE
+STORE_ANSWER_S = 5.0
+
+
+def check_store(conn: socket.socket, where: str) -> None:
+    """Raise :class:`LaunchError` unless ``conn`` is to a ``torch.distributed`` store.
+
+    A port that accepts connections may belong to another program; torchrun's agents would
+    then wait on it for ever (a silent one) or fail minutes later. One read-only query tells,
+    within :data:`STORE_ANSWER_S` seconds.
+    """
+    timeout = STORE_ANSWER_S
+    conn.settimeout(timeout)
+    conn.sendall(struct.pack("=BIB", _VALIDATE, _STORE_MAGIC, _GETNUMKEYS))
+    answer = b""
+    try:
+        while len(answer) < 8:
+            more = conn.recv(8 - len(answer))
+            if not more:
+                break
+            answer += more
+    except (socket.timeout, TimeoutError):
+        why = f"it sent no answer to a store query within {timeout:.0f} s"
+    except OSError as e:
+        why = f"it broke the connection at a store query ({e.strerror or e})"
+    else:
+        keys = struct.unpack("=q", answer)[0] if len(answer) == 8 else -1
+        if 0 <= keys < 1 << 32:
+            return
+        why = (
+            f"it answered a store query with {answer[:8]!r}"
+            if answer
+            else "it closed the connection at a store query"
+        )
+    raise LaunchError(
+        f"{where} accepts connections but is not a torch.distributed store: {why}. Another "
+        "program holds that port, or the port is wrong: give node 0's --master-port (or "
+        "--rdzv-endpoint host:port), a port no other program uses there, on every node"
     )

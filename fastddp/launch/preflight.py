@@ -207,7 +207,7 @@ def preflight(
         except net.PortTaken as e:
             if e.listened is False:  # only connections' ends: there is no rendezvous to join
                 raise
-            net.probe(addr, port, local, iface, 2.0)
+            net.probe(addr, port, local, iface, 2.0, store=True)
             say(f"the rendezvous port {port} is already served on this machine; joining it")
             hosts = False
         else:
@@ -215,7 +215,11 @@ def preflight(
                 why = f"the endpoint {host} is an address of this node"
                 decisions.rdzv_conf = ("is_host=1", why)
     else:
-        net.probe(addr, port, local, iface, args.preflight_timeout, say, net.NOT_STARTED_S)
+        # Static and c10d rendezvous are served by a torch.distributed store; others (etcd)
+        # by their own servers.
+        store = args.rdzv_backend in ("static", "c10d")
+        timeout = args.preflight_timeout
+        net.probe(addr, port, local, iface, timeout, say, net.NOT_STARTED_S, store=store)
     if hosts and max_nodes > 1:
         # Else the rendezvous host waits in silence until the other nodes come (or its timeout).
         say(

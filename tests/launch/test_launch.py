@@ -511,6 +511,26 @@ def test_a_rendezvous_port_held_by_a_closed_connection():
     assert "cannot reach the master" not in res.stderr, res.stderr
 
 
+def test_a_master_port_held_by_a_program_that_is_not_a_store():
+    # A program that accepts connections and never answers: torchrun's agents would wait on
+    # it for ever. Node 1 of a static launch and a c10d launcher that would join the store
+    # on its own host both name it instead, within the store query's 5 s.
+    with socket.create_server(("127.0.0.1", 0)) as other:
+        port = other.getsockname()[1]
+        static = ["--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        res = _launch("--nnodes", "2", *static, WORKER)
+        c10d = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+        joined = _launch("--nnodes", "1:2", *c10d, WORKER)
+    for r in (res, joined):
+        assert r.returncode == 2, r.stderr
+        want = (
+            f"127.0.0.1:{port} accepts connections but is not a torch.distributed store: it "
+            "sent no answer to a store query within 5 s"
+        )
+        assert want in r.stderr, r.stderr
+    assert "joining it" not in joined.stderr, joined.stderr
+
+
 def test_standalone_two_ranks(tmp_path):
     cmd = [*LAUNCH, "--standalone", "--nproc-per-node", "2", WORKER, "--ddp"]
     res = _run_all([cmd], envs=[_env(TMPDIR=tmp_path)])

@@ -178,3 +178,89 @@ def test_a_master_port_held_by_closed_connections_is_named_so():
             net.check_port_free("127.0.0.1", port)
     assert listened.value.listened is True
     assert "Another job or a leftover process holds it" in str(listened.value)
+
+
+class _Impostor:
+    """A program that holds a port and is not a store: it keeps connections open in silence,
+    answers them with ``reply``, or closes them."""
+
+    def __init__(self, reply=None, close=False):
+        import socket
+        import threading
+
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.held = []
+
+        def serve():
+            while True:
+                try:
+                    conn, _ = self.server.accept()
+                except OSError:
+                    return
+                if reply is not None:
+                    conn.recv(64)
+                    conn.sendall(reply)
+                if close:
+                    conn.close()
+                else:
+                    self.held.append(conn)
+
+        threading.Thread(target=serve, daemon=True).start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.server.close()
+        for conn in self.held:
+            conn.close()
+
+
+@pytest.mark.parametrize("libuv", [True, False])
+def test_a_store_passes_the_store_check(libuv):
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from fastddp.launch import net
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, use_libuv=libuv, timeout=timedelta(seconds=10)
+    )
+    store.set("k", "v")
+    with socket.create_connection(("127.0.0.1", store.port), timeout=5) as conn:
+        net.check_store(conn, "here")
+    net.probe("127.0.0.1", store.port, "127.0.0.1", "lo", 5.0, store=True)
+    assert store.get("k") == b"v"  # the query changed nothing
+
+
+@pytest.mark.parametrize(
+    "impostor, why",
+    [
+        (dict(), "it sent no answer to a store query within 1 s"),
+        (
+            dict(reply=b"HTTP/1.0 400 Bad Request\r\n\r\n"),
+            "it answered a store query with b'HTTP/1.0'",
+        ),
+        (dict(close=True), "it closed the connection at a store query"),
+    ],
+    ids=["silent", "another-protocol", "closes"],
+)
+def test_a_program_that_is_not_a_store_fails_the_store_check(impostor, why, monkeypatch):
+    # torchrun's agents would wait on a silent one for ever, and fail on the others only
+    # after the rendezvous timeout: the preflight names it at once.
+    from fastddp.launch import net
+
+    monkeypatch.setattr(net, "STORE_ANSWER_S", 1.0)
+    with _Impostor(**impostor) as other:
+        with pytest.raises(LaunchError) as failed:
+            net.probe("127.0.0.1", other.port, "127.0.0.1", "lo", 5.0, store=True)
+        net.probe("127.0.0.1", other.port, "127.0.0.1", "lo", 5.0)  # not asked: it connects
+    message = str(failed.value)
+    assert (
+        f"127.0.0.1:{other.port} accepts connections but is not a torch.distributed store: {why}"
+        in message
+    ), message
+    assert "Another program holds that port, or the port is wrong" in message, message
