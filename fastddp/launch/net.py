@@ -285,8 +285,8 @@ def check_store(conn: socket.socket, where: str) -> None:
             answer += more
     except (socket.timeout, TimeoutError):
         why = f"it sent no answer to a store query within {timeout:.0f} s"
-    except OSError as e:
-        why = f"it broke the connection at a store query ({e.strerror or e})"
+    except OSError as e:  # a reset: closed with the query unread
+        why = f"it closed the connection at a store query ({e.strerror or e})"
     else:
         keys = struct.unpack("=q", answer)[0] if len(answer) == 8 else -1
         if 0 <= keys < 1 << 32:
