@@ -186,11 +186,16 @@ class PeerWatchdog:
         count = 0
         peers = [r for r in range(self.world_size) if r != self.rank]
         done: set[int] = set()
+        woke = time.monotonic()
         while not self._stop.wait(self.interval):
             if self._alive is not None and not self._alive():
                 self.stop()  # no collective of this rank can wait for anyone now
                 return
             count += 1
+            now = time.monotonic()
+            slept, woke = now - woke, now
+            if self._overslept(slept):
+                seen.clear()  # every peer's silence starts again from now
             try:
                 self._beat(count)
                 now = time.monotonic()
@@ -231,8 +236,19 @@ class PeerWatchdog:
                 self._stop.set()
                 return
 
+    def _overslept(self, slept: float) -> bool:
+        # A wait of one interval that took far longer: this process was stopped (a suspended
+        # job, SIGSTOP and SIGCONT to every rank) or starved. The silence it then finds is
+        # its own as much as the peers', who may have been stopped with it: it is not counted.
+        return slept > 2 * self.interval + 1.0
+
     def _watch_progress(self) -> None:
+        woke = time.monotonic()
         while not self._stop.wait(self.interval):
+            now = time.monotonic()
+            slept, woke = now - woke, now
+            if self._overslept(slept):
+                self._last_ok = max(self._last_ok, now)  # the store gets a timeout again
             quiet = time.monotonic() - self._last_ok
             if quiet > self.timeout + self.interval:
                 self._report(self._store_message(quiet, self._last_error))

@@ -281,6 +281,48 @@ def test_a_stopped_rank_0_that_serves_the_store_is_named():
     assert "rank 0 is stopped, hung outside Python or dead" in out, out
 
 
+_SUSPENDED = """
+import sys, time
+import torch.distributed as dist
+import fastddp
+fastddp.init_distributed(peer_timeout=2)
+print("ready", flush=True)
+sys.stdin.readline()  # the whole job is stopped and resumed meanwhile
+time.sleep(4)  # two peer timeouts after the resume, for a false alarm to come
+dist.barrier()
+print(f"rank {dist.get_rank()} carried on", flush=True)
+fastddp.shutdown_distributed()
+"""
+
+
+@pytest.mark.faults
+def test_a_job_stopped_and_resumed_whole_carries_on():
+    # A suspended job (Slurm's scontrol suspend, Ctrl-Z of an mpirun): every rank is stopped
+    # for three peer timeouts, then resumed. Each watchdog's heartbeats from the others are
+    # that old, but so is its own wait: no rank is lost, and the job goes on.
+    procs = _hand_started(["-c", _SUSPENDED])
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        for p in procs:
+            os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(6)
+        for p in procs:
+            os.kill(p.pid, signal.SIGCONT)
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        results = [_finish(p, 60) for p in procs]
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+            p.communicate()
+    for rank, (rc, out) in enumerate(results):
+        assert rc == 0 and f"rank {rank} carried on" in out, out
+        assert "has not answered" not in out, out
+
+
 _JOINING = """
 import datetime, sys, time
 import fastddp
