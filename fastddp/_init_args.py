@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from fastddp.cluster import ClusterError
+from fastddp.watchdog import MIN_PEER_TIMEOUT_S
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -70,6 +71,11 @@ def checked_peer_timeout(peer_timeout) -> float:
         raise ClusterError(
             "peer_timeout must be a number of seconds, 0 (off) or positive and finite, got "
             f"{peer_timeout!r}"
+        )
+    if 0 < peer_timeout < MIN_PEER_TIMEOUT_S:
+        raise ClusterError(
+            f"peer_timeout={peer_timeout!r} is shorter than {MIN_PEER_TIMEOUT_S:g} s, the least "
+            "the watchdog takes; use 0 to turn it off"
         )
     return peer_timeout
 

@@ -14,6 +14,7 @@ Configured by :func:`fastddp.init_distributed` (``peer_timeout=``) or ``FASTDDP_
 """
 
 import contextlib
+import decimal
 import math
 import os
 import socket
@@ -28,7 +29,7 @@ import torch.distributed as dist
 
 from fastddp.cluster import ClusterError
 
-__all__ = ["EXIT_PEER_LOST", "PeerWatchdog", "peer_timeout_from_env"]
+__all__ = ["EXIT_PEER_LOST", "MIN_PEER_TIMEOUT_S", "PeerWatchdog", "peer_timeout_from_env"]
 
 EXIT_PEER_LOST = 3
 _DONE = "done"
@@ -332,4 +333,15 @@ def peer_timeout_from_env(env: Mapping[str, str], world: int) -> float:
         raise ClusterError(
             f"FASTDDP_PEER_TIMEOUT={raw!r} must be 0 (off) or a positive, finite number of seconds"
         )
+    if seconds < MIN_PEER_TIMEOUT_S and decimal.Decimal(raw.strip()) != 0:  # (1e-400 is 0.0)
+        raise ClusterError(f"FASTDDP_PEER_TIMEOUT={raw!r} {_TOO_SHORT}")
     return seconds
+
+
+# A heartbeat every quarter of the timeout: under a second, a rank's watchdog thread that a
+# busy machine holds back for a moment is named lost, and the store is polled hundreds of
+# times a second.
+MIN_PEER_TIMEOUT_S = 1.0
+_TOO_SHORT = (
+    f"is shorter than {MIN_PEER_TIMEOUT_S:g} s, the least the watchdog takes; use 0 to turn it off"
+)

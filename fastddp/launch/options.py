@@ -8,6 +8,7 @@ preflight or torchrun sees them.
 
 import argparse
 import copy
+import math
 import os
 import sys
 from typing import Optional
@@ -119,9 +120,9 @@ def check(args: argparse.Namespace) -> None:
                 f"{PREFLIGHT_TIMEOUT_VAR}={raw!r} is not a number of seconds; set it right or "
                 "unset it (20 s)"
             ) from None
-    if not args.preflight_timeout > 0:
+    if not 0 < args.preflight_timeout < math.inf:  # (inf: a probe that never ends)
         raise LaunchError(
-            f"the preflight timeout must be positive seconds, got {args.preflight_timeout} "
+            f"the preflight timeout must be positive, finite seconds, got {args.preflight_timeout} "
             f"(--preflight-timeout or {PREFLIGHT_TIMEOUT_VAR})"
         )
 

@@ -308,7 +308,15 @@ def test_more_environment_errors():
 
 
 @pytest.mark.parametrize(
-    "raw, world, want", [(None, 2, 300.0), (None, 65, 0.0), ("0", 2, 0.0), ("2.5", 65, 2.5)]
+    "raw, world, want",
+    [
+        (None, 2, 300.0),
+        (None, 65, 0.0),
+        ("0", 2, 0.0),
+        ("0.0", 2, 0.0),
+        ("2.5", 65, 2.5),
+        ("1", 2, 1.0),
+    ],
 )
 def test_peer_timeout_from_env(raw, world, want):
     env = {} if raw is None else {"FASTDDP_PEER_TIMEOUT": raw}
@@ -321,6 +329,9 @@ def test_peer_timeout_from_env(raw, world, want):
         ("abc", "is not a number of seconds"),
         ("-1", "must be 0 \\(off\\)"),
         ("nan", "must be 0 \\(off\\) or a positive, finite number"),
+        # Under a second the watchdog named busy ranks lost; 1e-400 read as 0, off.
+        ("0.001", "is shorter than 1 s, the least the watchdog takes; use 0 to turn it off"),
+        ("1e-400", "is shorter than 1 s, the least the watchdog takes"),
     ],
 )
 def test_a_bad_peer_timeout_is_refused_by_the_worker_before_any_group(raw, message):
@@ -343,6 +354,7 @@ def test_a_bad_peer_timeout_is_refused_by_the_worker_before_any_group(raw, messa
         ({"peer_timeout": -1.0}, "0 \\(off\\) or positive and finite, got -1.0"),
         # (inf overflowed in the watchdog, after the group was made: a group left behind)
         ({"peer_timeout": float("inf")}, "0 \\(off\\) or positive and finite, got inf"),
+        ({"peer_timeout": 0.25}, "peer_timeout=0.25 is shorter than 1 s, the least the watchdog"),
         ({"timeout": 30}, "timeout must be a datetime.timedelta, got int"),
         ({"timeout": timedelta(0)}, "timeout must be positive, got 0:00:00"),
         ({"backend": "glo"}, "unknown backend 'glo'; use 'nccl' \\(GPUs\\) or 'gloo' \\(CPU\\)"),

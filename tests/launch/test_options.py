@@ -40,7 +40,9 @@ C10D = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint"]
             ["--rdzv-backend", "static", "--rdzv-endpoint", "127.0.0.1", "--nnodes", "1"],
             "the static rendezvous takes no default port; give HOST:PORT",
         ),
-        (["--preflight-timeout", "0"], "the preflight timeout must be positive seconds, got 0.0"),
+        (["--preflight-timeout", "0"], "the preflight timeout must be positive, finite seconds"),
+        # (inf: a probe of an unreachable master that never ended)
+        (["--preflight-timeout", "inf"], "must be positive, finite seconds, got inf"),
         (["--master-port", "70000"], "--master-port 70000: give a port from 1 to 65535"),
         (["--master-port", "-5"], "--master-port -5: give a port from 1 to 65535"),
         (["--standalone", "--nnodes", "2"], "--standalone runs one node, and --nnodes 2 asks for"),
@@ -59,6 +61,9 @@ def test_a_bad_preflight_timeout_variable_is_refused_and_help_still_works(capsys
     assert cli.main(["--dry-run", "--cluster", "none", "--standalone", "train.py"]) == 2
     err = capsys.readouterr().err
     assert "FASTDDP_PREFLIGHT_TIMEOUT='abc' is not a number of seconds" in err, err
+    monkeypatch.setenv(options.PREFLIGHT_TIMEOUT_VAR, "inf")
+    assert cli.main(["--dry-run", "--cluster", "none", "--standalone", "train.py"]) == 2
+    assert "must be positive, finite seconds, got inf" in capsys.readouterr().err
     monkeypatch.setenv(options.PREFLIGHT_TIMEOUT_VAR, "7.5")
     args = cli.build_parser().parse_args(["--standalone", __file__])
     options.check(args)
