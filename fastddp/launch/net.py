@@ -81,7 +81,20 @@ def route_to(addr: str, port: int) -> tuple[str, Optional[str]]:
                 "(ip route get " + addr + ")"
             ) from None
         local = s.getsockname()[0]
+    if family == socket.AF_INET6:
+        return local, _interfaces6().get(str(ipaddress.ip_address(local.split("%")[0])))
     return local, interfaces().get(local)
+
+
+def _interfaces6() -> dict[str, str]:
+    """IPv6 address -> interface name (Linux's /proc/net/if_inet6; SIOCGIFADDR is IPv4's):
+    without it an IPv6 master's interface went unset for Gloo and NCCL."""
+    try:
+        with open("/proc/net/if_inet6") as f:
+            rows = [row.split() for row in f]
+    except OSError:
+        return {}
+    return {str(ipaddress.IPv6Address(int(r[0], 16))): r[-1] for r in rows if len(r) >= 6}
 
 
 def is_local(addr: str) -> bool:

@@ -3,6 +3,7 @@ silence) are refused with the fix, before anything runs (``fastddp.launch.option
 
 import importlib
 import re
+import socket
 
 import pytest
 import torch
@@ -115,6 +116,21 @@ def test_an_ipv6_address_of_this_machine_is_local():
     assert all(net.is_local(a) for a in mine), mine
 
 
+def test_an_ipv6_master_gets_the_interface_that_reaches_it():
+    # The interface goes to GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME: an IPv6 master's was
+    # looked up among IPv4 addresses only, and left unset.
+    from fastddp.launch import net
+
+    assert net.route_to("::1", 9) == ("::1", net.interfaces()["127.0.0.1"])
+    for addr in _global_ipv6():
+        local, iface = net.route_to(addr, 9)
+        assert (
+            local == addr
+            and iface is not None
+            and iface in dict((name, i) for i, name in socket.if_nameindex())
+        ), (addr, iface)
+
+
 def test_node_rank_zero_must_own_the_master_address():
     # The static rendezvous's store is served by node rank 0 at --master-addr: elsewhere
     # torch would retry it as a client for its whole timeout, and the other nodes wait.
@@ -126,7 +142,6 @@ def test_node_rank_zero_must_own_the_master_address():
 
 
 def test_a_gloo_interface_is_checked_before_the_workers_start():
-    import socket
 
     from fastddp.launch import net
 
@@ -160,7 +175,6 @@ def test_a_master_port_held_by_closed_connections_is_named_so():
     # A closed outgoing connection keeps its local port in TIME_WAIT for a minute, and no
     # listener can bind it then: the error says so, and where to take a port instead, rather
     # than send the user looking for a process that listens there.
-    import socket
 
     from fastddp.launch import net
     from fastddp.testing.ports import port_in_time_wait
@@ -190,7 +204,6 @@ class _Impostor:
     answers them with ``reply``, or closes them."""
 
     def __init__(self, reply=None, close=False):
-        import socket
         import threading
 
         self.server = socket.create_server(("127.0.0.1", 0))
@@ -224,7 +237,6 @@ class _Impostor:
 
 @pytest.mark.parametrize("libuv", [True, False])
 def test_a_store_passes_the_store_check(libuv):
-    import socket
     from datetime import timedelta
 
     import torch.distributed as dist
