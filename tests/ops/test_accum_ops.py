@@ -5,6 +5,8 @@ same order reproduces them bit for bit; random numbers come from a stateless has
 reference below recomputes with numpy.
 """
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -47,11 +49,17 @@ def round_ref(v: torch.Tensor, dtype, r=None) -> torch.Tensor:
     nan = torch.isnan(v)
     if dtype == torch.bfloat16:
         h = ((u + (r & 0xFFFF)) >> 16) & 0xFFFF
+        # Overflow as to nearest: past the largest bf16, the largest below halfway, else inf.
+        a, sign = u & 0x7FFFFFFF, (u >> 16) & 0x8000
+        edge = torch.where(a >= 0x7F7F8000, 0x7F80, 0x7F7F) | sign
+        h = torch.where((a > 0x7F7F0000) & (a < 0x7F800000), edge, h)
         h = torch.where(nan, torch.full_like(h, 0x7FC0), h)
     else:
         sign = (u >> 16) & 0x8000
         a = u & 0x7FFFFFFF
         normal = (a - 0x38000000 + (r & 0x1FFF)) >> 13
+        top = torch.where(a >= 0x477FF000, 0x7C00, 0x7BFF)  # overflow as to nearest
+        normal = torch.where(a >= 0x477FE000, top, normal)
         m = (a.to(torch.int32).view(torch.float32)) * 2.0**24
         whole = torch.floor(m)
         sub = whole.to(torch.int64) + ((m - whole) > _unit(r)).to(torch.int64)
@@ -115,6 +123,25 @@ def test_stochastic_rounding_is_unbiased(device, dtype):
     assert mean_err < 0.01 * step, (mean_err, step)
     nearest_err = abs(torch.tensor(0.1).to(dtype).double().item() - 0.1)
     assert mean_err < nearest_err / 10
+
+
+@pytest.mark.parametrize("dtype", WIRE)
+def test_stochastic_rounding_overflows_where_rounding_to_nearest_does(device, dtype):
+    # Between the largest 16-bit value and the halfway point past it, rounding to nearest
+    # keeps a value finite; rounded up stochastically it became inf, and flagged the step.
+    big = torch.finfo(dtype).max
+    step = 2.0 ** math.floor(math.log2(big)) * torch.finfo(dtype).eps  # the top binade's
+    keeps = [big, big + step / 4, big + step * 0.49]
+    overflows = [big + step / 2, big + step * 0.9]
+    x = torch.tensor(keeps + overflows, device=device).repeat(4096)
+    x = torch.cat([x, -x])
+    out = torch.empty(x.numel(), dtype=dtype, device=device)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    ops.compress(x, out, 1.0, flag, None, 77)
+    _same(out.cpu(), x.cpu().to(dtype))  # what rounding to nearest gives, every time
+    assert flag.item() == 1
+    finite = torch.isfinite(out.float().cpu()).view(2, 4096, 5)
+    assert finite[..., :3].all() and not finite[..., 3:].any()
 
 
 def test_stochastic_rounding_of_fp16_subnormals():

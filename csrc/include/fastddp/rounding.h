@@ -100,12 +100,23 @@ FASTDDP_HD uint16_t to_bf16(float v, bool stochastic, uint32_t r) {
   // To nearest: adding 0x7fff plus the lowest kept bit rounds half-way cases to even. A NaN
   // becomes the canonical quiet NaN, 0x7fc0 (chosen before the shift, so that the CPU loops
   // narrow to 16 bits once).
+  const uint32_t a = u & 0x7fffffffu;
   const uint32_t add_bits = stochastic ? (r & 0xffffu) : 0x7fffu + ((u >> 16) & 1u);
-  const uint32_t wide = select((u & 0x7fffffffu) > 0x7f800000u, 0x7fc00000u, u + add_bits);
+  uint32_t wide = u + add_bits;
+  if (stochastic) {
+    // Overflow as to nearest (see to_fp16): past the largest bf16, up to the halfway point,
+    // the largest; from there on, inf.
+    const uint32_t edge = select(a >= 0x7f7f8000u, 0x7f800000u, 0x7f7f0000u) | (u & 0x80000000u);
+    wide = select(a > 0x7f7f0000u && a < 0x7f800000u, edge, wide);
+  }
+  wide = select(a > 0x7f800000u, 0x7fc00000u, wide);
   return static_cast<uint16_t>(wide >> 16);
 }
 
-// fp32 -> fp16, to nearest even or stochastically; past 65504 (after rounding) gives inf.
+// fp32 -> fp16, to nearest even or stochastically. Either way 65520 and above give inf (to
+// nearest, what lies past 65504 by half a step) and every value below it a finite one: rounded
+// up stochastically, a value between 65504 and 65520 would become inf where rounding to
+// nearest keeps it, and the step would be flagged, skipped or clipped for noise.
 FASTDDP_HD uint16_t to_fp16(float v, bool stochastic, uint32_t r) {
   const uint32_t u = bits_of(v);
   const uint32_t sign = (u >> 16) & 0x8000u;
@@ -113,7 +124,10 @@ FASTDDP_HD uint16_t to_fp16(float v, bool stochastic, uint32_t r) {
   // Normal range: rebias 127 -> 15 and round the 13 dropped bits (0xc8000000 is -(112 << 23)
   // modulo 2^32); an overflow past 65504 carries into 0x7c00, inf.
   const uint32_t add_bits = stochastic ? (r & 0x1fffu) : 0xfffu + ((a >> 13) & 1u);
-  const uint32_t normal = (a + 0xc8000000u + add_bits) >> 13;
+  uint32_t normal = (a + 0xc8000000u + add_bits) >> 13;
+  if (stochastic) {
+    normal = select(a >= 0x477fe000u, select(a >= 0x477ff000u, 0x7c00u, 0x7bffu), normal);
+  }
   // Below 2^-14 the result is subnormal, counted in units of 2^-24.
   uint32_t subnormal;
   if (stochastic) {
