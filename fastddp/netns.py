@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Optional
 
 from fastddp.testing.netns import *  # noqa: F403 - the documented fastddp.netns.* names
 from fastddp.testing.netns import NetnsError, drop, kill, nodes, start, stop, wired_pair
@@ -32,20 +33,47 @@ _SET_HERE = {"--nnodes", "--node-rank", "--node_rank", "--master-addr", "--maste
 
 
 _BITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+# The fastest rate taken. tc keeps a rate as a 64-bit count of bytes a second: from 2**64 B/s
+# (147573952tbit) up it refuses the rate as "mandatory", and from 2**64 bit/s (18446744tbit) up
+# `tc qdisc show` wraps it (147000000tbit shows as 17872791Tbit; iproute2 6.1, measured). tbf
+# works below both (its burst goes to the kernel in bytes), and 10 Ebit/s is beyond any link.
+MAX_RATE, MAX_RATE_TEXT = 1e19, "10000000tbit"
+
+
+def _bits(text: str) -> Optional[float]:
+    rate = _RATE.fullmatch(text)
+    return None if rate is None else float(rate[1]) * _BITS[rate[2].lower()]
 
 
 def valid_rate(text: str) -> bool:
     """Whether ``text`` is a rate in bits per second as tc reads it (``1gbit``, no spaces), of
-    at least 8 bit/s: tc keeps bytes a second, and a rate under one byte it refuses."""
-    rate = _RATE.fullmatch(text)
-    return rate is not None and float(rate[1]) * _BITS[rate[2].lower()] >= 8
+    at least 8 bit/s (tc keeps bytes a second, and a rate under one byte it refuses) and at
+    most :data:`MAX_RATE`."""
+    bits = _bits(text)
+    return bits is not None and 8 <= bits <= MAX_RATE
+
+
+# What stops the tool and its job: Ctrl-C, kill, and the terminal closing (SIGHUP).
+_STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _catch_stops() -> None:
+    # SIGHUP stays ignored where it was (nohup): that job is meant to outlive its terminal.
+    for sig in _STOPS:
+        if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN:
+            signal.signal(sig, _interrupt)
+
+
+def _ignore_stops() -> None:
+    for sig in _STOPS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _interrupt(signum, frame):
     # From the first signal on, the clean-up runs to its end: a second one (a caller passing
-    # Ctrl-C on, see run_job, or a second Ctrl-C) would leave namespaces and nodes behind.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Ctrl-C on, see run_job, a second Ctrl-C, or the shell's SIGHUP after a closed terminal's)
+    # would leave namespaces and nodes behind.
+    _ignore_stops()
     raise KeyboardInterrupt(signum)
 
 
@@ -71,18 +99,19 @@ def run_job(cmd: list[str], env=None) -> int:
 
 
 def quietly(main, name: str) -> int:
-    """``main()``'s exit code; on Ctrl-C or SIGTERM, 128 + the signal and one line saying so,
-    without a traceback. Both become the interrupt :func:`run_job` passes on, so that a job on
-    namespace nodes is stopped and its namespaces removed before this returns."""
+    """``main()``'s exit code; on Ctrl-C, SIGTERM or SIGHUP (a closed terminal), 128 + the
+    signal and one line saying so, without a traceback. Each becomes the interrupt
+    :func:`run_job` passes on, so that a job on namespace nodes is stopped and its namespaces
+    removed before this returns. SIGHUP ignored (``nohup``) stays ignored."""
     # SIGINT too: Python leaves it ignored where it started ignored (a script's background
     # job), and the tool would then wait out its job's clean-up without a word.
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
+    _catch_stops()
     try:
         return main()
     except KeyboardInterrupt as e:
         signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
-        print(f"{name}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        with contextlib.suppress(OSError):  # (a closed terminal's EIO)
+            print(f"{name}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
         return 128 + signum
 
 
@@ -109,7 +138,15 @@ def script_at(argv: list[str]) -> int:
     return len(argv)
 
 
-def main(argv=None) -> int:
+def _launch_options() -> set[str]:
+    from fastddp.launch.cli import build_parser  # (torch is loaded already, by the test bed)
+
+    return {o for action in build_parser()._actions for o in action.option_strings}
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """This tool's options and the launcher's command line (its options, then the script);
+    every setting that cannot work is refused here, before any namespace is made."""
     p = argparse.ArgumentParser(
         prog="python -m fastddp.netns",
         allow_abbrev=False,  # a launch option (--nproc) is not one of these (--nproc-per-node)
@@ -121,7 +158,9 @@ def main(argv=None) -> int:
     rate += "at once, so transfers smaller than that are not slowed (default 1gbit)"
     p.add_argument("--rate", default="1gbit", help=rate)
     p.add_argument("--nodes", type=int, default=2, help="number of nodes (default 2)")
-    p.add_argument("--nproc-per-node", default="1", help="ranks on each node (default 1)")
+    p.add_argument(  # both of torchrun's spellings: the launcher's own would override this
+        "--nproc-per-node", "--nproc_per_node", default="1", help="ranks on each node (default 1)"
+    )
     p.add_argument(
         "--timeout", type=float, default=1800.0, help="seconds before all are killed (default 1800)"
     )
@@ -135,7 +174,6 @@ def main(argv=None) -> int:
         help="delay every packet this many ms each way (2 nodes, on a userspace wire of about "
         "80 MB/s: for faults, not for speed)",
     )
-    argv = sys.argv[1:] if argv is None else list(argv)
     at = script_at(argv)
     args, launch = p.parse_known_args(argv[:at])
     rest = launch + argv[at:]
@@ -151,10 +189,24 @@ def main(argv=None) -> int:
         p.error("--loss must be between 0 and 100 (percent)")
     if not 0 <= args.delay <= 10_000:  # (nan fails both)
         p.error("--delay must be between 0 and 10000 (ms)")
+    if (_bits(args.rate) or 0) > MAX_RATE:
+        p.error(f"--rate {args.rate}: above {MAX_RATE_TEXT} (10 Ebit/s), the most tc keeps; "
+                "give a rate up to that: 100mbit, 1gbit")  # fmt: skip
     if not valid_rate(args.rate):
         p.error(f"--rate {args.rate}: give a positive rate in bits per second, at least 8bit: "
                 "100mbit, 1gbit (tc's 'bps' means bytes)")  # fmt: skip
-    given = [a.split("=", 1)[0] for a in launch if a.startswith("--")]
+    with contextlib.suppress(ValueError):  # (auto, cpu, gpu: the launcher counts them)
+        if int(args.nproc_per_node) < 1:
+            p.error(f"--nproc-per-node {args.nproc_per_node}: give at least 1 rank per node")
+    given = [a.split("=", 1)[0] for a in launch if a.startswith("--") and a != "--"]
+    # Written out in full: the launcher's parser takes a prefix of one option for it, so that
+    # --nproc-per 2 would override --nproc-per-node, and --nnode 3 pass the check below.
+    known = _launch_options() if given else set()
+    for name in (a for a in given if a not in known):
+        full = [o for o in sorted(known | set(p._option_string_actions)) if o.startswith(name)]
+        fix = f"; abbreviations are refused: write it out ({' or '.join(full)})" if full else ""
+        p.error(f"{name} is not an option of this tool or of python -m fastddp.launch"
+                f"{fix or ' (see their --help)'}")  # fmt: skip
     taken = sorted(set(given) & _SET_HERE) + [a for a in given if a.startswith("--rdzv")]
     if taken:
         p.error(f"{taken[0]} is set by this tool for its nodes; use --nodes (and --rate)")
@@ -162,9 +214,14 @@ def main(argv=None) -> int:
         p.error("--delay joins exactly 2 nodes (--nodes 2)")
     if args.delay and args.loss >= 100:
         p.error("--loss must be below 100 with --delay")
-    # A terminated run still removes its namespaces: SIGTERM unwinds like Ctrl-C.
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
+    return args, rest
+
+
+def main(argv=None) -> int:
+    args, rest = parse(sys.argv[1:] if argv is None else list(argv))
+    # A terminated run, or one whose terminal closed, still removes its namespaces: SIGTERM
+    # and SIGHUP unwind like Ctrl-C.
+    _catch_stops()
     stack = contextlib.ExitStack()  # the nodes' logs, kept to the end
     try:
         if args.delay:
@@ -189,8 +246,7 @@ def main(argv=None) -> int:
                 return 124  # as timeout(1)
             finally:
                 # The clean-up runs to its end, also after the job's own end.
-                signal.signal(signal.SIGINT, signal.SIG_IGN)
-                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                _ignore_stops()
                 stop(procs)
                 for node in made:  # workers that outlived their launcher (sessions of their own)
                     kill(node, timeout=10.0)
@@ -211,11 +267,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt as e:
         signum = e.args[0] if e.args else signal.SIGINT
         name = signal.Signals(signum).name
-        print(
-            f"fastddp.netns: stopped by {name}; the nodes were stopped and their namespaces "
-            "removed",
-            file=sys.stderr,
-        )
+        with contextlib.suppress(OSError):  # (a closed terminal's EIO)
+            print(f"fastddp.netns: stopped by {name}; the nodes were stopped and their "
+                  "namespaces removed", file=sys.stderr)  # fmt: skip
         return 128 + signum
     finally:
         stack.close()

@@ -1,9 +1,26 @@
 """``python -m fastddp.netns``'s command line: its own options end where the script begins."""
 
+import contextlib
+import fcntl
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import termios
+import time
+import uuid
+from pathlib import Path
+
 import pytest
 
 from fastddp import netns
 from fastddp.launch.cli import build_parser
+from fastddp.testing import netns as bed
+from fastddp.testing import slack
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_flags_are_the_launcher_s():
@@ -29,13 +46,168 @@ def test_the_script_s_own_options_stay_its_own():
         (["--rate", "1bit"], "--rate 1bit: give a positive rate in bits per second, at least 8bit"),
         (["--rate", "0.001kbit"], "--rate 0.001kbit: give a positive rate"),
         (["--rate", "1gbit "], "--rate 1gbit : give a positive rate"),
+        (["--rate", "99999999999tbit"], "--rate 99999999999tbit: above 10000000tbit (10 Ebit/s)"),
+        (["--rate=10000001tbit"], "above 10000000tbit (10 Ebit/s), the most tc keeps; give a"),
         (["--delay", "nan"], "--delay must be between 0 and 10000 (ms)"),
         (["--delay", "inf"], "--delay must be between 0 and 10000 (ms)"),
         (["--nnodes", "3"], "--nnodes is set by this tool for its nodes; use --nodes"),
         (["--rdzv-backend", "c10d"], "--rdzv-backend is set by this tool"),
+        (["--nproc-per-node", "0"], "--nproc-per-node 0: give at least 1 rank per node"),
+        (["--nproc_per_node=-1"], "--nproc-per-node -1: give at least 1 rank per node"),
+        # The launcher's parser would take these prefixes for its options: --nproc as
+        # ambiguous once the namespaces stand, --nproc-per 2 silently over this tool's 1.
+        (
+            ["--nproc", "2"],
+            "--nproc is not an option of this tool or of python -m fastddp.launch"
+            "; abbreviations are refused: write it out (--nproc-per-node or "
+            "--nproc_per_node)",
+        ),  # fmt: skip
+        (["--nproc-per", "2"], "write it out (--nproc-per-node)"),
+        (["--nnode", "3"], "--nnode is not an option of this tool"),
+        (["--rat", "1gbit"], "write it out (--rate)"),
+        (["--bogus"], "--bogus is not an option of this tool or of python -m fastddp.launch (see"),
     ],
 )
-def test_bad_settings_are_refused_before_any_namespace(args, message, capsys):
+def test_bad_settings_are_refused_before_any_namespace(args, message, capsys, monkeypatch):
+    def built(*_, **__):
+        raise AssertionError("a namespace was made before the settings were checked")
+
+    monkeypatch.setattr(netns, "nodes", built)
+    monkeypatch.setattr(netns, "wired_pair", built)
     with pytest.raises(SystemExit) as refused:
         netns.main([*args, "train.py"])
     assert refused.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "spelled",
+    [["--nproc-per-node", "2"], ["--nproc_per_node", "2"], ["--nproc_per_node=2"]],
+)
+def test_either_spelling_of_nproc_per_node_is_the_tool_s(spelled):
+    # torchrun's alias too: left to the launcher, it would override the tool's own 1 there,
+    # and each rank's share of the cores (OMP_NUM_THREADS) would be counted for 1 rank a node.
+    args, rest = netns.parse([*spelled, "--max-restarts", "1", "t.py", "--nproc_per_node", "5"])
+    assert args.nproc_per_node == "2"
+    assert rest == ["--max-restarts", "1", "t.py", "--nproc_per_node", "5"]
+
+
+def test_the_fastest_rate_is_tc_s_and_every_front_refuses_past_it():
+    # (fastddp.demo --link and fastddp.bench --link check their rates with valid_rate too)
+    assert netns.valid_rate(netns.MAX_RATE_TEXT) and netns.valid_rate("400gbit")
+    assert not netns.valid_rate("10000001tbit") and not netns.valid_rate("99999999999tbit")
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(60)
+def test_tc_keeps_the_fastest_rate_as_given():
+    with bed.nodes(1, netns.MAX_RATE_TEXT) as (node,):
+        shown = subprocess.run(
+            ["ip", "netns", "exec", node.ns, "tc", "qdisc", "show", "dev", node.dev],
+            capture_output=True, text=True, check=True, timeout=30,
+        ).stdout  # fmt: skip
+    assert "rate 10000000Tbit " in shown, shown
+
+
+def test_quietly_stops_on_sighup_and_leaves_nohup_s_alone(capsys):
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+    def hung_up():
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(30)  # (the handler's interrupt ends it at once)
+        return 0
+
+    def not_caught(signum, frame):  # (rather than SIGHUP's default: this process ends)
+        raise AssertionError("quietly left SIGHUP to the handler it found")
+
+    try:
+        signal.signal(signal.SIGHUP, not_caught)
+        assert netns.quietly(hung_up, "tool") == 128 + signal.SIGHUP
+        assert capsys.readouterr().err == "tool: stopped by SIGHUP\n"
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts a command
+        assert netns.quietly(lambda: signal.getsignal(signal.SIGHUP), "tool") == signal.SIG_IGN
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _pids_of(marker: str) -> list[str]:
+    return subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+@pytest.mark.netns
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_a_closed_terminal_stops_the_nodes_and_removes_their_namespaces(tmp_path):
+    # The tool leads a session on a pseudo-terminal, which closes: the kernel sends SIGHUP,
+    # and from then on each write to the terminal fails (EIO).
+    marker = f"fastddp-sleeper-{uuid.uuid4().hex[:12]}"  # no other run's sleeper matches
+    script = tmp_path / f"{marker}.py"
+    script.write_text(
+        "import os, pathlib, time\n"
+        f"pathlib.Path({str(tmp_path)!r}, 'started' + os.environ['RANK']).touch()\n"
+        "time.sleep(300)\n"
+    )
+    terminal, tty = pty.openpty()
+    cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "1", str(script)]
+    run = subprocess.Popen(cmd, cwd=ROOT, stdin=tty, stdout=tty, stderr=tty,
+                           start_new_session=True,
+                           preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))  # fmt: skip
+    os.close(tty)
+    tag, said = None, b""
+    try:
+        started = tmp_path / "started0"
+        deadline = time.monotonic() + slack.guard(60)
+        while not started.exists() and run.poll() is None and time.monotonic() < deadline:
+            if select.select([terminal], [], [], 0.1)[0]:
+                with contextlib.suppress(OSError):  # (EIO once the tool has exited)
+                    said += os.read(terminal, 1 << 16)  # as a terminal shows it
+        assert started.exists(), said.decode(errors="replace")[-3000:]
+        # (The tool's own command line names the script too: it is in no namespace.)
+        identify = [["ip", "netns", "identify", pid] for pid in _pids_of(marker)]
+        named = {subprocess.run(c, capture_output=True, text=True).stdout.strip() for c in identify}
+        (node,) = named - {""}
+        assert node.startswith("fd0n"), node
+        tag = node[len("fd0n") :]
+        os.close(terminal)
+        terminal = None
+        code = run.wait(timeout=slack.guard(60))
+        assert {f"fdh{tag}", node} & _namespaces() == set()
+        assert _pids_of(marker) == []
+        assert code == 128 + signal.SIGHUP  # (not 1: its last line to the closed terminal)
+    finally:
+        if terminal is not None:
+            os.close(terminal)
+        if run.poll() is None:  # a failed check: SIGTERM removes the namespaces
+            run.terminate()
+            try:
+                run.wait(timeout=slack.guard(60))
+            except subprocess.TimeoutExpired:
+                run.kill()
+        left = {f"fdh{tag}", f"fd0n{tag}"} & _namespaces() if tag else set()
+        for ns in left:
+            bed.kill(bed.Node(ns, "", ""), timeout=10.0)  # (what a hung-up tool left)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+@pytest.mark.netns
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_the_underscore_spelling_sets_the_ranks_and_their_share_of_cores(tmp_path):
+    script = tmp_path / "threads.py"
+    script.write_text(
+        "import os, pathlib\n"
+        f"pathlib.Path({str(tmp_path)!r}, 'threads' + os.environ['RANK']).write_text(\n"
+        "    os.environ.get('OMP_NUM_THREADS', 'unset'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "1", "--nproc_per_node", "2"]
+    res = slack.run([*cmd, str(script)], cwd=ROOT, env=env, timeout=slack.guard(90))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    share = str(bed.cores_per_rank(1, "2"))
+    assert sorted(p.name for p in tmp_path.glob("threads[0-9]")) == ["threads0", "threads1"]
+    assert [(tmp_path / f"threads{r}").read_text() for r in (0, 1)] == [share] * 2
