@@ -12,13 +12,16 @@ names its choice and is timed after its plan).
 
 A student MLP learns a fixed random teacher MLP from synthetic data. Every mode starts from
 the same weights and sees the same batches, so their losses are directly comparable. Every
-``--probe-every`` steps, the gradient a hook produced is compared with the exact fp32 average
-at the same weights (plain DDP on a copy): the "max grad dev" column.
+``--probe-every`` steps after ``auto``'s trial, the same steps in every row, the gradient a
+hook produced is compared with the exact fp32 average at the same weights (plain DDP on a
+copy): the "max grad dev" column.
 """
 
 import argparse
 import copy
 import os
+import shlex
+import signal
 import statistics
 import sys
 import time
@@ -33,6 +36,7 @@ import fastddp
 from fastddp.bench import report
 from fastddp.bench.common import AUTO, FASTDDP_MODES, auto_bytes, drop_option, fastddp_state
 from fastddp.bench.models import mlp
+from fastddp.cluster import ClusterError
 from fastddp.distributed import exit_after_shutdown
 from fastddp.netns import quietly, run_job, valid_rate
 from fastddp.testing import netns
@@ -45,7 +49,13 @@ def _grads(model):
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
-def _train(mode, args, rank, world):
+def _probed(step, args, first):
+    """Whether ``step``'s gradient is compared with the exact average: every ``--probe-every``
+    steps from ``first`` on."""
+    return step >= first and (step - first) % args.probe_every == 0
+
+
+def _train(mode, args, rank, world, first_probe):
     sizes = [args.inputs] + [args.width] * args.depth + [args.outputs]
     teacher = mlp(sizes, seed=1)
     model = DDP(mlp(sizes, seed=2))
@@ -59,7 +69,7 @@ def _train(mode, args, rank, world):
         fastddp.register_comm_hook(model, state)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard, same per mode
-    times, losses, deviation = [], [], 0.0
+    times, losses, deviations = [], [], {}
     for step in range(args.steps):
         x = torch.randn(args.batch, args.inputs, generator=gen)
         with torch.no_grad():
@@ -68,14 +78,14 @@ def _train(mode, args, rank, world):
         opt.zero_grad(set_to_none=False)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
-        if state is not None and step % args.probe_every == 0:
+        if state is not None and _probed(step, args, first_probe):
             probe_start = time.perf_counter()
             probe.module.load_state_dict(model.module.state_dict())
             probe.zero_grad()
             nn.functional.mse_loss(probe(x), y).backward()
             exact = _grads(probe)
             dev = (_grads(model) - exact).abs().max() / exact.abs().max()
-            deviation = max(deviation, dev.item())
+            deviations[step] = dev.item()
             start += time.perf_counter() - probe_start  # the probe is not part of the step
         opt.step()
         times.append(time.perf_counter() - start)
@@ -105,32 +115,55 @@ def _train(mode, args, rank, world):
     return {
         "mode": label,
         "step_ms": step_ms.item(),
-        "payload_mb": payload / 1e6,
-        "wire_mb": payload * 2 * (world - 1) / world / 1e6,
+        "payload": payload,
+        "sent": payload * 2 * (world - 1) / world,
         "final_loss": final.item() / world,
-        "max_dev": deviation if state is not None else 0.0,
+        # By step; None for plain DDP, which is the exact average.
+        "deviations": deviations if state is not None else None,
         "params": numel,
         "links": links,
     }
 
 
 _LEVELS = {"intra": "inside the node", "cross": "between nodes", "flat": "over every rank"}
+_UNITS = ((1e9, "GB"), (1e6, "MB"), (1e3, "KB"))
 
 
-def _print_table(rows, args, world):
+def _size_unit(largest):
+    """The table's unit of size, ``(bytes, name)``: the largest in which ``largest`` (bytes) is
+    at least 1, so that a small model's sizes keep their digits and every row has the same."""
+    return next(((scale, name) for scale, name in _UNITS if largest >= scale), (1, "B"))
+
+
+def _size(n, unit):
+    scale, name = unit
+    return f"{n / scale:.0f}" if name == "B" else f"{n / scale:.2f}"
+
+
+def _max_dev(row):
+    devs = row["deviations"]
+    if devs is None:
+        return "exact"
+    return f"{max(devs.values()):.2e}" if devs else "n/a"
+
+
+def _print_table(rows, args, world, first_probe):
     base = rows[0]["step_ms"]
     where = os.environ.get("FASTDDP_DEMO_LINK")
     where = f"2 nodes joined by a {where} link" if where else "one machine (loopback)"
+    n = rows[0]["params"]
+    params = f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"  # (a small model's: not "0.00M")
     head = (
-        f"{world} ranks (Gloo, CPU) on {where}, {rows[0]['params'] / 1e6:.2f}M parameters, "
-        f"{args.steps} steps, batch {args.batch} per rank"
+        f"{world} ranks (Gloo, CPU) on {where}, {params} parameters, {args.steps} steps, "
+        f"batch {args.batch} per rank"
     )
+    unit = _size_unit(max(r["payload"] for r in rows))
     cols = [
         "mode",
         "step ms",
         "vs fp32",
-        "payload MB/step",
-        "sent MB/rank/step",
+        f"payload {unit[1]}/step",
+        f"sent {unit[1]}/rank/step",
         "final loss",
         "max grad dev",
     ]
@@ -139,10 +172,10 @@ def _print_table(rows, args, world):
             r["mode"],
             f"{r['step_ms']:.1f}",
             f"{r['step_ms'] / base:.2f}x",
-            f"{r['payload_mb']:.2f}",
-            f"{r['wire_mb']:.2f}",
+            _size(r["payload"], unit),
+            _size(r["sent"], unit),
             f"{r['final_loss']:.4e}",
-            "exact" if r["max_dev"] == 0 else f"{r['max_dev']:.2e}",
+            _max_dev(r),
         ]
         for r in rows
     ]
@@ -154,17 +187,23 @@ def _print_table(rows, args, world):
                 for level, v in r["links"].items()
             )
             print(f"{r['mode']}: its trial's collectives got {got}")
+    unprobed = "" if args.steps > first_probe else "; n/a: no such step, give more --steps"
     print(
         "payload: the all-reduce message; sent: payload x 2(n-1)/n, what a ring sends per rank.\n"
-        "max grad dev: max |hook gradient - exact fp32 average| / max |exact|, same weights."
+        "max grad dev: max |hook gradient - exact fp32 average| / max |exact|, same weights, "
+        f"every {args.probe_every} steps after the first {first_probe} (auto's trial), the same "
+        f"steps in every row{unprobed}."
     )
 
 
 def _run(rank, world, args):
     torch.set_num_threads(args.threads)
-    rows = [_train(mode, args, rank, world) for mode in MODES]
+    # Every row's gradient is probed on the same steps, none of them in auto's trial (where it
+    # runs every candidate, not its choice): from the step by which it has its plan.
+    first_probe = fastddp.CompressState(dtype="auto").trial_steps + 1
+    rows = [_train(mode, args, rank, world, first_probe) for mode in MODES]
     if rank == 0:
-        _print_table(rows, args, world)
+        _print_table(rows, args, world, first_probe)
     return rows
 
 
@@ -215,12 +254,43 @@ def main(argv=None):
         p.error(f"--link {args.link}: give a rate in bits per second, at least 8bit (1gbit, "
                 "100mbit), or none")  # fmt: skip
     if "RANK" in os.environ:  # started by a launcher
-        # Gloo on CPU even where GPUs exist: this demo compares the CPU paths.
-        timeout = timedelta(seconds=120)
-        with fastddp.distributed_session(backend="gloo", timeout=timeout) as env:
-            _run(env.rank, env.world_size, args)
-        exit_after_shutdown()
+        return _as_launched(args)
     return _relaunch(args, sys.argv[1:] if argv is None else list(argv))
+
+
+def _end_rank(signum, frame):
+    exit_after_shutdown(128 + signum)
+
+
+def _as_launched(args) -> int:
+    """Run this process as one rank of a job a launcher started."""
+    # A launcher that stops its workers (Ctrl-C, or a rank failed) says so itself; a rank ends
+    # at once and silently. (quietly's handler printed a line per rank, and a traceback where
+    # the launcher's SIGTERM came while its SIGINT was still pending.)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) != signal.SIG_IGN:  # (nohup's SIGHUP stays ignored)
+            signal.signal(signum, _end_rank)
+    try:
+        # Gloo on CPU even where GPUs exist: this demo compares the CPU paths.
+        with fastddp.distributed_session(backend="gloo", timeout=timedelta(seconds=120)) as env:
+            _run(env.rank, env.world_size, args)
+    except ClusterError as error:
+        print(_stray_launch(error, os.environ), file=sys.stderr)
+        return 2
+    exit_after_shutdown()
+
+
+def _stray_launch(error, env) -> str:
+    """Why a launch that ``RANK`` describes cannot start, and the fix: most often a ``RANK``
+    left in the shell, where the demo is meant to start its ranks itself."""
+    given = " ".join(f"{k}={env[k]}" for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in env)
+    return (
+        f"fastddp.demo: the environment sets {given}, so the demo ran as one rank of a job "
+        f"that a launcher started, and that job cannot start: {error}. To run the demo on its "
+        "own (it starts its ranks itself), unset RANK: `unset RANK`, or `env -u RANK python -m "
+        "fastddp.demo`; under a launcher, let the launcher set RANK, WORLD_SIZE, LOCAL_RANK, "
+        "MASTER_ADDR and MASTER_PORT."
+    )
 
 
 def _relaunch(args, argv) -> int:
@@ -234,17 +304,26 @@ def _relaunch(args, argv) -> int:
         env["FASTDDP_DEMO_LINK"] = args.link
     else:
         if args.link != "none":
-            print(
-                f"fastddp.demo: on loopback, since {why}; as root, `make demo` runs it on two "
-                f"nodes joined by a {args.link} link, where compression pays",
-                flush=True,
-            )
+            print(_loopback_note(why, args.link, argv, os.geteuid() == 0), flush=True)
         cmd = [sys.executable, "-m", "fastddp.launch", "--standalone"]
         cmd += ["--nproc-per-node", str(args.nproc or 2)]
     # The ranks' own demo runs as given, less what chose where they run (the launcher would
     # read --nproc as an abbreviation of its --nproc-per-node).
     inner = drop_option(drop_option(argv, "--nproc"), "--link")
     return run_job([*cmd, "-m", "fastddp.demo", *inner], env=env)
+
+
+def _loopback_note(why, link, argv, root) -> str:
+    """The line that says why the demo runs on loopback although ``--link`` asked for a link,
+    and the command (``argv``: the user's own options) that runs it over that link."""
+    command = shlex.join(["python", "-m", "fastddp.demo", *argv])
+    make = f'make demo DEMO_ARGS="{shlex.join(argv)}"' if argv else "make demo"
+    how = "where that is fixed" if root else "as root"
+    return (
+        f"fastddp.demo: on loopback, since {why}; {how}, `{command}` (`{make}`) runs it on "
+        f"two nodes joined by a {link} link, where compression pays; `--link none` runs on "
+        "loopback without this note"
+    )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ import argparse
 import importlib.util
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -15,12 +14,11 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 import fastddp
-from fastddp import demo
 from fastddp.bench import allreduce, cells, cli, common, ddp, report
 from fastddp.bench import fsdp as fsdp_bench
 from fastddp.bench import options as bench_options
 from fastddp.hooks import auto
-from fastddp.testing import netns, slack, spawn
+from fastddp.testing import slack, spawn
 
 from .._dist import pool
 
@@ -492,65 +490,6 @@ def test_an_fp32_curve_of_another_run_is_refused(tmp_path, capsys):
 def test_cuda_without_a_gpu_is_refused(capsys):
     assert _refused(["allreduce", "--device", "cuda"], capsys) == 2
     assert "--device cuda, but no CUDA device is visible" in capsys.readouterr().err
-
-
-def test_demo_refuses_bad_options(capsys):
-    # In this process: the check runs before any rank or link is made, and `python -m
-    # fastddp.demo` itself is run by test_demo_on_loopback.
-    for bad, said in (
-        (["--steps", "0"], "--steps must be at least 1"),
-        # (checked here, not by the namespace tool, whose usage names its own --rate)
-        (["--link", "1gbps"], "--link 1gbps: give a rate in bits per second, at least 8bit"),
-        (["--link", "1bit"], "--link 1bit: give a rate in bits per second, at least 8bit"),
-    ):
-        with pytest.raises(SystemExit) as exit_:
-            demo.main(bad)
-        assert exit_.value.code == 2 and said in capsys.readouterr().err
-
-
-def _demo(*args):
-    small = ["--steps", "24", "--width", "64", "--batch", "16", "--probe-every", "25"]
-    cmd = [sys.executable, "-m", "fastddp.demo", *small, *args]
-    res = slack.run(cmd, capture_output=True, text=True, timeout=slack.guard(200))
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    # Every mode has its row, and auto names what it planned (24 steps: one plan).
-    for mode in ("fp32", "fastddp-bf16", "fastddp-bf16-acc", "fastddp-int8-ef"):
-        assert f" {mode} " in res.stdout, res.stdout
-    chose = [f"fastddp-auto ({m})" for m in auto.DEFAULT_ALLOW] + ["fastddp-auto (mixed ("]
-    assert any(c in res.stdout for c in chose), res.stdout
-    # The payload column: auto's is fp32's only where it planned to send fp32.
-    payload = {}
-    for line in res.stdout.splitlines():
-        cells = [c.strip() for c in re.split(r"[│|]", line)]
-        if len(cells) > 5 and cells[3].endswith("x"):
-            payload[cells[1].split(" (")[0]] = float(cells[4])
-    assert payload["fastddp-bf16"] < payload["fp32"], res.stdout
-    if "fastddp-auto (none)" in res.stdout:
-        assert payload["fastddp-auto"] == payload["fp32"], res.stdout
-    else:
-        assert payload["fastddp-auto"] < payload["fp32"], res.stdout
-    return res.stdout
-
-
-def test_demo_on_loopback():
-    out = _demo("--link", "none")
-    assert "on one machine (loopback)" in out
-    assert "its trial's collectives got inside the node " in out, out
-
-
-@pytest.mark.netns
-def test_demo_over_a_link_between_two_namespace_nodes():
-    why = netns.unavailable_reason()
-    if why:
-        pytest.skip(why)
-    # Two ranks on each node, as a cluster's nodes have several GPUs.
-    out = _demo("--link", "200mbit", "--nproc", "2")
-    assert "4 ranks (Gloo, CPU) on 2 nodes joined by a 200mbit link" in out
-    # auto's trial measured the node's own level and the link. (This model's steps send less
-    # than the link's 512 KB burst, so the rate says little of the link's.)
-    got = re.search(r"between nodes [0-9.]+ MB/s \(([0-9.]+) Gbit/s\)", out)
-    assert got is not None and float(got.group(1)) > 0, out
-    assert "inside the node " in out, out
 
 
 @pytest.mark.netns
