@@ -38,7 +38,7 @@ from fastddp.bench.common import AUTO, FASTDDP_MODES, auto_bytes, drop_option, f
 from fastddp.bench.models import mlp
 from fastddp.cluster import ClusterError
 from fastddp.distributed import exit_after_shutdown
-from fastddp.netns import quietly, run_job, valid_rate
+from fastddp.netns import MAX_RATE_TEXT, quietly, run_job, valid_rate
 from fastddp.testing import netns
 
 # Plain DDP, then fastddp's hook with presets and auto (named as in fastddp.bench).
@@ -251,8 +251,8 @@ def main(argv=None):
     if args.nproc is not None and args.nproc < 1:
         p.error("--nproc must be at least 1")
     if args.link != "none" and not valid_rate(args.link):
-        p.error(f"--link {args.link}: give a rate in bits per second, at least 8bit (1gbit, "
-                "100mbit), or none")  # fmt: skip
+        p.error(f"--link {args.link}: give a rate in bits per second, from 8bit to "
+                f"{MAX_RATE_TEXT} (1gbit, 100mbit), or none")  # fmt: skip
     if "RANK" in os.environ:  # started by a launcher
         return _as_launched(args)
     return _relaunch(args, sys.argv[1:] if argv is None else list(argv))

@@ -13,7 +13,7 @@ import torch
 from fastddp.bench.common import parse_size
 from fastddp.bench.models import Decoder, mlp_width
 from fastddp.bench.report import OPTIONS_ENV
-from fastddp.netns import valid_rate
+from fastddp.netns import MAX_RATE_TEXT, valid_rate
 
 __all__ = ["check", "check_outputs"]
 
@@ -266,8 +266,8 @@ def check(p, args):
         p.error("--link needs a rate (1gbit, 100mbit, ...)")
     if args.link and not valid_rate(args.link):
         p.error(
-            f"--link {args.link}: give a positive rate in bits per second, at least 8bit "
-            "(1gbit, 100mbit)"
+            f"--link {args.link}: give a positive rate in bits per second, from 8bit to "
+            f"{MAX_RATE_TEXT} (1gbit, 100mbit)"
         )
     if args.what in ("fsdp", "convergence", "hook-cost") and args.topologies != ["auto"]:
         p.error(f"--topologies applies to allreduce and ddp; {args.what} runs each mode once")

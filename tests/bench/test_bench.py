@@ -335,6 +335,7 @@ def test_the_help_lists_what_each_benchmark_takes(capsys):
         (["ddp", "--nproc-per-node", "3"], "--nproc-per-node needs --link"),
         (["ddp", "--link="], "--link needs a rate"),
         (["ddp", "--link", "foo"], "--link foo: give a positive rate in bits per second"),
+        (["ddp", "--link", "20000000tbit"], "from 8bit to 10000000tbit (1gbit, 100mbit)"),
         (["fsdp", "--topologies", "flat"], "--topologies applies to allreduce and ddp"),
         (["hook-cost", "--modes", "fp32", "fp32"], "--modes names one twice"),
         (["allreduce", "--topologies", "flat", "flat"], "--topologies names one twice"),

@@ -24,8 +24,9 @@ def test_demo_refuses_bad_options(capsys):
     for bad, said in (
         (["--steps", "0"], "--steps must be at least 1"),
         # (checked here, not by the namespace tool, whose usage names its own --rate)
-        (["--link", "1gbps"], "--link 1gbps: give a rate in bits per second, at least 8bit"),
-        (["--link", "1bit"], "--link 1bit: give a rate in bits per second, at least 8bit"),
+        (["--link", "1gbps"], "--link 1gbps: give a rate in bits per second, from 8bit to"),
+        (["--link", "1bit"], "--link 1bit: give a rate in bits per second, from 8bit to"),
+        (["--link", "99999999999tbit"], "from 8bit to 10000000tbit (1gbit, 100mbit), or none"),
     ):
         with pytest.raises(SystemExit) as exit_:
             demo.main(bad)
