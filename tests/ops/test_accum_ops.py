@@ -765,12 +765,12 @@ def test_codes_ops_refuse_tensors_that_overlap():
             make()
 
 
-def test_residual_sharing_storage_is_refused():
+def test_residual_overlapping_the_data_is_refused():
     x = torch.ones(8)
-    with pytest.raises(RuntimeError, match="residual shares storage with the data"):
+    with pytest.raises(RuntimeError, match="residual overlaps the data in memory"):
         ops.compress(x, torch.empty(8, dtype=torch.bfloat16), 1.0, None, x)
     chunks = torch.ones(2, 4, dtype=torch.half)
-    with pytest.raises(RuntimeError, match="dst shares storage with src"):
+    with pytest.raises(RuntimeError, match="dst overlaps src in memory"):
         ops.sum_chunks(chunks, chunks[0])
     # Outputs in one buffer: the rounding would write the wire over the residual it reads.
     buf = torch.ones(16)
@@ -779,7 +779,7 @@ def test_residual_sharing_storage_is_refused():
         ops.compress(x, wire, 1.0, None, buf[:8])
     with pytest.raises(RuntimeError, match="dst overlaps found_nonfinite in memory"):
         ops.compress(x, wire, 1.0, buf[:1].view(torch.int32))
-    with pytest.raises(RuntimeError, match="residual shares storage with the data"):
+    with pytest.raises(RuntimeError, match="residual overlaps the data in memory"):
         ops.sum_chunks(chunks, wire[:4].view(torch.half), 1.0, None, buf[:4])
     with pytest.raises(RuntimeError, match="residual overlaps src in memory"):
         ops.sum_chunks(buf.view(torch.half)[:8].view(2, 4), torch.empty(4, dtype=torch.half),

@@ -224,9 +224,17 @@ def test_bad_flag_and_aliasing():
         with pytest.raises(TypeError, match=f"fastddp.{name}: seed must be an int, got True"):
             call(True)
         call(7)  # an int is taken
-    storage = torch.zeros(12)
-    with pytest.raises(RuntimeError, match="share storage"):
-        ops.compress(storage[:8], storage[8:].view(torch.bfloat16), 1.0)
+    # One buffer for a bucket and its wire: refused where they overlap, taken where apart.
+    storage = torch.arange(12.0)
+    with pytest.raises(RuntimeError, match="the bucket overlaps the wire buffer in memory"):
+        ops.compress(storage[:8], storage[4:8].view(torch.bfloat16), 1.0)
+    with pytest.raises(RuntimeError, match="the bucket overlaps the wire buffer in memory"):
+        ops.decompress(storage[4:8].view(torch.bfloat16), storage[:8], 1.0)
+    wire = storage[8:].view(torch.bfloat16)
+    ops.compress(storage[:8], wire, 1.0)
+    assert torch.equal(wire, torch.arange(8.0).to(torch.bfloat16))
+    ops.decompress(wire, storage[:8], 2.0)
+    assert torch.equal(storage[:8], torch.arange(0.0, 16.0, 2.0))
     with pytest.raises(RuntimeError, match="the wire buffer must be float16 or bfloat16"):
         ops.decompress(torch.ones(8), torch.empty(8), 1.0)
 

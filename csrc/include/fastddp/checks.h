@@ -33,15 +33,6 @@ inline void check_same_device(
       "; allocate them on the same device");
 }
 
-// An output must not share memory with an input: the kernels read one while writing the other.
-inline void check_own_storage(
-    const char* op, const char* out_name, const at::Tensor& out, const char* in_name,
-    const at::Tensor& in) {
-  TORCH_CHECK(
-      out.numel() == 0 || !out.is_alias_of(in),
-      "fastddp.", op, ": ", out_name, " shares storage with ", in_name, "; give it its own buffer");
-}
-
 // A tensor's bytes as `count` spans of `len` bytes, `stride` bytes apart (stride >= len, so
 // the spans are sorted and disjoint): one span when contiguous, one a row for 2-D rows each
 // contiguous and spaced apart (the codes ops' layouts).
@@ -105,6 +96,14 @@ inline void check_apart(
   }
 }
 
+// An output must not overlap an input: the kernels read one while writing the other. Views
+// of one buffer that lie apart are taken, as for check_apart.
+inline void check_own_memory(
+    const char* op, const char* out_name, const at::Tensor& out, const char* in_name,
+    const at::Tensor& in) {
+  check_apart(op, {{out_name, &out}, {in_name, &in}});
+}
+
 // How to make a tensor contiguous: an input by .contiguous(); an output (`written`) by
 // allocating it so, as a copy that .contiguous() made would receive the result instead of it.
 inline const char* contiguous_fix(bool written) {
@@ -146,9 +145,7 @@ inline void check_bucket_and_wire(
       wire.numel(), "; they must match");
   check_contiguous(op, "the bucket", bucket, !wire_written);
   check_contiguous(op, "the wire buffer", wire, wire_written);
-  TORCH_CHECK(
-      bucket.numel() == 0 || !bucket.is_alias_of(wire),
-      "fastddp.", op, ": bucket and wire buffer share storage; use a separate wire buffer");
+  check_apart(op, {{"the bucket", &bucket}, {"the wire buffer", &wire}});
 }
 
 // P received 16-bit chunks, src of shape [P, m], summed per column into the m elements of dst,
@@ -168,7 +165,7 @@ inline void check_row_sum(
       "fastddp.", op, ": dst has ", dst.numel(), " elements but each chunk has ", src.size(1));
   check_contiguous(op, "src", src, false);
   check_contiguous(op, "dst", dst, true);
-  check_own_storage(op, "dst", dst, "src", src);
+  check_own_memory(op, "dst", dst, "src", src);
 }
 
 // The found_nonfinite, residual and seed of a rounding op, checked and as raw pointers: the flag
@@ -198,7 +195,7 @@ inline Rounding rounding_of(
         "fastddp.", op, ": residual has ", residual->numel(), " elements but ", n,
         " are rounded; allocate one residual per element");
     check_same_device(op, "residual", *residual, "the data", data);
-    check_own_storage(op, "residual", *residual, "the data", data);
+    check_own_memory(op, "residual", *residual, "the data", data);
   }
   return {residual.has_value() ? residual->data_ptr<float>() : nullptr, seed,
           flag.has_value() ? flag->data_ptr<int32_t>() : nullptr};
