@@ -64,7 +64,7 @@ def _reduce(
         make = lambda seeds: Job(  # noqa: E731
             job.path, job.slot, buffer, job.groups, job.world, average, seeds, job.topo
         )
-        state._native.plan(job, make)
+        state._native.plan(job, make, state)
     return future
 
 

@@ -51,7 +51,7 @@ def retire(state, key, rank: int) -> None:
         return
     if state._native is not None:
         state._native.sync(state)
-        state._native.drop(slot)
+        state._native.drop(slot, state)
     state._pipeline.settle(slot.job)
     state._table.remove(key)
     slot.job = None  # the job points back at the slot: let the buffers go now, not at GC

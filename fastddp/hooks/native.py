@@ -66,14 +66,16 @@ class Native:
         self.slots: dict[int, Any] = {}  # plan id -> slot
         self._ids = 0
 
-    def plan(self, job: Any, make_job: Any) -> None:
+    def plan(self, job: Any, make_job: Any, state: Any) -> None:
         """Hand the runner the plan of ``job``'s bucket, unless it has it already
         (``make_job(seeds)`` makes a job of the same bucket, to read the calls from)."""
         path, slot = job.path, job.slot
         if slot.plan is not None:
             if slot.plan[1] is job.bucket:
                 return
-            self.drop(slot)  # the same parameters in another buffer: plan that one
+            # The same parameters in another buffer (DDP's Join gives a joined rank fresh
+            # zeros): plan that one, counting the old plan's runs into ``state``.
+            self.drop(slot, state)
         template = make_job((-1,) * len(path.seed_stages))
         stages = []
         for i in range(path.stages):
@@ -93,28 +95,33 @@ class Native:
         self.slots[self._ids] = slot
         slot.plan = (self._ids, job.bucket)
 
-    def drop(self, slot: Any) -> None:
-        """Forget ``slot``'s plan (after :meth:`sync`, so its runs are counted)."""
+    def drop(self, slot: Any, state: Any) -> None:
+        """Forget ``slot``'s plan; its runs not yet counted (since :meth:`sync`) are counted
+        into ``state``."""
         if slot.plan is None:
             return
         plan_id, buffer = slot.plan
-        self.runner.remove(buffer)
+        self._count(state, slot, self.runner.remove(buffer))
         self.slots.pop(plan_id, None)
         slot.plan = None
 
-    def clear(self) -> None:
+    @staticmethod
+    def _count(state: Any, slot: Any, runs: int) -> None:
+        if runs:
+            slot.calls += runs
+            state._counters["calls"] += runs
+            stats.count(state._counters, slot, state.codec, state._topology, runs)
+
+    def clear(self, state: Any) -> None:
         """Forget every plan (after :meth:`sync`): the slots they were bound to are dropped."""
         for slot in list(self.slots.values()):
-            self.drop(slot)
+            self.drop(slot, state)
 
     def sync(self, state: Any) -> None:
         """Finish every reduction the runner started and count them into ``state``."""
         self.runner.flush()
         for plan_id, runs in self.runner.take_runs():
-            slot = self.slots[plan_id]
-            slot.calls += runs
-            state._counters["calls"] += runs
-            stats.count(state._counters, slot, state.codec, state._topology, runs)
+            self._count(state, self.slots[plan_id], runs)
 
 
 def turn_off(state: Any) -> None:

@@ -175,7 +175,7 @@ class CompressState:
             # Its reductions finish before all is dropped; the runner itself stays, as
             # fastddp.register_comm_hook has handed it to the model's reducer.
             old.sync(self)
-            old.clear()
+            old.clear(self)
         else:
             self._native = native.make(self)  # runs the buckets' steady state (native.py)
             self._runner = self._native.runner if self._native is not None else None

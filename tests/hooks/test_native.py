@@ -141,6 +141,38 @@ def test_native_runs_bit_for_bit_in_two_levels(mode):
     run_ranks(_alike, 4, mode, True, 2)
 
 
+def _joined(rank, world, mode):
+    # DDP's Join: the rank out of inputs first (rank 1) gets its buckets' all-reduces matched
+    # with fresh zero buffers, which replace each planned slot's plan. The runs of the plan
+    # replaced were lost from the counters there.
+    from torch.distributed.algorithms.join import Join
+
+    base = _Net(depth=3)
+    results = []
+    for on in (False, True):
+        model = DDP(copy.deepcopy(base), bucket_cap_mb=0.002)
+        state = fastddp.CompressState.from_preset(mode)
+        if not on:
+            state._native = state._runner = None
+        model.register_comm_hook(state, fastddp.compress_hook)
+        gen = torch.Generator().manual_seed(rank)
+        with Join([model]):
+            for _ in range(6 if rank == 0 else 3):
+                model.zero_grad()
+                model(torch.randn(8, 24, generator=gen)).square().mean().backward()
+        stats = state.stats()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        results.append((grads, {k: v for k, v in stats.items() if type(v) is int}))
+    (want, plain), (got, stats) = results
+    assert torch.equal(got, want)
+    assert stats == plain, {k: (stats[k], plain[k]) for k in plain if stats[k] != plain[k]}
+
+
+@pytest.mark.parametrize("mode", ["bf16", "bf16-acc-ef"])
+def test_a_joined_rank_counts_every_run(mode):
+    run_ranks(_joined, 2, mode)
+
+
 def _unplanned(rank, world):
     # Stochastic rounding and delay=1 draw something new at every call: no plans.
     for settings in ({"dtype": torch.int8, "stochastic_rounding": True}, {"delay": 1}):
