@@ -86,7 +86,7 @@ class CrossAverage:
             return f"its compress entry does not load ({type(error).__name__}: {error})"
         mine = (dist.get_rank(self.group), dist.get_world_size(self.group))
         theirs = trial._loaded_from
-        if theirs is not None and theirs != mine:
+        if theirs is not None and theirs[:2] != mine:
             return (
                 f"its compress residuals were saved by rank {theirs[0]} of the {theirs[1]} ranks "
                 f"of its cross-node group, and this rank is rank {mine[0]} there (another "

@@ -51,6 +51,7 @@ def save(state: Any) -> dict[str, Any]:
         "rank": rank,
         "world_size": world,
         "settings": state.settings(),
+        "seed": state.seed,  # stochastic rounding's: a resumed run draws what it would have
         "counters": dict(state._counters),
         "buckets": buckets,
         "retired_buckets": state._table.retired(),  # counters no live bucket took
@@ -182,13 +183,25 @@ def load(state: Any, state_dict: dict[str, Any]) -> None:
     _intact(state_dict)
     saved_settings = state_dict.get("settings", {"dtype": state_dict.get("dtype")})
     problem = mismatch(saved_settings, state.settings())
+    seed = state_dict.get("seed", state.seed)  # (older state dicts have none)
+    if not problem and state.stochastic_rounding and seed != state.seed:
+        problem = (
+            f"CompressState.load_state_dict: saved seed {seed!r} does not match this state's "
+            f"{state.seed!r}, and stochastic rounding draws from it; build the state with "
+            f"seed={seed!r}"
+        )
     if problem:
         raise ValueError(problem)
     state._reset()
     state._counters = {k: int(state_dict["counters"].get(k, 0)) for k in COUNTERS}
     # Only residuals belong to one rank of one world size; counters fit any job.
     if state_dict.get("rank") is not None and holds_residuals(state_dict):
-        state._loaded_from = (int(state_dict["rank"]), int(state_dict["world_size"]))
+        # (and after how many reductions: the ranks of one save made as many)
+        state._loaded_from = (
+            int(state_dict["rank"]),
+            int(state_dict["world_size"]),
+            state._counters["calls"],
+        )
     for index, saved in state_dict["buckets"].items():  # (two models: an index twice)
         state._table.keep(int(saved.get("index", index)), saved)
     for index, counts in state_dict.get("retired_buckets", {}).items():

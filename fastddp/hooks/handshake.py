@@ -34,11 +34,13 @@ __all__ = ["ARGUMENTS", "PROTOCOL", "TENSOR_PROBLEMS", "check", "exchange", "top
 # 13: and whether the rank's last load_state_dict failed; all_reduce's refused arguments
 #     (problem code 8); the dtype of the hook's first bucket (16-bit ones shake hands too).
 # 14: and all_reduce's inference tensors outside inference mode (problem code 9).
-PROTOCOL = 14
+# 15: and the reductions counted in the loaded residuals' state dict (-1: none loaded).
+PROTOCOL = 15
 _SHARED = 8  # the first columns of a row, which every rank must share
-_COLUMNS = 26  # columns of a row
+_COLUMNS = 27  # columns of a row
 _LOAD = 24  # the column of a failed load
 _DTYPE = 25  # the column of the first bucket's dtype (BUCKET_DTYPES, 9 another; 0: none given)
+_CALLS = 26  # the column of the loaded state dict's reductions
 BUCKET_DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
 AUTO = 0  # the codec code of a dtype="auto" state's row (no codec's)
 
@@ -81,7 +83,7 @@ def exchange(
     would sum their bits.
     """
     s = state.settings()
-    loaded = state._loaded_from or (-1, -1)
+    loaded = state._loaded_from or (-1, -1, -1)
     return _gather(
         [
             PROTOCOL,
@@ -92,7 +94,7 @@ def exchange(
             s["block_size"] or 0,
             TOPOLOGIES.index(state.topology),
             state.delay,
-            *loaded,
+            *loaded[:2],
             node_hash(),
             *layout,
             *_digest(state._residuals.sizes),
@@ -102,6 +104,7 @@ def exchange(
             bucket,
             int(state._load_problem is not None),
             0 if dtype is None else BUCKET_DTYPES.get(dtype, 9),
+            loaded[2],
         ],
         state.process_group,
         device,
@@ -120,10 +123,10 @@ def exchange_auto(
     would otherwise raise only when a later trial reaches them."""
     row = [PROTOCOL, AUTO, 0, 0, 0, 0, TOPOLOGIES.index(topology), 0, -1, -1, node_hash()]
     row += [0] * (_COLUMNS - len(row))
-    row[_LOAD] = int(load_failed)
+    row[_LOAD], row[_CALLS] = int(load_failed), -1
     saved_by = [s._loaded_from for s in loaded if s._loaded_from is not None]
     if saved_by:  # (the candidates of one state dict were saved by one rank)
-        row[8:10] = saved_by[0]
+        row[8:10], row[_CALLS] = saved_by[0][:2], saved_by[0][2]
     row[14:17] = _digest({k: n for s in loaded for k, n in s._residuals.sizes.items()})
     delayed = {k: t.numel() for s in loaded for k, t in s._delayed.parked.items()}
     row[19:22] = _digest(delayed)
@@ -274,6 +277,20 @@ def check(rows: list[tuple[int, ...]], load_problem: Optional[str] = None) -> No
             + "\n".join(wrong)
             + f"\nSave one state_dict() per rank and load each into the same rank of a job of "
             f"the same world size ({world} now)."
+        )
+    # The ranks of one save made as many reductions: residuals of other steps would be added
+    # twice on some ranks, and lost on others.
+    if len({row[_CALLS] for row in rows if row[_CALLS] >= 0}) > 1:
+        lines = [
+            f"  rank {r}: saved after {row[_CALLS]} reductions" if row[_CALLS] >= 0
+            else f"  rank {r}: none loaded"
+            for r, row in enumerate(rows)
+        ]  # fmt: skip
+        raise ValueError(
+            "fastddp: CompressState.load_state_dict was given residuals saved at different "
+            "steps on different ranks:\n" + "\n".join(lines) + "\nLoad into every rank the "
+            "state dict it saved in one save (a save cut short on some ranks leaves their "
+            "older files in place)."
         )
 
 

@@ -189,7 +189,7 @@ class CompressState:
         self._pipeline = Pipeline()
         self._pipeline.on_fail = None if self._runner is None else self._runner.fail
         self._residuals = Residuals()
-        self._loaded_from: Optional[tuple[int, int]] = None
+        self._loaded_from: Optional[tuple[int, int, int]] = None  # rank, world, reductions
         self._load_problem: Optional[str] = None
         self._topology: Optional[Topology] = None  # found at the first reduction
         self._resolved: Optional[str] = None  # "flat" or "hierarchical", from the topology

@@ -326,12 +326,26 @@ def _wrong_checkpoints(rank, world):
     state = fastddp.CompressState(**settings)
     model.register_comm_hook(state, fastddp.compress_hook)
     gen = torch.Generator().manual_seed(rank)
-    for _ in range(3):
+    for step in range(3):
+        if step == 2:
+            older = state.state_dict()  # the save before
         _step(model, gen)
     mine = state.state_dict()
     assert (mine["rank"], mine["world_size"]) == (rank, world)
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
+
+    # Rank 1's file of the save before (a save cut short there): its residuals of step 2
+    # would be added again, and rank 0's lost. Refused on every rank, at the first step.
+    model = _ddp(_Net())
+    state = fastddp.CompressState(**settings)
+    state.load_state_dict(older if rank == 1 else mine)
+    model.register_comm_hook(state, fastddp.compress_hook)
+    with pytest.raises(Exception, match="given residuals saved at different steps") as info:
+        _step(model, gen)
+    calls = mine["counters"]["calls"]
+    assert f"rank 0: saved after {calls} reductions" in str(info.value), info.value
+    assert f"rank 1: saved after {older['counters']['calls']} reductions" in str(info.value)
 
     # Each rank loads its neighbour's residuals: refused on every rank, at the first step.
     model = _ddp(_Net())

@@ -508,6 +508,16 @@ def test_state_validation_and_pickling():
         fastddp.CompressState().load_state_dict(state.state_dict())
     with pytest.raises(ValueError, match="saved error_feedback True does not match"):
         fastddp.CompressState(dtype=torch.int8, block_size=64).load_state_dict(state.state_dict())
+    # Stochastic rounding draws from the seed: a resumed run with another one drifts from
+    # the run it resumes. Without it, the seed changes nothing, and any loads.
+    rounding = dict(dtype=torch.int8, error_feedback=True, stochastic_rounding=True)
+    saved = fastddp.CompressState(**rounding, seed=7).state_dict()
+    with pytest.raises(ValueError, match="saved seed 7 does not match this state's 8, and stoc"):
+        fastddp.CompressState(**rounding, seed=8).load_state_dict(saved)
+    fastddp.CompressState(**rounding, seed=7).load_state_dict(saved)
+    fastddp.CompressState(dtype=torch.int8, block_size=64, error_feedback=True).load_state_dict(
+        state.state_dict()  # (seed 3 into seed 0)
+    )
     assert fastddp.CompressState(dtype=torch.int8).block_size == 128
     assert fastddp.CompressState(dtype=torch.int8).accumulate_dtype == torch.float32
 
