@@ -288,9 +288,9 @@ def check_store(conn: socket.socket, where: str) -> None:
     """
     timeout = STORE_ANSWER_S
     conn.settimeout(timeout)
-    conn.sendall(struct.pack("=BIB", _VALIDATE, _STORE_MAGIC, _GETNUMKEYS))
     answer = b""
     try:
+        conn.sendall(struct.pack("=BIB", _VALIDATE, _STORE_MAGIC, _GETNUMKEYS))
         while len(answer) < 8:
             more = conn.recv(8 - len(answer))
             if not more:
