@@ -1,16 +1,10 @@
 """``python -m fastddp.netns``'s command line: its own options end where the script begins."""
 
-import contextlib
-import fcntl
 import os
-import pty
-import select
 import signal
 import subprocess
 import sys
-import termios
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -128,70 +122,6 @@ def test_quietly_stops_on_sighup_and_leaves_nohup_s_alone(capsys):
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
-
-
-def _pids_of(marker: str) -> list[str]:
-    return subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
-
-
-def _namespaces() -> set[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {line.split()[0] for line in out.splitlines() if line.strip()}
-
-
-@pytest.mark.netns
-@pytest.mark.multiproc
-@pytest.mark.timeout(120)
-def test_a_closed_terminal_stops_the_nodes_and_removes_their_namespaces(tmp_path):
-    # The tool leads a session on a pseudo-terminal, which closes: the kernel sends SIGHUP,
-    # and from then on each write to the terminal fails (EIO).
-    marker = f"fastddp-sleeper-{uuid.uuid4().hex[:12]}"  # no other run's sleeper matches
-    script = tmp_path / f"{marker}.py"
-    script.write_text(
-        "import os, pathlib, time\n"
-        f"pathlib.Path({str(tmp_path)!r}, 'started' + os.environ['RANK']).touch()\n"
-        "time.sleep(300)\n"
-    )
-    terminal, tty = pty.openpty()
-    cmd = [sys.executable, "-m", "fastddp.netns", "--nodes", "1", str(script)]
-    run = subprocess.Popen(cmd, cwd=ROOT, stdin=tty, stdout=tty, stderr=tty,
-                           start_new_session=True,
-                           preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))  # fmt: skip
-    os.close(tty)
-    tag, said = None, b""
-    try:
-        started = tmp_path / "started0"
-        deadline = time.monotonic() + slack.guard(60)
-        while not started.exists() and run.poll() is None and time.monotonic() < deadline:
-            if select.select([terminal], [], [], 0.1)[0]:
-                with contextlib.suppress(OSError):  # (EIO once the tool has exited)
-                    said += os.read(terminal, 1 << 16)  # as a terminal shows it
-        assert started.exists(), said.decode(errors="replace")[-3000:]
-        # (The tool's own command line names the script too: it is in no namespace.)
-        identify = [["ip", "netns", "identify", pid] for pid in _pids_of(marker)]
-        named = {subprocess.run(c, capture_output=True, text=True).stdout.strip() for c in identify}
-        (node,) = named - {""}
-        assert node.startswith("fd0n"), node
-        tag = node[len("fd0n") :]
-        os.close(terminal)
-        terminal = None
-        code = run.wait(timeout=slack.guard(60))
-        assert {f"fdh{tag}", node} & _namespaces() == set()
-        assert _pids_of(marker) == []
-        assert code == 128 + signal.SIGHUP  # (not 1: its last line to the closed terminal)
-    finally:
-        if terminal is not None:
-            os.close(terminal)
-        if run.poll() is None:  # a failed check: SIGTERM removes the namespaces
-            run.terminate()
-            try:
-                run.wait(timeout=slack.guard(60))
-            except subprocess.TimeoutExpired:
-                run.kill()
-        left = {f"fdh{tag}", f"fd0n{tag}"} & _namespaces() if tag else set()
-        for ns in left:
-            bed.kill(bed.Node(ns, "", ""), timeout=10.0)  # (what a hung-up tool left)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
 @pytest.mark.netns
