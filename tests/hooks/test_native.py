@@ -69,20 +69,26 @@ def _counting_python_path(reached):
     return real
 
 
+def _hooked(base, mode, on, register):
+    """A DDP copy of ``base`` with ``mode``'s hook, its native runner ``on`` or off."""
+    model = DDP(copy.deepcopy(base), bucket_cap_mb=0.002)
+    state = fastddp.CompressState.from_preset(mode)
+    if not on:
+        state._native = state._runner = None
+    if register:
+        fastddp.register_comm_hook(model, state)
+    else:
+        model.register_comm_hook(state, fastddp.compress_hook)
+    return model, state
+
+
 def _alike(rank, world, mode, register, nodes):
     if nodes:
         os.environ[NODE_ENV] = f"node{rank // (world // nodes)}"
     base = _Net(depth=5)
     results = []
     for on in (False, True):
-        model = DDP(copy.deepcopy(base), bucket_cap_mb=0.002)
-        state = fastddp.CompressState.from_preset(mode)
-        if not on:
-            state._native = state._runner = None
-        if register:
-            fastddp.register_comm_hook(model, state)
-        else:
-            model.register_comm_hook(state, fastddp.compress_hook)
+        model, state = _hooked(base, mode, on, register)
         reached = []
         real = _counting_python_path(reached)
         try:
@@ -150,11 +156,7 @@ def _joined(rank, world, mode):
     base = _Net(depth=3)
     results = []
     for on in (False, True):
-        model = DDP(copy.deepcopy(base), bucket_cap_mb=0.002)
-        state = fastddp.CompressState.from_preset(mode)
-        if not on:
-            state._native = state._runner = None
-        model.register_comm_hook(state, fastddp.compress_hook)
+        model, state = _hooked(base, mode, on, False)
         gen = torch.Generator().manual_seed(rank)
         with Join([model]):
             for _ in range(6 if rank == 0 else 3):
