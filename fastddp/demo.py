@@ -69,7 +69,7 @@ def _train(mode, args, rank, world, first_probe):
         fastddp.register_comm_hook(model, state)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard, same per mode
-    times, losses, deviations = [], [], {}
+    times, losses, deviations, trialing = [], [], {}, []
     for step in range(args.steps):
         x = torch.randn(args.batch, args.inputs, generator=gen)
         with torch.no_grad():
@@ -90,13 +90,22 @@ def _train(mode, args, rank, world, first_probe):
         opt.step()
         times.append(time.perf_counter() - start)
         losses.append(loss.detach())
+        if mode == AUTO:
+            plan = state.stats()["plan"]
+            trialing.append(plan is None or plan["trial"])
     numel = sum(p.numel() for p in model.parameters())
     final = torch.stack(losses[-10:]).mean()
     dist.all_reduce(final)
     first = 5 if mode != AUTO else state.trial_steps + 1  # auto: timed after its plan
-    warm = times[min(first, len(times) - 1) :]
+    # auto plans again where its step time drifts (a loaded machine): a re-trial's steps run
+    # every candidate in turn, and the first under the new plan repays their residuals; neither
+    # is the plan's step time or gradient.
+    retrial = {s for s in range(first, len(trialing)) if trialing[s] or trialing[s - 1]}
+    warm = [t for s, t in enumerate(times) if s >= first and s not in retrial] or times[-1:]
     step_ms = torch.tensor([statistics.median(warm) * 1e3])
     dist.all_reduce(step_ms, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+    kept = None if state is None else {s: d for s, d in deviations.items() if s not in retrial}
+    dropped = [d for s, d in deviations.items() if s in retrial]
     label, links = mode, {}
     if state is None:
         payload = numel * 4
@@ -119,7 +128,9 @@ def _train(mode, args, rank, world, first_probe):
         "sent": payload * 2 * (world - 1) / world,
         "final_loss": final.item() / world,
         # By step; None for plain DDP, which is the exact average.
-        "deviations": deviations if state is not None else None,
+        "deviations": kept,
+        # Steps after the first plan in re-trials, all of them, and their deviations' largest.
+        "retrial": (len(retrial), max(len(times) - first, 0), max(dropped, default=None)),
         "params": numel,
         "links": links,
     }
@@ -187,6 +198,14 @@ def _print_table(rows, args, world, first_probe):
                 for level, v in r["links"].items()
             )
             print(f"{r['mode']}: its trial's collectives got {got}")
+        retried, after, dev = r["retrial"]
+        if retried:
+            there = "" if dev is None else f"; their gradients deviated up to {dev:.2e}"
+            print(
+                f"{r['mode']}: {retried} of its {after} steps after its plan ran in re-trials "
+                "(its step time moved at two checks in a row, as on a loaded machine), left "
+                f"out of its step ms and max grad dev{there}"
+            )
     unprobed = "" if args.steps > first_probe else "; n/a: no such step, give more --steps"
     print(
         "payload: the all-reduce message; sent: payload x 2(n-1)/n, what a ring sends per rank.\n"

@@ -174,6 +174,7 @@ def _row(mode, payload, deviations):
         "deviations": deviations,
         "params": payload // 4,
         "links": {},
+        "retrial": (0, 31, None),
     }
 
 
@@ -215,3 +216,35 @@ def test_demo_probes_every_row_on_the_same_steps_after_autos_trial():
     probed = [sorted(r["deviations"]) for r in rows[1:]]
     assert probed[0] and min(probed[0]) > trial_steps, (probed, trial_steps)
     assert all(p == probed[0] for p in probed), probed
+
+
+def _replanning_auto(rank, world, steps):
+    # Every check finds the step time moved, so auto plans again 6 steps after each plan (a
+    # machine under load); and "none" wins every trial, whose gradient is the exact average.
+    kept = auto.MARGIN, auto.CHECK_EVERY, auto.PLAIN_EDGE
+    auto.MARGIN, auto.CHECK_EVERY, auto.PLAIN_EDGE = -1.0, 2, 100.0
+    try:
+        size = dict(batch=8, width=32, depth=2, inputs=16, outputs=8, lr=1e-3)
+        args = argparse.Namespace(steps=steps, probe_every=1, **size)
+        first = fastddp.CompressState(dtype="auto").trial_steps + 1
+        return demo._train(demo.AUTO, args, rank, world, first), args, first
+    finally:
+        auto.MARGIN, auto.CHECK_EVERY, auto.PLAIN_EDGE = kept
+
+
+@pytest.mark.timeout(120)
+def test_demo_leaves_autos_re_trials_out_of_its_row(capsys):
+    steps = 60
+    row, args, first = run_ranks(_replanning_auto, 2, steps)[0]
+    assert row["mode"] == "fastddp-auto (none)", row
+    retried, after, dev = row["retrial"]
+    # Re-trials ran the compressed candidates in turn: their probes deviate, and are left out.
+    assert after == steps - first and 0 < retried < after, row
+    assert dev is not None and dev > 1e-4, row
+    devs = row["deviations"]
+    assert len(devs) == after - retried and devs, row
+    assert max(devs.values()) == 0.0, row  # steps under the plan of "none": exact
+    demo._print_table([{**_row("fp32", row["payload"], None), "step_ms": 3.0}, row], args, 2, first)
+    out = capsys.readouterr().out
+    said = f"fastddp-auto (none): {retried} of its {after} steps after its plan ran in re-trials"
+    assert said in out and f"deviated up to {dev:.2e}" in out, out
