@@ -89,7 +89,26 @@ def latest_checkpoint(ckpt_dir: Path):
     return max(done, key=lambda d: int(d.name[5:]), default=None)
 
 
+def _write(obj, path: Path) -> None:
+    """``torch.save`` to ``path``, on the disk before it returns."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sync_dir(path: Path) -> None:
+    """Put ``path``'s entries (names made, renamed) on the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save(ckpt_dir: Path, step: int, model, opt, state, rank: int, mode: str, seed: int) -> None:
+    # Each part reaches the disk before the rename publishes it, and the rename before the
+    # next save: after a power loss the latest checkpoint is whole, not names over empty files.
     tmp = ckpt_dir / f"step-{step}.partial"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a crash during a save
@@ -98,14 +117,16 @@ def save(ckpt_dir: Path, step: int, model, opt, state, rank: int, mode: str, see
     if rank == 0:
         train = {"model": model.module.state_dict(), "opt": opt.state_dict()}
         run = {"world_size": dist.get_world_size(), "mode": mode, "seed": seed}
-        torch.save({**train, **run}, tmp / "train.pt")
-    torch.save(state.state_dict(), tmp / f"hook-rank{rank}.pt")
+        _write({**train, **run}, tmp / "train.pt")
+    _write(state.state_dict(), tmp / f"hook-rank{rank}.pt")
     dist.barrier()  # every part is written: publish the checkpoint in one rename
     if rank == 0:
         final = ckpt_dir / f"step-{step}"
         if final.exists():  # (an earlier attempt's)
             shutil.rmtree(final)
+        _sync_dir(tmp)
         os.replace(tmp, final)
+        _sync_dir(ckpt_dir)
     dist.barrier()
 
 

@@ -3,6 +3,7 @@ the benchmarks and examples offer (taken from the table, so they cannot drift ap
 
 import argparse
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,9 @@ import fastddp
 from fastddp.bench import cli
 from fastddp.codecs import CODECS
 from fastddp.hooks.presets import PRESETS, preset
+
+from .._dist import run_ranks
+from .._references import _resume_rank
 
 ROOT = Path(__file__).resolve().parents[2]
 # What a state holds for a setting a preset leaves out.
@@ -106,3 +110,44 @@ def test_the_resume_example_takes_every_preset(capsys):
     with pytest.raises(SystemExit):
         resume._args(["--ckpt-dir", "x", "--grow-at", "20"])
     assert "--grow-at: '20': expected STEP:RANKS, e.g. 20:4" in capsys.readouterr().err
+
+
+def _saving(rank, world, ckpt_dir):
+    # examples/resume.py's training, its fsyncs and renames recorded in order.
+    events, fsync, replace = [], os.fsync, os.replace
+
+    def synced(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def renamed(src, dst):
+        replace(src, dst)
+        events.append(("replace", str(src), str(dst)))
+
+    os.fsync, os.replace = synced, renamed
+    try:
+        _resume_rank(rank, world, ["--ckpt-dir", ckpt_dir, "--steps", "6", "--ckpt-every", "3"])
+    finally:
+        os.fsync, os.replace = fsync, replace
+    return events
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_the_resume_example_publishes_a_checkpoint_only_once_it_is_on_the_disk(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ranks = run_ranks(_saving, 2, str(ckpt))
+    for rank, events in enumerate(ranks):
+        synced = [e[1] for e in events if e[0] == "fsync"]
+        for step in (3, 6):
+            assert f"{ckpt}/step-{step}.partial/hook-rank{rank}.pt" in synced, events
+    # Rank 0 publishes: each part and the folder's entries before the rename, the rename after.
+    events, published = ranks[0], 0
+    for i, event in enumerate(events):
+        if event[0] != "replace":
+            continue
+        tmp, before, after = event[1], {e[1] for e in events[:i]}, events[i + 1 : i + 2]
+        assert {tmp, f"{tmp}/train.pt", f"{tmp}/hook-rank0.pt"} <= before, events
+        assert after == [("fsync", str(ckpt))], events
+        published += 1
+    assert published == 2, events
