@@ -432,8 +432,18 @@ class Runner : public std::enable_shared_from_this<Runner> {
 
   // The Python pipeline of the same state failed (a bucket reduced there): refuse further
   // work too, as it does. Its collectives and this runner's are one sequence on every rank.
-  void fail_with(const std::string& why) {
-    fail(std::make_exception_ptr(std::runtime_error(why)));
+  // `in_callback`: a decode failed in a completion callback, which may run on a backend's
+  // thread (Gloo with CUDA tensors) while the hook's thread steps this runner: only refuse().
+  // Every job in pending_ or completing_ is its plan's latest (run() issues and finishes a
+  // plan's job before it makes the next), so each fails all the same; the hook's thread steps
+  // none of them again (run(), flush() and the end-of-backward callback check first).
+  void fail_with(const std::string& why, bool in_callback) {
+    auto error = std::make_exception_ptr(std::runtime_error(why));
+    if (in_callback) {
+      refuse(error);
+    } else {
+      fail(error);
+    }
   }
 
   // Issue everything pending and wait for every reduction started here. On CUDA the current
@@ -594,18 +604,25 @@ class Runner : public std::enable_shared_from_this<Runner> {
     }
   }
 
+  // On the thread that calls the hook.
   void fail(const std::exception_ptr& error) {
     std::vector<std::shared_ptr<Job>> jobs(pending_.begin(), pending_.end());
     jobs.insert(jobs.end(), completing_.begin(), completing_.end());
     pending_.clear();
     completing_.clear();
+    refuse(error, std::move(jobs));
+  }
+
+  // Record the first failure and fail `jobs` and each plan's latest job, touching nothing
+  // but what mu_ guards: on any thread.
+  void refuse(const std::exception_ptr& error, std::vector<std::shared_ptr<Job>> jobs = {}) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (failure_.empty()) {
         failure_ = describe(error);
       }
-      // And each plan's latest: the job that was being stepped, and those set aside to step
-      // after it, are in neither list. Nothing may wait for them forever (remove(), flush()).
+      // Each plan's latest: the job that was being stepped, and those set aside to step after
+      // it, are in neither list. Nothing may wait for them forever (remove(), flush()).
       for (auto& [key, plan] : plans_) {
         if (plan->job) {
           jobs.push_back(plan->job);
@@ -837,7 +854,7 @@ void define_native_hook(py::module_& m) {
            py::arg("previous") = py::none())
       .def("remove", &Runner::remove, py::arg("buffer"))
       .def("take_runs", &Runner::take_runs)
-      .def("fail", &Runner::fail_with, py::arg("why"))
+      .def("fail", &Runner::fail_with, py::arg("why"), py::arg("in_callback") = false)
       .def("flush", &Runner::flush, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("busy", &Runner::busy)
       .def("use_side_stream", &Runner::use_side_stream, py::arg("stream"))

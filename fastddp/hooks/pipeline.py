@@ -85,9 +85,10 @@ class Pipeline:
         # Called as on_issue(job, stage, began) once a stage's collective is issued, with the
         # time just before it was (``dtype="auto"`` times the collectives of its measured steps).
         self.on_issue: Optional[Callable[[Job, int, float], None]] = None
-        # Called as on_fail(message) at the first failure: the state's native runner, whose
-        # collectives and these are one sequence, refuses further work too.
-        self.on_fail: Optional[Callable[[str], None]] = None
+        # Called as on_fail(message, in_callback) at the first failure: the state's native
+        # runner, whose collectives and these are one sequence, refuses further work too.
+        # in_callback: from a completion callback, maybe on a backend's thread.
+        self.on_fail: Optional[Callable[[str, bool], None]] = None
 
     def check(self) -> None:
         """Raise if an earlier reduction failed."""
@@ -133,7 +134,7 @@ class Pipeline:
         if defer:
             return
         if is_last:
-            self.guarded(self.flush)
+            self.flush()
         elif self._pending or self._completing:
             self._finish_by_end_of_backward()
 
@@ -144,6 +145,11 @@ class Pipeline:
 
     def flush(self) -> None:
         """Run every pending stage and wait for every reduction to complete."""
+        # Guarded wherever it is called from (the end of the backward pass, state.flush()):
+        # a collective or decode failing here fails the state, as in a step.
+        self.guarded(self._flush)
+
+    def _flush(self) -> None:
         while self._pending:
             self._earlier = list(self._pending)
             self._pending.clear()
@@ -254,8 +260,11 @@ class Pipeline:
                 job.runtime.hold((job.bucket,))
             job.result.set_result(job.bucket)
         except Exception as e:
-            self._failure = self._failure or e
             job.result.set_exception(e)
+            # The runner is told now: it takes the next planned bucket without asking here.
+            # (This may run on a backend's thread: the job lists, the calling thread's, are
+            # left to it; its next call refuses.)
+            self._record(e, in_callback=True)
 
     def _poll(self) -> None:
         while self._completing and self._completing[0].runtime.ready(self._completing[0].work):
@@ -271,10 +280,13 @@ class Pipeline:
             raise
         job.result.set_result(job.bucket)
 
-    def _fail(self, error: BaseException) -> None:
+    def _record(self, error: BaseException, in_callback: bool = False) -> None:
         if self._failure is None and self.on_fail is not None:
-            self.on_fail(f"{type(error).__name__}: {error}")
+            self.on_fail(f"{type(error).__name__}: {error}", in_callback)
         self._failure = self._failure or error
+
+    def _fail(self, error: BaseException) -> None:
+        self._record(error)
         for job in (*self._pending, *self._earlier, *self._completing):
             if not job.result.done():
                 job.result.set_exception(RuntimeError(f"fastddp: reduction abandoned: {error}"))

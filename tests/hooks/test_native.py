@@ -376,3 +376,51 @@ def test_a_failure_on_the_python_path_stops_the_runner_too():
     state._pipeline._fail(RuntimeError("out of memory, say"))
     with pytest.raises(RuntimeError, match=r"earlier reduction failed on this rank \(Runtime"):
         state._runner.flush()
+
+
+def _tensors(calls, collective):
+    found = [a for _, args, kwargs in calls for a in (*args, *kwargs.values())]
+    found += list(collective)
+    return [t for t in found if isinstance(t, torch.Tensor)]
+
+
+def _later_stages_use_held_tensors(rank, world, mode, nodes):
+    # The runner records no stream use itself: a later stage runs on the side stream (the
+    # pipeline's, native.py hands it over) and uses only the slot's buffers, which the Python
+    # path's reduction that made the plan held on that stream (Path.stage: slot.hold) before
+    # the runner's first run. A tensor of its own there (made on the compute stream when the
+    # plan is made) would go back to the allocator, at the plan's end, unheld.
+    if nodes:
+        os.environ[NODE_ENV] = f"node{rank // (world // nodes)}"
+    made = []
+    real = native.Native.plan
+
+    def plan(self, job, make_job, state):
+        real(self, job, make_job, state)
+        template = make_job((-1,) * len(job.path.seed_stages))
+        for i in range(1, job.path.stages):
+            made.append((job.slot, i, _tensors(*job.path.stage_calls(template, i))))
+
+    native.Native.plan = plan
+    try:
+        model, state = _hooked(_Net(depth=4), mode, True, False)
+        _train(model, state, 3, rank)
+    finally:
+        native.Native.plan = real
+    made = [m for m in made if m[0].plan is not None]  # (the first layout's slots retired)
+    for slot, i, tensors in made:
+        assert slot.held, f"{slot.path.name}: planned before its buffers were held"
+        held = {t.untyped_storage().data_ptr() for t in slot.tensors()}
+        alien = [tuple(t.shape) for t in tensors if t.untyped_storage().data_ptr() not in held]
+        assert not alien, f"{slot.path.name} stage {i} uses tensors no slot holds: {alien}"
+    return len(made)
+
+
+@pytest.mark.parametrize("mode", [m for m in PRESETS if m not in ("fp16", "bf16")])
+def test_later_stages_of_a_plan_use_only_held_buffers(mode):
+    assert min(run_ranks(_later_stages_use_held_tensors, 2, mode, 0)) > 0
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8-ef", "int2-ef"])
+def test_later_stages_of_a_two_level_plan_use_only_held_buffers(mode):
+    assert min(run_ranks(_later_stages_use_held_tensors, 4, mode, 2)) > 0

@@ -50,7 +50,7 @@ MUTATIONS = {
         "self._complete_async(job, job.work.get_future())",
     ),
     # flush() that leaves host reads unordered after the side stream.
-    "flush-without-synchronize": (Pipeline, "flush", "self.synchronize()\n", "pass\n"),
+    "flush-without-synchronize": (Pipeline, "_flush", "self.synchronize()\n", "pass\n"),
     # A slot's buffers reused (delay=1: its reduced gradient read) before the current stream
     # waits for the previous reduction's decode.
     "settle-without-wait-result": (
@@ -63,7 +63,7 @@ MUTATIONS = {
     # ran in callbacks (on CUDA, on streams of torch's pool).
     "flush-without-waiting-decodes": (
         Pipeline,
-        "flush",
+        "_flush",
         "job.runtime.wait_result(job.result)\n",
         "pass\n",
     ),
