@@ -15,11 +15,11 @@ crashed) while its host still answers: the others then stop their workers, which
 for its ranks, in ``init_process_group`` or a collective, until their timeouts.
 
 A node that goes silent (its link or its host down: no connection closes) is named within the
-peer timeout (``FASTDDP_PEER_TIMEOUT``, 300 s by default) plus :data:`QUIET_MARGIN_S`: node 0
-watches every other node's heartbeat in its store (a node whose launch ended is not waited
-for), and the other nodes watch that node 0's store still answers. Running workers' own
-watchdogs (:mod:`fastddp.watchdog`) name a silent rank first; this covers the workers that
-have not started watching yet, still loading data or waiting for the others' ranks.
+peer timeout (``FASTDDP_PEER_TIMEOUT``; unset, as for the workers: 300 s for up to 64 ranks,
+else off) plus :data:`QUIET_MARGIN_S`: node 0 watches every other node's heartbeat in its store
+(a node whose launch ended is not waited for), and the other nodes watch that node 0's store
+still answers. Running workers' own watchdogs (:mod:`fastddp.watchdog`) name a silent rank
+first; this covers workers not watching yet, still loading data or waiting for the others.
 
 The c10d rendezvous is left to torch: a node that fails there can be started again and
 rejoin, and the others' agents wait for it (``--max-restarts``, ``--nnodes MIN:MAX``).
@@ -62,6 +62,8 @@ _kept: list = []  # what node 0's rendezvous store lives in, until this launch h
 
 
 class _Watcher:
+    per_node = 1  # this node's --nproc-per-node (:func:`workers`)
+
     def __init__(
         self, store, prefix: str, card: int, node_rank: int, nodes: int, run_id: str, names
     ):
@@ -80,8 +82,10 @@ class _Watcher:
         self.released = node_rank == 0  # this node needs node 0's store no more
         self._releasing = threading.Lock()
         self._stop = threading.Event()
-        try:
-            timeout = peer_timeout_from_env(os.environ, world=1)  # (checked by the preflight)
+        # On by default where the workers' watchdogs are (off for big jobs): the job's ranks,
+        # where every node runs as many as this one (torch sums them as the workers start).
+        try:  # (a bad value was refused by the preflight, or is by the workers)
+            timeout = peer_timeout_from_env(os.environ, world=nodes * self.per_node)
         except ClusterError:
             timeout = 0.0
         self.quiet_limit = timeout + QUIET_MARGIN_S if timeout > 0 else 0.0
@@ -97,7 +101,6 @@ class _Watcher:
             threading.Thread(target=self._watch_quiet, name=name, daemon=True).start()
 
     def _run(self) -> None:
-        global _peer_note
         while not self._stop.wait(WATCH_S):
             try:
                 self.store.add(self.beat, 1)
@@ -125,15 +128,7 @@ class _Watcher:
                 self._stop.wait(SIGNAL_GRACE_S)
             if stop.signalled() or self._stop.is_set():
                 return  # this node is stopping on its own; a second signal would interrupt it
-            _peer_note = note
-            if kind == "c":
-                say(f"error: {note}; this launch ends too")
-            else:
-                say(
-                    f"error: {note}; stopping this node's workers, which cannot go on without "
-                    "that node (static rendezvous)"
-                )
-            stop.stop_self(2 if kind == "c" else 1)  # torch's agent stops the workers
+            _stop_workers(note, 2 if kind == "c" else 1)
             return
 
     def release(self) -> None:
@@ -203,11 +198,7 @@ class _Watcher:
         if self.node_rank == 0:  # the others read it in its store, as a failure's note
             note = f"f{self.name} stopped: {_peer_note}"
             self.noted = _bounded(WATCH_S, lambda: self.store.set(self.key, note)) is None
-        say(
-            f"error: {_peer_note}; stopping this node's workers, which cannot go on without "
-            "that node (static rendezvous)"
-        )
-        stop.stop_self(1)
+        _stop_workers(_peer_note)
 
     def gone(self, error: Exception) -> str:
         """Node 0 is gone: what its store's ``error`` says."""
@@ -218,15 +209,9 @@ class _Watcher:
 
     def _lost(self, error: Exception) -> None:
         """Node 0's store closed without its launch ending there: its launcher is gone."""
-        global _peer_note
         if self._stop.wait(LOST_GRACE_S) or stop.signalled():
             return  # this node's launch ended meanwhile, or a signal ends it
-        _peer_note = self.gone(error)
-        say(
-            f"error: {_peer_note}; stopping this node's workers, which cannot go on without "
-            "that node (static rendezvous)"
-        )
-        stop.stop_self(1)
+        _stop_workers(self.gone(error))
 
     def stop(self) -> None:
         self._stop.set()
@@ -241,6 +226,12 @@ def watch(store, prefix: str, card: int, node_rank: int, nodes: int, run_id: str
     node's and node 0's."""
     global _watcher
     _watcher = _Watcher(store, prefix, card, node_rank, nodes, run_id, names)
+
+
+def workers(per_node: int) -> None:
+    """This node runs ``per_node`` workers (``--nproc-per-node``): the peer timeout's default
+    depends on the job's ranks."""
+    _Watcher.per_node = per_node
 
 
 def keep(owner) -> None:
@@ -326,6 +317,16 @@ def _linger(watcher: _Watcher) -> None:
         if time.monotonic() > deadline:
             return
         time.sleep(0.1)
+
+
+def _stop_workers(note: str, code: int = 1) -> None:
+    """Another node's ``note`` stops this node's workers (torch's agent stops them), and this
+    launch with ``code``: 2 where the nodes were launched unlike (roster.py)."""
+    global _peer_note
+    _peer_note = note
+    why = "stopping this node's workers, which cannot go on without that node (static rendezvous)"
+    say(f"error: {note}; " + ("this launch ends too" if code == 2 else why))
+    stop.stop_self(code)
 
 
 def _bounded(seconds: float, work) -> Optional[Exception]:

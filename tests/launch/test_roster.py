@@ -347,6 +347,34 @@ def test_node_0_keeps_its_store_until_the_others_read_its_note_of_a_silent_node(
     assert read.is_set(), "node 0's launch ended before the others were done with its store"
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("peer_timeout, limit", [(None, "0"), ("20", "30")])
+def test_the_launchers_silent_node_watch_follows_the_workers_default_for_the_job_size(
+    peer_timeout, limit
+):
+    # 2 nodes x 33 workers: 66 ranks, whose watchdogs are off by default (on up to 64). The
+    # launchers' watch of a silent node used to count one rank, and stayed on at 300 s + 10;
+    # it now counts the job's ranks, and FASTDDP_PEER_TIMEOUT set turns both on at any size.
+    # (The workers are `true`: the launchers' watch starts before them, and ends after.)
+    port = free_port()
+    setting = "os.environ.pop('FASTDDP_PEER_TIMEOUT', None)"
+    if peer_timeout is not None:
+        setting = f"os.environ['FASTDDP_PEER_TIMEOUT'] = {peer_timeout!r}"
+    patch = (
+        f"import os; {setting}\n"
+        "import fastddp.launch.failures as failures\n"
+        "def watch(*args, _watch=failures.watch):\n"
+        "    _watch(*args)\n"
+        "    print(f'quiet limit {failures._watcher.quiet_limit:g}', flush=True)\n"
+        "failures.watch = watch\n"
+    )
+    cmds = [[*_static(port, 2, r, "--no-python", nproc=33)[:-1], "true"] for r in (0, 1)]
+    results = _finish([_launcher(c, patch) for c in cmds], timeout=90)
+    for rc, out in results:
+        assert rc == 0, out
+        assert f"quiet limit {limit}\n" in out, out
+
+
 def _launcher(args, patch=""):
     """A launcher, its roster module patched first (``patch``: lines run after importing it)."""
     code = (
