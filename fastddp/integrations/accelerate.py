@@ -13,14 +13,18 @@ residuals, a pending ``delay=1`` gradient: each rank's own) into ``dir`` as
 ``fastddp_hook_state_model<M>_rank<R>.pt``, ``M`` counting the models given
 ``register_comm_hook`` in order, and ``accelerator.load_state(dir)`` loads it into the same
 model and rank (regrouped by :meth:`CompressState.reshard` on another number of processes).
+The files of one save carry one save id, and ``load_state`` refuses, on every process, files of
+different saves.
 """
 
 import glob
 import os
+import uuid
 import weakref
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from fastddp.hooks import CompressState
@@ -90,6 +94,12 @@ def _keep_with_checkpoints(accelerator, state: CompressState) -> None:
     def save(models, weights, output_dir) -> None:
         # On every process: the state dict finishes pending reductions (delay=1: a collective).
         saved = {"world_size": world, "state": state.state_dict()}
+        # Process 0's id ties the files of this save together: two saves at one step (a run
+        # re-run from an earlier checkpoint) pass the step check of the first reduction.
+        save = [uuid.uuid4().hex]
+        if world > 1:
+            dist.broadcast_object_list(save, src=0)
+        saved["save"] = save[0]
         torch.save(saved, os.path.join(output_dir, name(rank)))
 
     def load(models, input_dir) -> None:
@@ -112,14 +122,43 @@ def _keep_with_checkpoints(accelerator, state: CompressState) -> None:
                 "with the checkpoint"
             )
         if saved == world:
-            loaded = torch.load(paths[rank])["state"]
+            mine = torch.load(paths[rank])
+            saves = _gathered(mine.get("save"), world)  # (each process reads its own)
         else:
-            states = [torch.load(p)["state"] for p in paths]
-            loaded = CompressState.reshard(states, world)[rank]
+            files = [torch.load(p) for p in paths]
+            saves = [f.get("save") for f in files]
+        # Files saved before save ids have none (None) and load as they did: nothing tells
+        # their saves apart, and the first reduction still refuses files of different steps.
+        if len(set(saves)) > 1:  # (every process has every id, and raises alike)
+            listed = "\n".join(f"  {p}: {_named(s)}" for p, s in zip(paths, saves))
+            raise ValueError(
+                f"{input_dir} holds fastddp's hook state of different saves (a save cut short, "
+                f"a file left by an earlier one, or copied from another checkpoint), whose "
+                f"residuals do not go together:\n{listed}\ncopy the files of one "
+                f"accelerator.save_state together, or remove every {_PREFIX}* file there to "
+                "start the hook afresh"
+            )
+        if saved == world:
+            loaded = mine["state"]
+        else:
+            loaded = CompressState.reshard([f["state"] for f in files], world)[rank]
         state.load_state_dict(loaded)
 
     accelerator.register_save_state_pre_hook(save)
     accelerator.register_load_state_pre_hook(load)
+
+
+def _gathered(mine, world: int) -> list:
+    """Every process's ``mine``, in rank order; a collective with several processes."""
+    if world == 1:
+        return [mine]
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def _named(save) -> str:
+    return f"save {save}" if save is not None else "a save without an id (by an older fastddp)"
 
 
 def _sharded(model) -> bool:

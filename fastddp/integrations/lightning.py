@@ -16,10 +16,12 @@ pending ``delay=1`` gradient) are each rank's own: ``FastDDPStrategy`` writes ea
 ``state.state_dict()`` in a folder beside the checkpoint, as
 ``fastddp-hook-state/<checkpoint's name>.rank<R>``, and a resumed fit loads it into the same
 rank (regrouped by :meth:`CompressState.reshard` when the number of ranks changed), so that a
-resume ends where an uninterrupted run would.
+resume ends where an uninterrupted run would. Each save's files and checkpoint carry one save id,
+and a resume refuses, on every rank, files of another save.
 """
 
 import os
+import uuid
 import warnings
 from typing import Any, Optional
 
@@ -119,10 +121,13 @@ class FastDDPStrategy(DDPStrategy):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
         # On every rank (Lightning calls it there): the state dict finishes pending reductions,
-        # a collective with delay=1.
-        state = self.compress_state.state_dict()
+        # a collective with delay=1. Rank 0's id ties this save's files to its checkpoint: two
+        # saves at one step (a fit re-run from an earlier checkpoint) pass the step check of
+        # the first reduction, and a file of either may be left beside the other's checkpoint.
+        save = self.broadcast(uuid.uuid4().hex)
+        state = {**self.compress_state.state_dict(), _ID: save}
         self.checkpoint_io.save_checkpoint(state, self._beside(filepath, self.global_rank))
-        checkpoint[_KEY] = {"world_size": self.world_size}
+        checkpoint[_KEY] = {"world_size": self.world_size, "save": save}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
@@ -153,8 +158,14 @@ class FastDDPStrategy(DDPStrategy):
             )
         if saved["world_size"] == self.world_size:
             state = self.checkpoint_io.load_checkpoint(paths[self.global_rank])
+            read = {self.global_rank: state.pop(_ID, None)}
         else:
             states = [self.checkpoint_io.load_checkpoint(p) for p in paths]
+            read = {r: s.pop(_ID, None) for r, s in enumerate(states)}
+        # A rank reads its own file (all of them to reshard): sharing what they read, the
+        # ranks decide alike, and raise alike.
+        _same_save(checkpoint_path, paths, _gathered((saved.get("save"), read)))
+        if saved["world_size"] != self.world_size:
             state = CompressState.reshard(states, self.world_size)[self.global_rank]
         self.compress_state.load_state_dict(state)
         return checkpoint
@@ -164,7 +175,50 @@ class FastDDPStrategy(DDPStrategy):
         super().remove_checkpoint(filepath)
 
 
+def _gathered(mine: Any) -> list[Any]:
+    """Every rank's ``mine``, in rank order; a collective where there is a process group."""
+    if not torch.distributed.is_initialized():
+        return [mine]
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    return everyone
+
+
+def _same_save(checkpoint_path: Any, paths: list, seen: list) -> None:
+    """Raise if a file is of another save than the checkpoint (as rank 0, its writer, read it).
+
+    ``seen``: each rank's ``(checkpoint's save id, {rank: save id of rank's file})``, for the
+    files it read.
+    Checkpoints and files saved before save ids have none (``None``) and load as they did:
+    nothing tells their saves apart, and the first reduction still refuses files saved at
+    different steps. A file without an id beside a checkpoint with one (or the reverse) is of
+    another save.
+    """
+    save = seen[0][0]
+    files = {r: s for _, read in seen for r, s in read.items()}
+    other = [f"  {paths[r]}: {_named(s)}" for r, s in sorted(files.items()) if s != save]
+    other += [
+        f"  {checkpoint_path} as rank {r} read it: {_named(s)}"
+        for r, (s, _) in enumerate(seen)
+        if s != save
+    ]
+    if other:
+        raise ValueError(
+            f"FastDDPStrategy: {checkpoint_path} is of {_named(save)}, but hook state files "
+            "beside it are of another (a save cut short, a file left by an earlier save, or "
+            "copied from another checkpoint), and their residuals do not go with it:\n"
+            + "\n".join(other)
+            + "\ncopy the files of the checkpoint's own save with it, or resume with "
+            "FastDDPStrategy(resume_hook_state=False) to start the hook afresh"
+        )
+
+
+def _named(save: Optional[str]) -> str:
+    return f"save {save}" if save is not None else "a save without an id (by an older fastddp)"
+
+
 _KEY = "fastddp"
+_ID = "fastddp_save"  # in each rank's file, beside the state dict's own keys
 # Not beside the checkpoint itself: Lightning numbers its next HPC checkpoint (and finds the
 # one to resume) by the digits of every name in the folder that holds "ckpt_", and
 # "hpc_ckpt_1.ckpt.fastddp-rank0" read as version 10.

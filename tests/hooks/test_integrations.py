@@ -336,3 +336,165 @@ def test_the_frameworks_check_what_fastddp_register_comm_hook_checks(lightning_j
     from .._dist import run_ranks
 
     run_ranks(_framework_checks, 2)
+
+
+def _lightning_saves(rank, world, folder):
+    import shutil
+
+    import torch
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    import fastddp
+    from fastddp.integrations.lightning import FastDDPStrategy
+
+    env = LightningEnvironment()
+    env.set_global_rank(rank)
+    env.set_world_size(world)
+    strategy = FastDDPStrategy(
+        fastddp.CompressState.from_preset("int8-ef"), cluster_environment=env
+    )
+    ckpt = folder / "step.ckpt"
+    files = [Path(FastDDPStrategy._beside(ckpt, r)) for r in range(world)]
+
+    def copy(source, target, by):  # on rank `by`, while the other waits
+        torch.distributed.barrier()
+        if rank == by:
+            shutil.copy(folder / source, folder / target)
+        torch.distributed.barrier()
+
+    def save():  # and wait for rank 0's checkpoint, as Trainer.save_checkpoint does
+        strategy.save_checkpoint({"state_dict": {}}, ckpt)
+        torch.distributed.barrier()
+
+    # Two saves at one step (a fit re-run from an earlier checkpoint): the step check of the
+    # first reduction cannot tell their files apart.
+    save()
+    copy("step.ckpt", "step.a", 0)
+    copy(files[1], "rank1.a", 1)
+    save()
+    assert "fastddp" in strategy.load_checkpoint(ckpt)  # one save's files load
+    copy(files[1], "rank1.b", 1)
+
+    def refused(wrong):  # on both ranks, naming the files of ranks `wrong` alone
+        with pytest.raises(ValueError, match="beside it are of another") as error:
+            strategy.load_checkpoint(ckpt)
+        for r in range(world):
+            assert (f"{files[r]}: save " in str(error.value)) == (r in wrong), error.value
+        return str(error.value)
+
+    copy("rank1.a", files[1], 1)  # rank 1's file of the earlier save left (a save cut short)
+    said = [refused([1])]
+    copy("rank1.b", files[1], 1)
+    copy("step.a", "step.ckpt", 0)  # the later save's files beside the earlier checkpoint
+    said.append(refused([0, 1]))
+    assert "resume_hook_state=False" in said[0]
+    return said
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_a_lightning_resume_refuses_hook_state_files_of_another_save(tmp_path):
+    # Lightning writes the checkpoint from rank 0, each rank its hook state beside it: files
+    # of two saves mixed in one folder are refused on every rank (one that raised alone would
+    # leave the others waiting in the first reduction), naming the files that do not belong.
+    pytest.importorskip("lightning")
+    from .._dist import run_ranks
+
+    said = run_ranks(_lightning_saves, 2, tmp_path, timeout=120)
+    assert said[0] == said[1]
+
+
+@pytest.mark.timeout(60)
+def test_lightning_hook_state_files_without_a_save_id_still_load(tmp_path):
+    # Saved before save ids: neither the checkpoint nor its files have one, and nothing tells
+    # their saves apart; a file without one beside a checkpoint with one is of another save.
+    pytest.importorskip("lightning")
+    import torch
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    import fastddp
+    from fastddp.integrations.lightning import FastDDPStrategy
+
+    strategy = FastDDPStrategy(
+        fastddp.CompressState.from_preset("int8-ef"), cluster_environment=LightningEnvironment()
+    )
+    ckpt = tmp_path / "old.ckpt"
+    beside = Path(FastDDPStrategy._beside(ckpt, 0))
+    beside.parent.mkdir()
+    torch.save(fastddp.CompressState.from_preset("int8-ef").state_dict(), beside)
+    torch.save({"state_dict": {}, "fastddp": {"world_size": 1}}, ckpt)
+    assert "fastddp" in strategy.load_checkpoint(ckpt)
+    torch.save({"state_dict": {}, "fastddp": {"world_size": 1, "save": "0" * 32}}, ckpt)
+    with pytest.raises(ValueError, match=f"{beside}: a save without an id"):
+        strategy.load_checkpoint(ckpt)
+
+
+class _Accelerator:  # what the helper uses of one, on a rank of a real process group
+    def __init__(self, rank, world):
+        self.process_index, self.num_processes = rank, world
+        self.save, self.load = [], []
+
+    def register_save_state_pre_hook(self, hook):
+        self.save.append(hook)
+
+    def register_load_state_pre_hook(self, hook):
+        self.load.append(hook)
+
+
+def _accelerate_saves(rank, world, folder):
+    import shutil
+
+    import torch
+
+    import fastddp
+    from fastddp.integrations.accelerate import _keep_with_checkpoints
+
+    accelerator = _Accelerator(rank, world)
+    _keep_with_checkpoints(accelerator, fastddp.CompressState.from_preset("int8-ef"))
+    files = [folder / f"fastddp_hook_state_model0_rank{r}.pt" for r in range(world)]
+
+    def save():
+        accelerator.save[0]([], [], str(folder))
+        torch.distributed.barrier()
+
+    def copy(source, target):
+        torch.distributed.barrier()
+        if rank == 1:
+            shutil.copy(source, target)
+        torch.distributed.barrier()
+
+    # Two saves at one step: rank 1's file of the first left beside the second's (a save cut
+    # short) is refused on every process, which each list every file's save.
+    save()
+    copy(files[1], folder / "rank1.a")
+    save()
+    accelerator.load[0]([], str(folder))  # one save's files load
+    copy(folder / "rank1.a", files[1])
+    with pytest.raises(ValueError, match="of different saves") as refused:
+        accelerator.load[0]([], str(folder))
+    said = str(refused.value)
+    ids = [torch.load(f)["save"] for f in files]
+    assert ids[0] != ids[1] and all(f"{f}: save {i}" in said for f, i in zip(files, ids)), said
+    assert "remove every fastddp_hook_state_* file there" in said
+    torch.distributed.barrier()  # every rank has read the files before rank 0 rewrites one
+    # Files saved before save ids load as they did; one beside a file with an id is refused.
+    for r in range(world):
+        if rank == r:
+            saved = torch.load(files[r])
+            torch.save({k: v for k, v in saved.items() if k != "save"}, files[r])
+        torch.distributed.barrier()
+        if r == 0:
+            with pytest.raises(ValueError, match=f"{files[0]}: a save without an id"):
+                accelerator.load[0]([], str(folder))
+    accelerator.load[0]([], str(folder))
+    return said
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_an_accelerate_resume_refuses_hook_state_files_of_different_saves(tmp_path):
+    pytest.importorskip("accelerate")
+    from .._dist import run_ranks
+
+    said = run_ranks(_accelerate_saves, 2, tmp_path, timeout=120)
+    assert said[0] == said[1]
