@@ -148,7 +148,8 @@ def _groups(
     ``layout``, in its order; otherwise each group is made by its members only.
     """
     # The state's group's backend: an NCCL group's state gets NCCL subgroups under a Gloo world.
-    key = (backend, tuple(map(tuple, layout)))
+    # And its timeout: a state over a group with a shorter one must not wait on longer ones.
+    key = (backend, timeout, tuple(map(tuple, layout)))
     made = _GROUPS.get(key)
     if made is not None:
         try:

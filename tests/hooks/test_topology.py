@@ -317,6 +317,35 @@ def test_every_rank_makes_every_node_group_in_one_order():
     run_ranks(_groups_made_alike, 4, [0, 0, 1, 1])
 
 
+def _groups_keep_the_timeout(rank, world):
+    # Two groups over the same ranks, with different timeouts: each one's two-level groups
+    # are made with its own, not shared with the other's.
+    # (Timeouts no other test uses: the pooled processes keep their groups between tests.)
+    from datetime import timedelta
+
+    _on_node([0, 0, 1, 1], rank)
+    made = []
+    create = dist.new_group
+
+    def record(ranks=None, *args, **kwargs):
+        made.append((list(ranks), kwargs.get("timeout")))
+        return create(ranks, *args, **kwargs)
+
+    long, short = (create(list(range(world)), timeout=timedelta(seconds=s)) for s in (93, 47))
+    dist.new_group = record
+    try:
+        for group in (long, short, short):
+            fastddp.all_reduce(torch.ones(1000), group=group, topology="hierarchical")
+    finally:
+        dist.new_group = create
+    layout = [[0, 1], [2, 3], [0, 2], [1, 3]]
+    assert made == [(r, timedelta(seconds=s)) for s in (93, 47) for r in layout], made
+
+
+def test_a_groups_two_level_groups_keep_its_timeout():
+    run_ranks(_groups_keep_the_timeout, 4)
+
+
 def test_a_collective_over_every_rank_has_one_level_on_every_rank():
     # Uneven nodes (3 + 1): the lone rank's node has one rank, but a collective over every
     # rank crosses both levels on every rank (auto's links figures add the ranks' levels up).
