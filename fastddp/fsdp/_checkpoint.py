@@ -94,5 +94,7 @@ class LoadCheck:
         ``outer`` if that happened in another shard group."""
         if self.agreed:
             return
-        self.agreed = True
+        # Agreed only once it passed: where it raised (on every rank), that reduction did not
+        # run, and a load after it is still one to agree on.
         agree(self.where, device, group, settings, describe, self.problem, outer)
+        self.agreed = True

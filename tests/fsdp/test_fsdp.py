@@ -427,6 +427,11 @@ def _stages(rank, world):
     if stage == 1:
         with pytest.raises(ValueError, match=r"failed on rank\(s\) \[3\] of 4"):
             door(out, x.clone(), groups[stage], ReduceOp.AVG)
+        # That reduction did not run: a load after it is agreed on as well, not raised alone.
+        if rank == 3:
+            comm.load_state_dict({"rank0_of_4": b"still not this rank's"})
+        with pytest.raises(ValueError, match=r"failed on rank\(s\) \[3\] of 4"):
+            door(out, x.clone(), groups[stage], ReduceOp.AVG)
     else:
         door(out, x.clone(), groups[stage], ReduceOp.AVG)
 
