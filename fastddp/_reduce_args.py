@@ -18,6 +18,9 @@ from fastddp.hooks.presets import named_preset
 UNSET = object()  # accumulate_dtype not given (None is a setting: sum in the wire dtype)
 _MAX_CAP_MB = 2.0**30  # 2**48 elements, well inside the handshake's int64
 _STATELESS_CALLS = itertools.count(1)  # seeds the rounding of calls without state=
+# The tensor types reduced: a subclass (a DTensor) reaches the ops through its own dispatch and
+# fails there, after a state's first call has fixed its layout to it.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def unlike_first(state: CompressState, sizes: tuple, op: str, cap: int) -> Optional[str]:
@@ -189,6 +192,8 @@ def problem_of(tensors: list) -> Optional[tuple[int, int, str]]:
             return 1, i, f"tensors[{i}] is None, {TENSOR_PROBLEMS[1]}"
         if not isinstance(t, torch.Tensor):
             return 2, i, f"tensors[{i}] is a {type(t).__name__}, not a Tensor"
+        if type(t) not in _PLAIN:
+            return 10, i, _subclass(t, i)
         if t.layout != torch.strided:
             return 7, i, f"tensors[{i}] is {TENSOR_PROBLEMS[7]}"
         if t.dtype != torch.float32:
@@ -212,6 +217,18 @@ def problem_of(tensors: list) -> Optional[tuple[int, int, str]]:
         if not t.is_contiguous() and any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape)):
             return 5, i, f"tensors[{i}] is {TENSOR_PROBLEMS[5]}"
     return None
+
+
+def _subclass(t: torch.Tensor, i: int) -> str:
+    """Why a tensor subclass is refused, and the plain tensor to pass in its place."""
+    if callable(getattr(t, "to_local", None)):  # a DTensor: as_subclass would keep its type
+        fix = "pass t.to_local(), a view of this rank's local tensor: the result lands in t"
+    else:
+        fix = "pass t.as_subclass(torch.Tensor), a plain tensor over the same memory"
+    return (
+        f"tensors[{i}] is a {type(t).__name__} (a torch.Tensor subclass), and all_reduce "
+        f"reduces plain tensors: {fix}"
+    )
 
 
 def device_of(tensors: list, state: CompressState) -> torch.device:

@@ -35,7 +35,8 @@ __all__ = ["ARGUMENTS", "PROTOCOL", "TENSOR_PROBLEMS", "check", "exchange", "top
 #     (problem code 8); the dtype of the hook's first bucket (16-bit ones shake hands too).
 # 14: and all_reduce's inference tensors outside inference mode (problem code 9).
 # 15: and the reductions counted in the loaded residuals' state dict (-1: none loaded).
-PROTOCOL = 15
+# 16: and all_reduce's tensor subclasses, a DTensor say (problem code 10).
+PROTOCOL = 16
 _SHARED = 8  # the first columns of a row, which every rank must share
 _COLUMNS = 27  # columns of a row
 _LOAD = 24  # the column of a failed load
@@ -58,6 +59,9 @@ TENSOR_PROBLEMS = {
     9: "an inference tensor (made under torch.inference_mode()), which all_reduce writes in "
     "place and torch lets be written only inside inference mode: call all_reduce inside "
     "that block, or pass t.clone() made outside it and copy back",
+    10: "a torch.Tensor subclass (a DTensor?), and all_reduce reduces plain tensors: pass a "
+    "DTensor's t.to_local() (a view of its local tensor: the result lands in t), or "
+    "another subclass's t.as_subclass(torch.Tensor)",
 }
 # The problem code of a rank that refused another of all_reduce's arguments (its row is a
 # stand-in's: it raises its own error, the others this one).

@@ -444,3 +444,65 @@ def _bad_input(rank, world):
 
 def test_all_reduce_bad_input_raises_on_every_rank():
     run_ranks(_bad_input, 2)
+
+
+class _Tagged(torch.Tensor):
+    """A plain tensor subclass, as a library might tag its tensors with."""
+
+
+def _tensor_subclass(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    whole = torch.arange(8.0).reshape(4, 2)
+    d = distribute_tensor(whole, mesh, [Shard(0)])  # this rank's 2 rows
+    # Refused on every rank in the state's first call, before it fixes its layout: the same
+    # state then reduces plain tensors (a Parameter among them), and refuses a DTensor again.
+    state = fastddp.CompressState.from_preset("int8-ef")
+    for i, tensors in enumerate((d, [torch.ones(3), d])):
+        with pytest.raises(ValueError) as info:
+            fastddp.all_reduce(tensors, state=state)
+        text = str(info.value)
+        assert (
+            f"some ranks passed tensors it cannot reduce:\n  rank 0: tensors[{i}] is a "
+            "torch.Tensor subclass (a DTensor?), and all_reduce reduces plain tensors: pass a "
+            "DTensor's t.to_local() (a view of its local tensor: the result lands in t), or "
+            "another subclass's t.as_subclass(torch.Tensor)\n  rank 1:" in text
+        ), text
+        assert (
+            f"\nHere: tensors[{i}] is a DTensor (a torch.Tensor subclass), and all_reduce "
+            "reduces plain tensors: pass t.to_local(), a view of this rank's local tensor: the "
+            "result lands in t" in text
+        ), text
+    for _ in range(2):
+        x = [torch.full((2, 2), float(rank + 1)), torch.nn.Parameter(torch.full((3,), 2.0 * rank))]
+        fastddp.all_reduce(x, state=state)
+        want = torch.cat([torch.full((4,), 1.5), torch.ones(3)])  # (int8: within a step)
+        assert torch.allclose(torch.cat([t.detach().view(-1) for t in x]), want, atol=2**-6)
+    with pytest.raises(ValueError, match="^fastddp.all_reduce: tensors\\[0\\] is a DTensor \\(a"):
+        fastddp.all_reduce([d, torch.ones(3)], state=state)  # (a later call: this rank's own)
+    assert state.stats()["calls"] == 2
+    # As the message says: the local tensor's reduction lands in the DTensor.
+    fastddp.all_reduce(d.to_local(), op="sum")
+    assert torch.equal(d.to_local(), whole[:2] + whole[2:])
+    # One rank alone passes a subclass, the other plain tensors: both raise, neither waits.
+    tagged = torch.ones(3).as_subclass(_Tagged) if rank == 1 else torch.ones(3)
+    for kwargs in ({}, {"state": fastddp.CompressState()}):
+        with pytest.raises(ValueError) as info:
+            fastddp.all_reduce([torch.ones(2), tagged], **kwargs)
+        text = str(info.value)
+        assert "passed tensors it cannot reduce:\n  rank 1: tensors[1] is a torch.Tensor" in text
+        if rank == 1:
+            assert (
+                "\nHere: tensors[1] is a _Tagged (a torch.Tensor subclass), and all_reduce "
+                "reduces plain tensors: pass t.as_subclass(torch.Tensor), a plain tensor over "
+                "the same memory" in text
+            ), text
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((4,), float(world)))
+
+
+def test_all_reduce_refuses_a_dtensor_on_every_rank():
+    run_ranks(_tensor_subclass, 2)
