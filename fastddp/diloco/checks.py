@@ -186,9 +186,11 @@ def _raise_problems(rows: list[dict[str, Any]]) -> None:
     raise_problems([row["problems"] for row in rows], f"{WHERE}: bad arguments")
 
 
-def raise_problems(per_rank: list[list[str]], header: str, fix: str = "") -> None:
-    """One ``ValueError`` naming each rank's problems (``per_rank``, as every rank sees them),
-    the same on every rank; nothing if there are none."""
+def raise_problems(
+    per_rank: list[list[str]], header: str, fix: str = "", error: type = ValueError
+) -> None:
+    """One ``error`` naming each rank's problems (``per_rank``, as every rank sees them), the
+    same on every rank; nothing if there are none."""
     where: dict[str, list[int]] = {}
     for r, problems in enumerate(per_rank):
         for problem in problems:
@@ -199,7 +201,7 @@ def raise_problems(per_rank: list[list[str]], header: str, fix: str = "") -> Non
         f"  {p} ({'on every rank' if len(rs) == len(per_rank) else f'rank {_ranks(rs)}'})"
         for p, rs in where.items()
     ]
-    raise ValueError(f"{header}:\n" + "\n".join(lines) + (f"\n{fix}" if fix else ""))
+    raise error(f"{header}:\n" + "\n".join(lines) + (f"\n{fix}" if fix else ""))
 
 
 def load_problems(

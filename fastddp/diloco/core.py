@@ -150,6 +150,10 @@ class DiLoCo:
 
         Call it after each inner ``optimizer.step()``, on every rank. Returns whether this
         call ran an outer round.
+
+        Raises:
+            RuntimeError: on every rank alike, at a round, where any rank froze or unfroze a
+                parameter since construction (naming the ranks and parameters).
         """
         self.inner_steps += 1
         if self.inner_steps % self.sync_every:
@@ -162,19 +166,37 @@ class DiLoCo:
 
     def _check_trained(self) -> None:
         # The slices hold the parameters that required a gradient at construction: one frozen
-        # or unfrozen since would be averaged, or left to drift apart on each node, unsaid.
+        # or unfrozen since would be averaged, or left to drift apart on each node, unsaid. A
+        # change on some ranks only must fail on all, not leave the others in the round's
+        # collectives: one flag is agreed on (an all-reduce of one int per round, which the
+        # round's own collectives cannot carry: compressed, or one round late with overlap),
+        # and only when it is set are the ranks' findings gathered to be named.
+        found = self._trained_problem()
+        per_rank = [[found] if found else []]
+        if self.nodes * self.per_node > 1:
+            flag = torch.tensor([int(found is not None)], device=self._shards.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+            if not flag.item():
+                return
+            per_rank = checks.gather(per_rank[0], self._group)
+        checks.raise_problems(
+            per_rank,
+            f"{checks.WHERE}.step: parameters were frozen or unfrozen since it was built, and "
+            "the outer rounds average those that required a gradient then",
+            "Freeze or unfreeze alike on every rank, then build the DDP model and DiLoCo again",
+            error=RuntimeError,
+        )
+
+    def _trained_problem(self) -> Optional[str]:
         now = [p.requires_grad for p in self._module.parameters()]
-        if now != self._trained:
-            named = zip(self._module.named_parameters(), self._trained)
-            names = [n for (n, p), was in named if p.requires_grad != was]
-            if len(now) != len(self._trained):  # (parameters added or removed: no pairs)
-                names = []
-            what = f"requires_grad of {', '.join(names[:3])}" if names else "the parameters"
-            raise RuntimeError(
-                f"fastddp.DiLoCo: {what} changed since it was built, and the outer step "
-                "averages the parameters that required a gradient then: build the DDP model "
-                "and DiLoCo again after freezing or unfreezing"
-            )
+        if now == self._trained:
+            return None
+        if len(now) != len(self._trained):  # (parameters added or removed: no pairs)
+            return "parameters were added or removed"
+        named = zip(self._module.named_parameters(), self._trained)
+        names = [n for (n, p), was in named if p.requires_grad != was]
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        return f"requires_grad of {shown} changed"
 
     def _round(self) -> None:
         delta = self._shards.read(self._delta)

@@ -11,6 +11,7 @@
 """
 
 import os
+from datetime import timedelta
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fastddp
 from fastddp.diloco import start
 from fastddp.hooks.topology import NODE_ENV
+from fastddp.testing import slack
 
 from .._dist import run_ranks
 
@@ -240,24 +242,41 @@ def test_fingerprints_tell_every_byte_and_its_place():
         assert prints[0] == prints[1] and len({tuple(p) for p in prints[1:]}) == 3
 
 
-def _trained_set_changes(rank, world, change):
+def _trained_set_changes(rank, world, change, where):
+    # A group with a short timeout: a rank left waiting in a collective fails in seconds.
+    group = dist.new_group(timeout=timedelta(seconds=slack.guard(10)))
     model = net()
     model[0].weight.requires_grad_(change == "unfreeze")
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    diloco = fastddp.DiLoCo(model, sync_every=2, compress=None)
+    diloco = fastddp.DiLoCo(model, sync_every=2, compress=None, group=group)
     inner_step(model, opt, rank, 0)
     assert not diloco.step()  # no round yet: nothing checked, nothing sent
-    model[0].weight.requires_grad_(change != "unfreeze")
+    if where in ("all", rank):
+        model[0].weight.requires_grad_(change != "unfreeze")
     inner_step(model, opt, rank, 1)
     with pytest.raises(RuntimeError) as err:
-        diloco.step()  # every rank raises before its round's first collective
+        diloco.step()  # every rank raises, before its round sends anything
     return str(err.value)
+
+
+TRAINED_SET_CHANGED = (
+    "fastddp.DiLoCo.step: parameters were frozen or unfrozen since it was built, and the "
+    "outer rounds average those that required a gradient then:\n"
+    "  requires_grad of 0.weight changed ({})\n"
+    "Freeze or unfreeze alike on every rank, then build the DDP model and DiLoCo again"
+)
 
 
 @pytest.mark.parametrize("change", ["unfreeze", "freeze"])
 def test_a_parameter_frozen_or_unfrozen_after_construction_is_named(change):
     # Unfrozen, it would train on each node apart and never be averaged; frozen, the outer step
     # would still move it.
-    for said in run_ranks(_trained_set_changes, 2, change, nodes=[0, 1]):
-        assert said.startswith("fastddp.DiLoCo: requires_grad of 0.weight changed since"), said
-        assert "build the DDP model and DiLoCo again" in said
+    said = run_ranks(_trained_set_changes, 2, change, "all", nodes=[0, 1], timeout=60)
+    assert said == [TRAINED_SET_CHANGED.format("on every rank")] * 2, said
+
+
+def test_a_parameter_frozen_on_one_rank_fails_on_every_rank():
+    # Rank 0 has nothing to say itself; left to its round, it would wait for rank 1 in the
+    # cross-node all-reduce until the group's timeout.
+    said = run_ranks(_trained_set_changes, 2, "freeze", 1, nodes=[0, 1], timeout=60)
+    assert said == [TRAINED_SET_CHANGED.format("rank 1")] * 2, said
