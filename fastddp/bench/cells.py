@@ -51,7 +51,7 @@ def convergence(r):
         f"{r['seconds_to_target']:.1f} s" if r["reached"] else "-",
         vs_fp32(r),
         f"{r['final_val_loss']:.3f}",
-        size(r["sent_mb"] * 1e6),
+        size(r["wire_mb"] * 1e6),
         size(r["cross_node_mb"] * 1e6),
     ]
 

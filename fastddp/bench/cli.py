@@ -248,7 +248,7 @@ _STEP_TABLES = {
             f"Time to fp32's validation loss after {args.steps} steps (+{100 * args.slack:g} %): "
             f"{rows[0]['target']:.3f}, transformer of {cells.millions(rows)}"
         ),
-        ["mode", "steps to target", "time to target", "vs fp32", "final val loss", "sent/rank",
+        ["mode", "steps to target", "time to target", "vs fp32", "final val loss", "wire/rank",
          "across nodes/rank"],  # fmt: skip
         cells.convergence,
     ),

@@ -9,9 +9,11 @@ the same weights and sees the same batches in the same order (drawn from (seed, 
 Each other method then trains until its validation loss (checked every ``--eval-every``
 steps, on the same fixed batches) is at or below the target, or ``--max-factor`` times
 ``--steps`` steps have passed. Three untimed fp32 steps come first, so that the process's own
-start-up is not charged to fp32. Wall time counts training only, not the validation passes;
-bytes are what one rank's gradient reductions sent, and of that what crossed nodes (the mean
-over the ranks).
+start-up is not charged to fp32. Wall time counts training only, not the validation passes.
+Bytes are what one rank put on the wire (``wire_mb``) and of that what went to other nodes
+(``cross_node_mb``), each the mean over the ranks: an all-reduce of m bytes over n ranks in a
+ring counts the 2(n-1)/n m each rank sends, not m, so that DDP's per-step rows and the periodic
+ones, whose reductions span a node or every rank, read alike.
 
 Besides the DDP benchmark's per-step modes, the periodic ones of :mod:`fastddp.bench.peers`:
 DiLoCo (``diloco-<preset>-H<n>``, outer ``--outer-lr`` and ``--outer-momentum``) and PyTorch's
@@ -34,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fastddp.bench import common, ddp, peers
 from fastddp.bench.models import Decoder
-from fastddp.hooks.topology import Topology, node_hash
+from fastddp.hooks.topology import Topology, node_hash, ring_bytes
 
 MODES = [
     "fp32",
@@ -125,9 +127,11 @@ def run_mode(env, args, mode, data, val_batches, target, pacer=None, topo=None):
     slowest = torch.tensor([trained, rounds_s], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     steps_done = curve[-1][0]
-    sent, cross = _bytes(mode, model, state, periodic, topo, numel, steps_done, args)
-    mean_cross = torch.tensor([cross], dtype=torch.float64)
-    dist.all_reduce(mean_cross)
+    mean = torch.tensor(
+        _bytes(mode, model, state, periodic, topo, numel, steps_done), dtype=torch.float64
+    )
+    dist.all_reduce(mean)
+    mean /= dist.get_world_size()
     if periodic is not None:
         periodic.close()
     plan = state.stats()["plan"] if mode == common.AUTO else None
@@ -143,9 +147,9 @@ def run_mode(env, args, mode, data, val_batches, target, pacer=None, topo=None):
         "steps_to_target": reached[0] if reached else None,
         "seconds_to_target": reached[1] if reached else None,
         "final_val_loss": curve[-1][2],
-        "sent_mb": sent / 1e6,
-        # what one rank sent to other nodes, the mean over the ranks
-        "cross_node_mb": mean_cross.item() / dist.get_world_size() / 1e6,
+        # what one rank put on the wire, and of that what went to other nodes (means over ranks)
+        "wire_mb": mean[0].item() / 1e6,
+        "cross_node_mb": mean[1].item() / 1e6,
         "eval_every": every,
         "curve": curve,
     }
@@ -157,34 +161,38 @@ def _topology(env) -> Topology:
     return Topology(everyone, env.rank)
 
 
-def _bytes(mode, model, state, periodic, topo, numel, steps, args):
-    """What this rank's reductions sent over ``steps`` steps, and what of it crossed nodes
-    (fastddp's and DiLoCo's own counts; for the others what a ring in rank order sends)."""
-    ring = topo.ring_cross_bytes
+def _bytes(mode, model, state, periodic, topo, numel, steps):
+    """Bytes this rank put on the wire in ``steps`` steps, and of them what went to other nodes:
+    fastddp's and the periodic methods' own counts; for the others, rings in rank order over
+    every rank (:func:`~fastddp.hooks.topology.ring_bytes`)."""
+
+    def ring(elements, size=4):  # (wire, cross) of one all-reduce over every rank
+        return ring_bytes(elements, topo.world, size), topo.ring_cross_bytes(elements, size)
+
     if periodic is not None:
-        return periodic.payload_bytes(numel), periodic.cross_node_bytes()
+        return periodic.wire_bytes(), periodic.cross_node_bytes()
     if mode == common.AUTO:  # what every candidate sent, fp32 steps included
         stats = state.stats()
         fp32_steps = stats["steps_in"].get("none", 0)
-        sent = sum(c["payload_bytes"] for c in stats["candidates"].values())
-        cross = sum(c["cross_node_bytes"] for c in stats["candidates"].values())
-        return sent + fp32_steps * numel * 4, cross + fp32_steps * ring(numel, 4)
-    if mode in ddp.POWERSGD_RANKS:  # fp32 in its warm-up, P and Q after
+        wire, cross = (fp32_steps * b for b in ring(numel))
+        wire += sum(c["wire_bytes"] for c in stats["candidates"].values())
+        return wire, cross + sum(c["cross_node_bytes"] for c in stats["candidates"].values())
+    if mode in ddp.POWERSGD_RANKS:  # fp32 in its warm-up, P and Q (fp32) after
         warm = min(steps, state.start_powerSGD_iter)
         payload = ddp._powersgd_bytes(model, ddp.POWERSGD_RANKS[mode])
-        sent = warm * numel * 4 + (steps - warm) * payload
-        return sent, warm * ring(numel, 4) + (steps - warm) * ring(payload // 4, 4)
+        (w0, c0), (w1, c1) = ring(numel), ring(payload // 4)
+        return warm * w0 + (steps - warm) * w1, warm * c0 + (steps - warm) * c1
     if state is not None:
         stats = state.stats()
-        return stats["payload_bytes"], stats["cross_node_bytes"]
-    size = 2 if mode == "torch-fp16" else 4
-    return steps * numel * size, steps * ring(numel, size)
+        return stats["wire_bytes"], stats["cross_node_bytes"]
+    wire, cross = ring(numel, 2 if mode == "torch-fp16" else 4)
+    return steps * wire, steps * cross
 
 
 def _probe_fp32(env, args, data, val_batches, pacer):
     """fp32's row from an earlier run's JSON (its curve and target do not depend on the link),
     with its time here: ``--fp32-probe`` steps timed on this link, the mean step after the
-    first times the earlier run's steps."""
+    first times the earlier run's steps; its bytes, the probe's per step times those steps."""
     with open(args.fp32_from) as f:
         row = next(r for r in json.load(f)["rows"] if r["mode"] == "fp32")
     # A check after every step, for the time of each (the checks themselves are not timed).
@@ -194,14 +202,15 @@ def _probe_fp32(env, args, data, val_batches, pacer):
     per_step = (at_last - at_first) / (last - first)
     scale = lambda n: n * per_step  # noqa: E731
     row = {**row, "curve": [(s, scale(s), loss) for s, _, loss in row["curve"]]}
+    row.pop("sent_mb", None)  # an older run's count of messages, not of what the wire carried
+    per = {f"{k}_per_step": timed[k] / timed["steps"] for k in ("wire_mb", "cross_node_mb")}
     row.update(
         seconds=scale(row["steps"]),
         seconds_to_target=scale(row["steps_to_target"]),
         fp32_estimated={"from": args.fp32_from, "probe_steps": timed["steps"],
-                        "seconds_per_step": per_step, "cross_node_mb_per_step":
-                        timed["cross_node_mb"] / timed["steps"]},
+                        "seconds_per_step": per_step, **per},
+        **{k: per[f"{k}_per_step"] * row["steps"] for k in ("wire_mb", "cross_node_mb")},
     )  # fmt: skip
-    row["cross_node_mb"] = row["fp32_estimated"]["cross_node_mb_per_step"] * row["steps"]
     return row
 
 

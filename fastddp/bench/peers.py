@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastddp
 from fastddp.bench import ddp
+from fastddp.hooks.topology import ring_bytes
 
 _DILOCO = re.compile(r"diloco-(?P<preset>[a-z0-9-]+)-H(?P<every>[0-9]+)(?P<overlap>-overlap)?")
 _POSTLOCAL = re.compile(r"postlocal-H(?P<every>[0-9]+)")
@@ -91,7 +92,7 @@ def postlocal_warmup(warmup: int, every: int) -> int:
 
 class Periodic:
     """One periodic method around a fresh module: ``model`` to train, :meth:`after_step` after
-    every optimizer step, :meth:`cross_node_bytes` at the end.
+    every optimizer step, :meth:`wire_bytes` and :meth:`cross_node_bytes` at the end.
 
     Args:
         module: the model, the same on every rank.
@@ -99,20 +100,22 @@ class Periodic:
         args: the benchmark's options (``outer_lr``, ``outer_momentum``, ``bucket_cap_mb``).
         warmup: post-local SGD's global all-reduce steps before it goes local (rounded up, see
             :func:`postlocal_warmup`).
-        topo: the ranks' :class:`~fastddp.hooks.topology.Topology`, for post-local SGD's
-            bytes across nodes.
+        topo: the ranks' :class:`~fastddp.hooks.topology.Topology`, for the bytes.
     """
 
     __slots__ = ("method", "every", "model", "diloco", "averager", "warmup", "steps", "rounds",
-                 "_ring", "_alone")  # fmt: skip
+                 "_inside", "_everyone", "_ring")  # fmt: skip
 
     def __init__(self, module, mode, args, warmup, topo):
         self.method, preset, self.every, overlap = parse(mode)
         self.steps = self.rounds = 0
         node = fastddp.DiLoCo.node_group()  # a collective; the same group object every time
-        self._alone = dist.get_world_size(node) == 1  # reductions inside the node send nothing
         numel = sum(p.numel() for p in module.parameters())
-        self._ring = topo.ring_cross_bytes(numel, 4)  # one fp32 all-reduce over every rank
+        # What one fp32 ring all-reduce of the model sends: inside the node (nothing where the
+        # node is this rank alone), over every rank, and of that to other nodes.
+        self._inside = ring_bytes(numel, dist.get_world_size(node), 4)
+        self._everyone = ring_bytes(numel, topo.world, 4)
+        self._ring = topo.ring_cross_bytes(numel, 4)
         self.diloco = self.averager = None
         if self.method == "diloco":
             self.warmup = 0
@@ -159,15 +162,21 @@ class Periodic:
             return int(self.diloco.stats()["cross_node_bytes"])
         return (min(self.steps, self.warmup) + self.rounds) * self._ring
 
-    def payload_bytes(self, numel: int) -> int:
-        """What this rank's reductions sent: DDP's fp32 gradients every step (inside the node
-        after post-local SGD's warm-up; nothing where the node is this rank alone) plus the
-        rounds' averages."""
-        warm = 0 if self.diloco is not None else min(self.steps, self.warmup)
-        inside = 0 if self._alone else (self.steps - warm) * numel * 4
+    def wire_bytes(self) -> int:
+        """What this rank sent on the wire, inside its node and across (rings in rank order).
+
+        DiLoCo: DDP's fp32 gradients inside the node every step, its rounds' own count across
+        nodes, and after each round the node's all-gather of the new slices (a ring: L - 1 slices
+        from each of the L ranks). Post-local SGD: the gradients over every rank in the
+        warm-up and inside the node after, and each average over every rank.
+        """
         if self.diloco is not None:
-            return inside + int(self.diloco.stats()["cross_node_bytes"])
-        return inside + (warm + self.rounds) * numel * 4
+            stats = self.diloco.stats()
+            gather = (stats["ranks_per_node"] - 1) * stats["slice_numel"] * 4
+            rounds = stats["round"] * gather + int(stats["cross_node_bytes"])
+            return self.steps * self._inside + rounds
+        warm = min(self.steps, self.warmup)
+        return (warm + self.rounds) * self._everyone + (self.steps - warm) * self._inside
 
     def close(self) -> None:
         if self.diloco is not None:

@@ -185,7 +185,7 @@ def test_time_to_target(tmp_path, capsys):
         assert r["curve"][-1][1] == r["seconds"]
         assert r["seconds_to_target"] in (None, r["seconds"]) or r["mode"] == "fp32"
         assert [c[0] for c in r["curve"]][:2] == [5, 10]
-    per_step = {m: r["sent_mb"] / r["steps"] for m, r in rows.items()}
+    per_step = {m: r["wire_mb"] / r["steps"] for m, r in rows.items()}
     assert per_step["powersgd-r1"] < per_step["fastddp-bf16"] < per_step["fp32"]
     assert "time to target" in res.stdout
     # auto's row names its plan, in the JSON and the table (or that it stopped at the target

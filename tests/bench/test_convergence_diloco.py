@@ -1,13 +1,15 @@
 """python -m fastddp.bench convergence: DiLoCo's and post-local SGD's modes run on four ranks
-split into two nodes (``--pretend-nodes 2``), and a bad mode name is refused. The command runs
-in this process, its ranks on the session's pooled ranks."""
+split into two nodes (``--pretend-nodes 2``), every row's bytes count what a rank sends on the
+wire, and a bad mode name is refused. The command runs in this process, its ranks on the
+session's pooled ranks."""
 
 import json
 import math
 
 import pytest
 
-from fastddp.bench import cli, peers
+from fastddp.bench import cli, convergence, peers
+from fastddp.hooks.topology import Topology
 from fastddp.testing import spawn
 
 from .._dist import pool
@@ -17,10 +19,10 @@ pytestmark = pytest.mark.multiproc
 SMALL = ["--width", "16", "--layers", "1", "--heads", "2", "--seq", "8", "--batch", "2"]
 
 
-def _rows(tmp_path, nproc: int, modes: list[str]) -> dict:
+def _rows(tmp_path, nproc: int, modes: list[str], *more: str) -> dict:
     """Each mode's row of a convergence run of 8 steps on ``nproc`` pooled ranks in 2 nodes."""
     out = tmp_path / "conv.json"
-    args = ["--nproc", str(nproc), "--pretend-nodes", "2", *SMALL, "--steps", "8"]
+    args = ["--nproc", str(nproc), "--pretend-nodes", "2", *SMALL, "--steps", "8", *more]
     with spawn.pooled(pool):
         code = cli.main(["convergence", *args, "--eval-every", "4", "--max-factor", "1",
                          "--modes", *modes, "--json", str(out)])  # fmt: skip
@@ -34,7 +36,7 @@ def test_diloco_and_post_local_sgd_rows(tmp_path):
     rows = _rows(tmp_path, 4, modes)
     assert set(rows) == set(modes)
     for mode, r in rows.items():
-        for key in ("seconds", "final_val_loss", "sent_mb", "cross_node_mb", "loss_vs_fp32"):
+        for key in ("seconds", "final_val_loss", "wire_mb", "cross_node_mb", "loss_vs_fp32"):
             assert math.isfinite(r[key]) and r[key] >= (0 if key != "loss_vs_fp32" else -1), mode
         # Checks land after the rounds (steps 4 and 8), where the nodes share their parameters.
         assert [c[0] for c in r["curve"]] == [4, 8][: len(r["curve"])], mode
@@ -56,9 +58,63 @@ def test_a_node_of_one_rank_sends_nothing_inside_it(tmp_path, capsys):
     modes = ["fp32", "diloco-bf16-H4", "postlocal-H4"]
     rows = _rows(tmp_path, 2, modes)
     for mode in modes:
-        assert rows[mode]["sent_mb"] == pytest.approx(rows[mode]["cross_node_mb"]), mode
-    assert rows["diloco-bf16-H4"]["sent_mb"] < rows["fp32"]["sent_mb"] / 2
-    assert "across nodes/rank" in capsys.readouterr().out
+        assert rows[mode]["wire_mb"] == pytest.approx(rows[mode]["cross_node_mb"]), mode
+    assert rows["diloco-bf16-H4"]["wire_mb"] < rows["fp32"]["wire_mb"] / 2
+    out = capsys.readouterr().out
+    assert "wire/rank" in out and "across nodes/rank" in out
+
+
+def _ring(elements: int, ranks: int, itemsize: int = 4) -> float:
+    # What each rank sends in a ring all-reduce: 2(n-1)/n of the message.
+    return 2 * (ranks - 1) / ranks * elements * itemsize
+
+
+@pytest.mark.timeout(240)
+def test_every_row_counts_the_bytes_a_rank_sends_on_the_wire(tmp_path):
+    # Four ranks in two nodes of two: an all-reduce over every rank sends 1.5 times its message
+    # and one inside a node once, so a row that counted messages would stand apart.
+    modes = ["fp32", "torch-fp16", "diloco-fp32-H4", "postlocal-H4"]
+    rows = _rows(tmp_path, 4, modes)
+    p, mb = rows["fp32"]["params"], 1e-6
+    fp32 = rows["fp32"]
+    assert fp32["wire_mb"] == pytest.approx(fp32["steps"] * _ring(p, 4) * mb)
+    fp16 = rows["torch-fp16"]
+    assert fp16["wire_mb"] == pytest.approx(fp16["steps"] * _ring(p, 4, 2) * mb)
+    # DiLoCo: DDP inside the node every step; each round, its slice (half the model) averaged
+    # across the two nodes, then the node's all-gather of the slices.
+    diloco = rows["diloco-fp32-H4"]
+    steps, rounds, half = diloco["steps"], diloco["steps"] // 4, p / 2
+    assert diloco["cross_node_mb"] == pytest.approx(rounds * _ring(half, 2) * mb)
+    expected = steps * _ring(p, 2) + rounds * (_ring(half, 2) + half * 4)
+    assert diloco["wire_mb"] == pytest.approx(expected * mb)
+    # Post-local SGD: over every rank in its warm-up, inside the node after, and each average
+    # (at the multiples of H) over every rank.
+    local = rows["postlocal-H4"]
+    steps = local["steps"]
+    warm = min(steps, peers.postlocal_warmup(2, 4))
+    expected = (warm + steps // 4) * _ring(p, 4) + (steps - warm) * _ring(p, 2)
+    assert local["wire_mb"] == pytest.approx(expected * mb)
+    # An earlier run's JSON counted messages as "sent_mb": --fp32-from's row takes its bytes
+    # from this run's probe instead.
+    earlier = tmp_path / "earlier.json"
+    data = json.loads((tmp_path / "conv.json").read_text())
+    data["rows"] = [{**fp32, "sent_mb": fp32["steps"] * p * 4 * mb}]
+    del data["rows"][0]["wire_mb"]
+    earlier.write_text(json.dumps(data))
+    again = _rows(tmp_path, 4, ["fp32"], "--fp32-from", str(earlier), "--fp32-probe", "3")
+    assert "sent_mb" not in again["fp32"]
+    assert again["fp32"]["wire_mb"] == pytest.approx(fp32["wire_mb"])
+    assert again["fp32"]["cross_node_mb"] == pytest.approx(fp32["cross_node_mb"])
+
+
+def test_per_step_rows_count_a_ring_over_every_rank():
+    # Without processes: rank 1 of 2 nodes x 2 ranks, its ring neighbour (rank 2) on the other
+    # node. fp32 and PyTorch's fp16 hook send 2(n-1)/n of their message a step.
+    topo = Topology([11, 11, 22, 22], 1)
+    p, steps = 1000, 3
+    for mode, itemsize in (("fp32", 4), ("torch-fp16", 2)):
+        wire, cross = convergence._bytes(mode, None, None, None, topo, p, steps)
+        assert wire == cross == steps * _ring(p, 4, itemsize), mode
 
 
 @pytest.mark.timeout(60)
