@@ -14,12 +14,26 @@ import torch
 
 from fastddp._version import __version__
 
-__all__ = ["Card", "disagreement", "read", "still_missing", "this_node", "unreadable", "warnings"]
+__all__ = [
+    "Card",
+    "disagreement",
+    "members",
+    "ranks",
+    "read",
+    "still_missing",
+    "this_node",
+    "uneven",
+    "unreadable",
+    "warnings",
+]
 
 
 @dataclasses.dataclass(frozen=True)
 class Card:
-    """What one node's launcher was started with."""
+    """What one node's launcher was started with.
+
+    Fields added later have defaults, so that an older fastddp's card still reads; a card with
+    a field this version does not know does not (:func:`read`)."""
 
     address: str  # the node's address on the way to the rendezvous
     host: str
@@ -33,6 +47,7 @@ class Card:
     pid: int
     listen_at: str = ""  # where this node listens for the others' probes (reach.py)
     listen_port: int = 0
+    nproc_per_node: int = 0  # this node's workers; 0 on an older fastddp's card, which lacks it
 
     def nodes(self) -> str:
         """``--nnodes`` as it was given."""
@@ -80,6 +95,47 @@ def warnings(mine: Card, other: Card) -> list[str]:
     return said
 
 
+def members(known: dict[int, Card], gone: set) -> list[Card]:
+    """The round's nodes' cards, of ``known`` (card number: Card): under the static rendezvous
+    a node rank's newest, but not one whose launcher was found ``gone`` while another card of
+    that rank remains (a node started again leaves its old card behind)."""
+    nodes: dict[int, Card] = {}
+    for number, card in sorted(known.items()):
+        node = -number if card.node_rank is None else card.node_rank  # (c10d: every launcher)
+        if number in gone:
+            nodes.setdefault(node, card)
+        else:
+            nodes[node] = card
+    return list(nodes.values())
+
+
+def ranks(nodes: list[Card], mine: Card) -> int:
+    """The job's ranks: the sum of ``nodes``' ``--nproc-per-node`` (a card each); a card that
+    does not say counts as many as ``mine``."""
+    return sum(card.nproc_per_node or mine.nproc_per_node for card in nodes)
+
+
+def uneven(nodes: list[Card]) -> Optional[str]:
+    """A warning where ``nodes`` (a card each) run different numbers of workers, else None:
+    often one node's command line gone wrong (or ``--nproc-per-node gpu`` on unlike nodes),
+    which fastddp's topologies that need even nodes find only once the workers run."""
+    counts: dict[int, list[str]] = {}
+    for card in sorted(nodes, key=lambda c: (c.node_rank or 0, c.address)):
+        if card.nproc_per_node:
+            counts.setdefault(card.nproc_per_node, []).append(card.name())
+    if len(counts) < 2:
+        return None
+    said = "; ".join(
+        f"{n} on " + ", ".join(names[:3]) + (f" and {len(names) - 3} more" if names[3:] else "")
+        for n, names in sorted(counts.items())
+    )
+    return (
+        f"warning: the nodes run different numbers of workers (--nproc-per-node: {said}); torch "
+        "takes that, but fastddp's topology='hierarchical', DiLoCo and hybrid sharding refuse "
+        "it once the workers run"
+    )
+
+
 def read(raw: bytes) -> Optional[Card]:
     """The card written as ``raw``; None where this version cannot read it (:func:`unreadable`
     says so)."""
@@ -115,11 +171,13 @@ def unreadable(raw: bytes) -> str:
 
 
 def this_node(
-    node_rank: Optional[int], min_nodes: int, max_nodes: int, backend: str, max_restarts: int
+    node_rank: Optional[int], min_nodes: int, max_nodes: int, backend: str, launch: dict
 ) -> Card:
-    """This node's card, its address still to be found."""
-    host = socket.gethostname()
+    """This node's card, its address still to be found. ``launch``: its ``max_restarts`` and
+    ``nproc_per_node``, where known."""
+    host, restarts = socket.gethostname(), launch.get("max_restarts", 0)
     versions = (torch.__version__, __version__)
     return Card(
-        "", host, node_rank, min_nodes, max_nodes, backend, max_restarts, *versions, os.getpid()
-    )
+        "", host, node_rank, min_nodes, max_nodes, backend, restarts, *versions, os.getpid(),
+        nproc_per_node=launch.get("nproc_per_node", 0),
+    )  # fmt: skip

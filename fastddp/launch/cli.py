@@ -295,7 +295,6 @@ def _launch(args, run_args, plan, local, config, cmd, cmd_args) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    failures.workers(config.nproc_per_node)  # (the job's ranks set the peer timeout's default)
     try:
         with store.loopback_stores() if local else contextlib.nullcontext():
             elastic_launch(config=config, entrypoint=cmd)(*cmd_args)

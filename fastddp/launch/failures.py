@@ -16,10 +16,12 @@ for its ranks, in ``init_process_group`` or a collective, until their timeouts.
 
 A node that goes silent (its link or its host down: no connection closes) is named within the
 peer timeout (``FASTDDP_PEER_TIMEOUT``; unset, as for the workers: 300 s for up to 64 ranks,
-else off) plus :data:`QUIET_MARGIN_S`: node 0 watches every other node's heartbeat in its store
-(a node whose launch ended is not waited for), and the other nodes watch that node 0's store
-still answers. Running workers' own watchdogs (:mod:`fastddp.watchdog`) name a silent rank
-first; this covers workers not watching yet, still loading data or waiting for the others.
+else off, the job's ranks summed over the nodes' roll-call cards, so that every node decides
+alike, whatever ``--nproc-per-node`` each has) plus :data:`QUIET_MARGIN_S`: node 0 watches
+every other node's heartbeat in its store (a node whose launch ended is not waited for), and
+the other nodes watch that node 0's store still answers. Running workers' own watchdogs
+(:mod:`fastddp.watchdog`) name a silent rank first; this covers workers not watching yet,
+still loading data or waiting for the others.
 
 The c10d rendezvous is left to torch: a node that fails there can be started again and
 rejoin, and the others' agents wait for it (``--max-restarts``, ``--nnodes MIN:MAX``).
@@ -62,11 +64,10 @@ _kept: list = []  # what node 0's rendezvous store lives in, until this launch h
 
 
 class _Watcher:
-    per_node = 1  # this node's --nproc-per-node (:func:`workers`)
-
     def __init__(
-        self, store, prefix: str, card: int, node_rank: int, nodes: int, run_id: str, names
-    ):
+        self, store, prefix: str, card: int, node_rank: int, nodes: int, run_id: str, names,
+        ranks: int = 1,
+    ):  # fmt: skip
         self.store, self.prefix, self.card = store, prefix, card
         self.rounds = dist.PrefixStore(run_id, store)  # where the static rendezvous's keys are
         self.arrived = -1
@@ -83,9 +84,9 @@ class _Watcher:
         self._releasing = threading.Lock()
         self._stop = threading.Event()
         # On by default where the workers' watchdogs are (off for big jobs): the job's ranks,
-        # where every node runs as many as this one (torch sums them as the workers start).
+        # summed over the nodes' cards, so that every node decides alike.
         try:  # (a bad value was refused by the preflight, or is by the workers)
-            timeout = peer_timeout_from_env(os.environ, world=nodes * self.per_node)
+            timeout = peer_timeout_from_env(os.environ, world=ranks)
         except ClusterError:
             timeout = 0.0
         self.quiet_limit = timeout + QUIET_MARGIN_S if timeout > 0 else 0.0
@@ -220,18 +221,14 @@ class _Watcher:
             self._thread.join(timeout=2 * WATCH_S)
 
 
-def watch(store, prefix: str, card: int, node_rank: int, nodes: int, run_id: str, names) -> None:
+def watch(
+    store, prefix: str, card: int, node_rank: int, nodes: int, run_id: str, names, ranks: int
+) -> None:
     """Watch for another node's failure, or node 0's launcher gone, over ``store`` (a client
     of the rendezvous store), and keep card number ``card``'s heartbeat. ``names``: this
-    node's and node 0's."""
+    node's and node 0's; ``ranks``: the job's, for the peer timeout's default."""
     global _watcher
-    _watcher = _Watcher(store, prefix, card, node_rank, nodes, run_id, names)
-
-
-def workers(per_node: int) -> None:
-    """This node runs ``per_node`` workers (``--nproc-per-node``): the peer timeout's default
-    depends on the job's ranks."""
-    _Watcher.per_node = per_node
+    _watcher = _Watcher(store, prefix, card, node_rank, nodes, run_id, names, ranks)
 
 
 def keep(owner) -> None:

@@ -7,13 +7,15 @@ promises at sign-in that its launcher will say so (a launcher without this phase
 nothing and is not waited for). Under the static rendezvous a node rank whose every launcher
 stopped before its checks passed (killed, or stopped by a signal, with no note) ends the
 round: it cannot form. Under c10d such a launcher is left out (torch's rendezvous decides).
+:class:`Beats` times the other launchers' heartbeats, for this phase and the first.
 """
 
+import time
 from typing import Callable, Optional
 
 import torch.distributed as dist
 
-__all__ = ["GONE_S", "Readiness", "gone_line", "promise"]
+__all__ = ["GONE_S", "Beats", "Readiness", "gone_line", "promise"]
 
 # A launcher whose heartbeat has not moved for this long has stopped (well past what a loaded
 # machine, or a store's hiccup, holds a roll call's thread for).
@@ -67,6 +69,29 @@ class Readiness:
 
     def _found(self, name: str, store: dist.Store, numbers: set) -> set:
         return {i for i in numbers if store.check([self._prefix + f"{name}/{i}"])}
+
+
+class Beats:
+    """The other launchers' heartbeats (``beat/<card number>`` under ``prefix``), as this
+    launcher reads them."""
+
+    def __init__(self, prefix: str) -> None:
+        self._prefix = prefix
+        self._seen: dict[int, tuple[int, float, bool]] = {}  # number: (beat, when, moved)
+
+    def still(self, store: dist.Store, number: int) -> float:
+        """Seconds since card ``number``'s heartbeat last moved (from its first reading)."""
+        beat = int(store.add(self._prefix + f"beat/{number}", 0))
+        now = time.monotonic()
+        last, when, moved = self._seen.get(number, (beat, now, False))
+        if beat != last:
+            last, when, moved = beat, now, True
+        self._seen[number] = (last, when, moved)
+        return now - when
+
+    def moved(self, number: int) -> bool:
+        """Whether card ``number``'s heartbeat moved since :meth:`still` first read it."""
+        return self._seen[number][2]
 
 
 def gone_line(name: str) -> str:

@@ -3,13 +3,13 @@
 torch's rendezvous waits in silence while a node is missing, and takes nodes launched with
 another ``--nnodes``, or two with one ``--node-rank``, without a word: their workers then wait
 in ``init_process_group`` until its timeout. While its first rendezvous runs, each launcher
-writes a card (its address, host name, node rank, ``--nnodes``, versions) into the rendezvous
-store and reads everyone's:
+writes a card (its address, host name, node rank, ``--nnodes``, ``--nproc-per-node``,
+versions) into the rendezvous store and reads everyone's:
 
 - a card with another ``--nnodes`` or rendezvous backend, or a second launcher waiting with
   this node's ``--node-rank``, ends this launcher with exit status 2 before any worker starts
   (every launcher that reads it does the same, so no node is left waiting);
-- another torch or fastddp version, or other ``--max-restarts``, is warned of;
+- another torch or fastddp version, other ``--max-restarts`` or ``--nproc-per-node``, is warned of;
 - every so often it says who has signed in and, under the static rendezvous, which node ranks
   are missing;
 - the workers start only once every node of the round has signed in and been checked, by
@@ -33,10 +33,10 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from fastddp.launch import failures, reach, stop
+from fastddp.launch import cards, failures, reach, stop
 from fastddp.launch.cards import Card, disagreement, read, still_missing, unreadable, warnings
 from fastddp.launch.preflight import say
-from fastddp.launch.ready import Readiness, gone_line, promise
+from fastddp.launch.ready import Beats, Readiness, gone_line, promise
 
 __all__ = ["RollCall"]
 
@@ -73,8 +73,10 @@ class RollCall:
         self.store: Optional[dist.Store] = None  # a client of the rendezvous store, signed in
         self._cards: dict[int, Card] = {}
         self._mine = 0  # this card's number, from 1
-        self._beats: dict[int, tuple[int, float, bool]] = {}  # number: (beat, when, moved)
+        self._beats = Beats(self._prefix)
         self._undecided = False  # two cards of one node rank, one not yet known to be waiting
+        self._gone: set[int] = set()  # cards of a node rank taken twice, their launcher gone
+        self.ranks = 0  # the job's, summed over the round's cards (confirm())
         self._late = False  # signed in after every node's workers started
         self._confirmed = False  # confirm() found the round complete
         # Two phases: this node's check passed (it says so in the store), then every node's.
@@ -146,7 +148,12 @@ class RollCall:
                 self._cond.wait(min(left, 1.0))
         with self._cond:
             self._confirmed = True  # cards read from now on are late launchers' to judge
+            nodes = cards.members(self._cards, self._gone)
         self._stopping.set()
+        # The nodes' --nproc-per-node may differ: every node sums the same cards (failures.py).
+        self.ranks, uneven = cards.ranks(nodes, self.card), cards.uneven(nodes)
+        if uneven is not None:
+            say(uneven)
         if self._said:
             say(f"all {world_size} nodes have signed in; the workers start")
         return None
@@ -166,8 +173,8 @@ class RollCall:
             names = (self.card.name(), master or f"node 0 at {self._endpoint[0]}")
             with contextlib.suppress(RuntimeError, OSError):  # (the watcher finds out)
                 self.store.add(self._prefix + "handed", 1)
-            rank = self.card.node_rank
-            failures.watch(self.store, prefix, self._mine, rank, nodes, self._run_id, names)
+            job = (nodes, self._run_id, names, self.ranks)
+            failures.watch(self.store, prefix, self._mine, self.card.node_rank, *job)
 
     # -- the thread ---------------------------------------------------------------------------
 
@@ -251,12 +258,13 @@ class RollCall:
         for i, card in known.items():
             if card.node_rank is not None:
                 by_rank.setdefault(card.node_rank, []).append(i)
-        undecided = False
+        undecided, dead = False, set()
         for rank, numbers in sorted(by_rank.items()):
             if len(numbers) < 2:
                 continue
             states = [self._alive(i) for i in numbers]
             undecided = undecided or None in states
+            dead.update(i for i, alive in zip(numbers, states) if alive is False)
             alive_at = [i for i, alive in zip(numbers, states) if alive]
             live = [known[i] for i in alive_at]
             if len(live) >= 2 and self._late and self._mine in alive_at:
@@ -282,8 +290,7 @@ class RollCall:
             self._end(gone_line(gone))
         with self._cond:
             self._cards.update(cards)
-            self._undecided = undecided
-            self._waiting = waiting
+            self._undecided, self._gone, self._waiting = undecided, dead, waiting
             self._cond.notify_all()
 
     def _alive(self, number: int) -> Optional[bool]:
@@ -293,17 +300,10 @@ class RollCall:
             return True
         if self._still(number) >= LIVE_S:
             return False
-        return True if self._beats[number][2] else None
+        return True if self._beats.moved(number) else None
 
     def _still(self, number: int) -> float:
-        """Seconds since card ``number``'s heartbeat last moved (from its first reading)."""
-        beat = int(self.store.add(self._prefix + f"beat/{number}", 0))
-        now = time.monotonic()
-        last, when, moved = self._beats.get(number, (beat, now, False))
-        if beat != last:
-            last, when, moved = beat, now, True
-        self._beats[number] = (last, when, moved)
-        return now - when
+        return self._beats.still(self.store, number)
 
     def _who(self, card: Card) -> str:
         return f"{card.where()}, pid {card.pid}"

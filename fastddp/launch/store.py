@@ -258,13 +258,8 @@ def _create(params: RendezvousParameters) -> RendezvousHandler:
         from fastddp.launch import cards, roster
 
         static = backend == "static"
-        card = cards.this_node(
-            params.get_as_int("rank") if static else None,
-            params.min_nodes,
-            params.max_nodes,
-            backend,
-            _LAUNCH.get("max_restarts", 0),
-        )
+        rank = params.get_as_int("rank") if static else None
+        card = cards.this_node(rank, params.min_nodes, params.max_nodes, backend, _LAUNCH)
         endpoint = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
         roll_call = roster.RollCall(endpoint, params.run_id, card, timedelta(seconds=seconds))
     return RoundStoreHandler(inner, timedelta(seconds=seconds), roll_call)
@@ -279,7 +274,8 @@ def install(config) -> None:
     """
     name = _PREFIX + config.rdzv_backend
     rendezvous_handler_registry.register(name, _create)  # a no-op the second time
-    _LAUNCH["max_restarts"] = config.max_restarts  # for this node's roll-call card
+    # For this node's roll-call card.
+    _LAUNCH.update(max_restarts=config.max_restarts, nproc_per_node=config.nproc_per_node)
     config.rdzv_backend = name
 
 

@@ -357,22 +357,63 @@ def test_the_launchers_silent_node_watch_follows_the_workers_default_for_the_job
     # it now counts the job's ranks, and FASTDDP_PEER_TIMEOUT set turns both on at any size.
     # (The workers are `true`: the launchers' watch starts before them, and ends after.)
     port = free_port()
-    setting = "os.environ.pop('FASTDDP_PEER_TIMEOUT', None)"
-    if peer_timeout is not None:
-        setting = f"os.environ['FASTDDP_PEER_TIMEOUT'] = {peer_timeout!r}"
-    patch = (
-        f"import os; {setting}\n"
-        "import fastddp.launch.failures as failures\n"
-        "def watch(*args, _watch=failures.watch):\n"
-        "    _watch(*args)\n"
-        "    print(f'quiet limit {failures._watcher.quiet_limit:g}', flush=True)\n"
-        "failures.watch = watch\n"
-    )
     cmds = [[*_static(port, 2, r, "--no-python", nproc=33)[:-1], "true"] for r in (0, 1)]
-    results = _finish([_launcher(c, patch) for c in cmds], timeout=90)
+    results = _finish([_launcher(c, _telling_the_watch(peer_timeout)) for c in cmds], timeout=90)
     for rc, out in results:
         assert rc == 0, out
         assert f"quiet limit {limit}\n" in out, out
+
+
+@pytest.mark.timeout(120)
+def test_nodes_with_other_nproc_per_node_watch_for_the_job_s_summed_ranks_alike():
+    # Node 0 runs 3 workers, node 1 one: 4 ranks. Each launcher used to count --nnodes x its
+    # own --nproc-per-node (6 and 2): around the default's 64 ranks one node would watch for
+    # a silent node and the other not. Both now sum the roll call's cards, and warn of it.
+    port = free_port()
+    cmds = [
+        [*_static(port, 2, r, "--no-python", nproc=n)[:-1], "true"] for r, n in ((0, 3), (1, 1))
+    ]
+    results = _finish([_launcher(c, _telling_the_watch()) for c in cmds], timeout=90)
+    for rc, out in results:
+        assert rc == 0, out
+        assert "watching 4 ranks\n" in out and "quiet limit 310\n" in out, out
+        uneven = "warning: the nodes run different numbers of workers (--nproc-per-node: 1 on "
+        assert uneven + "node 1 at 127.0.0.1 (" in out and "; 3 on node 0 at 127.0.0.1 (" in out
+
+
+def test_the_job_s_ranks_are_summed_over_one_card_a_node():
+    # A node rank's card whose launcher is gone (a node started again) counts no more, and an
+    # older fastddp's card, which does not say, counts as many as this node's.
+    import dataclasses
+    import json
+
+    mine = _card(node_rank=0, nproc_per_node=3)
+    older = {k: v for k, v in dataclasses.asdict(_card()).items() if k != "nproc_per_node"}
+    known = {1: mine, 2: _card(nproc_per_node=8), 3: _card(nproc_per_node=1)}
+    assert cards.ranks(cards.members(known, {2}), mine) == 4
+    assert cards.ranks(cards.members(known, {3}), mine) == 11
+    known[4] = cards.read(json.dumps(older).encode())
+    assert cards.ranks(cards.members(known, set()), mine) == 6
+    assert cards.uneven([mine, known[4]]) is None
+
+
+def _telling_the_watch(peer_timeout=None):
+    """A launcher patch: its silent-node watch says the ranks it counts and its quiet limit,
+    ``FASTDDP_PEER_TIMEOUT`` set to ``peer_timeout`` (None: unset)."""
+    setting = "os.environ.pop('FASTDDP_PEER_TIMEOUT', None)"
+    if peer_timeout is not None:
+        setting = f"os.environ['FASTDDP_PEER_TIMEOUT'] = {peer_timeout!r}"
+    return (
+        f"import os; {setting}\n"
+        "import fastddp.launch.failures as failures\n"
+        "def timeout(env, world, _timeout=failures.peer_timeout_from_env):\n"
+        "    print(f'watching {world} ranks', flush=True)\n"
+        "    return _timeout(env, world)\n"
+        "def watch(*args, _watch=failures.watch):\n"
+        "    _watch(*args)\n"
+        "    print(f'quiet limit {failures._watcher.quiet_limit:g}', flush=True)\n"
+        "failures.peer_timeout_from_env, failures.watch = timeout, watch\n"
+    )
 
 
 def _launcher(args, patch=""):
