@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from typing import NamedTuple, Optional
 
 from fastddp import nodelist as nodelist_
-from fastddp.slurm_env import slurm_port, srun_task, tasks_per_node
+from fastddp import slurm_env
+from fastddp.slurm_env import slurm_port, srun_task
 
 __all__ = [
     "ClusterError",
@@ -21,6 +22,7 @@ __all__ = [
     "process_settings",
     "slurm_port",
     "srun_task",
+    "unread",
 ]
 
 DEFAULT_PORT = 29500
@@ -110,9 +112,19 @@ def _xtuner(env: Mapping[str, str]) -> bool:
     return bool(_first(env, "NNODES", "NODE_RANK", "NPROC_PER_NODE"))
 
 
-def _master_overlay(env: Mapping[str, str], out: dict[str, Setting], given=frozenset()) -> None:
-    # Explicit variables beat what a cluster implies: XTuner's ADDR/PORT, then MASTER_*.
-    xtuner = _xtuner(env)
+def unread(env: Mapping[str, str], kind: str) -> list[str]:
+    """XTuner's variables set in ``env`` (``NAME=value``) that ``kind`` does not read: all under
+    ``slurm`` and ``mpi``, whose own variables describe the launch, none elsewhere."""
+    if kind not in ("slurm", "mpi") or not _xtuner(env):
+        return []
+    return [f"{n}={env[n]}" for n in ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "ADDR", "PORT")
+            if env.get(n)]  # fmt: skip
+
+
+def _master_overlay(env: Mapping[str, str], out: dict, given=frozenset(), xtuner=False) -> None:
+    # Explicit variables beat what a cluster implies: XTuner's ADDR/PORT (where its other
+    # variables are read too), then MASTER_*.
+    xtuner = xtuner and _xtuner(env)
     name = _first(env, *(["ADDR"] if xtuner else []), "MASTER_ADDR")
     if name:
         out["master_addr"] = Setting(env[name], name)
@@ -121,9 +133,9 @@ def _master_overlay(env: Mapping[str, str], out: dict[str, Setting], given=froze
         out["master_port"] = _read(env, name, "master_port", given, lambda: _int(env, name))
 
 
-# A step on some of the job's nodes (srun -N1) counts SLURM_NODEID among its own: those first.
-_SLURM_NODES = ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
-_SLURM_LIST = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+# What detection decides. Where all of them are set elsewhere (--standalone, the command line)
+# the environment decides nothing, and several launchers a node are the user's choice.
+_DETECTED = frozenset({"nnodes", "node_rank", "master_addr", "master_port"})
 
 
 def launcher_settings(
@@ -146,7 +158,8 @@ def launcher_settings(
 
     Raises:
         ClusterError: the environment asks for something that cannot work, such as ``srun``
-            starting several launchers per node.
+            starting several launchers per node (unless ``given`` holds all that detection
+            decides: nnodes, node rank and master).
     """
     if kind == "auto":
         kind = detect_kind(env)
@@ -154,21 +167,15 @@ def launcher_settings(
     if kind == "slurm":
         if not env.get("SLURM_JOB_ID"):
             raise ClusterError("--cluster slurm, but SLURM_JOB_ID is not set: not in a Slurm job")
-        counts = tasks_per_node(env)
-        per_node = None if counts is None else max(counts[1])
-        if env.get("SLURM_STEP_ID") is not None and per_node is not None and per_node > 1:
-            raise ClusterError(
-                f"srun started {per_node} tasks per node, so each node would run {per_node} "
-                "launchers, each starting its own workers. Start one launcher per node "
-                "(srun --ntasks-per-node=1 python -m fastddp.launch ...), or run the training "
-                "script directly under srun and call fastddp.init_distributed() in it"
-            )
-        name = _first(env, *_SLURM_NODES)
+        why = slurm_env.several_tasks(env)
+        if why and not given >= _DETECTED:
+            raise ClusterError(why)
+        name = _first(env, *slurm_env.NODE_COUNTS)
         if name:
             out["nnodes"] = _read(env, name, "nnodes", given, lambda: str(_int(env, name)))
         if env.get(node := "SLURM_NODEID"):
             out["node_rank"] = _read(env, node, "node_rank", given, lambda: _int(env, node))
-        nodes = _first(env, *_SLURM_LIST)
+        nodes = _first(env, *slurm_env.NODE_LISTS)
         if nodes:
             try:
                 out["master_addr"] = Setting(
@@ -192,21 +199,20 @@ def launcher_settings(
         if size is None or rank is None:
             raise ClusterError("--cluster mpi, but no OMPI_COMM_WORLD_* or PMI_* variables are set")
         local = _first(env, *_MPI_LOCAL_SIZE)
-        if local and _int(env, local) > 1:
+        if local and _int(env, local) > 1 and not given >= _DETECTED:
             raise ClusterError(
                 f"mpirun started {env[local]} processes per node ({local}), so each node would "
                 "run several launchers. Start one per node (mpirun --npernode 1 / -ppn 1), or "
-                "run the training script directly under mpirun with fastddp.init_distributed()"
+                "run the training script directly under mpirun with fastddp.init_distributed(); "
+                "or pass --cluster none to read no MPI variables"
             )
         out["nnodes"] = _read(env, size, "nnodes", given, lambda: str(_int(env, size)))
         out["node_rank"] = _read(env, rank, "node_rank", given, lambda: _int(env, rank))
-        # (ADDR is XTuner's, read only beside its other variables: alone it was taken as the
-        # master here, and the launch then met on loopback.)
-        master = _first(env, *(["ADDR"] if _xtuner(env) else []), "MASTER_ADDR")
-        if not (master or {"master_addr", "rdzv_endpoint"} & given):
+        if not (env.get("MASTER_ADDR") or {"master_addr", "rdzv_endpoint"} & given):
             raise ClusterError(
                 "mpirun does not say which host is the master: export MASTER_ADDR to all "
-                "nodes (mpirun -x MASTER_ADDR=<first host> ...) or pass --master-addr"
+                "nodes (mpirun -x MASTER_ADDR=<first host> ...), pass --master-addr (or a "
+                "c10d --rdzv-endpoint), or pass --cluster none to read no MPI variables"
             )
     elif kind == "env":
         for var, key in (("NNODES", "nnodes"), ("NPROC_PER_NODE", "nproc_per_node")):
@@ -219,7 +225,7 @@ def launcher_settings(
     elif kind != "none":
         raise ClusterError(f"unknown cluster kind {kind!r}; use auto, none, slurm, mpi or env")
     if kind != "none":
-        _master_overlay(env, out, given)
+        _master_overlay(env, out, given, xtuner=kind == "env")
     return kind, out
 
 
@@ -261,20 +267,21 @@ def process_settings(env: Mapping[str, str]) -> tuple[str, dict[str, Setting]]:
         return source, out
     if srun_task(env):
         out["rank"] = Setting(_int(env, "SLURM_PROCID"), "SLURM_PROCID")
-        out["world_size"] = Setting(_int(env, "SLURM_NTASKS"), "SLURM_NTASKS")
+        out["world_size"] = Setting(_int(env, tasks := slurm_env.step_tasks(env)), tasks)
         out["local_rank"] = Setting(_int(env, "SLURM_LOCALID"), "SLURM_LOCALID")
         if env.get("SLURM_NODEID"):
             out["node_rank"] = Setting(_int(env, "SLURM_NODEID"), "SLURM_NODEID")
-        counts = tasks_per_node(env)
+        counts = slurm_env.tasks_per_node(env)
         if counts is not None:  # this node's count (a step's nodes may run different numbers)
             name, per_node = counts
             node = out["node_rank"].value if "node_rank" in out else 0
             out["local_world_size"] = Setting(per_node[min(node, len(per_node) - 1)], name)
-        name = _first(env, *_SLURM_LIST)
+        name = _first(env, *slurm_env.NODE_LISTS)
         if name:
             out["master_addr"] = Setting(expand_nodelist(env[name])[0], f"first host of {name}")
         out["master_port"] = _slurm_port(env)
         _master_overlay(env, out)
+        _warn_unread(env, "slurm")
         if "master_addr" not in out:
             raise ClusterError(
                 "srun task without SLURM_JOB_NODELIST or MASTER_ADDR: export MASTER_ADDR "
@@ -292,6 +299,7 @@ def process_settings(env: Mapping[str, str]) -> tuple[str, dict[str, Setting]]:
         if local_size:
             out["local_world_size"] = Setting(_int(env, local_size), local_size)
         _master_overlay(env, out)
+        _warn_unread(env, "mpi")
         if "master_addr" not in out:
             raise ClusterError(
                 "started by mpirun, but MASTER_ADDR is not set: export it to every rank "
@@ -329,3 +337,13 @@ def process_settings(env: Mapping[str, str]) -> tuple[str, dict[str, Setting]]:
         "world_size": Setting(1, "single process"),
         "local_rank": Setting(0, "single process"),
     }
+
+
+def _warn_unread(env: Mapping[str, str], kind: str) -> None:
+    # A rank reads only the master of XTuner's variables (ADDR, PORT).
+    if names := [n for n in unread(env, kind) if n.startswith(("ADDR=", "PORT="))]:
+        warnings.warn(
+            f"fastddp: {', '.join(names)}: XTuner's variables are not read under {kind}, whose "
+            "own variables and MASTER_ADDR/MASTER_PORT name the master",
+            stacklevel=4,
+        )

@@ -9,12 +9,11 @@ import contextlib
 import os
 import signal
 import sys
-import uuid
 from typing import Optional
 
 from torch.distributed import run as torchrun
 
-from fastddp.cluster import ClusterError, VariableError, launcher_settings
+from fastddp.cluster import ClusterError, VariableError, launcher_settings, unread
 from fastddp.launch import failures, options, slurm, stop, store
 from fastddp.launch.preflight import LaunchError, apply, gpus_visible, preflight, say
 
@@ -61,26 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _given_on_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
-    """Return the option names (dests) that ``argv`` sets explicitly."""
-    # argparse fills in a default only where the namespace lacks the attribute, so whatever
-    # still holds the marker afterwards was not on the command line.
-    unset = object()
-    ns = argparse.Namespace(**{action.dest: unset for action in parser._actions})
-    parser.parse_args(argv, namespace=ns)
-    return {dest for dest, value in vars(ns).items() if value is not unset}
-
-
 # What --standalone decides: one node, its own rendezvous.
 _ONE_NODE = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint")
 _MASTER = {"master_addr", "master_port"}
-
-
-def _max_nodes(nnodes) -> int:
-    """The most nodes ``--nnodes`` admits; 2 for one that does not parse (options.py refuses
-    it later, with the fix), so that nothing is dropped as if it were one node."""
-    span = options.node_span(nnodes)
-    return 2 if span is None else span[1]
+_ONE_NODE_UNREAD = _MASTER | {"node_rank"}  # a launch of one node: node 0, on loopback
 
 
 def _apply_cluster(parser: argparse.ArgumentParser, pre: argparse.Namespace, argv: list[str]):
@@ -94,25 +77,33 @@ def _apply_cluster(parser: argparse.ArgumentParser, pre: argparse.Namespace, arg
             f"FASTDDP_CLUSTER={pre.cluster!r} is not a cluster kind; set it to one of "
             f"{', '.join(_KINDS)}, or unset it"
         )
-    given = _given_on_command_line(parser, argv)
+    given = options.given_on_command_line(parser, argv)
     elsewhere = given | {k for k in _ONE_NODE if f"PET_{k.upper()}" in os.environ}
     if pre.standalone:
         elsewhere |= set(_ONE_NODE)
-    # A rendezvous endpoint stands for the master (which is not read, nor checked: Kubernetes'
-    # MASTER_PORT=tcp://IP:PORT is no error), and c10d numbers the nodes itself.
-    unused = set()
-    if not pre.standalone and (pre.rdzv_endpoint or pre.rdzv_backend != "static"):
-        unused = _MASTER | ({"node_rank"} if pre.rdzv_backend != "static" else set())
-    elsewhere |= unused
     try:
-        # The master first left unread: a launch of one node meets on loopback, at a port the
-        # kernel picks, as torchrun's does, whatever master the environment names.
+        # The master and node rank first left unread: a launch of one node is node 0 and meets
+        # on loopback, at a port the kernel picks, as torchrun's does, whatever the
+        # environment names.
         gpus = gpus_visible()
-        kind, settings = launcher_settings(os.environ, pre.cluster, gpus, elsewhere | _MASTER)
+        probe = elsewhere | _ONE_NODE_UNREAD
+        kind, settings = launcher_settings(os.environ, pre.cluster, gpus, probe)
+        # c10d without an endpoint meets at each node's own localhost:29400: where Slurm or
+        # mpirun names the master, the nodes meet there instead.
+        meet = kind in ("slurm", "mpi") and pre.rdzv_backend == "c10d"
+        meet = meet and not (pre.rdzv_endpoint or pre.standalone)
+        # An endpoint stands for the master (which is not read, nor checked: Kubernetes'
+        # MASTER_PORT=tcp://IP:PORT is no error), and c10d numbers the nodes itself.
+        unused = set()
+        if not pre.standalone and (pre.rdzv_endpoint or pre.rdzv_backend != "static"):
+            unused = set() if meet else set(_MASTER)
+            if pre.rdzv_backend != "static":
+                unused.add("node_rank")
+        elsewhere |= unused
         nnodes = pre.nnodes
         if "nnodes" not in elsewhere and "nnodes" in settings:
             nnodes = settings["nnodes"].value
-        one_node = _max_nodes(nnodes) == 1 and not elsewhere >= _MASTER
+        one_node = options.most_nodes(nnodes) == 1 and not elsewhere >= _MASTER
         if not one_node:
             kind, settings = launcher_settings(os.environ, pre.cluster, gpus, elsewhere)
     except VariableError as e:
@@ -121,12 +112,12 @@ def _apply_cluster(parser: argparse.ArgumentParser, pre: argparse.Namespace, arg
             "read no cluster variables)"
         ) from None
     filled = {}
+    meets = _endpoint(pre, elsewhere, settings) if meet and not one_node else None
     for key, (value, source) in settings.items():
         pet = f"PET_{key.upper()}"
         if key in unused and key not in given:
-            rendezvous = (
-                f"the {pre.rdzv_backend} rendezvous at {pre.rdzv_endpoint or 'its endpoint'}"
-            )
+            at = pre.rdzv_endpoint or (meets[0] if meets else "its endpoint")
+            rendezvous = f"the {pre.rdzv_backend} rendezvous at {at}"
             say(f"{key}: not used by {rendezvous}; {value} from {source} is not read")
         elif pre.standalone and key in _ONE_NODE:
             # A Slurm allocation of several nodes would leave the one node waiting for more.
@@ -135,8 +126,11 @@ def _apply_cluster(parser: argparse.ArgumentParser, pre: argparse.Namespace, arg
             say(f"{key}: command line wins over {value} from {source}")
         elif pet in os.environ:
             say(f"{key}: {pet}={os.environ[pet]} wins over {value} from {source}")
-        elif one_node and key in _MASTER:
-            say(f"{key}: one node, which meets on loopback; {value} from {source} is not read")
+        elif one_node and key in _ONE_NODE_UNREAD:
+            why = "node 0" if key == "node_rank" else "which meets on loopback"
+            say(f"{key}: one node, {why}; {value} from {source} is not read")
+        elif meets and key in _MASTER:
+            continue  # the endpoint's line says it
         else:
             # Only the parser's default: torchrun's parser reads PET_* once, when it is built,
             # and a PET_* exported here would reach the workers (a torchrun started in one
@@ -144,10 +138,37 @@ def _apply_cluster(parser: argparse.ArgumentParser, pre: argparse.Namespace, arg
             parser.set_defaults(**{key: str(value)})
             filled[key] = (value, source)
             say(f"{key}={value} (from {kind}: {source})")
+    if meets:
+        parser.set_defaults(rdzv_endpoint=meets[0])
+        filled["rdzv_endpoint"] = meets
+        say(f"rdzv_endpoint={meets[0]} (from {kind}: the master, {meets[1]})")
+    if names := unread(os.environ, kind):
+        say(
+            f"{', '.join(names)}: XTuner's variables are not read under {kind}; give --nnodes, "
+            "--node-rank, --nproc-per-node or the master on the command line (or read them "
+            "with --cluster env)"
+        )
     if kind == "slurm":
-        for line in slurm.warnings(os.environ, str(nnodes), settings.get("nnodes")):
+        lines = slurm.check(os.environ, str(nnodes), settings.get("nnodes"), pre.standalone)
+        for line in lines:
             say(line)
     return filled
+
+
+def _endpoint(pre: argparse.Namespace, elsewhere: set, settings: dict) -> Optional[tuple]:
+    """The master as a c10d ``--rdzv-endpoint``, and where it came from: each of its host and
+    port the command line's (or a ``PET_*``'s) where given, else the detected one. None where
+    no host is known."""
+    if "master_addr" not in elsewhere and "master_addr" not in settings:
+        return None
+    parts = []
+    for key in ("master_addr", "master_port"):
+        if key in elsewhere:
+            parts.append((str(getattr(pre, key)), "--" + key.replace("_", "-")))
+        elif key in settings:
+            parts.append((str(settings[key].value), settings[key].source))
+    port = parts[1][0] if len(parts) > 1 else None  # (None: c10d's own, 29400)
+    return options.join_endpoint(parts[0][0], port), "; ".join(s for _, s in parts)
 
 
 def _sources(message: str, filled: dict) -> str:
@@ -164,24 +185,6 @@ def _sources(message: str, filled: dict) -> str:
         f" ({'; '.join(named)}: set it right, override it on the command line, or pass "
         "--cluster none)"
     )
-
-
-def _normalise(args: argparse.Namespace) -> argparse.Namespace:
-    """Apply the same rewrites ``torch.distributed.run.run`` makes before launching."""
-    args = argparse.Namespace(**vars(args))
-    _, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
-    if args.standalone or (
-        args.rdzv_backend == "static"
-        and not args.rdzv_endpoint
-        and args.master_port is None
-        and max_nodes == 1
-    ):
-        # A run id of its own, as torchrun gives it: a given --rdzv-id names no other node here.
-        args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
-        args.rdzv_id = str(uuid.uuid4())
-    if args.master_port is None:
-        args.master_port = 29500
-    return args
 
 
 def _summary(args: argparse.Namespace, info: dict) -> None:
@@ -253,7 +256,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if script_args is not None:
             args.training_script_args = script_args
         options.check(args)
-        run_args = _normalise(args)
+        run_args = options.normalise(args)
         checks = not args.no_preflight
         info, decisions = preflight(run_args, network=not args.dry_run, checks=checks)
     except (ClusterError, LaunchError) as e:

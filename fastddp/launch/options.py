@@ -3,7 +3,8 @@
 torchrun takes some bad options with a traceback from deep inside (``--nnodes 2:1`` fails an
 assert, ``--rdzv-endpoint host:abc`` an ``int()``), and some without a word (``--nnodes 0``).
 :func:`check` refuses each with what to give instead, on every node alike, before the
-preflight or torchrun sees them.
+preflight or torchrun sees them. :func:`given_on_command_line` tells the options a command line
+sets, and :func:`normalise` makes torchrun's own rewrites.
 """
 
 import argparse
@@ -11,6 +12,7 @@ import copy
 import math
 import os
 import sys
+import uuid
 from typing import Optional
 
 from torch.distributed import run as torchrun
@@ -22,7 +24,11 @@ __all__ = [
     "PREFLIGHT_TIMEOUT_VAR",
     "check",
     "endpoint",
+    "given_on_command_line",
+    "join_endpoint",
+    "most_nodes",
     "node_span",
+    "normalise",
     "script_apart",
 ]
 
@@ -52,6 +58,20 @@ def endpoint(value: str, default: Optional[int] = DEFAULT_RDZV_PORT) -> tuple[st
     if not host:
         raise LaunchError(f"{what}: no host; {_FORM}")
     return host, _port(port, what) if colon else default
+
+
+def join_endpoint(host: str, port: Optional[str] = None) -> str:
+    """An endpoint of ``host`` (an IPv6 address put in brackets) and ``port``, if any."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return host if port is None else f"{host}:{port}"
+
+
+def most_nodes(nnodes) -> int:
+    """The most nodes ``--nnodes`` admits; 2 for one that does not parse (:func:`check` refuses
+    it later, with the fix), so that nothing is dropped as if it were one node."""
+    span = node_span(nnodes)
+    return 2 if span is None else span[1]
 
 
 def node_span(nnodes) -> Optional[tuple[int, int]]:
@@ -190,3 +210,31 @@ def script_apart(
     if tail and argv[-len(tail) :] != tail:  # (a "--" argparse took away)
         return argv, None
     return argv[: len(argv) - len(tail)], tail
+
+
+def given_on_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """Return the option names (dests) that ``argv`` sets explicitly."""
+    # argparse fills in a default only where the namespace lacks the attribute, so whatever
+    # still holds the marker afterwards was not on the command line.
+    unset = object()
+    ns = argparse.Namespace(**{action.dest: unset for action in parser._actions})
+    parser.parse_args(argv, namespace=ns)
+    return {dest for dest, value in vars(ns).items() if value is not unset}
+
+
+def normalise(args: argparse.Namespace) -> argparse.Namespace:
+    """Apply the same rewrites ``torch.distributed.run.run`` makes before launching."""
+    args = argparse.Namespace(**vars(args))
+    _, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
+    if args.standalone or (
+        args.rdzv_backend == "static"
+        and not args.rdzv_endpoint
+        and args.master_port is None
+        and max_nodes == 1
+    ):
+        # A run id of its own, as torchrun gives it: a given --rdzv-id names no other node here.
+        args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    return args

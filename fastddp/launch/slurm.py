@@ -1,6 +1,8 @@
-"""Warnings for a launch under Slurm that would wait for nodes rather than fail.
+"""What a launch under Slurm is told before it starts: a refusal, or warnings.
 
-Neither case is an error: a batch script may mean to run one node's launcher, and a
+A launch of fewer nodes than srun started launchers on is refused: each node past them would
+run a job of its own, or wait for a rendezvous that never takes it. The warnings are for
+launches that may be meant: a batch script may mean to run one node's launcher, and a
 rendezvous may gather the nodes of several steps. But each, when it is a mistake, waits until
 the rendezvous' timeout without a word, so the launcher says so before it starts.
 """
@@ -8,25 +10,55 @@ the rendezvous' timeout without a word, so the launcher says so before it starts
 from collections.abc import Mapping
 from typing import Optional
 
-from fastddp.cluster import Setting
+from fastddp.cluster import ClusterError, Setting
 from fastddp.launch.options import node_span
+from fastddp.slurm_env import tasks_per_node
 
-__all__ = ["warnings"]
+__all__ = ["check"]
 
 
-def warnings(env: Mapping[str, str], nnodes: str, slurm_nodes: Optional[Setting]) -> list[str]:
+def _count(text: str) -> Optional[int]:
+    return int(text) if text.isascii() and text.isdecimal() else None
+
+
+def check(
+    env: Mapping[str, str], nnodes: str, slurm_nodes: Optional[Setting], standalone: bool = False
+) -> list[str]:
     """The lines to print for a launch under Slurm.
 
     Args:
         env: the environment.
         nnodes: ``--nnodes`` as the launch will take it (given, or from Slurm).
         slurm_nodes: the node count Slurm gives (its variable's text and name), if any.
+        standalone: ``--standalone`` was given: one node, whatever Slurm says.
+
+    Raises:
+        ClusterError: srun started launchers on more nodes than ``nnodes`` admits.
     """
     span = node_span(nnodes)
     if span is None:
         return []
     fewest, most = span
     out = []
+    # Only the step's count: a step may run on fewer nodes than the job has (srun -N1).
+    step = _count(env.get("SLURM_STEP_NUM_NODES", "")) if "SLURM_STEP_ID" in env else None
+    if step is not None and most < step:
+        started = f"srun started launchers on {step} nodes (SLURM_STEP_NUM_NODES={step})"
+        if standalone:
+            out.append(f"--standalone: {started}, and each runs a one-node job of its own")
+        else:
+            fate = (
+                "each would run a job of its own"
+                if most == 1
+                else f"those past {most} would wait for a rendezvous that never takes them"
+            )
+            raise ClusterError(
+                f"--nnodes {nnodes} admits at most {most} node(s), but {started}: {fate}. "
+                f"Give --nnodes {step} (or leave it out: Slurm's count is the default), ask "
+                f"srun for {most} (srun -N {most}), or pass --standalone for a one-node job on "
+                "each node (also in an interactive srun shell, which runs one launcher), or "
+                "--cluster none to read no Slurm variables"
+            )
     if "SLURM_STEP_ID" not in env and most > 1:
         out.append(
             "warning: SLURM_STEP_ID is not set, so this launcher is not an srun task: in a "
@@ -34,8 +66,12 @@ def warnings(env: Mapping[str, str], nnodes: str, slurm_nodes: Optional[Setting]
             "nothing. Start one launcher per node: srun --ntasks-per-node=1 python -m "
             "fastddp.launch ..."
         )
-    count = str(slurm_nodes.value) if slurm_nodes else ""
-    if count.isascii() and count.isdecimal() and fewest > int(count):
+    count = _count(str(slurm_nodes.value)) if slurm_nodes else None
+    # Several launchers a node, where the command line says every setting (each a node of its
+    # own to torch): the step's tasks are its launchers.
+    per_node = tasks_per_node(env) if "SLURM_STEP_ID" in env else None
+    tasks = sum(per_node[1]) if per_node else 0
+    if count is not None and fewest > max(count, tasks):
         out.append(
             f"warning: --nnodes {nnodes} needs {fewest} nodes, but Slurm starts launchers on "
             f"{count} ({slurm_nodes.source}={count}): unless another step's launchers join "

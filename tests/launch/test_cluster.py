@@ -7,10 +7,12 @@ import pytest
 
 from fastddp.cluster import (
     ClusterError,
+    detect_kind,
     expand_nodelist,
     launcher_settings,
     process_settings,
     slurm_port,
+    unread,
 )
 from fastddp.watchdog import peer_timeout_from_env
 
@@ -80,6 +82,76 @@ def test_srun_with_several_tasks_per_node_is_refused():
         launcher_settings(env)
     # One task per node is the supported shape.
     launcher_settings({**SLURM, "SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "1(x2)"})
+
+
+# Every setting detection decides, given elsewhere (the command line, or --standalone).
+ALL_GIVEN = {"nnodes", "node_rank", "master_addr", "master_port"}
+
+
+def test_several_launchers_a_node_are_the_users_where_nothing_is_read():
+    # An interactive srun -n8 --pty bash runs one launcher, with --standalone or every setting
+    # on the command line: nothing read from Slurm or mpirun, nothing refused.
+    srun = {**SLURM, "SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}
+    mpi = {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}  # fmt: skip
+    for env in (srun, mpi):
+        launcher_settings(env, given=ALL_GIVEN)
+        for left in ALL_GIVEN:  # one read from the environment: refused, with the ways out
+            with pytest.raises(ClusterError, match="per node") as e:
+                launcher_settings(env, given=ALL_GIVEN - {left})
+            assert "--cluster none to read no" in str(e.value), e.value
+    fix = r"4 tasks per node \(SLURM_STEP_TASKS_PER_NODE=4\(x2\)\).*pass --standalone, or --cl"
+    with pytest.raises(ClusterError, match=fix):
+        launcher_settings(srun)
+    with pytest.raises(ClusterError, match="master.*, or pass --cluster none"):
+        launcher_settings({"PMI_SIZE": "2", "PMI_RANK": "0"})
+
+
+def test_srun_preserve_env_counts_the_steps_tasks():
+    # srun -E (--preserve-env) keeps the allocation's SLURM_NTASKS and SLURM_NNODES (16 tasks
+    # on 2 nodes); the step runs 2, one a node: only the SLURM_STEP_* counts are the step's.
+    step = {
+        "SLURM_JOB_ID": "900",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": "1",
+        "SLURM_NODEID": "1",
+        "SLURM_LOCALID": "0",
+        "SLURM_NTASKS": "16",
+        "SLURM_NNODES": "2",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+        "SLURM_STEP_NODELIST": "gpu[01-02]",
+    }
+    _, s = process_settings(step)
+    assert s["world_size"] == (2, "SLURM_STEP_NUM_TASKS") and s["local_world_size"].value == 1
+    # srun --mpi=pmi2 sets PMI_SIZE to the step's tasks: srun's, not an mpirun's ranks.
+    pmi = {**step, "PMI_RANK": "1", "PMI_SIZE": "2"}
+    assert detect_kind(pmi) == "slurm"
+    assert process_settings(pmi)[1]["world_size"].value == 2
+    assert launcher_settings(pmi)[1]["nnodes"] == ("2", "SLURM_STEP_NUM_NODES")
+
+
+def test_xtuner_variables_are_read_all_or_none():
+    # Under Slurm and mpirun their own variables (and MASTER_*) decide: none of XTuner's is
+    # read, its ADDR and PORT included, and unread() names them for the launcher to say so.
+    xtuner = {"NNODES": "1", "NODE_RANK": "0", "NPROC_PER_NODE": "2", "ADDR": "127.0.0.1",
+              "PORT": "29601"}  # fmt: skip
+    slurm = {**SLURM, "SLURM_NODEID": "1", "SLURM_GPUS_ON_NODE": "4"}
+    mpi = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "MASTER_ADDR": "h0"}
+    for env, master in ((slurm, ("gpu07", slurm_port("4242"))), (mpi, ("h0", None))):
+        kind, s = launcher_settings({**env, **xtuner})
+        got = {key: setting.value for key, setting in s.items()}
+        assert got["nnodes"] == "2" and got["node_rank"] == 1, got
+        assert (got["master_addr"], got.get("master_port")) == master, got
+        assert got.get("nproc_per_node") in (None, "4"), got  # Slurm's GPUs, or none
+        assert unread({**env, **xtuner}, kind) == [f"{k}={v}" for k, v in xtuner.items()]
+    # Nor by a rank started by srun, which says so.
+    task = {**SRUN, "ADDR": "127.0.0.1", "NNODES": "2"}
+    with pytest.warns(UserWarning, match="ADDR=127.0.0.1: XTuner's variables are not read"):
+        assert process_settings(task)[1]["master_addr"].value == "n1"
+    # Alone, all of them are read (test_xtuner_and_plain_variables), and nothing is unread.
+    assert unread(xtuner, "env") == [] and launcher_settings(xtuner)[0] == "env"
 
 
 def test_a_slurm_step_on_some_nodes_counts_its_own():

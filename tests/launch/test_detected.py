@@ -8,22 +8,25 @@ import re
 
 import pytest
 
+from fastddp.cluster import slurm_port
 from fastddp.launch import cli, options
 
-_CLUSTER = re.compile(r"^(SLURM_|OMPI_|PMI_|PET_|MASTER_|FASTDDP_CLUSTER$|NNODES$|NODE_RANK$)")
+_CLUSTER = re.compile(
+    r"^(SLURM_|OMPI_|PMI_|PET_|MASTER_|FASTDDP_CLUSTER$|NNODES$|NODE_RANK$|NPROC_PER_NODE$|ADDR$|PORT$)"
+)
 
 
 @pytest.fixture
 def launch(monkeypatch, capsys):
-    """Run ``cli.main`` on a dry run with only the given cluster variables; return
-    ``(exit status, stderr)``. The environment is restored afterwards (the launcher sets
+    """Run ``cli.main`` on a dry run with only the given cluster variables (each call's own);
+    return ``(exit status, stderr)``. The environment is restored afterwards (the launcher sets
     interface variables in it)."""
     saved = dict(os.environ)
-    for name in [n for n in os.environ if _CLUSTER.match(n)]:
-        monkeypatch.delenv(name)
     monkeypatch.delenv(options.PREFLIGHT_TIMEOUT_VAR, raising=False)
 
     def run(*args, **env):
+        for name in [n for n in os.environ if _CLUSTER.match(n)]:
+            monkeypatch.delenv(name)
         for name, value in env.items():
             monkeypatch.setenv(name, str(value))
         status = cli.main(["--dry-run", *args, "train.py"])
@@ -122,10 +125,84 @@ def test_more_nodes_than_the_slurm_step_has_are_warned_of(launch):
         " (SLURM_STEP_NUM_NODES=2)" in err
     ), err
     assert "Give --nnodes 2 (or leave it out" in err and "srun -N 4" in err, err
-    # An elastic range that two nodes meet, Slurm's own count, and fewer nodes: no warning.
-    for args in (["--nnodes", "1:4"], [], ["--nnodes", "1", "--node-rank", "0"]):
+    # An elastic range that two nodes meet, and Slurm's own count: no warning.
+    for args in (["--nnodes", "1:4"], []):
         status, err = launch(*args, **step)
         assert status == 0 and "needs" not in err, (args, err)
+
+
+def test_fewer_nodes_than_the_slurm_step_started_launchers_on_are_refused(launch):
+    # srun -N2 ... --nnodes 1: each node would run a job of its own, without a word.
+    step = dict(SLURM, SLURM_STEP_NUM_NODES=2, SLURM_NODEID=1, SLURM_NODELIST="a,b")
+    for nnodes, fate in (("1", "each would run a job of its own"), ("1:1", "each"),
+                         ("2:3", "those past 3 would wait")):  # fmt: skip
+        status, err = launch("--nnodes", nnodes, **{**step, "SLURM_STEP_NUM_NODES": 4})
+        assert status == 2, err
+        assert "srun started launchers on 4 nodes (SLURM_STEP_NUM_NODES=4): " + fate in err, err
+        assert "Give --nnodes 4" in err and "--cluster none" in err, err
+        assert "worker command" not in err, err
+    # --standalone is one node whatever Slurm says, and said; a batch script's launcher runs on
+    # one node, and the job's count (srun -N1 in a larger job) is no step's.
+    status, err = launch("--standalone", **step)
+    assert status == 0, err
+    assert "--standalone: srun started launchers on 2 nodes" in err, err
+    for env in ({k: v for k, v in step.items() if k != "SLURM_STEP_ID"},
+                {k: v for k, v in step.items() if k != "SLURM_STEP_NUM_NODES"}):  # fmt: skip
+        status, err = launch("--nnodes", "1", **env)
+        assert status == 0, err
+        # A detected rank is no --node-rank of the user's: one node is node 0.
+        assert "node_rank: one node, node 0; 1 from SLURM_NODEID is not read" in err, err
+        assert "--node-rank 1 is ignored" not in err, err
+
+
+def test_several_launchers_a_node_are_the_users_where_the_command_line_says_all(launch):
+    # An interactive srun -N1 -n8 --pty bash, one launcher in it: --standalone, or every
+    # setting on the command line, and nothing is read from Slurm or mpirun.
+    pty = dict(SLURM_JOB_ID=1234, SLURM_STEP_ID=0, SLURM_STEP_NUM_TASKS=8, SLURM_NODEID=0,
+               SLURM_STEP_NUM_NODES=1, SLURM_STEP_NODELIST="gpu01",
+               SLURM_STEP_TASKS_PER_NODE=8)  # fmt: skip
+    status, err = launch(**pty)
+    assert status == 2 and "srun started 8 tasks per node" in err, err
+    assert "pass --standalone, or --cluster none to read no Slurm variables" in err, err
+    status, err = launch("--standalone", **pty)
+    assert status == 0 and "config max_nodes=1" in err, err
+    # Two launchers a node on purpose, each a node of its own to torch: 4 launchers, no
+    # warning of nodes that never start.
+    two = dict(pty, SLURM_STEP_NUM_TASKS=4, SLURM_NODEID=1, SLURM_STEP_NUM_NODES=2,
+               SLURM_STEP_NODELIST="gpu[01-02]", SLURM_STEP_TASKS_PER_NODE="2(x2)")  # fmt: skip
+    mpi = dict(OMPI_COMM_WORLD_SIZE=4, OMPI_COMM_WORLD_RANK=3, OMPI_COMM_WORLD_LOCAL_SIZE=2)
+    given = ["--nnodes", "4", "--node-rank", "3", "--master-addr", "127.0.0.1"]
+    for env in (two, mpi):
+        status, err = launch(*given, "--master-port", "29500", **env)
+        assert status == 0 and "config node_rank=3" in err and "needs" not in err, err
+        status, err = launch(*given, **env)  # the port left to the environment: refused
+        assert status == 2 and "per node" in err and "--cluster none" in err, err
+
+
+def test_c10d_without_an_endpoint_meets_at_the_master_the_cluster_names(launch):
+    # torch's c10d rendezvous without an endpoint meets at each node's own localhost:29400, so
+    # the nodes of a Slurm step (or of mpirun) never met; the master is its endpoint.
+    step = dict(SLURM, SLURM_STEP_NUM_NODES=2, SLURM_NODEID=1, SLURM_STEP_NODELIST="n[1-2]")
+    status, err = launch("--rdzv-backend", "c10d", **step)
+    assert status == 0, err
+    ep = f"n1:{slurm_port('1234')}"
+    assert (
+        f"rdzv_endpoint={ep} (from slurm: the master, first host of SLURM_STEP_NODELIST; "
+        "SLURM_JOB_ID and SLURM_STEP_ID)" in err
+    ), err
+    assert f"config rdzv_endpoint='{ep}'" in err and "loopback" not in err, err
+    assert f"node_rank: not used by the c10d rendezvous at {ep}; 1 from SLURM_NODEID" in err, err
+    # The command line's master port, and mpirun's MASTER_ADDR (c10d's port 29400).
+    status, err = launch("--rdzv-backend", "c10d", "--master-port", "29511", **step)
+    assert status == 0 and "config rdzv_endpoint='n1:29511'" in err, err
+    mpi = dict(OMPI_COMM_WORLD_SIZE=2, OMPI_COMM_WORLD_RANK=1, MASTER_ADDR="127.0.0.1")
+    status, err = launch("--rdzv-backend", "c10d", **mpi)
+    assert status == 0 and "rendezvous c10d at 127.0.0.1:29400" in err, err
+    # A given endpoint, and one node, are left alone.
+    status, err = launch("--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29512", **step)
+    assert status == 0 and "config rdzv_endpoint='127.0.0.1:29512'" in err, err
+    status, err = launch("--rdzv-backend", "c10d", **dict(step, SLURM_STEP_NUM_NODES=1))
+    assert status == 0 and "rdzv_endpoint=" not in err.replace("config rdzv_endpoint=", ""), err
 
 
 def test_the_scripts_own_options_are_not_read_as_abbreviations(launch):
