@@ -23,7 +23,7 @@ from fastddp._init_args import (
 )
 from fastddp.cluster import ClusterError, process_settings, srun_task
 from fastddp.gpu_choice import cuda_index, gpu_identity
-from fastddp.rank_notes import check_ranks
+from fastddp.rank_notes import check_ranks, said_while_joining
 from fastddp.watchdog import PeerWatchdog, peer_timeout_from_env
 
 __all__ = [
@@ -164,9 +164,7 @@ def init_distributed(
                 f"fastddp.init_distributed: MASTER_PORT={port} is not a TCP port; give one "
                 f"from 1 to 65535 ({settings['master_port'].source})"
             )
-        # A launcher reports its own waits; a job started by hand has only this line.
-        waiting = joining.said_while_waiting if launcher == "env" else _quiet
-        with waiting(rank, world, addr, port):
+        with said_while_joining(launcher, env, settings, addr, port):
             store, attempt, hint = joining.store_for(
                 launcher, env, addr, port, rank, world, timeout, _joins
             )
@@ -182,8 +180,8 @@ def init_distributed(
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
     try:
         known = settings.get("node_rank")
-        local_world, node_rank, num_nodes = check_ranks(None if known is None else known.value)
-        _start_watchdog(attempt, peer_timeout, rank, world, addr, int(port), launcher)
+        local_world, node_rank, num_nodes = check_ranks(None if known is None else known.value, env)
+        _start_watchdog(attempt, peer_timeout, rank, world, addr, int(port), launcher, env)
     except BaseException:
         dist.destroy_process_group()
         raise
@@ -215,11 +213,11 @@ def _peer_timeout(env, peer_timeout, world) -> float:
     return checked_peer_timeout(peer_timeout)
 
 
-def _start_watchdog(attempt, peer_timeout, rank, world, addr, port, launcher) -> None:
+def _start_watchdog(attempt, peer_timeout, rank, world, addr, port, launcher, env) -> None:
     global _watchdog
     if peer_timeout == 0 or world == 1 or launcher == "single":
         return
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     watchdog = PeerWatchdog(
         addr, port, rank, world, peer_timeout, attempt, alive=dist.is_initialized,
         # (torchrun's agent serves it, where its workers share its store)
@@ -338,8 +336,3 @@ def is_main_process() -> bool:
         if env.get(name, "").strip().isdigit():
             return int(env[name]) == 0
     return True
-
-
-@contextlib.contextmanager
-def _quiet(*_: object) -> Iterator[None]:
-    yield

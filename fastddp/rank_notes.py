@@ -1,35 +1,98 @@
-"""What the ranks compare after init: fastddp's settings and their nodes.
+"""What a rank says of the others: while it waits for them to join, and what the ranks
+compare after init (fastddp's settings and their nodes).
 
-Every rank all-gathers one row and runs the same checks on the same rows, so that a clash
-raises the same :class:`~fastddp.cluster.ClusterError` on every rank instead of a hang.
+After init, every rank all-gathers one row and runs the same checks on the same rows, so that
+a clash raises the same :class:`~fastddp.cluster.ClusterError` on every rank instead of a hang.
 """
 
-import os
+import contextlib
 import socket
+import sys
+import threading
+from collections.abc import Iterator, Mapping
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from fastddp import joining
 from fastddp._version import __version__
-from fastddp.cluster import NODE_ENV, ClusterError
+from fastddp.cluster import NODE_ENV, ClusterError, Setting
 
-__all__ = ["check_ranks"]
+__all__ = ["check_ranks", "said_while_joining"]
 
 
 # FASTDDP_* variables that differ between nodes by design, or that only the launcher reads.
 _PER_NODE = (NODE_ENV, "FASTDDP_PREFLIGHT_TIMEOUT", "FASTDDP_CLUSTER")
 
 
-def _settings_fingerprint() -> dict:
+def said_while_joining(
+    launcher: str, env: Mapping[str, str], settings: Mapping[str, Setting], addr: str, port: int
+) -> contextlib.AbstractContextManager:
+    """Around joining the others: one line on stderr if that takes longer than
+    :data:`fastddp.joining.WAIT_SAY_S`, fit to what started the process.
+
+    A rank that never comes leaves the others waiting in silence until their timeout
+    (10 minutes by default). torchrun's agent reports its own waits: nothing is said there.
+    """
+    rank, world = settings["rank"].value, settings["world_size"].value
+    if launcher == "torchrun":
+        return contextlib.nullcontext()
+    if launcher == "env":
+        return joining.said_while_waiting(rank, world, addr, port)
+    after_s = joining.WAIT_SAY_S
+    head = (
+        f"fastddp.init_distributed: rank {rank} has waited {after_s:g} s for the other "
+        f"{world - 1} rank(s) at {addr}:{port}"
+    )
+    by = f"{settings['rank'].source}={rank}, {settings['world_size'].source}={world}"
+    if launcher == "slurm":
+        step = f"{env.get('SLURM_JOB_ID', '?')}.{env.get('SLURM_STEP_ID', '?')}"
+        text = (
+            f"{head} (srun step {step}: {by}); each task of the step is one rank, and every "
+            "one must call init_distributed. In an interactive `srun --pty` shell a plain "
+            "`python train.py` runs as one task of the shell's step, whose other tasks never "
+            "come: start it with `srun python train.py` from the allocation's shell (salloc, "
+            "sbatch) instead, or in this shell run `python -m fastddp.launch --cluster none "
+            "--nproc-per-node N train.py` (N ranks), or `env -u SLURM_STEP_ID python train.py` "
+            "(one process alone)"
+        )
+    else:
+        text = (
+            f"{head} (mpirun: {by}); every rank of the mpirun must call init_distributed, "
+            "with the same MASTER_ADDR and MASTER_PORT exported to all (mpirun -x MASTER_ADDR "
+            "-x MASTER_PORT ...). In a shell started by mpirun a plain `python train.py` runs "
+            "as one of its ranks, whose others never come: start it with `mpirun ... python "
+            "train.py` instead, or in this shell run `python -m fastddp.launch --cluster none "
+            "--nproc-per-node N train.py` (N ranks)"
+        )
+    return _said_after(after_s, text)
+
+
+@contextlib.contextmanager
+def _said_after(after_s: float, text: str) -> Iterator[None]:
+    """Print ``text`` if the body takes longer than ``after_s`` (as
+    :func:`fastddp.joining.said_while_waiting` does with its own)."""
+
+    def say() -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    timer = threading.Timer(after_s, say)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _settings_fingerprint(env: Mapping[str, str]) -> dict:
     """What must be equal on every rank: fastddp's and torch's versions, FASTDDP_* switches."""
-    switches = {
-        k: v for k, v in os.environ.items() if k.startswith("FASTDDP_") and k not in _PER_NODE
-    }
+    switches = {k: v for k, v in env.items() if k.startswith("FASTDDP_") and k not in _PER_NODE}
     return {"fastddp": __version__, "torch": torch.__version__, "env": switches}
 
 
-def check_ranks(node_rank: Optional[int]) -> tuple[int, int, int]:
+def check_ranks(node_rank: Optional[int], env: Mapping[str, str]) -> tuple[int, int, int]:
     """All-gather nodes and settings; raise the same error on every rank if they clash.
 
     (Two ranks on one GPU are refused before init, by the GPUs' UUIDs:
@@ -37,14 +100,14 @@ def check_ranks(node_rank: Optional[int]) -> tuple[int, int, int]:
 
     Returns ``(local_world_size, node_rank, num_nodes)``. Nodes are the launcher's node ranks
     where known (two network namespaces may share one host name), else ``FASTDDP_NODE_ID``
-    (as for the hooks' topology), else host names.
+    of ``env`` (as for the hooks' topology), else host names.
     """
     host = socket.gethostname()
     mine = {
         "host": host,
-        "node": f"node {node_rank}" if node_rank is not None else os.environ.get(NODE_ENV, host),
-        "settings": _settings_fingerprint(),
-        "given": os.environ.get(NODE_ENV) or None,
+        "node": f"node {node_rank}" if node_rank is not None else env.get(NODE_ENV, host),
+        "settings": _settings_fingerprint(env),
+        "given": env.get(NODE_ENV) or None,
         "node_rank": node_rank,
     }
     world = dist.get_world_size()
