@@ -20,7 +20,7 @@ import torch.distributed as dist
 from fastddp.cluster import ClusterError
 from fastddp.launch.store import MARKER as ROUND_STORE_MARKER
 
-__all__ = ["agree", "said_while_waiting", "store_for"]
+__all__ = ["agree", "said_after", "said_while_waiting", "store_for"]
 
 _KEY = "fastddp/join/"
 # How long rank 0, whose process serves the store, stays for the others to read a failure.
@@ -42,15 +42,21 @@ def said_while_waiting(
     would leave the others waiting in silence until their timeout (10 minutes by default).
     """
     after_s = WAIT_SAY_S if after_s is None else after_s
+    with said_after(
+        after_s,
+        f"fastddp.init_distributed: rank {rank} has waited {after_s:g} s for the other "
+        f"{world - 1} rank(s) at {addr}:{port}; start every rank with the same "
+        "WORLD_SIZE, MASTER_ADDR and MASTER_PORT (and RANK 0 to WORLD_SIZE-1)",
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def said_after(after_s: float, text: str) -> Iterator[None]:
+    """Print ``text`` to stderr once if the body takes longer than ``after_s`` seconds."""
 
     def say() -> None:
-        print(
-            f"fastddp.init_distributed: rank {rank} has waited {after_s:g} s for the other "
-            f"{world - 1} rank(s) at {addr}:{port}; start every rank with the same "
-            "WORLD_SIZE, MASTER_ADDR and MASTER_PORT (and RANK 0 to WORLD_SIZE-1)",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(text, file=sys.stderr, flush=True)
 
     timer = threading.Timer(after_s, say)
     timer.daemon = True

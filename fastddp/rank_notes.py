@@ -7,9 +7,7 @@ a clash raises the same :class:`~fastddp.cluster.ClusterError` on every rank ins
 
 import contextlib
 import socket
-import sys
-import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
@@ -66,24 +64,7 @@ def said_while_joining(
             "train.py` instead, or in this shell run `python -m fastddp.launch --cluster none "
             "--nproc-per-node N train.py` (N ranks)"
         )
-    return _said_after(after_s, text)
-
-
-@contextlib.contextmanager
-def _said_after(after_s: float, text: str) -> Iterator[None]:
-    """Print ``text`` if the body takes longer than ``after_s`` (as
-    :func:`fastddp.joining.said_while_waiting` does with its own)."""
-
-    def say() -> None:
-        print(text, file=sys.stderr, flush=True)
-
-    timer = threading.Timer(after_s, say)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
+    return joining.said_after(after_s, text)
 
 
 def _settings_fingerprint(env: Mapping[str, str]) -> dict:
