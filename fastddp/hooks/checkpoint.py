@@ -24,8 +24,11 @@ from fastddp.hooks.stats import COUNTERS
 
 __all__ = ["STATE_VERSION", "checked", "deferred", "load", "save"]
 
-# Version of the state_dict() layout: 2 adds rank, world_size and per-rank parked pieces.
-STATE_VERSION = 2
+# Version of the state_dict() layout: 2 adds rank, world_size and per-rank parked pieces; 3
+# adds "key_order", the order in which a bucket's new parameters were keyed (earlier versions:
+# first to last), which the keys of residuals and delayed gradients follow.
+STATE_VERSION = 3
+_ORDERS = ("last-to-first", "first-to-last")  # SlotTable.forward False, True
 
 
 def save(state: Any) -> dict[str, Any]:
@@ -51,6 +54,7 @@ def save(state: Any) -> dict[str, Any]:
         "rank": rank,
         "world_size": world,
         "settings": state.settings(),
+        "key_order": _ORDERS[state._table.forward],
         "seed": state.seed,  # stochastic rounding's: a resumed run draws what it would have
         "counters": dict(state._counters),
         "buckets": buckets,
@@ -193,6 +197,7 @@ def load(state: Any, state_dict: dict[str, Any]) -> None:
     if problem:
         raise ValueError(problem)
     state._reset()
+    _key_order(state, state_dict)
     state._counters = {k: int(state_dict["counters"].get(k, 0)) for k in COUNTERS}
     # Only residuals belong to one rank of one world size; counters fit any job.
     if state_dict.get("rank") is not None and holds_residuals(state_dict):
@@ -212,6 +217,29 @@ def load(state: Any, state_dict: dict[str, Any]) -> None:
     layout = state_dict.get("all_reduce")
     if layout is not None:  # all_reduce's first call after the load must be of the same kind
         state._layout = (layout["op"], tuple(layout["sizes"]), int(layout["bucket_elements"]))
+
+
+def _key_order(state: Any, state_dict: dict[str, Any]) -> None:
+    """Key ``state``'s new parameters in the order the saved residuals and delayed gradients
+    were keyed in; refuse them where this state keyed its parameters the other way."""
+    order = state_dict.get("key_order", _ORDERS[1])
+    if order not in _ORDERS:
+        raise ValueError(
+            f"CompressState.load_state_dict: key_order {order!r} is not one of {_ORDERS}: the "
+            "state dict is damaged; load the one state.state_dict() returned, unchanged"
+        )
+    if not holds_residuals(state_dict) and not state_dict.get("delayed"):
+        return  # nothing keyed by parameter
+    forward = order == _ORDERS[1]
+    table = state._table
+    if len(table.param_keys) and table.forward != forward:
+        raise ValueError(
+            "CompressState.load_state_dict: the state dict keys its residuals by parameter in "
+            f"the order {order!r} (an earlier fastddp's), and this state has keyed its "
+            f"parameters {_ORDERS[table.forward]!r} already; load it into a new CompressState "
+            "before the model's first step"
+        )
+    table.forward = forward
 
 
 def _cpu(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -172,30 +172,45 @@ class SlotTable:
     that takes that index next (after a retire or a :meth:`CompressState.load_state_dict`).
     """
 
-    def __init__(self, param_keys: Optional[WeakIdKeyDictionary] = None) -> None:
+    def __init__(
+        self, param_keys: Optional[WeakIdKeyDictionary] = None, forward: bool = False
+    ) -> None:
         self.slots: dict[Any, Slot] = {}
         self.owners: dict[int, Any] = {}  # parameter key -> key of the slot holding it
-        # Keys of parameters in first-seen order (``param_keys``: a previous table's, kept);
-        # weak, so that a new tensor that happens to reuse a dead one's id() never inherits
-        # its key.
+        # Keys of parameters (``param_keys``: a previous table's, kept); weak, so that a new
+        # tensor that happens to reuse a dead one's id() never inherits its key.
         self.param_keys = WeakIdKeyDictionary() if param_keys is None else param_keys
+        # A bucket's new parameters are keyed from its last to its first: DDP's first layout
+        # puts the model's last parameters in bucket 0, each bucket in the model's order, so
+        # a key is the parameter's place counted from the end of the model, whatever
+        # bucket_cap_mb or bucket_cap_mb_list cut the buckets (a resume under other caps
+        # finds its residuals). ``forward``: first to last, as state dicts of version 2 and
+        # earlier keyed them.
+        self.forward = forward
         self.saved: dict[int, dict[str, Any]] = {}
         # Counters loaded for an index already saved: another model's bucket of that index
         # (two models sharing a state), for the next slot that takes it.
         self.queued: dict[int, list[dict[str, Any]]] = {}
 
     def keys_of(self, parameters: list[torch.Tensor]) -> tuple:
+        """``(key, numel)`` of each of ``parameters``, in their order; new ones keyed here."""
         keys = self.param_keys
-        return tuple((keys.setdefault(p, len(keys)), p.numel()) for p in parameters)
+        try:
+            return tuple((keys[p], p.numel()) for p in parameters)
+        except KeyError:
+            for p in parameters if self.forward else reversed(parameters):
+                keys.setdefault(p, len(keys))
+        return tuple((keys[p], p.numel()) for p in parameters)
 
     def identify(self, index: int, buffer: torch.Tensor, parameters, params) -> tuple:
         """The slot key of a bucket and what must match for its slot to be reused."""
         if parameters:  # a DDP bucket: its first parameter names it, model and layout alike
             first = self.param_keys.get(parameters[0])
-            last = self.param_keys.get(parameters[-1])
             if first is None:
                 return ("p", None), None
-            return ("p", first), (last, len(parameters), buffer.numel(), buffer.device)
+            # Every parameter, in order: DDP's rebuild may reorder a bucket's middle alone.
+            # (Identities suffice: the first is alive and known, so these are its model's.)
+            return ("p", first), (tuple(map(id, parameters)), buffer.numel(), buffer.device)
         return ("i", index), (params, buffer.numel(), buffer.device)
 
     def reusable(self, key, signature, index: int) -> Optional[Slot]:

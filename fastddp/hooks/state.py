@@ -182,7 +182,7 @@ class CompressState:
         # Parameters keep their keys: residuals saved by key go back to their own parameters
         # whatever order the buckets come in after a load.
         keys = getattr(self, "_table", None)
-        self._table = SlotTable(keys.param_keys if keys is not None else None)
+        self._table = SlotTable() if keys is None else SlotTable(keys.param_keys, keys.forward)
         self._verified = False
         self._layout: Optional[tuple] = None  # all_reduce's (op, sizes, bucket) at its handshake
         self._shapes: Optional[tuple] = None  # and its tensors' shapes (not saved: checked again)

@@ -778,7 +778,7 @@ def test_candidates_the_plan_does_not_run_are_checked_at_the_first_step(tmp_path
         assert "saved by a job of 2 ranks, and this job has 3" in said, said
         assert "CompressState.reshard(saved, 3)" in said
     for said in run_ranks(_resumed_under_none, 2, tmp_path / "none.pt", False):
-        assert "the error-feedback residual kept for parameter 1 has 24 elements" in said, said
+        assert "the error-feedback residual kept for parameter 2 has 24 elements" in said, said
 
 
 class _HalfTail(torch.nn.Module):

@@ -86,11 +86,11 @@ _needs_bucket_caps = pytest.mark.skipif(
 )
 
 
-def _ddp(module, **kwargs):
+def _ddp(module, cap=0.0015, **kwargs):
     # About one layer per bucket: at least three buckets in either layout.
     if _BUCKET_CAPS:
-        return DDP(module, bucket_cap_mb_list=[0.0015] * 8, **kwargs)
-    return DDP(module, bucket_cap_mb=0.0015, **kwargs)
+        return DDP(module, bucket_cap_mb_list=[cap] * 8, **kwargs)
+    return DDP(module, bucket_cap_mb=cap, **kwargs)
 
 
 def _step(model, gen, opt=None, width=24):
@@ -258,13 +258,15 @@ def _resume_across_layouts(rank, world, settings, nodes=None, one_bucket=False):
     if nodes is not None:  # "nodes" told apart by the override (see test_topology.py)
         os.environ[NODE_ENV] = f"node-{nodes[rank]}"
 
-    def build():
+    def build(cap=0.0015):
         if one_bucket:
             # DDP's first bucket holds the parameters in registration order, its rebuilt one
             # in gradient order: the same here, one parameter a layer run in reverse.
             model = DDP(_Net(depth=5, bias=False), bucket_cap_mb=1000)
         else:
-            model = _ddp(_Net(depth=5))
+            # (a resume under a larger cap: its first buckets hold a layer and a half, which
+            # moves the same-sized weights within and across them)
+            model = _ddp(_Net(depth=5), cap)
         state = fastddp.CompressState(**settings)
         model.register_comm_hook(state, fastddp.compress_hook)
         return model, state, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -283,7 +285,7 @@ def _resume_across_layouts(rank, world, settings, nodes=None, one_bucket=False):
         _step(model, gen, opt)
     want = [p.detach().clone() for p in model.parameters()]
 
-    model, state, opt = build()  # after a restart: the first step uses the initial layout
+    model, state, opt = build(0.004)  # after a restart: the first step uses the initial layout
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
     state.load_state_dict(saved["hook"])
@@ -318,6 +320,103 @@ def test_block_codes_resume_exactly_in_one_bucket(mode, nodes):
     # and of the re-encoded sum) come back to the bit.
     world = 2 if nodes is None else len(nodes)
     run_ranks(_resume_across_layouts, world, preset(mode), nodes, True, timeout=150)
+
+
+class _HeadFirst(nn.Module):
+    """A scale declared first and used last, an input layer declared last and used first:
+    DDP's rebuilt bucket keeps its first and last parameter, their count and the bucket's size,
+    and reverses the middle."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.scale = nn.Parameter(torch.ones(8))
+        self.mid = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 8)
+        self.body = nn.Linear(24, 16, bias=False)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mid(torch.tanh(self.body(x))))) * self.scale
+
+
+def _middle_reordered(rank, world):
+    def build():
+        model = DDP(_HeadFirst(), bucket_cap_mb=1000)
+        state = fastddp.CompressState.from_preset("bf16-acc-ef")
+        model.register_comm_hook(state, fastddp.compress_hook)
+        return model, state, torch.optim.SGD(model.parameters(), lr=0.05)
+
+    model, state, opt = build()
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        _step(model, gen, opt)
+    # The rebuilt bucket's residual is labelled by its own order (a stale slot would keep
+    # the first layout's, and the resume below would put residuals on other parameters).
+    saved = copy.deepcopy(
+        {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}
+    )
+    gen_state = gen.get_state()
+    for _ in range(3):
+        _step(model, gen, opt)
+    want = [p.detach().clone() for p in model.parameters()]
+    model, state, opt = build()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    state.load_state_dict(saved["hook"])
+    gen.set_state(gen_state)
+    for _ in range(3):
+        _step(model, gen, opt)
+    for p, w in zip(model.parameters(), want):
+        assert torch.equal(p, w), f"resumed run differs by {(p - w).abs().max().item():.3e}"
+
+
+@pytest.mark.multiproc
+def test_a_rebuild_that_reorders_a_buckets_middle_gets_a_slot_of_its_order():
+    run_ranks(_middle_reordered, 2, timeout=120)
+
+
+def _keyed_first_to_last(rank, world):
+    def build():
+        model = _ddp(_Net(depth=5))
+        state = fastddp.CompressState.from_preset("bf16-acc-ef")
+        model.register_comm_hook(state, fastddp.compress_hook)
+        return model, state, torch.optim.SGD(model.parameters(), lr=0.05)
+
+    model, state, opt = build()
+    state._table.forward = True  # as fastddp keyed parameters before state dict version 3
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        _step(model, gen, opt)
+    hook = state.state_dict()
+    assert hook.pop("key_order") == "first-to-last"
+    hook["version"] = 2
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "hook": hook})
+    gen_state = gen.get_state()
+    for _ in range(3):
+        _step(model, gen, opt)
+    want = [p.detach().clone() for p in model.parameters()]
+    model, state, opt = build()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    state.load_state_dict(saved["hook"])  # the same layout: keyed as it was saved
+    gen.set_state(gen_state)
+    for _ in range(3):
+        _step(model, gen, opt)
+    for p, w in zip(model.parameters(), want):
+        assert torch.equal(p, w), f"resumed run differs by {(p - w).abs().max().item():.3e}"
+    # A state that has keyed its parameters last to first cannot place the old keys.
+    model, state, opt = build()
+    _step(model, gen, opt)
+    with pytest.warns(UserWarning, match="before the model's first step"):
+        state.load_state_dict(saved["hook"])
+    with pytest.raises(Exception, match="keys its residuals by parameter in the order"):
+        _step(model, gen, opt)
+
+
+@pytest.mark.multiproc
+@_needs_bucket_caps
+def test_state_dicts_of_version_2_keep_their_key_order():
+    run_ranks(_keyed_first_to_last, 2, timeout=120)
 
 
 def _wrong_checkpoints(rank, world):

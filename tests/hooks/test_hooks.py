@@ -479,7 +479,8 @@ def test_a_state_dict_damaged_inside_is_refused():
         (saved(residual=torch.zeros(5)), "bucket entry 0's residual has 5 elements but its "),
         (saved(residual=[0.0] * 8), "bucket entry 0's residual is not a 1-D float32 tensor"),
         (saved(residual=torch.full((8,), float("nan"))), "residual holds non-finite values"),
-        ({**saved(), "version": 3}, "state dict version 3, and this fastddp reads versions 1"),
+        ({**saved(), "version": 4}, "state dict version 4, and this fastddp reads versions 1"),
+        ({**saved(), "key_order": "sideways"}, "key_order 'sideways' is not one of"),
         ({**saved(), "buckets": {1: saved()["buckets"][1]}}, r"bucket entries \[0\] are missing"),
         # Parked residuals (saved between a load and the buckets that take them) are repaid too.
         (parked(stage1={7: torch.tensor([1.0, float("nan")])}), r"carry.stage1\[7\] holds non-f"),
