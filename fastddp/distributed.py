@@ -169,7 +169,7 @@ def init_distributed(
                 launcher, env, addr, port, rank, world, timeout, _joins
             )
             _joins += 1
-            joining.agree(store, rank, world, backend, problem, hint, gpu)
+            joining.agree(store, rank, world, backend, problem, hint, gpu, launcher)
         kwargs = {"store": store}
     if use_cuda:
         device = torch.device("cuda", index)

@@ -188,15 +188,15 @@ def agree(
     problem: Optional[str],
     hint: Optional[str] = None,
     gpu: Optional[tuple[str, str]] = None,
+    launcher: str = "env",
 ) -> None:
     """Post this rank's backend and ``problem`` (None: it can start); wait for every rank.
 
     Raises the same :class:`ClusterError` on every rank if any rank has a problem, the ranks
     chose different backends or were given different ``WORLD_SIZE``, or two ranks' ``gpu``
     (``(uuid, where)``, :func:`fastddp.gpu_choice.gpu_identity`) have one UUID; and a
-    :class:`ClusterError` naming the ranks that never came (and ``hint``, from
-    :func:`store_for`) if the store's timeout runs out first. A collective over the store:
-    every rank calls it once.
+    :class:`ClusterError` naming the ranks that never came (``hint``: :func:`store_for`'s; the
+    advice ``launcher``'s) if the store's timeout runs out first. Every rank calls it once.
     """
     if store.add(f"{_KEY}rank/{rank}", 1) > 1:
         # Posted nothing but this: the job whose store this is goes on without this rank, and
@@ -234,7 +234,7 @@ def agree(
         store.wait([f"{_KEY}all"])
         verdict = store.get(f"{_KEY}all")
     except dist.DistError as e:  # the timeout ran out, or the store's server went away
-        verdict = _gave_up(store, rank, world, time.monotonic() - start, e, hint)
+        verdict = _gave_up(store, rank, world, time.monotonic() - start, e, hint, launcher)
     if verdict != _GO.encode():
         _told(store, rank)
         raise ClusterError(verdict.decode())
@@ -289,9 +289,15 @@ def _gpu_taken(
     return clash if problem is None else f"{problem}; {clash}"
 
 
-def _gave_up(
-    store: dist.Store, rank: int, world: int, waited: float, error: Exception, hint: Optional[str]
-) -> bytes:
+# What a rank that gave up advises. Under srun and mpirun the launcher set every rank's
+# variables: there the advice is about its tasks.
+_TASKS = "every task of the {} must reach init_distributed: look in the output of those that "
+_ADVICE = {k: _TASKS.format(v) + "never came for an error or an exit before it"
+           for k, v in (("slurm", "srun step"), ("mpi", "mpirun job"))}  # fmt: skip
+
+
+def _gave_up(store: dist.Store, rank: int, world: int, waited: float, error: Exception,
+             hint: Optional[str], launcher: str = "env") -> bytes:  # fmt: skip
     """The verdict of a rank whose wait in :func:`agree` failed: ``_GO`` where the roll was
     completed meanwhile, else its reason (which ranks never came), posted as the verdict for
     every rank that came, where the store is still there."""
@@ -317,10 +323,13 @@ def _gave_up(
         who += f", and RANK {', '.join(twice)} was given to two processes (the second raised)"
     if missing and hint:
         who += f"; {hint}"
+    advice = _ADVICE.get(launcher) or (
+        "start every rank with the same WORLD_SIZE, MASTER_ADDR and MASTER_PORT (and RANK 0 to "
+        "WORLD_SIZE-1)"
+    )
     message = (
         f"fastddp.init_distributed: rank {rank} waited {waited:.0f} s for the others, and {who}; "
-        "start every rank with the same WORLD_SIZE, MASTER_ADDR and MASTER_PORT (and RANK 0 to "
-        "WORLD_SIZE-1), or give init_distributed a longer timeout"
+        f"{advice}, or give init_distributed a longer timeout"
     )
     try:
         return store.compare_set(f"{_KEY}all", "", message)

@@ -148,10 +148,9 @@ def _apply_cluster(parser: argparse.ArgumentParser, pre: argparse.Namespace, arg
             "--node-rank, --nproc-per-node or the master on the command line (or read them "
             "with --cluster env)"
         )
-    if kind == "slurm":
-        lines = slurm.check(os.environ, str(nnodes), settings.get("nnodes"), pre.standalone)
-        for line in lines:
-            say(line)
+    nodes = settings.get("nnodes")
+    for line in slurm.check(os.environ, kind, str(nnodes), nodes, pre.standalone):
+        say(line)
     return filled
 
 

@@ -1,7 +1,7 @@
-"""What a launch under Slurm is told before it starts: a refusal, or warnings.
+"""What a launch under Slurm or mpirun is told before it starts: a refusal, or warnings.
 
-A launch of fewer nodes than srun started launchers on is refused: each node past them would
-run a job of its own, or wait for a rendezvous that never takes it. The warnings are for
+A launch of fewer nodes than srun (or mpirun) started launchers on is refused: each node past
+them would run a job of its own, or wait for a rendezvous that never takes it. The warnings are for
 launches that may be meant: a batch script may mean to run one node's launcher, and a
 rendezvous may gather the nodes of several steps. But each, when it is a mistake, waits until
 the rendezvous' timeout without a word, so the launcher says so before it starts.
@@ -22,43 +22,45 @@ def _count(text: str) -> Optional[int]:
 
 
 def check(
-    env: Mapping[str, str], nnodes: str, slurm_nodes: Optional[Setting], standalone: bool = False
+    env: Mapping[str, str],
+    kind: str,
+    nnodes: str,
+    slurm_nodes: Optional[Setting],
+    standalone: bool = False,
 ) -> list[str]:
-    """The lines to print for a launch under Slurm.
+    """The lines to print for a launch under Slurm or mpirun (``kind``; none for others).
 
     Args:
         env: the environment.
+        kind: the cluster kind detected or given (``"slurm"``, ``"mpi"``, ...).
         nnodes: ``--nnodes`` as the launch will take it (given, or from Slurm).
         slurm_nodes: the node count Slurm gives (its variable's text and name), if any.
         standalone: ``--standalone`` was given: one node, whatever Slurm says.
 
     Raises:
-        ClusterError: srun started launchers on more nodes than ``nnodes`` admits.
+        ClusterError: srun or mpirun started launchers on more nodes than ``nnodes`` admits.
     """
     span = node_span(nnodes)
-    if span is None:
+    if span is None or kind not in ("slurm", "mpi"):
         return []
     fewest, most = span
+    if kind == "mpi":
+        # One launcher a node (several are refused unless the command line says all): each
+        # of mpirun's processes is a node to torch.
+        name = next((n for n in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE") if env.get(n)), None)
+        size = _count(env[name]) if name else None
+        if size is None or most >= size:
+            return []
+        started = f"mpirun started {size} launchers ({name}={size})"
+        ask = f"start {most} (mpirun -np {most} --npernode 1)"
+        return _too_few(nnodes, most, started, size, "MPI", ask, standalone)
     out = []
     # Only the step's count: a step may run on fewer nodes than the job has (srun -N1).
     step = _count(env.get("SLURM_STEP_NUM_NODES", "")) if "SLURM_STEP_ID" in env else None
     if step is not None and most < step:
         started = f"srun started launchers on {step} nodes (SLURM_STEP_NUM_NODES={step})"
-        if standalone:
-            out.append(f"--standalone: {started}, and each runs a one-node job of its own")
-        else:
-            fate = (
-                "each would run a job of its own"
-                if most == 1
-                else f"those past {most} would wait for a rendezvous that never takes them"
-            )
-            raise ClusterError(
-                f"--nnodes {nnodes} admits at most {most} node(s), but {started}: {fate}. "
-                f"Give --nnodes {step} (or leave it out: Slurm's count is the default), ask "
-                f"srun for {most} (srun -N {most}), or pass --standalone for a one-node job on "
-                "each node (also in an interactive srun shell, which runs one launcher), or "
-                "--cluster none to read no Slurm variables"
-            )
+        ask = f"ask srun for {most} (srun -N {most})"
+        out += _too_few(nnodes, most, started, step, "Slurm", ask, standalone)
     if "SLURM_STEP_ID" not in env and most > 1:
         out.append(
             "warning: SLURM_STEP_ID is not set, so this launcher is not an srun task: in a "
@@ -80,3 +82,26 @@ def check(
             f"for {fewest} nodes (srun -N {fewest})"
         )
     return out
+
+
+def _too_few(
+    nnodes: str, most: int, started: str, count: int, who: str, ask: str, standalone: bool
+) -> list[str]:
+    """``--standalone``'s line; else the refusal of ``--nnodes`` admitting ``most`` nodes
+    where ``count`` launchers were ``started``."""
+    if standalone:
+        return [f"--standalone: {started}, and each runs a one-node job of its own"]
+    fate = (
+        "each would run a job of its own"
+        if most == 1
+        else f"those past {most} would wait for a rendezvous that never takes them"
+    )
+    shell = ""
+    if who == "Slurm":
+        shell = " (also in an interactive srun shell, which runs one launcher)"
+    raise ClusterError(
+        f"--nnodes {nnodes} admits at most {most} node(s), but {started}: {fate}. Give "
+        f"--nnodes {count} (or leave it out: {who}'s count is the default), {ask}, or pass "
+        f"--standalone for a one-node job on each node{shell}, or --cluster none to read no "
+        f"{who} variables"
+    )

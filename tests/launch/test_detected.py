@@ -155,6 +155,27 @@ def test_fewer_nodes_than_the_slurm_step_started_launchers_on_are_refused(launch
         assert "--node-rank 1 is ignored" not in err, err
 
 
+def test_fewer_nodes_than_mpirun_started_launchers_are_refused(launch):
+    # mpirun -np 4 --npernode 1 ... --nnodes 2: two nodes would wait for a rendezvous that
+    # never takes them, until its timeout.
+    mpi = dict(OMPI_COMM_WORLD_SIZE=4, OMPI_COMM_WORLD_RANK=3, MASTER_ADDR="127.0.0.1")
+    for nnodes, fate in (("1", "each would run a job of its own"),
+                         ("2", "those past 2 would wait")):  # fmt: skip
+        status, err = launch("--nnodes", nnodes, **mpi)
+        assert status == 2, err
+        assert "mpirun started 4 launchers (OMPI_COMM_WORLD_SIZE=4): " + fate in err, err
+        assert "Give --nnodes 4" in err and "mpirun -np " + nnodes in err, err
+        assert "--cluster none to read no MPI variables" in err, err
+        assert "worker command" not in err, err
+    status, err = launch("--nnodes", "1", **{**mpi, "OMPI_COMM_WORLD_SIZE": 1, "PMI_SIZE": 4})
+    assert status == 0, err  # Open MPI's own count first
+    status, err = launch("--standalone", **mpi)
+    assert status == 0 and "--standalone: mpirun started 4 launchers" in err, err
+    for args in (["--nnodes", "4"], ["--nnodes", "2:4"], []):
+        status, err = launch(*args, **mpi)
+        assert status == 0, (args, err)
+
+
 def test_several_launchers_a_node_are_the_users_where_the_command_line_says_all(launch):
     # An interactive srun -N1 -n8 --pty bash, one launcher in it: --standalone, or every
     # setting on the command line, and nothing is read from Slurm or mpirun.

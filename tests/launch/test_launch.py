@@ -238,6 +238,34 @@ def test_every_rank_that_came_names_the_rank_that_never_did(tmp_path):
     assert all(told) and told[0].group(0) == told[1].group(0), outs
 
 
+@pytest.mark.parametrize(
+    "launcher, advice",
+    [
+        ("env", "start every rank with the same WORLD_SIZE, MASTER_ADDR and MASTER_PORT"),
+        ("slurm", "every task of the srun step must reach init_distributed"),
+        ("mpi", "every task of the mpirun job must reach init_distributed"),
+    ],
+)
+def test_a_rank_that_gives_up_advises_for_its_launcher(launcher, advice):
+    # Under srun or mpirun the launcher set WORLD_SIZE and the rest: advice to set them by
+    # hand would send the reader the wrong way.
+    from datetime import timedelta
+
+    from torch import distributed as dist
+
+    from fastddp import joining
+    from fastddp.cluster import ClusterError
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=1))
+    with pytest.raises(ClusterError) as info:
+        joining.agree(store, 0, 2, "gloo", None, launcher=launcher)
+    said = str(info.value)
+    assert "1 of 2 rank(s) never came (1)" in said and advice in said, said
+    if launcher != "env":
+        assert "WORLD_SIZE" not in said, said
+
+
 def test_a_rank_that_gives_up_names_a_rank_given_twice():
     # The join's protocol over a real c10d store, two threads for two processes given RANK 0
     # of 2: the second raises at once; the first, after its timeout, names rank 1 that never
