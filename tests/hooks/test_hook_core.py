@@ -254,6 +254,34 @@ def test_a_rank_local_failure_still_issues_pending_collectives():
     run_ranks(_local_failure, 2, timeout=60)
 
 
+def _resumed(build, rank, steps, saved_state=None, again=None):
+    """Train ``build()``'s model ``steps`` steps, save model, optimizer and hook state (as
+    ``saved_state(state)`` returns it, if given), train ``steps`` more; then build again
+    (``again()``, else ``build()``), load the checkpoint and train the same ``steps``: every
+    parameter must equal the uninterrupted run's. Returns the resumed state and the saved hook
+    state."""
+    model, state, opt = build()
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        _step(model, gen, opt)
+    hook = state.state_dict() if saved_state is None else saved_state(state)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "hook": hook})
+    gen_state = gen.get_state()
+    for _ in range(steps):
+        _step(model, gen, opt)
+    want = [p.detach().clone() for p in model.parameters()]
+    model, state, opt = (again or build)()  # after a restart: the first step's initial layout
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    state.load_state_dict(saved["hook"])
+    gen.set_state(gen_state)
+    for _ in range(steps):
+        _step(model, gen, opt)
+    for p, w in zip(model.parameters(), want):
+        assert torch.equal(p, w), f"resumed run differs by {(p - w).abs().max().item():.3e}"
+    return state, saved["hook"]
+
+
 def _resume_across_layouts(rank, world, settings, nodes=None, one_bucket=False):
     if nodes is not None:  # "nodes" told apart by the override (see test_topology.py)
         os.environ[NODE_ENV] = f"node-{nodes[rank]}"
@@ -271,33 +299,16 @@ def _resume_across_layouts(rank, world, settings, nodes=None, one_bucket=False):
         model.register_comm_hook(state, fastddp.compress_hook)
         return model, state, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
-    model, state, opt = build()
-    gen = torch.Generator().manual_seed(rank)
-    for _ in range(5):
-        _step(model, gen, opt)
-    buckets = len(state.stats()["buckets"])
-    assert buckets == 1 if one_bucket else buckets >= 3
-    saved = copy.deepcopy(
-        {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}
-    )
-    gen_state = gen.get_state()
-    for _ in range(5):
-        _step(model, gen, opt)
-    want = [p.detach().clone() for p in model.parameters()]
+    def saved_state(state):
+        buckets = len(state.stats()["buckets"])
+        assert buckets == 1 if one_bucket else buckets >= 3
+        return state.state_dict()
 
-    model, state, opt = build(0.004)  # after a restart: the first step uses the initial layout
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    state.load_state_dict(saved["hook"])
-    gen.set_state(gen_state)
-    for _ in range(5):
-        _step(model, gen, opt)
+    state, _ = _resumed(build, rank, 5, saved_state, lambda: build(0.004))
     assert state.stats()["parked_residuals"] == 0
     _buckets_add_up(state.stats())
     want_path = "flat" if nodes is None else "hierarchical"
     assert state.stats()["topology_used"] == want_path
-    for p, w in zip(model.parameters(), want):
-        assert torch.equal(p, w), f"resumed run differs by {(p - w).abs().max().item():.3e}"
 
 
 @pytest.mark.multiproc
@@ -346,28 +357,9 @@ def _middle_reordered(rank, world):
         model.register_comm_hook(state, fastddp.compress_hook)
         return model, state, torch.optim.SGD(model.parameters(), lr=0.05)
 
-    model, state, opt = build()
-    gen = torch.Generator().manual_seed(rank)
-    for _ in range(3):
-        _step(model, gen, opt)
-    # The rebuilt bucket's residual is labelled by its own order (a stale slot would keep
-    # the first layout's, and the resume below would put residuals on other parameters).
-    saved = copy.deepcopy(
-        {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}
-    )
-    gen_state = gen.get_state()
-    for _ in range(3):
-        _step(model, gen, opt)
-    want = [p.detach().clone() for p in model.parameters()]
-    model, state, opt = build()
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    state.load_state_dict(saved["hook"])
-    gen.set_state(gen_state)
-    for _ in range(3):
-        _step(model, gen, opt)
-    for p, w in zip(model.parameters(), want):
-        assert torch.equal(p, w), f"resumed run differs by {(p - w).abs().max().item():.3e}"
+    # Saved after DDP's rebuild: the rebuilt bucket's residual is labelled by its own order (a
+    # stale slot kept the first layout's, and the resume put residuals on other parameters).
+    _resumed(build, rank, 3)
 
 
 @pytest.mark.multiproc
@@ -382,33 +374,24 @@ def _keyed_first_to_last(rank, world):
         model.register_comm_hook(state, fastddp.compress_hook)
         return model, state, torch.optim.SGD(model.parameters(), lr=0.05)
 
-    model, state, opt = build()
-    state._table.forward = True  # as fastddp keyed parameters before state dict version 3
-    gen = torch.Generator().manual_seed(rank)
-    for _ in range(3):
-        _step(model, gen, opt)
-    hook = state.state_dict()
-    assert hook.pop("key_order") == "first-to-last"
-    hook["version"] = 2
-    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "hook": hook})
-    gen_state = gen.get_state()
-    for _ in range(3):
-        _step(model, gen, opt)
-    want = [p.detach().clone() for p in model.parameters()]
-    model, state, opt = build()
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    state.load_state_dict(saved["hook"])  # the same layout: keyed as it was saved
-    gen.set_state(gen_state)
-    for _ in range(3):
-        _step(model, gen, opt)
-    for p, w in zip(model.parameters(), want):
-        assert torch.equal(p, w), f"resumed run differs by {(p - w).abs().max().item():.3e}"
+    def first_to_last():
+        model, state, opt = build()
+        state._table.forward = True  # as fastddp keyed parameters before state dict version 3
+        return model, state, opt
+
+    def as_version_2(state):
+        hook = state.state_dict()
+        assert hook.pop("key_order") == "first-to-last"
+        return {**hook, "version": 2}
+
+    # The same layout: keyed as it was saved, the resume is exact.
+    _, saved = _resumed(first_to_last, rank, 3, as_version_2, build)
     # A state that has keyed its parameters last to first cannot place the old keys.
     model, state, opt = build()
+    gen = torch.Generator().manual_seed(rank)
     _step(model, gen, opt)
     with pytest.warns(UserWarning, match="before the model's first step"):
-        state.load_state_dict(saved["hook"])
+        state.load_state_dict(saved)
     with pytest.raises(Exception, match="keys its residuals by parameter in the order"):
         _step(model, gen, opt)
 
