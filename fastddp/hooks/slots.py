@@ -164,6 +164,10 @@ class Slot:
         self.node_recv = self.node_sum = self.gathered = None
 
 
+# Dtypes other than float32 that DDP parameters may have, each with keys of its own.
+_OTHER_DTYPES = (torch.float16, torch.bfloat16, torch.float64, torch.complex64, torch.complex128)
+
+
 class SlotTable:
     """The slots of one state by bucket key, and which slot holds each parameter.
 
@@ -180,12 +184,13 @@ class SlotTable:
         # Keys of parameters (``param_keys``: a previous table's, kept); weak, so that a new
         # tensor that happens to reuse a dead one's id() never inherits its key.
         self.param_keys = WeakIdKeyDictionary() if param_keys is None else param_keys
-        # A bucket's new parameters are keyed from its last to its first: DDP's first layout
-        # puts the model's last parameters in bucket 0, each bucket in the model's order, so
-        # a key is the parameter's place counted from the end of the model, whatever
-        # bucket_cap_mb or bucket_cap_mb_list cut the buckets (a resume under other caps
-        # finds its residuals). ``forward``: first to last, as state dicts of version 2 and
-        # earlier keyed them.
+        # A bucket's new parameters are keyed from its last to its first, each dtype apart:
+        # DDP's first layout gives each dtype buckets of its own, puts the last parameters of
+        # a dtype in its first bucket, and each bucket in the model's order, so a key is the
+        # parameter's place counted from the end of the model's parameters of its dtype,
+        # whatever bucket_cap_mb or bucket_cap_mb_list cut (a resume under other caps finds
+        # its residuals). ``forward``: first to last, one count for all, as state dicts of
+        # version 2 and earlier keyed them.
         self.forward = forward
         self.saved: dict[int, dict[str, Any]] = {}
         # Counters loaded for an index already saved: another model's bucket of that index
@@ -198,9 +203,30 @@ class SlotTable:
         try:
             return tuple((keys[p], p.numel()) for p in parameters)
         except KeyError:
-            for p in parameters if self.forward else reversed(parameters):
-                keys.setdefault(p, len(keys))
+            if self.forward:
+                for p in parameters:
+                    keys.setdefault(p, len(keys))
+            else:
+                self._key_by_dtype(reversed(parameters))
         return tuple((keys[p], p.numel()) for p in parameters)
+
+    def _key_by_dtype(self, parameters) -> None:
+        # float32 parameters (the only ones with residuals) count 0, 1, ...; each other dtype
+        # counts apart, in negative keys. Counted among live parameters: a state moved to a
+        # new model (the old one gone) keys it as it keyed the old one.
+        counts: dict[torch.dtype, int] = {}
+        for p in self.param_keys:
+            counts[p.dtype] = counts.get(p.dtype, 0) + 1
+        for p in parameters:
+            if p in self.param_keys:
+                continue
+            n = counts.get(p.dtype, 0)
+            counts[p.dtype] = n + 1
+            if p.dtype == torch.float32:
+                self.param_keys[p] = n
+            else:
+                code = _OTHER_DTYPES.index(p.dtype) if p.dtype in _OTHER_DTYPES else 15
+                self.param_keys[p] = -1 - (16 * n + code)
 
     def identify(self, index: int, buffer: torch.Tensor, parameters, params) -> tuple:
         """The slot key of a bucket and what must match for its slot to be reused."""

@@ -367,6 +367,41 @@ def test_a_rebuild_that_reorders_a_buckets_middle_gets_a_slot_of_its_order():
     run_ranks(_middle_reordered, 2, timeout=120)
 
 
+class _Mixed(nn.Module):
+    """A bfloat16 layer between two float32 ones: DDP lays each dtype out apart, and a cap
+    that cuts every parameter a bucket of its own interleaves them otherwise."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.mid, self.last = (nn.Linear(24, 24) for _ in range(3))
+        self.mid.bfloat16()
+
+    def forward(self, x):
+        x = torch.tanh(self.last(x))
+        return self.first(torch.tanh(self.mid(x.bfloat16())).float())
+
+
+def _mixed_dtypes(rank, world, settings):
+    def build(caps=None):
+        # The first layout: a bucket a dtype, or a bucket a parameter (about)
+        model = DDP(_Mixed()) if caps is None else DDP(_Mixed(), bucket_cap_mb_list=caps)
+        state = fastddp.CompressState(**settings)
+        model.register_comm_hook(state, fastddp.compress_hook)
+        return model, state, torch.optim.SGD(model.parameters(), lr=0.05)
+
+    state, _ = _resumed(build, rank, 3, again=lambda: build([0.0001] * 8))
+    assert state.stats()["parked_residuals"] == 0
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("delay", [0, 1])
+@_needs_bucket_caps
+def test_a_model_of_two_dtypes_resumes_under_other_caps(delay):
+    # With delay=1 the bfloat16 gradients wait by parameter too.
+    run_ranks(_mixed_dtypes, 2, {**preset("bf16-acc-ef"), "delay": delay}, timeout=120)
+
+
 def _keyed_first_to_last(rank, world):
     def build():
         model = _ddp(_Net(depth=5))
