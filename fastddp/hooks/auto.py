@@ -140,6 +140,14 @@ class AutoState(PlanSteps, CompressState):
             future = allreduce_hook(self.process_group, bucket)
         else:
             future = compress_hook(state, bucket)
+        if bucket.is_last() and not isinstance(self._using, str):
+            # Under a mode per bucket the bucket DDP marks last reaches one candidate only: the
+            # others' pending stages would wait for the end of the backward pass, which a rank
+            # out of inputs under DDP's Join (its hook run outside autograd, then each future
+            # waited on) never reaches. Finish them here, on every rank alike.
+            for other in self._states.values():
+                if other is not state:
+                    other.flush()
         record.began.append(began)
         record.held.setdefault(mode, set()).update(k for k, _ in keys)
         if record.kind is not None:  # a measured step: what the per-bucket model needs
