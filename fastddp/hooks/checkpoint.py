@@ -228,18 +228,20 @@ def _key_order(state: Any, state_dict: dict[str, Any]) -> None:
             f"CompressState.load_state_dict: key_order {order!r} is not one of {_ORDERS}: the "
             "state dict is damaged; load the one state.state_dict() returned, unchanged"
         )
-    if not holds_residuals(state_dict) and not state_dict.get("delayed"):
-        return  # nothing keyed by parameter
     forward = order == _ORDERS[1]
     table = state._table
-    if len(table.param_keys) and table.forward != forward:
+    keyed = holds_residuals(state_dict) or bool(state_dict.get("delayed"))
+    if len(table.param_keys) and table.forward != forward and keyed:
         raise ValueError(
             "CompressState.load_state_dict: the state dict keys its residuals by parameter in "
             f"the order {order!r} (an earlier fastddp's), and this state has keyed its "
             f"parameters {_ORDERS[table.forward]!r} already; load it into a new CompressState "
             "before the model's first step"
         )
-    table.forward = forward
+    if not len(table.param_keys):
+        # (also without residuals: dtype="auto"'s candidates name parameters alike, by the
+        # first's table, which may hold none)
+        table.forward = forward
 
 
 def _cpu(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

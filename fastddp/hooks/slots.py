@@ -168,6 +168,14 @@ class Slot:
 _OTHER_DTYPES = (torch.float16, torch.bfloat16, torch.float64, torch.complex64, torch.complex128)
 
 
+def _key(kind: Optional[torch.dtype], n: int) -> int:
+    """The ``n``-th key of parameters of dtype ``kind`` (None: of any dtype)."""
+    if kind is None or kind == torch.float32:
+        return n
+    code = _OTHER_DTYPES.index(kind) if kind in _OTHER_DTYPES else 15
+    return -1 - (16 * n + code)
+
+
 class SlotTable:
     """The slots of one state by bucket key, and which slot holds each parameter.
 
@@ -203,30 +211,28 @@ class SlotTable:
         try:
             return tuple((keys[p], p.numel()) for p in parameters)
         except KeyError:
-            if self.forward:
-                for p in parameters:
-                    keys.setdefault(p, len(keys))
-            else:
-                self._key_by_dtype(reversed(parameters))
+            self._key_new(parameters if self.forward else reversed(parameters))
         return tuple((keys[p], p.numel()) for p in parameters)
 
-    def _key_by_dtype(self, parameters) -> None:
-        # float32 parameters (the only ones with residuals) count 0, 1, ...; each other dtype
-        # counts apart, in negative keys. Counted among live parameters: a state moved to a
-        # new model (the old one gone) keys it as it keyed the old one.
-        counts: dict[torch.dtype, int] = {}
-        for p in self.param_keys:
-            counts[p.dtype] = counts.get(p.dtype, 0) + 1
+    def _key_new(self, parameters) -> None:
+        # Each new parameter takes the smallest key of its kind that no live parameter holds:
+        # a state moved to a new model (the old one gone) keys it as it keyed the old one, and
+        # a layer replaced (a new head) takes the keys its old one held, never a live one's.
+        # float32 parameters (the only ones with residuals) are keyed 0, 1, ...; each other
+        # dtype apart, in negative keys (``forward``: one count for all, as before version 3).
+        keys = self.param_keys
+        held = set(keys.values())
+        counts: dict[Optional[torch.dtype], int] = {}
         for p in parameters:
-            if p in self.param_keys:
+            if p in keys:
                 continue
-            n = counts.get(p.dtype, 0)
-            counts[p.dtype] = n + 1
-            if p.dtype == torch.float32:
-                self.param_keys[p] = n
-            else:
-                code = _OTHER_DTYPES.index(p.dtype) if p.dtype in _OTHER_DTYPES else 15
-                self.param_keys[p] = -1 - (16 * n + code)
+            kind = None if self.forward else p.dtype
+            n = counts.get(kind, 0)
+            while (key := _key(kind, n)) in held:
+                n += 1
+            counts[kind] = n + 1
+            keys[p] = key
+            held.add(key)
 
     def identify(self, index: int, buffer: torch.Tensor, parameters, params) -> tuple:
         """The slot key of a bucket and what must match for its slot to be reused."""

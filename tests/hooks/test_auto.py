@@ -781,6 +781,38 @@ def test_candidates_the_plan_does_not_run_are_checked_at_the_first_step(tmp_path
         assert "the error-feedback residual kept for parameter 2 has 24 elements" in said, said
 
 
+def _version_2(rank, world):
+    # A state dict of an earlier fastddp: every candidate keyed its parameters first to last.
+    # Each candidate's table takes that order on load, also bf16's, which holds no residuals
+    # and names the parameters for all (its keys checked int8-ef's residuals against others).
+    def build():
+        model = DDP(_Net(), bucket_cap_mb=0.002)
+        state = fastddp.CompressState(dtype="auto", allow=["bf16", "int8-ef"])
+        model.register_comm_hook(state, fastddp.compress_hook)
+        return model, state
+
+    model, state = build()
+    for candidate in state._states.values():
+        candidate._table.forward = True
+    _train(model, 4, rank)
+    saved = state.state_dict()
+    assert any(
+        b["residual"] is not None for b in saved["candidates"]["int8-ef"]["buckets"].values()
+    )
+    for candidate in saved["candidates"].values():
+        assert candidate.pop("key_order") == "first-to-last"
+        candidate["version"] = 2
+    model, state = build()
+    state.load_state_dict(saved)
+    _train(model, 3, rank + 1)
+    return {n: c.stats()["parked_residuals"] for n, c in state._states.items()}
+
+
+@pytest.mark.multiproc
+def test_a_version_2_state_dict_keys_every_candidate_alike():
+    assert run_ranks(_version_2, 2) == [{"bf16": 0, "int8-ef": 0}] * 2
+
+
 class _HalfTail(torch.nn.Module):
     # An fp32 layer, then a bf16 one: DDP gives the bf16 gradients a bucket of their own.
     def __init__(self):

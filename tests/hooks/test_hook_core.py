@@ -402,6 +402,33 @@ def test_a_model_of_two_dtypes_resumes_under_other_caps(delay):
     run_ranks(_mixed_dtypes, 2, {**preset("bf16-acc-ef"), "delay": delay}, timeout=120)
 
 
+def _head_replaced(rank, world):
+    # Fine-tuning: a new head on the trained body, the same state. The new head takes the keys
+    # the old one held, never the live body's (which it took, keyed last to first by a count
+    # of the live parameters: a size error, or, of one size, residuals shared).
+    for width in (8, 16):
+        torch.manual_seed(0)
+        model = nn.Sequential()
+        model.body, model.head = nn.Linear(16, 16), nn.Linear(16, width)
+        state = fastddp.CompressState.from_preset("bf16-acc-ef")
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(2):  # the model, then the model with its new head
+            ddp = DDP(model)
+            ddp.register_comm_hook(state, fastddp.compress_hook)
+            for _ in range(2):
+                _step(ddp, gen, width=16)
+            keys = [state._table.param_keys[p] for p in model.parameters()]
+            assert keys == [3, 2, 1, 0], keys  # counted from the model's end, every time
+            del ddp
+            model.head = nn.Linear(16, width)
+        assert state.stats()["parked_residuals"] == 0
+
+
+@pytest.mark.multiproc
+def test_a_new_head_on_a_trained_body_takes_keys_of_its_own():
+    run_ranks(_head_replaced, 2)
+
+
 def _keyed_first_to_last(rank, world):
     def build():
         model = _ddp(_Net(depth=5))
