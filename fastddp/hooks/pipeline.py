@@ -303,6 +303,12 @@ class Pipeline:
         task = torch._C._current_graph_task_id()
         if task == -1 or task == self._graph_task:
             return
+        if torch._C._current_autograd_node() is None:
+            # Called from a callback at the end of the backward pass: DDP's first iteration
+            # with static_graph=True reduces every bucket there (each named bucket 0, none
+            # marked last), then waits for their futures, before any callback queued now.
+            self.flush()
+            return
         self._graph_task = task
         Variable._execution_engine.queue_callback(self._end_of_backward)
 

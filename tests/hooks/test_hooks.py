@@ -17,6 +17,7 @@ from fastddp.hooks import _reduce
 from fastddp.hooks.presets import PRESETS, preset
 
 from .._dist import run_ranks
+from .test_hook_core import _needs_bucket_caps
 
 # Odd parameter sizes, so that every bucket has an odd length.
 IN, HIDDEN, OUT = 36, 53, 5
@@ -77,9 +78,11 @@ def _emulate(local, settings, world):
     return acc.to(dtype).float()
 
 
-def _matches_plain_ddp(rank, world, settings, as_view, static_graph):
+def _matches_plain_ddp(rank, world, settings, as_view, static_graph, first_buckets=False):
     base = _model()
     kwargs = dict(bucket_cap_mb=0.01, gradient_as_bucket_view=as_view, static_graph=static_graph)
+    if first_buckets:  # several buckets from the first step on, not one
+        kwargs["bucket_cap_mb_list"] = [kwargs.pop("bucket_cap_mb")] * 8
     plain = DDP(copy.deepcopy(base), **kwargs)
     hooked = DDP(copy.deepcopy(base), **kwargs)
     local = copy.deepcopy(base)
@@ -144,6 +147,16 @@ def test_matches_plain_ddp(world, mode):
 @pytest.mark.parametrize("mode", ["bf16", "bf16-acc", "int8-ef+sr"])
 def test_matches_plain_ddp_bucket_modes(mode, as_view, static_graph):
     run_ranks(_matches_plain_ddp, 2, MODES[mode], as_view, static_graph)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("mode", ["bf16", "int8-ef+sr"])
+@_needs_bucket_caps
+def test_static_graph_with_several_first_buckets(mode):
+    # DDP's first iteration with static_graph reduces every bucket in a callback at the end of
+    # the backward pass, each named bucket 0 and none marked last, and then waits for their
+    # futures: the hook finishes each there, or DDP waits for good.
+    run_ranks(_matches_plain_ddp, 2, MODES[mode], False, True, True)
 
 
 def _sum_over_steps(rank, world, settings):
