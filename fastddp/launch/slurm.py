@@ -34,7 +34,8 @@ def check(
         env: the environment.
         kind: the cluster kind detected or given (``"slurm"``, ``"mpi"``, ...).
         nnodes: ``--nnodes`` as the launch will take it (given, or from Slurm).
-        slurm_nodes: the node count Slurm gives (its variable's text and name), if any.
+        slurm_nodes: the node count Slurm (or mpirun) gives (its variable's text and name),
+            if any.
         standalone: ``--standalone`` was given: one node, whatever Slurm says.
 
     Raises:
@@ -46,12 +47,11 @@ def check(
     fewest, most = span
     if kind == "mpi":
         # One launcher a node (several are refused unless the command line says all): each
-        # of mpirun's processes is a node to torch.
-        name = next((n for n in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE") if env.get(n)), None)
-        size = _count(env[name]) if name else None
+        # of mpirun's processes is a node to torch, counted in the detected node count.
+        size = _count(str(slurm_nodes.value)) if slurm_nodes else None
         if size is None or most >= size:
             return []
-        started = f"mpirun started {size} launchers ({name}={size})"
+        started = f"mpirun started {size} launchers ({slurm_nodes.source}={size})"
         ask = f"start {most} (mpirun -np {most} --npernode 1)"
         return _too_few(nnodes, most, started, size, "MPI", ask, standalone)
     out = []
