@@ -109,6 +109,15 @@ class Kernel:
                     found.append((int(targets[-1], 16), address))
         return found
 
+    def loop_sizes(self) -> list[int]:
+        """The instructions of each loop, its branch back included: a loop's cost per pass (the
+        branch to itself that ends a kernel's code left out)."""
+        return [
+            sum(lo <= address <= hi for address, _, _ in self.instructions)
+            for lo, hi in self.loops()
+            if lo < hi
+        ]
+
     def local(self) -> dict[str, int]:
         """How many of each local-memory load and store (``LDL``, ``STL``) the kernel has."""
         counts: dict[str, int] = {}
@@ -216,6 +225,9 @@ def judge(kernel: Kernel, vector=VECTOR, exempt=None) -> Verdict:
     lines = [
         f"128-bit in loops: {listed(True, True)}",
         f"narrower in loops: {listed(True, False)}",
+        # For a reader comparing builds: a kernel short of memory speed with few bytes a
+        # pass may be short of issue slots (dequantize's rows loop: benchmarks/results/gpu.md).
+        "instructions a loop: " + (", ".join(map(str, kernel.loop_sizes())) or "no loop"),
     ]
     wide_in_loop = {op.split(".")[0] for (op, loop) in counts if loop and width(op) == 128}
     local = kernel.local()

@@ -581,11 +581,47 @@ __device__ __forceinline__ uint32_t load_own_piece(const uint8_t* at) {
   }
 }
 
+// kN rows of dequantize_whole_step from row p on: their codes and scales all loaded before any
+// is added. q and scale[u] are the lane's codes and its chunks' scales in row 0; row p's lie
+// p strides on, an offset the same for every lane, so that each load costs one 64-bit add
+// (indices scaled per load took four instructions a load, as many as a code's arithmetic).
+template <int kBits, int kN>
+__device__ __forceinline__ void dequantize_rows(
+    const uint8_t* q, const float* const (&scale)[kDequantUnroll], const Int8Rows& rows,
+    int64_t p, float (&acc)[kDequantUnroll][kChunk]) {
+  using P = Pieces<kBits>;
+  constexpr int kU = kDequantUnroll;
+  uint32_t piece[kN][kU];
+  float step[kN][kU];
+  FASTDDP_UNROLL
+  for (int r = 0; r < kN; ++r) {
+    const uint8_t* row_q = q + (p + r) * rows.q_stride;
+    const int64_t row_s = (p + r) * rows.s_stride;
+    FASTDDP_UNROLL
+    for (int u = 0; u < kU; ++u) {
+      piece[r][u] = load_own_piece<kBits>(row_q + u * 32 * P::kBytes);
+      step[r][u] = scale[u][row_s];
+    }
+  }
+  FASTDDP_UNROLL
+  for (int r = 0; r < kN; ++r) {
+    FASTDDP_UNROLL
+    for (int u = 0; u < kU; ++u) {
+      FASTDDP_UNROLL
+      for (int j = 0; j < kChunk; ++j) {
+        const float term = math::mul(piece_code<kBits>(piece[r][u], j), step[r][u]);
+        acc[u][j] = p + r == 0 ? term : math::add(acc[u][j], term);
+      }
+    }
+  }
+}
+
 // A step of dequantize where every chunk of the warp's kDequantUnroll runs of 32 is whole and
 // every row starts 16-byte aligned, so that a chunk's group of lanes holds 16 bytes of codes of
 // one row: no branch. The lane's piece lies at the same place in each of its groups (they are
 // 32 chunks apart), and a chunk's block is the same in every row; kDequantRows rows' codes and
-// scales are in flight together.
+// scales are in flight together, and the rows past the last multiple of kDequantRows one by
+// one.
 template <int kBits>
 __device__ __forceinline__ void dequantize_whole_step(
     const Int8Source& s, const Codes& codes, int64_t first, float* __restrict__ dst, float scale) {
@@ -593,47 +629,20 @@ __device__ __forceinline__ void dequantize_whole_step(
   constexpr int kU = kDequantUnroll;
   constexpr int kR = kDequantRows<kBits>;
   const int lane = lane_index();
-  const int byte = (lane & (P::kGroup - 1)) * P::kBytes;
-  // Where the lane's first group starts in a row; its u-th lies u * 16 * kBits bytes on.
-  const int64_t group0 = (first + (lane & ~(P::kGroup - 1))) * P::kBytes;
-  int64_t block[kU];
+  const auto* q = reinterpret_cast<const uint8_t*>(s.q) + (first + lane) * P::kBytes;
+  const float* scales[kU];
   FASTDDP_UNROLL
   for (int u = 0; u < kU; ++u) {
-    block[u] = codes.by_block.div((first + 32 * u + lane) * kChunk);
+    scales[u] = s.scales + codes.by_block.div((first + 32 * u + lane) * kChunk);
   }
-  const auto* q = reinterpret_cast<const uint8_t*>(s.q) + group0;
-  const float* scales = s.scales;
   const int64_t rows = s.rows.rows;
   float acc[kU][kChunk];
-  for (int64_t p0 = 0; p0 < rows; p0 += kR) {
-    // Past the last row a lane loads the last row again (no branch before the loads) and adds
-    // nothing of it.
-    uint32_t piece[kR][kU];
-    float step[kR][kU];
-    FASTDDP_UNROLL
-    for (int r = 0; r < kR; ++r) {
-      const int64_t p = p0 + r < rows ? p0 + r : rows - 1;
-      const uint8_t* row_q = q + p * s.rows.q_stride;
-      const float* row_s = scales + p * s.rows.s_stride;
-      FASTDDP_UNROLL
-      for (int u = 0; u < kU; ++u) {
-        piece[r][u] = load_own_piece<kBits>(row_q + byte + u * 32 * P::kBytes);
-        step[r][u] = row_s[block[u]];
-      }
-    }
-    FASTDDP_UNROLL
-    for (int r = 0; r < kR; ++r) {
-      if (p0 + r < rows) {
-        FASTDDP_UNROLL
-        for (int u = 0; u < kU; ++u) {
-          FASTDDP_UNROLL
-          for (int j = 0; j < kChunk; ++j) {
-            const float term = math::mul(piece_code<kBits>(piece[r][u], j), step[r][u]);
-            acc[u][j] = p0 + r == 0 ? term : math::add(acc[u][j], term);
-          }
-        }
-      }
-    }
+  int64_t p = 0;
+  for (; p + kR <= rows; p += kR) {
+    dequantize_rows<kBits, kR>(q, scales, s.rows, p, acc);
+  }
+  for (; p < rows; ++p) {
+    dequantize_rows<kBits, 1>(q, scales, s.rows, p, acc);
   }
   FASTDDP_UNROLL
   for (int u = 0; u < kU; ++u) {

@@ -65,6 +65,8 @@ def _verdict(body, name=KERNEL):
 def test_a_loop_with_16_byte_loads_and_stores_passes():
     v = _verdict(WIDE)
     assert v.ok and v.kernel == "decompress_kernel<kBf16>", v.lines
+    # Each loop's length is reported; the branch to itself that ends the code is no loop.
+    assert "instructions a loop: 4" in v.lines, v.lines
 
 
 @pytest.mark.parametrize(
