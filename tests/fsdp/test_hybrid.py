@@ -219,6 +219,13 @@ def test_node_mesh_and_bad_inputs():
     run_ranks(_mesh_and_errors, 4, timeout=180)
 
 
+@pytest.mark.timeout(60)
+def test_node_mesh_before_a_group_says_to_make_one():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"not initialised; call init_process_group \(or"):
+        fastddp.fsdp.node_mesh()
+
+
 def _raised(run) -> str:
     with pytest.raises((TypeError, ValueError)) as error:
         run()

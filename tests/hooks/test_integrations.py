@@ -174,6 +174,8 @@ def test_fastddp_strategy_refuses_hook_arguments():
     # The hook's settings, which DDPStrategy would hand DDP, to fail in every process.
     with pytest.raises(TypeError, match="dtype, error_feedback are the hook's settings; give"):
         FastDDPStrategy(dtype="int8", error_feedback=True)
+    with pytest.raises(TypeError, match="resume_hook_state must be True or False, got 'yes'"):
+        FastDDPStrategy(resume_hook_state="yes")
     # Trainer(strategy="fastddp") once the module is imported.
     from lightning.pytorch.strategies import StrategyRegistry
 
