@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         "$FASTDDP_PREFLIGHT_TIMEOUT); a refused connection (the host answers, node 0's "
         "launcher not yet) is waited for up to 300 s",
     )
+    options.torchruns_first(parser, group)
     return parser
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "node_span",
     "normalise",
     "script_apart",
+    "torchruns_first",
 ]
 
 DEFAULT_RDZV_PORT = 29400  # torchrun's, for an endpoint without a port
@@ -162,11 +163,13 @@ def _check_backend(backend: str) -> None:
 
 def _check_script(args: argparse.Namespace) -> None:
     """A script that is not there: refused before any worker starts (each would fail alone,
-    and ``--max-restarts`` would start them again); a dry run says so and goes on."""
+    and ``--max-restarts`` would start them again); a dry run says so and goes on. What Python
+    runs is taken: a file (a zip archive too), or a directory that holds ``__main__.py``."""
     script = args.training_script
-    if args.module or args.no_python or os.path.isfile(script):
+    runnable = os.path.isfile(script) or os.path.isfile(os.path.join(script, "__main__.py"))
+    if args.module or args.no_python or runnable:
         return
-    what = "is a directory" if os.path.isdir(script) else "does not exist"
+    what = "is a directory without __main__.py" if os.path.isdir(script) else "does not exist"
     message = (
         f"the training script {script} {what} (in {os.getcwd()}); give the path of a Python "
         "file, -m for a module, or --no-python for a program"
@@ -174,6 +177,25 @@ def _check_script(args: argparse.Namespace) -> None:
     if not args.dry_run:
         raise LaunchError(message)
     print(f"fastddp.launch: warning: {message}", file=sys.stderr, flush=True)
+
+
+class _TorchrunsFirst(argparse.ArgumentParser):
+    """torchrun's parser, where an abbreviation torchrun takes keeps its meaning: ``--no-p`` is
+    its ``--no-python``, and would be ambiguous with ``--no-preflight`` (of ``ours``) here."""
+
+    ours: frozenset = frozenset()
+
+    def _get_option_tuples(self, option_string):
+        found = super()._get_option_tuples(option_string)
+        theirs = [match for match in found if match[0] not in self.ours]
+        return theirs if len(found) > 1 and theirs else found
+
+
+def torchruns_first(parser: argparse.ArgumentParser, ours) -> None:
+    """Read an abbreviation that matches torchrun's options and those of the group ``ours`` as
+    torchrun's (its parser's class changed in place: copies of it keep the rule)."""
+    parser.__class__ = _TorchrunsFirst
+    parser.ours = frozenset(ours._group_actions)
 
 
 class _Unparsed(Exception):

@@ -281,3 +281,26 @@ def test_a_program_that_is_not_a_store_fails_the_store_check(impostor, why, monk
         in message
     ), message
     assert "Another program holds that port, or the port is wrong" in message, message
+
+
+def test_torchruns_abbreviations_keep_their_meaning():
+    # "--no-p" is torchrun's --no-python; beside --no-preflight it was refused as ambiguous.
+    parser = cli.build_parser()
+    for given in ("--no-p", "--no-"):
+        args = parser.parse_args([given, "prog"])
+        assert args.no_python and not args.no_preflight, given
+    assert parser.parse_args(["--no-pre", "train.py"]).no_preflight
+
+
+def test_a_directory_python_runs_is_a_training_script(tmp_path, capsys, monkeypatch):
+    # python runs a directory that holds __main__.py, as torchrun's workers do; one without
+    # it is named as such.
+    monkeypatch.delenv(options.PREFLIGHT_TIMEOUT_VAR, raising=False)
+    package = tmp_path / "job"
+    package.mkdir()
+    line = ["--dry-run", "--cluster", "none", "--standalone", str(package)]
+    assert cli.main(line) == 0
+    assert f"{package} is a directory without __main__.py" in capsys.readouterr().err
+    (package / "__main__.py").write_text("print('trained')\n")
+    assert cli.main(line) == 0
+    assert "warning" not in capsys.readouterr().err
