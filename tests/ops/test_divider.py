@@ -1,7 +1,7 @@
 """fastddp::Divider (csrc/include/fastddp/layout.h): the kernels' n / d without a division.
 
 The header is compiled with g++ into a small program that compares ``Divider::of(d).div(n)``
-with ``n / d`` for every divisor up to 4096 against every dividend up to 65536 and the
+(and ``div_small(n)``, for dividends and divisors below 2^32) with ``n / d`` for every divisor up to 4096 against every dividend up to 65536 and the
 dividends around each multiple of d near 2^31 and 2^32, and for random divisors up to 2^32
 (and a few beyond, which take the plain division) against random dividends and those around
 their multiples and the largest below 2^32. The kernels and the emulator run the same code.
@@ -32,6 +32,15 @@ static void check(const fastddp::Divider& v, int64_t n) {
   if (v.div(n) != n / v.d && failures++ < 5) {
     std::printf("wrong: %lld / %lld gives %lld\n", (long long)n, (long long)v.d,
                 (long long)v.div(n));
+  }
+  // div_small, where it applies: the same quotient without div's test of n.
+  if (n < (int64_t{1} << 32) && v.d < (int64_t{1} << 32)) {
+    ++checked;
+    const int64_t q = v.div_small(static_cast<uint32_t>(n));
+    if (q != n / v.d && failures++ < 5) {
+      std::printf("wrong: div_small %lld / %lld gives %lld\n", (long long)n, (long long)v.d,
+                  (long long)q);
+    }
   }
 }
 

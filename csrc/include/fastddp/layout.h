@@ -54,6 +54,14 @@ struct Divider {
     }
     return n / d;
   }
+
+  // div for 0 <= n < 2^32 and a divisor below 2^32 (of the ops' blocks, at most 2^20): the
+  // multiply, the add and the shift of div, without its test of n and its call, which cost a
+  // branch and a dozen instructions where a kernel divides each of a lane's chunks.
+  FASTDDP_HD int64_t div_small(uint32_t n) const {
+    const uint64_t u = n;
+    return static_cast<int64_t>((((u * magic) >> 32) + u) >> shift);
+  }
 };
 
 FASTDDP_HD int64_t blocks_of(int64_t n, int64_t block) {
