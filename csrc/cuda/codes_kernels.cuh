@@ -635,10 +635,17 @@ __device__ __forceinline__ void dequantize_whole_step(
   constexpr int kR = kDequantRows<kBits>;
   const int lane = lane_index();
   const auto* q = reinterpret_cast<const uint8_t*>(s.q) + (first + lane) * P::kBytes;
+  // The block of the lane's first chunk, then of each next one from its place in that block
+  // (as unpack_whole_step's). Not for int8: sm_90's code then took 72 registers, not 64,
+  // which leaves 3 blocks a multiprocessor, not 4.
+  const int64_t e = (first + lane) * kChunk;
+  const int64_t b = codes.by_block.div(e);
+  const auto at_b = static_cast<uint32_t>(e - b * codes.by_block.d);
   const float* scales[kU];
   FASTDDP_UNROLL
   for (int u = 0; u < kU; ++u) {
-    scales[u] = s.scales + codes.by_block.div((first + 32 * u + lane) * kChunk);
+    scales[u] = s.scales + (kBits == 8 ? codes.by_block.div(e + 32 * u * kChunk)
+                                       : b + codes.by_block.div_small(at_b + 32 * u * kChunk));
   }
   const int64_t rows = s.rows.rows;
   float acc[kU][kChunk];
