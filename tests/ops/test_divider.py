@@ -1,10 +1,11 @@
 """fastddp::Divider (csrc/include/fastddp/layout.h): the kernels' n / d without a division.
 
 The header is compiled with g++ into a small program that compares ``Divider::of(d).div(n)``
-(and ``div_small(n)``, for dividends and divisors below 2^32) with ``n / d`` for every divisor up to 4096 against every dividend up to 65536 and the
-dividends around each multiple of d near 2^31 and 2^32, and for random divisors up to 2^32
-(and a few beyond, which take the plain division) against random dividends and those around
-their multiples and the largest below 2^32. The kernels and the emulator run the same code.
+(and ``div_small(n)``, for dividends and divisors below 2^32) with ``n / d`` for every divisor
+up to 4096 against every dividend up to 65536 and the dividends around each multiple of d near
+2^31 and 2^32, and for random divisors up to 2^32 (and a few beyond, which take the plain
+division) against random dividends and those around their multiples and the largest below
+2^32. The kernels and the emulator run the same code.
 """
 
 import shutil
