@@ -150,7 +150,8 @@ def _apply_cluster(parser: argparse.ArgumentParser, pre: argparse.Namespace, arg
             "with --cluster env)"
         )
     nodes = settings.get("nnodes")
-    for line in slurm.check(os.environ, kind, str(nnodes), nodes, pre.standalone):
+    detected = "nnodes" in filled
+    for line in slurm.check(os.environ, kind, str(nnodes), nodes, pre.standalone, detected):
         say(line)
     return filled
 

@@ -27,6 +27,7 @@ def check(
     nnodes: str,
     slurm_nodes: Optional[Setting],
     standalone: bool = False,
+    detected: bool = False,
 ) -> list[str]:
     """The lines to print for a launch under Slurm or mpirun (``kind``; none for others).
 
@@ -37,9 +38,13 @@ def check(
         slurm_nodes: the node count Slurm (or mpirun) gives (its variable's text and name),
             if any.
         standalone: ``--standalone`` was given: one node, whatever Slurm says.
+        detected: ``nnodes`` is Slurm's count, not given on the command line (or by a
+            ``PET_NNODES``).
 
     Raises:
-        ClusterError: srun or mpirun started launchers on more nodes than ``nnodes`` admits.
+        ClusterError: srun or mpirun started launchers on more nodes than ``nnodes`` admits;
+            or, ``detected``, Slurm's node count would be waited for by a launcher of the
+            batch script, not srun's.
     """
     span = node_span(nnodes)
     if span is None or kind not in ("slurm", "mpi"):
@@ -61,6 +66,17 @@ def check(
         started = f"srun started launchers on {step} nodes (SLURM_STEP_NUM_NODES={step})"
         ask = f"ask srun for {most} (srun -N {most})"
         out += _too_few(nnodes, most, started, step, "Slurm", ask, standalone)
+    if "SLURM_STEP_ID" not in env and most > 1 and detected:
+        # torchrun would run this node alone; a job of the allocation's nodes would wait for
+        # launchers that never start, until the rendezvous' timeout.
+        raise ClusterError(
+            f"SLURM_STEP_ID is not set, so this launcher is not an srun task: in a batch "
+            f"script it runs on the first node only, and the job of {nnodes} nodes that "
+            f"{slurm_nodes.source if slurm_nodes else 'Slurm'} gives would wait for launchers "
+            "the other nodes never start. Start one launcher per node: srun "
+            "--ntasks-per-node=1 python -m fastddp.launch ...; or give --nnodes 1 to train on "
+            "this node alone"
+        )
     if "SLURM_STEP_ID" not in env and most > 1:
         out.append(
             "warning: SLURM_STEP_ID is not set, so this launcher is not an srun task: in a "

@@ -106,11 +106,20 @@ def test_detected_settings_stay_out_of_the_workers_environment(launch):
     assert not [n for n in os.environ if n.startswith("PET_")], sorted(os.environ)
 
 
-def test_a_launcher_outside_srun_is_warned_of(launch):
+def test_a_launcher_outside_srun_is_refused_or_warned_of(launch):
+    # A batch script's launcher runs on the first node only: a job of the allocation's nodes
+    # would wait for launchers that never start (torchrun would run this node alone).
     batch = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"}
     status, err = launch(**{**batch, "SLURM_NODEID": 0}, SLURM_NODELIST="a,b,c,d")
+    assert status == 2, err
+    assert "SLURM_STEP_ID is not set, so this launcher is not an srun task" in err, err
+    assert "srun --ntasks-per-node=1 python -m fastddp.launch" in err and "--nnodes 1" in err
+    # Given on the command line, the count is the user's: a warning only.
+    status, err = launch("--nnodes", "4", **{**batch, "SLURM_NODEID": 0}, SLURM_NODELIST="a,b,c,d")
     assert status == 0, err
     assert "warning: SLURM_STEP_ID is not set, so this launcher is not an srun task" in err, err
+    status, err = launch("--nnodes", "1", **{**batch, "SLURM_NODEID": 0}, SLURM_NODELIST="a,b,c,d")
+    assert status == 0 and "not an srun task" not in err, err
     status, err = launch(**{**SLURM, "SLURM_NODEID": 0}, SLURM_NODELIST="a,b,c,d")
     assert status == 0 and "not an srun task" not in err, err
 
