@@ -250,12 +250,10 @@ def main(argv=None) -> int:
                 stop(procs)
                 for node in made:  # workers that outlived their launcher (sessions of their own)
                     kill(node, timeout=10.0)
-            # The first to fail, by when it exited: a failed node's peers' launchers may stop
-            # with an error of their own within the same poll (the roster tells them).
             failed = [(ended[i], i) for i, c in enumerate(codes) if c not in (None, 0)]
-            for when, i in sorted(failed)[:1]:
+            for _, i in _first_failure(failed, len(codes), logs):
                 others = [j for j in range(len(codes)) if j != i]
-                after = any(codes[j] is None or codes[j] and ended[j] > when for j in others)
+                after = any(codes[j] != 0 for j in others)  # running, or stopped by it
                 stopped = "; the other nodes were stopped" if after else ""
                 node = len(codes) - 1 - i  # (started last to first)
                 print(f"fastddp.netns: node {node}'s launcher exited with {codes[i]}{stopped}",
@@ -274,6 +272,31 @@ def main(argv=None) -> int:
     finally:
         stack.close()
     return max(c for c in codes if c is not None)
+
+
+# What a launcher says when another node's failure stops it (fastddp/launch/failures.py).
+STOPPED_BY_PEER = "stopping this node's workers, which cannot go on without that node"
+
+
+def _first_failure(failed: list, count: int, logs: str) -> list:
+    """The (exit time, index) of the node that failed first, of ``failed`` (indices of
+    ``count`` launchers started last to first); none if none failed.
+
+    Not the first to exit: a node whose workers fail tells the others, whose launchers stop
+    theirs and may exit before it does. So a node whose output says another node stopped it
+    comes after those that failed on their own; node 0's output is this process's own, not
+    kept, and is taken as its own failure after theirs (where it failed first, the others'
+    outputs say so)."""
+
+    def stopped(i: int) -> float:
+        node = count - 1 - i
+        if node == 0:
+            return 0.5
+        with contextlib.suppress(OSError), open(os.path.join(logs, f"node{node}.log")) as f:
+            return 1.0 if STOPPED_BY_PEER in f.read() else 0.0
+        return 0.0
+
+    return sorted(failed, key=lambda f: (stopped(f[1]), f))[:1]
 
 
 def _show_tail(logs: str, node: int, lines: int = 20) -> None:

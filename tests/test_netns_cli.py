@@ -141,3 +141,23 @@ def test_the_underscore_spelling_sets_the_ranks_and_their_share_of_cores(tmp_pat
     share = str(bed.cores_per_rank(1, "2"))
     assert sorted(p.name for p in tmp_path.glob("threads[0-9]")) == ["threads0", "threads1"]
     assert [(tmp_path / f"threads{r}").read_text() for r in (0, 1)] == [share] * 2
+
+
+def test_the_failed_node_is_the_one_that_failed_not_the_first_to_exit(tmp_path):
+    # Node 1's workers fail; node 0's launcher, stopped by its note, may exit first. Indices
+    # run last node to first (0: node 2 of 3), times are exit times.
+    def log(node, text):
+        (tmp_path / f"node{node}.log").write_text(text)
+
+    log(1, "[default0]: node 1 cannot go on\nChildFailedError: ...\n")
+    log(2, f"error: node 1 at 10.0.0.2 (n1) failed: its rank 2 exited with 1; "
+           f"{netns.STOPPED_BY_PEER} (static rendezvous)\n")  # fmt: skip
+    failed = [(5.0, 2), (7.0, 1), (6.0, 0)]  # node 0 (index 2) exited first
+    assert netns._first_failure(failed, 3, str(tmp_path)) == [(7.0, 1)]
+    # Node 0 failed first: every other node's output says another node stopped it.
+    log(1, f"error: node 0 at 10.0.0.1 (n0) failed: ...; {netns.STOPPED_BY_PEER}\n")
+    assert netns._first_failure(failed, 3, str(tmp_path)) == [(5.0, 2)]
+    assert netns._first_failure([], 3, str(tmp_path)) == []
+    # The launcher's own words, which the tool looks for.
+    failures = (ROOT / "fastddp" / "launch" / "failures.py").read_text()
+    assert f'"{netns.STOPPED_BY_PEER} (static rendezvous)"' in failures
