@@ -404,8 +404,10 @@ def test_the_launcher_freezes_its_objects_before_it_exits():
 
 
 def test_slurm_dry_run_on_both_nodes():
+    # One srun task a node (a launcher of the batch script itself is refused: test_detected.py).
     slurm = {
         "SLURM_JOB_ID": "918273",
+        "SLURM_STEP_ID": "0",
         "SLURM_JOB_NUM_NODES": "2",
         "SLURM_JOB_NODELIST": "gpu[07-08]",
     }
