@@ -36,6 +36,10 @@ RATES = ["loopback", "10gbit", "1gbit", "100mbit"]
 MODES = [*convergence.MODES, "noop"]
 
 
+# Each rate's first job's record (its command's options, date, host, versions), for --json.
+_JOBS: dict = {}
+
+
 def _one(rate, modes, args, tmp) -> dict:
     out = Path(tmp) / f"{rate}.json"
     cmd = [sys.executable, "-m", "fastddp.bench", "ddp", "--model", "transformer"]
@@ -50,6 +54,7 @@ def _one(rate, modes, args, tmp) -> dict:
     if res.returncode != 0:
         raise SystemExit(f"link_sweep: {rate} failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
     data = json.loads(out.read_text())
+    _JOBS.setdefault(rate, {k: v for k, v in data.items() if k != "rows"})
     for row in data["rows"]:  # the shape it ran in
         row["world_size"], row["nodes"] = data["world_size"], data["nodes"]
     return data
@@ -189,6 +194,7 @@ def main(argv=None) -> int:
     if why:
         p.error(f"--rates {' '.join(links)} need network namespaces: {why}")
     table = {}
+    _JOBS.clear()  # (a caller's earlier sweep in this process)
     with tempfile.TemporaryDirectory() as tmp:
         for rate in args.rates:
             table[rate] = _rate(rate, args, tmp)
@@ -214,6 +220,12 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(
                 {
+                    "command": [
+                        "benchmarks/link_sweep.py",
+                        *(sys.argv[1:] if argv is None else argv),
+                    ],
+                    "options": vars(args),
+                    "jobs": _JOBS,  # each rate's first ddp job: its options, when, where, on what
                     "params": params,
                     "rates": args.rates,
                     "rounds": args.rounds,

@@ -275,6 +275,13 @@ def check(p, args):
         p.error("--topologies applies to fastddp's modes, and --modes names none")
     if args.what == "hook-cost" and "fp32" not in args.modes:
         p.error("hook-cost measures each hook against plain DDP: keep fp32 in --modes")
+    native = [m for m in args.modes if m.endswith("-native")]
+    if native and os.environ.get("FASTDDP_NATIVE", "1") == "0":
+        # Their hooks would run in Python, and their rows say the native runner.
+        p.error(f"FASTDDP_NATIVE=0 turns the native runner off, which {native[0]} measures; "
+                "unset it, or leave the -native modes out")  # fmt: skip
+    if args.what == "convergence" and not 0 <= args.seed < 2**31:
+        p.error(f"--seed {args.seed}: give a seed from 0 to 2^31 - 1")
     for name in ("modes", "topologies"):
         given = getattr(args, name)
         if len(set(given)) != len(given):
@@ -323,7 +330,8 @@ def _check_memory(p, args) -> None:
     if args.what == "allreduce":
         what, per_rank = f"--max-size {args.max_size}", parse_size(args.max_size)
     elif args.what == "hook-cost":
-        return
+        what = f"--width {args.width} --layers {args.layers}"
+        per_rank = 2 * 4 * args.layers * (args.width + 1) * args.width  # weights, grads
     else:
         if args.what == "ddp" and args.model == "mlp":
             what, params = f"--params {args.params}", args.params

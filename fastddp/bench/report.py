@@ -57,12 +57,19 @@ def record(args, env, nodes) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "python": platform.python_version(),
         "torch": torch.__version__,
         "fastddp": __version__,
         "world_size": env.world_size,
         "backend": env.backend,
         "device": str(env.device),
         "nodes": nodes,
+        # What changes the figures from outside the options (FASTDDP_NATIVE=0 the runner).
+        "environment": {
+            k: v
+            for k, v in sorted(os.environ.items())
+            if k.startswith("FASTDDP_") or k == "OMP_NUM_THREADS"
+        },
     }
 
 

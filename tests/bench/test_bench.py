@@ -394,6 +394,9 @@ def test_the_help_lists_what_each_benchmark_takes(capsys):
             ["fsdp", "--width", "65536", "--layers", "64"],
             "would hold at least 26389.4 GB, and it has 24.0 GB",
         ),
+        (["hook-cost", "--width", "200000", "--layers", "1"], "--width 200000 --layers 1: the"),
+        # (seed * 100_003 overflowed int64 in every rank)
+        (["convergence", "--seed", "200000000000000"], "give a seed from 0 to 2^31 - 1"),
     ],
 )
 def test_bad_options(args, message, capsys, monkeypatch):
@@ -593,6 +596,10 @@ def test_link_sweep_on_loopback(tmp_path, capsys):
     data, stdout = _script("link_sweep", [*args, "--bucket-cap-mb", "0.01"], tmp_path, capsys)
     rows = data["rows"]["loopback"]
     assert set(rows) == {"fp32", "fastddp-bf16", "powersgd-r1", "fastddp-auto"}
+    # Enough to run it again: its own options, and each rate's job's record.
+    assert data["options"]["width"] == 32 and data["command"][0] == "benchmarks/link_sweep.py"
+    job = data["jobs"]["loopback"]
+    assert job["options"]["width"] == 32 and job["date"] and job["torch"]
     assert all(r["world_size"] == 2 and r["nodes"] == 1 for r in rows.values())
     assert rows["fp32"]["vs_fp32"] == 1
     # auto is timed after its plan, and says what it chose.
@@ -779,3 +786,11 @@ def test_allreduce_sizes_are_whole_float32_elements():
     # What is reduced and timed: a row's size (and its algbw) must not count a part element.
     args = argparse.Namespace(min_size="7", max_size="30", factor=2)
     assert allreduce.message_sizes(args) == [4, 12, 28]
+
+
+def test_native_modes_are_refused_where_the_native_runner_is_off(capsys, monkeypatch):
+    # Their hooks would run in Python, in rows that say the native runner.
+    monkeypatch.setenv("FASTDDP_NATIVE", "0")
+    args = ["hook-cost", "--modes", "fp32", "fastddp-bf16-native"]
+    assert _refused(args, capsys) == 2
+    assert "FASTDDP_NATIVE=0 turns the native runner off" in capsys.readouterr().err

@@ -20,8 +20,13 @@ def test_hook_cost_times_every_mode_against_plain_ddp(tmp_path):
     argv = ["hook-cost", "--layers", "6", "--rounds", "2", "--steps", "2", "--json", str(out)]
     with spawn.pooled(pool):
         assert main([*argv, "--modes", *modes]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    written = json.loads(out.read_text())
+    rows = written["rows"]
     assert [r["mode"] for r in rows] == modes
+    # What changes the figures from outside the options is recorded (FASTDDP_NATIVE=0 would
+    # have run the -native rows in Python).
+    assert written["python"] and isinstance(written["environment"], dict)
+    assert all(k.startswith("FASTDDP_") or k == "OMP_NUM_THREADS" for k in written["environment"])
     assert all(r["buckets"] == 6 and r["step_us"] > 0 for r in rows)
     floor = rows[0]
     assert floor["per_bucket_us"] == 0.0
